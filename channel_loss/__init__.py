@@ -1,0 +1,14 @@
+"""Detached per-source ("channel") cross-entropy metrics for packed / sequence-parallel training."""
+
+from channel_loss.capture import Capture, TokenObservation, capture
+from channel_loss.errors import ChannelLossMetadataError
+from channel_loss.ops import chunk_cross_entropy, per_token_cross_entropy
+
+__all__ = [
+    "Capture",
+    "ChannelLossMetadataError",
+    "TokenObservation",
+    "capture",
+    "chunk_cross_entropy",
+    "per_token_cross_entropy",
+]

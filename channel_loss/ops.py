@@ -1,0 +1,426 @@
+"""Chunked cross-entropy over an LM head that hands out per-token losses from the same pass.
+
+The op never materialises ``[tokens, vocab]`` logits: it walks the tokens in
+chunks of ``chunk_size`` rows, and from each chunk's fp32 logits takes the
+per-token loss and the gradients of every input at once, keeping only the
+gradients for backward. Because the per-token loss falls out of the same
+log-sum-exp the gradient needs, observing it costs no extra pass.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from channel_loss.capture import record
+
+__all__ = ["chunk_cross_entropy", "per_token_cross_entropy"]
+
+
+# --------------------------------------------------------------------------- input checking
+
+
+def _shape(t: torch.Tensor) -> str:
+    return str(tuple(t.shape))
+
+
+def _resolve_targets(
+    lead: torch.Size,
+    labels: torch.Tensor | None,
+    shift_labels: torch.Tensor | None,
+    ignore_index: int,
+    vocab: int,
+    what: str,
+) -> torch.Tensor:
+    """int64 targets with leading shape ``lead`` (the HF shift applied to ``labels``)."""
+    if (labels is None) == (shift_labels is None):
+        raise ValueError(
+            "pass exactly one of labels / shift_labels; got "
+            + ("both" if labels is not None else "neither")
+        )
+    name, given = ("labels", labels) if labels is not None else ("shift_labels", shift_labels)
+    if not isinstance(given, torch.Tensor):
+        raise ValueError(f"{name} must be a tensor; got {type(given).__name__}")
+    if given.dtype.is_floating_point or given.dtype.is_complex or given.dtype == torch.bool:
+        raise ValueError(f"{name} must be an integer tensor; got dtype {given.dtype}")
+    if given.shape != lead:
+        raise ValueError(
+            f"{name} shape {_shape(given)} must equal the leading shape of {what} {tuple(lead)}"
+        )
+    if given.numel() == 0:
+        return given.to(torch.int64)
+    if labels is not None:
+        targets = F.pad(labels.to(torch.int64), (0, 1), value=ignore_index)[..., 1:]
+    else:
+        targets = shift_labels.to(torch.int64)
+    bad = (targets != ignore_index) & ((targets < 0) | (targets >= vocab))
+    if bool(bad.any()):
+        first = targets[bad][0].item()
+        raise ValueError(
+            f"{name} holds target {first} outside [0, {vocab}) that is not "
+            f"ignore_index={ignore_index}"
+        )
+    return targets
+
+
+def _check_hidden_weight(hidden: torch.Tensor, weight: torch.Tensor) -> None:
+    if not isinstance(hidden, torch.Tensor) or hidden.dim() not in (2, 3):
+        raise ValueError(
+            "hidden_states must be a [B, T, H] or [T, H] tensor; got "
+            + (_shape(hidden) if isinstance(hidden, torch.Tensor) else type(hidden).__name__)
+        )
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+        raise ValueError(
+            "weight must be a [V, H] tensor; got "
+            + (_shape(weight) if isinstance(weight, torch.Tensor) else type(weight).__name__)
+        )
+    if weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(
+            f"weight shape {_shape(weight)} does not match hidden_states width: "
+            f"hidden_states {_shape(hidden)} has H={hidden.shape[-1]}, weight has "
+            f"H={weight.shape[1]}"
+        )
+    if not hidden.dtype.is_floating_point or weight.dtype != hidden.dtype:
+        raise ValueError(
+            f"hidden_states and weight must share one floating dtype; got {hidden.dtype} "
+            f"and {weight.dtype}"
+        )
+
+
+def _check_broadcast_rows(bias: torch.Tensor, name: str, lead: torch.Size, width: int) -> None:
+    """``bias`` must broadcast to ``lead + (width,)`` without adding leading dims beyond it."""
+    target = (*lead, width)
+    if bias.dim() < 1 or bias.dim() > len(target) or bias.shape[-1] != width:
+        raise ValueError(f"{name} shape {_shape(bias)} cannot broadcast to {target}")
+    for have, want in zip(reversed(bias.shape[:-1]), reversed(lead), strict=False):
+        if have not in (1, want):
+            raise ValueError(f"{name} shape {_shape(bias)} cannot broadcast to {target}")
+
+
+@dataclass(frozen=True)
+class _Bias:
+    """A logits bias, flattened to rows with a map from token row to bias row."""
+
+    full: torch.Tensor | None  # [rows, V]
+    factor: torch.Tensor | None  # [rows, R]
+    factor_weight: torch.Tensor | None  # [V, R]
+    row_of_token: torch.Tensor | None  # [N] int64, or None when bias rows == token rows
+
+
+def _resolve_bias(
+    logits_bias: torch.Tensor | None,
+    logits_bias_weight: torch.Tensor | None,
+    lead: torch.Size,
+    vocab: int,
+    device: torch.device,
+) -> _Bias:
+    if logits_bias is None:
+        if logits_bias_weight is not None:
+            raise ValueError(
+                f"logits_bias_weight {_shape(logits_bias_weight)} was given without logits_bias"
+            )
+        return _Bias(None, None, None, None)
+    if not isinstance(logits_bias, torch.Tensor) or not logits_bias.dtype.is_floating_point:
+        raise ValueError("logits_bias must be a floating tensor")
+    if logits_bias_weight is None:
+        _check_broadcast_rows(logits_bias, "logits_bias", lead, vocab)
+        width = vocab
+    else:
+        if logits_bias_weight.dim() != 2 or logits_bias_weight.shape[0] != vocab:
+            raise ValueError(
+                f"logits_bias_weight must be [V={vocab}, R]; got {_shape(logits_bias_weight)}"
+            )
+        width = logits_bias_weight.shape[1]
+        _check_broadcast_rows(logits_bias, "logits_bias (factored form, [..., R])", lead, width)
+        if logits_bias_weight.dtype != logits_bias.dtype:
+            raise ValueError(
+                f"logits_bias and logits_bias_weight must share a dtype; got "
+                f"{logits_bias.dtype} and {logits_bias_weight.dtype}"
+            )
+    padded = logits_bias.reshape((1,) * (len(lead) + 1 - logits_bias.dim()) + logits_bias.shape)
+    rows = padded.reshape(-1, width)
+    if tuple(padded.shape[:-1]) == tuple(lead):
+        row_of_token = None
+    else:
+        # Map each token row to the bias row it broadcasts from: broadcast dims
+        # contribute index 0, the others their own index.
+        bias_index = torch.arange(rows.shape[0], device=device).reshape(padded.shape[:-1])
+        row_of_token = bias_index.expand(lead).reshape(-1)
+    if logits_bias_weight is None:
+        return _Bias(rows, None, None, row_of_token)
+    return _Bias(None, rows, logits_bias_weight, row_of_token)
+
+
+# --------------------------------------------------------------------------- the chunk kernel
+
+
+def _chunks(n: int, chunk_size: int) -> Iterator[tuple[int, int]]:
+    for start in range(0, n, chunk_size):
+        yield start, min(start + chunk_size, n)
+
+
+def _bias_rows(bias: _Bias, rows: torch.Tensor, start: int, end: int) -> torch.Tensor:
+    if bias.row_of_token is None:
+        return rows[start:end]
+    return rows.index_select(0, bias.row_of_token[start:end])
+
+
+def _chunk_logits(
+    h: torch.Tensor, weight: torch.Tensor, bias: _Bias, start: int, end: int
+) -> torch.Tensor:
+    """fp32 logits of token rows ``[start, end)``; the only place the LM head is applied."""
+    logits = F.linear(h[start:end], weight).float()
+    if bias.full is not None:
+        logits = logits + _bias_rows(bias, bias.full, start, end).float()
+    elif bias.factor is not None:
+        factor = _bias_rows(bias, bias.factor, start, end)
+        logits = logits + F.linear(factor, bias.factor_weight).float()
+    return logits
+
+
+def _softmax_ce_(logits: torch.Tensor, targets: torch.Tensor, valid: torch.Tensor):
+    """Per-token CE of fp32 ``logits`` (0.0 where not ``valid``); turns ``logits`` into softmax.
+
+    Returns ``(token_loss, sumexp)``; afterwards ``logits`` holds
+    ``exp(logits - rowmax)``, the unnormalised softmax.
+    """
+    safe = torch.where(valid, targets, 0).unsqueeze(1)
+    target_logit = logits.gather(1, safe).squeeze(1)
+    rowmax = logits.amax(dim=1)
+    logits.sub_(rowmax.unsqueeze(1)).exp_()
+    sumexp = logits.sum(dim=1)
+    token_loss = torch.where(valid, sumexp.log() + rowmax - target_logit, 0.0)
+    return token_loss, sumexp
+
+
+def _chunked_pass(
+    h: torch.Tensor, weight: torch.Tensor, bias: _Bias, targets: torch.Tensor,
+    valid: torch.Tensor, scale: torch.Tensor | None, chunk_size: int,
+    needs: tuple[bool, bool, bool, bool, bool],
+) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+    """One walk over the chunks: per-token CE [N] and the gradients ``needs`` asks for.
+
+    Gradients are those of ``sum(token CE) * scale`` for (hidden rows, weight,
+    full bias rows, bias factor rows, bias factor weight), in fp32 except the
+    hidden one, which has the hidden dtype.
+    """
+    n = targets.shape[0]
+    need_h, need_w, need_full, need_factor, need_factor_w = needs
+
+    def zeros(t: torch.Tensor | None, need: bool) -> torch.Tensor | None:
+        return torch.zeros(t.shape, dtype=torch.float32, device=h.device) if need else None
+
+    token_losses = torch.empty(n, dtype=torch.float32, device=h.device)
+    grad_h = torch.empty_like(h) if need_h else None
+    grad_w = zeros(weight, need_w)
+    grad_full = zeros(bias.full, need_full)
+    grad_factor = zeros(bias.factor, need_factor)
+    grad_factor_w = zeros(bias.factor_weight, need_factor_w)
+    any_grad = any(needs)
+    for s, e in _chunks(n, chunk_size):
+        logits = _chunk_logits(h, weight, bias, s, e)
+        t, v = targets[s:e], valid[s:e]
+        token_losses[s:e], sumexp = _softmax_ce_(logits, t, v)
+        if not any_grad:
+            continue
+        # dCE/dlogits = softmax - onehot on valid rows, times the loss scale.
+        row_scale = torch.where(v, scale, 0.0)
+        dlogits = logits.mul_((row_scale / sumexp).unsqueeze(1))
+        dlogits.scatter_add_(1, torch.where(v, t, 0).unsqueeze(1), -row_scale.unsqueeze(1))
+        if need_h:
+            torch.mm(dlogits.to(weight.dtype), weight, out=grad_h[s:e])
+        if need_w:
+            grad_w.addmm_(dlogits.t(), h[s:e].float())
+        if need_full:
+            _scatter_rows(grad_full, bias, dlogits, s, e)
+        if need_factor:
+            _scatter_rows(grad_factor, bias, dlogits @ bias.factor_weight.float(), s, e)
+        if need_factor_w:
+            grad_factor_w.addmm_(dlogits.t(), _bias_rows(bias, bias.factor, s, e).float())
+    return token_losses, [grad_h, grad_w, grad_full, grad_factor, grad_factor_w]
+
+
+class _ChunkedCE(torch.autograd.Function):
+    """Loss, per-token losses and input gradients from one chunked pass.
+
+    Forward returns ``(loss, token_losses)``; token_losses is non-differentiable.
+    Only the finished gradients are saved for backward, so saved-tensor hooks
+    (offload, checkpoint) see a few long-lived tensors and never the chunk
+    intermediates.
+    """
+
+    @staticmethod
+    def forward(ctx, h, weight, bias_full, bias_factor, bias_factor_weight, targets, valid,
+                denom, bias_map, chunk_size, needs):
+        bias = _Bias(bias_full, bias_factor, bias_factor_weight, bias_map)
+        token_losses, grads = _chunked_pass(
+            h, weight, bias, targets, valid, denom.reciprocal(), chunk_size, needs
+        )
+        loss = token_losses.sum() / denom
+        ctx.set_materialize_grads(False)
+        ctx.mark_non_differentiable(token_losses)
+        inputs = (h, weight, bias_full, bias_factor, bias_factor_weight)
+        ctx.dtypes = [None if g is None else x.dtype for g, x in zip(grads, inputs, strict=True)]
+        ctx.save_for_backward(*(g for g in grads if g is not None))
+        return loss, token_losses
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_token_losses):
+        saved = iter(ctx.saved_tensors)
+        grads = []
+        for dtype in ctx.dtypes:
+            g = None if dtype is None else next(saved)
+            if g is None or grad_loss is None:
+                grads.append(None)
+            else:
+                # Multiply unconditionally: testing grad_loss == 1 would sync the host.
+                grads.append((g * grad_loss).to(dtype))
+        return (*grads, None, None, None, None, None, None)
+
+
+def _scatter_rows(grad_rows: torch.Tensor, bias: _Bias, d: torch.Tensor, s: int, e: int) -> None:
+    if bias.row_of_token is None:
+        grad_rows[s:e] += d
+    else:
+        grad_rows.index_add_(0, bias.row_of_token[s:e], d)
+
+
+# --------------------------------------------------------------------------- public API
+
+
+def _check_chunk_size(chunk_size: int) -> None:
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be an int >= 1; got {chunk_size!r}")
+
+
+def _denominator(num_items_in_batch, valid: torch.Tensor) -> torch.Tensor:
+    """fp32 0-d divisor; a zero divisor becomes 1 so an empty batch gives 0, never NaN."""
+    if num_items_in_batch is None:
+        denom = valid.sum().to(torch.float32)
+    elif isinstance(num_items_in_batch, torch.Tensor):
+        if num_items_in_batch.numel() != 1:
+            raise ValueError(
+                f"num_items_in_batch must be a scalar; got shape {_shape(num_items_in_batch)}"
+            )
+        # A copy: the caller's tensor is never written to.
+        denom = num_items_in_batch.detach().reshape(()).to(valid.device, torch.float32)
+    elif isinstance(num_items_in_batch, (int, float)) and not isinstance(num_items_in_batch, bool):
+        if num_items_in_batch < 0:
+            raise ValueError(f"num_items_in_batch must be >= 0; got {num_items_in_batch}")
+        denom = torch.tensor(float(num_items_in_batch), dtype=torch.float32, device=valid.device)
+    else:
+        raise ValueError(
+            f"num_items_in_batch must be an int, a scalar tensor or None; "
+            f"got {type(num_items_in_batch).__name__}"
+        )
+    return torch.where(denom == 0, torch.ones_like(denom), denom)
+
+
+def chunk_cross_entropy(
+    hidden_states: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor | None = None,
+    *,
+    shift_labels: torch.Tensor | None = None,
+    logits_bias: torch.Tensor | None = None,
+    logits_bias_weight: torch.Tensor | None = None,
+    ignore_index: int = -100,
+    num_items_in_batch: int | torch.Tensor | None = None,
+    chunk_size: int = 1024,
+) -> torch.Tensor:
+    """Mean token cross-entropy of ``F.linear(hidden_states, weight)`` logits, chunked.
+
+    Targets are ``shift_labels`` or ``labels`` shifted left by one (last
+    position ignored). Logits are ``F.linear(h, weight).float()`` plus
+    ``logits_bias.float()`` (broadcastable to ``[..., V]``) or plus
+    ``F.linear(logits_bias, logits_bias_weight).float()`` (factored).
+
+    Returns a 0-d fp32 tensor: the CE summed over targets that are not
+    ``ignore_index``, divided by ``num_items_in_batch`` (never modified) or by
+    the local count of such targets. With no valid target the loss is 0.0 and
+    every gradient zero. Gradients reach every input that requires grad; the
+    weight gradient accumulates in fp32. Extra memory is O(chunk_size x V).
+    Inside ``capture()`` the per-token losses of this very pass are recorded;
+    loss and gradients are bitwise the same with or without a scope.
+
+    Raises ``ValueError`` naming the argument for inconsistent shapes, dtypes,
+    targets outside ``[0, V)``, or ``chunk_size < 1``.
+    """
+    _check_chunk_size(chunk_size)
+    _check_hidden_weight(hidden_states, weight)
+    lead = hidden_states.shape[:-1]
+    vocab = weight.shape[0]
+    targets = _resolve_targets(lead, labels, shift_labels, ignore_index, vocab, "hidden_states")
+    bias = _resolve_bias(logits_bias, logits_bias_weight, lead, vocab, hidden_states.device)
+    flat_targets = targets.reshape(-1)
+    valid = flat_targets != ignore_index
+    denom = _denominator(num_items_in_batch, valid)
+    h = hidden_states.reshape(-1, hidden_states.shape[-1])
+    inputs = (h, weight, bias.full, bias.factor, bias.factor_weight)
+    grad_on = torch.is_grad_enabled()
+    needs = tuple(grad_on and t is not None and t.requires_grad for t in inputs)
+    loss, token_losses = _ChunkedCE.apply(
+        *inputs, flat_targets, valid, denom, bias.row_of_token, chunk_size, needs
+    )
+    record(token_losses.reshape(lead), targets)
+    return loss
+
+
+def per_token_cross_entropy(
+    *,
+    logits: torch.Tensor | None = None,
+    hidden_states: torch.Tensor | None = None,
+    weight: torch.Tensor | None = None,
+    logits_bias: torch.Tensor | None = None,
+    logits_bias_weight: torch.Tensor | None = None,
+    labels: torch.Tensor | None = None,
+    shift_labels: torch.Tensor | None = None,
+    ignore_index: int = -100,
+    chunk_size: int = 1024,
+) -> torch.Tensor:
+    """Detached fp32 per-token CE with the leading shape of the targets, 0.0 where ignored.
+
+    Give either ``logits`` (``[..., V]``, as a logits-returning model produces)
+    or ``hidden_states`` and ``weight`` (with optional bias, as for
+    ``chunk_cross_entropy``). For the hidden path and the same ``chunk_size``,
+    the result is bitwise equal to what ``capture()`` records for
+    ``chunk_cross_entropy``. Never builds an autograd graph.
+    """
+    _check_chunk_size(chunk_size)
+    if logits is not None:
+        if hidden_states is not None or weight is not None:
+            raise ValueError("pass either logits or hidden_states + weight, not both")
+        if logits_bias is not None or logits_bias_weight is not None:
+            raise ValueError("logits_bias applies to the hidden_states path only; add it to logits")
+        if not isinstance(logits, torch.Tensor) or logits.dim() < 2:
+            raise ValueError(f"logits must be a [..., V] tensor; got {getattr(logits, 'shape', logits)}")
+        if not logits.dtype.is_floating_point:
+            raise ValueError(f"logits must be floating point; got dtype {logits.dtype}")
+        lead, vocab = logits.shape[:-1], logits.shape[-1]
+        targets = _resolve_targets(lead, labels, shift_labels, ignore_index, vocab, "logits")
+        flat_logits = logits.detach().reshape(-1, vocab)
+        flat_targets = targets.reshape(-1)
+        valid = flat_targets != ignore_index
+        out = torch.empty(flat_targets.shape[0], dtype=torch.float32, device=logits.device)
+        with torch.no_grad():
+            for s, e in _chunks(flat_targets.shape[0], chunk_size):
+                # .float() of fp32 logits is the caller's tensor: clone before the in-place softmax.
+                chunk = flat_logits[s:e].to(torch.float32, copy=True)
+                out[s:e], _ = _softmax_ce_(chunk, flat_targets[s:e], valid[s:e])
+        return out.reshape(lead)
+    if hidden_states is None or weight is None:
+        raise ValueError("pass logits, or both hidden_states and weight")
+    _check_hidden_weight(hidden_states, weight)
+    lead = hidden_states.shape[:-1]
+    vocab = weight.shape[0]
+    targets = _resolve_targets(lead, labels, shift_labels, ignore_index, vocab, "hidden_states")
+    with torch.no_grad():
+        bias = _resolve_bias(logits_bias, logits_bias_weight, lead, vocab, hidden_states.device)
+        flat_targets = targets.reshape(-1)
+        h = hidden_states.reshape(-1, hidden_states.shape[-1])
+        out, _ = _chunked_pass(h, weight, bias, flat_targets, flat_targets != ignore_index,
+                               None, chunk_size, (False,) * 5)
+    return out.reshape(lead)

@@ -1,0 +1,113 @@
+"""What a test case needs to run: its device, rank count and deadline."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+DEVICE_TYPES: tuple[str, ...] = ("cpu", "cuda", "npu")
+ACCELERATORS: tuple[str, ...] = ("cuda", "npu")
+DEFAULT_BACKENDS: dict[str, str] = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
+
+
+@dataclass(frozen=True)
+class LaunchSpec:
+    """How one test case is launched.
+
+    ``device`` is one of ``cpu``, ``cuda`` or ``npu``; ``nproc`` is the number
+    of rank processes (>= 1); ``timeout`` is the case deadline in seconds
+    (``None``: the session default); ``backend`` overrides the
+    ``torch.distributed`` backend (default gloo / nccl / hccl by device);
+    ``reuse=False`` opts the case out of pooled rank processes.
+
+    Invalid values raise ``ValueError`` naming the field and the value.
+    """
+
+    device: str = "cpu"
+    nproc: int = 1
+    timeout: float | None = None
+    backend: str | None = None
+    reuse: bool = True
+
+    def __post_init__(self) -> None:
+        if self.device not in DEVICE_TYPES:
+            raise ValueError(
+                f"LaunchSpec.device must be one of {', '.join(DEVICE_TYPES)}; got {self.device!r}"
+            )
+        if isinstance(self.nproc, bool) or not isinstance(self.nproc, int) or self.nproc < 1:
+            raise ValueError(f"LaunchSpec.nproc must be an int >= 1; got {self.nproc!r}")
+        if self.timeout is not None:
+            if isinstance(self.timeout, bool) or not isinstance(self.timeout, (int, float)):
+                raise ValueError(
+                    f"LaunchSpec.timeout must be a positive number of seconds or None; "
+                    f"got {self.timeout!r}"
+                )
+            if not (self.timeout > 0 and math.isfinite(self.timeout)):
+                raise ValueError(
+                    f"LaunchSpec.timeout must be a positive, finite number of seconds; "
+                    f"got {self.timeout!r}"
+                )
+        if self.backend is not None and (not isinstance(self.backend, str) or not self.backend):
+            raise ValueError(f"LaunchSpec.backend must be a non-empty string or None; got {self.backend!r}")
+        if not isinstance(self.reuse, bool):
+            raise ValueError(f"LaunchSpec.reuse must be a bool; got {self.reuse!r}")
+
+    @property
+    def cards(self) -> int:
+        """Accelerator cards the case needs: 0 on cpu, one per rank otherwise."""
+        return 0 if self.device == "cpu" else self.nproc
+
+    @property
+    def dist_backend(self) -> str:
+        """The ``torch.distributed`` backend the ranks initialise."""
+        return self.backend or DEFAULT_BACKENDS[self.device]
+
+
+def _device_param(item: Any) -> str | None:
+    callspec = getattr(item, "callspec", None)
+    if callspec is None:
+        return None
+    value = callspec.params.get("device")
+    return value if isinstance(value, str) and value in DEVICE_TYPES else None
+
+
+def spec_from_marker(args: tuple, kwargs: dict, device_param: str | None = None) -> LaunchSpec:
+    """Build the spec a ``launch`` marker declares.
+
+    Accepts ``launch(LaunchSpec(...))`` or ``launch(nproc=..., timeout=..., ...)``.
+    With keyword form and no ``device``, the device is ``device_param`` (the
+    test's ``device`` parameter) or ``cpu``. Raises ``ValueError`` for any
+    other form.
+    """
+    if args:
+        if len(args) != 1 or not isinstance(args[0], LaunchSpec) or kwargs:
+            raise ValueError(
+                "@pytest.mark.launch takes one LaunchSpec or keyword arguments "
+                f"(device, nproc, timeout, backend, reuse); got args={args!r} kwargs={kwargs!r}"
+            )
+        return args[0]
+    unknown = set(kwargs) - {"device", "nproc", "timeout", "backend", "reuse"}
+    if unknown:
+        raise ValueError(f"@pytest.mark.launch got unknown keyword(s) {sorted(unknown)}")
+    kwargs = dict(kwargs)
+    kwargs.setdefault("device", device_param or "cpu")
+    return LaunchSpec(**kwargs)
+
+
+def is_launched(item: Any) -> bool:
+    """True when the case carries a ``launch`` marker (its body runs in rank processes)."""
+    return item.get_closest_marker("launch") is not None
+
+
+def spec_for_item(item: Any) -> LaunchSpec:
+    """The spec of a collected pytest item.
+
+    A ``launch``-marked test gets the marker's spec. Any other test runs
+    in-process as one rank on the device of its ``device`` parameter (cpu when
+    it has none), so a plain test parametrized with an accelerator needs one card.
+    """
+    marker = item.get_closest_marker("launch")
+    if marker is None:
+        return LaunchSpec(device=_device_param(item) or "cpu", nproc=1)
+    return spec_from_marker(marker.args, marker.kwargs, _device_param(item))

@@ -1,0 +1,475 @@
+"""chunk_cross_entropy / capture / per_token_cross_entropy against independent references.
+
+Numeric claims are checked against a float64 reference built from full
+logits with ``torch.nn.functional.cross_entropy`` (tolerances stated next to
+each check); bitwise claims with ``torch.equal``.
+"""
+
+from __future__ import annotations
+
+import gc
+import threading
+import weakref
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given
+from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
+
+import channel_loss as cl
+from harness import DEVICES
+
+IGNORE = -100
+BIAS_FORMS = ("none", "full", "row_full", "factored")
+
+
+@pytest.fixture
+def deterministic():
+    """Exact comparisons on accelerators need deterministic kernels; restore the mode after."""
+    before = torch.are_deterministic_algorithms_enabled()
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True)
+    yield
+    torch.use_deterministic_algorithms(before, warn_only=warn_only)
+
+
+def make_inputs(*, lead, H, V, bias, dtype=torch.float32, device="cpu", seed=0, R=3):
+    g = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=g).to(device=device, dtype=dtype).requires_grad_()
+
+    inputs = {"hidden_states": rnd(*lead, H), "weight": rnd(V, H)}
+    if bias == "full":
+        inputs["logits_bias"] = rnd(V)
+    elif bias == "row_full":
+        inputs["logits_bias"] = rnd(*lead, V)
+    elif bias == "factored":
+        inputs["logits_bias"] = rnd(*lead, R)
+        inputs["logits_bias_weight"] = rnd(V, R)
+    labels = torch.randint(0, V, lead, generator=g).to(device)
+    return inputs, labels
+
+
+def reference_loss(inputs, targets, num_items=None):
+    """float64 mean CE from full logits; targets already shifted."""
+    x = {k: v.detach().double().requires_grad_() for k, v in inputs.items()}
+    logits = x["hidden_states"] @ x["weight"].T
+    if "logits_bias_weight" in x:
+        logits = logits + x["logits_bias"] @ x["logits_bias_weight"].T
+    elif "logits_bias" in x:
+        logits = logits + x["logits_bias"]
+    ce = F.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
+        ignore_index=IGNORE, reduction="none",
+    )
+    denom = num_items if num_items is not None else int((targets != IGNORE).sum())
+    return ce.sum() / max(denom, 1), ce.reshape(targets.shape), x
+
+
+def hf_shift(labels):
+    shifted = torch.full_like(labels, IGNORE)
+    shifted[..., :-1] = labels[..., 1:]
+    return shifted
+
+
+def grads(inputs):
+    return {k: v.grad for k, v in inputs.items()}
+
+
+# ------------------------------------------------------------------ numeric parity
+
+
+@st.composite
+def problems(draw):
+    batch = draw(st.sampled_from([None, 1, 2, 3]))
+    T = draw(st.integers(1, 64))
+    lead = (T,) if batch is None else (batch, T)
+    chunk = draw(st.sampled_from([1, max(1, T // 3), T + 5]))
+    bias = draw(st.sampled_from(BIAS_FORMS))
+    shifted = draw(st.booleans())
+    ignore = draw(st.sampled_from(["none", "some", "all"]))
+    num_items = draw(st.sampled_from([None, "int", "tensor"]))
+    seed = draw(st.integers(0, 2**16))
+    return lead, chunk, bias, shifted, ignore, num_items, seed
+
+
+@given(problems())
+def test_matches_float64_reference(problem):
+    lead, chunk, bias, shifted, ignore, num_items, seed = problem
+    inputs, labels = make_inputs(lead=lead, H=8, V=13, bias=bias, seed=seed)
+    if ignore == "some":
+        labels[..., ::3] = IGNORE
+    elif ignore == "all":
+        labels[...] = IGNORE
+    targets = labels if shifted else hf_shift(labels)
+    valid = int((targets != IGNORE).sum())
+    items = {None: None, "int": valid + 3, "tensor": torch.tensor(valid + 3)}[num_items]
+    kwargs = {"shift_labels": labels} if shifted else {"labels": labels}
+    loss = cl.chunk_cross_entropy(**inputs, **kwargs, num_items_in_batch=items, chunk_size=chunk)
+    ref, _, ref_inputs = reference_loss(
+        inputs, targets, None if items is None else valid + 3
+    )
+    assert loss.dtype == torch.float32 and loss.shape == ()
+    # fp32 accumulation over <= 192 tokens of O(10) values: 1e-5 relative.
+    torch.testing.assert_close(loss.double(), ref.detach(), rtol=1e-5, atol=1e-6)
+    (loss * 2.5).backward()
+    (ref * 2.5).backward()
+    for name, x in inputs.items():
+        torch.testing.assert_close(
+            x.grad.double(), ref_inputs[name].grad, rtol=1e-4, atol=1e-5, msg=name
+        )
+    if valid == 0:
+        assert loss.item() == 0.0
+        assert all(bool((x.grad == 0).all()) for x in inputs.values())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_close_to_float64(dtype):
+    inputs, labels = make_inputs(lead=(2, 40), H=32, V=50, bias="full", dtype=dtype, seed=3)
+    loss = cl.chunk_cross_entropy(**inputs, labels=labels, chunk_size=16)
+    loss.backward()
+    ref, _, ref_inputs = reference_loss(inputs, hf_shift(labels))
+    ref.backward()
+    # Logits are produced by a low-precision matmul (contract); the rest is fp32.
+    torch.testing.assert_close(loss.double(), ref.detach(), rtol=2e-2, atol=2e-2)
+    assert inputs["weight"].grad.dtype == dtype
+    for name, x in inputs.items():
+        torch.testing.assert_close(x.grad.double(), ref_inputs[name].grad, rtol=5e-2, atol=5e-3,
+                                   msg=name)
+
+
+def test_non_uniform_upstream_gradient():
+    """The upstream gradient must reach dW and d-bias, not only dH (Liger #1298)."""
+    for bias in ("full", "factored"):
+        inputs, labels = make_inputs(lead=(3, 9), H=6, V=10, bias=bias, seed=7)
+        loss = cl.chunk_cross_entropy(**inputs, labels=labels, chunk_size=4)
+        (loss * 3.7 + loss.pow(2)).backward()
+        ref, _, ref_inputs = reference_loss(inputs, hf_shift(labels))
+        (ref * 3.7 + ref.pow(2)).backward()
+        for name, x in inputs.items():
+            torch.testing.assert_close(x.grad.double(), ref_inputs[name].grad, rtol=1e-4,
+                                       atol=1e-5, msg=f"{bias}:{name}")
+
+
+def test_num_items_in_batch_never_overwritten():
+    inputs, labels = make_inputs(lead=(2, 8), H=4, V=7, bias="none")
+    items = torch.tensor(40)
+    before = items.clone()
+    loss = cl.chunk_cross_entropy(**inputs, labels=labels, num_items_in_batch=items)
+    loss.backward()
+    assert torch.equal(items, before)
+    ref, _, _ = reference_loss(inputs, hf_shift(labels), num_items=40)
+    torch.testing.assert_close(loss.double(), ref.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_no_grad_call_still_returns_the_loss():
+    inputs, labels = make_inputs(lead=(5,), H=4, V=7, bias="none")
+    with torch.no_grad():
+        loss = cl.chunk_cross_entropy(**inputs, labels=labels)
+    ref, _, _ = reference_loss(inputs, hf_shift(labels))
+    assert not loss.requires_grad
+    torch.testing.assert_close(loss.double(), ref.detach(), rtol=1e-5, atol=1e-6)
+
+
+# ------------------------------------------------------------------ capture: bitwise and lifecycle
+
+
+def run_loss(inputs, labels, *, observe, chunk_size=5, wrap=None):
+    for x in inputs.values():
+        x.grad = None
+
+    def body():
+        loss = cl.chunk_cross_entropy(**inputs, labels=labels, chunk_size=chunk_size)
+        return loss
+
+    if observe:
+        # Backward inside the scope, as in a training step: a recompute there must not record.
+        with cl.capture() as cap:
+            loss = wrap(body) if wrap else body()
+            (loss * 1.3).backward()
+    else:
+        cap, loss = None, (wrap(body) if wrap else body())
+        (loss * 1.3).backward()
+    return loss.detach(), grads(inputs), cap
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", BIAS_FORMS)
+@pytest.mark.usefixtures("deterministic")
+def test_capture_is_bitwise_invisible(device, dtype, bias):
+    inputs, labels = make_inputs(lead=(2, 11), H=8, V=17, bias=bias, dtype=dtype, device=device)
+    labels[0, 4] = IGNORE
+    plain_loss, plain_grads, _ = run_loss(inputs, labels, observe=False)
+    obs_loss, obs_grads, cap = run_loss(inputs, labels, observe=True)
+    assert torch.equal(plain_loss, obs_loss)
+    for name in plain_grads:
+        assert torch.equal(plain_grads[name], obs_grads[name]), name
+    (obs,) = cap.observations
+    assert obs.token_losses.dtype == torch.float32 and not obs.token_losses.requires_grad
+    assert obs.token_losses.shape == labels.shape
+    targets = hf_shift(labels)
+    assert torch.equal(obs.targets, targets) and obs.targets.dtype == torch.int64
+    assert bool((obs.token_losses[targets == IGNORE] == 0).all())
+    # The recorded per-token losses are the ones the loss was summed from.
+    assert torch.equal(obs.token_losses.sum() / (targets != IGNORE).sum(), obs_loss)
+    # ... and the eager fallback reproduces them bit for bit at the same chunk size.
+    eager = cl.per_token_cross_entropy(
+        **{k: v for k, v in inputs.items()}, labels=labels, chunk_size=5
+    )
+    assert torch.equal(eager, obs.token_losses)
+
+
+def test_observed_token_losses_match_reference():
+    inputs, labels = make_inputs(lead=(3, 10), H=8, V=12, bias="factored", seed=11)
+    labels[1, 2:6] = IGNORE
+    with cl.capture() as cap:
+        cl.chunk_cross_entropy(**inputs, labels=labels, chunk_size=4)
+    _, ref_tokens, _ = reference_loss(inputs, hf_shift(labels))
+    torch.testing.assert_close(cap.observations[0].token_losses.double(), ref_tokens.detach(),
+                               rtol=1e-5, atol=1e-6)
+
+
+def test_per_token_from_logits_matches_reference():
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(2, 9, 15, generator=g, dtype=torch.bfloat16)
+    labels = torch.randint(0, 15, (2, 9), generator=g)
+    labels[1, 3] = IGNORE
+    before = logits.clone()
+    out = cl.per_token_cross_entropy(logits=logits, labels=labels, chunk_size=4)
+    assert torch.equal(logits, before), "the caller's logits must not be modified"
+    ref = F.cross_entropy(logits.double().reshape(-1, 15), hf_shift(labels).reshape(-1),
+                          ignore_index=IGNORE, reduction="none").reshape(2, 9)
+    assert out.dtype == torch.float32 and out.shape == (2, 9)
+    torch.testing.assert_close(out.double(), ref, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("bias", BIAS_FORMS)
+def test_checkpoint_and_offload_are_bitwise_plain(bias):
+    inputs, labels = make_inputs(lead=(2, 9), H=6, V=11, bias=bias, seed=2)
+    plain_loss, plain_grads, _ = run_loss(inputs, labels, observe=False)
+
+    def checkpointed(body):
+        return checkpoint(body, use_reentrant=False)
+
+    def checkpointed_full_recompute(body):
+        # Without early stop the recompute runs the whole body, record() included.
+        with set_checkpoint_early_stop(False):
+            return checkpoint(body, use_reentrant=False)
+
+    def offloaded(body):
+        with torch.autograd.graph.save_on_cpu(pin_memory=False):
+            return body()
+
+    packed = []
+
+    def custom_hooks(body):
+        def pack(t):
+            packed.append(t.shape)
+            return t.clone()
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            return body()
+
+    for wrap in (checkpointed, checkpointed_full_recompute, offloaded, custom_hooks):
+        for observe in (False, True):
+            loss, got, cap = run_loss(inputs, labels, observe=observe, wrap=wrap)
+            assert torch.equal(loss, plain_loss), wrap.__name__
+            for name in plain_grads:
+                assert torch.equal(got[name], plain_grads[name]), (wrap.__name__, name)
+            if observe:
+                # The checkpoint recompute during backward records nothing.
+                assert len(cap.observations) == 1, wrap.__name__
+    assert packed, "the custom hooks saw the long-lived gradients"
+
+
+def test_reentrant_checkpoint_recompute_records_nothing():
+    inputs, labels = make_inputs(lead=(7,), H=4, V=9, bias="none")
+    with cl.capture() as cap:
+        loss = checkpoint(
+            lambda h: cl.chunk_cross_entropy(h, inputs["weight"], labels), inputs["hidden_states"],
+            use_reentrant=True,
+        )
+        loss.backward()
+    assert len(cap.observations) == 1
+
+
+class MatmulCounter(TorchDispatchMode):
+    MATMULS = {"mm", "addmm", "bmm", "matmul", "linear", "baddbmm", "_addmm_activation"}
+
+    def __init__(self):
+        super().__init__()
+        self.matmuls = 0
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket.__name__ in self.MATMULS:
+            self.matmuls += 1
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.numel())
+        return out
+
+
+@pytest.mark.parametrize("bias", ["none", "factored"])
+def test_observing_adds_no_matmul_and_never_full_logits(bias):
+    T, V, chunk = 64, 97, 8
+    inputs, labels = make_inputs(lead=(T,), H=4, V=V, bias=bias)
+    counts = {}
+    for observe in (False, True):
+        with MatmulCounter() as counter:
+            run_loss(inputs, labels, observe=observe, chunk_size=chunk)
+        counts[observe] = (counter.matmuls, counter.largest)
+    assert counts[True][0] == counts[False][0]
+    # No tensor of the whole op is bigger than one chunk of logits (or the weight).
+    assert counts[True][1] <= chunk * V < T * V
+
+
+def test_failed_forward_leaves_nothing_and_propagates():
+    inputs, labels = make_inputs(lead=(2, 6), H=4, V=9, bias="none")
+
+    class Boom(Exception):
+        pass
+
+    refs = []
+    with pytest.raises(Boom) as info, cl.capture() as cap:
+        loss = cl.chunk_cross_entropy(**inputs, labels=labels)
+        refs.append(weakref.ref(cap.observations[0].token_losses))
+        refs.append(weakref.ref(loss))
+        del loss
+        raise Boom("after the loss")
+    assert str(info.value) == "after the loss"
+    assert cap.observations == []
+    del info
+    gc.collect()
+    assert all(r() is None for r in refs), "a tensor of the failed forward is still alive"
+
+
+def test_nested_scopes_innermost_receives():
+    inputs, labels = make_inputs(lead=(6,), H=4, V=9, bias="none")
+    with cl.capture() as outer:
+        cl.chunk_cross_entropy(**inputs, labels=labels)
+        with cl.capture() as inner:
+            cl.chunk_cross_entropy(**inputs, labels=labels)
+            cl.chunk_cross_entropy(**inputs, labels=labels)
+        cl.chunk_cross_entropy(**inputs, labels=labels)
+    assert len(outer.observations) == 2
+    assert len(inner.observations) == 2
+    # Outside any scope nothing is recorded anywhere.
+    cl.chunk_cross_entropy(**inputs, labels=labels)
+    assert len(outer.observations) == 2
+
+
+def test_threads_have_separate_scopes():
+    inputs, labels = make_inputs(lead=(6,), H=4, V=9, bias="none")
+    barrier = threading.Barrier(2, timeout=30)
+    results, errors = {}, []
+
+    def worker(name, calls):
+        try:
+            with cl.capture() as cap:
+                barrier.wait()
+                for _ in range(calls):
+                    cl.chunk_cross_entropy(**{k: v.detach() for k, v in inputs.items()},
+                                           labels=labels)
+                barrier.wait()
+            results[name] = len(cap.observations)
+        except Exception as exc:  # surfaced below, in the main thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(n, c)) for n, c in (("a", 1), ("b", 3))]
+    with cl.capture() as main_scope:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+    assert not errors
+    assert results == {"a": 1, "b": 3}
+    assert main_scope.observations == []
+
+
+# ------------------------------------------------------------------ bad input
+
+
+def _good():
+    h = torch.randn(2, 5, 4)
+    w = torch.randn(7, 4)
+    labels = torch.randint(0, 7, (2, 5))
+    return h, w, labels
+
+
+@pytest.mark.parametrize(
+    ("case", "match"),
+    [
+        ("lead_shape", r"labels shape \(2, 4\) must equal the leading shape of hidden_states \(2, 5\)"),
+        ("width", r"weight shape \(7, 3\) does not match hidden_states width"),
+        ("full_bias", r"logits_bias shape \(6,\) cannot broadcast to \(2, 5, 7\)"),
+        ("full_bias_rows", r"logits_bias shape \(3, 5, 7\) cannot broadcast"),
+        ("factored_bias", r"logits_bias_weight must be \[V=7, R\]; got \(6, 2\)"),
+        ("factored_rows", r"logits_bias \(factored form, \[..., R\]\) shape \(2, 4, 2\)"),
+        ("weight_only", r"logits_bias_weight \(7, 2\) was given without logits_bias"),
+        ("both_labels", r"exactly one of labels / shift_labels; got both"),
+        ("no_labels", r"exactly one of labels / shift_labels; got neither"),
+        ("float_labels", r"labels must be an integer tensor; got dtype torch.float32"),
+        ("chunk_zero", r"chunk_size must be an int >= 1; got 0"),
+        ("target_range", r"labels holds target 7 outside \[0, 7\)"),
+        ("negative_target", r"shift_labels holds target -1 outside \[0, 7\)"),
+        ("hidden_rank", r"hidden_states must be a \[B, T, H\] or \[T, H\] tensor; got \(5,\)"),
+        ("dtype_mismatch", r"share one floating dtype"),
+        ("num_items", r"num_items_in_batch must be a scalar"),
+    ],
+)
+def test_bad_input_names_the_argument(case, match):
+    h, w, labels = _good()
+    kw = {"hidden_states": h, "weight": w, "labels": labels}
+    if case == "lead_shape":
+        kw["labels"] = labels[:, :4]
+    elif case == "width":
+        kw["weight"] = torch.randn(7, 3)
+    elif case == "full_bias":
+        kw["logits_bias"] = torch.randn(6)
+    elif case == "full_bias_rows":
+        kw["logits_bias"] = torch.randn(3, 5, 7)
+    elif case == "factored_bias":
+        kw["logits_bias"] = torch.randn(2, 5, 2)
+        kw["logits_bias_weight"] = torch.randn(6, 2)
+    elif case == "factored_rows":
+        kw["logits_bias"] = torch.randn(2, 4, 2)
+        kw["logits_bias_weight"] = torch.randn(7, 2)
+    elif case == "weight_only":
+        kw["logits_bias_weight"] = torch.randn(7, 2)
+    elif case == "both_labels":
+        kw["shift_labels"] = labels
+    elif case == "no_labels":
+        del kw["labels"]
+    elif case == "float_labels":
+        kw["labels"] = labels.float()
+    elif case == "chunk_zero":
+        kw["chunk_size"] = 0
+    elif case == "target_range":
+        kw["labels"] = labels.clone()
+        kw["labels"][1, 3] = 7
+    elif case == "negative_target":
+        del kw["labels"]
+        kw["shift_labels"] = labels.clone()
+        kw["shift_labels"][0, 0] = -1
+    elif case == "hidden_rank":
+        kw["hidden_states"] = torch.randn(5)
+    elif case == "dtype_mismatch":
+        kw["weight"] = w.double()
+    elif case == "num_items":
+        kw["num_items_in_batch"] = torch.tensor([1, 2])
+    with pytest.raises(ValueError, match=match):
+        cl.chunk_cross_entropy(**kw)
+
+
+def test_last_label_is_not_checked_against_vocab():
+    """labels[..., 0] is never a target under the HF shift; only real targets are range-checked."""
+    h, w, labels = _good()
+    labels[:, 0] = 99
+    cl.chunk_cross_entropy(h, w, labels)
