@@ -225,6 +225,7 @@ def _chunked_pass(
         t, v = targets[s:e], valid[s:e]
         token_losses[s:e], sumexp = _softmax_ce_(logits, t, v)
         if not any_grad:
+            del logits
             continue
         # dCE/dlogits = softmax - onehot on valid rows, times the loss scale.
         row_scale = torch.where(v, scale, 0.0)
@@ -240,6 +241,8 @@ def _chunked_pass(
             _scatter_rows(grad_factor, bias, dlogits @ bias.factor_weight.float(), s, e)
         if need_factor_w:
             grad_factor_w.addmm_(dlogits.t(), _bias_rows(bias, bias.factor, s, e).float())
+        # Free this chunk's logits before the next chunk allocates its own.
+        del logits, dlogits
     return token_losses, [grad_h, grad_w, grad_full, grad_factor, grad_factor_w]
 
 
