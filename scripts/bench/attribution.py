@@ -1,0 +1,163 @@
+"""Benchmark the attribution and the step meter's communication.
+
+1. ``source_totals`` time for one packed batch of ``--tokens`` tokens split
+   into 10 vs 10,000 samples: the work is per token, so the two should be
+   within 2x of each other (flat in the number of samples).
+2. Collectives per logged step of ``ChannelLossMeter`` (target <= 2), per
+   micro-batch (target 0) and per unsampled step (target 0), counted by
+   wrapping the ``torch.distributed`` functions in real Gloo runs: SP=2,
+   DP=2, SP=2 x DP=2.
+
+    python scripts/bench/attribution.py [--tokens 1000000] [--repeats 5] [--device cpu]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from channel_loss import ChannelLossMeter, PackedLayout, source_totals
+from channel_loss.capture import record
+
+#: Every torch.distributed entry point that communicates.
+COLLECTIVES = (
+    "all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single", "all_gather_object",
+    "broadcast", "broadcast_object_list", "reduce", "reduce_scatter", "reduce_scatter_tensor",
+    "all_to_all", "all_to_all_single", "barrier", "monitored_barrier", "gather", "gather_object",
+    "scatter", "scatter_object_list", "send", "recv", "isend", "irecv", "batch_isend_irecv",
+)
+
+
+@contextmanager
+def count_collectives() -> Iterator[list[str]]:
+    """Record the name of every ``torch.distributed`` collective called inside the block."""
+    calls: list[str] = []
+    originals = {name: getattr(dist, name) for name in COLLECTIVES if hasattr(dist, name)}
+
+    def counted(name, fn):
+        def wrapper(*args, **kwargs):
+            calls.append(name)
+            return fn(*args, **kwargs)
+        return wrapper
+
+    for name, fn in originals.items():
+        setattr(dist, name, counted(name, fn))
+    try:
+        yield calls
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_source_totals(tokens: int, samples: int, repeats: int, device: torch.device) -> tuple[float, float]:
+    """Median seconds of building the layout, and of ``source_totals``, for one batch."""
+    g = torch.Generator().manual_seed(0)
+    cu = torch.linspace(0, tokens, samples + 1).round().to(torch.int64)
+    source_ids = [f"source-{k % 32}" for k in range(samples)]
+    losses = torch.rand(tokens, generator=g).to(device)
+    targets = torch.randint(-1, 1000, (tokens,), generator=g).clamp(min=-100).to(device)
+    build, attribute = [], []
+    for _ in range(repeats + 1):  # the first round warms up
+        start = time.perf_counter()
+        layout = PackedLayout.from_cu_seqlens(cu.to(device), total_length=tokens)
+        build.append(time.perf_counter() - start)
+        layout.on(device)
+        _sync(device)
+        start = time.perf_counter()
+        totals = source_totals(losses, targets, layout=layout, source_ids=source_ids)
+        _sync(device)
+        attribute.append(time.perf_counter() - start)
+    assert int(totals.samples.sum()) == samples
+    return statistics.median(build[1:]), statistics.median(attribute[1:])
+
+
+SCENARIOS = {"SP=2": (2, 1), "DP=2": (1, 2), "SP=2 x DP=2": (2, 2)}
+
+
+def _meter_rank(rank: int, world: int, store: str, sp: int, dp: int, results) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    # Rank r is SP rank r % sp of DP rank r // sp; every rank creates every group, in order.
+    sp_groups = [dist.new_group([d * sp + s for s in range(sp)]) for d in range(dp)]
+    dp_groups = [dist.new_group([d * sp + s for d in range(dp)]) for s in range(sp)]
+    sp_rank, dp_rank = rank % sp, rank // sp
+    meter = ChannelLossMeter(sp_group=sp_groups[dp_rank] if sp > 1 else None,
+                             dp_group=dp_groups[sp_rank] if dp > 1 else None, interval=2)
+    layout = PackedLayout.from_cu_seqlens([0, 100, 250, 256], total_length=256)
+    shard = layout.shard(sp, sp_rank, "zigzag")
+    losses, targets = shard.take(torch.rand(256), 0.0), shard.take(torch.randint(0, 9, (256,)), -100)
+    counts = {"step": [], "micro_batch": [], "unsampled": []}
+    for _ in range(4):
+        meter.begin_step()
+        for m in range(2):
+            # Step 0 meets every source for the first time; step 2 only known ones.
+            sources = [f"dp{dp_rank}-{m}", "shared", m]
+            with count_collectives() as calls, meter.micro_batch(source_ids=sources, layout=layout,
+                                                                 shard=shard):
+                record(losses, targets)
+            counts["micro_batch"].append(len(calls))
+        sampled = meter.sampled
+        with count_collectives() as calls:
+            meter.end_step()
+        counts["step" if sampled else "unsampled"].append(len(calls))
+    if rank == 0:
+        results.put(counts)
+    dist.destroy_process_group()
+
+
+def count_meter_collectives(sp: int, dp: int) -> dict[str, list[int]]:
+    """Collective calls per end_step / micro_batch / unsampled step on an ``sp x dp`` Gloo run."""
+    ctx = mp.get_context("spawn")
+    results = ctx.SimpleQueue()
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.start_processes(_meter_rank, args=(sp * dp, os.path.join(tmp, "store"), sp, dp, results),
+                           nprocs=sp * dp, start_method="spawn")
+        return results.get()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=1_000_000)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--device", default="cpu")
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+
+    print(f"source_totals on {device}, {args.tokens:,} tokens (median of {args.repeats})")
+    print(f"{'samples':>8} | {'layout build ms':>15} | {'source_totals ms':>16}")
+    times = {}
+    for samples in (10, 10_000):
+        build, attribute = time_source_totals(args.tokens, samples, args.repeats, device)
+        times[samples] = attribute
+        print(f"{samples:>8,} | {build * 1e3:>15.2f} | {attribute * 1e3:>16.2f}")
+    ratio = times[10_000] / times[10]
+    print(f"ratio 10,000 / 10 samples: {ratio:.2f} (target <= 2)\n")
+
+    print("collectives per call (Gloo; step 0 registers new sources, step 2 is steady)")
+    print(f"{'scenario':>12} | {'ranks':>5} | {'logged step':>11} | {'micro-batch':>11} | {'unsampled step':>14}")
+    worst = 0
+    for name, (sp, dp) in SCENARIOS.items():
+        counts = count_meter_collectives(sp, dp)
+        worst = max(worst, *counts["step"])
+        print(f"{name:>12} | {sp * dp:>5} | {'/'.join(map(str, counts['step'])):>11} | "
+              f"{max(counts['micro_batch']):>11} | {max(counts['unsampled']):>14}")
+    print(f"most collectives in a logged step: {worst} (target <= 2)")
+    return 0 if ratio <= 2 and worst <= 2 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,135 @@
+"""PackedLayout and Shard against DESIGN.md's definitions, written out as plain loops."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given
+
+from channel_loss import ChannelLossMetadataError, PackedLayout
+from tests.channel_loss.reference import reference_global_index, samples_of
+from tests.strategies import packed_cases, sp_shardings
+
+
+def layout_of(case) -> PackedLayout:
+    tails = case.tails[0] if case.one_d else list(case.tails)
+    return PackedLayout.from_position_ids(case.position_ids(), tail_padding_length=tails)
+
+
+@given(packed_cases())
+def test_from_position_ids_finds_every_sample(case):
+    layout = layout_of(case)
+    expected_index = [-1] * (len(case.rows) * case.row_length)
+    starts, lengths = [], []
+    for number, _, start, length in samples_of(case):
+        starts.append(start)
+        lengths.append(length)
+        expected_index[start : start + length] = [number] * length
+    assert layout.shape == case.shape
+    assert layout.num_samples == case.num_samples
+    assert layout.sample_starts.tolist() == starts
+    assert layout.seqlens.tolist() == lengths
+    assert layout.sample_index.tolist() == expected_index
+    cumulative = [0]
+    for length in lengths:
+        cumulative.append(cumulative[-1] + length)
+    assert layout.cu_seqlens.tolist() == cumulative
+    assert layout.cu_seqlens.dtype == torch.int32
+
+
+@given(packed_cases(max_rows=1))
+def test_from_cu_seqlens_matches_position_ids(case):
+    tail = case.tails[0]
+    by_position = PackedLayout.from_position_ids(case.position_ids().reshape(-1),
+                                                 tail_padding_length=tail)
+    real_only = PackedLayout.from_cu_seqlens(
+        case.cu_seqlens(), total_length=case.row_length, tail_padding_length=tail)
+    assert real_only.same_as(by_position)
+    assert real_only.sample_index.tolist() == by_position.sample_index.tolist()
+    if tail and case.num_samples:
+        # Some collators write the padding as one more segment.
+        with_pad = PackedLayout.from_cu_seqlens(
+            [*case.cu_seqlens(), case.row_length], total_length=case.row_length,
+            tail_padding_length=tail)
+        assert with_pad.cu_seqlens.tolist() == real_only.cu_seqlens.tolist()
+
+
+def test_padding_needs_its_declared_length():
+    position_ids = torch.tensor([0, 1, 2, 0, 0, 0, 0])  # a length-1 sample, then 3 pads at position 0
+    assert PackedLayout.from_position_ids(position_ids).num_samples == 5
+    declared = PackedLayout.from_position_ids(position_ids, tail_padding_length=3)
+    assert declared.seqlens.tolist() == [3, 1]  # the real final length-1 sample is kept
+    assert declared.sample_index.tolist() == [0, 0, 0, 1, -1, -1, -1]
+
+
+def test_zigzag_worked_example():
+    # Samples of length 5 and 2, tail 3, w=2: P = 8, 4, 4 (c = 2, 1, 1).
+    layout = PackedLayout.from_cu_seqlens([0, 5, 7], total_length=10, tail_padding_length=3)
+    rank0 = layout.shard(2, 0, "zigzag").global_index.tolist()
+    rank1 = layout.shard(2, 1, "zigzag").global_index.tolist()
+    assert rank0 == [0, 1, -1, -1, 5, -1, 7, -1]
+    assert rank1 == [2, 3, 4, -1, 6, -1, 8, 9]
+
+
+@given(packed_cases(), sp_shardings())
+def test_shard_global_index_follows_the_definition(case, sharding):
+    world, mode = sharding
+    layout = layout_of(case)
+    seen = []
+    for rank in range(world):
+        shard = layout.shard(world, rank, mode)
+        expected = reference_global_index(case, world, rank, mode)
+        assert shard.local_shape == ((len(expected[0]),) if case.one_d else (len(expected), len(expected[0])))
+        assert shard.global_index.dtype == torch.int64
+        assert shard.global_index.tolist() == [i for row in expected for i in row]
+        seen += [i for i in shard.global_index.tolist() if i >= 0]
+    assert sorted(seen) == list(range(layout.numel))  # every position on exactly one rank
+
+
+@given(packed_cases(), sp_shardings())
+def test_take_slices_and_fills(case, sharding):
+    world, mode = sharding
+    layout = layout_of(case)
+    features = torch.arange(layout.numel * 2, dtype=torch.float32).reshape(*case.shape, 2)
+    for rank in range(world):
+        shard = layout.shard(world, rank, mode)
+        local = shard.take(features, fill=-1.0)
+        assert tuple(local.shape) == (*shard.local_shape, 2)
+        flat = features.reshape(-1, 2)
+        for got, index in zip(local.reshape(-1, 2).tolist(), shard.global_index.tolist(), strict=True):
+            assert got == (flat[index].tolist() if index >= 0 else [-1.0, -1.0])
+        labels = shard.take(case.targets, fill=-100)
+        assert labels.dtype == torch.int64
+        assert tuple(labels.shape) == shard.local_shape
+
+
+ONE_ROW = PackedLayout.from_cu_seqlens([0, 2], total_length=2)
+
+
+@pytest.mark.parametrize(
+    ("build", "needles"),
+    [
+        pytest.param(lambda: PackedLayout.from_position_ids(torch.zeros(2, 3, 4, dtype=torch.long)),
+                     ["(2, 3, 4)"], id="3-d position_ids"),
+        pytest.param(lambda: PackedLayout.from_position_ids(torch.tensor([0, 1]), tail_padding_length=3),
+                     ["[0, 2]", "3"], id="tail longer than the row"),
+        pytest.param(lambda: PackedLayout.from_position_ids(torch.zeros(2, 4, dtype=torch.long),
+                                                            tail_padding_length=[1, 1, 1]),
+                     ["3 entries", "2 rows"], id="one tail per row"),
+        pytest.param(lambda: PackedLayout.from_position_ids(torch.tensor([[0, 1], [1, 2]])),
+                     ["row 1"], id="row starts mid-sample"),
+        pytest.param(lambda: PackedLayout.from_cu_seqlens([0, 3, 5], total_length=8, tail_padding_length=2),
+                     ["8 - 2 = 6", "0 .. 5"], id="cu_seqlens end"),
+        pytest.param(lambda: PackedLayout.from_cu_seqlens([0, 3, 3, 6], total_length=6),
+                     ["strictly increasing"], id="empty sample"),
+        pytest.param(lambda: ONE_ROW.shard(2, 2, "zigzag"), ["[0, 2)", "2"], id="rank out of range"),
+        pytest.param(lambda: ONE_ROW.shard(2, 0, "ring"), ["'ring'"], id="unknown mode"),
+        pytest.param(lambda: ONE_ROW.shard(2, 0, "zigzag").take(torch.zeros(3), 0), ["(2,)", "(3,)"],
+                     id="take of another shape"),
+    ],
+)
+def test_bad_layouts_are_named(build, needles):
+    with pytest.raises(ChannelLossMetadataError) as info:
+        build()
+    for needle in needles:
+        assert needle in str(info.value)

@@ -1,0 +1,35 @@
+"""Project-wide test configuration.
+
+Imports: shared test helpers live in ``tests/`` and are imported by package
+path, ``from tests.strategies import packed_cases``. This file puts the
+repository root on ``sys.path`` (rank processes started by the harness inherit
+it), so that works from any test directory and under any ``--import-mode``.
+
+Hypothesis profiles, chosen with ``HYPOTHESIS_PROFILE`` (default ``ci``):
+
+* ``ci``: bounded example counts, no deadline (CI machines stall), and
+  derandomized so a CI run is reproducible;
+* ``dev``: more examples, random seeds, for local exploration;
+* ``nightly``: many more examples, random seeds.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+from hypothesis import HealthCheck, settings
+
+ROOT = str(Path(__file__).resolve().parent.parent)
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+_SLOW_OK = [HealthCheck.too_slow, HealthCheck.data_too_large]
+settings.register_profile("ci", max_examples=60, deadline=None, derandomize=True,
+                          database=None, print_blob=True, suppress_health_check=_SLOW_OK)
+settings.register_profile("dev", max_examples=300, deadline=None, print_blob=True,
+                          suppress_health_check=_SLOW_OK)
+settings.register_profile("nightly", max_examples=3000, deadline=None, print_blob=True,
+                          suppress_health_check=_SLOW_OK)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
