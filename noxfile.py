@@ -6,7 +6,7 @@ import nox
 
 nox.options.default_venv_backend = "venv"
 nox.options.reuse_existing_virtualenvs = True
-nox.options.sessions = ["lint", "tests"]
+nox.options.sessions = ["lint", "inventory", "tests"]
 
 VENV_PARAMS = ["--system-site-packages"]
 
@@ -30,3 +30,49 @@ def lint(session: nox.Session) -> None:
     """ruff check and format check."""
     session.install("ruff")
     session.run("ruff", "check", ".")
+
+
+@nox.session(venv_params=VENV_PARAMS)
+def inventory(session: nox.Session) -> None:
+    """Check that every test is owned by a suite and fits its runner (`harness inventory`)."""
+    _install(session)
+    session.run("python", "-m", "harness", "inventory", *session.posargs)
+
+
+def _suite(session: nox.Session, suite: str) -> None:
+    # posargs go to `harness run`: `nox -s suite-gpu -- --shard 1/2 -- -x`.
+    _install(session)
+    session.run("python", "-m", "harness", "run", suite, *session.posargs)
+
+
+@nox.session(name="suite-cpu", venv_params=VENV_PARAMS)
+def suite_cpu(session: nox.Session) -> None:
+    """Run the CPU suite (suites/cpu.json) through the harness."""
+    _suite(session, "cpu")
+
+
+@nox.session(name="suite-gpu", venv_params=VENV_PARAMS)
+def suite_gpu(session: nox.Session) -> None:
+    """Run the CUDA suite (suites/gpu.json); fails where no CUDA card is visible."""
+    _suite(session, "gpu")
+
+
+@nox.session(name="suite-npu", venv_params=VENV_PARAMS)
+def suite_npu(session: nox.Session) -> None:
+    """Run the Ascend NPU suite (suites/npu.json); fails where no NPU is visible."""
+    _suite(session, "npu")
+
+
+@nox.session(venv_params=VENV_PARAMS)
+def bench(session: nox.Session) -> None:
+    """The chunked-loss benchmark (posargs replace the default sizes)."""
+    _install(session)
+    session.run("python", "scripts/bench/chunk_loss.py", *(session.posargs or ["--tokens", "1024", "--vocab", "8000"]))
+
+
+@nox.session(venv_params=VENV_PARAMS)
+def demo(session: nox.Session) -> None:
+    """The per-source loss training demo; posargs go to `python -m channel_loss.demo` (`nox -s demo -- --sp 2`)."""
+    _install(session)
+    session.install("matplotlib")  # the `plot` extra: the demo writes channel_loss.png with it
+    session.run("python", "-m", "channel_loss.demo", *session.posargs)

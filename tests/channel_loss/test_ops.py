@@ -10,6 +10,7 @@ from __future__ import annotations
 import gc
 import threading
 import weakref
+from typing import ClassVar
 
 import pytest
 import torch
@@ -113,7 +114,8 @@ def test_matches_float64_reference(problem):
     ref, _, ref_inputs = reference_loss(
         inputs, targets, None if items is None else valid + 3
     )
-    assert loss.dtype == torch.float32 and loss.shape == ()
+    assert loss.dtype == torch.float32
+    assert loss.shape == ()
     # fp32 accumulation over <= 192 tokens of O(10) values: 1e-5 relative.
     torch.testing.assert_close(loss.double(), ref.detach(), rtol=1e-5, atol=1e-6)
     (loss * 2.5).backward()
@@ -210,10 +212,12 @@ def test_capture_is_bitwise_invisible(device, dtype, bias):
     for name in plain_grads:
         assert torch.equal(plain_grads[name], obs_grads[name]), name
     (obs,) = cap.observations
-    assert obs.token_losses.dtype == torch.float32 and not obs.token_losses.requires_grad
+    assert obs.token_losses.dtype == torch.float32
+    assert not obs.token_losses.requires_grad
     assert obs.token_losses.shape == labels.shape
     targets = hf_shift(labels)
-    assert torch.equal(obs.targets, targets) and obs.targets.dtype == torch.int64
+    assert torch.equal(obs.targets, targets)
+    assert obs.targets.dtype == torch.int64
     assert bool((obs.token_losses[targets == IGNORE] == 0).all())
     # The recorded per-token losses are the ones the loss was summed from.
     assert torch.equal(obs.token_losses.sum() / (targets != IGNORE).sum(), obs_loss)
@@ -244,7 +248,8 @@ def test_per_token_from_logits_matches_reference():
     assert torch.equal(logits, before), "the caller's logits must not be modified"
     ref = F.cross_entropy(logits.double().reshape(-1, 15), hf_shift(labels).reshape(-1),
                           ignore_index=IGNORE, reduction="none").reshape(2, 9)
-    assert out.dtype == torch.float32 and out.shape == (2, 9)
+    assert out.dtype == torch.float32
+    assert out.shape == (2, 9)
     torch.testing.assert_close(out.double(), ref, rtol=1e-6, atol=1e-6)
 
 
@@ -299,7 +304,7 @@ def test_reentrant_checkpoint_recompute_records_nothing():
 
 
 class MatmulCounter(TorchDispatchMode):
-    MATMULS = {"mm", "addmm", "bmm", "matmul", "linear", "baddbmm", "_addmm_activation"}
+    MATMULS: ClassVar[set[str]] = {"mm", "addmm", "bmm", "matmul", "linear", "baddbmm", "_addmm_activation"}
 
     def __init__(self):
         super().__init__()
@@ -337,12 +342,16 @@ def test_failed_forward_leaves_nothing_and_propagates():
         pass
 
     refs = []
-    with pytest.raises(Boom) as info, cl.capture() as cap:
+
+    def failing_forward(cap):
         loss = cl.chunk_cross_entropy(**inputs, labels=labels)
         refs.append(weakref.ref(cap.observations[0].token_losses))
         refs.append(weakref.ref(loss))
         del loss
         raise Boom("after the loss")
+
+    with pytest.raises(Boom) as info, cl.capture() as cap:
+        failing_forward(cap)
     assert str(info.value) == "after the loss"
     assert cap.observations == []
     del info

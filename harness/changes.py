@@ -1,0 +1,82 @@
+"""Change-based selection for ``harness run --changed-from REF``.
+
+It never narrows unsafely: when the changed files cannot be determined (an
+unknown ref, a shallow clone without the merge base, no git), or when the
+change touches the harness itself, the suites, the build or any
+``conftest.py``, every entry runs. Otherwise an entry runs when a changed
+file matches one of its ``depends_on`` globs or lies under one of its own test
+paths; an entry without ``depends_on`` always runs.
+"""
+
+from __future__ import annotations
+
+import subprocess
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from harness.manifest import Entry, path_matches
+
+#: A change to any of these runs everything: they decide what and how every case runs.
+RUN_EVERYTHING: tuple[str, ...] = ("harness", "suites", "pyproject.toml", "noxfile.py", "**/conftest.py")
+
+
+@dataclass(frozen=True)
+class Selection:
+    """Which entries to run and why (``reason`` is one line for the log).
+
+    ``everything`` is True when the change (or not knowing it) forced every entry to run.
+    """
+
+    entries: frozenset[str]
+    everything: bool
+    reason: str
+
+
+def _git(root: Path, *args: str) -> str | None:
+    try:
+        done = subprocess.run(
+            ["git", "-C", str(root), *args], capture_output=True, text=True, timeout=60, check=False
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return done.stdout if done.returncode == 0 else None
+
+
+def changed_files(root: Path, ref: str) -> list[str] | None:
+    """Repository-relative files that differ between the merge base of ``ref``
+    and ``HEAD`` and the working tree (committed, staged, unstaged and untracked
+    changes; renames count as both names). ``None`` when git cannot tell."""
+    base = _git(root, "merge-base", ref, "HEAD")
+    if base is None:
+        return None
+    diff = _git(root, "diff", "--name-only", "--no-renames", base.strip())
+    untracked = _git(root, "ls-files", "--others", "--exclude-standard")
+    if diff is None or untracked is None:
+        return None
+    return sorted({line for line in (diff + untracked).splitlines() if line})
+
+
+def select(entries: Sequence[Entry], changed: Iterable[str] | None) -> Selection:
+    """The entries a change makes run (see the module docstring for the rules)."""
+    all_ids = frozenset(e.id for e in entries)
+    if changed is None:
+        return Selection(all_ids, True, "changed files unknown: running every entry")
+    changed = list(changed)
+    for f in changed:
+        for pattern in RUN_EVERYTHING:
+            if path_matches(f, pattern):
+                return Selection(all_ids, True, f"{f} changed: running every entry")
+    chosen = set()
+    for e in entries:
+        if e.depends_on is None:
+            chosen.add(e.id)
+            continue
+        own = [p.split("::", 1)[0] for p in e.paths]
+        if any(path_matches(f, g) for f in changed for g in (*e.depends_on, *own)):
+            chosen.add(e.id)
+    if not changed:
+        reason = "no file changed"
+    else:
+        reason = f"{len(changed)} changed file(s) select {len(chosen)} of {len(all_ids)} entries"
+    return Selection(frozenset(chosen), False, reason)

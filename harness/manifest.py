@@ -1,0 +1,525 @@
+"""Suite manifests: load ``suites/*.json``, validate them and expand shared case lists.
+
+A manifest says which test cases run on which hardware::
+
+    {
+      "$schema": "./schema.json",
+      "suite": "gpu",
+      "device": "cuda",
+      "runner": {"labels": ["self-hosted", "gpu"], "cards": 2, "timeout_minutes": 60},
+      "entries": [
+        {"include": "suites/cases/accelerator.json"},
+        {"id": "ops", "paths": ["tests/channel_loss/test_ops.py"], "timeout_s": 120}
+      ]
+    }
+
+Every path is relative to the repository root; paths that leave it are
+rejected. ``{"include": FILE}`` splices in the entries of a shared case list
+(``{"entries": [...]}``) or of another manifest, which is how the CUDA and NPU
+suites run one case list without copying it. Problems are reported as
+:class:`Problem` values naming the file and the JSON pointer of the bad value
+(``suites/cpu.json /entries/0/timeout_s``), or the line and column of a JSON
+syntax error.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import posixpath
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+
+SUITES_DIR = "suites"
+SCHEMA_FILE = "schema.json"
+DEFAULT_ESTIMATED_S = 5.0
+# Share of the job timeout a shard may be planned to fill: the rest absorbs
+# setup, estimate error and slow runners.
+DEFAULT_BUDGET_FRACTION = 0.75
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One thing wrong with the suites, named precisely enough to fix it.
+
+    ``rule`` is a short stable name (``schema``, ``unowned-file``, ...);
+    ``file`` the repository-relative file at fault; ``where`` a JSON pointer
+    into it or a test case's node id; ``message`` says what is wrong.
+    """
+
+    rule: str
+    file: str
+    where: str
+    message: str
+    suite: str | None = None
+
+    def __str__(self) -> str:
+        if self.where.startswith(self.file + "::"):
+            return f"{self.where}: [{self.rule}] {self.message}"  # a case's node id names its file
+        where = f" {self.where}" if self.where else ""
+        return f"{self.file}{where}: [{self.rule}] {self.message}"
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-ready form."""
+        return {
+            "rule": self.rule,
+            "file": self.file,
+            "where": self.where,
+            "message": self.message,
+            "suite": self.suite,
+        }
+
+
+class ManifestError(Exception):
+    """A manifest could not be loaded; ``problems`` says why and where."""
+
+    def __init__(self, problems: list[Problem]):
+        self.problems = problems
+        super().__init__("\n".join(str(p) for p in problems))
+
+
+@dataclass(frozen=True)
+class Runner:
+    """A class of CI runner: its ``runs-on`` labels, cards, job timeout and shard budget."""
+
+    labels: tuple[str, ...]
+    cards: int
+    timeout_minutes: int
+    budget_minutes: float
+    name: str
+
+    @property
+    def budget_s(self) -> float:
+        """Most planned case seconds one shard on this runner may hold."""
+        return self.budget_minutes * 60.0
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One manifest entry: a selection of cases plus how to run and plan them.
+
+    ``source`` / ``pointer`` locate the entry's definition (which may be a
+    shared case list included by the suite). ``depends_on`` is ``None`` when
+    the entry has no declared dependencies (it then always runs).
+    """
+
+    id: str
+    paths: tuple[str, ...]
+    markers: str | None
+    timeout_s: float | None
+    estimated_s: float
+    depends_on: tuple[str, ...] | None
+    source: str
+    pointer: str
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """A loaded suite: name, device, runner classes (ascending cards) and entries in order."""
+
+    suite: str
+    device: str
+    runners: tuple[Runner, ...]
+    entries: tuple[Entry, ...]
+    path: str
+    includes: tuple[str, ...] = field(default=())
+
+    @property
+    def max_cards(self) -> int:
+        """Cards on the largest runner class of the suite."""
+        return max(r.cards for r in self.runners)
+
+    def entry(self, entry_id: str) -> Entry:
+        """The first entry with this id; ``KeyError`` if none."""
+        for e in self.entries:
+            if e.id == entry_id:
+                return e
+        raise KeyError(entry_id)
+
+
+# --------------------------------------------------------------------------- paths
+
+
+def find_root(start: Path | None = None) -> Path:
+    """The repository root: the nearest directory at or above ``start`` (default:
+    the working directory) that has a ``suites/`` directory; ``start`` itself when none does."""
+    here = (start or Path.cwd()).resolve()
+    for d in (here, *here.parents):
+        if (d / SUITES_DIR).is_dir():
+            return d
+    return here
+
+
+def rel(path: Path, root: Path) -> str:
+    """``path`` relative to ``root`` in POSIX form (the path itself when outside)."""
+    try:
+        return path.resolve().relative_to(root.resolve()).as_posix()
+    except ValueError:
+        return str(path)
+
+
+def suite_files(root: Path) -> list[Path]:
+    """The suite manifests of a repository: ``suites/*.json`` except the schema, sorted."""
+    d = root / SUITES_DIR
+    return sorted(p for p in d.glob("*.json") if p.name != SCHEMA_FILE)
+
+
+def resolve_suite(root: Path, name_or_path: str) -> Path:
+    """The manifest file for a suite name (``gpu``) or path (``suites/gpu.json``).
+
+    Raises ``ManifestError`` naming the known suites when there is no such file.
+    """
+    p = Path(name_or_path)
+    candidates = [root / SUITES_DIR / f"{name_or_path}.json"]
+    if p.suffix == ".json":
+        candidates.insert(0, p if p.is_absolute() else root / p)
+    for c in candidates:
+        if c.is_file():
+            return c
+    known = ", ".join(f.stem for f in suite_files(root)) or "none"
+    raise ManifestError(
+        [Problem("unknown-suite", f"{SUITES_DIR}/", name_or_path, f"no such suite (known: {known})")]
+    )
+
+
+GLOB_CHARS = re.compile(r"[*?\[]")
+
+
+def has_glob(pattern: str) -> bool:
+    """True when ``pattern`` contains glob syntax."""
+    return bool(GLOB_CHARS.search(pattern))
+
+
+@functools.lru_cache(maxsize=1024)
+def glob_regex(pattern: str) -> re.Pattern[str]:
+    """Compile a repository-relative glob: ``*`` and ``?`` stay within one path
+    segment, ``**`` spans any number of segments (``a/**/b`` also matches ``a/b``)."""
+    out = []
+    i, n = 0, len(pattern)
+    while i < n:
+        c = pattern[i]
+        if pattern.startswith("**/", i):
+            out.append("(?:.*/)?")
+            i += 3
+        elif pattern.startswith("**", i):
+            out.append(".*")
+            i += 2
+        elif c == "*":
+            out.append("[^/]*")
+            i += 1
+        elif c == "?":
+            out.append("[^/]")
+            i += 1
+        elif c == "[":
+            j = pattern.find("]", i + 2)
+            if j < 0:
+                out.append(re.escape(c))
+                i += 1
+            else:
+                body = pattern[i + 1 : j]
+                if body.startswith("!"):
+                    body = "^" + body[1:]
+                out.append(f"[{body}]")
+                i = j + 1
+        else:
+            out.append(re.escape(c))
+            i += 1
+    return re.compile("".join(out) + r"\Z")
+
+
+def path_matches(path: str, pattern: str) -> bool:
+    """True when repository-relative ``path`` is ``pattern``, lies under the directory
+    ``pattern``, or matches the glob ``pattern`` (or lies under a directory matching it)."""
+    pattern = pattern.rstrip("/")
+    if pattern in ("", "."):
+        return True
+    if has_glob(pattern):
+        rx = glob_regex(pattern)
+        if rx.match(path):
+            return True
+        parts = path.split("/")
+        return any(rx.match("/".join(parts[:k])) for k in range(1, len(parts)))
+    return path == pattern or path.startswith(pattern + "/")
+
+
+def _outside(root: Path, path: str) -> str | None:
+    """Why repository-relative ``path`` escapes ``root``, or ``None`` when it stays inside."""
+    if path.startswith(("/", "\\")) or re.match(r"^[A-Za-z]:", path):
+        return "is absolute; paths are relative to the repository root"
+    norm = posixpath.normpath(path)
+    if norm == ".." or norm.startswith("../"):
+        return "is outside the repository"
+    if not has_glob(path):
+        target = root / norm
+        if target.exists() and not target.resolve().is_relative_to(root.resolve()):
+            return "leads outside the repository (through a symlink)"
+    return None
+
+
+# --------------------------------------------------------------------------- JSON
+
+
+def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    seen: dict[str, Any] = {}
+    for k, v in pairs:
+        if k in seen:
+            raise _DuplicateKey(k)
+        seen[k] = v
+    return seen
+
+
+class _DuplicateKey(Exception):
+    pass
+
+
+def read_json(path: Path, root: Path) -> Any:
+    """Parse a JSON file, rejecting duplicate keys (JSON would keep the last silently).
+
+    Raises ``ManifestError`` with rule ``json`` naming the file, and the line and
+    column of a syntax error.
+    """
+    name = rel(path, root)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as e:
+        raise ManifestError([Problem("json", name, "", f"cannot read: {e.strerror or e}")]) from e
+    try:
+        return json.loads(text, object_pairs_hook=_no_duplicate_keys)
+    except json.JSONDecodeError as e:
+        raise ManifestError(
+            [Problem("json", f"{name}:{e.lineno}:{e.colno}", "", f"not valid JSON: {e.msg}")]
+        ) from e
+    except _DuplicateKey as e:
+        raise ManifestError(
+            [Problem("json", name, "", f"duplicate key {e.args[0]!r} in an object")]
+        ) from e
+
+
+def pointer(parts: Iterable[Any]) -> str:
+    """RFC 6901 JSON pointer for a path of keys and indices (``<root>`` for the document)."""
+    out = "".join("/" + str(p).replace("~", "~0").replace("/", "~1") for p in parts)
+    return out or "<root>"
+
+
+@functools.lru_cache(maxsize=4)
+def _schema_at(path: str) -> dict[str, Any]:
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def load_schema(root: Path) -> dict[str, Any]:
+    """The manifest JSON Schema: the repository's ``suites/schema.json``, else the
+    copy next to this package's source checkout."""
+    for candidate in (
+        root / SUITES_DIR / SCHEMA_FILE,
+        Path(__file__).resolve().parents[1] / SUITES_DIR / SCHEMA_FILE,
+    ):
+        if candidate.is_file():
+            try:
+                return _schema_at(str(candidate))
+            except json.JSONDecodeError as e:
+                raise ManifestError(
+                    [Problem("json", f"{rel(candidate, root)}:{e.lineno}:{e.colno}", "", e.msg)]
+                ) from e
+    raise ManifestError([Problem("schema", f"{SUITES_DIR}/{SCHEMA_FILE}", "", "schema not found")])
+
+
+def _validator(root: Path, definition: str) -> jsonschema.protocols.Validator:
+    schema = load_schema(root)
+    # Validate against one definition so that errors point into it rather
+    # than at the root's if/then/else dispatch.
+    sub = {"$defs": schema["$defs"], "$ref": f"#/$defs/{definition}"}
+    cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+    return cls(sub)
+
+
+def validate(doc: Any, root: Path, name: str, definition: str = "manifest") -> list[Problem]:
+    """Schema problems of ``doc`` (from file ``name``), each with the JSON pointer
+    of the bad value, in document order."""
+    errors = sorted(_validator(root, definition).iter_errors(doc), key=lambda e: list(map(str, e.absolute_path)))
+    return [Problem("schema", name, pointer(e.absolute_path), e.message) for e in errors]
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def _compile_markers(expr: str) -> str | None:
+    """Why the ``-m`` expression does not parse, or ``None``."""
+    from _pytest.mark.expression import Expression  # pytest's own -m parser
+
+    try:
+        Expression.compile(expr)
+    except Exception as e:  # ParseError: keep the message, whatever the class
+        return f"bad -m expression {expr!r}: {e}"
+    return None
+
+
+def _runners(doc: dict[str, Any]) -> tuple[Runner, ...]:
+    raw = doc["runner"]
+    items = raw if isinstance(raw, list) else [raw]
+    out = []
+    for r in items:
+        timeout = int(r["timeout_minutes"])
+        out.append(
+            Runner(
+                labels=tuple(r["labels"]),
+                cards=int(r["cards"]),
+                timeout_minutes=timeout,
+                budget_minutes=float(r.get("budget_minutes", timeout * DEFAULT_BUDGET_FRACTION)),
+                name=r.get("name") or "-".join(r["labels"]),
+            )
+        )
+    return tuple(sorted(out, key=lambda r: r.cards))
+
+
+def _expand(
+    entries: list[Any],
+    file: Path,
+    root: Path,
+    chain: tuple[str, ...],
+    problems: list[Problem],
+    included: list[str],
+) -> list[Entry]:
+    name = rel(file, root)
+    out: list[Entry] = []
+    for i, raw in enumerate(entries):
+        ptr = f"/entries/{i}"
+        if "include" in raw:
+            target_rel = raw["include"]
+            why = _outside(root, target_rel)
+            if why:
+                problems.append(Problem("path", name, ptr + "/include", f"{target_rel!r} {why}"))
+                continue
+            target = root / posixpath.normpath(target_rel)
+            tname = rel(target, root)
+            if tname in chain:
+                cycle = " -> ".join((*chain, tname))
+                problems.append(Problem("include", name, ptr + "/include", f"include cycle: {cycle}"))
+                continue
+            if not target.is_file():
+                problems.append(Problem("include", name, ptr + "/include", f"{target_rel!r} does not exist"))
+                continue
+            try:
+                doc = read_json(target, root)
+            except ManifestError as e:
+                problems.extend(e.problems)
+                continue
+            kind = "manifest" if isinstance(doc, dict) and "suite" in doc else "caseList"
+            found = validate(doc, root, tname, kind)
+            if found:
+                problems.extend(found)
+                continue
+            included.append(tname)
+            out.extend(_expand(doc["entries"], target, root, (*chain, tname), problems, included))
+            continue
+        for j, p in enumerate(raw["paths"]):
+            why = _outside(root, p.split("::", 1)[0])
+            if why:
+                problems.append(Problem("path", name, f"{ptr}/paths/{j}", f"{p!r} {why}"))
+        if "markers" in raw and (why := _compile_markers(raw["markers"])):
+            problems.append(Problem("schema", name, f"{ptr}/markers", why))
+        deps = raw.get("depends_on")
+        for j, g in enumerate(deps or ()):
+            why = _outside(root, g)
+            if why:
+                problems.append(Problem("path", name, f"{ptr}/depends_on/{j}", f"{g!r} {why}"))
+        out.append(
+            Entry(
+                id=raw["id"],
+                paths=tuple(p.rstrip("/") or "." for p in raw["paths"]),
+                markers=raw.get("markers"),
+                timeout_s=raw.get("timeout_s"),
+                estimated_s=float(raw.get("estimated_s", DEFAULT_ESTIMATED_S)),
+                depends_on=tuple(deps) if deps is not None else None,
+                source=name,
+                pointer=ptr,
+            )
+        )
+    return out
+
+
+def load_manifest(path: Path, root: Path) -> Manifest:
+    """Load, validate and expand one suite manifest.
+
+    Raises ``ManifestError`` listing every problem found: JSON syntax (file,
+    line, column), schema violations (file and JSON pointer), a ``suite`` that
+    differs from the file name, paths outside the repository, missing or
+    cyclic includes, unparsable ``markers``. Duplicate entry ids are not an
+    error here; :func:`duplicate_entries` reports them.
+    """
+    name = rel(path, root)
+    doc = read_json(path, root)
+    problems = validate(doc, root, name, "manifest")
+    if problems:
+        raise ManifestError(problems)
+    if doc["suite"] != path.stem:
+        problems.append(
+            Problem("schema", name, "/suite", f"suite {doc['suite']!r} must match the file name {path.stem!r}")
+        )
+    included: list[str] = []
+    entries = _expand(doc["entries"], path, root, (name,), problems, included)
+    if problems:
+        raise ManifestError(problems)
+    return Manifest(
+        suite=doc["suite"],
+        device=doc["device"],
+        runners=_runners(doc),
+        entries=tuple(entries),
+        path=name,
+        includes=tuple(dict.fromkeys(included)),
+    )
+
+
+def duplicate_entries(manifest: Manifest) -> list[Problem]:
+    """One ``duplicate-entry-id`` problem per entry whose id an earlier entry of the suite already uses."""
+    first: dict[str, Entry] = {}
+    out = []
+    for e in manifest.entries:
+        if e.id in first:
+            f = first[e.id]
+            out.append(
+                Problem(
+                    "duplicate-entry-id",
+                    e.source,
+                    e.pointer + "/id",
+                    f"entry id {e.id!r} of suite {manifest.suite!r} is already used at {f.source} {f.pointer}",
+                    manifest.suite,
+                )
+            )
+        else:
+            first[e.id] = e
+    return out
+
+
+def load_suites(root: Path, names: Iterable[str] | None = None) -> tuple[list[Manifest], list[Problem]]:
+    """Load the named suites (default: every ``suites/*.json``) of the repository at ``root``.
+
+    Returns the manifests that loaded and the problems of those that did not
+    (plus duplicate entry ids of those that did). An unknown name is a problem
+    with rule ``unknown-suite``.
+    """
+    problems: list[Problem] = []
+    files: list[Path] = []
+    if names:
+        for n in names:
+            try:
+                files.append(resolve_suite(root, n))
+            except ManifestError as e:
+                problems.extend(e.problems)
+    else:
+        files = suite_files(root)
+    manifests = []
+    for f in dict.fromkeys(files):
+        try:
+            m = load_manifest(f, root)
+        except ManifestError as e:
+            problems.extend(Problem(p.rule, p.file, p.where, p.message, f.stem) for p in e.problems)
+            continue
+        manifests.append(m)
+        problems.extend(duplicate_entries(m))
+    return manifests, problems

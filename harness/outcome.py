@@ -1,0 +1,199 @@
+"""What each rank of a case did, and the one verdict and report made of it.
+
+A rank writes its ``RankOutcome`` to a file when its function returns or
+raises; a rank that dies first (signal, ``os._exit``, deadline) leaves none,
+and the launcher records how it ended instead. ``CaseResult`` turns all of
+that into one status and a report that starts with the first failure.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+from dataclasses import dataclass, field
+from typing import Any
+
+PASSED, FAILED, SKIPPED, XFAILED = "passed", "failed", "skipped", "xfailed"
+
+# A dead peer makes the survivors' collectives fail a moment later; a rank
+# that died without reporting is ordered before failures reported within
+# this many seconds after its death was observed, as the likelier cause.
+_DEATH_PRECEDENCE_S = 1.0
+_OUTPUT_TAIL_LINES = 30
+
+
+@dataclass
+class RankOutcome:
+    """How one rank's function ended: ``status`` is passed / failed / skipped /
+    xfailed; ``at`` is the wall-clock time it ended; ``summary`` one line (the
+    exception or the skip reason); ``traceback`` the formatted failure;
+    ``value`` the pickled return value."""
+
+    rank: int
+    status: str
+    at: float
+    summary: str = ""
+    traceback: str = ""
+    value: bytes | None = None
+
+    def write(self, path: str) -> None:
+        """Publish atomically: a reader sees the whole outcome or no file."""
+        tmp = f"{path}.tmp"
+        with open(tmp, "wb") as f:
+            pickle.dump(self, f)
+        os.replace(tmp, path)
+
+    @staticmethod
+    def read(path: str) -> RankOutcome | None:
+        """The outcome at ``path``, or None when the rank has not written one."""
+        try:
+            with open(path, "rb") as f:
+                return pickle.load(f)
+        except FileNotFoundError:
+            return None
+
+
+def describe_exit(code: int | None) -> str:
+    """``killed by signal SIGKILL (9)`` / ``exited with code 3``."""
+    if code is None:
+        return "did not exit"
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"was killed by signal {name} ({-code})"
+    return f"exited with code {code}"
+
+
+@dataclass
+class _Failure:
+    at: float
+    rank: int
+    headline: str
+    detail: str
+
+
+def _ranks(n: int) -> str:
+    return f"{n} rank{'s' if n != 1 else ''}"
+
+
+@dataclass
+class CaseResult:
+    """Everything observed about one launch of ``nproc`` ranks."""
+
+    nproc: int
+    label: str
+    deadline_s: float
+    deadline_source: str
+    outcomes: dict[int, RankOutcome] = field(default_factory=dict)
+    #: rank -> (wall time its exit was observed, exit code), for ranks that
+    #: exited by themselves (not stopped by the launcher)
+    exits: dict[int, tuple[float, int]] = field(default_factory=dict)
+    #: ranks still running at the deadline
+    timed_out: list[int] = field(default_factory=list)
+    #: ranks stopped because they kept running after another rank failed
+    abandoned: list[int] = field(default_factory=list)
+    abandon_grace_s: float = 0.0
+    #: rank -> its Python stacks, dumped just before it was stopped
+    stacks: dict[int, str] = field(default_factory=dict)
+    #: rank -> its captured stdout/stderr (when output is captured)
+    logs: dict[int, str] = field(default_factory=dict)
+    #: pids still alive after SIGKILL (stuck in the kernel)
+    survivors: list[int] = field(default_factory=list)
+
+    def _failures(self) -> list[_Failure]:
+        failures = []
+        for rank in range(self.nproc):
+            outcome = self.outcomes.get(rank)
+            exit_ = self.exits.get(rank)
+            if outcome is not None and outcome.status == FAILED:
+                failures.append(_Failure(outcome.at, rank, f"rank {rank} failed: {outcome.summary}",
+                                         outcome.traceback))
+            elif outcome is None and exit_ is not None:
+                at, code = exit_
+                failures.append(_Failure(
+                    at - _DEATH_PRECEDENCE_S, rank,
+                    f"rank {rank} {describe_exit(code)} before reporting an outcome",
+                    self._output_tail(rank)))
+            elif outcome is not None and exit_ is not None and exit_[1] != 0:
+                failures.append(_Failure(
+                    exit_[0], rank,
+                    f"rank {rank} {outcome.status}, then {describe_exit(exit_[1])} while shutting down",
+                    self._output_tail(rank)))
+        return sorted(failures, key=lambda f: (f.at, f.rank))
+
+    def _output_tail(self, rank: int) -> str:
+        log = self.logs.get(rank, "")
+        if not log.strip():
+            return ""
+        lines = log.rstrip("\n").splitlines()[-_OUTPUT_TAIL_LINES:]
+        return f"--- rank {rank} output (last {len(lines)} lines) ---\n" + "\n".join(lines)
+
+    @property
+    def status(self) -> str:
+        """failed if any rank failed, died or ran out of time; else xfailed if any
+        rank xfailed; else skipped if any rank skipped; else passed."""
+        if self.timed_out or self.abandoned or self._failures():
+            return FAILED
+        statuses = {o.status for o in self.outcomes.values()}
+        if len(self.outcomes) < self.nproc:
+            return FAILED
+        for status in (XFAILED, SKIPPED):
+            if status in statuses:
+                return status
+        return PASSED
+
+    def reason(self) -> str:
+        """The skip / xfail reason of the first rank that gave one."""
+        for rank in sorted(self.outcomes):
+            outcome = self.outcomes[rank]
+            if outcome.status in (SKIPPED, XFAILED):
+                return outcome.summary
+        return ""
+
+    def values(self) -> list[Any]:
+        """Each rank's return value, in rank order (only for a passed case)."""
+        return [pickle.loads(self.outcomes[r].value) if self.outcomes[r].value is not None else None
+                for r in range(self.nproc)]
+
+    def report(self) -> str:
+        """The failure report: ranks that ran out of time first, then the first
+        failing rank with its traceback, then one line per other failing rank."""
+        sections: list[str] = []
+        failures = self._failures()
+        summary: list[str] = []
+        if self.timed_out:
+            ranks = ", ".join(str(r) for r in self.timed_out)
+            sections.append(
+                f"case timed out ({_ranks(self.nproc)}, {self.label}): rank{'s' if len(self.timed_out) > 1 else ''} "
+                f"{ranks} still running at the {self.deadline_s:g} s deadline ({self.deadline_source}); "
+                "stopped with SIGTERM, then SIGKILL"
+            )
+            sections.extend(self._stack_section(r, "at the deadline") for r in self.timed_out)
+        elif failures:
+            first, failures = failures[0], failures[1:]
+            sections.append(f"{first.headline}\n({_ranks(self.nproc)}, {self.label})")
+            if first.detail:
+                sections.append(first.detail.rstrip("\n"))
+        summary.extend(f.headline for f in failures)
+        summary.extend(
+            f"rank {r} was still running {self.abandon_grace_s:g} s after the first failure; "
+            "stopped (stack in the output below)" for r in self.abandoned
+        )
+        if summary:
+            sections.append("other ranks:\n" + "\n".join(f"  {line}" for line in summary))
+        sections.extend(self._stack_section(r, "when stopped") for r in self.abandoned)
+        if len(self.outcomes) + len(self.exits) < self.nproc and not (self.timed_out or self.abandoned):
+            missing = [r for r in range(self.nproc) if r not in self.outcomes and r not in self.exits]
+            sections.append(f"ranks {missing} ended without an outcome")
+        if self.survivors:
+            sections.append(f"WARNING: pids {self.survivors} were still alive after SIGKILL")
+        return "\n\n".join(sections)
+
+    def _stack_section(self, rank: int, when: str) -> str:
+        stack = self.stacks.get(rank, "").rstrip("\n")
+        if not stack:
+            stack = "(no Python stack: the rank had not started running Python code yet)"
+        return f"--- rank {rank} stack {when} ---\n{stack}"

@@ -1,0 +1,319 @@
+"""Shard planning: partition a suite's cases onto CI runners, balanced by duration.
+
+Durations come from a recorded file (``harness run --durations-out FILE``;
+``suites/durations/<suite>.json`` is used when checked in), else from the
+median recorded duration of the case's entry, else from the entry's
+``estimated_s``. Cases are placed longest-first, each on the least-loaded
+shard whose runner has at least the cards it needs (LPT). With any list
+order, greedy placement keeps the longest shard within ``mean + longest case``
+of the mean; sorting longest-first makes the last placements small, so the
+imbalance falls as cases get finer.
+
+The partition for ``N`` shards is a pure function of the cases, their
+durations and ``N``: every shard job of a CI matrix recomputes it and picks
+its own shard.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+import tempfile
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from harness.manifest import SUITES_DIR, Runner
+
+DURATIONS_DIR = "durations"
+
+
+class PlanError(ValueError):
+    """The suite cannot be planned as asked (the message says what to change)."""
+
+
+@dataclass(frozen=True)
+class PlannedCase:
+    """A case as the planner sees it: its entry, cards and expected seconds.
+
+    ``basis`` says where ``seconds`` came from: ``recorded``, ``entry-median``
+    or ``estimated``.
+    """
+
+    nodeid: str
+    entry: str
+    cards: int
+    seconds: float
+    basis: str = "estimated"
+
+
+@dataclass
+class Shard:
+    """One CI job's share of a suite: 1-based ``index`` of ``total`` on ``runner``."""
+
+    index: int
+    total: int
+    runner: Runner
+    cases: list[PlannedCase] = field(default_factory=list)
+
+    @property
+    def load(self) -> float:
+        """Planned case seconds."""
+        return sum(c.seconds for c in self.cases)
+
+    @property
+    def label(self) -> str:
+        """``I/N``, as ``harness run --shard`` takes it."""
+        return f"{self.index}/{self.total}"
+
+
+@dataclass
+class Plan:
+    """A suite's shards in order."""
+
+    suite: str
+    shards: list[Shard]
+
+    def shard(self, index: int) -> Shard:
+        """Shard ``index`` (1-based); ``PlanError`` when out of range."""
+        if not 1 <= index <= len(self.shards):
+            raise PlanError(f"shard {index} does not exist; the plan has {len(self.shards)}")
+        return self.shards[index - 1]
+
+    def balance(self) -> float:
+        """Longest shard load over the mean shard load (1.0 is perfect; 1.0 when empty)."""
+        loads = [s.load for s in self.shards]
+        mean = sum(loads) / len(loads) if loads else 0.0
+        return max(loads) / mean if mean > 0 else 1.0
+
+    def matrix(self) -> dict[str, Any]:
+        """The GitHub Actions matrix: ``{"include": [{"suite", "shard", "runner", ...}]}``."""
+        return {
+            "include": [
+                {
+                    "suite": self.suite,
+                    "shard": s.label,
+                    "runner": list(s.runner.labels),
+                    "runner_name": s.runner.name,
+                    "cards": s.runner.cards,
+                    "timeout_minutes": s.runner.timeout_minutes,
+                    "cases": len(s.cases),
+                    "estimated_minutes": round(s.load / 60.0, 1),
+                }
+                for s in self.shards
+            ]
+        }
+
+
+def parse_shard(text: str) -> tuple[int, int]:
+    """Parse ``I/N`` (1 <= I <= N); ``PlanError`` otherwise."""
+    try:
+        i_text, n_text = text.split("/")
+        i, n = int(i_text), int(n_text)
+    except ValueError:
+        raise PlanError(f"--shard takes I/N, e.g. 2/4; got {text!r}") from None
+    if not 1 <= i <= n:
+        raise PlanError(f"--shard {text}: need 1 <= I <= N")
+    return i, n
+
+
+# --------------------------------------------------------------------------- durations
+
+
+def default_durations_path(root: Path, suite: str) -> Path:
+    """Where a suite's checked-in durations live: ``suites/durations/<suite>.json``."""
+    return root / SUITES_DIR / DURATIONS_DIR / f"{suite}.json"
+
+
+def load_durations(path: Path | None) -> dict[str, float]:
+    """Recorded seconds per node id from ``{"durations": {nodeid: s}}`` (or a bare
+    mapping). A missing file is empty; a malformed one raises ``PlanError`` naming it."""
+    if path is None or not path.is_file():
+        return {}
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as e:
+        raise PlanError(f"{path}: cannot read durations: {e}") from e
+    data = doc.get("durations", doc) if isinstance(doc, dict) else None
+    if not isinstance(data, dict) or not all(
+        isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0
+        for k, v in data.items()
+    ):
+        raise PlanError(f'{path}: expected {{"durations": {{"<nodeid>": <seconds >= 0>, ...}}}}')
+    return {k: float(v) for k, v in data.items()}
+
+
+def write_durations(path: Path, suite: str, durations: Mapping[str, float]) -> None:
+    """Merge ``durations`` into the file at ``path`` (created if absent), atomically.
+
+    Node ids already in the file and absent from ``durations`` are kept, so
+    shards of one suite can record into the same file in turn.
+    """
+    try:
+        merged = load_durations(path)
+    except PlanError:
+        merged = {}  # a corrupt file is replaced by fresh measurements
+    merged.update({k: round(float(v), 3) for k, v in durations.items()})
+    path.parent.mkdir(parents=True, exist_ok=True)
+    doc = {"suite": suite, "durations": dict(sorted(merged.items()))}
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        json.dump(doc, f, indent=1)
+        f.write("\n")
+    os.replace(tmp, path)
+
+
+def estimate(
+    cases: Sequence[tuple[str, str, int, float]], durations: Mapping[str, float]
+) -> list[PlannedCase]:
+    """Expected seconds of each ``(nodeid, entry id, cards, entry estimated_s)``.
+
+    A recorded duration wins; a case without one gets the median recorded
+    duration of its entry's cases when the entry has any (hand estimates
+    drift), else the entry's ``estimated_s``.
+    """
+    per_entry: dict[str, list[float]] = {}
+    for nodeid, entry, _, _ in cases:
+        if nodeid in durations:
+            per_entry.setdefault(entry, []).append(durations[nodeid])
+    out = []
+    for nodeid, entry, cards, estimated in cases:
+        if nodeid in durations:
+            out.append(PlannedCase(nodeid, entry, cards, durations[nodeid], "recorded"))
+        elif per_entry.get(entry):
+            out.append(PlannedCase(nodeid, entry, cards, statistics.median(per_entry[entry]), "entry-median"))
+        else:
+            out.append(PlannedCase(nodeid, entry, cards, float(estimated), "estimated"))
+    return out
+
+
+# --------------------------------------------------------------------------- partition
+
+
+def _fit(runners: Sequence[Runner], cards: int) -> int:
+    for i, r in enumerate(runners):
+        if r.cards >= cards:
+            return i
+    raise PlanError(
+        f"a case needs {cards} card(s); the largest runner ({runners[-1].name}) has {runners[-1].cards}"
+    )
+
+
+def _allocate(work: list[float], shards: int) -> list[int]:
+    """Shards per runner class: every class with work gets one, the rest go where
+    work per shard is highest. Classes beyond ``shards`` hand their work up to
+    the next larger class (larger runners can run smaller cases)."""
+    work = list(work)
+    needed = [i for i, w in enumerate(work) if w > 0]
+    while len(needed) > shards:
+        small = needed.pop(0)
+        work[needed[0]] += work[small]
+        work[small] = 0.0
+    counts = [1 if w > 0 else 0 for w in work]
+    if not needed:
+        counts[0] = 1
+    for _ in range(shards - sum(counts)):
+        best = max(range(len(work)), key=lambda i: (work[i] / counts[i] if counts[i] else -1.0, -i))
+        counts[best] += 1
+    return counts
+
+
+def partition(cases: Sequence[PlannedCase], runners: Sequence[Runner], shards: int) -> list[Shard]:
+    """Split ``cases`` into ``shards`` shards over the runner classes (ascending cards).
+
+    Longest case first, each onto the least-loaded shard whose runner has
+    enough cards (ties: the smaller runner, then the lower index). Raises
+    ``PlanError`` when a case fits no runner.
+    """
+    if shards < 1:
+        raise PlanError(f"need at least one shard; got {shards}")
+    runners = sorted(runners, key=lambda r: r.cards)
+    work = [0.0] * len(runners)
+    for c in cases:
+        work[_fit(runners, c.cards)] += c.seconds or 1e-9
+    counts = _allocate(work, shards)
+    out: list[Shard] = []
+    for r, n in zip(runners, counts, strict=True):
+        out.extend(Shard(0, shards, r) for _ in range(n))
+    for i, s in enumerate(out, 1):
+        s.index = i
+    loads = [0.0] * len(out)
+    for c in sorted(cases, key=lambda c: (-c.seconds, -c.cards, c.nodeid)):
+        eligible = [i for i, s in enumerate(out) if s.runner.cards >= c.cards]
+        if not eligible:
+            raise PlanError(f"{c.nodeid} needs {c.cards} card(s); no shard's runner has that many")
+        best = min(eligible, key=lambda i: (loads[i], out[i].runner.cards, i))
+        out[best].cases.append(c)
+        loads[best] += c.seconds
+    return out
+
+
+def _over_budget(shards: Sequence[Shard], limit_s: float | None = None) -> list[Shard]:
+    return [s for s in shards if s.load > min(s.runner.budget_s, limit_s or math.inf)]
+
+
+def plan(
+    suite: str,
+    runners: Sequence[Runner],
+    cases: Sequence[PlannedCase],
+    *,
+    shards: int | None = None,
+    target_minutes: float | None = None,
+    enforce_budget: bool = True,
+) -> Plan:
+    """Plan ``suite`` onto its runner classes.
+
+    ``shards``: exactly that many shards. ``target_minutes``: the fewest shards
+    whose every shard stays within the target (and the runner's budget).
+    Neither: the fewest shards within each runner's budget (``budget_minutes``,
+    by default 75% of the job timeout). With ``enforce_budget``, a case longer
+    than its runner's budget or a shard over budget raises ``PlanError``
+    naming it. An empty suite still gets one (empty) shard, so a CI matrix is
+    never empty.
+    """
+    if shards is not None and target_minutes is not None:
+        raise PlanError("give --shards or --target-minutes, not both")
+    runners = sorted(runners, key=lambda r: r.cards)
+    if enforce_budget:
+        for c in cases:
+            eligible = [r.budget_s for r in runners if r.cards >= c.cards]
+            if eligible and c.seconds > max(eligible):
+                raise PlanError(
+                    f"{c.nodeid} is expected to take {c.seconds / 60:.1f} min, over the shard budget of "
+                    f"{max(eligible) / 60:.1f} min; split the case or raise the runner's timeout_minutes / budget_minutes"
+                )
+    if shards is not None:
+        result = partition(cases, runners, shards)
+        over = _over_budget(result)
+        if enforce_budget and over:
+            raise PlanError(
+                "; ".join(
+                    f"shard {s.label} is planned at {s.load / 60:.1f} min, over the {s.runner.budget_minutes:.1f}-min "
+                    f"budget of runner {s.runner.name} (timeout {s.runner.timeout_minutes} min)"
+                    for s in over
+                )
+                + "; use more shards"
+            )
+        return Plan(suite, result)
+    limit = target_minutes * 60.0 if target_minutes is not None else None
+    if limit is not None and limit <= 0:
+        raise PlanError(f"--target-minutes must be positive; got {target_minutes}")
+    if limit is not None:
+        for c in cases:
+            if c.seconds > limit:
+                raise PlanError(f"{c.nodeid} alone takes {c.seconds / 60:.1f} min, over --target-minutes {target_minutes}")
+    total = sum(c.seconds for c in cases)
+    cap = min(limit or math.inf, max(r.budget_s for r in runners))
+    n = max(1, math.ceil(total / cap) if cap > 0 else 1)
+    while True:
+        result = partition(cases, runners, n)
+        if not _over_budget(result, limit) or n >= max(1, len(cases)):
+            break
+        n += 1
+    over = _over_budget(result, limit)
+    if over and enforce_budget:
+        raise PlanError(f"cannot fit suite {suite} within the budget even with one case per shard")
+    return Plan(suite, result)

@@ -1,0 +1,239 @@
+"""pytest plugin (entry point ``pytest11: harness``): the ``launch`` marker,
+card and process-slot leasing, and running marked tests in rank processes.
+
+Per test:
+
+* setup (before any fixture): the test's ``LaunchSpec`` is resolved; a test
+  needing cards this host lacks is skipped with the reason, or fails when its
+  device is in ``--harness-require``; a plain (not launched) test
+  parametrized with an accelerator leases one card until its teardown;
+* call, for ``launch``-marked tests: the case leases its cards and process
+  slots (bounded by ``--harness-lease-timeout``), runs the test function in
+  ``nproc`` ranks with the fixture values, and is reported as the ranks ended:
+  passed, failed naming ``rank N`` (first failure first, with its
+  traceback), skipped or xfailed with the ranks' reason.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import NoReturn
+
+import pytest
+
+from harness import settings as harness_settings
+from harness.devices import (
+    CARD_ENV,
+    describe_inventory,
+    inventory,
+    is_simulated,
+    local_index,
+    parse_cards,
+    runtime_available,
+    set_device,
+)
+from harness.launch import echo_logs, missing_cards, pickle_args, run_ranks
+from harness.lease import Lease, LeaseTimeout, acquire, card_want, default_lease_dir, slot_want
+from harness.outcome import FAILED, SKIPPED, XFAILED
+from harness.rank import RankTask
+from harness.settings import DEFAULT_LEASE_TIMEOUT_S, DEFAULT_TIMEOUT_S, Settings, cpu_count
+from harness.spec import ACCELERATORS, LaunchSpec, is_launched, spec_for_item
+from harness.target import FunctionRef
+
+SETTINGS_KEY = pytest.StashKey[Settings]()
+SPEC_KEY = pytest.StashKey[LaunchSpec]()
+CARD_LEASE_KEY = pytest.StashKey[tuple[Lease, "str | None"]]()
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("harness", "multi-process and accelerator test harness")
+    group.addoption("--harness-timeout", type=float, default=DEFAULT_TIMEOUT_S, metavar="SECONDS",
+                    help="deadline of a launched case without LaunchSpec.timeout "
+                         f"(default {DEFAULT_TIMEOUT_S:g})")
+    group.addoption("--harness-lease-dir", default=None, metavar="DIR",
+                    help="directory of the card / process-slot lock files shared by every "
+                         "pytest process on the host (default: $HARNESS_LEASE_DIR, else "
+                         "<system temp>/harness-leases)")
+    group.addoption("--harness-max-procs", type=int, default=None, metavar="N",
+                    help="rank processes allowed to run at once on this host "
+                         "(default: the CPU count)")
+    group.addoption("--harness-lease-timeout", type=float, default=DEFAULT_LEASE_TIMEOUT_S,
+                    metavar="SECONDS",
+                    help="how long a case waits for its cards and process slots before failing "
+                         f"(default {DEFAULT_LEASE_TIMEOUT_S:g})")
+    group.addoption("--harness-require", default="", metavar="DEVICES",
+                    help="comma-separated accelerators (cuda,npu): a case needing one this host "
+                         "lacks fails instead of being skipped")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        "launch(spec=None, *, device=None, nproc=1, timeout=None, backend=None, reuse=True): "
+        "run the test body in LaunchSpec.nproc rank processes with torch.distributed initialised",
+    )
+    settings = _settings_from(config)
+    config.stash[SETTINGS_KEY] = settings
+    harness_settings.push(settings)
+
+
+def _settings_from(config: pytest.Config) -> Settings:
+    opt = config.getoption
+    require = frozenset(d.strip() for d in (opt("harness_require") or "").split(",") if d.strip())
+    bad = sorted(require - set(ACCELERATORS))
+    if bad:
+        raise pytest.UsageError(
+            f"--harness-require: unknown device(s) {', '.join(bad)}; choose from {', '.join(ACCELERATORS)}"
+        )
+    for name in ("harness_timeout", "harness_lease_timeout"):
+        if not opt(name) > 0:
+            raise pytest.UsageError(f"--{name.replace('_', '-')} must be > 0; got {opt(name)}")
+    max_procs = opt("harness_max_procs")
+    if max_procs is not None and max_procs < 1:
+        raise pytest.UsageError(f"--harness-max-procs must be >= 1; got {max_procs}")
+    if is_simulated():
+        try:
+            parse_cards(os.environ["HARNESS_CARDS"])
+        except ValueError as exc:
+            raise pytest.UsageError(str(exc)) from None
+    return Settings(
+        timeout=opt("harness_timeout"),
+        lease_dir=opt("harness_lease_dir") or default_lease_dir(),
+        max_procs=max_procs or cpu_count(),
+        lease_timeout=opt("harness_lease_timeout"),
+        require=require,
+        capture=True,
+    )
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    settings = config.stash.get(SETTINGS_KEY, None)
+    if settings is not None:
+        harness_settings.pop(settings)
+
+
+def pytest_report_header(config: pytest.Config) -> list[str]:
+    settings = config.stash[SETTINGS_KEY]
+    line = (f"harness: cards {describe_inventory()}; {settings.max_procs} process slots; "
+            f"lease dir {settings.lease_dir}")
+    if settings.require:
+        line += f"; required: {','.join(sorted(settings.require))}"
+    return [line]
+
+
+# Not tryfirst: skip / xfail marks (evaluated by pytest's tryfirst hook) win
+# over "no card here", but this still runs before any fixture is set up.
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    if not isinstance(item, pytest.Function):
+        return
+    try:
+        spec = spec_for_item(item)
+    except ValueError as exc:
+        _fail(f"{item.nodeid}: {exc}")
+    item.stash[SPEC_KEY] = spec
+    settings = item.config.stash[SETTINGS_KEY]
+    reason = missing_cards(spec.device, spec.cards)
+    if reason is not None:
+        if spec.device in settings.require:
+            _fail(f"{reason}, and --harness-require {spec.device} is given")
+        _skip_at_test(reason)
+    if spec.cards and not is_launched(item):
+        _lease_card_in_process(item, spec, settings)
+
+
+def _lease_card_in_process(item: pytest.Function, spec: LaunchSpec, settings: Settings) -> None:
+    try:
+        lease = acquire(settings.lease_dir, [card_want(inventory(spec.device), 1)],
+                        timeout=settings.lease_timeout, holder=item.nodeid)
+    except LeaseTimeout as exc:
+        _fail(f"{item.nodeid}: could not lease a {spec.device} card\n{exc}")
+    card = lease.cards()[0]
+    item.stash[CARD_LEASE_KEY] = (lease, os.environ.get(CARD_ENV))
+    os.environ[CARD_ENV] = str(card)
+    # A simulated inventory on a host whose tests never imported torch needs no
+    # device selection (and should not pay for importing torch).
+    if (not is_simulated() or "torch" in sys.modules) and runtime_available(card.device):
+        index = local_index(card)
+        if index is not None:
+            set_device(card, index)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None):
+    try:
+        return (yield)
+    finally:
+        held = item.stash.get(CARD_LEASE_KEY, None)
+        if held is not None:
+            del item.stash[CARD_LEASE_KEY]
+            lease, previous = held
+            lease.release()
+            if previous is None:
+                os.environ.pop(CARD_ENV, None)
+            else:
+                os.environ[CARD_ENV] = previous
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
+    if not is_launched(pyfuncitem):
+        return None
+    spec = pyfuncitem.stash.get(SPEC_KEY, None) or spec_for_item(pyfuncitem)
+    settings = pyfuncitem.config.stash[SETTINGS_KEY]
+    task = _task_for(pyfuncitem)
+    if spec.timeout:
+        deadline_s, source = spec.timeout, "LaunchSpec.timeout"
+    else:
+        deadline_s, source = settings.timeout, "--harness-timeout"
+    wants = [slot_want(settings.max_procs, spec.nproc)]
+    if spec.cards:
+        wants.append(card_want(inventory(spec.device), spec.cards))
+    try:
+        lease = acquire(settings.lease_dir, wants, timeout=settings.lease_timeout,
+                        holder=pyfuncitem.nodeid)
+    except LeaseTimeout as exc:
+        _fail(f"{pyfuncitem.nodeid}: could not lease what the case needs\n{exc}")
+    result = None
+    try:
+        result = run_ranks(task, spec, deadline_s=deadline_s, deadline_source=source,
+                           cards=lease.cards(), lease=lease, capture=True, what=pyfuncitem.nodeid)
+    finally:
+        # Ranks the kernel would not kill keep their inherited lock: the card
+        # stays leased until they are really gone.
+        lease.release(holders_gone=result is not None and not result.survivors)
+    echo_logs(result)
+    status = result.status
+    if status == FAILED:
+        _fail(result.report())
+    if status == SKIPPED:
+        _skip_at_test(result.reason())
+    if status == XFAILED:
+        pytest.xfail(result.reason())
+    return True
+
+
+def _fail(message: str) -> NoReturn:
+    """Fail the test with ``message`` alone (no plugin traceback, no exception chain)."""
+    raise pytest.fail.Exception(message, pytrace=False) from None
+
+
+def _skip_at_test(reason: str) -> None:
+    """Skip, reported at the test's location rather than at this plugin's line."""
+    try:
+        exc = pytest.skip.Exception(reason, _use_item_location=True)
+    except TypeError:  # a pytest without the keyword
+        exc = pytest.skip.Exception(reason)
+    raise exc
+
+
+def _task_for(item: pytest.Function) -> RankTask:
+    names = item._fixtureinfo.argnames
+    kwargs = {name: item.funcargs[name] for name in names}
+    params = item.callspec.params if hasattr(item, "callspec") else {}
+    kinds = {name: "parametrized argument" if name in params else "fixture" for name in names}
+    try:
+        args = pickle_args((), kwargs, kinds=kinds)
+    except TypeError as exc:
+        _fail(f"{item.nodeid}: {exc}")
+    return RankTask(FunctionRef.for_test(item), args, want_value=False)

@@ -1,0 +1,189 @@
+"""Results of ``harness run``: read pytest's JUnit XML back per case and summarise per entry.
+
+pytest names a JUnit ``testcase`` by ``classname`` (the node id's path with
+``/`` -> ``.`` and no ``.py``, plus any classes) and ``name`` (the function
+with its parameters); :func:`junit_key` derives the same pair from a node id,
+so each planned case is found in the XML exactly, with or without xdist.
+A planned case absent from the XML is ``missing`` (it never ran) and counts
+as a failure.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import xml.etree.ElementTree as ET
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+OUTCOMES = ("passed", "failed", "skipped", "missing")
+
+
+@dataclass(frozen=True)
+class CaseResult:
+    """What happened to one case: ``outcome`` in :data:`OUTCOMES`, JUnit seconds, first message line."""
+
+    nodeid: str
+    outcome: str
+    seconds: float = 0.0
+    message: str = ""
+
+
+@dataclass(frozen=True)
+class EntryRow:
+    """One line of the summary table."""
+
+    entry: str
+    cases: int
+    passed: int
+    failed: int
+    skipped: int
+    missing: int
+    cards: int
+    seconds: float
+
+
+def junit_key(nodeid: str) -> tuple[str, str]:
+    """The ``(classname, name)`` pytest's junitxml writes for ``nodeid`` (with no ``junit_prefix``)."""
+    path, bracket, params = nodeid.partition("[")
+    names = path.split("::")
+    names[0] = re.sub(r"\.py$", "", names[0].replace("/", "."))
+    names[-1] += bracket + params
+    return ".".join(names[:-1]), names[-1]
+
+
+def _suites(root: ET.Element) -> list[ET.Element]:
+    return [root] if root.tag == "testsuite" else list(root.iter("testsuite"))
+
+
+def read_junit(paths: Iterable[Path]) -> dict[tuple[str, str], CaseResult]:
+    """Outcome per ``(classname, name)`` from JUnit files; unreadable or absent files are skipped.
+
+    ``failure`` or ``error`` anywhere in a testcase (call or teardown) makes it
+    failed; otherwise ``skipped`` makes it skipped (xfail included).
+    """
+    out: dict[tuple[str, str], CaseResult] = {}
+    for p in paths:
+        try:
+            root = ET.parse(p).getroot()
+        except (OSError, ET.ParseError):
+            continue
+        for suite in _suites(root):
+            for tc in suite.iter("testcase"):
+                key = (tc.get("classname", ""), tc.get("name", ""))
+                bad = tc.find("failure") if tc.find("failure") is not None else tc.find("error")
+                skip = tc.find("skipped")
+                if bad is not None:
+                    outcome, msg = "failed", bad.get("message", "")
+                elif skip is not None:
+                    outcome, msg = "skipped", skip.get("message", "")
+                else:
+                    outcome, msg = "passed", ""
+                prev = out.get(key)
+                seconds = float(tc.get("time", 0) or 0) + (prev.seconds if prev else 0.0)
+                if prev is not None and prev.outcome == "failed":
+                    outcome, msg = prev.outcome, prev.message
+                out[key] = CaseResult("", outcome, seconds, (msg or "").splitlines()[0][:200] if msg else "")
+    return out
+
+
+def results_for(nodeids: Iterable[str], junit: Mapping[tuple[str, str], CaseResult]) -> dict[str, CaseResult]:
+    """Each planned node id's result; ``missing`` when the JUnit has no such case."""
+    out = {}
+    for n in nodeids:
+        r = junit.get(junit_key(n))
+        out[n] = CaseResult(n, r.outcome, r.seconds, r.message) if r else CaseResult(n, "missing")
+    return out
+
+
+def merge_junit(paths: Sequence[Path], target: Path) -> None:
+    """Write one ``<testsuites>`` file holding every ``<testsuite>`` of ``paths`` (unreadable ones skipped)."""
+    merged = ET.Element("testsuites")
+    totals = dict.fromkeys(("tests", "failures", "errors", "skipped"), 0)
+    for p in paths:
+        try:
+            root = ET.parse(p).getroot()
+        except (OSError, ET.ParseError):
+            continue
+        for s in _suites(root):
+            merged.append(s)
+            for k in totals:
+                totals[k] += int(s.get(k, 0) or 0)
+    for k, v in totals.items():
+        merged.set(k, str(v))
+    target.parent.mkdir(parents=True, exist_ok=True)
+    ET.ElementTree(merged).write(target, encoding="utf-8", xml_declaration=True)
+
+
+def summarize(
+    planned: Sequence[tuple[str, str, int]], results: Mapping[str, CaseResult]
+) -> list[EntryRow]:
+    """Per-entry rows, in first-seen entry order, from ``(nodeid, entry id, cards)`` and results."""
+    rows: dict[str, dict[str, float]] = {}
+    for nodeid, entry, cards in planned:
+        r = rows.setdefault(entry, {"cases": 0, "cards": 0, "seconds": 0.0, **dict.fromkeys(OUTCOMES, 0)})
+        res = results.get(nodeid, CaseResult(nodeid, "missing"))
+        r["cases"] += 1
+        r[res.outcome] += 1
+        r["cards"] = max(r["cards"], cards)
+        r["seconds"] += res.seconds
+    return [
+        EntryRow(e, int(r["cases"]), int(r["passed"]), int(r["failed"]), int(r["skipped"]), int(r["missing"]),
+                 int(r["cards"]), round(r["seconds"], 2))
+        for e, r in rows.items()
+    ]
+
+
+def totals(rows: Sequence[EntryRow]) -> EntryRow:
+    """The sum of ``rows`` (cards: the most any entry needs)."""
+    return EntryRow(
+        "total",
+        sum(r.cases for r in rows),
+        sum(r.passed for r in rows),
+        sum(r.failed for r in rows),
+        sum(r.skipped for r in rows),
+        sum(r.missing for r in rows),
+        max((r.cards for r in rows), default=0),
+        round(sum(r.seconds for r in rows), 2),
+    )
+
+
+def render(rows: Sequence[EntryRow], title: str, wall_s: float | None = None) -> str:
+    """A Markdown table (readable as plain text too) with a total line."""
+    head = ("entry", "cases", "passed", "failed", "skipped", "missing", "cards", "time (s)")
+    body = [
+        (r.entry, r.cases, r.passed, r.failed, r.skipped, r.missing, r.cards, f"{r.seconds:.1f}")
+        for r in (*rows, totals(rows))
+    ]
+    cells = [tuple(map(str, head)), *[tuple(map(str, b)) for b in body]]
+    widths = [max(len(c[i]) for c in cells) for i in range(len(head))]
+
+    def line(c: Sequence[str]) -> str:
+        return "| " + " | ".join(x.ljust(w) if i == 0 else x.rjust(w) for i, (x, w) in enumerate(zip(c, widths, strict=True))) + " |"
+
+    sep = "|" + "|".join(("-" * (w + 2)) if i == 0 else ("-" * (w + 1) + ":") for i, w in enumerate(widths)) + "|"
+    out = [f"### {title}", "", line(cells[0]), sep, *(line(c) for c in cells[1:])]
+    if wall_s is not None:
+        out += ["", f"wall time {wall_s:.1f} s; time (s) is the sum of the cases' own durations."]
+    return "\n".join(out) + "\n"
+
+
+def failures(results: Mapping[str, CaseResult], limit: int = 30) -> str:
+    """The failed and missing cases, one per line (at most ``limit``), for the log."""
+    bad = [r for r in results.values() if r.outcome in ("failed", "missing")]
+    lines = [f"- {r.outcome}: `{r.nodeid}`" + (f" — {r.message}" if r.message else "") for r in bad[:limit]]
+    if len(bad) > limit:
+        lines.append(f"- ... and {len(bad) - limit} more")
+    return "\n".join(lines) + ("\n" if lines else "")
+
+
+def write_summary_json(path: Path, title: str, rows: Sequence[EntryRow], results: Mapping[str, CaseResult]) -> None:
+    """Machine-readable summary: the table rows and every case's result."""
+    doc = {
+        "title": title,
+        "entries": [asdict(r) for r in rows],
+        "total": asdict(totals(rows)),
+        "cases": [asdict(r) for r in results.values()],
+    }
+    path.write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")

@@ -1,0 +1,60 @@
+"""Session-wide harness settings: deadlines, lease directory, process slots.
+
+The pytest plugin activates the settings its command line gives for the
+length of the session; ``harness.launch`` called from scripts gets the
+defaults (``HARNESS_LEASE_DIR`` honoured).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from harness.lease import default_lease_dir
+
+DEFAULT_TIMEOUT_S = 300.0
+DEFAULT_LEASE_TIMEOUT_S = 600.0
+
+
+def cpu_count() -> int:
+    """CPUs this process may run on (affinity-aware where the OS tells)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+@dataclass(frozen=True)
+class Settings:
+    """``timeout``: default case deadline (s); ``lease_dir``; ``max_procs``: CPU
+    process slots on the host; ``lease_timeout``: bound on a lease wait (s);
+    ``require``: accelerator types whose absence fails instead of skipping;
+    ``capture``: collect rank output into the report instead of streaming it."""
+
+    timeout: float = DEFAULT_TIMEOUT_S
+    lease_dir: str = field(default_factory=default_lease_dir)
+    max_procs: int = field(default_factory=cpu_count)
+    lease_timeout: float = DEFAULT_LEASE_TIMEOUT_S
+    require: frozenset[str] = frozenset()
+    capture: bool = False
+
+
+_stack: list[Settings] = []
+
+
+def current() -> Settings:
+    """The innermost active settings, else defaults from the environment."""
+    return _stack[-1] if _stack else Settings()
+
+
+def push(settings: Settings) -> None:
+    """Activate ``settings`` (the plugin does this at configure time)."""
+    _stack.append(settings)
+
+
+def pop(settings: Settings) -> None:
+    """Deactivate ``settings``; nested pytest runs (pytester) restore the outer ones."""
+    for i in range(len(_stack) - 1, -1, -1):
+        if _stack[i] is settings:
+            del _stack[i]
+            return

@@ -1,0 +1,133 @@
+"""Naming a function so that a freshly spawned process can import and call it.
+
+Ranks start in new interpreters (spawn), so the function they run travels by
+reference (module, qualified name, file) and is imported again in the rank.
+Test modules are loaded from their file with pytest's assertion rewriting, so
+a failing ``assert`` inside a rank explains itself like it does in pytest;
+loading by file also works where the module name alone would not import
+(pytester temp projects, ``--import-mode=importlib``).
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import importlib.util
+import inspect
+import os
+import sys
+import types
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class FunctionRef:
+    """``module`` + ``qualname`` (+ the module's ``path``) of a module-level
+    function or a test method; ``load()`` gives back the callable in any process."""
+
+    module: str
+    qualname: str
+    path: str | None = None
+    rewrite_asserts: bool = False
+
+    @classmethod
+    def of(cls, fn: Callable[..., Any]) -> FunctionRef:
+        """Reference a module-level function; ``ValueError`` for lambdas, closures
+        and other callables a spawned process could not import."""
+        module = getattr(fn, "__module__", None)
+        qualname = getattr(fn, "__qualname__", None)
+        if not module or not qualname or "<" in qualname:
+            raise ValueError(
+                f"harness.launch needs a function defined at module level so that the "
+                f"spawned ranks can import it; got {fn!r}"
+            )
+        mod = sys.modules.get(module)
+        return cls(module, qualname, getattr(mod, "__file__", None))
+
+    @classmethod
+    def for_test(cls, item: Any) -> FunctionRef:
+        """Reference the function of a pytest ``Function`` item (methods included)."""
+        module = item.module
+        name = item.originalname
+        qualname = f"{item.cls.__qualname__}.{name}" if item.cls is not None else name
+        return cls(module.__name__, qualname, getattr(module, "__file__", None), True)
+
+    def load(self) -> Callable[..., Any]:
+        """Import the module (if this process has not yet) and return the callable.
+
+        A test method comes back bound to a fresh instance of its class, as
+        pytest would call it.
+        """
+        module = sys.modules.get(self.module) or _import(self.module, self.path, self.rewrite_asserts)
+        parts = self.qualname.split(".")
+        owner: Any = module
+        obj: Any = module
+        for part in parts:
+            owner = obj
+            try:
+                obj = getattr(obj, part)
+            except AttributeError:
+                raise ImportError(
+                    f"{self.qualname} not found in module {self.module} "
+                    f"({self.path or 'no file'}) in the rank process"
+                ) from None
+        if isinstance(owner, type) and isinstance(
+            inspect.getattr_static(owner, parts[-1]), types.FunctionType
+        ):
+            obj = getattr(owner(), parts[-1])
+        return obj
+
+
+def _import(name: str, path: str | None, rewrite: bool) -> types.ModuleType:
+    loadable = path is not None and path.endswith(".py") and os.path.isfile(path)
+    if loadable and rewrite:
+        return _load_from_file(name, path, rewrite=True)
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        if not loadable:
+            raise
+        return _load_from_file(name, path, rewrite=False)
+
+
+def _load_from_file(name: str, path: str, *, rewrite: bool) -> types.ModuleType:
+    parent = name.rpartition(".")[0]
+    if parent and parent not in sys.modules:
+        try:
+            importlib.import_module(parent)
+        except ImportError:
+            pass  # relative imports in the module will fail and say so
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot load {name} from {path}")
+    module = importlib.util.module_from_spec(spec)
+    # Registered before running it, as the import system does, so pickled
+    # values referring to classes of this module resolve to it.
+    sys.modules[name] = module
+    try:
+        code = _rewritten_code(path) if rewrite else None
+        if code is None:
+            spec.loader.exec_module(module)
+        else:
+            exec(code, module.__dict__)
+    except BaseException:
+        sys.modules.pop(name, None)
+        raise
+    return module
+
+
+def _rewritten_code(path: str) -> types.CodeType | None:
+    """The module compiled with pytest's assertion rewriting (None: unavailable)."""
+    try:
+        from _pytest.assertion.rewrite import rewrite_asserts
+
+        with open(path, "rb") as f:
+            source = f.read()
+        tree = ast.parse(source, filename=path)
+        rewrite_asserts(tree, source, path, None)
+        return compile(tree, path, "exec", dont_inherit=True)
+    except Exception:
+        # Plain asserts still fail correctly, just with less explanation.
+        return None

@@ -1,0 +1,278 @@
+"""The ``harness`` command end to end: run (JUnit, summary, durations, shards,
+--changed-from), matrix, report parsing, and the real repository's inventory."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+from suite_project import make_project, manifest
+
+from harness import report
+from harness.cli import main
+from harness.inventory import Case
+from harness.run import worker_count
+from harness.spec import LaunchSpec
+
+REPO = Path(__file__).resolve().parents[2]
+
+RUN_TESTS = {
+    "tests/fast/test_f.py": """
+        import pytest
+
+        def test_ok():
+            pass
+
+        @pytest.mark.skip(reason="not today")
+        def test_skip():
+            pass
+
+        @pytest.mark.parametrize("device", ["cpu", "cuda"])
+        def test_dev(device):
+            pass
+    """,
+    "tests/mixed/test_m.py": """
+        def test_pass():
+            pass
+
+        def test_fail():
+            assert 1 == 2, "expected failure"
+    """,
+}
+LAUNCHED = {
+    "tests/dist/test_d.py": """
+        import os
+
+        import pytest
+
+        @pytest.mark.launch(nproc=2)
+        def test_two_ranks():
+            import torch.distributed as dist
+
+            assert dist.get_world_size() == 2
+            assert os.environ["WORLD_SIZE"] == "2"
+    """,
+}
+CPU_ENTRIES = [
+    {"id": "fast", "paths": ["tests/fast"]},
+    {"id": "mixed", "paths": ["tests/mixed"]},
+]
+
+
+def harness(cwd: Path, *args: str, env: dict | None = None, timeout: float = 240) -> subprocess.CompletedProcess:
+    # Not the outer session's PYTEST_ADDOPTS / step summary: they are its own.
+    base = {k: v for k, v in os.environ.items() if k not in ("PYTEST_ADDOPTS", "GITHUB_STEP_SUMMARY")}
+    return subprocess.run(
+        [sys.executable, "-m", "harness", *args], cwd=cwd, capture_output=True, text=True, timeout=timeout,
+        env={**base, **(env or {})},
+    )
+
+
+def summary_rows(md: str) -> dict[str, list[str]]:
+    rows = {}
+    for line in md.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if line.startswith("| ") and cells[0] not in ("entry",):
+            rows[cells[0]] = cells[1:]
+    return rows
+
+
+def test_run_end_to_end_cpu_suite_with_a_launched_case(pytester):
+    root = make_project(
+        pytester.path, {**RUN_TESTS, **LAUNCHED},
+        {"cpu": manifest("cpu", "cpu", [*CPU_ENTRIES, {"id": "dist", "paths": ["tests/dist"], "timeout_s": 120}])},
+    )
+    step = root / "step_summary.md"
+    out = root / "results"
+    done = harness(root, "run", "cpu", "--out", str(out), "--durations-out", str(root / "d.json"),
+                   env={"GITHUB_STEP_SUMMARY": str(step), "PYTEST_ADDOPTS": f"--junitxml={root / 'ci/j.xml'}"})
+    assert done.returncode == 1, done.stdout + done.stderr  # test_fail fails
+
+    # JUnit: exactly the planned cases (the cuda variant belongs to no cpu entry).
+    tree = ET.parse(out / "junit.xml").getroot()
+    cases = {f"{tc.get('classname')}::{tc.get('name')}": tc for tc in tree.iter("testcase")}
+    assert sorted(cases) == [
+        "tests.dist.test_d::test_two_ranks",
+        "tests.fast.test_f::test_dev[cpu]",
+        "tests.fast.test_f::test_ok",
+        "tests.fast.test_f::test_skip",
+        "tests.mixed.test_m::test_fail",
+        "tests.mixed.test_m::test_pass",
+    ]
+    assert cases["tests.mixed.test_m::test_fail"].find("failure") is not None
+    assert cases["tests.fast.test_f::test_skip"].find("skipped") is not None
+    # A --junitxml the caller gave pytest (here in PYTEST_ADDOPTS, as .ci/run does) gets the merged file.
+    assert (root / "ci/j.xml").read_bytes() == (out / "junit.xml").read_bytes()
+
+    # Summary per entry: cases, passed, failed, skipped, missing, cards, time.
+    md = (out / "summary.md").read_text()
+    rows = summary_rows(md)
+    assert rows["fast"][:6] == ["3", "2", "0", "1", "0", "0"]
+    assert rows["mixed"][:6] == ["2", "1", "1", "0", "0", "0"]
+    assert rows["dist"][:6] == ["1", "1", "0", "0", "0", "0"]
+    assert rows["total"][:5] == ["6", "4", "1", "1", "0"]
+    assert "failed: `tests/mixed/test_m.py::test_fail` — AssertionError: expected failure" in md
+    assert md in done.stdout
+    assert step.read_text().strip() == md.strip()
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["total"]["failed"] == 1
+
+    # The entry with its own timeout_s ran in its own pytest process (--harness-timeout=120).
+    assert "group 2/2: 1 case(s), timeout 120" in done.stdout
+
+    durations = json.loads((root / "d.json").read_text())["durations"]
+    assert set(durations) == {"tests/dist/test_d.py::test_two_ranks", "tests/fast/test_f.py::test_dev[cpu]",
+                              "tests/fast/test_f.py::test_ok", "tests/mixed/test_m.py::test_pass"}
+    assert durations["tests/dist/test_d.py::test_two_ranks"] > 0
+
+
+def git(root: Path, *args: str) -> None:
+    subprocess.run(["git", "-C", str(root), *args], check=True, capture_output=True)
+
+
+def test_run_changed_from_and_shards(pytester):
+    tests = {
+        "tests/a/test_a.py": "def test_a1():\n    pass\n\ndef test_a2():\n    pass\n",
+        "tests/b/test_b.py": "def test_b1():\n    pass\n\ndef test_b2():\n    pass\n",
+    }
+    entries = [
+        {"id": "a", "paths": ["tests/a"], "depends_on": ["src/a.py"]},
+        {"id": "b", "paths": ["tests/b"], "depends_on": ["src/b.py"]},
+    ]
+    root = make_project(pytester.path, tests, {"cpu": manifest("cpu", "cpu", entries)},
+                        {"src/a.py": "", "src/b.py": "", ".gitignore": "out/\n"})
+    git(root, "init", "-q", "-b", "main")
+    git(root, "-c", "user.email=t@e", "-c", "user.name=t", "add", ".")
+    git(root, "-c", "user.email=t@e", "-c", "user.name=t", "commit", "-qm", "base")
+    (root / "src/b.py").write_text("changed = True\n")
+
+    # Without xdist (-p no:xdist is passed through to pytest): selection is what is tested here.
+    done = harness(root, "run", "cpu", "--changed-from", "main", "--out", "out/changed", "--", "-p", "no:xdist")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "1 changed file(s) select 1 of 2 entries" in done.stdout
+    planned = json.loads((root / "out/changed/plan.json").read_text())["cases"]
+    assert planned == [["tests/b/test_b.py::test_b1", "b"], ["tests/b/test_b.py::test_b2", "b"]]
+    assert set(summary_rows((root / "out/changed/summary.md").read_text())) == {"b", "total"}
+
+    # Shard 1/2 of the whole suite: an LPT half, planned exactly as `harness matrix` plans it.
+    assert main(["--root", str(root), "matrix", "cpu", "--shards", "2"]) == 0
+    done = harness(root, "run", "cpu", "--shard", "1/2", "--out", "out/s1", "--", "-p", "no:xdist")
+    assert done.returncode == 0, done.stdout + done.stderr
+    planned = [c for c, _ in json.loads((root / "out/s1/plan.json").read_text())["cases"]]
+    assert len(planned) == 2
+    assert summary_rows((root / "out/s1/summary.md").read_text())["total"][:2] == ["2", "2"]
+
+
+def test_hung_plain_case_is_stopped_by_the_watchdog(pytester):
+    tests = {"tests/h/test_h.py": "import time\n\ndef test_hang():\n    time.sleep(120)\n\ndef test_ok():\n    pass\n"}
+    root = make_project(pytester.path, tests,
+                        {"cpu": manifest("cpu", "cpu", [{"id": "h", "paths": ["tests/h"], "timeout_s": 1}])})
+    done = harness(root, "run", "cpu", "--out", "out", timeout=90)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert summary_rows((root / "out/summary.md").read_text())["h"][:4] == ["2", "1", "1", "0"]
+    assert "- watchdog: tests/h/test_h.py::test_hang ran past 2 s (deadline 1 s); stacks in" in done.stdout
+    (log,) = (root / "out").glob("watchdog-*.log")
+    assert "Timeout (0:00:02)!" in log.read_text()
+    assert "in test_hang" in log.read_text()
+
+
+def test_run_refuses_a_suite_with_problems(pytester):
+    root = make_project(pytester.path, RUN_TESTS,
+                        {"cpu": manifest("cpu", "cpu", [*CPU_ENTRIES, {"id": "ghost", "paths": ["tests/none"]}])})
+    done = harness(root, "run", "cpu")
+    assert done.returncode == 2
+    assert "[entry-matches-nothing]" in done.stderr
+    assert "see `harness inventory cpu`" in done.stderr
+
+
+def test_matrix_uses_checked_in_durations(pytester, capsys):
+    tests = {"tests/t/test_t.py": "import pytest\n\n@pytest.mark.parametrize('i', range(6))\ndef test_t(i):\n    pass\n"}
+    durations = {"durations": {f"tests/t/test_t.py::test_t[{i}]": s for i, s in enumerate([50, 10, 10, 10, 10, 10])}}
+    root = make_project(pytester.path, tests, {"cpu": manifest("cpu", "cpu", [{"id": "t", "paths": ["tests/t"]}])},
+                        {"suites/durations/cpu.json": durations})
+    assert main(["--root", str(root), "matrix", "cpu", "--shards", "2"]) == 0
+    out = capsys.readouterr()
+    matrix = json.loads(out.out)
+    assert [(x["shard"], x["cases"]) for x in matrix["include"]] == [("1/2", 1), ("2/2", 5)]
+    assert "longest/mean 1.000" in out.err
+
+    assert main(["--root", str(root), "matrix", "cpu", "--target-minutes", "0.9"]) == 0
+    assert len(json.loads(capsys.readouterr().out)["include"]) == 2
+    assert main(["--root", str(root), "matrix", "cpu", "--target-minutes", "0.5"]) == 1
+    assert "over --target-minutes 0.5" in capsys.readouterr().err
+
+
+def test_pytest_args_only_for_run(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["matrix", "cpu", "--", "-x"])
+    assert info.value.code == 2
+
+
+# --------------------------------------------------------------------------- report
+
+
+@pytest.mark.parametrize(
+    "nodeid",
+    ["tests/a/test_x.py::test_y", "tests/test_x.py::TestC::test_m[cuda-2]", "t.py::test_p[a::b/c.py]", "x/test_z.py"],
+)
+def test_junit_key_matches_pytest(nodeid):
+    from _pytest.junitxml import mangle_test_address
+
+    names = mangle_test_address(nodeid)
+    assert report.junit_key(nodeid) == (".".join(names[:-1]), names[-1])
+
+
+def test_read_junit_outcomes_and_missing(tmp_path):
+    xml = tmp_path / "j.xml"
+    xml.write_text(
+        '<testsuites><testsuite name="pytest">'
+        '<testcase classname="t.test_a" name="test_ok" time="1.5"/>'
+        '<testcase classname="t.test_a" name="test_f" time="2"><failure message="boom&#10;more"/></testcase>'
+        '<testcase classname="t.test_a" name="test_e" time="0"><error message="teardown"/></testcase>'
+        '<testcase classname="t.test_a" name="test_s" time="0"><skipped message="no card"/></testcase>'
+        "</testsuite></testsuites>"
+    )
+    ids = [f"t/test_a.py::{n}" for n in ("test_ok", "test_f", "test_e", "test_s", "test_gone")]
+    res = report.results_for(ids, report.read_junit([xml, tmp_path / "absent.xml"]))
+    assert [r.outcome for r in res.values()] == ["passed", "failed", "failed", "skipped", "missing"]
+    assert res[ids[1]].message == "boom"
+    assert res[ids[0]].seconds == 1.5
+    rows = report.summarize([(n, "e", 2) for n in ids], res)
+    assert rows == [report.EntryRow("e", 5, 1, 2, 1, 1, 2, 3.5)]
+
+
+# --------------------------------------------------------------------------- workers
+
+
+def cases_needing(cards: int, n: int) -> list[Case]:
+    spec = LaunchSpec(device="cuda", nproc=cards)
+    return [Case(f"t::c{i}", "t", spec, True, None) for i in range(n)]
+
+
+def test_workers_sized_to_leasable_cards(monkeypatch):
+    monkeypatch.setenv("HARNESS_CARDS", "cuda:0,1,2,3")
+    wide = ["--harness-max-procs", "16"]
+    assert worker_count("cuda", cases_needing(1, 10), wide) == 4
+    assert worker_count("cuda", cases_needing(2, 10), wide) == 2
+    assert worker_count("cuda", cases_needing(1, 3), wide) == 3  # never more than cases
+    assert worker_count("cuda", cases_needing(1, 10), ["--harness-max-procs=2"]) == 2  # nor than slots
+    monkeypatch.setenv("HARNESS_CARDS", "none")
+    assert worker_count("cuda", cases_needing(1, 10), wide) == 1
+    cpu = [Case(f"t::c{i}", "t", LaunchSpec(), False, None) for i in range(10)]
+    assert worker_count("cpu", cpu, ["--harness-max-procs", "3"]) == 3
+    assert worker_count("cpu", cpu, [], requested=5) == 5
+
+
+# --------------------------------------------------------------------------- the real repository
+
+
+def test_real_repository_inventory_is_clean_and_fast():
+    done = subprocess.run([sys.executable, "-m", "harness", "inventory", "-q"], cwd=REPO, capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "0 problem(s)" in done.stdout

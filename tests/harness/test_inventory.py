@@ -1,0 +1,284 @@
+"""Inventory rules, each on a small pytester project collected in-process."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from suite_project import DEVICE_TESTS, make_project, manifest
+
+from harness.cli import main
+from harness.inventory import build_inventory
+
+SHARED = {"entries": [{"id": "dev", "paths": ["tests"]}]}
+ACCEL = {
+    "gpu": manifest("gpu", "cuda", [{"include": "suites/cases/acc.json"}]),
+    "npu": manifest("npu", "npu", [{"include": "suites/cases/acc.json"}]),
+}
+
+
+def project(pytester, tests=None, cpu_entries=None, **suites):
+    docs = {"cpu": manifest("cpu", "cpu", cpu_entries or [{"id": "all", "paths": ["tests"]}]), **ACCEL, **suites}
+    return make_project(
+        pytester.path,
+        tests or {"tests/test_a.py": DEVICE_TESTS},
+        {k: v for k, v in docs.items() if v is not None},
+        {"suites/cases/acc.json": SHARED},
+    )
+
+
+def rules(inv):
+    return sorted({p.rule for p in inv.problems})
+
+
+def only(inv, rule):
+    found = [p for p in inv.problems if p.rule == rule]
+    assert found, [str(p) for p in inv.problems]
+    return found
+
+
+def test_clean_project_each_device_variant_in_its_suite(pytester):
+    inv = build_inventory(project(pytester))
+    assert inv.problems == []
+    owners = {n: sorted(o) for n, o in inv.owners.items()}
+    assert owners == {
+        "tests/test_a.py::test_plain": [("cpu", "all")],
+        "tests/test_a.py::test_dev[cpu]": [("cpu", "all")],
+        "tests/test_a.py::test_dev[cuda]": [("gpu", "dev")],
+        "tests/test_a.py::test_dev[npu]": [("npu", "dev")],
+    }
+    cases = {c["nodeid"]: c for c in inv.as_dict()["cases"]}
+    assert cases["tests/test_a.py::test_dev[cuda]"] == {
+        "nodeid": "tests/test_a.py::test_dev[cuda]", "device": "cuda", "nproc": 1, "cards": 1,
+        "launched": False, "entries": ["gpu:dev"],
+    }
+
+
+def test_launched_cases_take_the_device_of_their_spec(pytester):
+    tests = {"tests/test_l.py": """
+        import pytest
+        from harness.spec import LaunchSpec
+
+        @pytest.mark.launch(nproc=2)
+        def test_gloo():
+            pass
+
+        @pytest.mark.launch(LaunchSpec(device="cuda", nproc=2))
+        def test_nccl():
+            pass
+
+        @pytest.mark.launch(LaunchSpec(device="npu", nproc=2))
+        def test_hccl():
+            pass
+    """}
+    inv = build_inventory(project(pytester, tests))
+    assert inv.problems == []
+    got = {c.nodeid.split("::")[1]: (c.device, c.nproc, c.cards, c.launched) for c in inv.cases}
+    assert got == {"test_gloo": ("cpu", 2, 0, True), "test_nccl": ("cuda", 2, 2, True), "test_hccl": ("npu", 2, 2, True)}
+    assert inv.owners["tests/test_l.py::test_nccl"] == [("gpu", "dev")]
+
+
+def test_rule_cpu_case_needs_cards(pytester):
+    inv = build_inventory(project(pytester, cpu_entries=[
+        {"id": "all", "paths": ["tests"]},
+        {"id": "bad", "paths": ["tests/test_a.py::test_dev[cuda]"]},
+    ]))
+    (p,) = only(inv, "cpu-case-needs-cards")
+    assert p.file == "suites/cpu.json"
+    assert p.where.startswith("tests/test_a.py::test_dev[cuda] (entry 'bad'")
+    assert "asks for 1 card(s)" in p.message
+
+
+def test_rule_accelerator_case_without_cards(pytester):
+    gpu = manifest("gpu", "cuda", [
+        {"include": "suites/cases/acc.json"}, {"id": "plain", "paths": ["tests/test_a.py::test_plain"]},
+    ])
+    inv = build_inventory(project(pytester, gpu=gpu))
+    (p,) = only(inv, "accelerator-case-without-cards")
+    assert p.file == "suites/gpu.json"
+    assert "tests/test_a.py::test_plain" in p.where
+    assert rules(inv) == ["accelerator-case-without-cards"]
+
+
+def test_rule_case_exceeds_runner_cards(pytester):
+    tests = {"tests/test_a.py": DEVICE_TESTS, "tests/test_big.py": """
+        import pytest
+
+        @pytest.mark.parametrize("device", ["cpu", "cuda", "npu"])
+        @pytest.mark.launch(nproc=4)
+        def test_four(device):
+            pass
+    """}
+    inv = build_inventory(project(pytester, tests))
+    found = only(inv, "case-exceeds-runner-cards")
+    assert {p.suite for p in found} == {"gpu", "npu"}
+    assert all("test_four[" in p.where and "needs 4 card(s)" in p.message and "has 2" in p.message for p in found)
+
+
+def test_rule_unowned_file(pytester):
+    tests = {"tests/test_a.py": DEVICE_TESTS, "tests/new/test_b.py": "def test_b():\n    pass\n"}
+    inv = build_inventory(project(pytester, tests, cpu_entries=[{"id": "a", "paths": ["tests/test_a.py"]}]))
+    (p,) = only(inv, "unowned-file")
+    assert str(p).startswith("tests/new/test_b.py: [unowned-file]")
+    assert rules(inv) == ["unowned-file"]  # its cases are not reported once more
+
+
+def test_file_collecting_nothing_is_owned_by_its_entry_path(pytester):
+    tests = {"tests/test_a.py": DEVICE_TESTS, "tests/test_opt.py": """
+        import pytest
+        pytest.importorskip("module_that_is_not_installed")
+
+        def test_x():
+            pass
+    """}
+    assert build_inventory(project(pytester, tests)).problems == []
+
+
+def test_rule_unowned_case_excluded_by_markers(pytester):
+    tests = {"tests/test_a.py": DEVICE_TESTS, "tests/test_m.py": """
+        import pytest
+
+        def test_fast():
+            pass
+
+        @pytest.mark.slow
+        def test_slow():
+            pass
+    """}
+    inv = build_inventory(project(pytester, tests, cpu_entries=[
+        {"id": "all", "paths": ["tests/test_a.py"]}, {"id": "fast", "paths": ["tests/test_m.py"], "markers": "not slow"},
+    ]))
+    (p,) = only(inv, "unowned-case")
+    assert p.where == "tests/test_m.py::test_slow"
+    assert rules(inv) == ["unowned-case"]
+
+
+def test_rule_entry_matches_nothing(pytester):
+    inv = build_inventory(project(pytester, cpu_entries=[
+        {"id": "all", "paths": ["tests"]},
+        {"id": "ghost", "paths": ["tests/gone"]},
+        {"id": "shadowed", "paths": ["tests/test_a.py"]},
+    ]))
+    found = {p.where.split()[0]: p for p in only(inv, "entry-matches-nothing")}
+    assert set(found) == {"/entries/1", "/entries/2"}
+    assert "match no cpu case" in found["/entries/1"].message
+    assert "owned by the earlier entry 'all'" in found["/entries/2"].message
+    assert all(p.file == "suites/cpu.json" for p in found.values())
+
+
+def test_accelerator_entry_matching_only_cpu_tests_matches_nothing(pytester):
+    tests = {"tests/test_a.py": DEVICE_TESTS, "tests/plain/test_p.py": "def test_p():\n    pass\n"}
+    gpu = manifest("gpu", "cuda", [{"include": "suites/cases/acc.json"}, {"id": "plain", "paths": ["tests/plain"]}])
+    inv = build_inventory(project(pytester, tests, gpu=gpu))
+    (p,) = only(inv, "entry-matches-nothing")
+    assert p.suite == "gpu"
+    assert "match no cuda case" in p.message
+
+
+def test_rule_duplicate_entry_id(pytester):
+    inv = build_inventory(project(pytester, cpu_entries=[
+        {"id": "all", "paths": ["tests/test_a.py::test_plain"]}, {"id": "all", "paths": ["tests"]},
+    ]))
+    (p,) = only(inv, "duplicate-entry-id")
+    assert str(p).startswith("suites/cpu.json /entries/1/id: [duplicate-entry-id]")
+
+
+def test_rule_schema_error_in_inventory(pytester):
+    cpu = manifest("cpu", "cpu", [{"id": "all", "paths": ["tests"], "timeout_s": -5}])
+    inv = build_inventory(project(pytester, cpu=cpu))
+    (p,) = only(inv, "schema")
+    assert str(p).startswith("suites/cpu.json /entries/0/timeout_s: [schema]")
+    # With a manifest broken, ownership is not judged (it would only be noise).
+    assert "unowned-file" not in rules(inv)
+    assert "unowned-case" not in rules(inv)
+
+
+def test_rule_manifest_not_json(pytester):
+    inv = build_inventory(project(pytester, cpu='{"suite": "cpu",\n  oops}'))
+    (p,) = only(inv, "json")
+    assert p.file == "suites/cpu.json:2:3"
+
+
+def test_rule_collection_error(pytester):
+    tests = {"tests/test_a.py": DEVICE_TESTS, "tests/test_broken.py": "import module_that_does_not_exist\n"}
+    inv = build_inventory(project(pytester, tests))
+    (p,) = only(inv, "collection-error")
+    assert p.file == "tests/test_broken.py"
+    assert "module_that_does_not_exist" in p.message
+
+
+def test_rule_bad_launch_spec(pytester):
+    tests = {"tests/test_a.py": DEVICE_TESTS, "tests/test_bad.py": """
+        import pytest
+
+        @pytest.mark.launch(nproc=0)
+        def test_zero():
+            pass
+    """}
+    inv = build_inventory(project(pytester, tests))
+    (p,) = only(inv, "bad-launch-spec")
+    assert p.where == "tests/test_bad.py::test_zero"
+    assert "nproc" in p.message
+
+
+def test_first_matching_entry_owns_and_markers_select(pytester):
+    tests = {"tests/test_a.py": DEVICE_TESTS, "tests/test_m.py": """
+        import pytest
+
+        @pytest.mark.slow
+        def test_slow():
+            pass
+
+        def test_fast():
+            pass
+    """}
+    inv = build_inventory(project(pytester, tests, cpu_entries=[
+        {"id": "slow", "paths": ["tests"], "markers": "slow"}, {"id": "rest", "paths": ["tests"]},
+    ]))
+    assert inv.problems == []
+    assert inv.owners["tests/test_m.py::test_slow"] == [("cpu", "slow")]
+    assert inv.owners["tests/test_m.py::test_fast"] == [("cpu", "rest")]
+
+
+def test_cli_inventory_json_and_exit_codes(pytester, capsys):
+    project(pytester, {"tests/test_a.py": DEVICE_TESTS, "tests/x/test_b.py": "def test_b():\n    pass\n"},
+            cpu_entries=[{"id": "a", "paths": ["tests/test_a.py"]}])
+    assert main(["--root", str(pytester.path), "inventory", "--json"]) == 1
+    doc = json.loads(capsys.readouterr().out)
+    assert set(doc) == {"cases", "errors"}
+    assert {c["nodeid"] for c in doc["cases"]} >= {"tests/test_a.py::test_dev[npu]", "tests/x/test_b.py::test_b"}
+    assert [e["rule"] for e in doc["errors"]] == ["unowned-file"]
+
+    # Naming a suite lists its cases only; ownership is still judged against all suites.
+    assert main(["--root", str(pytester.path), "inventory", "gpu", "--json"]) == 1
+    doc = json.loads(capsys.readouterr().out)
+    assert [c["nodeid"] for c in doc["cases"]] == ["tests/test_a.py::test_dev[cuda]"]
+
+    (pytester.path / "suites/cpu.json").write_text(json.dumps(manifest("cpu", "cpu", [{"id": "a", "paths": ["tests"]}])))
+    assert main(["--root", str(pytester.path), "inventory"]) == 0
+    out = capsys.readouterr().out
+    assert "tests/test_a.py::test_dev[npu]" in out
+    assert "npu:dev" in out
+    assert "5 case(s); per suite: cpu 3, gpu 1, npu 1; 0 problem(s)" in out
+
+
+def test_cli_inventory_text_names_rule_file_and_case(pytester, capsys):
+    project(pytester, cpu_entries=[{"id": "all", "paths": ["tests"]}, {"id": "x", "paths": ["tests/test_a.py::test_dev[npu]"]}])
+    assert main(["--root", str(pytester.path), "inventory", "-q"]) == 1
+    err = capsys.readouterr().err
+    assert "suites/cpu.json tests/test_a.py::test_dev[npu] (entry 'x'" in err
+    assert "[cpu-case-needs-cards]" in err
+
+
+@pytest.mark.parametrize("name", ["tpu", "suites/tpu.json"])
+def test_cli_unknown_suite(pytester, capsys, name):
+    project(pytester)
+    assert main(["--root", str(pytester.path), "inventory", name]) == 1
+    assert "[unknown-suite]" in capsys.readouterr().err
+
+
+def test_broken_other_manifest_does_not_flood_a_named_inventory(pytester):
+    project(pytester, cpu=manifest("cpu", "cpu", [{"id": "all", "paths": ["tests"], "timeout_s": 0}]))
+    inv = build_inventory(pytester.path, ["gpu"])
+    assert inv.problems == []  # cpu's problem is cpu's; ownership is not judged without cpu
+    assert [c.nodeid for c, _ in inv.suite_cases("gpu")] == ["tests/test_a.py::test_dev[cuda]"]

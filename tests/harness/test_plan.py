@@ -1,0 +1,276 @@
+"""The shard planner (balance, card constraints, budgets, durations) and change selection.
+
+Balance is measured as the longest shard's planned seconds over the mean
+shard's (``Plan.balance()``), on synthetic durations.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from harness.changes import changed_files, select
+from harness.manifest import Entry, Runner
+from harness.plan import (
+    PlanError,
+    PlannedCase,
+    estimate,
+    load_durations,
+    parse_shard,
+    partition,
+    plan,
+    write_durations,
+)
+
+
+def runner(cards=0, timeout=60, budget=None, name=None):
+    return Runner(("lbl", f"c{cards}"), cards, timeout, budget if budget is not None else timeout * 0.75,
+                  name or f"r{cards}")
+
+
+def cases(seconds, cards=0):
+    return [PlannedCase(f"tests/test_x.py::test_{i}", "e", cards, s) for i, s in enumerate(seconds)]
+
+
+def lognormal(n, seed):
+    rng = random.Random(seed)
+    return [round(rng.lognormvariate(1.0, 1.0), 3) for _ in range(n)]
+
+
+# --------------------------------------------------------------------------- balance
+
+
+@pytest.mark.parametrize("seed", range(5))
+@pytest.mark.parametrize("shards", [2, 3, 4, 6, 8])
+def test_lpt_balance_within_ten_percent_of_mean(seed, shards):
+    # 400 heavy-tailed cases: the longest case is far below a shard's mean,
+    # which is when the target "longest shard <= 1.1 x mean" is reachable.
+    result = plan("s", [runner()], cases(lognormal(400, seed)), shards=shards, enforce_budget=False)
+    assert len(result.shards) == shards
+    assert result.balance() <= 1.1, [round(s.load, 1) for s in result.shards]
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(st.lists(st.floats(0.01, 500.0), min_size=1, max_size=60), st.integers(1, 8))
+def test_longest_shard_within_mean_plus_longest_case(seconds, shards):
+    """Greedy placement's bound: when the longest shard got its last case it was the
+    least loaded, so longest <= mean + longest case; every case is placed exactly once."""
+    result = partition(cases(seconds), [runner()], shards)
+    loads = [s.load for s in result]
+    assert max(loads) <= sum(seconds) / shards + max(seconds) + 1e-6
+    placed = sorted(c.nodeid for s in result for c in s.cases)
+    assert placed == sorted(c.nodeid for c in cases(seconds))
+
+
+def test_one_dominant_case_gets_a_shard_of_its_own():
+    result = plan("s", [runner()], cases([100, 10, 10, 10, 10, 10]), shards=2, enforce_budget=False)
+    assert sorted(s.load for s in result.shards) == [50, 100]
+
+
+def test_partition_is_deterministic_and_order_independent():
+    cs = cases(lognormal(50, 1) + [3.0] * 10)
+    shuffled = cs[:]
+    random.Random(7).shuffle(shuffled)
+    a = partition(cs, [runner()], 4)
+    b = partition(shuffled, [runner()], 4)
+    assert [[c.nodeid for c in s.cases] for s in a] == [[c.nodeid for c in s.cases] for s in b]
+
+
+# --------------------------------------------------------------------------- cards
+
+
+def test_cases_never_land_on_runners_with_fewer_cards():
+    small, big = runner(1, name="one"), runner(4, name="four")
+    cs = cases(lognormal(60, 2), cards=1) + [
+        PlannedCase(f"tests/test_y.py::test_{i}", "e", 4, 20.0) for i in range(6)
+    ]
+    for n in (2, 3, 5):
+        result = plan("s", [big, small], cs, shards=n, enforce_budget=False)
+        assert {s.runner.name for s in result.shards} == {"one", "four"}
+        for s in result.shards:
+            assert all(c.cards <= s.runner.cards for c in s.cases)
+
+
+def test_small_cases_fill_big_runners_when_one_shard():
+    result = plan("s", [runner(1), runner(4)], [*cases([5.0], cards=1), *cases([5.0], cards=4)[:0],
+                  PlannedCase("t::big", "e", 4, 5.0)], shards=1, enforce_budget=False)
+    (only,) = result.shards
+    assert only.runner.cards == 4
+    assert len(only.cases) == 2
+
+
+def test_case_needing_more_cards_than_any_runner_is_refused():
+    with pytest.raises(PlanError, match="needs 8 card"):
+        partition([PlannedCase("t::huge", "e", 8, 1.0)], [runner(2)], 1)
+
+
+# --------------------------------------------------------------------------- budgets and targets
+
+
+def test_shards_over_budget_are_named():
+    with pytest.raises(PlanError, match=r"shard 1/2 is planned at .* over the 3.0-min budget"):
+        plan("s", [runner(timeout=4, budget=3)], cases([100.0] * 6), shards=2)
+
+
+def test_single_case_over_budget_is_named():
+    with pytest.raises(PlanError, match=r"test_0 is expected to take 5.0 min, over the shard budget of 3.0 min"):
+        plan("s", [runner(timeout=4, budget=3)], cases([300.0]))
+
+
+def test_target_minutes_picks_the_fewest_shards_that_fit():
+    result = plan("s", [runner()], cases([30.0] * 40), target_minutes=5)  # 20 min of work
+    assert len(result.shards) == 4
+    assert all(s.load <= 300 for s in result.shards)
+
+
+def test_default_plan_fills_the_runner_budget():
+    result = plan("s", [runner(timeout=20, budget=10)], cases([60.0] * 25))  # 25 min of work
+    assert len(result.shards) == 3
+    assert all(s.load <= 600 for s in result.shards)
+
+
+def test_target_longer_than_one_case_is_refused():
+    with pytest.raises(PlanError, match="over --target-minutes 1"):
+        plan("s", [runner()], cases([120.0]), target_minutes=1)
+
+
+def test_empty_suite_still_has_one_shard():
+    m = plan("s", [runner()], []).matrix()
+    assert m == {"include": [{"suite": "s", "shard": "1/1", "runner": ["lbl", "c0"], "runner_name": "r0",
+                              "cards": 0, "timeout_minutes": 60, "cases": 0, "estimated_minutes": 0.0}]}
+
+
+def test_matrix_json_lists_every_shard():
+    m = plan("gpu", [runner(2, timeout=30)], cases([60.0] * 10, cards=1), shards=3).matrix()
+    assert [x["shard"] for x in m["include"]] == ["1/3", "2/3", "3/3"]
+    assert all(x["runner"] == ["lbl", "c2"] and x["cards"] == 2 and x["timeout_minutes"] == 30 for x in m["include"])
+    assert sum(x["cases"] for x in m["include"]) == 10
+    json.dumps(m)
+
+
+@pytest.mark.parametrize("bad", ["0/2", "3/2", "1", "a/b", "1/2/3"])
+def test_parse_shard_rejects(bad):
+    with pytest.raises(PlanError):
+        parse_shard(bad)
+
+
+# --------------------------------------------------------------------------- durations
+
+
+def test_estimate_prefers_recorded_then_entry_median_then_estimate():
+    raw = [("a::1", "A", 0, 9.0), ("a::2", "A", 0, 9.0), ("a::3", "A", 0, 9.0), ("b::1", "B", 0, 7.0)]
+    got = {c.nodeid: (c.seconds, c.basis) for c in estimate(raw, {"a::1": 1.0, "a::2": 3.0})}
+    assert got == {"a::1": (1.0, "recorded"), "a::2": (3.0, "recorded"), "a::3": (2.0, "entry-median"),
+                   "b::1": (7.0, "estimated")}
+
+
+def test_durations_round_trip_and_merge(tmp_path):
+    path = tmp_path / "d" / "gpu.json"
+    write_durations(path, "gpu", {"a::1": 1.23456, "b::2": 2.0})
+    write_durations(path, "gpu", {"b::2": 4.0})
+    assert load_durations(path) == {"a::1": 1.235, "b::2": 4.0}
+    assert json.loads(path.read_text())["suite"] == "gpu"
+    assert load_durations(tmp_path / "absent.json") == {}
+
+
+@pytest.mark.parametrize("text", ["{", '{"durations": {"a": -1}}', '{"durations": ["a"]}', "[]"])
+def test_malformed_durations_name_the_file(tmp_path, text):
+    path = tmp_path / "gpu.json"
+    path.write_text(text)
+    with pytest.raises(PlanError, match=r"gpu\.json"):
+        load_durations(path)
+
+
+# --------------------------------------------------------------------------- change selection
+
+
+def entry(eid, paths, depends_on=None):
+    return Entry(eid, tuple(paths), None, None, 5.0, tuple(depends_on) if depends_on is not None else None,
+                 "suites/cpu.json", "/entries/0")
+
+
+ENTRIES = [
+    entry("ops", ["tests/ops"], ["channel_loss/ops.py"]),
+    entry("meter", ["tests/meter"], ["channel_loss/meter.py", "channel_loss/layout.py"]),
+    entry("always", ["tests/misc"]),
+]
+
+
+@pytest.mark.parametrize(
+    ("changed", "chosen", "everything"),
+    [
+        (["channel_loss/ops.py"], {"ops", "always"}, False),
+        (["tests/meter/test_m.py"], {"meter", "always"}, False),  # its own test files count
+        (["README.md"], {"always"}, False),
+        ([], {"always"}, False),
+        (["harness/plan.py"], {"ops", "meter", "always"}, True),
+        (["suites/gpu.json"], {"ops", "meter", "always"}, True),
+        (["pyproject.toml"], {"ops", "meter", "always"}, True),
+        (["noxfile.py"], {"ops", "meter", "always"}, True),
+        (["tests/conftest.py"], {"ops", "meter", "always"}, True),
+        (None, {"ops", "meter", "always"}, True),  # git could not tell
+    ],
+)
+def test_select(changed, chosen, everything):
+    sel = select(ENTRIES, changed)
+    assert set(sel.entries) == chosen
+    assert sel.everything is everything
+
+
+def git(repo: Path, *args: str) -> str:
+    return subprocess.run(["git", "-C", str(repo), *args], check=True, capture_output=True, text=True).stdout
+
+
+@pytest.fixture
+def repo(tmp_path):
+    git(tmp_path, "init", "-q", "-b", "main")
+    git(tmp_path, "config", "user.email", "t@example.com")
+    git(tmp_path, "config", "user.name", "t")
+    for f in ("channel_loss/ops.py", "channel_loss/meter.py", "tests/ops/test_o.py", "README.md"):
+        (tmp_path / f).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / f).write_text("x = 1\n")
+    git(tmp_path, "add", ".")
+    git(tmp_path, "commit", "-q", "-m", "base")
+    git(tmp_path, "checkout", "-q", "-b", "feature")
+    return tmp_path
+
+
+def test_changed_files_from_a_real_git_repo(repo):
+    (repo / "channel_loss/ops.py").write_text("x = 2\n")
+    git(repo, "commit", "-qam", "committed change")
+    (repo / "README.md").write_text("y\n")  # unstaged
+    (repo / "tests/new").mkdir()
+    (repo / "tests/new/test_n.py").write_text("")  # untracked
+    git(repo, "mv", "channel_loss/meter.py", "channel_loss/meter2.py")  # staged rename: both names
+    got = changed_files(repo, "main")
+    assert got == ["README.md", "channel_loss/meter.py", "channel_loss/meter2.py", "channel_loss/ops.py",
+                   "tests/new/test_n.py"]
+    sel = select(ENTRIES, got)
+    assert set(sel.entries) == {"ops", "meter", "always"}
+    assert not sel.everything
+
+
+def test_changes_since_the_merge_base_only(repo):
+    git(repo, "checkout", "-q", "main")
+    (repo / "channel_loss/meter.py").write_text("main moved on\n")
+    git(repo, "commit", "-qam", "main only")
+    git(repo, "checkout", "-q", "feature")
+    (repo / "channel_loss/ops.py").write_text("x = 3\n")
+    assert changed_files(repo, "main") == ["channel_loss/ops.py"]
+
+
+def test_harness_change_in_git_runs_everything(repo):
+    (repo / "harness").mkdir()
+    (repo / "harness/x.py").write_text("")
+    assert select(ENTRIES, changed_files(repo, "main")).everything
+
+
+def test_unknown_ref_runs_everything(repo):
+    assert changed_files(repo, "no-such-ref") is None
+    assert select(ENTRIES, changed_files(repo, "no-such-ref")).everything

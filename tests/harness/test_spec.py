@@ -1,0 +1,105 @@
+"""LaunchSpec: its values, what it needs, and how tests declare it."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from harness import LaunchSpec
+from harness.spec import spec_for_item, spec_from_marker
+
+
+def test_defaults():
+    spec = LaunchSpec()
+    assert (spec.device, spec.nproc, spec.timeout, spec.backend, spec.reuse) == ("cpu", 1, None, None, True)
+
+
+# Not named "device": the plugin would treat cuda / npu as needing a card.
+@pytest.mark.parametrize(("kind", "nproc", "cards", "backend"), [
+    ("cpu", 4, 0, "gloo"),
+    ("cuda", 1, 1, "nccl"),
+    ("cuda", 3, 3, "nccl"),
+    ("npu", 2, 2, "hccl"),
+])
+def test_cards_and_backend_follow_the_device(kind, nproc, cards, backend):
+    spec = LaunchSpec(device=kind, nproc=nproc)
+    assert spec.cards == cards
+    assert spec.dist_backend == backend
+    assert LaunchSpec(device=kind, nproc=nproc, backend="gloo").dist_backend == "gloo"
+
+
+def test_is_frozen():
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        LaunchSpec().nproc = 2
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("device", "tpu"),
+    ("device", "CUDA"),
+    ("device", None),
+    ("nproc", 0),
+    ("nproc", -1),
+    ("nproc", 1.5),
+    ("nproc", True),
+    ("nproc", "2"),
+    ("timeout", 0),
+    ("timeout", -5),
+    ("timeout", float("nan")),
+    ("timeout", float("inf")),
+    ("timeout", "10"),
+    ("timeout", True),
+    ("backend", ""),
+    ("backend", 3),
+    ("reuse", "yes"),
+])
+def test_bad_value_is_a_value_error_naming_field_and_value(field, value):
+    with pytest.raises(ValueError, match=rf"LaunchSpec\.{field} .*got {value!r}"):
+        LaunchSpec(**{field: value})
+
+
+def test_marker_forms():
+    spec = LaunchSpec(nproc=2, timeout=5)
+    assert spec_from_marker((spec,), {}) is spec
+    assert spec_from_marker((), {"nproc": 2, "timeout": 5}) == spec
+    assert spec_from_marker((), {"nproc": 2}, device_param="cuda") == LaunchSpec("cuda", 2)
+    assert spec_from_marker((), {"nproc": 2, "device": "cpu"}, device_param="cuda").device == "cpu"
+    with pytest.raises(ValueError, match="unknown keyword"):
+        spec_from_marker((), {"ranks": 2})
+    with pytest.raises(ValueError, match="takes one LaunchSpec"):
+        spec_from_marker((2,), {})
+    with pytest.raises(ValueError, match=r"LaunchSpec\.nproc"):
+        spec_from_marker((), {"nproc": 0})
+
+
+def test_spec_of_collected_items(pytester):
+    items = pytester.getitems("""
+        import pytest
+        from harness import LaunchSpec
+
+        def test_plain():
+            pass
+
+        @pytest.mark.parametrize("device", ["cpu", "cuda"])
+        def test_plain_device(device):
+            pass
+
+        @pytest.mark.parametrize("device", ["cpu", "npu"])
+        @pytest.mark.launch(nproc=2, timeout=9)
+        def test_launched_device(device):
+            pass
+
+        @pytest.mark.launch(LaunchSpec(device="cuda", nproc=3))
+        def test_launched_spec():
+            pass
+    """)
+    specs = {item.name: spec_for_item(item) for item in items}
+    assert specs == {
+        "test_plain": LaunchSpec(),
+        "test_plain_device[cpu]": LaunchSpec(),
+        "test_plain_device[cuda]": LaunchSpec("cuda", 1),
+        "test_launched_device[cpu]": LaunchSpec("cpu", 2, 9),
+        "test_launched_device[npu]": LaunchSpec("npu", 2, 9),
+        "test_launched_spec": LaunchSpec("cuda", 3),
+    }
+    assert [s.cards for s in specs.values()] == [0, 0, 1, 0, 2, 3]
