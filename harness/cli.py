@@ -19,7 +19,7 @@ from pathlib import Path
 from harness.inventory import Inventory, build_inventory
 from harness.manifest import find_root
 from harness.plan import PlanError, default_durations_path, estimate, load_durations, plan
-from harness.run import RunOptions, run_suite
+from harness.run import RunOptions, load_suite, run_suite
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -93,14 +93,10 @@ def _cmd_inventory(root: Path, args: argparse.Namespace) -> int:
 
 
 def _cmd_matrix(root: Path, args: argparse.Namespace) -> int:
-    suite = Path(args.suite).stem if args.suite.endswith(".json") else args.suite
-    inv = build_inventory(root, [args.suite], check_ownership=False)
-    problems = [p for p in inv.problems if p.rule not in ("unowned-file", "unowned-case")]
-    if problems or suite not in inv.manifests:
-        for p in problems:
-            print(f"error: {p}", file=sys.stderr)
-        print(f"harness matrix: suite {args.suite!r} cannot be planned", file=sys.stderr)
+    loaded = load_suite(root, args.suite, "matrix")
+    if loaded is None:
         return 1
+    suite, inv = loaded
     m = inv.manifests[suite]
     try:
         durations = load_durations(args.durations or default_durations_path(root, suite))

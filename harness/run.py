@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from harness import changes, report, selection
-from harness.inventory import Case, build_inventory
-from harness.manifest import Entry, Manifest, Problem
+from harness.inventory import Case, Inventory, build_inventory
+from harness.manifest import Entry, Manifest
 from harness.plan import (
     PlanError,
     default_durations_path,
@@ -127,10 +127,26 @@ def _default_out(root: Path, suite: str, shard: tuple[int, int] | None) -> Path:
     return root / "out" / "harness" / name
 
 
-def _problems_for(problems: Sequence[Problem], suite: str) -> list[Problem]:
-    # Ownership of files is the inventory job's business; a run fails only on
-    # what makes its own suite unplannable or unrunnable.
-    return [p for p in problems if p.suite in (suite, None) and p.rule not in ("unowned-file", "unowned-case")]
+def load_suite(root: Path, suite: str, command: str) -> tuple[str, Inventory] | None:
+    """The name and inventory of one suite, or None after printing why it cannot be planned.
+
+    ``suite`` is a suite name or a manifest path. Ownership of files is the
+    inventory job's business: only problems that make this suite unplannable
+    or unrunnable count here.
+    """
+    name = Path(suite).stem if suite.endswith(".json") else suite
+    inv = build_inventory(root, [suite], check_ownership=False)
+    problems = [
+        p for p in inv.problems
+        if p.suite in (name, None) and p.rule not in ("unowned-file", "unowned-case")
+    ]
+    if problems or name not in inv.manifests:
+        for p in problems:
+            print(f"error: {p}", file=sys.stderr)
+        print(f"harness {command}: suite {suite!r} cannot be planned; see `harness inventory {name}`",
+              file=sys.stderr)
+        return None
+    return name, inv
 
 
 def plan_cases(
@@ -194,14 +210,10 @@ def run_suite(root: Path, opts: RunOptions) -> int:
     except PlanError as e:
         print(f"harness run: {e}", file=sys.stderr)
         return 2
-    suite_name = Path(opts.suite).stem if opts.suite.endswith(".json") else opts.suite
-    inv = build_inventory(root, [opts.suite], check_ownership=False)
-    problems = _problems_for(inv.problems, suite_name)
-    if problems or suite_name not in inv.manifests:
-        for p in problems:
-            print(f"error: {p}", file=sys.stderr)
-        print(f"harness run: suite {opts.suite!r} cannot run; see `harness inventory {suite_name}`", file=sys.stderr)
+    loaded = load_suite(root, opts.suite, "run")
+    if loaded is None:
         return 2
+    suite_name, inv = loaded
     m = inv.manifests[suite_name]
     owned = inv.suite_cases(suite_name)
 
