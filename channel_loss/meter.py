@@ -42,7 +42,7 @@ from channel_loss.exchange import (
     group_size,
 )
 from channel_loss.layout import PackedLayout, Shard
-from channel_loss.ops import _resolve_targets, per_token_cross_entropy
+from channel_loss.ops import per_token_cross_entropy, resolve_targets
 
 __all__ = ["ChannelLossMeter"]
 
@@ -317,7 +317,7 @@ class ChannelLossMeter:
             return
         if self._open is None:
             raise RuntimeError("observe_logits() must be called inside micro_batch()")
-        targets = _resolve_targets(
+        targets = resolve_targets(
             logits.shape[:-1], labels, shift_labels, self.ignore_index, logits.shape[-1], "logits"
         )
         losses = per_token_cross_entropy(

@@ -27,7 +27,7 @@ def _shape(t: torch.Tensor) -> str:
     return str(tuple(t.shape))
 
 
-def _resolve_targets(
+def resolve_targets(
     lead: torch.Size,
     labels: torch.Tensor | None,
     shift_labels: torch.Tensor | None,
@@ -35,7 +35,13 @@ def _resolve_targets(
     vocab: int,
     what: str,
 ) -> torch.Tensor:
-    """int64 targets with leading shape ``lead`` (the HF shift applied to ``labels``)."""
+    """The int64 targets every op here scores against, with leading shape ``lead``.
+
+    ``shift_labels`` as given, else ``labels`` shifted left by one with
+    ``ignore_index`` appended (the HF convention). Raises ``ValueError`` unless
+    exactly one is given, integer-typed, shaped ``lead`` (the leading shape of
+    ``what``), with every target in ``[0, vocab)`` or ``ignore_index``.
+    """
     if (labels is None) == (shift_labels is None):
         raise ValueError(
             "pass exactly one of labels / shift_labels; got "
@@ -356,7 +362,7 @@ def chunk_cross_entropy(
     _check_hidden_weight(hidden_states, weight)
     lead = hidden_states.shape[:-1]
     vocab = weight.shape[0]
-    targets = _resolve_targets(lead, labels, shift_labels, ignore_index, vocab, "hidden_states")
+    targets = resolve_targets(lead, labels, shift_labels, ignore_index, vocab, "hidden_states")
     bias = _resolve_bias(logits_bias, logits_bias_weight, lead, vocab, hidden_states.device)
     flat_targets = targets.reshape(-1)
     valid = flat_targets != ignore_index
@@ -403,7 +409,7 @@ def per_token_cross_entropy(
         if not logits.dtype.is_floating_point:
             raise ValueError(f"logits must be floating point; got dtype {logits.dtype}")
         lead, vocab = logits.shape[:-1], logits.shape[-1]
-        targets = _resolve_targets(lead, labels, shift_labels, ignore_index, vocab, "logits")
+        targets = resolve_targets(lead, labels, shift_labels, ignore_index, vocab, "logits")
         flat_logits = logits.detach().reshape(-1, vocab)
         flat_targets = targets.reshape(-1)
         valid = flat_targets != ignore_index
@@ -419,7 +425,7 @@ def per_token_cross_entropy(
     _check_hidden_weight(hidden_states, weight)
     lead = hidden_states.shape[:-1]
     vocab = weight.shape[0]
-    targets = _resolve_targets(lead, labels, shift_labels, ignore_index, vocab, "hidden_states")
+    targets = resolve_targets(lead, labels, shift_labels, ignore_index, vocab, "hidden_states")
     with torch.no_grad():
         bias = _resolve_bias(logits_bias, logits_bias_weight, lead, vocab, hidden_states.device)
         flat_targets = targets.reshape(-1)

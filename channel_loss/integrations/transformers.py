@@ -37,11 +37,10 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from channel_loss.capture import active_capture, record
 from channel_loss.meter import ChannelLossMeter
-from channel_loss.ops import chunk_cross_entropy, per_token_cross_entropy
+from channel_loss.ops import chunk_cross_entropy, per_token_cross_entropy, resolve_targets
 
 try:
     from transformers import TrainerCallback
@@ -113,15 +112,19 @@ class ObservingLoss:
         return loss
 
     def _observe(self, logits, labels, shift_labels, ignore_index: int) -> None:
-        # The targets exactly as HF's ForCausalLMLoss builds them.
-        if shift_labels is None:
-            if labels is None:
-                return  # nothing is scored: the original loss saw no targets either
-            shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
-        targets = shift_labels.to(device=logits.device, dtype=torch.int64)
+        if shift_labels is None and labels is None:
+            return  # nothing is scored: the original loss saw no targets either
         lead = logits.shape[:-1]
-        if targets.shape != lead and targets.numel() == lead.numel():
-            targets = targets.reshape(lead)  # HF flattens both; a flat shift_labels is fine there
+        if shift_labels is not None:
+            labels = None  # HF scores shift_labels when both are given
+            shift_labels = shift_labels.to(logits.device)
+            if shift_labels.shape != lead and shift_labels.numel() == lead.numel():
+                shift_labels = shift_labels.reshape(lead)  # HF flattens both; flat is fine there
+        else:
+            labels = labels.to(logits.device)
+        # The same shift as HF's ForCausalLMLoss: shift_labels, else labels shifted by one.
+        targets = resolve_targets(lead, labels, shift_labels, ignore_index, logits.shape[-1],
+                                  "logits")
         losses = per_token_cross_entropy(
             logits=logits.detach(), shift_labels=targets, ignore_index=ignore_index,
             chunk_size=self.chunk_size,
