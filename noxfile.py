@@ -11,23 +11,30 @@ nox.options.sessions = ["lint", "inventory", "tests"]
 VENV_PARAMS = ["--system-site-packages"]
 
 
-def _install(session: nox.Session) -> None:
+# The optional extras (`hf`, `plot`) whose tests skip without them; test runs install them
+# so those tests run. None of them depends on torch, so the interpreter's torch stays.
+OPTIONAL_TEST_DEPS = ["transformers>=4.46", "accelerate>=0.26", "matplotlib>=3.7"]
+
+
+def _install(session: nox.Session, *, optional: bool = False) -> None:
     # --no-deps for the project itself keeps pip from replacing the interpreter's torch.
     session.install("--no-deps", "-e", ".")
     session.install("pytest", "pytest-xdist", "hypothesis", "jsonschema", "pyyaml",
                     "filelock", "psutil", "numpy")
+    if optional:
+        session.install(*OPTIONAL_TEST_DEPS)
 
 
 @nox.session(venv_params=VENV_PARAMS)
 def tests(session: nox.Session) -> None:
     """Run the test suite."""
-    _install(session)
+    _install(session, optional=True)
     session.run("python", "-m", "pytest", "-q", *session.posargs)
 
 
 @nox.session(venv_params=VENV_PARAMS)
 def lint(session: nox.Session) -> None:
-    """ruff check and format check."""
+    """ruff check (the rules in pyproject.toml)."""
     session.install("ruff")
     session.run("ruff", "check", ".")
 
@@ -41,7 +48,7 @@ def inventory(session: nox.Session) -> None:
 
 def _suite(session: nox.Session, suite: str) -> None:
     # posargs go to `harness run`: `nox -s suite-gpu -- --shard 1/2 -- -x`.
-    _install(session)
+    _install(session, optional=True)
     session.run("python", "-m", "harness", "run", suite, *session.posargs)
 
 
