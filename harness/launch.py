@@ -1,7 +1,9 @@
 """Starting a case's ranks, watching them, enforcing its deadline, reaping them.
 
-``run_ranks`` is the engine (the plugin and ``launch`` both use it); it never
-returns with a rank process alive:
+``run_ranks`` runs a case on fresh ranks (``launch`` and the plugin's
+``reuse=False`` cases use it); it never returns with a rank process alive.
+``harness.pool`` runs cases on kept ranks with the same parts: ``supervise``,
+``wind_down``, the reports, the signal handling. Either way:
 
 * ranks start with the *spawn* start method (a fork after CUDA was
   initialised breaks every child) and rendezvous through a ``FileStore`` in a
@@ -41,7 +43,7 @@ from harness import procs
 from harness.devices import CARD_ENV, VISIBILITY_ENV, Card, inventory, is_simulated
 from harness.outcome import FAILED, PASSED, SKIPPED, XFAILED, CaseResult, RankOutcome
 from harness.rank import STACK_DUMP_SIGNAL, RankContext, RankTask, rank_main
-from harness.settings import current
+from harness.settings import Settings, current
 from harness.spec import LaunchSpec
 from harness.target import FunctionRef
 
@@ -99,8 +101,8 @@ class Case:
         return Case(d["what"], d["nproc"], d["device"], tuple(d["cards"]), d["deadline"])
 
 
-class _InheritedFd:
-    """A descriptor the spawned rank inherits under the same number."""
+class InheritedFd:
+    """A descriptor a spawned rank inherits (pass it in the process's arguments)."""
 
     def __init__(self, fd: int) -> None:
         self.fd = fd
@@ -121,7 +123,7 @@ class _Terminated(BaseException):
 
 
 @contextlib.contextmanager
-def _reap_on_sigterm() -> Iterator[None]:
+def reap_on_sigterm() -> Iterator[None]:
     """Turn SIGTERM into an exception while ranks run, so ``finally`` blocks reap
     them; afterwards the signal is delivered again to its previous handler
     (by default: the process ends as a SIGTERM would have ended it)."""
@@ -148,7 +150,7 @@ def _reap_on_sigterm() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _signals_deferred() -> Iterator[None]:
+def signals_deferred() -> Iterator[None]:
     """Hold SIGINT / SIGTERM while reaping, so a second Ctrl-C cannot leave
     half-killed ranks behind; deliver them afterwards."""
     if threading.current_thread() is not threading.main_thread():
@@ -182,25 +184,19 @@ def run_ranks(task: RankTask, spec: LaunchSpec, *, deadline_s: float, deadline_s
     launcher's stdout / stderr.
     """
     cards = list(cards or [])
-    if len(cards) < spec.cards:
-        raise ValueError(f"{spec.nproc} {spec.device} ranks need {spec.cards} cards; got {cards}")
-    label = f"{spec.device}/{spec.dist_backend}"
-    if cards:
-        label += " on " + ",".join(str(c) for c in cards[: spec.cards])
-    result = CaseResult(spec.nproc, label, deadline_s, deadline_source,
-                        abandon_grace_s=ABANDON_GRACE_S)
+    result = new_result(spec, cards, deadline_s, deadline_source)
     case_dir = tempfile.mkdtemp(prefix="harness-case-")
     deadline_wall = time.time() + deadline_s
     case = Case(what or f"harness.launch({task.ref.module}.{task.ref.qualname})", spec.nproc,
                 spec.device, tuple(str(c) for c in cards), deadline_wall)
     started: list[Any] = []
     try:
-        with _reap_on_sigterm():
+        with reap_on_sigterm():
             try:
                 mp = get_context("spawn")
-                fds = [_InheritedFd(fd) for fd in (lease.fds() if lease else [])]
+                fds = [InheritedFd(fd) for fd in (lease.fds() if lease else [])]
                 for rank in range(spec.nproc):
-                    ctx = _rank_context(rank, spec, case_dir, cards[rank] if spec.cards else None,
+                    ctx = rank_context(rank, spec, case_dir, cards[rank] if spec.cards else None,
                                         deadline_s, capture, case)
                     proc = mp.Process(target=rank_main, args=(ctx, task, fds),
                                       name=f"harness-rank-{rank}")
@@ -208,17 +204,32 @@ def run_ranks(task: RankTask, spec: LaunchSpec, *, deadline_s: float, deadline_s
                     started.append(proc)
                 if lease is not None:
                     lease.annotate(ranks=[p.pid for p in started])
-                _supervise(started, result, case_dir, time.monotonic() + deadline_s)
+                supervise(started, result, case_dir, time.monotonic() + deadline_s)
             finally:
-                with _signals_deferred():
-                    _wind_down(started, result, case_dir, capture)
+                with signals_deferred():
+                    wind_down(started, result, case_dir, capture)
     finally:
         shutil.rmtree(case_dir, ignore_errors=True)
     return result
 
 
-def _rank_context(rank: int, spec: LaunchSpec, case_dir: str, card: Card | None,
-                  deadline_s: float, capture: bool, case: Case) -> RankContext:
+def new_result(spec: LaunchSpec, cards: list[Card], deadline_s: float,
+               deadline_source: str) -> CaseResult:
+    """An empty ``CaseResult`` for one run of ``spec`` on ``cards``
+    (``ValueError`` when there are fewer cards than the spec needs)."""
+    if len(cards) < spec.cards:
+        raise ValueError(f"{spec.nproc} {spec.device} ranks need {spec.cards} cards; got {cards}")
+    label = f"{spec.device}/{spec.dist_backend}"
+    if cards:
+        label += " on " + ",".join(str(c) for c in cards[: spec.cards])
+    return CaseResult(spec.nproc, label, deadline_s, deadline_source, abandon_grace_s=ABANDON_GRACE_S)
+
+
+def rank_context(rank: int, spec: LaunchSpec, case_dir: str, card: Card | None,
+                 deadline_s: float, capture: bool, case: Case,
+                 store_path: str | None = None) -> RankContext:
+    """What rank ``rank`` of a case needs to know: its environment, card, the
+    case's files in ``case_dir`` and the rendezvous store (default: in ``case_dir``)."""
     env = {
         "RANK": str(rank),
         "WORLD_SIZE": str(spec.nproc),
@@ -239,7 +250,7 @@ def _rank_context(rank: int, spec: LaunchSpec, case_dir: str, card: Card | None,
         backend=spec.dist_backend,
         card=card,
         simulated=is_simulated(),
-        store_path=os.path.join(case_dir, "store"),
+        store_path=store_path or os.path.join(case_dir, "store"),
         outcome_path=_outcome_path(case_dir, rank),
         stacks_path=os.path.join(case_dir, f"rank-{rank}.stacks"),
         log_path=os.path.join(case_dir, f"rank-{rank}.log") if capture else None,
@@ -253,9 +264,15 @@ def _outcome_path(case_dir: str, rank: int) -> str:
     return os.path.join(case_dir, f"rank-{rank}.outcome")
 
 
-def _supervise(started: list[Any], result: CaseResult, case_dir: str, deadline: float) -> None:
+def supervise(started: list[Any], result: CaseResult, case_dir: str, deadline: float,
+              channels: list[Any] | None = None) -> None:
     """Wait until every rank has reported or exited, the deadline passes, or the
-    others overstay ``ABANDON_GRACE_S`` after a failure; record which."""
+    others overstay ``ABANDON_GRACE_S`` after a failure; record which.
+
+    ``channels`` (pooled ranks: one per rank, with ``fileno()`` and
+    ``drain()``) wake the wait when a rank says its outcome is written, instead
+    of the outcome files being polled.
+    """
     first_failure: float | None = None
     while True:
         pending = []
@@ -280,8 +297,14 @@ def _supervise(started: list[Any], result: CaseResult, case_dir: str, deadline: 
         if first_failure is not None and now >= first_failure + ABANDON_GRACE_S:
             result.abandoned = pending
             return
-        # Exits wake us at once; outcomes of ranks still tearing down are polled.
-        wait_any([started[r].sentinel for r in pending], timeout=min(0.1, deadline - now))
+        # Exits wake us at once, and so do pooled ranks' messages; outcomes of
+        # ranks still tearing down are polled.
+        waitables: list[Any] = [started[r].sentinel for r in pending]
+        if channels is not None:
+            waitables += [channels[r] for r in pending if not channels[r].closed]
+        for ready in wait_any(waitables, timeout=min(0.1, deadline - now)):
+            if not isinstance(ready, int):
+                ready.drain()
 
 
 def _has_failure(result: CaseResult) -> bool:
@@ -290,7 +313,7 @@ def _has_failure(result: CaseResult) -> bool:
     )
 
 
-def _wind_down(started: list[Any], result: CaseResult, case_dir: str, capture: bool) -> None:
+def wind_down(started: list[Any], result: CaseResult, case_dir: str, capture: bool) -> None:
     """Dump stacks of ranks being stopped, stop every tree, reap, collect logs."""
     stopping = [r for r in (*result.timed_out, *result.abandoned) if r < len(started)]
     if stopping and STACK_DUMP_SIGNAL is not None:
@@ -309,11 +332,16 @@ def _wind_down(started: list[Any], result: CaseResult, case_dir: str, capture: b
         proc.join(1.0)  # reaps it, now that it is dead
     result.survivors = [p.pid for p in survivors]
     if capture:
-        for rank in range(len(started)):
-            with contextlib.suppress(OSError), open(
-                os.path.join(case_dir, f"rank-{rank}.log"), errors="replace"
-            ) as f:
-                result.logs[rank] = f.read()
+        collect_logs(result, case_dir, len(started))
+
+
+def collect_logs(result: CaseResult, case_dir: str, nproc: int) -> None:
+    """Read each rank's captured output of the case into ``result.logs``."""
+    for rank in range(nproc):
+        with contextlib.suppress(OSError), open(
+            os.path.join(case_dir, f"rank-{rank}.log"), errors="replace"
+        ) as f:
+            result.logs[rank] = f.read()
 
 
 def _dump_stacks(started: list[Any], ranks: list[int], result: CaseResult, case_dir: str) -> None:
@@ -359,8 +387,11 @@ def _size(path: str) -> int:
 
 
 def echo_logs(result: CaseResult, stream: Any = None) -> None:
-    """Write the ranks' captured output, one headed block per rank."""
+    """Write the harness's notes on the case, then the ranks' captured output,
+    one headed block per rank."""
     stream = stream or sys.stdout
+    for note in result.notes:
+        stream.write(f"harness: {note}\n")
     for rank in sorted(result.logs):
         text = result.logs[rank]
         if text.strip():
@@ -435,11 +466,8 @@ def launch(fn: Callable[..., Any], spec: LaunchSpec, *args: Any) -> list[Any]:
         reason = missing_cards(spec.device, spec.cards)
         if reason is not None:
             _missing_hardware(spec.device, reason)
-        wants = [leases.slot_want(settings.max_procs, spec.nproc)]
-        if spec.cards:
-            wants.append(leases.card_want(inventory(spec.device), spec.cards))
         holder = os.environ.get("PYTEST_CURRENT_TEST") or f"harness.launch({ref.module}.{ref.qualname})"
-        lease = leases.acquire(settings.lease_dir, wants, timeout=settings.lease_timeout, holder=holder)
+        lease = lease_case(spec, settings, holder)
         cards = lease.cards()
     result = None
     try:
@@ -460,6 +488,15 @@ def launch(fn: Callable[..., Any], spec: LaunchSpec, *args: Any) -> list[Any]:
     if status != PASSED:
         raise LaunchError(f"ranks {status}: {result.reason()}", result)
     return result.values()
+
+
+def lease_case(spec: LaunchSpec, settings: Settings, holder: str) -> leases.Lease:
+    """Lease the process slots and cards ``spec`` needs, waiting at most
+    ``settings.lease_timeout`` (``LeaseTimeout`` names what it waited for)."""
+    wants = [leases.slot_want(settings.max_procs, spec.nproc)]
+    if spec.cards:
+        wants.append(leases.card_want(inventory(spec.device), spec.cards))
+    return leases.acquire(settings.lease_dir, wants, timeout=settings.lease_timeout, holder=holder)
 
 
 def _within(case: Case, spec: LaunchSpec) -> list[Card]:

@@ -17,6 +17,13 @@ waiter that gives up can say who holds what.
 Lock files are never deleted: deleting a lock file while someone waits on it
 would let two processes lock two different files of the same name.
 
+A process waiting for a busy resource says so by holding a *shared* flock on
+``<resource>.want`` next to its lock file while it waits; a holder that could
+give the resource back early (an idle pool of rank processes) checks
+``Lease.contended()`` and yields. Within one process, a wait that finds
+resources busy first asks the registered *yield hooks* (``add_yield_hook``)
+to free what this very process holds idle.
+
 The locks are ``fcntl.flock`` rather than ``filelock.FileLock`` because
 filelock opens lock files with ``O_TRUNC`` (erasing the holder record on every
 attempt) and hides the descriptor, which the launcher passes to the ranks so
@@ -37,7 +44,7 @@ import socket
 import stat
 import tempfile
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import psutil
@@ -143,6 +150,80 @@ def _lock_file(lease_dir: str, name: str) -> str:
     return os.path.join(lease_dir, re.sub(r"[^A-Za-z0-9_.-]", "_", name.replace(":", "-")) + ".lock")
 
 
+def _want_file(lease_dir: str, name: str) -> str:
+    return _lock_file(lease_dir, name)[: -len(".lock")] + ".want"
+
+
+#: ``hook(lease_dir, busy_names) -> bool``: free what this process holds idle
+#: among ``busy_names``; True when it freed something.
+YieldHook = Callable[[str, frozenset[str]], bool]
+_yield_hooks: list[YieldHook] = []
+
+
+def add_yield_hook(hook: YieldHook) -> None:
+    """Register ``hook``: a lease wait in this process that finds resources busy
+    calls it before waiting (e.g. to close this process's idle rank pool)."""
+    if hook not in _yield_hooks:
+        _yield_hooks.append(hook)
+
+
+def _yield(lease_dir: str, busy: set[str]) -> bool:
+    freed = False
+    for hook in list(_yield_hooks):
+        freed = bool(hook(lease_dir, frozenset(busy))) or freed
+    return freed
+
+
+class _Wants:
+    """The shared ``.want`` locks of one waiting ``acquire`` (released when it ends)."""
+
+    def __init__(self, lease_dir: str) -> None:
+        self.lease_dir = lease_dir
+        self.fds: dict[str, int] = {}
+
+    def announce(self, names: Iterable[str]) -> None:
+        for name in names:
+            if name in self.fds:
+                continue
+            with contextlib.suppress(OSError):
+                fd = os.open(_want_file(self.lease_dir, name), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC,
+                             0o666)
+                try:
+                    # Non-blocking: a holder checking for waiters holds it
+                    # exclusively for an instant; the next round retries.
+                    fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                except OSError:
+                    os.close(fd)
+                    continue
+                with contextlib.suppress(OSError):
+                    if os.fstat(fd).st_uid == os.getuid():
+                        os.fchmod(fd, 0o666)
+                self.fds[name] = fd
+
+    def close(self) -> None:
+        fds, self.fds = self.fds, {}
+        for fd in fds.values():
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+
+def has_waiters(lease_dir: str, name: str) -> bool:
+    """Whether some process is waiting for resource ``name`` (holds its ``.want`` lock)."""
+    try:
+        fd = os.open(_want_file(lease_dir, name), os.O_RDWR | os.O_CLOEXEC)
+    except OSError:
+        return False  # never wanted by anyone
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        return exc.errno in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK)
+    else:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return False
+    finally:
+        os.close(fd)
+
+
 def ensure_lease_dir(lease_dir: str) -> str:
     """Create ``lease_dir`` if needed (world-writable, sticky) and return it."""
     try:
@@ -224,6 +305,10 @@ class Lease:
         """Descriptors holding the locks, for processes that must keep the lease alive."""
         return [lock.fd for lock in self._locks if lock.fd is not None]
 
+    def contended(self) -> bool:
+        """Whether another lease wait (any process) wants one of these resources."""
+        return any(has_waiters(self.lease_dir, name) for name in self.resources)
+
     def release(self, *, holders_gone: bool = True) -> None:
         """Give the resources back.
 
@@ -259,33 +344,40 @@ def acquire(lease_dir: str, wants: Iterable[Want], *, timeout: float, holder: st
             )
     start = time.monotonic()
     delay = 0.02
-    while True:
-        held: list[_Lock] = []
-        short: list[Want] = []
-        busy: set[str] = set()
-        for want in wants:
-            got = 0
-            for name in want.names:
-                if got == want.count:
-                    break
-                lock = _Lock(_lock_file(lease_dir, name), name)
-                if lock.try_acquire():
-                    held.append(lock)
-                    got += 1
-                else:
-                    busy.add(name)
-            if got < want.count:
-                short.append(want)
-        if not short:
-            return Lease(lease_dir, held, holder)
-        for lock in held:
-            lock.release(unlock=True)
-        waited = time.monotonic() - start
-        if waited >= timeout:
-            raise LeaseTimeout(_timeout_message(lease_dir, short, busy, waited))
-        # Jitter keeps two waiters from retrying in lockstep forever.
-        time.sleep(min(delay * random.uniform(0.5, 1.5), max(0.0, timeout - waited)))
-        delay = min(delay * 1.5, 0.5)
+    waiting = _Wants(lease_dir)
+    try:
+        while True:
+            held: list[_Lock] = []
+            short: list[Want] = []
+            busy: set[str] = set()
+            for want in wants:
+                got = 0
+                for name in want.names:
+                    if got == want.count:
+                        break
+                    lock = _Lock(_lock_file(lease_dir, name), name)
+                    if lock.try_acquire():
+                        held.append(lock)
+                        got += 1
+                    else:
+                        busy.add(name)
+                if got < want.count:
+                    short.append(want)
+            if not short:
+                return Lease(lease_dir, held, holder)
+            for lock in held:
+                lock.release(unlock=True)
+            if _yield(lease_dir, busy):
+                continue  # this process freed some of it: try again at once
+            waiting.announce(busy)
+            waited = time.monotonic() - start
+            if waited >= timeout:
+                raise LeaseTimeout(_timeout_message(lease_dir, short, busy, waited))
+            # Jitter keeps two waiters from retrying in lockstep forever.
+            time.sleep(min(delay * random.uniform(0.5, 1.5), max(0.0, timeout - waited)))
+            delay = min(delay * 1.5, 0.5)
+    finally:
+        waiting.close()
 
 
 def _timeout_message(lease_dir: str, short: list[Want], busy: set[str], waited: float) -> str:

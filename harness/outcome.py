@@ -102,6 +102,9 @@ class CaseResult:
     logs: dict[int, str] = field(default_factory=dict)
     #: pids still alive after SIGKILL (stuck in the kernel)
     survivors: list[int] = field(default_factory=list)
+    #: what the harness did around the case worth telling (e.g. kept ranks
+    #: that failed their health check were replaced)
+    notes: list[str] = field(default_factory=list)
 
     def _failures(self) -> list[_Failure]:
         failures = []

@@ -11,13 +11,17 @@ Per test:
   slots (bounded by ``--harness-lease-timeout``), runs the test function in
   ``nproc`` ranks with the fixture values, and is reported as the ranks ended:
   passed, failed naming ``rank N`` (first failure first, with its
-  traceback), skipped or xfailed with the ranks' reason.
+  traceback), skipped or xfailed with the ranks' reason. Consecutive cases
+  with the same (device, nproc, backend) run on a kept pool of ranks
+  (``harness.pool``) unless ``--harness-no-reuse`` or ``LaunchSpec.reuse``
+  says otherwise; the pool is closed at the end of the session.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+import threading
 from typing import NoReturn
 
 import pytest
@@ -33,9 +37,10 @@ from harness.devices import (
     runtime_available,
     set_device,
 )
-from harness.launch import echo_logs, missing_cards, pickle_args, run_ranks
-from harness.lease import Lease, LeaseTimeout, acquire, card_want, default_lease_dir, slot_want
-from harness.outcome import FAILED, SKIPPED, XFAILED
+from harness.launch import echo_logs, lease_case, missing_cards, pickle_args, run_ranks
+from harness.lease import Lease, LeaseTimeout, acquire, card_want, default_lease_dir
+from harness.outcome import FAILED, SKIPPED, XFAILED, CaseResult
+from harness.pool import keeper
 from harness.rank import RankTask
 from harness.settings import DEFAULT_LEASE_TIMEOUT_S, DEFAULT_TIMEOUT_S, Settings, cpu_count
 from harness.spec import ACCELERATORS, LaunchSpec, is_launched, spec_for_item
@@ -65,6 +70,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--harness-require", default="", metavar="DEVICES",
                     help="comma-separated accelerators (cuda,npu): a case needing one this host "
                          "lacks fails instead of being skipped")
+    group.addoption("--harness-no-reuse", action="store_true", default=False,
+                    help="start fresh rank processes for every launched case instead of "
+                         "running consecutive cases on a kept pool of ranks")
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -104,10 +112,17 @@ def _settings_from(config: pytest.Config) -> Settings:
         lease_timeout=opt("harness_lease_timeout"),
         require=require,
         capture=True,
+        reuse=not opt("harness_no_reuse"),
     )
 
 
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    # No rank outlives the session that started it.
+    keeper.close()
+
+
 def pytest_unconfigure(config: pytest.Config) -> None:
+    keeper.close()
     settings = config.stash.get(SETTINGS_KEY, None)
     if settings is not None:
         harness_settings.pop(settings)
@@ -116,7 +131,7 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 def pytest_report_header(config: pytest.Config) -> list[str]:
     settings = config.stash[SETTINGS_KEY]
     line = (f"harness: cards {describe_inventory()}; {settings.max_procs} process slots; "
-            f"lease dir {settings.lease_dir}")
+            f"lease dir {settings.lease_dir}; {'kept' if settings.reuse else 'fresh'} ranks")
     if settings.require:
         line += f"; required: {','.join(sorted(settings.require))}"
     return [line]
@@ -186,22 +201,15 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
         deadline_s, source = spec.timeout, "LaunchSpec.timeout"
     else:
         deadline_s, source = settings.timeout, "--harness-timeout"
-    wants = [slot_want(settings.max_procs, spec.nproc)]
-    if spec.cards:
-        wants.append(card_want(inventory(spec.device), spec.cards))
     try:
-        lease = acquire(settings.lease_dir, wants, timeout=settings.lease_timeout,
-                        holder=pyfuncitem.nodeid)
+        # Pools are kept by the main thread: Linux kills ranks whose spawning thread ends.
+        if spec.reuse and settings.reuse and threading.current_thread() is threading.main_thread():
+            result = keeper.run(task, spec, settings, deadline_s=deadline_s,
+                                deadline_source=source, what=pyfuncitem.nodeid)
+        else:
+            result = _run_fresh(task, spec, settings, deadline_s, source, pyfuncitem.nodeid)
     except LeaseTimeout as exc:
         _fail(f"{pyfuncitem.nodeid}: could not lease what the case needs\n{exc}")
-    result = None
-    try:
-        result = run_ranks(task, spec, deadline_s=deadline_s, deadline_source=source,
-                           cards=lease.cards(), lease=lease, capture=True, what=pyfuncitem.nodeid)
-    finally:
-        # Ranks the kernel would not kill keep their inherited lock: the card
-        # stays leased until they are really gone.
-        lease.release(holders_gone=result is not None and not result.survivors)
     echo_logs(result)
     status = result.status
     if status == FAILED:
@@ -211,6 +219,21 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
     if status == XFAILED:
         pytest.xfail(result.reason())
     return True
+
+
+def _run_fresh(task: RankTask, spec: LaunchSpec, settings: Settings, deadline_s: float,
+               source: str, what: str) -> CaseResult:
+    """Lease, run the case on fresh ranks, give the lease back."""
+    lease = lease_case(spec, settings, what)
+    result = None
+    try:
+        result = run_ranks(task, spec, deadline_s=deadline_s, deadline_source=source,
+                           cards=lease.cards(), lease=lease, capture=True, what=what)
+    finally:
+        # Ranks the kernel would not kill keep their inherited lock: the card
+        # stays leased until they are really gone.
+        lease.release(holders_gone=result is not None and not result.survivors)
+    return result
 
 
 def _fail(message: str) -> NoReturn:

@@ -79,20 +79,27 @@ def wait_gone(procs: list[psutil.Process], timeout: float) -> list[psutil.Proces
 
 
 def kill_trees(roots: Iterable[int], *, grace: float, own_session: bool = True,
-               kill_wait: float = 5.0) -> list[psutil.Process]:
+               kill_wait: float = 5.0, spare: Iterable[int] = ()) -> list[psutil.Process]:
     """Stop every process of the trees rooted at ``roots``: SIGTERM, then after
     ``grace`` seconds SIGKILL to whatever still runs (re-collected, so processes
-    forked meanwhile are included). Returns processes still alive
+    forked meanwhile are included). Pids in ``spare`` are left alone (a kept
+    rank whose leftover children are stopped). Returns processes still alive
     ``kill_wait`` seconds after SIGKILL (stuck in the kernel), normally none."""
     roots = list(roots)
-    procs = {p.pid: p for r in roots for p in process_tree(r, own_session=own_session)}
+    spared = set(spare)
+    procs = {p.pid: p for r in roots for p in process_tree(r, own_session=own_session)
+             if p.pid not in spared}
     if not procs:
         return []
     _signal(procs.values(), signal.SIGTERM)
+    if hasattr(signal, "SIGCONT"):
+        # A stopped process acts on SIGTERM only once it runs again.
+        _signal(procs.values(), signal.SIGCONT)
     wait_gone(list(procs.values()), grace)
     for r in roots:
         for p in process_tree(r, own_session=own_session):
-            procs.setdefault(p.pid, p)
+            if p.pid not in spared:
+                procs.setdefault(p.pid, p)
     alive = [p for p in procs.values() if not _gone(p)]
     if not alive:
         return []

@@ -8,6 +8,22 @@ visibility) before anything imports torch, selects its card, joins the
 process group through a ``FileStore``, runs the function and writes its
 ``RankOutcome``. Nothing here imports torch at module level: the spawned
 interpreter imports this module before the environment is set.
+
+Once its outcome is written a rank ends with ``os._exit`` (after flushing its
+output): it never runs interpreter finalisation. Finalisation races the
+process group's C++ threads: a Gloo worker that drops the last reference to a
+tensor takes the GIL to free its Python object, and a thread taking the GIL
+while the interpreter finalises is ended with ``pthread_exit``, whose forced
+unwind through a ``noexcept`` destructor calls ``std::terminate`` ("terminate
+called without an active exception", SIGABRT, sometimes SIGSEGV) -- a crash
+*after* the rank had passed. The process group needs no explicit teardown for
+that exit: the OS closes its sockets and the peers' pending operations fail
+at once, as they would on ``destroy_process_group``, which itself is known to
+hang.
+
+``pool_rank_main`` is the entry of a *pooled* rank: it keeps its process
+group and runs case after case sent by ``harness.pool``, restoring the
+per-case state (``harness.reset``) in between.
 """
 
 from __future__ import annotations
@@ -15,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import faulthandler
+import gc
 import os
 import pickle
 import signal
@@ -23,18 +40,25 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass, field
+from typing import Any, NoReturn
 
 from harness.devices import Card, local_index, runtime_available, set_device
 from harness.outcome import FAILED, PASSED, SKIPPED, XFAILED, RankOutcome
+from harness.reset import Baseline, fresh_context
 from harness.target import FunctionRef
 
-#: A rank whose function returned gets this long to tear down (destroy the
-#: process group, run exit handlers) before it exits regardless: a known
-#: ``destroy_process_group`` hang must not hold the case.
-EXIT_GRACE_S = 3.0
+#: How long a pooled rank's health check waits for its peers.
+HEALTH_TIMEOUT_S = 5.0
 STACK_DUMP_SIGNAL = getattr(signal, "SIGUSR1", None)
 _HARNESS_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 _keep: dict[str, object] = {}
+
+# Pool protocol. Launcher -> rank: (CASE, RankContext, RankTask, Inherited,
+# seq, check), (GO,), (EXIT,). Rank -> launcher: (READY, problem | None) after the health
+# check, (OUTCOME,) once the outcome file is written, (IDLE, problem | None)
+# once the case's state is cleaned up (a problem: the rank cannot be reused).
+CASE, GO, EXIT = "case", "go", "exit"
+READY, OUTCOME, IDLE = "ready", "outcome", "idle"
 
 
 @dataclass(frozen=True)
@@ -67,28 +91,112 @@ class RankContext:
 
 
 def rank_main(ctx: RankContext, task: RankTask, lease_fds: list[int]) -> None:
-    """Entry point of a spawned rank (a ``multiprocessing`` target).
+    """Entry point of a spawned rank that runs one case (a ``multiprocessing`` target).
 
     ``lease_fds`` are the launcher's lease descriptors, inherited and kept
     open for this process's whole life: the OS keeps the lease until every
-    rank is gone, even if the launcher dies first.
+    rank is gone, even if the launcher dies first. Never returns: the rank
+    exits with ``os._exit`` once its outcome is written (0 unless it failed).
     """
     del lease_fds  # kept open by never closing them
-    _die_with_parent(ctx.parent_pid)
+    try:
+        _start_rank(ctx.parent_pid)
+        _enter_case(ctx)
+        outcome = _run(ctx, task, fresh_module=False)
+        outcome.write(ctx.outcome_path)
+    except BaseException:
+        _fatal()
+    _exit(outcome)
+
+
+def pool_rank_main(parent_pid: int, conn: Any, lease_fds: list[int]) -> None:
+    """Entry point of a pooled rank: runs the cases ``conn`` delivers until told to exit.
+
+    Per case: the launcher's current environment, working directory and
+    ``sys.path`` are taken over (what a fresh rank would inherit), output and
+    the stack-dump file go to the case's files, and the state a case can
+    change is restored to the pool's baseline;
+    on a reused pool a bounded health check (an all-reduce every rank must
+    join within ``HEALTH_TIMEOUT_S``) is reported and the launcher's go
+    awaited; then the function runs, in a fresh copy of its test module and a
+    fresh context, exactly as in a one-case rank, and its outcome is written.
+    A failed case ends the rank (its pool is never reused); a passed one is
+    cleaned up and the rank reports whether it can run another. Exits with
+    ``os._exit``, never through interpreter finalisation.
+    """
+    del lease_fds  # kept open by never closing them
+    try:
+        _serve(parent_pid, conn)
+    except BaseException:
+        _fatal()
+
+
+def _serve(parent_pid: int, conn: Any) -> NoReturn:
+    _start_rank(parent_pid)
+    baseline: Baseline | None = None
+    while True:
+        try:
+            message = conn.recv()
+        except (EOFError, OSError):
+            _hard_exit(0)  # the launcher is gone or closed the pool
+        if message[0] != CASE:
+            _hard_exit(0)
+        _, ctx, task, inherited, seq, check = message
+        inherited.apply(ctx.env)
+        _enter_case(ctx)
+        if baseline is not None:
+            baseline.restore()
+        if check:
+            problem = _health_check(ctx, seq)
+            conn.send((READY, problem))
+            try:
+                reply = conn.recv()
+            except (EOFError, OSError):
+                _hard_exit(0)
+            if problem is not None or reply[0] != GO:
+                _hard_exit(0)
+        if baseline is None:
+            # First case: join the process group, then record the state every
+            # later case starts from (before any test code has run).
+            outcome = _join(ctx)
+            if outcome is None:
+                baseline = Baseline.capture()
+                outcome = _run(ctx, task, fresh_module=True)
+        else:
+            _set_pg_timeout(ctx.pg_timeout_s)
+            outcome = _run(ctx, task, fresh_module=True)
+        outcome.write(ctx.outcome_path)
+        _flush()
+        conn.send((OUTCOME,))
+        if outcome.status == FAILED:
+            _exit(outcome)
+        conn.send((IDLE, _leftovers(baseline)))
+        # Free the case's garbage (device memory in reference cycles, too)
+        # before the next case, off the launcher's critical path.
+        gc.collect()
+
+
+def _start_rank(parent_pid: int) -> None:
+    _die_with_parent(parent_pid)
     with contextlib.suppress(OSError):
         os.setsid()
+    faulthandler.enable(file=sys.stderr, all_threads=True)
+
+
+def _enter_case(ctx: RankContext) -> None:
+    """Point output and the stack dump at the case's files, set its environment."""
     if ctx.log_path is not None:
         _redirect_output(ctx.log_path)
-    faulthandler.enable(file=sys.stderr, all_threads=True)
     if STACK_DUMP_SIGNAL is not None:
         # A file of its own, so the launcher can quote the dump whether or not
         # the rank's output is captured. faulthandler needs it kept open.
+        previous = _keep.get("stacks")
         _keep["stacks"] = open(ctx.stacks_path, "w")  # noqa: SIM115
         faulthandler.register(STACK_DUMP_SIGNAL, file=_keep["stacks"], all_threads=True)
+        if previous is not None:
+            with contextlib.suppress(Exception):
+                previous.close()  # type: ignore[attr-defined]
     os.environ.update(ctx.env)
-    outcome, dist_ready = _run(ctx, task)
-    outcome.write(ctx.outcome_path)
-    _finish(outcome, dist_ready)
 
 
 def _die_with_parent(parent_pid: int) -> None:
@@ -130,26 +238,42 @@ def _redirect_output(path: str) -> None:
                 stream.reconfigure(line_buffering=True)
 
 
-def _run(ctx: RankContext, task: RankTask) -> tuple[RankOutcome, bool]:
-    dist_ready = False
+def _run(ctx: RankContext, task: RankTask, *, fresh_module: bool) -> RankOutcome:
+    """Run the case's function (joining the process group first if this rank
+    has not) and return its outcome; never raises."""
     try:
-        fn = task.ref.load()
-        args, kwargs = pickle.loads(task.args)
-        _init_distributed(ctx)
-        dist_ready = True
-        value = fn(*args, **kwargs)
-        blob = None
-        if task.want_value:
-            try:
-                blob = pickle.dumps(value)
-            except Exception as exc:
-                raise TypeError(
-                    f"rank {ctx.rank} returned a {type(value).__qualname__}, which cannot be "
-                    f"pickled back to the launcher: {exc}"
-                ) from exc
-        return RankOutcome(ctx.rank, PASSED, time.time(), value=blob), dist_ready
+        return fresh_context().run(_call, ctx, task, fresh_module)
     except BaseException as exc:
-        return outcome_from_exception(ctx.rank, exc), dist_ready
+        return outcome_from_exception(ctx.rank, exc)
+
+
+def _call(ctx: RankContext, task: RankTask, fresh_module: bool) -> RankOutcome:
+    fn = task.ref.load(fresh=fresh_module)
+    args, kwargs = pickle.loads(task.args)
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        _init_distributed(ctx)
+    value = fn(*args, **kwargs)
+    blob = None
+    if task.want_value:
+        try:
+            blob = pickle.dumps(value)
+        except Exception as exc:
+            raise TypeError(
+                f"rank {ctx.rank} returned a {type(value).__qualname__}, which cannot be "
+                f"pickled back to the launcher: {exc}"
+            ) from exc
+    return RankOutcome(ctx.rank, PASSED, time.time(), value=blob)
+
+
+def _join(ctx: RankContext) -> RankOutcome | None:
+    """Join the process group; a failure is the case's outcome (None: joined)."""
+    try:
+        _init_distributed(ctx)
+    except BaseException as exc:
+        return outcome_from_exception(ctx.rank, exc)
+    return None
 
 
 def _init_distributed(ctx: RankContext) -> None:
@@ -169,6 +293,61 @@ def _init_distributed(ctx: RankContext) -> None:
     )
 
 
+def _set_pg_timeout(seconds: float) -> None:
+    """Give the kept process group this case's timeout (below its deadline)."""
+    import warnings
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    setter = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
+    if setter is None:
+        return
+    with warnings.catch_warnings(), contextlib.suppress(Exception):
+        warnings.simplefilter("ignore")  # "only supported for nccl or gloo" (hccl)
+        setter(timedelta(seconds=seconds))
+
+
+def _health_check(ctx: RankContext, seq: int) -> str | None:
+    """A bounded all-reduce of ``[1, seq]``: every rank alive, answering, and at
+    the same case. Returns what is wrong, or None."""
+    try:
+        from datetime import timedelta
+
+        import torch
+        import torch.distributed as dist
+
+        if ctx.card is not None:
+            _select_card(ctx)  # the case may have made another device current
+        if not dist.is_initialized():
+            return "the process group is gone"
+        device = torch.device("cpu")
+        if ctx.card is not None and ctx.backend not in ("gloo", "mpi") and runtime_available(ctx.device):
+            device = torch.device(ctx.device, getattr(torch, ctx.device).current_device())
+        probe = torch.tensor([1.0, float(seq)], device=device)
+        work = dist.all_reduce(probe, async_op=True)
+        late = f"the health-check all-reduce did not finish within {HEALTH_TIMEOUT_S:g} s"
+        try:
+            if work.wait(timeout=timedelta(seconds=HEALTH_TIMEOUT_S)) is False:
+                return late
+        except RuntimeError as exc:  # how Gloo reports the timeout (or a dead peer)
+            return f"{late} ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})"
+        got = probe.cpu().tolist()
+        want = [float(ctx.world_size), float(ctx.world_size * seq)]
+        if got != want:
+            return f"the health-check all-reduce gave {got}, expected {want}"
+    except Exception as exc:
+        return f"health check failed: {type(exc).__name__}: {exc}"
+    return None
+
+
+def _leftovers(baseline: Baseline | None) -> str | None:
+    try:
+        return baseline.leftovers() if baseline is not None else "no baseline was recorded"
+    except Exception as exc:
+        return f"cleaning up after the case failed: {type(exc).__name__}: {exc}"
+
+
 def _select_card(ctx: RankContext) -> None:
     card = ctx.card
     assert card is not None
@@ -178,7 +357,10 @@ def _select_card(ctx: RankContext) -> None:
     elif ctx.simulated:
         # HARNESS_CARDS names cards this torch cannot use: the inventory is
         # simulated (lease logic tested on a CPU machine); run without one.
-        print(f"harness: rank {ctx.rank} holds simulated card {card}; not selecting it", file=sys.stderr)
+        if not _keep.get("simulated_note"):
+            _keep["simulated_note"] = True
+            print(f"harness: rank {ctx.rank} holds simulated card {card}; not selecting it",
+                  file=sys.stderr)
     else:
         raise RuntimeError(f"rank {ctx.rank} was leased {card}, but torch cannot use {card.device} here")
 
@@ -210,20 +392,39 @@ def _user_traceback(exc: BaseException) -> str:
     return "".join(traceback.format_exception(type(exc), exc, tb))
 
 
-def _finish(outcome: RankOutcome, dist_ready: bool) -> None:
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(Exception):
-            stream.flush()
-    if outcome.status == FAILED:
-        # Exit now: peers blocked in a collective with this rank see its
-        # sockets close and fail at once instead of at the group timeout.
-        os._exit(0)
-    watchdog = threading.Timer(EXIT_GRACE_S, os._exit, args=(0,))
-    watchdog.daemon = True  # must not itself hold up the interpreter's exit
-    watchdog.start()
-    if dist_ready:
-        import torch.distributed as dist
+def _exit(outcome: RankOutcome) -> NoReturn:
+    """End a rank whose outcome is written: 0 unless it failed.
 
-        with contextlib.suppress(Exception):
-            if dist.is_initialized():
-                dist.destroy_process_group()
+    A failed rank exits at once as well: peers blocked in a collective with it
+    see its sockets close and fail now instead of at the group timeout.
+    """
+    _hard_exit(1 if outcome.status == FAILED else 0)
+
+
+def _flush() -> None:
+    """Flush what the rank wrote: Python's streams and the logging handlers."""
+    logging = sys.modules.get("logging")
+    if logging is not None:
+        for handler in list(getattr(logging, "_handlerList", [])):
+            handler = handler() if callable(handler) else handler
+            if handler is not None:
+                with contextlib.suppress(Exception):
+                    handler.flush()
+    for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
+        if stream is not None:
+            with contextlib.suppress(Exception):
+                stream.flush()
+
+
+def _fatal() -> NoReturn:
+    """The harness's own code failed in the rank: say so, exit 1 (without an
+    outcome, so the launcher reports the rank as dead, never as passed)."""
+    with contextlib.suppress(BaseException):
+        traceback.print_exc()
+    _hard_exit(1)
+
+
+def _hard_exit(code: int) -> NoReturn:
+    """Flush, then leave without interpreter finalisation (see the module docstring)."""
+    _flush()
+    os._exit(code)

@@ -29,7 +29,8 @@ class Settings:
     """``timeout``: default case deadline (s); ``lease_dir``; ``max_procs``: CPU
     process slots on the host; ``lease_timeout``: bound on a lease wait (s);
     ``require``: accelerator types whose absence fails instead of skipping;
-    ``capture``: collect rank output into the report instead of streaming it."""
+    ``capture``: collect rank output into the report instead of streaming it;
+    ``reuse``: run consecutive launched cases on kept rank pools (``harness.pool``)."""
 
     timeout: float = DEFAULT_TIMEOUT_S
     lease_dir: str = field(default_factory=default_lease_dir)
@@ -37,6 +38,7 @@ class Settings:
     lease_timeout: float = DEFAULT_LEASE_TIMEOUT_S
     require: frozenset[str] = frozenset()
     capture: bool = False
+    reuse: bool = True
 
 
 _stack: list[Settings] = []

@@ -54,13 +54,18 @@ class FunctionRef:
         qualname = f"{item.cls.__qualname__}.{name}" if item.cls is not None else name
         return cls(module.__name__, qualname, getattr(module, "__file__", None), True)
 
-    def load(self) -> Callable[..., Any]:
+    def load(self, *, fresh: bool = False) -> Callable[..., Any]:
         """Import the module (if this process has not yet) and return the callable.
 
-        A test method comes back bound to a fresh instance of its class, as
-        pytest would call it.
+        With ``fresh`` a module that has a source file is executed again into a
+        new module object (replacing it in ``sys.modules``), so globals a
+        previous call changed start over, as in a new process; the modules it
+        imports are not reloaded. A test method comes back bound to a fresh
+        instance of its class, as pytest would call it.
         """
-        module = sys.modules.get(self.module) or _import(self.module, self.path, self.rewrite_asserts)
+        module = None if fresh and _loadable(self.path) else sys.modules.get(self.module)
+        if module is None:
+            module = _import(self.module, self.path, self.rewrite_asserts, fresh=fresh)
         parts = self.qualname.split(".")
         owner: Any = module
         obj: Any = module
@@ -80,10 +85,15 @@ class FunctionRef:
         return obj
 
 
-def _import(name: str, path: str | None, rewrite: bool) -> types.ModuleType:
-    loadable = path is not None and path.endswith(".py") and os.path.isfile(path)
-    if loadable and rewrite:
-        return _load_from_file(name, path, rewrite=True)
+def _loadable(path: str | None) -> bool:
+    return path is not None and path.endswith(".py") and os.path.isfile(path)
+
+
+def _import(name: str, path: str | None, rewrite: bool, *, fresh: bool = False) -> types.ModuleType:
+    loadable = _loadable(path)
+    if loadable and (rewrite or fresh):
+        assert path is not None
+        return _load_from_file(name, path, rewrite=rewrite)
     try:
         return importlib.import_module(name)
     except ImportError:
@@ -118,16 +128,27 @@ def _load_from_file(name: str, path: str, *, rewrite: bool) -> types.ModuleType:
     return module
 
 
+#: (path, mtime, size) -> rewritten code: a pooled rank executes a test module
+#: once per case, and rewriting is most of the cost of loading one.
+_rewritten: dict[tuple[str, int, int], types.CodeType] = {}
+
+
 def _rewritten_code(path: str) -> types.CodeType | None:
     """The module compiled with pytest's assertion rewriting (None: unavailable)."""
     try:
+        stat = os.stat(path)
+        key = (path, stat.st_mtime_ns, stat.st_size)
+        if key in _rewritten:
+            return _rewritten[key]
         from _pytest.assertion.rewrite import rewrite_asserts
 
         with open(path, "rb") as f:
             source = f.read()
         tree = ast.parse(source, filename=path)
         rewrite_asserts(tree, source, path, None)
-        return compile(tree, path, "exec", dont_inherit=True)
+        code = compile(tree, path, "exec", dont_inherit=True)
+        _rewritten[key] = code
+        return code
     except Exception:
         # Plain asserts still fail correctly, just with less explanation.
         return None

@@ -1,0 +1,437 @@
+"""Kept rank processes: consecutive launched cases with the same (device,
+nproc, backend) run on one pool of ranks whose process group stays up.
+
+A fresh case pays for spawning interpreters, importing torch and a
+rendezvous (seconds); a pooled one for a few pipe messages. Reuse is made
+safe by construction:
+
+* **one pool per process, one case at a time.** ``PoolKeeper`` keeps at most
+  one ``RankPool``; a case with another key closes it and starts its own.
+* **checked before reuse.** Before each case on a reused pool every rank
+  restores the per-case state (``harness.reset``) and joins a bounded health
+  check (an all-reduce of ``[1, case number]``, ``rank.HEALTH_TIMEOUT_S``);
+  unless every rank reports a correct result in time the pool is torn down
+  and the case runs on a fresh one (nothing of it has run yet).
+* **never reused after anything went wrong.** A failing, crashing, overdue or
+  interrupted case tears the pool down exactly as a spawn-per-case launch
+  stops its ranks (stack dumps, tree kill, reaping); so does a passed case
+  that left what cannot be reset (threads, process groups, a device error).
+  Processes a case started under a kept rank are stopped when the case ends,
+  so nothing of a case survives it either way.
+* **leases held only while ranks live.** The pool holds its process slots
+  and cards for its whole life (the ranks inherit the lease descriptors, so
+  a crash frees them); it gives them back when closed: on a key change, when
+  this process needs them for something else (``lease.add_yield_hook``),
+  when another process waits for them (checked between cases and, while
+  idle, every ``IDLE_CHECK_S``), at session end and at interpreter exit.
+
+The rank side is ``harness.rank.pool_rank_main``; outcomes, reports and the
+tree kill are the ones every launch uses (``harness.launch``).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import multiprocessing.util  # noqa: F401  (its exit handler must be registered before ours)
+import os
+import shutil
+import tempfile
+import threading
+import time
+from collections import deque
+from multiprocessing import get_context
+from multiprocessing.connection import wait as wait_any
+from typing import Any
+
+from harness import procs
+from harness.launch import (
+    EXIT_WAIT_S,
+    KILL_GRACE_S,
+    Case,
+    InheritedFd,
+    collect_logs,
+    lease_case,
+    new_result,
+    rank_context,
+    reap_on_sigterm,
+    signals_deferred,
+    supervise,
+    wind_down,
+)
+from harness.lease import Lease, add_yield_hook
+from harness.outcome import FAILED, CaseResult
+from harness.rank import (
+    CASE,
+    EXIT,
+    GO,
+    HEALTH_TIMEOUT_S,
+    IDLE,
+    OUTCOME,
+    READY,
+    RankTask,
+    pool_rank_main,
+)
+from harness.reset import Inherited
+from harness.settings import Settings
+from harness.spec import LaunchSpec
+
+#: How often an idle pool checks whether another process waits for its lease.
+IDLE_CHECK_S = 0.25
+#: Beyond the health check's own bound: time for the ranks to restore their
+#: state and answer on a loaded host.
+READY_SLACK_S = 5.0
+#: How long ranks told to exit get before their trees are killed.
+CLOSE_WAIT_S = 2.0
+
+
+def pool_key(spec: LaunchSpec) -> tuple[str, int, str]:
+    """What a case must share with a pool to run on it."""
+    return (spec.device, spec.nproc, spec.dist_backend)
+
+
+class _Channel:
+    """The launcher's end of one rank's pipe and the messages read from it."""
+
+    def __init__(self, conn: Any) -> None:
+        self.conn = conn
+        self.inbox: deque[tuple] = deque()
+        self.closed = False
+
+    def fileno(self) -> int:
+        return self.conn.fileno()
+
+    def drain(self) -> None:
+        """Read every message already there (a closed pipe marks the channel closed)."""
+        try:
+            while not self.closed and self.conn.poll(0):
+                self.inbox.append(self.conn.recv())
+        except (EOFError, OSError):
+            self.closed = True
+
+    def send(self, message: tuple) -> bool:
+        if self.closed:
+            return False
+        try:
+            self.conn.send(message)
+        except (OSError, ValueError):
+            self.closed = True
+            return False
+        return True
+
+    def take(self, kind: str) -> tuple | None:
+        """The first message of ``kind``, dropping those before it (None: none yet)."""
+        while self.inbox:
+            message = self.inbox.popleft()
+            if message[0] == kind:
+                return message
+        return None
+
+    def close(self) -> None:
+        self.closed = True
+        with contextlib.suppress(OSError):
+            self.conn.close()
+
+
+class RankPool:
+    """``spec.nproc`` kept rank processes holding ``lease``; see the module docstring.
+
+    Only the thread that created a pool may use it (Linux kills the ranks
+    when the thread that spawned them ends).
+    """
+
+    def __init__(self, spec: LaunchSpec, lease: Lease | None, *, capture: bool) -> None:
+        self.spec = LaunchSpec(device=spec.device, nproc=spec.nproc, backend=spec.backend)
+        self.key = pool_key(spec)
+        self.lease = lease
+        self.cards = lease.cards() if lease is not None else []
+        self.capture = capture
+        #: False once the pool must not run another case (it is then closed)
+        self.usable = True
+        #: why the last health check failed
+        self.problem = ""
+        self.busy = False
+        self.cases = 0
+        self.survivors: list[int] = []
+        self._closed = False
+        self._dir = tempfile.mkdtemp(prefix="harness-pool-")
+        self._store = os.path.join(self._dir, "store")
+        self._procs: list[Any] = []
+        self._channels: list[_Channel] = []
+        try:
+            mp = get_context("spawn")
+            fds = [InheritedFd(fd) for fd in (lease.fds() if lease else [])]
+            for rank in range(spec.nproc):
+                ours, theirs = mp.Pipe()
+                proc = mp.Process(target=pool_rank_main, args=(os.getpid(), theirs, fds),
+                                  name=f"harness-rank-{rank}")
+                proc.start()
+                theirs.close()  # so that the rank's death reads as EOF here
+                self._procs.append(proc)
+                self._channels.append(_Channel(ours))
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def pids(self) -> list[int]:
+        """The ranks' process ids, in rank order."""
+        return [p.pid for p in self._procs if p.pid is not None]
+
+    def alive(self) -> bool:
+        """Every rank still runs and listens."""
+        return self.usable and all(p.is_alive() for p in self._procs) and not any(
+            c.closed for c in self._channels)
+
+    def run(self, task: RankTask, *, deadline_s: float, deadline_source: str,
+            what: str) -> CaseResult | None:
+        """Run one case on the pool, as ``launch.run_ranks`` would on fresh ranks.
+
+        Returns None when a reused pool failed its health check before the
+        case started (``problem`` says why); the pool is then closed. After
+        any other problem the result reports it and the pool is closed too
+        (``usable`` is False). Never returns with a rank of a closed pool or
+        a process a case started under a kept rank alive.
+        """
+        check = self.cases > 0
+        self.cases += 1
+        case_dir = os.path.join(self._dir, f"case-{self.cases}")
+        os.mkdir(case_dir)
+        result = new_result(self.spec, self.cards, deadline_s, deadline_source)
+        case = Case(what, self.spec.nproc, self.spec.device, tuple(str(c) for c in self.cards),
+                    time.time() + deadline_s)
+        if self.lease is not None:
+            self.lease.annotate(holder=what, ranks=self.pids)
+        kept = False
+        try:
+            with reap_on_sigterm():
+                try:
+                    if not self._dispatch(task, case_dir, deadline_s, case, check):
+                        return None
+                    supervise(self._procs, result, case_dir, time.monotonic() + deadline_s,
+                              self._channels)
+                    kept = self._settle(result)
+                finally:
+                    with signals_deferred():
+                        if kept:
+                            if self.capture:
+                                collect_logs(result, case_dir, self.spec.nproc)
+                        else:
+                            self._stop(result, case_dir)
+            return result
+        finally:
+            shutil.rmtree(case_dir, ignore_errors=True)
+
+    def _dispatch(self, task: RankTask, case_dir: str, deadline_s: float, case: Case,
+                  check: bool) -> bool:
+        """Hand the case to every rank; on a reused pool, only once all pass the health check."""
+        if not self.alive():
+            self.problem = "a rank is gone"
+            return False
+        inherited = Inherited.now()  # what fresh ranks would start with, fixtures' doing included
+        for rank, channel in enumerate(self._channels):
+            card = self.cards[rank] if self.spec.cards else None
+            ctx = rank_context(rank, self.spec, case_dir, card, deadline_s, self.capture, case,
+                               store_path=self._store)
+            if not channel.send((CASE, ctx, task, inherited, self.cases, check)):
+                self.problem = f"rank {rank} is not listening"
+                return False
+        if not check:
+            return True
+        ready = self._collect(READY, HEALTH_TIMEOUT_S + READY_SLACK_S, until_problem=True)
+        problems = [f"rank {r}: {ready[r][1]}" for r in sorted(ready) if ready[r][1]]
+        problems += [f"rank {r} did not answer" for r in range(self.spec.nproc) if r not in ready]
+        if problems:
+            self.problem = "; ".join(problems)
+            return False
+        return all(channel.send((GO,)) for channel in self._channels)
+
+    def _collect(self, kind: str, timeout: float, *, until_problem: bool = False) -> dict[int, tuple]:
+        """Each rank's next ``(kind, problem)`` message, waiting at most ``timeout``
+        seconds (ranks that die or close their pipe are left out at once; with
+        ``until_problem`` the wait ends at the first message naming a problem)."""
+        got: dict[int, tuple] = {}
+        end = time.monotonic() + timeout
+        while True:
+            for rank, channel in enumerate(self._channels):
+                if rank not in got:
+                    channel.drain()
+                    message = channel.take(kind)
+                    if message is not None:
+                        got[rank] = message
+            waiting = [r for r in range(len(self._channels))
+                       if r not in got and not self._channels[r].closed and self._procs[r].is_alive()]
+            left = end - time.monotonic()
+            if not waiting or left <= 0 or (until_problem and any(m[1] for m in got.values())):
+                return got
+            wait_any([self._channels[r] for r in waiting] + [self._procs[r].sentinel for r in waiting],
+                     timeout=left)
+
+    def _settle(self, result: CaseResult) -> bool:
+        """After a case: whether the pool can run another. It can when every rank
+        passed (or skipped) and reported itself clean; processes the case
+        started under the ranks are stopped either way."""
+        if result.status == FAILED or result.exits or len(result.outcomes) < self.spec.nproc:
+            return False
+        for channel in self._channels:  # (OUTCOME,) said the files were written
+            channel.take(OUTCOME)
+        idle = self._collect(IDLE, EXIT_WAIT_S)
+        problems = [f"rank {r}: {idle[r][1]}" for r in sorted(idle) if idle[r][1]]
+        problems += [f"rank {r} did not report back after the case"
+                     for r in range(self.spec.nproc) if r not in idle]
+        leftovers = procs.kill_trees(self.pids, grace=KILL_GRACE_S, spare=self.pids)
+        if leftovers:
+            problems.append(f"pids {[p.pid for p in leftovers]} the case started would not die")
+        if problems:
+            result.notes.append("the case passed, but its ranks are not reused: "
+                                + "; ".join(problems))
+            return False
+        return True
+
+    def _stop(self, result: CaseResult, case_dir: str) -> None:
+        """Tear the pool down mid-case, the way a spawn-per-case launch stops its ranks."""
+        self.usable = False
+        for channel in self._channels:
+            channel.send((EXIT,))  # ranks that reported exit now instead of waiting
+        wind_down(self._procs, result, case_dir, self.capture)
+        self.survivors = list(result.survivors)
+        self.close()
+
+    def close(self) -> None:
+        """Stop every rank (asked to exit, then their trees killed), reap them
+        and give the lease back. Idempotent."""
+        self.usable = False
+        if self._closed:
+            return
+        self._closed = True
+        for channel in self._channels:
+            channel.send((EXIT,))
+        end = time.monotonic() + CLOSE_WAIT_S
+        for proc in self._procs:
+            if proc.pid is not None:
+                proc.join(max(0.0, end - time.monotonic()))
+        survivors = procs.kill_trees(self.pids, grace=KILL_GRACE_S)
+        for proc in self._procs:
+            if proc.pid is not None:
+                proc.join(1.0)  # reaps it, now that it is dead
+        for channel in self._channels:
+            channel.close()
+        self.survivors += [p.pid for p in survivors]
+        if self.lease is not None:
+            # Ranks the kernel would not kill keep their inherited lock: the
+            # cards stay leased until they are really gone.
+            self.lease.release(holders_gone=not self.survivors)
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+
+class PoolKeeper:
+    """This process's pool: reused, replaced, yielded and closed per the module docstring."""
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+        self._pool: RankPool | None = None
+        self._watcher: threading.Thread | None = None
+
+    @property
+    def pool(self) -> RankPool | None:
+        """The pool kept now (None: none)."""
+        return self._pool
+
+    def run(self, task: RankTask, spec: LaunchSpec, settings: Settings, *, deadline_s: float,
+            deadline_source: str, what: str) -> CaseResult:
+        """Run a case on the kept pool for ``spec``, starting one (and leasing
+        for it: ``LeaseTimeout``) when there is none that fits or is healthy.
+
+        Call it from the main thread only (the one that outlives the pool).
+        """
+        with self._lock:
+            notes: list[str] = []
+            pool = self._pool
+            if pool is not None and (pool.key != pool_key(spec) or not pool.alive()):
+                self._close_locked()
+            elif pool is not None and pool.lease is not None and pool.lease.contended():
+                # Another process waits for what the pool holds: give it back
+                # and lease again, like a spawn-per-case launch would.
+                self._close_locked()
+            while True:
+                if self._pool is None:
+                    lease = lease_case(spec, settings, what)
+                    try:
+                        self._pool = RankPool(spec, lease, capture=settings.capture)
+                    except BaseException:
+                        lease.release()
+                        raise
+                    self._watch()
+                pool = self._pool
+                pool.busy = True
+                result = None
+                try:
+                    result = pool.run(task, deadline_s=deadline_s, deadline_source=deadline_source,
+                                      what=what)
+                finally:
+                    pool.busy = False
+                    if not pool.usable or result is None:
+                        self._close_locked()
+                if result is not None:
+                    result.notes[:0] = notes
+                    return result
+                # Only a reused pool is checked, so this loops at most once.
+                notes.append(f"the kept ranks failed their health check ({pool.problem}); "
+                             "the case ran on fresh ranks")
+
+    def close(self) -> None:
+        """Close the pool, if any (session end, interpreter exit)."""
+        with self._lock:
+            self._close_locked()
+
+    def yield_idle(self, lease_dir: str, busy: frozenset[str]) -> bool:
+        """Lease-wait hook: close the pool if it is idle and holds one of
+        ``busy`` in ``lease_dir``. True when it did."""
+        if not self._lock.acquire(blocking=False):
+            return False
+        try:
+            pool = self._pool
+            if pool is None or pool.busy or pool.lease is None:
+                return False
+            if pool.lease.lease_dir != lease_dir or not busy & set(pool.lease.resources):
+                return False
+            self._close_locked()
+            return True
+        finally:
+            self._lock.release()
+
+    def _close_locked(self) -> None:
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.close()
+
+    def _watch(self) -> None:
+        """While a pool is kept, give it up when idle and another process waits for its lease."""
+        if self._watcher is not None and self._watcher.is_alive():
+            return
+
+        def watch() -> None:
+            while self._pool is not None:
+                time.sleep(IDLE_CHECK_S)
+                if not self._lock.acquire(blocking=False):
+                    continue  # a case is running (or starting) on it
+                try:
+                    pool = self._pool
+                    if (pool is not None and not pool.busy and pool.lease is not None
+                            and pool.lease.contended()):
+                        self._close_locked()
+                except Exception:
+                    pass  # the next case closes a pool that misbehaves
+                finally:
+                    self._lock.release()
+
+        self._watcher = threading.Thread(target=watch, name="harness-pool-watch", daemon=True)
+        self._watcher.start()
+
+
+#: The pool of this process (pytest session or script).
+keeper = PoolKeeper()
+add_yield_hook(keeper.yield_idle)
+# Registered after multiprocessing's exit handler, so it runs before it: the
+# ranks are stopped here instead of being joined (forever) there.
+atexit.register(keeper.close)
