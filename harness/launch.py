@@ -240,6 +240,12 @@ def rank_context(rank: int, spec: LaunchSpec, case_dir: str, card: Card | None,
     if "OMP_NUM_THREADS" not in os.environ:
         # As torchrun does: N ranks each using every core oversubscribe the host.
         env["OMP_NUM_THREADS"] = "1"
+    if "TORCH_DIST_INIT_BARRIER" not in os.environ:
+        # torch's store-based barrier at the end of init_process_group and
+        # new_group: a rank leaves (os._exit) as soon as its function returns,
+        # and must not close its connections while a peer is still joining the
+        # group (it would fail with "connectFullMesh failed ... closed by peer").
+        env["TORCH_DIST_INIT_BARRIER"] = "1"
     if card is not None:
         env[VISIBILITY_ENV[card.device]] = card.id
         env[CARD_ENV] = str(card)

@@ -90,7 +90,7 @@ class RankContext:
     env: dict[str, str] = field(default_factory=dict)
 
 
-def rank_main(ctx: RankContext, task: RankTask, lease_fds: list[int]) -> None:
+def rank_main(ctx: RankContext, task: RankTask, lease_fds: list[int]) -> NoReturn:
     """Entry point of a spawned rank that runs one case (a ``multiprocessing`` target).
 
     ``lease_fds`` are the launcher's lease descriptors, inherited and kept
@@ -109,7 +109,7 @@ def rank_main(ctx: RankContext, task: RankTask, lease_fds: list[int]) -> None:
     _exit(outcome)
 
 
-def pool_rank_main(parent_pid: int, conn: Any, lease_fds: list[int]) -> None:
+def pool_rank_main(parent_pid: int, conn: Any, lease_fds: list[int]) -> NoReturn:
     """Entry point of a pooled rank: runs the cases ``conn`` delivers until told to exit.
 
     Per case: the launcher's current environment, working directory and

@@ -178,6 +178,7 @@ def _torch_state() -> dict[str, Any]:
 
     state: dict[str, Any] = {
         "seed": torch.initial_seed(),
+        "cpu_rng": torch.get_rng_state(),
         "dtype": torch.get_default_dtype(),
         "deterministic": torch.are_deterministic_algorithms_enabled(),
         "deterministic_warn_only": torch.is_deterministic_algorithms_warn_only_enabled(),
@@ -193,15 +194,21 @@ def _torch_state() -> dict[str, Any]:
     get_default_device = getattr(torch, "get_default_device", None)
     if get_default_device is not None:
         state["device"] = get_default_device()
+    if torch.cuda.is_initialized():
+        state["cuda_rng"] = torch.cuda.get_rng_state_all()
     return state
 
 
 def _restore_torch(state: dict[str, Any]) -> None:
     import torch
 
-    # Seeds the CPU generator and every accelerator's (lazily, without
-    # initialising a device runtime) with the seed a fresh process starts from.
+    # Every generator to a known state: accelerators' (lazily, without
+    # initialising a runtime) reseeded with the rank's initial seed, then the
+    # recorded states put back exactly.
     torch.manual_seed(state["seed"])
+    torch.set_rng_state(state["cpu_rng"])
+    if "cuda_rng" in state:
+        torch.cuda.set_rng_state_all(state["cuda_rng"])
     if "device" in state and torch.get_default_device() != state["device"]:
         torch.set_default_device(None if state["device"].type == "cpu" else state["device"])
     if torch.get_default_dtype() != state["dtype"]:

@@ -10,8 +10,9 @@ for the test suite::
 
 ``allreduce`` ends each rank right after an all-reduce of temporaries;
 ``demo`` trains ``channel_loss.demo`` for 2 steps on 2 SP ranks (the case in
-which the teardown crash was first seen, about 1 run in 25). Exits 1 when any
-run failed, printing each failure report.
+which the teardown crash was first seen, about 1 run in 25); ``noop`` returns
+at once, so a rank leaves while its peer may still be joining the group.
+Exits 1 when any run failed, printing each failure report.
 """
 
 from __future__ import annotations
@@ -40,13 +41,18 @@ def all_reduce_work() -> list[float]:
     return total.tolist()
 
 
+def noop_work() -> int:
+    """Nothing at all: the ranks return as soon as they have joined the group."""
+    return 0
+
+
 def demo_work() -> list[dict]:
     from channel_loss.demo import DemoConfig, train
 
     return train(DemoConfig(steps=2, interval=1, sp=2, quiet=True))
 
 
-WORK = {"allreduce": all_reduce_work, "demo": demo_work}
+WORK = {"allreduce": all_reduce_work, "demo": demo_work, "noop": noop_work}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -84,12 +84,16 @@ SEQUENCE = '''
         assert total.item() == 2
 
 
-    @pytest.mark.launch(nproc=2)
+    @pytest.mark.launch(LaunchSpec(nproc=2, timeout=100))
     def test_02_clean(case_env):
         import torch
+        import torch.distributed as dist
         from channel_loss.capture import active_capture
 
         note("clean")
+        # The kept group's timeout follows this case's deadline (100 s), not the first case's.
+        gloo = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
+        assert gloo.options._timeout.total_seconds() == 80.0
         assert STATE == {}
         assert "HARNESS_TEST_LEAK" not in os.environ
         # The launcher's environment as it is now, as a fresh rank would inherit it.
@@ -521,3 +525,75 @@ def test_an_idle_pool_yields_its_cards_to_another_session(tmp_path):
             holder.kill()
             holder.communicate()
     assert holder.returncode == 0, output
+
+
+def test_a_waiting_lease_makes_the_holders_lease_contended(tmp_path):
+    import threading
+
+    lease_dir = str(tmp_path / "leases")
+    with acquire(lease_dir, [slot_want(1, 1)], timeout=0, holder="the pool") as held:
+        assert not held.contended()
+        got: list = []
+        waiter = threading.Thread(target=lambda: got.append(
+            acquire(lease_dir, [slot_want(1, 1)], timeout=30, holder="a waiter")))
+        waiter.start()
+        end = time.monotonic() + 10
+        while not held.contended() and time.monotonic() < end:
+            time.sleep(0.02)
+        assert held.contended()
+    waiter.join(30)
+    assert len(got) == 1
+    with got[0] as theirs:
+        assert not theirs.contended()  # the wait is over, and so is its announcement
+
+
+def test_baseline_restores_what_a_case_changed():
+    import gc
+    import logging
+    import random
+    import warnings
+
+    import numpy as np
+    import torch
+
+    from harness.reset import Baseline
+
+    before = (torch.get_default_dtype(), torch.is_grad_enabled(), torch.get_num_threads(),
+              torch.get_float32_matmul_precision(), list(warnings.filters),
+              list(logging.getLogger().handlers), signal.getsignal(signal.SIGTERM))
+    baseline = Baseline.capture()
+    try:
+        draws = (random.random(), float(np.random.rand()), torch.rand(2).tolist())
+        random.seed(1)
+        np.random.seed(1)
+        torch.manual_seed(1)
+        torch.set_default_dtype(torch.float64)
+        torch.set_grad_enabled(False)
+        torch.set_num_threads(before[2] + 1)
+        torch.set_float32_matmul_precision("medium" if before[3] != "medium" else "high")
+        warnings.simplefilter("error")
+        logging.getLogger().addHandler(logging.NullHandler())
+        signal.signal(signal.SIGTERM, lambda *a: None)
+        baseline.restore()
+        assert (torch.get_default_dtype(), torch.is_grad_enabled(), torch.get_num_threads(),
+                torch.get_float32_matmul_precision(), list(warnings.filters),
+                list(logging.getLogger().handlers), signal.getsignal(signal.SIGTERM)) == before
+        assert (random.random(), float(np.random.rand()), torch.rand(2).tolist()) == draws
+        # (Only our thread is asserted on: the test process may start threads of its own.)
+        assert "sleeper" not in (baseline.leftovers() or "")
+        sleeper = start_sleeper_thread()
+        assert "thread(s) running (" in baseline.leftovers()
+        assert "sleeper" in baseline.leftovers()
+        sleeper.set()
+    finally:
+        baseline.restore()
+        gc.unfreeze()
+
+
+def start_sleeper_thread():
+    """A thread named "sleeper" that runs until the returned event is set (10 s at most)."""
+    import threading
+
+    stop = threading.Event()
+    threading.Thread(target=stop.wait, args=(10,), name="sleeper", daemon=True).start()
+    return stop
