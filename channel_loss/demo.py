@@ -18,7 +18,7 @@ needed); its loss is ``chunk_cross_entropy`` inside
 ``position_ids``, so the metrics come from the loss pass itself.
 
 With ``--sp W`` the step runs on W ranks over Gloo (started with
-``harness.launch``) as sequence parallelism of the loss: every rank runs the
+``harness.launcher.launch``) as sequence parallelism of the loss: every rank runs the
 (tiny) model on the whole packed row, takes its ``Shard`` (``--sp-mode``:
 zigzag by default, or contiguous) of the hidden states and of the globally
 pre-shifted labels, computes the loss of its tokens
@@ -271,12 +271,12 @@ def _train(config: DemoConfig) -> list[dict[str, float]]:
 
 
 def _sp_rank(config: dict) -> list[dict[str, float]]:
-    """Rank entry point for ``harness.launch``: the process group is up, train on it."""
+    """Rank entry point for ``harness.launcher.launch``: the process group is up, train on it."""
     return train(DemoConfig(**config))
 
 
 def run(config: DemoConfig) -> list[dict[str, float]]:
-    """Train in this process (``sp == 1``) or on ``sp`` Gloo ranks via ``harness.launch``."""
+    """Train in this process (``sp == 1``) or on ``sp`` Gloo ranks via ``harness.launcher.launch``."""
     if config.sp < 1:
         raise ValueError(f"sp must be >= 1; got {config.sp}")
     if config.sp == 1:

@@ -33,7 +33,7 @@ py="${PYTHON:-python3}"
 cat "$out/env.txt"
 
 # The machine's torch stays: install only what the harness and the tests need.
-if ! "$py" -c 'import harness.cli, jsonschema, pytest, xdist, hypothesis, filelock, psutil' >/dev/null 2>&1; then
+if ! "$py" -c 'import harness.suites.cli, jsonschema, pytest, xdist, hypothesis, filelock, psutil' >/dev/null 2>&1; then
     "$py" -m pip install -q --no-deps -e . >"$out/pip.log" 2>&1
     "$py" -m pip install -q pytest pytest-xdist hypothesis jsonschema filelock psutil numpy >>"$out/pip.log" 2>&1
 fi

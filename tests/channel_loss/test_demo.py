@@ -1,6 +1,6 @@
 """``python -m channel_loss.demo``: its outputs, that the easy source learns, and SP=2 == SP=1.
 
-The ``--sp 2`` run starts two Gloo ranks through ``harness.launch`` (it leases
+The ``--sp 2`` run starts two Gloo ranks through ``harness.launcher.launch`` (it leases
 its own two process slots). Its metrics must equal the ``--sp 1`` run's
 (same seed): token and sample counts exactly, means and losses within
 ``rel=1e-5`` — sharding only changes the order of float sums (each rank's

@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 from suite_project import make_project, manifest
 
-from harness import report
-from harness.cli import main
-from harness.inventory import Case
-from harness.run import worker_count
 from harness.spec import LaunchSpec
+from harness.suites import report
+from harness.suites.cli import main
+from harness.suites.inventory import Case
+from harness.suites.run import worker_count
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -7,8 +7,8 @@ import json
 import pytest
 from suite_project import DEVICE_TESTS, make_project, manifest
 
-from harness.cli import main
-from harness.inventory import build_inventory
+from harness.suites.cli import main
+from harness.suites.inventory import build_inventory
 
 SHARED = {"entries": [{"id": "dev", "paths": ["tests"]}]}
 ACCEL = {

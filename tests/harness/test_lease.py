@@ -12,14 +12,14 @@ import time
 import pytest
 
 from harness.devices import Card
-from harness.lease import LeaseTimeout, acquire, card_want, read_holder, slot_want
+from harness.launcher.lease import LeaseTimeout, acquire, card_want, read_holder, slot_want
 
 CARDS = [Card("cuda", str(i)) for i in range(3)]
 
 HOLD = textwrap.dedent('''
     import sys, time
     from harness.devices import Card
-    from harness.lease import acquire, card_want
+    from harness.launcher.lease import acquire, card_want
     lease = acquire(sys.argv[1], [card_want([Card("cuda", "0")], 1)], timeout=10, holder="holder script")
     print("held", flush=True)
     time.sleep(60)

@@ -9,7 +9,7 @@ import jsonschema
 import pytest
 from suite_project import CPU_RUNNER, manifest
 
-from harness.manifest import (
+from harness.suites.manifest import (
     ManifestError,
     duplicate_entries,
     load_manifest,
@@ -41,13 +41,13 @@ def cpu_doc(**entry: object) -> dict:
 
 
 def test_schema_is_valid_draft_2020_12():
-    schema = json.loads((REPO / "suites/schema.json").read_text())
+    schema = json.loads((REPO / "harness/suites/schema.json").read_text())
     assert schema["$schema"] == "https://json-schema.org/draft/2020-12/schema"
     jsonschema.Draft202012Validator.check_schema(schema)
 
 
 def test_real_manifests_validate_with_plain_jsonschema_and_carry_schema_key():
-    schema = json.loads((REPO / "suites/schema.json").read_text())
+    schema = json.loads((REPO / "harness/suites/schema.json").read_text())
     files = sorted((REPO / "suites").glob("*.json")) + sorted((REPO / "suites/cases").glob("*.json"))
     files = [f for f in files if f.name != "schema.json"]
     assert {f.stem for f in files} >= {"cpu", "gpu", "npu"}

@@ -7,7 +7,15 @@ import signal
 
 import pytest
 
-from harness.outcome import FAILED, PASSED, SKIPPED, XFAILED, CaseResult, RankOutcome, describe_exit
+from harness.launcher.outcome import (
+    FAILED,
+    PASSED,
+    SKIPPED,
+    XFAILED,
+    CaseResult,
+    RankOutcome,
+    describe_exit,
+)
 
 
 def result(**kw) -> CaseResult:

@@ -15,9 +15,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from harness.changes import changed_files, select
-from harness.manifest import Entry, Runner
-from harness.plan import (
+from harness.suites.changes import changed_files, select
+from harness.suites.manifest import Entry, Runner
+from harness.suites.plan import (
     PlanError,
     PlannedCase,
     estimate,

@@ -22,7 +22,7 @@ from launch_project import (
 )
 
 from harness.devices import Card
-from harness.lease import acquire, card_want
+from harness.launcher.lease import acquire, card_want
 
 # Collected in this order, `--dist load` hands the first two tests to gw0 and
 # the last two to gw1: both 2-card cases start at once, on different workers.

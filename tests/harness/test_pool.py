@@ -23,7 +23,7 @@ from launch_project import (
     write_project,
 )
 
-from harness.lease import acquire, slot_want
+from harness.launcher.lease import acquire, slot_want
 
 SEQUENCE = '''
     import json
@@ -556,7 +556,7 @@ def test_baseline_restores_what_a_case_changed():
     import numpy as np
     import torch
 
-    from harness.reset import Baseline
+    from harness.launcher.reset import Baseline
 
     before = (torch.get_default_dtype(), torch.is_grad_enabled(), torch.get_num_threads(),
               torch.get_float32_matmul_precision(), list(warnings.filters),

@@ -14,8 +14,8 @@ import nox.registry
 import pytest
 import yaml
 
-from harness.manifest import Runner, suite_files
-from harness.plan import PlannedCase, plan
+from harness.suites.manifest import Runner, suite_files
+from harness.suites.plan import PlannedCase, plan
 
 REPO = Path(__file__).resolve().parents[2]
 WORKFLOWS = REPO / ".github" / "workflows"

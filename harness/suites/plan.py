@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from harness.manifest import SUITES_DIR, Runner
+from harness.suites.manifest import SUITES_DIR, Runner
 
 DURATIONS_DIR = "durations"
 

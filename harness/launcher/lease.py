@@ -1,7 +1,7 @@
 """Exclusive, crash-safe leases on accelerator cards and CPU process slots.
 
 Every pytest process on the host (xdist workers, concurrent sessions, scripts
-calling ``harness.launch``) leases through one *lease directory*. Each
+calling ``harness.launcher.launch``) leases through one *lease directory*. Each
 resource is one lock file in it::
 
     <lease dir>/cuda-0.lock   card cuda:0

@@ -8,7 +8,7 @@ safe by construction:
 * **one pool per process, one case at a time.** ``PoolKeeper`` keeps at most
   one ``RankPool``; a case with another key closes it and starts its own.
 * **checked before reuse.** Before each case on a reused pool every rank
-  restores the per-case state (``harness.reset``) and joins a bounded health
+  restores the per-case state (``harness.launcher.reset``) and joins a bounded health
   check (an all-reduce of ``[1, case number]``, ``rank.HEALTH_TIMEOUT_S``);
   unless every rank reports a correct result in time the pool is torn down
   and the case runs on a fresh one (nothing of it has run yet).
@@ -25,8 +25,8 @@ safe by construction:
   when another process waits for them (checked between cases and, while
   idle, every ``IDLE_CHECK_S``), at session end and at interpreter exit.
 
-The rank side is ``harness.rank.pool_rank_main``; outcomes, reports and the
-tree kill are the ones every launch uses (``harness.launch``).
+The rank side is ``harness.launcher.rank.pool_rank_main``; outcomes, reports and the
+tree kill are the ones every launch uses (``harness.launcher.launch``).
 """
 
 from __future__ import annotations
@@ -44,8 +44,8 @@ from multiprocessing import get_context
 from multiprocessing.connection import wait as wait_any
 from typing import Any
 
-from harness import procs
-from harness.launch import (
+from harness.launcher import procs
+from harness.launcher.launch import (
     EXIT_WAIT_S,
     KILL_GRACE_S,
     Case,
@@ -59,9 +59,9 @@ from harness.launch import (
     supervise,
     wind_down,
 )
-from harness.lease import Lease, add_yield_hook
-from harness.outcome import FAILED, CaseResult
-from harness.rank import (
+from harness.launcher.lease import Lease, add_yield_hook
+from harness.launcher.outcome import FAILED, CaseResult
+from harness.launcher.rank import (
     CASE,
     EXIT,
     GO,
@@ -72,8 +72,8 @@ from harness.rank import (
     RankTask,
     pool_rank_main,
 )
-from harness.reset import Inherited
-from harness.settings import Settings
+from harness.launcher.reset import Inherited
+from harness.launcher.settings import Settings
 from harness.spec import LaunchSpec
 
 #: How often an idle pool checks whether another process waits for its lease.

@@ -1,7 +1,7 @@
 """Session-wide harness settings: deadlines, lease directory, process slots.
 
 The pytest plugin activates the settings its command line gives for the
-length of the session; ``harness.launch`` called from scripts gets the
+length of the session; ``harness.launcher.launch`` called from scripts gets the
 defaults (``HARNESS_LEASE_DIR`` honoured).
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from harness.lease import default_lease_dir
+from harness.launcher.lease import default_lease_dir
 
 DEFAULT_TIMEOUT_S = 300.0
 DEFAULT_LEASE_TIMEOUT_S = 600.0
@@ -30,7 +30,7 @@ class Settings:
     process slots on the host; ``lease_timeout``: bound on a lease wait (s);
     ``require``: accelerator types whose absence fails instead of skipping;
     ``capture``: collect rank output into the report instead of streaming it;
-    ``reuse``: run consecutive launched cases on kept rank pools (``harness.pool``)."""
+    ``reuse``: run consecutive launched cases on kept rank pools (``harness.launcher.pool``)."""
 
     timeout: float = DEFAULT_TIMEOUT_S
     lease_dir: str = field(default_factory=default_lease_dir)

@@ -3,7 +3,7 @@
 A manifest says which test cases run on which hardware::
 
     {
-      "$schema": "./schema.json",
+      "$schema": "../harness/suites/schema.json",
       "suite": "gpu",
       "device": "cuda",
       "runner": {"labels": ["self-hosted", "gpu"], "cards": 2, "timeout_minutes": 60},
@@ -312,21 +312,17 @@ def _schema_at(path: str) -> dict[str, Any]:
         return json.load(f)
 
 
-def load_schema(root: Path) -> dict[str, Any]:
-    """The manifest JSON Schema: the repository's ``suites/schema.json``, else the
-    copy next to this package's source checkout."""
-    for candidate in (
-        root / SUITES_DIR / SCHEMA_FILE,
-        Path(__file__).resolve().parents[1] / SUITES_DIR / SCHEMA_FILE,
-    ):
-        if candidate.is_file():
-            try:
-                return _schema_at(str(candidate))
-            except json.JSONDecodeError as e:
-                raise ManifestError(
-                    [Problem("json", f"{rel(candidate, root)}:{e.lineno}:{e.colno}", "", e.msg)]
-                ) from e
-    raise ManifestError([Problem("schema", f"{SUITES_DIR}/{SCHEMA_FILE}", "", "schema not found")])
+def load_schema(root: Path | None = None) -> dict[str, Any]:
+    """The manifest JSON Schema shipped inside this package (``harness/suites/schema.json``).
+
+    ``root`` is accepted for callers that pass the repository; the schema never
+    comes from it, so every repository validates against the installed harness.
+    """
+    path = Path(__file__).resolve().parent / SCHEMA_FILE
+    try:
+        return _schema_at(str(path))
+    except FileNotFoundError as e:
+        raise ManifestError([Problem("schema", str(path), "", "schema missing from the harness package")]) from e
 
 
 def _validator(root: Path, definition: str) -> jsonschema.protocols.Validator:

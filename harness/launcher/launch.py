@@ -2,7 +2,7 @@
 
 ``run_ranks`` runs a case on fresh ranks (``launch`` and the plugin's
 ``reuse=False`` cases use it); it never returns with a rank process alive.
-``harness.pool`` runs cases on kept ranks with the same parts: ``supervise``,
+``harness.launcher.pool`` runs cases on kept ranks with the same parts: ``supervise``,
 ``wind_down``, the reports, the signal handling. Either way:
 
 * ranks start with the *spawn* start method (a fork after CUDA was
@@ -38,14 +38,14 @@ from multiprocessing import get_context
 from multiprocessing.connection import wait as wait_any
 from typing import Any
 
-from harness import lease as leases
-from harness import procs
 from harness.devices import CARD_ENV, VISIBILITY_ENV, Card, inventory, is_simulated
-from harness.outcome import FAILED, PASSED, SKIPPED, XFAILED, CaseResult, RankOutcome
-from harness.rank import STACK_DUMP_SIGNAL, RankContext, RankTask, rank_main
-from harness.settings import Settings, current
+from harness.launcher import lease as leases
+from harness.launcher import procs
+from harness.launcher.outcome import FAILED, PASSED, SKIPPED, XFAILED, CaseResult, RankOutcome
+from harness.launcher.rank import STACK_DUMP_SIGNAL, RankContext, RankTask, rank_main
+from harness.launcher.settings import Settings, current
+from harness.launcher.target import FunctionRef
 from harness.spec import LaunchSpec
-from harness.target import FunctionRef
 
 #: After one rank failed, the others get this long to finish before they are
 #: stopped (a peer blocked in a collective that never notices).
@@ -69,7 +69,7 @@ class LaunchError(Exception):
 
 
 class LaunchBudgetError(LaunchError, ValueError):
-    """``harness.launch`` asked for more ranks or cards than the enclosing case declared."""
+    """``harness.launcher.launch`` asked for more ranks or cards than the enclosing case declared."""
 
 
 def pg_timeout_for(deadline_s: float) -> float:
@@ -508,7 +508,7 @@ def lease_case(spec: LaunchSpec, settings: Settings, holder: str) -> leases.Leas
 def _within(case: Case, spec: LaunchSpec) -> list[Card]:
     if spec.nproc > case.nproc:
         raise LaunchBudgetError(
-            f"harness.launch would start {spec.nproc} ranks, but {case.what} declares "
+            f"harness.launcher.launch would start {spec.nproc} ranks, but {case.what} declares "
             f"nproc={case.nproc}; declare the number of ranks it really starts "
             f"(e.g. @pytest.mark.launch(nproc={spec.nproc}))"
         )
@@ -516,7 +516,7 @@ def _within(case: Case, spec: LaunchSpec) -> list[Card]:
         cards = [Card(*c.split(":", 1)) for c in case.cards if c.startswith(spec.device + ":")]
         if len(cards) < spec.cards:
             raise LaunchBudgetError(
-                f"harness.launch would use {spec.cards} {spec.device} cards, but {case.what} "
+                f"harness.launcher.launch would use {spec.cards} {spec.device} cards, but {case.what} "
                 f"holds {len(cards)} ({', '.join(case.cards) or 'none'})"
             )
         return cards[: spec.cards]
@@ -528,4 +528,4 @@ def _missing_hardware(device: str, reason: str) -> None:
         import pytest
 
         pytest.skip(reason)
-    raise LaunchError(f"harness.launch: {reason}")
+    raise LaunchError(f"harness.launcher.launch: {reason}")

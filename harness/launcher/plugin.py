@@ -13,7 +13,7 @@ Per test:
   passed, failed naming ``rank N`` (first failure first, with its
   traceback), skipped or xfailed with the ranks' reason. Consecutive cases
   with the same (device, nproc, backend) run on a kept pool of ranks
-  (``harness.pool``) unless ``--harness-no-reuse`` or ``LaunchSpec.reuse``
+  (``harness.launcher.pool``) unless ``--harness-no-reuse`` or ``LaunchSpec.reuse``
   says otherwise; the pool is closed at the end of the session.
 """
 
@@ -26,7 +26,6 @@ from typing import NoReturn
 
 import pytest
 
-from harness import settings as harness_settings
 from harness.devices import (
     CARD_ENV,
     describe_inventory,
@@ -37,14 +36,20 @@ from harness.devices import (
     runtime_available,
     set_device,
 )
-from harness.launch import echo_logs, lease_case, missing_cards, pickle_args, run_ranks
-from harness.lease import Lease, LeaseTimeout, acquire, card_want, default_lease_dir
-from harness.outcome import FAILED, SKIPPED, XFAILED, CaseResult
-from harness.pool import keeper
-from harness.rank import RankTask
-from harness.settings import DEFAULT_LEASE_TIMEOUT_S, DEFAULT_TIMEOUT_S, Settings, cpu_count
+from harness.launcher import settings as harness_settings
+from harness.launcher.launch import echo_logs, lease_case, missing_cards, pickle_args, run_ranks
+from harness.launcher.lease import Lease, LeaseTimeout, acquire, card_want, default_lease_dir
+from harness.launcher.outcome import FAILED, SKIPPED, XFAILED, CaseResult
+from harness.launcher.pool import keeper
+from harness.launcher.rank import RankTask
+from harness.launcher.settings import (
+    DEFAULT_LEASE_TIMEOUT_S,
+    DEFAULT_TIMEOUT_S,
+    Settings,
+    cpu_count,
+)
+from harness.launcher.target import FunctionRef
 from harness.spec import ACCELERATORS, LaunchSpec, is_launched, spec_for_item
-from harness.target import FunctionRef
 
 SETTINGS_KEY = pytest.StashKey[Settings]()
 SPEC_KEY = pytest.StashKey[LaunchSpec]()

@@ -5,7 +5,7 @@ The suite is inventoried in-process (collect only), narrowed by
 pytest subprocess per distinct entry ``timeout_s`` (passed as
 ``--harness-timeout``), with xdist workers sized to the cards (accelerator
 suites) or process slots (cpu) this host can lease, and ``-p
-harness.selection`` so that exactly the planned cases run. Accelerator suites
+harness.suites.selection`` so that exactly the planned cases run. Accelerator suites
 pass ``--harness-require DEVICE``: a runner without cards goes red, not green.
 
 Outputs, in ``--out`` (default ``out/harness/<suite>[-<i>of<n>]``):
@@ -27,10 +27,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from harness import changes, report, selection
-from harness.inventory import Case, Inventory, build_inventory
-from harness.manifest import Entry, Manifest
-from harness.plan import (
+from harness.suites import changes, report, selection
+from harness.suites.inventory import Case, Inventory, build_inventory
+from harness.suites.manifest import Entry, Manifest
+from harness.suites.plan import (
     PlanError,
     default_durations_path,
     estimate,
@@ -279,7 +279,7 @@ def run_suite(root: Path, opts: RunOptions) -> int:
         # The caller's pytest arguments first: where they clash with ours
         # (--junitxml), ours come later and win, so the run can be read back.
         cmd = [sys.executable, "-m", "pytest", *sorted({c.file for c, _ in group}), *opts.pytest_args]
-        cmd += ["-p", "harness.selection", f"--harness-select={select_file}", f"--rootdir={root}"]
+        cmd += ["-p", "harness.suites.selection", f"--harness-select={select_file}", f"--rootdir={root}"]
         cmd += [f"--junitxml={junit}", "-o", "junit_duration_report=total"]
         if not user_xdist and _XDIST_INSTALLED:
             # One case gains nothing from a worker process; more keep the

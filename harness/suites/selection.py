@@ -1,4 +1,4 @@
-"""pytest plugin that ``harness run`` loads (``-p harness.selection``): run exactly the planned cases.
+"""pytest plugin that ``harness run`` loads (``-p harness.suites.selection``): run exactly the planned cases.
 
 ``--harness-select FILE`` names a JSON file ``{"root": DIR, "cases":
 {nodeid: deadline_s or null}}``. Collected items not in it are deselected;
@@ -60,7 +60,7 @@ def _load(config: pytest.Config) -> dict[str, Any] | None:
 
 
 def _case_id(item: pytest.Item, root: Path) -> str:
-    from harness.inventory import case_id
+    from harness.suites.inventory import case_id
 
     return case_id(item, root)
 

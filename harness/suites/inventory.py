@@ -30,7 +30,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from harness.manifest import (
+from harness.spec import LaunchSpec, is_launched, spec_for_item
+from harness.suites.manifest import (
     Entry,
     Manifest,
     Problem,
@@ -39,7 +40,6 @@ from harness.manifest import (
     path_matches,
     rel,
 )
-from harness.spec import LaunchSpec, is_launched, spec_for_item
 
 TESTS_GLOB = "tests/**/test_*.py"
 

@@ -15,7 +15,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from harness.manifest import Entry, path_matches
+from harness.suites.manifest import Entry, path_matches
 
 #: A change to any of these runs everything: they decide what and how every case runs.
 RUN_EVERYTHING: tuple[str, ...] = ("harness", "suites", "pyproject.toml", "noxfile.py", "**/conftest.py")

@@ -22,8 +22,8 @@ at once, as they would on ``destroy_process_group``, which itself is known to
 hang.
 
 ``pool_rank_main`` is the entry of a *pooled* rank: it keeps its process
-group and runs case after case sent by ``harness.pool``, restoring the
-per-case state (``harness.reset``) in between.
+group and runs case after case sent by ``harness.launcher.pool``, restoring the
+per-case state (``harness.launcher.reset``) in between.
 """
 
 from __future__ import annotations
@@ -43,9 +43,9 @@ from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
 from harness.devices import Card, local_index, runtime_available, set_device
-from harness.outcome import FAILED, PASSED, SKIPPED, XFAILED, RankOutcome
-from harness.reset import Baseline, fresh_context
-from harness.target import FunctionRef
+from harness.launcher.outcome import FAILED, PASSED, SKIPPED, XFAILED, RankOutcome
+from harness.launcher.reset import Baseline, fresh_context
+from harness.launcher.target import FunctionRef
 
 #: How long a pooled rank's health check waits for its peers.
 HEALTH_TIMEOUT_S = 5.0

@@ -16,10 +16,10 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from harness.inventory import Inventory, build_inventory
-from harness.manifest import find_root
-from harness.plan import PlanError, default_durations_path, estimate, load_durations, plan
-from harness.run import RunOptions, load_suite, run_suite
+from harness.suites.inventory import Inventory, build_inventory
+from harness.suites.manifest import find_root
+from harness.suites.plan import PlanError, default_durations_path, estimate, load_durations, plan
+from harness.suites.run import RunOptions, load_suite, run_suite
 
 
 def _parser() -> argparse.ArgumentParser:
