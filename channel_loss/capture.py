@@ -18,11 +18,20 @@ class TokenObservation:
 
     ``token_losses``: detached fp32 cross-entropy per target, with the leading
     shape of the targets, exactly 0.0 where the target is ignored.
-    ``targets``: the int64 targets the loss was computed against.
+    ``targets``: the int64 targets the loss was computed against, owned by the
+    observation (a caller reusing its label buffer does not change it).
+    ``ignore_index``: the value in ``targets`` that the loss ignored; every
+    metric ignores exactly those targets.
     """
 
     token_losses: torch.Tensor
     targets: torch.Tensor
+    ignore_index: int = -100
+
+    @property
+    def scored(self) -> torch.Tensor:
+        """Bool mask, shape of ``targets``: True where the loss scored the target."""
+        return self.targets != self.ignore_index
 
 
 @dataclass
@@ -47,7 +56,7 @@ def _in_backward() -> bool:
     return graph_task_id is not None and graph_task_id() != -1
 
 
-def record(token_losses: torch.Tensor, targets: torch.Tensor) -> None:
+def record(token_losses: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100) -> None:
     """Hand one loss call's per-token losses to the innermost open scope.
 
     Does nothing outside a scope and during a backward-pass recompute.
@@ -55,7 +64,8 @@ def record(token_losses: torch.Tensor, targets: torch.Tensor) -> None:
     cap = _ACTIVE.get()
     if cap is None or _in_backward():
         return
-    cap.observations.append(TokenObservation(token_losses.detach(), targets))
+    # The targets are copied: callers often reuse (prefetch into) their label buffer.
+    cap.observations.append(TokenObservation(token_losses.detach(), targets.detach().clone(), int(ignore_index)))
 
 
 @contextmanager

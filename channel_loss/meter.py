@@ -323,7 +323,7 @@ class ChannelLossMeter:
         losses = per_token_cross_entropy(
             logits=logits, shift_labels=targets, ignore_index=self.ignore_index, chunk_size=chunk_size
         )
-        record(losses, targets)
+        record(losses, targets, self.ignore_index)
 
     def end_step(self) -> dict[str, float]:
         """Close the step; on a sampled one, reduce it over all ranks and return the metrics.

@@ -374,7 +374,7 @@ def chunk_cross_entropy(
     loss, token_losses = _ChunkedCE.apply(
         *inputs, flat_targets, valid, denom, bias.row_of_token, chunk_size, needs
     )
-    record(token_losses.reshape(lead), targets)
+    record(token_losses.reshape(lead), targets, ignore_index)
     return loss
 
 

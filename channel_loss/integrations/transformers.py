@@ -129,7 +129,7 @@ class ObservingLoss:
             logits=logits.detach(), shift_labels=targets, ignore_index=ignore_index,
             chunk_size=self.chunk_size,
         )
-        record(losses, targets)
+        record(losses, targets, ignore_index)
 
 
 class LossPatch:
