@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable, Mapping
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, fields
 from numbers import Integral
 
 import torch
@@ -20,52 +20,75 @@ from channel_loss.exchange import (
 )
 from channel_loss.layout import PackedLayout, Shard, copy_to
 
-__all__ = ["SourceId", "SourceTotals", "source_keys", "source_totals"]
+__all__ = ["COLUMNS", "Column", "SourceId", "SourceTotals", "check_text", "source_keys", "source_totals"]
+
+
+@dataclass(frozen=True)
+class Column:
+    """One per-source column of ``SourceTotals``: the single definition everything else reads.
+
+    Every column is additive: it merges by summing, across micro-batches (``+``),
+    ranks (``all_reduce``, the meter's step reduction) and logging windows
+    (``integrations.transformers.merge_step_metrics``). ``metric`` names the
+    per-source metric family that reports the column unchanged
+    (``"{prefix}_{metric}/{source}"``), or is None for a column that only
+    derived metrics use (``loss_sum``: the mean and the weighted share).
+    """
+
+    name: str
+    dtype: torch.dtype
+    metric: str | None
+    doc: str
+
+
+def _column(dtype: torch.dtype, metric: str | None, doc: str) -> dict:
+    # A SourceTotals field's metadata; the column's name is the field's.
+    return {"column": (dtype, metric, doc)}
 
 
 @dataclass(frozen=True, eq=False)
 class SourceTotals:
     """Per-source sums over some tokens: ``keys[i]`` has ``loss_sum[i]``, ``tokens[i]``, ``samples[i]``.
 
-    ``loss_sum`` is float64, ``tokens`` (non-ignored targets) and ``samples``
-    int64, all ``[len(keys)]`` on one device. Partials combine with ``+``
-    (``sum(partials)`` works too) and across ranks with ``all_reduce``.
+    One tensor ``[len(keys)]`` per column of ``COLUMNS`` (``loss_sum``
+    float64, ``tokens`` (scored targets) and ``samples`` int64), all on one
+    device. Partials combine with ``+`` (``sum(partials)`` works too) and
+    across ranks with ``all_reduce``. A new column is one more field here
+    (with its ``_column``) and its computation in ``source_totals``.
     """
 
     keys: tuple[SourceId, ...]
-    loss_sum: torch.Tensor
-    tokens: torch.Tensor
-    samples: torch.Tensor
+    loss_sum: torch.Tensor = field(
+        metadata=_column(torch.float64, None, "sum of the per-token losses of scored targets"))
+    tokens: torch.Tensor = field(metadata=_column(torch.int64, "tokens", "scored targets"))
+    samples: torch.Tensor = field(metadata=_column(
+        torch.int64, "samples", "samples, each counted once (on the rank holding its first token)"))
+
+    def columns(self) -> tuple[torch.Tensor, ...]:
+        """The column tensors, in ``COLUMNS`` order."""
+        return tuple(getattr(self, column.name) for column in COLUMNS)
 
     @classmethod
     def empty(cls, device: torch.device | str | None = None) -> SourceTotals:
         """Totals over nothing."""
-        return cls(
-            (),
-            torch.zeros(0, dtype=torch.float64, device=device),
-            torch.zeros(0, dtype=torch.int64, device=device),
-            torch.zeros(0, dtype=torch.int64, device=device),
-        )
+        return cls((), *(torch.zeros(0, dtype=c.dtype, device=device) for c in COLUMNS))
 
     @classmethod
     def from_rows(cls, keys: Iterable[SourceId], rows: torch.Tensor) -> SourceTotals:
-        """Inverse of ``rows()``; counts are rounded back to int64."""
-        return cls(
-            tuple(keys),
-            rows[:, 0].to(torch.float64),
-            rows[:, 1].round().to(torch.int64),
-            rows[:, 2].round().to(torch.int64),
-        )
+        """Inverse of ``rows()``; integer columns are rounded back to int64."""
+        return cls(tuple(keys), *(
+            rows[:, i].to(torch.float64) if c.dtype.is_floating_point
+            else rows[:, i].round().to(c.dtype)
+            for i, c in enumerate(COLUMNS)
+        ))
 
     def rows(self) -> torch.Tensor:
-        """float64 ``[len(keys), 3]``: loss_sum, tokens, samples (counts exact below 2**53)."""
-        return torch.stack([self.loss_sum, self.tokens.double(), self.samples.double()], dim=1)
+        """float64 ``[len(keys), len(COLUMNS)]``, columns in ``COLUMNS`` order (counts exact below 2**53)."""
+        return torch.stack([column.double() for column in self.columns()], dim=1)
 
     def to(self, device: torch.device | str) -> SourceTotals:
         """The same totals on ``device``."""
-        return SourceTotals(
-            self.keys, self.loss_sum.to(device), self.tokens.to(device), self.samples.to(device)
-        )
+        return SourceTotals(self.keys, *(column.to(device) for column in self.columns()))
 
     def __add__(self, other: SourceTotals) -> SourceTotals:
         if not isinstance(other, SourceTotals):
@@ -80,12 +103,9 @@ class SourceTotals:
             grown = torch.nn.functional.pad(mine, (0, len(extra)))
             return grown.index_add_(0, into, theirs.to(device))
 
-        return SourceTotals(
-            self.keys + tuple(extra),
-            merged(self.loss_sum, other.loss_sum),
-            merged(self.tokens, other.tokens),
-            merged(self.samples, other.samples),
-        )
+        return SourceTotals(self.keys + tuple(extra), *(
+            merged(mine, theirs) for mine, theirs in zip(self.columns(), other.columns(), strict=True)
+        ))
 
     def __radd__(self, other) -> SourceTotals:
         # Lets sum(partials) start from its default 0.
@@ -117,36 +137,63 @@ class SourceTotals:
             total = total + SourceTotals.from_rows(keys, rows)
         return total.to(self.loss_sum.device)
 
-    def as_dict(self) -> dict[SourceId, tuple[float, int, int]]:
-        """``{source_id: (loss_sum, tokens, samples)}`` as Python numbers (reads the tensors back)."""
-        return {
-            key: (loss, tokens, samples)
-            for key, loss, tokens, samples in zip(
-                self.keys,
-                self.loss_sum.tolist(),
-                self.tokens.tolist(),
-                self.samples.tolist(),
-                strict=True,
-            )
-        }
+    def as_dict(self) -> dict[SourceId, tuple]:
+        """``{source_id: (loss_sum, tokens, samples)}`` (``COLUMNS`` order) as Python numbers."""
+        return dict(zip(self.keys, zip(*(c.tolist() for c in self.columns()), strict=True),
+                        strict=True)) if self.keys else {}
+
+
+#: The per-source columns, in ``SourceTotals`` field (and ``rows()``) order.
+COLUMNS: tuple[Column, ...] = tuple(
+    Column(f.name, *f.metadata["column"]) for f in fields(SourceTotals) if "column" in f.metadata
+)
+
+
+def check_text(text: str, what: str) -> str:
+    """``text`` if it encodes as UTF-8 (how ids and names travel between ranks), else a metadata error.
+
+    A lone surrogate (``"\\ud800"``, e.g. from ``os.fsdecode`` of bad bytes) is a
+    valid ``str`` that no rank could send.
+    """
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise ChannelLossMetadataError(
+            f"{what} is {text!r}, which is not valid Unicode text ({error.reason} at "
+            f"position {error.start}); ids and names must encode as UTF-8"
+        ) from None
+    return text
+
+
+def _is_id(key) -> bool:
+    # bool is an int and 1.0 == 1 hashes like 1: both would silently merge into source 1.
+    return isinstance(key, str) or (isinstance(key, Integral) and not isinstance(key, bool))
 
 
 def _normalise_key(key, ids: list) -> SourceId:
     if isinstance(key, str):
-        return str(key)
-    if isinstance(key, Integral) and not isinstance(key, bool):
-        return int(key)
-    raise ChannelLossMetadataError(
-        f"source_ids[{ids.index(key)}] is {key!r} of type {type(key).__name__}; "
-        "source ids must be int or str"
-    )
+        return check_text(str(key), f"source_ids[{ids.index(key)}]")
+    return int(key)
+
+
+def _check_types(ids: list) -> None:
+    """Every id is an int or a str: checked per distinct type, before equal values merge."""
+    for kind in set(map(type, ids)):
+        if not (issubclass(kind, str) or (issubclass(kind, Integral) and not issubclass(kind, bool))):
+            bad = next(i for i, key in enumerate(ids) if type(key) is kind)
+            raise ChannelLossMetadataError(
+                f"source_ids[{bad}] is {ids[bad]!r} of type {kind.__name__}; source ids must be "
+                "int or str (bool and float ids are refused: they would merge with the int "
+                "equal to them)"
+            )
 
 
 def source_keys(source_ids, num_samples: int) -> tuple[tuple[SourceId, ...], torch.Tensor]:
     """Validate ``source_ids`` (one per sample) and split them into distinct keys and per-sample indices.
 
     ``source_ids`` is a sequence of ``int`` / ``str`` (keys in first-seen
-    order) or a 1-D integer tensor (keys in sorted order; a tensor on an
+    order; ``bool``, ``float`` and other types, and strings that do not
+    encode as UTF-8, are a ``ChannelLossMetadataError``) or a 1-D integer tensor (keys in sorted order; a tensor on an
     accelerator costs one host sync). Returns ``(keys, index)`` with
     ``keys[index[k]]`` the source of sample ``k``; ``index`` is int64 on the
     host, or on the tensor's device.
@@ -172,14 +219,8 @@ def source_keys(source_ids, num_samples: int) -> tuple[tuple[SourceId, ...], tor
         raise ChannelLossMetadataError(
             f"the layout has {num_samples} samples but source_ids has {len(ids)} entries"
         )
-    try:
-        first_seen = dict.fromkeys(ids)
-    except TypeError:
-        bad = next(i for i, key in enumerate(ids) if not isinstance(key, Hashable))
-        raise ChannelLossMetadataError(
-            f"source_ids[{bad}] is an unhashable {type(ids[bad]).__name__} ({ids[bad]!r}); "
-            "source ids must be int or str"
-        ) from None
+    _check_types(ids)
+    first_seen = dict.fromkeys(ids)
     # One Python step per distinct source, not per sample.
     keys = tuple(_normalise_key(key, ids) for key in first_seen)
     position = {key: i for i, key in enumerate(first_seen)}

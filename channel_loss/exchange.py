@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = [
+    "BACKEND_DEVICES",
     "SourceId",
     "all_reduce_rows",
     "comm_device",
@@ -44,18 +45,42 @@ def group_size(group) -> int:
     return 1 if group is None else dist.get_world_size(group)
 
 
+#: The device type whose tensors each ``torch.distributed`` backend reduces.
+#: An accelerator backend takes tensors on the calling process's current device.
+BACKEND_DEVICES: dict[str, str] = {"gloo": "cpu", "mpi": "cpu", "nccl": "cuda", "hccl": "npu"}
+
+
 def comm_device(group) -> torch.device:
-    """The device a collective on ``group`` takes its tensors on (host for Gloo)."""
+    """The device a collective on ``group`` takes its tensors on (host for Gloo).
+
+    The backend's device type comes from ``BACKEND_DEVICES``; a composite
+    backend (``"cpu:gloo,cuda:nccl"``) uses the host when it has a host
+    backend. An unknown backend raises ``ValueError`` naming it: a guess
+    could hand a collective tensors on the wrong device.
+    """
     if group is None:
         return torch.device("cpu")
     backend = str(dist.get_backend(group)).lower()
-    if "gloo" in backend or "mpi" in backend:
+    if ":" in backend:  # "device:backend" pairs, as init_process_group accepts them
+        devices = [pair.partition(":")[0].strip() for pair in backend.split(",")]
+        device_type = "cpu" if "cpu" in devices else devices[0]
+    elif backend in BACKEND_DEVICES:
+        device_type = BACKEND_DEVICES[backend]
+    else:
+        raise ValueError(
+            f"channel_loss does not know which device the {backend!r} process-group backend "
+            f"reduces on; known backends: {sorted(BACKEND_DEVICES)} (add it to "
+            "channel_loss.exchange.BACKEND_DEVICES)"
+        )
+    if device_type == "cpu":
         return torch.device("cpu")
-    if "nccl" in backend:
-        return torch.device("cuda", torch.cuda.current_device())
-    if "hccl" in backend:
-        return torch.device("npu", torch.npu.current_device())  # type: ignore[attr-defined]
-    return torch.device("cpu")
+    runtime = getattr(torch, device_type, None)
+    if runtime is None or not hasattr(runtime, "current_device"):
+        raise ValueError(
+            f"the {backend!r} backend reduces {device_type} tensors, but torch has no "
+            f"torch.{device_type} runtime in this process"
+        )
+    return torch.device(device_type, runtime.current_device())
 
 
 def gather_headers(header: Sequence[int], group) -> list[list[int]]:

@@ -129,14 +129,32 @@ class PackedLayout:
     ) -> PackedLayout:
         """Layout of a batch whose samples start where ``position_ids == 0``.
 
-        ``position_ids`` is ``[T]`` or ``[B, T]``. The last
-        ``tail_padding_length`` positions of each row (an int for every row,
-        or one int per row) are padding whatever their position ids say:
-        padding with position 0 would otherwise count as one sample per pad.
+        ``position_ids`` is ``[T]`` or ``[B, T]``, or multimodal rope
+        (Qwen2-VL style "mrope") position ids ``[3, B, T]`` / ``[4, B, T]``
+        (temporal, height, width; the 4-row form puts the plain text
+        positions first): then the layout has shape ``(B, T)`` and a sample
+        starts where the first (temporal) row is 0 *and* so are the others.
+        For text tokens every row is equal, so this is the temporal row; the
+        other rows keep an image that opens a sample (all of its first
+        frame's patches have temporal position 0, only its first patch is 0
+        in every row) one sample. The last ``tail_padding_length`` positions of
+        each row (an int for every row, or one int per row) are padding
+        whatever their position ids say: padding with position 0 would
+        otherwise count as one sample per pad.
         """
+        if isinstance(position_ids, torch.Tensor) and position_ids.dim() == 3:
+            if position_ids.shape[0] not in (3, 4):
+                raise ChannelLossMetadataError(
+                    "3-D position_ids must be multimodal rope ids [3, B, T] or [4, B, T] "
+                    f"(temporal row first); got shape {tuple(position_ids.shape)}"
+                )
+            starts = (position_ids == 0).all(dim=0)
+            position_ids = position_ids[0]
+        else:
+            starts = None
         if not isinstance(position_ids, torch.Tensor) or position_ids.dim() not in (1, 2):
             raise ChannelLossMetadataError(
-                "position_ids must be a [T] or [B, T] tensor; got "
+                "position_ids must be a [T], [B, T], [3, B, T] or [4, B, T] tensor; got "
                 + str(tuple(getattr(position_ids, "shape", ())) or type(position_ids).__name__)
             )
         if position_ids.shape[-1] == 0:
@@ -145,7 +163,7 @@ class PackedLayout:
             )
         shape = _shape(position_ids.shape)
         tails = _row_tails(tail_padding_length, 1 if len(shape) == 1 else shape[0], shape[-1])
-        return cls(shape, tails, position_ids == 0)
+        return cls(shape, tails, position_ids == 0 if starts is None else starts)
 
     @classmethod
     def from_cu_seqlens(

@@ -7,16 +7,22 @@ reduces the whole step over the sequence-parallel (SP) and data-parallel (DP)
 ranks together in two collectives (see ``channel_loss.exchange``):
 
 1. a fixed-size int64 header per rank: its SP group, how many micro-batches it
-   ran and which of them failed (forward raised, or bad metadata), the first
-   metadata error message, and the sizes of its never-seen-before sources;
+   ran and which of them failed (forward raised, or bad metadata) as up to
+   ``_RUNS`` runs of consecutive indices, the first metadata error message,
+   and the sizes of its never-seen-before sources;
 2. one float64 vector: rows for every registered source, plus each rank's new
-   sources (ids and names as numbers) with their rows.
+   sources (ids and the names it was given, as numbers) with their rows.
 
 Every rank reads the same headers, so every rank takes the same decisions
 from them: an SP group drops a micro-batch that failed on any of its ranks;
 with ``strict=True`` every rank raises when any rank saw bad metadata. New
 sources are registered in rank order, so the registry (and the metric names)
 are identical everywhere.
+
+The per-source columns and how they merge are defined once, by
+``channel_loss.attribution.COLUMNS``; ``metrics_from_columns`` turns summed
+columns into the metric dict and ``columns_from_metrics`` reads them back (for
+merging logging windows), so the meter, the HF callback and the demo agree.
 """
 
 from __future__ import annotations
@@ -24,14 +30,14 @@ from __future__ import annotations
 import logging
 import re
 import zlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
-from channel_loss.attribution import SourceId, SourceTotals, source_totals
+from channel_loss.attribution import COLUMNS, SourceId, SourceTotals, check_text, source_totals
 from channel_loss.capture import TokenObservation, capture, record
 from channel_loss.errors import ChannelLossMetadataError
 from channel_loss.exchange import (
@@ -44,14 +50,76 @@ from channel_loss.exchange import (
 from channel_loss.layout import PackedLayout, Shard
 from channel_loss.ops import per_token_cross_entropy, resolve_targets
 
-__all__ = ["ChannelLossMeter"]
+__all__ = ["ChannelLossMeter", "columns_from_metrics", "metric_key", "metrics_from_columns"]
 
 logger = logging.getLogger(__name__)
 
-_FAIL_WORDS = 4
-_TRACKED = 64 * _FAIL_WORDS  # micro-batches past the last one tracked share its status bit
+# A rank's failed micro-batches travel as up to _RUNS runs [start, start + length).
+# Any number of micro-batches works; a rank whose failures form more runs sends
+# its last run from the start of its _RUNS-th to its last failure (see _runs).
+_RUNS = 16
 _MESSAGE_WORDS = 32  # an error message travels truncated to 8 * 32 bytes
 _NAME = re.compile(r"[^A-Za-z0-9_.-]")
+_LOSS = next(i for i, c in enumerate(COLUMNS) if c.name == "loss_sum")
+_TOKENS = next(i for i, c in enumerate(COLUMNS) if c.name == "tokens")
+#: Metric families that are not a column: the mean CE (``{prefix}/{name}``),
+#: the share of the step's loss (``{prefix}_weighted/{name}``).
+MEAN, WEIGHTED = "", "weighted"
+DROPPED = "dropped_micro_batches"
+
+
+def metric_key(prefix: str, family: str, name: str = "") -> str:
+    """The metric key of ``family`` (``MEAN``, ``WEIGHTED``, a column's ``metric``, ``DROPPED``) for source ``name``."""
+    if family == DROPPED:
+        return f"{prefix}_{DROPPED}"
+    return f"{prefix}_{family}/{name}" if family else f"{prefix}/{name}"
+
+
+def metrics_from_columns(
+    columns: Mapping[str, Sequence[float]], *, prefix: str, dropped: float
+) -> dict[str, float]:
+    """The metric dict of summed per-source columns (values in ``COLUMNS`` order, per source name).
+
+    Per source present (any non-zero count): ``{prefix}/{name}`` = loss_sum /
+    tokens (absent without scored tokens), one ``{prefix}_{metric}/{name}`` per
+    column with a ``metric`` family, ``{prefix}_weighted/{name}`` = loss_sum /
+    the tokens of all sources; and ``{prefix}_dropped_micro_batches``.
+    """
+    all_tokens = sum(values[_TOKENS] for values in columns.values())
+    metrics: dict[str, float] = {}
+    for name, values in columns.items():
+        if not any(v for i, v in enumerate(values) if i != _LOSS):
+            continue  # not in this step
+        loss, tokens = values[_LOSS], values[_TOKENS]
+        if tokens:
+            metrics[metric_key(prefix, MEAN, name)] = loss / tokens
+        for column, value in zip(COLUMNS, values, strict=True):
+            if column.metric is not None:
+                metrics[metric_key(prefix, column.metric, name)] = float(value)
+        metrics[metric_key(prefix, WEIGHTED, name)] = loss / all_tokens if all_tokens else 0.0
+    metrics[metric_key(prefix, DROPPED)] = float(dropped)
+    return metrics
+
+
+def columns_from_metrics(
+    metrics: Mapping[str, float], *, prefix: str
+) -> tuple[dict[str, list[float]], float]:
+    """Inverse of ``metrics_from_columns``: ``({name: column values}, dropped)``.
+
+    ``loss_sum`` comes back as mean x tokens (0 without scored tokens: only
+    scored tokens carry loss), exact up to one float rounding.
+    """
+    columns: dict[str, list[float]] = {}
+    for column_index, column in enumerate(COLUMNS):
+        if column.metric is None:
+            continue
+        start = metric_key(prefix, column.metric, "")
+        for key, value in metrics.items():
+            if key.startswith(start):
+                columns.setdefault(key[len(start):], [0.0] * len(COLUMNS))[column_index] = value
+    for name, values in columns.items():
+        values[_LOSS] = metrics.get(metric_key(prefix, MEAN, name), 0.0) * values[_TOKENS]
+    return columns, metrics.get(metric_key(prefix, DROPPED), 0.0)
 
 
 def sanitise_name(name: str) -> str:
@@ -67,28 +135,51 @@ class _Header:
     sp_id: int  # lowest global rank of the rank's SP group: equal headers = same SP group
     micro_batches: int
     fingerprint: int  # the micro-batches' (num_samples, shape): SP peers must agree
-    new_keys: int
+    new_keys: int  # new sources (rows)
+    new_entries: int  # their (id, name) entries: one per distinct name given, at least one per id
     new_words: int
-    failed: int  # bit m: micro-batch m (capped at _TRACKED - 1) failed on this rank
+    failed: list[tuple[int, int]]  # runs (start, length) of failed micro-batches, at most _RUNS
     error_at: int = -1  # micro-batch of the first metadata error, -1 for none
     error: str = ""
 
     def pack(self) -> list[int]:
-        message = self.error.encode("utf-8")[: 8 * _MESSAGE_WORDS]
+        # backslashreplace: a message quoting unencodable text must still travel.
+        message = self.error.encode("utf-8", errors="backslashreplace")[: 8 * _MESSAGE_WORDS]
+        runs = [v for run in self.failed for v in run] + [0, 0] * (_RUNS - len(self.failed))
         return [
-            self.rank, self.sp_id, self.micro_batches, self.fingerprint,
-            self.new_keys, self.new_words, self.error_at, len(message),
-            *_to_words(self.failed.to_bytes(8 * _FAIL_WORDS, "little")),
-            *_to_words(message.ljust(8 * _MESSAGE_WORDS, b"\0")),
+            self.rank, self.sp_id, self.micro_batches, self.fingerprint, self.new_keys,
+            self.new_entries, self.new_words, self.error_at, len(message), len(self.failed),
+            *runs, *_to_words(message.ljust(8 * _MESSAGE_WORDS, b"\0")),
         ]
 
     @classmethod
     def unpack(cls, row: list[int]) -> _Header:
-        rank, sp_id, micro_batches, fingerprint, new_keys, new_words, error_at, length = row[:8]
-        failed = int.from_bytes(_from_words(row[8 : 8 + _FAIL_WORDS]), "little")
-        message = _from_words(row[8 + _FAIL_WORDS :])[:length].decode("utf-8", errors="replace")
-        return cls(rank, sp_id, micro_batches, fingerprint, new_keys, new_words, failed,
-                   error_at, message)
+        (rank, sp_id, micro_batches, fingerprint, new_keys, new_entries, new_words, error_at,
+         length, count) = row[:10]
+        runs = row[10 : 10 + 2 * _RUNS]
+        failed = [(runs[2 * i], runs[2 * i + 1]) for i in range(count)]
+        message = _from_words(row[10 + 2 * _RUNS :])[:length].decode("utf-8", errors="replace")
+        return cls(rank, sp_id, micro_batches, fingerprint, new_keys, new_entries, new_words,
+                   failed, error_at, message)
+
+
+def _runs(failed: list[int]) -> list[tuple[int, int]]:
+    """Sorted failed indices as at most ``_RUNS`` runs ``(start, length)``.
+
+    Past ``_RUNS`` runs the last one stretches from the start of the
+    ``_RUNS``-th to the last failure: its micro-batches in between are
+    dropped too (and counted as dropped), so every rank still agrees.
+    """
+    runs: list[list[int]] = []
+    for m in failed:
+        if runs and runs[-1][0] + runs[-1][1] == m:
+            runs[-1][1] += 1
+        else:
+            runs.append([m, 1])
+    if len(runs) > _RUNS:
+        start = runs[_RUNS - 1][0]
+        runs[_RUNS - 1:] = [[start, failed[-1] + 1 - start]]
+    return [(start, length) for start, length in runs]
 
 
 def _to_words(data: bytes) -> list[int]:
@@ -134,10 +225,9 @@ def _plan(headers: list[_Header], sp_id: int) -> _Plan:
     for gid, members in groups.items():
         count = max(h.micro_batches for h in members)
         if len({(h.micro_batches, h.fingerprint) for h in members}) == 1:
-            failed = 0
-            for h in members:
-                failed |= h.failed
-            kept = [m for m in range(count) if not failed >> min(m, _TRACKED - 1) & 1]
+            failed = {m for h in members for start, length in h.failed
+                      for m in range(start, min(start + length, count))}
+            kept = [m for m in range(count) if m not in failed]
             problem = None
         else:
             # SP ranks that ran different micro-batches cannot be paired up: drop the step.
@@ -203,10 +293,28 @@ class ChannelLossMeter:
     ``{prefix}_weighted/{name}`` (its loss sum over all scored tokens of the
     step), and ``{prefix}_dropped_micro_batches``.
 
+    Every metric ignores exactly the targets the loss ignored: each
+    observation carries the ``ignore_index`` of the loss that made it
+    (``ignore_index`` here is only what ``observe_logits`` scores with).
+
     A micro-batch whose forward raised on any SP rank is dropped on all of
-    them. Bad metadata (``ChannelLossMetadataError``) drops the micro-batch
-    the same way with ``strict=False`` (logged on the rank that saw it); with
-    ``strict=True`` every rank raises it from ``end_step``, together.
+    them, whatever the number of micro-batches in the step (see ``_runs``
+    for the one approximation: a rank whose failures in one step form more
+    than 16 separate runs also drops the micro-batches between its last
+    ones). Bad metadata (``ChannelLossMetadataError``: a bad layout, shard,
+    source id (only ``int`` / ``str``, valid UTF-8) or name) drops the
+    micro-batch the same way with ``strict=False`` (logged on the rank that
+    saw it); with ``strict=True`` every rank raises it from ``end_step``,
+    together.
+
+    Source names: a source's name is fixed in the step it is first
+    measured. When ranks (or micro-batches) give one new source different
+    names in that step, ``strict=True`` makes every rank raise from
+    ``end_step`` (the registry is left unchanged); ``strict=False`` takes,
+    on every rank alike, the name given by the lowest rank that gave one
+    (its earliest micro-batch), and logs a warning. A name given for an
+    already registered source is ignored: names stay stable across steps
+    and restarts.
     """
 
     def __init__(
@@ -219,6 +327,8 @@ class ChannelLossMeter:
         prefix: str = "channel_loss",
         ignore_index: int = -100,
     ):
+        if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+            raise ValueError(f"ignore_index must be an int; got {ignore_index!r}")
         if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
             raise ValueError(f"interval must be a positive int; got {interval!r}")
         self.strict = strict
@@ -358,13 +468,28 @@ class ChannelLossMeter:
             raise RuntimeError("load_state_dict() inside a step")
         if state.get("version") != 1:
             raise ValueError(f"unknown ChannelLossMeter state version {state.get('version')!r}")
-        self._slots, self._names, self._taken = {}, [], set()
-        for key, name in state["sources"]:
-            if not isinstance(key, (int, str)) or not isinstance(name, str):
-                raise ValueError(f"bad source entry in ChannelLossMeter state: {[key, name]!r}")
-            self._slots[key] = len(self._names)
-            self._names.append(name)
-            self._taken.add(name)
+        slots: dict[SourceId, int] = {}
+        names: list[str] = []
+        for entry in state["sources"]:
+            key, name = entry if isinstance(entry, (list, tuple)) and len(entry) == 2 else (None, None)
+            if isinstance(key, bool) or not isinstance(key, (int, str)) or not isinstance(name, str):
+                raise ValueError(f"bad source entry in ChannelLossMeter state: {entry!r}")
+            if key in slots:
+                raise ValueError(f"ChannelLossMeter state lists source {key!r} twice")
+            if name in names:
+                other = next(k for k, slot in slots.items() if names[slot] == name)
+                raise ValueError(
+                    f"ChannelLossMeter state gives sources {other!r} and {key!r} the same metric "
+                    f"name {name!r}; one would overwrite the other"
+                )
+            if name != sanitise_name(name):
+                raise ValueError(
+                    f"ChannelLossMeter state: the name {name!r} of source {key!r} is not a metric "
+                    "name (characters outside [A-Za-z0-9_.-])"
+                )
+            slots[key] = len(names)
+            names.append(name)
+        self._slots, self._names, self._taken = slots, names, set(names)
         self._next_step = int(state["next_step"])
 
     def _register(self, key: SourceId, name: str) -> int:
@@ -408,7 +533,7 @@ class ChannelLossMeter:
         observed = observations[0]
         totals = source_totals(
             observed.token_losses, observed.targets, layout=layout, source_ids=source_ids,
-            shard=shard, ignore_index=self.ignore_index,
+            shard=shard, ignore_index=observed.ignore_index,
         )
         names = {}
         for key in totals.keys:  # distinct sources, not samples
@@ -418,6 +543,7 @@ class ChannelLossMeter:
                     f"source_names[{key!r}] must be a str; got {type(name).__name__}"
                 )
             if name:
+                check_text(name, f"source_names[{key!r}]")
                 names[key] = name
         return totals, names
 
@@ -430,25 +556,26 @@ class ChannelLossMeter:
                 "rank: %s", index, step.index, error,
             )
 
-    def _header(self, step: _Step, new_keys: int, new_words: int) -> _Header:
-        failed = 0
-        for m, micro in enumerate(step.micro_batches):
-            if micro.totals is None:
-                failed |= 1 << min(m, _TRACKED - 1)
+    def _header(self, step: _Step, new_keys: int, new_entries: int, new_words: int) -> _Header:
+        failed = [m for m, micro in enumerate(step.micro_batches) if micro.totals is None]
         fingerprint = zlib.crc32(repr([m.fingerprint for m in step.micro_batches]).encode())
-        return _Header(self._rank, self._sp_id, len(step.micro_batches), fingerprint,
-                       new_keys, new_words, failed, step.error_at, step.error)
+        return _Header(self._rank, self._sp_id, len(step.micro_batches), fingerprint, new_keys,
+                       new_entries, new_words, _runs(failed), step.error_at, step.error)
 
     def _reduce(self, step: _Step) -> dict[str, float]:
-        # Sources this rank measured that no rank has registered yet, with the first name given.
-        new: dict[SourceId, str] = {}
+        # Sources this rank measured that no rank has registered yet, with every name given.
+        new: dict[SourceId, list[str]] = {}
         for micro in step.micro_batches:
             for key in micro.totals.keys if micro.totals is not None else ():
-                if key not in self._slots and not new.get(key):
-                    new[key] = micro.names.get(key, "")
-        words = encode_entries(list(new.items()))
-        headers = [_Header.unpack(row) for row in
-                   gather_headers(self._header(step, len(new), len(words)).pack(), self._group)]
+                if key not in self._slots:
+                    given = new.setdefault(key, [])
+                    name = micro.names.get(key, "")
+                    if name and name not in given:
+                        given.append(name)
+        entries = [(key, name) for key, given in new.items() for name in given or [""]]
+        words = encode_entries(entries)
+        header = self._header(step, len(new), len(entries), len(words))
+        headers = [_Header.unpack(row) for row in gather_headers(header.pack(), self._group)]
         plan = _plan(headers, self._sp_id)
         if self.strict and plan.error is not None:
             raise ChannelLossMetadataError(plan.error)
@@ -460,7 +587,7 @@ class ChannelLossMeter:
         slot = {**self._slots, **{key: known + i for i, key in enumerate(new)}}
         kept = [step.micro_batches[m].totals for m in plan.kept]
         device = kept[0].loss_sum.device if kept else torch.device("cpu")
-        rows = torch.zeros(known + len(new), 3, dtype=torch.float64, device=device)
+        rows = torch.zeros(known + len(new), len(COLUMNS), dtype=torch.float64, device=device)
         for totals in kept:
             into = torch.tensor([slot[key] for key in totals.keys], dtype=torch.int64, device=device)
             rows.index_add_(0, into, totals.rows())
@@ -468,29 +595,42 @@ class ChannelLossMeter:
             rows[:known], rows[known:], words, [(h.new_keys, h.new_words) for h in headers], self._group
         )
 
-        # Register what any rank announced, in rank order: the same registry everywhere.
+        # Every rank's announcements, in rank order: the same registry everywhere.
+        announced: dict[SourceId, list[tuple[int, str]]] = {}
+        order: list[list[SourceId]] = []
+        for header, (_, their_words) in zip(headers, arrivals, strict=True):
+            keys: list[SourceId] = []
+            for key, name in decode_entries(their_words, header.new_entries):
+                if not keys or keys[-1] != key:
+                    keys.append(key)
+                if name:
+                    announced.setdefault(key, []).append((header.rank, name))
+            order.append(keys)
+        self._check_names(announced, step)
         slots, parts = [], [summed]
-        for header, (their_rows, their_words) in zip(headers, arrivals, strict=True):
-            for key, name in decode_entries(their_words, header.new_keys):
-                slots.append(self._slots[key] if key in self._slots else self._register(key, name))
+        for keys, (their_rows, _) in zip(order, arrivals, strict=True):
+            for key in keys:
+                if key in self._slots:
+                    slots.append(self._slots[key])
+                else:
+                    slots.append(self._register(key, announced[key][0][1] if key in announced else ""))
             parts.append(their_rows)
-        totals = torch.zeros(len(self._names), 3, dtype=torch.float64)
+        totals = torch.zeros(len(self._names), len(COLUMNS), dtype=torch.float64)
         totals.index_add_(0, torch.arange(known), summed)
         if slots:
             totals.index_add_(0, torch.tensor(slots, dtype=torch.int64), torch.cat(parts[1:]))
-        return self._metrics(totals, plan.dropped)
+        return metrics_from_columns(dict(zip(self._names, totals.tolist(), strict=True)),
+                                    prefix=self.prefix, dropped=plan.dropped)
 
-    def _metrics(self, totals: torch.Tensor, dropped: int) -> dict[str, float]:
-        p = self.prefix
-        all_tokens = float(totals[:, 1].sum())
-        metrics: dict[str, float] = {}
-        for name, (loss, tokens, samples) in zip(self._names, totals.tolist(), strict=True):
-            if tokens == 0 and samples == 0:
-                continue  # not in this step
-            if tokens:
-                metrics[f"{p}/{name}"] = loss / tokens
-            metrics[f"{p}_tokens/{name}"] = tokens
-            metrics[f"{p}_samples/{name}"] = samples
-            metrics[f"{p}_weighted/{name}"] = loss / all_tokens if all_tokens else 0.0
-        metrics[f"{p}_dropped_micro_batches"] = float(dropped)
-        return metrics
+    def _check_names(self, announced: dict[SourceId, list[tuple[int, str]]], step: _Step) -> None:
+        """Different names for one new source: every rank raises (strict) or warns alike."""
+        clashes = {key: given for key, given in announced.items() if len({n for _, n in given}) > 1}
+        if not clashes:
+            return
+        key, given = next(iter(clashes.items()))
+        detail = ", ".join(f"rank {rank} {name!r}" for rank, name in given)
+        more = f" (and {len(clashes) - 1} more sources)" if len(clashes) > 1 else ""
+        message = f"step {step.index}: source {key!r} was given different names: {detail}{more}"
+        if self.strict:
+            raise ChannelLossMetadataError(message)
+        logger.warning("channel_loss: %s; using the first (lowest rank)", message)

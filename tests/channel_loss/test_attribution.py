@@ -14,6 +14,7 @@ from hypothesis import given
 
 import harness
 from channel_loss import ChannelLossMetadataError, PackedLayout, SourceTotals, source_totals
+from channel_loss.attribution import COLUMNS
 from tests.channel_loss.reference import reference_global_index, reference_totals, samples_of
 from tests.strategies import IGNORE_INDEX, make_case, packed_cases, sp_shardings
 
@@ -87,6 +88,17 @@ def test_adding_totals_takes_the_union_of_keys():
     assert a.all_reduce().as_dict() == a.as_dict()  # no process group: itself
 
 
+def test_columns_are_defined_once():
+    # SourceTotals' fields, rows() and as_dict() all follow COLUMNS, in one order.
+    assert [c.name for c in COLUMNS] == ["loss_sum", "tokens", "samples"]
+    totals = SourceTotals(("x",), torch.tensor([2.5], dtype=torch.float64), torch.tensor([3]),
+                          torch.tensor([1]))
+    assert totals.rows().tolist() == [[2.5, 3.0, 1.0]]
+    assert totals.as_dict() == {"x": (2.5, 3, 1)}
+    assert SourceTotals.from_rows(["x"], totals.rows()).as_dict() == totals.as_dict()
+    assert [t.dtype for t in SourceTotals.empty().columns()] == [c.dtype for c in COLUMNS]
+
+
 def test_numpy_and_python_ints_are_one_source():
     np = pytest.importorskip("numpy")
     layout = PackedLayout.from_cu_seqlens([0, 1, 2], total_length=2)
@@ -112,9 +124,15 @@ def attribute(*, losses=None, targets=None, source_ids=("a", "b"), shard=None):
     [
         pytest.param({"source_ids": ["a", "b", "c"]}, ["2 samples", "3 entries"], id="too many ids"),
         pytest.param({"source_ids": torch.tensor([1])}, ["2 samples", "1 entries"], id="short tensor"),
-        pytest.param({"source_ids": [["a"], "b"]}, ["source_ids[0]", "unhashable list"],
+        pytest.param({"source_ids": [["a"], "b"]}, ["source_ids[0]", "of type list"],
                      id="unhashable id"),
         pytest.param({"source_ids": [1.5, "b"]}, ["source_ids[0]", "float"], id="float id"),
+        # Equal to an int id and hashed like it: these merged silently into source 1 (issue 14.7).
+        pytest.param({"source_ids": [1, True]}, ["source_ids[1]", "True", "bool"], id="bool id"),
+        pytest.param({"source_ids": [1, 1.0]}, ["source_ids[1]", "1.0", "float"],
+                     id="float equal to an int id"),
+        pytest.param({"source_ids": ["a", "\ud800"]}, ["source_ids[1]", "'\\ud800'", "UTF-8"],
+                     id="lone surrogate"),
         pytest.param({"source_ids": "ab"}, ["str"], id="bare string"),
         pytest.param({"losses": torch.ones(2, 3)}, ["(2, 3)", "(6,)"], id="losses shape"),
         pytest.param({"targets": torch.zeros(7, dtype=torch.long)}, ["(7,)", "(6,)"],

@@ -54,6 +54,33 @@ def test_from_cu_seqlens_matches_position_ids(case):
         assert with_pad.cu_seqlens.tolist() == real_only.cu_seqlens.tolist()
 
 
+@pytest.mark.parametrize("rows", [3, 4])
+@given(case=packed_cases())
+def test_mrope_position_ids_take_boundaries_from_the_temporal_row(rows, case):
+    # Qwen2-VL style [3, B, T] (temporal, height, width) and the 4-row form (text positions
+    # first): for text tokens every row equals the 1-D position ids.
+    plain = layout_of(case)
+    position_ids = case.position_ids()
+    batched = position_ids if position_ids.dim() == 2 else position_ids[None]
+    tails = list(case.tails)
+    layout = PackedLayout.from_position_ids(batched.expand(rows, *batched.shape),
+                                            tail_padding_length=tails)
+    assert layout.shape == (len(case.rows), case.row_length)
+    assert layout.num_samples == plain.num_samples
+    assert layout.sample_index.tolist() == plain.sample_index.reshape(-1).tolist()
+
+
+def test_mrope_image_opening_a_sample_is_one_sample():
+    # Sample 0: an image of 2 x 3 patches first (temporal 0 for all of them: Qwen2-VL's
+    # get_rope_index), then text; sample 1: text only. Only the first patch is 0 in every row.
+    t = [0, 0, 0, 0, 0, 0, 3, 4, 0, 1, 2]
+    h = [0, 0, 0, 1, 1, 1, 3, 4, 0, 1, 2]
+    w = [0, 1, 2, 0, 1, 2, 3, 4, 0, 1, 2]
+    layout = PackedLayout.from_position_ids(torch.tensor([t, h, w])[:, None, :])
+    assert layout.num_samples == 2
+    assert layout.seqlens.tolist() == [8, 3]
+
+
 def test_padding_needs_its_declared_length():
     position_ids = torch.tensor([0, 1, 2, 0, 0, 0, 0])  # a length-1 sample, then 3 pads at position 0
     assert PackedLayout.from_position_ids(position_ids).num_samples == 5
@@ -110,7 +137,7 @@ ONE_ROW = PackedLayout.from_cu_seqlens([0, 2], total_length=2)
     ("build", "needles"),
     [
         pytest.param(lambda: PackedLayout.from_position_ids(torch.zeros(2, 3, 4, dtype=torch.long)),
-                     ["(2, 3, 4)"], id="3-d position_ids"),
+                     ["(2, 3, 4)", "[3, B, T]"], id="3-d position_ids that are not mrope"),
         pytest.param(lambda: PackedLayout.from_position_ids(torch.tensor([0, 1]), tail_padding_length=3),
                      ["[0, 2]", "3"], id="tail longer than the row"),
         pytest.param(lambda: PackedLayout.from_position_ids(torch.zeros(2, 4, dtype=torch.long),

@@ -25,6 +25,7 @@ from channel_loss import (
     chunk_cross_entropy,
 )
 from channel_loss.capture import active_capture, record
+from channel_loss.meter import columns_from_metrics, metrics_from_columns
 from tests.channel_loss.reference import add_totals, reference_metrics, reference_totals
 from tests.strategies import IGNORE_INDEX, make_case, packed_cases
 
@@ -224,3 +225,173 @@ def test_real_loss_paths_match_a_float64_reference(device):
     with meter.micro_batch(source_ids=list(case.source_ids), layout=layout_of(case)):
         meter.observe_logits(hidden @ weight.T, shift_labels=targets)
     assert_metrics_close(meter.end_step(), expected)
+
+
+def test_metrics_ignore_exactly_what_the_loss_ignored():
+    # Issue 14.3: chunk_cross_entropy(..., ignore_index=-1) in a default meter (ignore_index=-100)
+    # counted the -1 targets as scored: 8 tokens instead of 5, and weighted shares that did not
+    # add up to the loss.
+    g = torch.Generator().manual_seed(3)
+    hidden, weight = torch.randn(8, 16, generator=g), torch.randn(32, 16, generator=g)
+    targets = torch.tensor([5, -1, 7, 9, -1, 2, 31, -1])
+    scored = targets != -1
+    reference = F.cross_entropy(hidden.double() @ weight.double().T, targets, ignore_index=-1,
+                                reduction="none")
+    layout = PackedLayout.from_cu_seqlens([0, 3, 8], total_length=8)
+    meter = ChannelLossMeter()
+    meter.begin_step()
+    with meter.micro_batch(source_ids=["a", "b"], layout=layout):
+        loss = chunk_cross_entropy(hidden, weight, shift_labels=targets, ignore_index=-1)
+    got = meter.end_step()
+    assert got["channel_loss_tokens/a"] + got["channel_loss_tokens/b"] == 5.0
+    assert got["channel_loss_tokens/a"] == 2.0
+    assert got["channel_loss/a"] == pytest.approx(float(reference[:3][scored[:3]].mean()), rel=1e-5)
+    assert got["channel_loss/b"] == pytest.approx(float(reference[3:][scored[3:]].mean()), rel=1e-5)
+    weighted = got["channel_loss_weighted/a"] + got["channel_loss_weighted/b"]
+    assert weighted == pytest.approx(float(loss), rel=1e-5)
+
+    # The meter's own ignore_index is what observe_logits scores with.
+    meter = ChannelLossMeter(ignore_index=-1)
+    meter.begin_step()
+    with meter.micro_batch(source_ids=["a", "b"], layout=layout):
+        meter.observe_logits(hidden @ weight.T, shift_labels=targets)
+    assert meter.end_step()["channel_loss_tokens/b"] == 3.0
+
+
+def many_micro_batches(count: int, seed: int = 0) -> list:
+    rng = random.Random(seed)
+    return [make_case([[rng.randint(1, 4), rng.randint(1, 4)]], source_ids=[rng.choice("abc"), "d"],
+                      rng=rng, scored_fraction=1.0) for _ in range(count)]
+
+
+def run_many(meter, cases, failed) -> dict:
+    meter.begin_step()
+    for m, case in enumerate(cases):
+        try:
+            with meter.micro_batch(source_ids=list(case.source_ids), layout=layout_of(case)):
+                fake_loss(case)
+                if m in failed:
+                    raise RuntimeError("simulated OOM")
+        except RuntimeError:
+            pass
+    return meter.end_step()
+
+
+def test_a_failure_past_256_micro_batches_drops_only_that_one():
+    # Issue 14.4: failure bits were capped at 256 micro-batches; one failure at index 299 of 300
+    # dropped 45 of them.
+    cases = many_micro_batches(300)
+    got = run_many(ChannelLossMeter(), cases, failed={299})
+    kept = [c for m, c in enumerate(cases) if m != 299]
+    assert got == reference_metrics(add_totals(*map(reference_totals, kept)), dropped=1)
+    got = run_many(ChannelLossMeter(), cases, failed={3, 4, 5, 150, 298})
+    kept = [c for m, c in enumerate(cases) if m not in {3, 4, 5, 150, 298}]
+    assert got == reference_metrics(add_totals(*map(reference_totals, kept)), dropped=5)
+
+
+def test_more_failure_runs_than_the_header_holds_drop_a_documented_superset():
+    # 20 separate failures: the first 15 are exact, the 16th run stretches to the last failure.
+    cases = many_micro_batches(60, seed=1)
+    failed = set(range(0, 40, 2))
+    dropped = set(range(0, 30, 2)) | set(range(30, 39))
+    got = run_many(ChannelLossMeter(), cases, failed=failed)
+    kept = [c for m, c in enumerate(cases) if m not in dropped]
+    assert got == reference_metrics(add_totals(*map(reference_totals, kept)), dropped=len(dropped))
+
+
+@pytest.mark.parametrize(
+    ("ids", "needles"),
+    [
+        pytest.param(["web", True, "web"], ["source_ids[1]", "bool"], id="bool"),
+        pytest.param(["web", 3.0, "web"], ["source_ids[1]", "float"], id="float"),
+        pytest.param(["web", "\ud800", "web"], ["source_ids[1]", "UTF-8"], id="lone surrogate"),
+    ],
+)
+def test_bad_source_ids_are_metadata_errors_at_micro_batch_time(ids, needles, caplog):
+    case, good = simple_case(0, sources=(3, 4)), simple_case(1)
+    meter = ChannelLossMeter()
+    meter.begin_step()
+    with caplog.at_level(logging.WARNING, logger="channel_loss.meter"), \
+            meter.micro_batch(source_ids=ids, layout=layout_of(case)):
+        fake_loss(case)
+    assert all(needle in caplog.text for needle in needles)
+    run_micro_batch(meter, good)
+    assert meter.end_step() == reference_metrics(reference_totals(good), dropped=1)
+
+    strict = ChannelLossMeter(strict=True)
+    strict.begin_step()
+    with strict.micro_batch(source_ids=ids, layout=layout_of(case)):
+        fake_loss(case)
+    with pytest.raises(ChannelLossMetadataError, match=r"micro-batch 0: source_ids\[1\]"):
+        strict.end_step()
+
+
+def test_an_unencodable_name_is_a_metadata_error():
+    case = simple_case()
+    meter = ChannelLossMeter(strict=True)
+    meter.begin_step()
+    run_micro_batch(meter, case, source_names={"web": "bad \udcff name"})
+    with pytest.raises(ChannelLossMetadataError, match=r"source_names\['web'\].*UTF-8"):
+        meter.end_step()
+
+
+def test_different_names_for_one_new_source():
+    case = simple_case()
+    strict = ChannelLossMeter(strict=True)
+    strict.begin_step()
+    run_micro_batch(strict, case, source_names={"web": "Web"})
+    run_micro_batch(strict, case, source_names={"web": "WWW"})
+    with pytest.raises(ChannelLossMetadataError, match=r"source 'web' was given different names: "
+                                                       r"rank 0 'Web', rank 0 'WWW'"):
+        strict.end_step()
+    assert strict.state_dict()["sources"] == []  # nothing registered by the failed step
+
+    lenient = ChannelLossMeter()
+    lenient.begin_step()
+    run_micro_batch(lenient, case)  # no name: agrees with any
+    run_micro_batch(lenient, case, source_names={"web": "WWW"})
+    run_micro_batch(lenient, case, source_names={"web": "Web"})
+    got = lenient.end_step()
+    assert "channel_loss/WWW" in got
+    assert "channel_loss/Web" not in got
+
+
+def test_load_state_dict_rejects_a_registry_that_would_merge_sources():
+    meter = ChannelLossMeter()
+    good = {"version": 1, "next_step": 4, "sources": [["a", "a"], [1, "one"]]}
+    meter.load_state_dict(good)
+    for sources, needle in [
+        ([["a", "x"], ["b", "x"]], "'a' and 'b' the same metric name 'x'"),  # issue 14.8
+        ([["a", "x"], ["a", "y"]], "source 'a' twice"),
+        ([[True, "x"]], "bad source entry"),
+        ([["a", "x y"]], "not a metric name"),
+    ]:
+        with pytest.raises(ValueError, match=needle):
+            meter.load_state_dict({**good, "sources": sources})
+        assert meter.state_dict() == good  # unchanged
+
+
+def test_paired_samples_repeat_the_pair_id():
+    # DPO: a [2B, T] batch of B chosen rows then B rejected rows (TRL's concatenated forward);
+    # each pair is two samples of its source, so the ids are the pairs' ids twice.
+    pair_ids = ["math", "code"]
+    rng = random.Random(5)
+    case = make_case([[4], [3], [5], [2]], source_ids=pair_ids + pair_ids, rng=rng, tails=[1, 1, 0, 2],
+                     scored_fraction=1.0)
+    meter = ChannelLossMeter()
+    meter.begin_step()
+    with meter.micro_batch(source_ids=pair_ids + pair_ids, layout=layout_of(case)):
+        fake_loss(case)
+    got = meter.end_step()
+    assert got["channel_loss_samples/math"] == got["channel_loss_samples/code"] == 2.0
+    assert got == reference_metrics(reference_totals(case))
+
+
+@given(st.lists(packed_cases(), min_size=1, max_size=3))
+def test_metric_columns_round_trip(cases):
+    metrics = reference_metrics(add_totals(*(reference_totals(c) for c in cases)), dropped=2)
+    columns, dropped = columns_from_metrics(metrics, prefix="channel_loss")
+    again = metrics_from_columns(columns, prefix="channel_loss", dropped=dropped)
+    assert again.keys() == metrics.keys()
+    for key, value in metrics.items():
+        assert again[key] == pytest.approx(value, rel=1e-12), key
