@@ -12,11 +12,13 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 import torch.distributed as dist
 
 import harness
 from channel_loss import ChannelLossMetadataError, ChannelLossMeter, PackedLayout, source_totals
 from channel_loss.capture import record
+from channel_loss.exchange import BACKEND_DEVICES, comm_device
 from scripts.bench.attribution import count_collectives
 from tests.channel_loss.reference import add_totals, reference_metrics, reference_totals
 from tests.strategies import IGNORE_INDEX, make_case
@@ -45,12 +47,14 @@ def layout_of(case) -> PackedLayout:
     return PackedLayout.from_position_ids(case.position_ids(), tail_padding_length=list(case.tails))
 
 
-def run_step(meter, cases, device, *, shard=None, source_ids=None, fail=(), skip=()) -> dict:
+def run_step(meter, cases, device, *, shard=None, source_ids=None, names=None, fail=(),
+             skip=()) -> dict:
     """One training step over ``cases``: this rank's slice (``shard=(world, rank, mode)``).
 
-    ``source_ids`` overrides micro-batch ``m``'s ids on this rank; the forward
-    of micro-batches in ``fail`` raises (and the loop carries on); those in
-    ``skip`` are never run on this rank.
+    ``source_ids`` overrides micro-batch ``m``'s ids on this rank; ``names``
+    are this rank's ``source_names``; the forward of micro-batches in ``fail``
+    raises (and the loop carries on); those in ``skip`` are never run on this
+    rank.
     """
     meter.begin_step()
     with count_collectives() as outside_end_step:
@@ -64,7 +68,8 @@ def run_step(meter, cases, device, *, shard=None, source_ids=None, fail=(), skip
                 losses, targets = piece.take(losses, 0.0), piece.take(targets, IGNORE_INDEX)
             ids = (source_ids or {}).get(m, list(case.source_ids))
             try:
-                with meter.micro_batch(source_ids=ids, layout=layout, shard=piece):
+                with meter.micro_batch(source_ids=ids, layout=layout, shard=piece,
+                                       source_names=names):
                     record(losses.to(device), targets.to(device))  # what the loss op does
                     if m in fail:
                         raise SimulatedOOM(f"micro-batch {m}")
@@ -78,10 +83,10 @@ def run_step(meter, cases, device, *, shard=None, source_ids=None, fail=(), skip
             assert len(calls) <= 2, calls
 
 
-def expected(*case_lists, dropped: int = 0) -> dict:
+def expected(*case_lists, dropped: int = 0, names=None) -> dict:
     """The metrics of every case in ``case_lists``, by the plain-loop reference."""
     totals = add_totals(*(reference_totals(case) for cases in case_lists for case in cases))
-    return reference_metrics(totals, dropped=dropped)
+    return reference_metrics(totals, dropped=dropped, names=names)
 
 
 @pytest.mark.parametrize("device", harness.DEVICES)
@@ -206,3 +211,76 @@ def test_sp_by_dp_blocks_inside_a_larger_world():
         assert got == expected(own[0], own[1][:2], dropped=1)
     else:
         assert got == expected(*own)
+
+
+@pytest.mark.launch(nproc=2, timeout=120)
+def test_one_failure_among_300_micro_batches_drops_exactly_that_one():
+    # Issue 14.4: past 256 micro-batches the failure bits were shared: a failure at index 299
+    # of 300 dropped 45 micro-batches. Still two collectives (run_step checks).
+    rank = dist.get_rank()
+    cases = micro_batches(seed=8, count=300)
+    meter = ChannelLossMeter(sp_group=dist.group.WORLD)
+    got = run_step(meter, cases, "cpu", shard=(2, rank, "zigzag"), fail={299} if rank == 1 else ())
+    assert got == expected(cases[:299], dropped=1)
+
+    own = [micro_batches(seed=80 + r, sources=DP_SOURCES[r], count=300) for r in range(2)]
+    meter = ChannelLossMeter(dp_group=dist.group.WORLD)
+    got = run_step(meter, own[rank], "cpu", fail={299} if rank == 0 else ())
+    assert got == expected(own[0][:299], own[1], dropped=1)
+
+
+@pytest.mark.parametrize("bad", ["\ud800", True, 1.0], ids=["lone surrogate", "bool", "float"])
+@pytest.mark.launch(nproc=2, timeout=90)
+def test_bad_source_ids_on_one_rank_are_metadata_errors_everywhere(bad):
+    # Issue 14.7: a lone surrogate raised UnicodeEncodeError in end_step on rank 1 (and a
+    # peer-closed error on rank 0) even with strict=False; True / 1.0 merged into source 1.
+    rank = dist.get_rank()
+    cases = micro_batches(seed=9, sources=(1, 2, "web"))
+    ids = {1: [bad, *list(cases[1].source_ids)[1:]]} if rank == 1 else None
+    meter = ChannelLossMeter(sp_group=dist.group.WORLD)
+    got = run_step(meter, cases, "cpu", shard=(2, rank, "zigzag"), source_ids=ids)
+    assert got == expected([cases[0], cases[2]], dropped=1)
+
+    meter = ChannelLossMeter(sp_group=dist.group.WORLD, strict=True)
+    with pytest.raises(ChannelLossMetadataError, match=r"rank 1, micro-batch 1: source_ids\[0\]"):
+        run_step(meter, cases, "cpu", shard=(2, rank, "zigzag"), source_ids=ids)
+    assert run_step(meter, cases, "cpu", shard=(2, rank, "zigzag")) == expected(cases)
+
+
+@pytest.mark.launch(nproc=2, timeout=90)
+def test_rank_inconsistent_names():
+    # Issue 14.10: rank 0's name silently won, even with strict=True.
+    rank = dist.get_rank()
+    own = [micro_batches(seed=90 + r, sources=("web", 3)) for r in range(2)]
+    names = {"web": ["Web", "WWW"][rank]}
+    strict = ChannelLossMeter(dp_group=dist.group.WORLD, strict=True)
+    with pytest.raises(ChannelLossMetadataError,
+                       match=r"source 'web' was given different names: rank 0 'Web', rank 1 'WWW'"):
+        run_step(strict, own[rank], "cpu", names=names)
+    assert strict.state_dict()["sources"] == []  # every rank left its registry unchanged
+    # Lenient: the lowest rank's name, on every rank alike.
+    lenient = ChannelLossMeter(dp_group=dist.group.WORLD)
+    got = run_step(lenient, own[rank], "cpu", names=names)
+    assert got == expected(*own, names={"web": "Web"})
+    # Once registered, a name is fixed: a later different name changes nothing.
+    again = run_step(lenient, own[rank], "cpu", names={"web": "other"})
+    assert again == expected(*own, names={"web": "Web"})
+
+
+def _gloo_under_another_name(store, rank, size, timeout):
+    return dist.ProcessGroupGloo(store, rank, size, timeout)
+
+
+@pytest.mark.launch(nproc=2, timeout=60)
+def test_an_unknown_backend_raises_instead_of_guessing_the_device():
+    # Issue 14 / 10.2: an unknown backend silently got host tensors.
+    if "channel_loss_test" not in dist.Backend.backend_list:  # kept ranks run this twice
+        dist.Backend.register_backend("channel_loss_test", _gloo_under_another_name, devices=["cpu"])
+    group = dist.new_group([0, 1], backend="channel_loss_test")
+    assert comm_device(dist.group.WORLD) == torch.device("cpu")
+    assert comm_device(dist.new_group([0, 1], backend="cpu:gloo")) == torch.device("cpu")
+    meter = ChannelLossMeter(dp_group=group)
+    cases = micro_batches(seed=11)
+    with pytest.raises(ValueError, match=r"'channel_loss_test' process-group backend.*BACKEND_DEVICES"):
+        run_step(meter, cases, "cpu")  # on every rank, before any collective: no hang
+    assert BACKEND_DEVICES["gloo"] == "cpu"
