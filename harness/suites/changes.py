@@ -22,7 +22,7 @@ RUN_EVERYTHING: tuple[str, ...] = ("harness", "suites", "pyproject.toml", "noxfi
 
 
 @dataclass(frozen=True)
-class Selection:
+class ChangeSelection:
     """Which entries to run and why (``reason`` is one line for the log).
 
     ``everything`` is True when the change (or not knowing it) forced every entry to run.
@@ -57,16 +57,16 @@ def changed_files(root: Path, ref: str) -> list[str] | None:
     return sorted({line for line in (diff + untracked).splitlines() if line})
 
 
-def select(entries: Sequence[Entry], changed: Iterable[str] | None) -> Selection:
+def select(entries: Sequence[Entry], changed: Iterable[str] | None) -> ChangeSelection:
     """The entries a change makes run (see the module docstring for the rules)."""
     all_ids = frozenset(e.id for e in entries)
     if changed is None:
-        return Selection(all_ids, True, "changed files unknown: running every entry")
+        return ChangeSelection(all_ids, True, "changed files unknown: running every entry")
     changed = list(changed)
     for f in changed:
         for pattern in RUN_EVERYTHING:
             if path_matches(f, pattern):
-                return Selection(all_ids, True, f"{f} changed: running every entry")
+                return ChangeSelection(all_ids, True, f"{f} changed: running every entry")
     chosen = set()
     for e in entries:
         if e.depends_on is None:
@@ -79,4 +79,4 @@ def select(entries: Sequence[Entry], changed: Iterable[str] | None) -> Selection
         reason = "no file changed"
     else:
         reason = f"{len(changed)} changed file(s) select {len(chosen)} of {len(all_ids)} entries"
-    return Selection(frozenset(chosen), False, reason)
+    return ChangeSelection(frozenset(chosen), False, reason)

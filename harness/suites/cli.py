@@ -12,27 +12,69 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from harness.suites.inventory import Inventory, build_inventory
+from harness.suites.init import add_parser as _add_init
+from harness.suites.inventory import SuiteInventory, build_inventory
 from harness.suites.manifest import find_root
 from harness.suites.plan import PlanError, default_durations_path, estimate, load_durations, plan
-from harness.suites.run import RunOptions, load_suite, run_suite
+from harness.suites.run import EXIT_FAILED, EXIT_OK, EXIT_USAGE, RunOptions, load_suite, run_suite
+
+#: The import package whose distribution ``harness --version`` reports.
+PACKAGE = "harness"
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="harness", description="Declarative accelerator test matrix.")
-    p.add_argument("--root", type=Path, default=None,
-                   help="repository root (default: the nearest directory above the working one with suites/)")
-    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+def number(kind: type[int] | type[float], *, minimum: float, above: bool = False) -> Callable[[str], float]:
+    """An argparse ``type=`` for a finite ``kind`` (int or float) ``>= minimum``
+    (``> minimum`` when ``above``): anything else is a usage error (exit 2)
+    naming the value and the bound, never a traceback or a NaN downstream."""
+    expected = f"expected {'an integer' if kind is int else 'a finite number'} {'>' if above else '>='} {minimum:g}"
 
+    def parse(text: str) -> float:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{expected}, got {text!r}") from None
+        if not math.isfinite(value) or value < minimum or (above and value == minimum):
+            raise argparse.ArgumentTypeError(f"{expected}, got {text!r}")
+        return value
+
+    parse.__name__ = kind.__name__  # argparse names the type in "invalid int value" messages
+    return parse
+
+
+def version() -> str:
+    """The version of the installed distribution that provides ``harness``
+    (from its metadata); ``unknown`` when it is not installed (run from a source tree)."""
+    from importlib import metadata
+
+    try:
+        dists = metadata.packages_distributions().get(PACKAGE, [])
+        for d in dists:
+            return f"{d} {metadata.version(d)}"
+    except Exception:  # broken metadata must not break --version
+        pass
+    return "unknown (not installed)"
+
+
+class _VersionAction(argparse.Action):
+    # Reading distribution metadata costs tens of ms: only when asked.
+    def __call__(self, parser: argparse.ArgumentParser, *_: object) -> None:
+        parser.exit(message=f"{parser.prog} {version()}\n")
+
+
+def _add_inventory(sub: argparse._SubParsersAction) -> None:
     inv = sub.add_parser("inventory", help="list every case and check suite ownership and fit")
     inv.add_argument("suites", nargs="*", metavar="SUITE", help="suite names or manifest paths (default: all)")
     inv.add_argument("--json", action="store_true", help='print {"cases": [...], "errors": [...]}')
     inv.add_argument("-q", "--quiet", action="store_true", help="print only problems and the count line")
+    inv.set_defaults(handler=_cmd_inventory)
 
+
+def _add_run(sub: argparse._SubParsersAction) -> None:
     run = sub.add_parser("run", help="run a suite (or one shard of it) through pytest",
                          usage="harness run SUITE [options] [-- PYTEST_ARGS]")
     run.add_argument("suite", metavar="SUITE")
@@ -45,24 +87,43 @@ def _parser() -> argparse.ArgumentParser:
                      help="recorded durations to plan with (default: suites/durations/SUITE.json)")
     run.add_argument("--out", type=Path, metavar="DIR",
                      help="where junit.xml and the summary go (default: out/harness/SUITE[-IofN])")
-    run.add_argument("--workers", type=int, metavar="N", help="xdist workers (default: sized to cards / slots)")
-    run.add_argument("--max-cards", type=int, metavar="N",
+    run.add_argument("--workers", type=number(int, minimum=1), metavar="N",
+                     help="xdist workers (default: sized to cards / slots)")
+    run.add_argument("--max-cards", type=number(int, minimum=0), metavar="N",
                      help="run only cases needing at most N cards (a machine smaller than the suite's runners); "
                           "the others are listed as not run")
+    run.set_defaults(handler=_cmd_run)
 
+
+def _add_matrix(sub: argparse._SubParsersAction) -> None:
     mx = sub.add_parser("matrix", help="print the GitHub Actions matrix JSON for a suite")
     mx.add_argument("suite", metavar="SUITE")
     size = mx.add_mutually_exclusive_group()
-    size.add_argument("--shards", type=int, metavar="N", help="exactly N shards")
-    size.add_argument("--target-minutes", type=float, metavar="M",
+    size.add_argument("--shards", type=number(int, minimum=1), metavar="N", help="exactly N shards")
+    size.add_argument("--target-minutes", type=number(float, minimum=0, above=True), metavar="M",
                       help="the fewest shards of at most M planned minutes each")
     mx.add_argument("--durations", type=Path, metavar="FILE",
                     help="recorded durations (default: suites/durations/SUITE.json when present)")
-    mx.add_argument("--indent", type=int, default=None, help="pretty-print the JSON")
+    mx.add_argument("--indent", type=number(int, minimum=0), default=None, help="pretty-print the JSON")
+    mx.set_defaults(handler=_cmd_matrix)
+
+
+#: One function per subcommand, adding its parser (and its handler as ``handler``); in help order.
+SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_inventory, _add_run, _add_matrix, _add_init]
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="harness", description="Declarative accelerator test matrix.")
+    p.add_argument("--version", action=_VersionAction, nargs=0, help="print the harness version and exit")
+    p.add_argument("--root", type=Path, default=None,
+                   help="repository root (default: the nearest directory above the working one with suites/)")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for add in SUBCOMMANDS:
+        add(sub)
     return p
 
 
-def _print_inventory(inv: Inventory, suites: Sequence[str], quiet: bool) -> None:
+def _print_inventory(inv: SuiteInventory, suites: Sequence[str], quiet: bool) -> None:
     doc = inv.as_dict(suites or None)
     cases = doc["cases"]
     if not quiet and cases:
@@ -89,47 +150,33 @@ def _cmd_inventory(root: Path, args: argparse.Namespace) -> int:
         print(json.dumps(inv.as_dict(names or None), indent=1))
     else:
         _print_inventory(inv, names, args.quiet)
-    return 1 if inv.problems else 0
+    return EXIT_FAILED if inv.problems else EXIT_OK
 
 
 def _cmd_matrix(root: Path, args: argparse.Namespace) -> int:
     loaded = load_suite(root, args.suite, "matrix")
     if loaded is None:
-        return 1
+        return EXIT_USAGE
     suite, inv = loaded
     m = inv.manifests[suite]
     try:
         durations = load_durations(args.durations or default_durations_path(root, suite))
         cases = estimate([(c.nodeid, e.id, c.cards, e.estimated_s) for c, e in inv.suite_cases(suite)], durations)
         result = plan(suite, m.runners, cases, shards=args.shards, target_minutes=args.target_minutes)
-    except PlanError as e:
+        # allow_nan=False: a value that is not a number is an error here, never invalid JSON for CI.
+        text = json.dumps(result.matrix(), indent=args.indent, separators=None if args.indent else (",", ":"),
+                          allow_nan=False)
+    except (PlanError, ValueError) as e:
         print(f"harness matrix: {e}", file=sys.stderr)
-        return 1
-    print(json.dumps(result.matrix(), indent=args.indent, separators=None if args.indent else (",", ":")))
+        return EXIT_USAGE
+    print(text)
     loads = ", ".join(f"{s.label} {s.load / 60:.1f} min" for s in result.shards)
     print(f"harness matrix: {suite}: {len(cases)} case(s) in {len(result.shards)} shard(s): {loads}; "
           f"longest/mean {result.balance():.3f}", file=sys.stderr)
-    return 0
+    return EXIT_OK
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``harness`` console script; returns the exit code.
-
-    Everything after the first ``--`` goes to pytest (``harness run`` only).
-    """
-    argv = list(sys.argv[1:] if argv is None else argv)
-    extra: list[str] = []
-    if "--" in argv:
-        i = argv.index("--")
-        argv, extra = argv[:i], argv[i + 1 :]
-    args = _parser().parse_args(argv)
-    if extra and args.command != "run":
-        _parser().error("only `harness run` takes pytest arguments after --")
-    root = (args.root or find_root()).resolve()
-    if args.command == "inventory":
-        return _cmd_inventory(root, args)
-    if args.command == "matrix":
-        return _cmd_matrix(root, args)
+def _cmd_run(root: Path, args: argparse.Namespace) -> int:
     return run_suite(
         root,
         RunOptions(
@@ -141,6 +188,27 @@ def main(argv: Sequence[str] | None = None) -> int:
             out=args.out,
             workers=args.workers,
             max_cards=args.max_cards,
-            pytest_args=extra,
+            pytest_args=args.pytest_args,
         ),
     )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``harness`` console script; returns the exit code.
+
+    Everything after the first ``--`` goes to pytest (``harness run`` only).
+    Usage errors exit 2 (argparse's convention) for every subcommand.
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    extra: list[str] = []
+    if "--" in argv:
+        i = argv.index("--")
+        argv, extra = argv[:i], argv[i + 1 :]
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if extra and args.command != "run":
+        parser.error("only `harness run` takes pytest arguments after --")
+    args.pytest_args = extra
+    # init writes suites/, so it starts where it is asked to, not at an existing suites/ above.
+    root = (args.root or (Path.cwd() if args.command == "init" else find_root())).resolve()
+    return args.handler(root, args)

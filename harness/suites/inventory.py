@@ -1,4 +1,4 @@
-"""Inventory: which suite entry owns each test case, and whether every case fits its runner.
+"""SuiteInventory: which suite entry owns each test case, and whether every case fits its runner.
 
 Cases are collected with pytest in-process (collect only) through a small
 plugin object that records the items; nothing runs. Ownership rules:
@@ -45,7 +45,7 @@ TESTS_GLOB = "tests/**/test_*.py"
 
 
 @dataclass(frozen=True)
-class Case:
+class CollectedCase:
     """One collected test case.
 
     ``nodeid`` is repository-relative (``tests/x/test_a.py::test_b[cuda]``);
@@ -80,7 +80,7 @@ class Case:
 
 
 @dataclass
-class Inventory:
+class SuiteInventory:
     """The outcome of :func:`build_inventory`.
 
     ``owners[nodeid]`` lists ``(suite, entry id)`` pairs; ``problems`` holds
@@ -89,11 +89,11 @@ class Inventory:
 
     root: Path
     manifests: dict[str, Manifest]
-    cases: list[Case]
+    cases: list[CollectedCase]
     owners: dict[str, list[tuple[str, str]]] = field(default_factory=dict)
     problems: list[Problem] = field(default_factory=list)
 
-    def suite_cases(self, suite: str) -> list[tuple[Case, Entry]]:
+    def suite_cases(self, suite: str) -> list[tuple[CollectedCase, Entry]]:
         """The cases ``suite`` owns, each with its owning entry, in collection order."""
         m = self.manifests[suite]
         out = []
@@ -132,7 +132,7 @@ class _Recorder:
 
     def __init__(self, root: Path):
         self.root = root
-        self.cases: list[Case] = []
+        self.cases: list[CollectedCase] = []
         self.problems: list[Problem] = []
 
     def pytest_collectreport(self, report: Any) -> None:
@@ -153,7 +153,7 @@ def case_id(item: Any, root: Path) -> str:
     return f"{path}::{tail}" if sep else path
 
 
-def _case(item: Any, root: Path) -> Case:
+def _case(item: Any, root: Path) -> CollectedCase:
     callspec = getattr(item, "callspec", None)
     param = callspec.params.get("device") if callspec is not None else None
     marks = tuple(
@@ -165,7 +165,7 @@ def _case(item: Any, root: Path) -> Case:
         spec, err = spec_for_item(item), None
     except (ValueError, TypeError) as e:
         spec, err = None, str(e)
-    return Case(
+    return CollectedCase(
         nodeid=nodeid,
         file=nodeid.split("::", 1)[0],
         spec=spec,
@@ -183,7 +183,7 @@ def _quiet() -> Any:
         yield buf
 
 
-def collect(root: Path, targets: Sequence[str]) -> tuple[list[Case], list[Problem]]:
+def collect(root: Path, targets: Sequence[str]) -> tuple[list[CollectedCase], list[Problem]]:
     """Collect ``targets`` (repository-relative files or directories) with pytest,
     in-process and collect-only, using the repository's pytest configuration.
 
@@ -253,7 +253,7 @@ def _expression(expr: str) -> Any:
     return Expression.compile(expr)
 
 
-def _matches_markers(case: Case, expr: str) -> bool:
+def _matches_markers(case: CollectedCase, expr: str) -> bool:
     by_name: dict[str, list[dict[str, Any]]] = {}
     for name, kwargs in case.marks:
         by_name.setdefault(name, []).append(dict(kwargs))
@@ -264,7 +264,7 @@ def _matches_markers(case: Case, expr: str) -> bool:
     return _expression(expr).evaluate(matcher)
 
 
-def _selector_matches(selector: str, case: Case) -> tuple[bool, bool]:
+def _selector_matches(selector: str, case: CollectedCase) -> tuple[bool, bool]:
     """(matches, by node id) for one entry path."""
     if "::" in selector:
         hit = case.nodeid == selector or case.nodeid.startswith((selector + "::", selector + "["))
@@ -272,7 +272,7 @@ def _selector_matches(selector: str, case: Case) -> tuple[bool, bool]:
     return path_matches(case.file, selector), False
 
 
-def _entry_matches(entry: Entry, case: Case, suite_device: str) -> bool:
+def _entry_matches(entry: Entry, case: CollectedCase, suite_device: str) -> bool:
     """True when ``entry`` (of a suite on ``suite_device``) selects ``case``."""
     by_path = by_id = False
     for sel in entry.paths:
@@ -287,7 +287,7 @@ def _entry_matches(entry: Entry, case: Case, suite_device: str) -> bool:
     return entry.markers is None or _matches_markers(case, entry.markers)
 
 
-def _fit_problems(m: Manifest, entry: Entry, case: Case) -> list[Problem]:
+def _fit_problems(m: Manifest, entry: Entry, case: CollectedCase) -> list[Problem]:
     where = f"{case.nodeid} (entry {entry.id!r} at {entry.source} {entry.pointer})"
     spec = case.spec
     assert spec is not None
@@ -315,100 +315,144 @@ def _fit_problems(m: Manifest, entry: Entry, case: Case) -> list[Problem]:
 
 # --------------------------------------------------------------------------- building
 
+_MANIFEST_RULES = ("schema", "json", "path", "include")
+
+
+@dataclass
+class _Scope:
+    """Which manifests an inventory reads (all of them) and judges (the selected ones)."""
+
+    all: list[Manifest]
+    selected: list[Manifest]
+    problems: list[Problem]
+    #: Every manifest loaded: only then is ownership meaningful (else it is noise).
+    manifests_ok: bool
+
+    @property
+    def selected_names(self) -> set[str]:
+        return {m.suite for m in self.selected}
+
+
+def _load_scope(root: Path, suites: Iterable[str] | None) -> _Scope:
+    """Phase 1: load every manifest, keep the problems of the selected suites."""
+    all_manifests, problems = load_suites(root)
+    ok = not any(p.rule in _MANIFEST_RULES for p in problems)
+    if not suites:
+        return _Scope(all_manifests, list(all_manifests), problems, ok)
+    # Unknown names are problems; a suite named by path (suites/x.json) is its stem.
+    problems += [p for p in load_suites(root, suites)[1] if p.rule == "unknown-suite"]
+    wanted = {Path(s).stem if s.endswith(".json") else s for s in suites}
+    problems = [p for p in problems if p.suite in wanted or p.rule == "unknown-suite"]
+    return _Scope(all_manifests, [m for m in all_manifests if m.suite in wanted], problems, ok)
+
+
+def _spec_problems(cases: Iterable[CollectedCase]) -> list[Problem]:
+    """Phase 3: one ``bad-launch-spec`` problem per case whose launch marker is invalid."""
+    return [
+        Problem("bad-launch-spec", c.file, c.nodeid, c.spec_error or "invalid launch marker")
+        for c in cases
+        if c.spec is None
+    ]
+
+
+def _assign_owners(inv: SuiteInventory, m: Manifest, judged: bool) -> None:
+    """Phase 4, one suite: record the first matching entry of ``m`` for each case;
+    when the suite is ``judged``, add its fit and ``entry-matches-nothing`` problems."""
+    owned_by: dict[str, int] = {e.id: 0 for e in m.entries}
+    matched: dict[str, int] = {e.id: 0 for e in m.entries}
+    first_owner: dict[str, str] = {}
+    for c in inv.cases:
+        if c.spec is None:
+            continue
+        owner: Entry | None = None
+        for e in m.entries:
+            if _entry_matches(e, c, m.device):
+                matched[e.id] += 1
+                if owner is None:
+                    owner = e
+                    owned_by[e.id] += 1
+                else:
+                    first_owner.setdefault(e.id, owner.id)
+        if owner is not None:
+            inv.owners.setdefault(c.nodeid, []).append((m.suite, owner.id))
+            if judged:
+                inv.problems.extend(_fit_problems(m, owner, c))
+    if judged:
+        inv.problems.extend(_idle_entries(m, owned_by, matched, first_owner))
+
+
+def _idle_entries(
+    m: Manifest, owned_by: dict[str, int], matched: dict[str, int], first_owner: dict[str, str]
+) -> list[Problem]:
+    """``entry-matches-nothing`` for each entry of ``m`` that owns no case (once per id)."""
+    out = []
+    seen: set[str] = set()
+    for e in m.entries:
+        if e.id in seen or owned_by[e.id]:
+            seen.add(e.id)
+            continue
+        seen.add(e.id)
+        if matched[e.id]:
+            why = f"every case it matches is owned by the earlier entry {first_owner[e.id]!r}"
+        else:
+            why = f"its paths {list(e.paths)} match no {m.device} case" + (
+                f" with markers {e.markers!r}" if e.markers else ""
+            )
+        out.append(
+            Problem("entry-matches-nothing", e.source, f"{e.pointer} (entry {e.id!r})", f"suite {m.suite!r}: {why}", m.suite)
+        )
+    return out
+
+
+def _ownership_problems(inv: SuiteInventory, manifests: Sequence[Manifest]) -> list[Problem]:
+    """Phase 5: ``unowned-file`` for each test file none of whose cases any suite owns,
+    ``unowned-case`` for each other case no suite owns."""
+    by_file: dict[str, list[CollectedCase]] = {}
+    for c in inv.cases:
+        by_file.setdefault(c.file, []).append(c)
+    covered = [p.split("::", 1)[0] for m in manifests for e in m.entries for p in e.paths]
+    out = []
+    for f in sorted(rel(p, inv.root) for p in inv.root.glob(TESTS_GLOB)):
+        fcases = by_file.get(f, [])
+        if any(c.nodeid in inv.owners for c in fcases):
+            continue
+        if not fcases and any(path_matches(f, p) for p in covered):
+            continue  # collects nothing here (e.g. a module-level skip); its entry covers it
+        out.append(Problem("unowned-file", f, "", "test file owned by no suite entry: add it to a suite in suites/"))
+    unowned_files = {p.file for p in out}
+    out += [
+        Problem("unowned-case", c.file, c.nodeid, f"{c.device} case owned by no suite entry")
+        for c in inv.cases
+        if c.spec is not None and c.nodeid not in inv.owners and c.file not in unowned_files
+    ]
+    return out
+
 
 def build_inventory(
     root: Path, suites: Iterable[str] | None = None, *, check_ownership: bool = True
-) -> Inventory:
+) -> SuiteInventory:
     """Collect the repository's tests and check them against its suites.
 
     ``suites`` limits the checked suites (default: all of ``suites/*.json``).
-    With ``check_ownership`` (default) every ``tests/**/test_*.py`` file is
-    collected and the ``unowned-file`` / ``unowned-case`` rules are checked
-    against *all* suites (ownership is global: a file the cpu suite owns is
-    owned even when only the gpu suite is inventoried); without it only the
-    selected suites' entry paths are collected (what ``harness run`` needs).
+    With ``check_ownership`` (default) every test file is collected and the
+    ``unowned-file`` / ``unowned-case`` rules are checked against *all* suites
+    (ownership is global: a file the cpu suite owns is owned even when only
+    the gpu suite is inventoried); without it only the selected suites' entry
+    paths are collected (what ``harness run`` needs).
     """
     root = root.resolve()
-    all_manifests, problems = load_suites(root)
-    # Ownership is only meaningful when every manifest loaded (else: noise).
-    manifests_ok = not any(p.rule in ("schema", "json", "path", "include") for p in problems)
-    manifests = {m.suite: m for m in all_manifests}
-    if suites:
-        # Unknown names are problems; a suite named by path (suites/x.json) is its stem.
-        problems += [p for p in load_suites(root, suites)[1] if p.rule == "unknown-suite"]
-        wanted = {Path(s).stem if s.endswith(".json") else s for s in suites}
-        problems = [p for p in problems if p.suite in wanted or p.rule == "unknown-suite"]
-        selected = [m for m in all_manifests if m.suite in wanted]
-    else:
-        selected = list(all_manifests)
-    scope = all_manifests if check_ownership else selected
-    cases, collect_problems = collect(root, _targets(root, scope, check_ownership))
-    problems += collect_problems
-    inv = Inventory(root=root, manifests=manifests, cases=cases, problems=problems)
-
-    for c in cases:
-        if c.spec is None:
-            inv.problems.append(Problem("bad-launch-spec", c.file, c.nodeid, c.spec_error or "invalid launch marker"))
-
-    selected_names = {m.suite for m in selected}
-    for m in scope:
-        owned_by: dict[str, int] = {e.id: 0 for e in m.entries}
-        matched: dict[str, int] = {e.id: 0 for e in m.entries}
-        first_owner: dict[str, str] = {}
-        for c in cases:
-            if c.spec is None:
-                continue
-            owner: Entry | None = None
-            for e in m.entries:
-                if _entry_matches(e, c, m.device):
-                    matched[e.id] += 1
-                    if owner is None:
-                        owner = e
-                        owned_by[e.id] += 1
-                    else:
-                        first_owner.setdefault(e.id, owner.id)
-            if owner is not None:
-                inv.owners.setdefault(c.nodeid, []).append((m.suite, owner.id))
-                if m.suite in selected_names:
-                    inv.problems.extend(_fit_problems(m, owner, c))
-        if m.suite not in selected_names:
-            continue
-        seen: set[str] = set()
-        for e in m.entries:
-            if e.id in seen or owned_by[e.id]:
-                seen.add(e.id)
-                continue
-            seen.add(e.id)
-            if matched[e.id]:
-                why = f"every case it matches is owned by the earlier entry {first_owner[e.id]!r}"
-            else:
-                why = f"its paths {list(e.paths)} match no {m.device} case" + (
-                    f" with markers {e.markers!r}" if e.markers else ""
-                )
-            inv.problems.append(
-                Problem(
-                    "entry-matches-nothing", e.source, f"{e.pointer} (entry {e.id!r})", f"suite {m.suite!r}: {why}", m.suite
-                )
-            )
-
-    if check_ownership and manifests_ok:
-        by_file: dict[str, list[Case]] = {}
-        for c in cases:
-            by_file.setdefault(c.file, []).append(c)
-        covered = [p.split("::", 1)[0] for m in all_manifests for e in m.entries for p in e.paths]
-        for f in sorted(rel(p, root) for p in root.glob(TESTS_GLOB)):
-            fcases = by_file.get(f, [])
-            if any(c.nodeid in inv.owners for c in fcases):
-                continue
-            if not fcases and any(path_matches(f, p) for p in covered):
-                continue  # collects nothing here (e.g. a module-level skip); its entry covers it
-            inv.problems.append(
-                Problem("unowned-file", f, "", "test file owned by no suite entry: add it to a suite in suites/")
-            )
-        unowned_files = {p.file for p in inv.problems if p.rule == "unowned-file"}
-        for c in cases:
-            if c.spec is not None and c.nodeid not in inv.owners and c.file not in unowned_files:
-                inv.problems.append(
-                    Problem("unowned-case", c.file, c.nodeid, f"{c.device} case owned by no suite entry")
-                )
+    scope = _load_scope(root, suites)
+    read = scope.all if check_ownership else scope.selected
+    cases, collect_problems = collect(root, _targets(root, read, check_ownership))
+    inv = SuiteInventory(
+        root=root,
+        manifests={m.suite: m for m in scope.all},
+        cases=cases,
+        problems=[*scope.problems, *collect_problems, *_spec_problems(cases)],
+    )
+    judged = scope.selected_names
+    for m in read:
+        _assign_owners(inv, m, m.suite in judged)
+    if check_ownership and scope.manifests_ok:
+        inv.problems.extend(_ownership_problems(inv, scope.all))
     return inv

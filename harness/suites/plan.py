@@ -51,7 +51,7 @@ class PlannedCase:
 
 
 @dataclass
-class Shard:
+class PlannedShard:
     """One CI job's share of a suite: 1-based ``index`` of ``total`` on ``runner``."""
 
     index: int
@@ -75,9 +75,9 @@ class Plan:
     """A suite's shards in order."""
 
     suite: str
-    shards: list[Shard]
+    shards: list[PlannedShard]
 
-    def shard(self, index: int) -> Shard:
+    def shard(self, index: int) -> PlannedShard:
         """Shard ``index`` (1-based); ``PlanError`` when out of range."""
         if not 1 <= index <= len(self.shards):
             raise PlanError(f"shard {index} does not exist; the plan has {len(self.shards)}")
@@ -221,7 +221,7 @@ def _allocate(work: list[float], shards: int) -> list[int]:
     return counts
 
 
-def partition(cases: Sequence[PlannedCase], runners: Sequence[Runner], shards: int) -> list[Shard]:
+def partition(cases: Sequence[PlannedCase], runners: Sequence[Runner], shards: int) -> list[PlannedShard]:
     """Split ``cases`` into ``shards`` shards over the runner classes (ascending cards).
 
     Longest case first, each onto the least-loaded shard whose runner has
@@ -235,9 +235,9 @@ def partition(cases: Sequence[PlannedCase], runners: Sequence[Runner], shards: i
     for c in cases:
         work[_fit(runners, c.cards)] += c.seconds or 1e-9
     counts = _allocate(work, shards)
-    out: list[Shard] = []
+    out: list[PlannedShard] = []
     for r, n in zip(runners, counts, strict=True):
-        out.extend(Shard(0, shards, r) for _ in range(n))
+        out.extend(PlannedShard(0, shards, r) for _ in range(n))
     for i, s in enumerate(out, 1):
         s.index = i
     loads = [0.0] * len(out)
@@ -251,7 +251,7 @@ def partition(cases: Sequence[PlannedCase], runners: Sequence[Runner], shards: i
     return out
 
 
-def _over_budget(shards: Sequence[Shard], limit_s: float | None = None) -> list[Shard]:
+def _over_budget(shards: Sequence[PlannedShard], limit_s: float | None = None) -> list[PlannedShard]:
     return [s for s in shards if s.load > min(s.runner.budget_s, limit_s or math.inf)]
 
 

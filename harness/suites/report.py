@@ -21,7 +21,7 @@ OUTCOMES = ("passed", "failed", "skipped", "missing")
 
 
 @dataclass(frozen=True)
-class CaseResult:
+class CaseRow:
     """What happened to one case: ``outcome`` in :data:`OUTCOMES`, JUnit seconds, first message line."""
 
     nodeid: str
@@ -57,13 +57,13 @@ def _suites(root: ET.Element) -> list[ET.Element]:
     return [root] if root.tag == "testsuite" else list(root.iter("testsuite"))
 
 
-def read_junit(paths: Iterable[Path]) -> dict[tuple[str, str], CaseResult]:
+def read_junit(paths: Iterable[Path]) -> dict[tuple[str, str], CaseRow]:
     """Outcome per ``(classname, name)`` from JUnit files; unreadable or absent files are skipped.
 
     ``failure`` or ``error`` anywhere in a testcase (call or teardown) makes it
     failed; otherwise ``skipped`` makes it skipped (xfail included).
     """
-    out: dict[tuple[str, str], CaseResult] = {}
+    out: dict[tuple[str, str], CaseRow] = {}
     for p in paths:
         try:
             root = ET.parse(p).getroot()
@@ -84,16 +84,16 @@ def read_junit(paths: Iterable[Path]) -> dict[tuple[str, str], CaseResult]:
                 seconds = float(tc.get("time", 0) or 0) + (prev.seconds if prev else 0.0)
                 if prev is not None and prev.outcome == "failed":
                     outcome, msg = prev.outcome, prev.message
-                out[key] = CaseResult("", outcome, seconds, (msg or "").splitlines()[0][:200] if msg else "")
+                out[key] = CaseRow("", outcome, seconds, (msg or "").splitlines()[0][:200] if msg else "")
     return out
 
 
-def results_for(nodeids: Iterable[str], junit: Mapping[tuple[str, str], CaseResult]) -> dict[str, CaseResult]:
+def results_for(nodeids: Iterable[str], junit: Mapping[tuple[str, str], CaseRow]) -> dict[str, CaseRow]:
     """Each planned node id's result; ``missing`` when the JUnit has no such case."""
     out = {}
     for n in nodeids:
         r = junit.get(junit_key(n))
-        out[n] = CaseResult(n, r.outcome, r.seconds, r.message) if r else CaseResult(n, "missing")
+        out[n] = CaseRow(n, r.outcome, r.seconds, r.message) if r else CaseRow(n, "missing")
     return out
 
 
@@ -117,13 +117,13 @@ def merge_junit(paths: Sequence[Path], target: Path) -> None:
 
 
 def summarize(
-    planned: Sequence[tuple[str, str, int]], results: Mapping[str, CaseResult]
+    planned: Sequence[tuple[str, str, int]], results: Mapping[str, CaseRow]
 ) -> list[EntryRow]:
     """Per-entry rows, in first-seen entry order, from ``(nodeid, entry id, cards)`` and results."""
     rows: dict[str, dict[str, float]] = {}
     for nodeid, entry, cards in planned:
         r = rows.setdefault(entry, {"cases": 0, "cards": 0, "seconds": 0.0, **dict.fromkeys(OUTCOMES, 0)})
-        res = results.get(nodeid, CaseResult(nodeid, "missing"))
+        res = results.get(nodeid, CaseRow(nodeid, "missing"))
         r["cases"] += 1
         r[res.outcome] += 1
         r["cards"] = max(r["cards"], cards)
@@ -169,7 +169,7 @@ def render(rows: Sequence[EntryRow], title: str, wall_s: float | None = None) ->
     return "\n".join(out) + "\n"
 
 
-def failures(results: Mapping[str, CaseResult], limit: int = 30) -> str:
+def failures(results: Mapping[str, CaseRow], limit: int = 30) -> str:
     """The failed and missing cases, one per line (at most ``limit``), for the log."""
     bad = [r for r in results.values() if r.outcome in ("failed", "missing")]
     lines = [f"- {r.outcome}: `{r.nodeid}`" + (f" — {r.message}" if r.message else "") for r in bad[:limit]]
@@ -178,7 +178,7 @@ def failures(results: Mapping[str, CaseResult], limit: int = 30) -> str:
     return "\n".join(lines) + ("\n" if lines else "")
 
 
-def write_summary_json(path: Path, title: str, rows: Sequence[EntryRow], results: Mapping[str, CaseResult]) -> None:
+def write_summary_json(path: Path, title: str, rows: Sequence[EntryRow], results: Mapping[str, CaseRow]) -> None:
     """Machine-readable summary: the table rows and every case's result."""
     doc = {
         "title": title,

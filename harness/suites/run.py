@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from harness.suites import changes, report, selection
-from harness.suites.inventory import Case, Inventory, build_inventory
+from harness.suites.inventory import CollectedCase, SuiteInventory, build_inventory
 from harness.suites.manifest import Entry, Manifest
 from harness.suites.plan import (
     PlanError,
@@ -50,6 +50,14 @@ _NARROWING = ("-k", "-m", "-x", "--exitfirst", "--maxfail", "--lf", "--last-fail
               "--stepwise", "--deselect")
 _XDIST = ("-n", "--numprocesses", "--dist", "-d")
 _XDIST_INSTALLED = importlib.util.find_spec("xdist") is not None
+
+
+#: Exit codes of ``harness run`` and ``harness matrix``.
+EXIT_OK = 0
+#: A case failed or went missing, nothing passed, or pytest itself failed.
+EXIT_FAILED = 1
+#: Bad arguments, or a suite that cannot be planned (the same from ``run`` and ``matrix``).
+EXIT_USAGE = 2
 
 
 @dataclass
@@ -78,18 +86,20 @@ def _cpu_slots() -> int:
         return max(1, os.cpu_count() or 1)
 
 
-def _option_value(args: Sequence[str], name: str) -> str | None:
+def option_values(args: Sequence[str], names: Sequence[str]) -> list[str | None]:
+    """Every occurrence in pytest arguments ``args`` of an option in ``names``, in
+    order: its value (``--opt V``, ``--opt=V``, ``-nV``), or ``None`` when given
+    without one (a flag, or a value-taking option at the very end)."""
+    found: list[str | None] = []
     for i, a in enumerate(args):
-        if a == name and i + 1 < len(args):
-            return args[i + 1]
-        if a.startswith(name + "="):
-            return a.split("=", 1)[1]
-    return None
-
-
-def _has_option(args: Sequence[str], names: Sequence[str]) -> bool:
-    return any(a == n or a.startswith(n + "=") or (len(n) == 2 and a.startswith(n) and len(a) > 2)
-               for a in args for n in names)
+        for n in names:
+            if a == n:
+                found.append(args[i + 1] if i + 1 < len(args) else None)
+            elif a.startswith(n + "=") and n.startswith("--"):
+                found.append(a.split("=", 1)[1])
+            elif len(n) == 2 and a.startswith(n) and len(a) > 2 and not a.startswith("--"):
+                found.append(a[2:])
+    return found
 
 
 def leasable_cards(device: str) -> int:
@@ -103,7 +113,9 @@ def leasable_cards(device: str) -> int:
     return len(devices.inventory(device))
 
 
-def worker_count(device: str, cases: Sequence[Case], pytest_args: Sequence[str], requested: int | None = None) -> int:
+def worker_count(
+    device: str, cases: Sequence[CollectedCase], pytest_args: Sequence[str], requested: int | None = None
+) -> int:
     """xdist workers for a run: one per process slot on cpu (``--harness-max-procs``,
     else the CPUs this process may use); on accelerators as many as the
     leasable cards allow for the smallest case, at most one per slot; never
@@ -111,9 +123,9 @@ def worker_count(device: str, cases: Sequence[Case], pytest_args: Sequence[str],
     if requested:
         return max(1, requested)
     slots = _cpu_slots()
-    given = _option_value(pytest_args, "--harness-max-procs")
-    if given and given.isdigit():
-        slots = max(1, int(given))
+    given = option_values(pytest_args, ["--harness-max-procs"])
+    if given and given[-1] and given[-1].isdigit():
+        slots = max(1, int(given[-1]))
     if device == "cpu":
         n = slots
     else:
@@ -127,7 +139,7 @@ def _default_out(root: Path, suite: str, shard: tuple[int, int] | None) -> Path:
     return root / "out" / "harness" / name
 
 
-def load_suite(root: Path, suite: str, command: str) -> tuple[str, Inventory] | None:
+def load_suite(root: Path, suite: str, command: str) -> tuple[str, SuiteInventory] | None:
     """The name and inventory of one suite, or None after printing why it cannot be planned.
 
     ``suite`` is a suite name or a manifest path. Ownership of files is the
@@ -150,9 +162,9 @@ def load_suite(root: Path, suite: str, command: str) -> tuple[str, Inventory] | 
 
 
 def plan_cases(
-    root: Path, m: Manifest, owned: Sequence[tuple[Case, Entry]], durations: Path | None,
+    root: Path, m: Manifest, owned: Sequence[tuple[CollectedCase, Entry]], durations: Path | None,
     shard: tuple[int, int] | None,
-) -> list[tuple[Case, Entry]]:
+) -> list[tuple[CollectedCase, Entry]]:
     """The cases of one shard (all of ``owned`` when ``shard`` is None), in collection order."""
     if shard is None:
         return list(owned)
@@ -196,27 +208,54 @@ def _run_pytest(cmd: list[str], root: Path, limit_s: float) -> int:
         raise
 
 
-def run_suite(root: Path, opts: RunOptions) -> int:
-    """Run one suite (or shard); returns the process exit code.
+class _Refused(Exception):
+    """``harness run`` cannot start as asked; the message is already printed or is the reason."""
 
-    0: every planned case passed or skipped and at least one passed (or
-    nothing needed to run); 1: a case failed, went missing, or nothing passed;
-    2: the suite cannot be planned (inventory problems, bad arguments).
-    """
-    t0 = time.monotonic()
-    root = root.resolve()
+
+Pair = tuple[CollectedCase, Entry]
+
+
+@dataclass
+class _Run:
+    """One ``harness run``, passed from phase to phase."""
+
+    root: Path
+    opts: RunOptions
+    manifest: Manifest
+    shard: tuple[int, int] | None
+    cases: list[Pair]
+    #: Planned cases left out by ``--max-cards``.
+    too_big: list[CollectedCase]
+    out: Path
+    started: float
+
+    @property
+    def title(self) -> str:
+        shard = f" (shard {self.shard[0]}/{self.shard[1]})" if self.shard else ""
+        return f"harness run {self.manifest.suite}{shard}"
+
+    @property
+    def not_here(self) -> str:
+        """Markdown lines for the cases ``--max-cards`` left out."""
+        return "".join(
+            f"- not run here (needs {c.cards} cards > --max-cards {self.opts.max_cards}): `{c.nodeid}`\n"
+            for c in self.too_big
+        )
+
+
+def _plan_run(root: Path, opts: RunOptions, started: float) -> _Run:
+    """Phase 1: load the suite, narrow it (``--changed-from``), cut the shard, drop what
+    exceeds ``--max-cards``. Raises ``_Refused`` when the suite cannot be planned."""
     try:
         shard = parse_shard(opts.shard) if opts.shard else None
     except PlanError as e:
-        print(f"harness run: {e}", file=sys.stderr)
-        return 2
+        raise _Refused(f"harness run: {e}") from None
     loaded = load_suite(root, opts.suite, "run")
     if loaded is None:
-        return 2
+        raise _Refused("")
     suite_name, inv = loaded
     m = inv.manifests[suite_name]
     owned = inv.suite_cases(suite_name)
-
     if opts.changed_from:
         sel = changes.select(m.entries, changes.changed_files(root, opts.changed_from))
         _print(f"--changed-from {opts.changed_from}: {sel.reason}")
@@ -224,90 +263,90 @@ def run_suite(root: Path, opts: RunOptions) -> int:
     try:
         cases = plan_cases(root, m, owned, opts.durations, shard)
     except PlanError as e:
-        print(f"harness run: {e}", file=sys.stderr)
-        return 2
-
-    too_big: list[Case] = []
+        raise _Refused(f"harness run: {e}") from None
+    too_big: list[CollectedCase] = []
     if opts.max_cards is not None:
         # A smaller machine than the suite's runners (a workstation, a device
         # check): run what fits and say what did not, rather than fail it.
         too_big = [c for c, _ in cases if c.cards > opts.max_cards]
         cases = [(c, e) for c, e in cases if c.cards <= opts.max_cards]
-    not_here = "".join(
-        f"- not run here (needs {c.cards} cards > --max-cards {opts.max_cards}): `{c.nodeid}`\n" for c in too_big
-    )
-
     out = (opts.out or _default_out(root, m.suite, shard)).resolve()
-    out.mkdir(parents=True, exist_ok=True)
-    for stale in out.glob("watchdog-*.log"):
+    return _Run(root, opts, m, shard, cases, too_big, out, started)
+
+
+def _prepare_out(run: _Run) -> None:
+    """Phase 2: the output folder, cleared of a previous run's watchdog logs, with ``plan.json``."""
+    run.out.mkdir(parents=True, exist_ok=True)
+    for stale in run.out.glob("watchdog-*.log"):
         stale.unlink()  # a previous run's; this run reports its own
-    title = f"harness run {m.suite}" + (f" (shard {shard[0]}/{shard[1]})" if shard else "")
-    (out / "plan.json").write_text(
-        json.dumps({"suite": m.suite, "shard": opts.shard, "cases": [[c.nodeid, e.id] for c, e in cases]}, indent=1)
-        + "\n",
-        encoding="utf-8",
-    )
-    if not cases:
-        text = f"### {title}\n\nnothing to run\n" + (f"\n{not_here}" if not_here else "")
-        _print(f"{title}: nothing to run")
-        (out / "summary.md").write_text(text, encoding="utf-8")
-        _step_summary(text)
-        return 0
+    doc = {"suite": run.manifest.suite, "shard": run.opts.shard, "cases": [[c.nodeid, e.id] for c, e in run.cases]}
+    (run.out / "plan.json").write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
 
-    workers = worker_count(m.device, [c for c, _ in cases], opts.pytest_args, opts.workers)
-    user_xdist = _has_option(opts.pytest_args, _XDIST) or "no:xdist" in opts.pytest_args
-    entries = list(dict.fromkeys(e.id for _, e in cases))
-    _print(
-        f"{title}: {len(cases)} case(s) in {len(entries)} entr{'y' if len(entries) == 1 else 'ies'} on {m.device}; "
-        f"{'xdist as given' if user_xdist else f'{workers} xdist worker(s)'}; output in {out}"
-    )
 
-    groups: dict[float | None, list[tuple[Case, Entry]]] = {}
+def _timeout_groups(cases: Sequence[Pair]) -> list[tuple[float | None, list[Pair]]]:
+    """The planned cases grouped by their entry's ``timeout_s`` (one pytest process each), shortest first."""
+    groups: dict[float | None, list[Pair]] = {}
     for c, e in cases:
         groups.setdefault(e.timeout_s, []).append((c, e))
-    junits: list[Path] = []
-    codes: list[int] = []
+    return sorted(groups.items(), key=lambda kv: kv[0] or 0)
+
+
+def _user_xdist(pytest_args: Sequence[str]) -> bool:
+    return bool(option_values(pytest_args, _XDIST)) or "no:xdist" in pytest_args
+
+
+def _pytest_command(run: _Run, k: int, timeout: float | None, group: Sequence[Pair], workers: int) -> list[str]:
+    """The pytest command line for timeout group ``k``; writes its selection file."""
+    select_file = run.out / f"select-{k}.json"
+    deadline = timeout or PLAIN_CASE_DEADLINE_S
+    select_file.write_text(
+        json.dumps({"root": str(run.root), "cases": {c.nodeid: deadline for c, _ in group}}), encoding="utf-8"
+    )
+    junit = run.out / f"junit-{k}.xml"
+    junit.unlink(missing_ok=True)
+    # The caller's pytest arguments first: where they clash with ours
+    # (--junitxml), ours come later and win, so the run can be read back.
+    cmd = [sys.executable, "-m", "pytest", *sorted({c.file for c, _ in group}), *run.opts.pytest_args]
+    cmd += ["-p", "harness.suites.selection", f"--harness-select={select_file}", f"--rootdir={run.root}"]
+    cmd += [f"--junitxml={junit}", "-o", "junit_duration_report=total"]
+    if not _user_xdist(run.opts.pytest_args) and _XDIST_INSTALLED:
+        # One case gains nothing from a worker process; more keep the
+        # worker boundary even at -n 1, so a case that kills its process
+        # fails alone.
+        cmd += ["-n", str(min(workers, len(group)) if len(group) > 1 else 0)]
+    if timeout is not None:
+        cmd.append(f"--harness-timeout={timeout:g}")
+    if run.manifest.device != "cpu":
+        cmd.append(f"--harness-require={run.manifest.device}")
+    return cmd
+
+
+def _execute(run: _Run) -> tuple[list[int], list[Path]]:
+    """Phase 3: one pytest process per timeout group; their exit codes and JUnit files."""
+    m = run.manifest
+    workers = worker_count(m.device, [c for c, _ in run.cases], run.opts.pytest_args, run.opts.workers)
+    entries = list(dict.fromkeys(e.id for _, e in run.cases))
+    xdist = "xdist as given" if _user_xdist(run.opts.pytest_args) else f"{workers} xdist worker(s)"
+    _print(
+        f"{run.title}: {len(run.cases)} case(s) in {len(entries)} entr{'y' if len(entries) == 1 else 'ies'} "
+        f"on {m.device}; {xdist}; output in {run.out}"
+    )
+    groups = _timeout_groups(run.cases)
     limit_s = max(r.timeout_minutes for r in m.runners) * 60.0
-    for k, (timeout, group) in enumerate(sorted(groups.items(), key=lambda kv: kv[0] or 0), 1):
-        select_file = out / f"select-{k}.json"
-        deadline = timeout or PLAIN_CASE_DEADLINE_S
-        select_file.write_text(
-            json.dumps({"root": str(root), "cases": {c.nodeid: deadline for c, _ in group}}), encoding="utf-8"
-        )
-        junit = out / f"junit-{k}.xml"
-        junit.unlink(missing_ok=True)
-        # The caller's pytest arguments first: where they clash with ours
-        # (--junitxml), ours come later and win, so the run can be read back.
-        cmd = [sys.executable, "-m", "pytest", *sorted({c.file for c, _ in group}), *opts.pytest_args]
-        cmd += ["-p", "harness.suites.selection", f"--harness-select={select_file}", f"--rootdir={root}"]
-        cmd += [f"--junitxml={junit}", "-o", "junit_duration_report=total"]
-        if not user_xdist and _XDIST_INSTALLED:
-            # One case gains nothing from a worker process; more keep the
-            # worker boundary even at -n 1, so a case that kills its process
-            # fails alone.
-            cmd += ["-n", str(min(workers, len(group)) if len(group) > 1 else 0)]
-        if timeout is not None:
-            cmd.append(f"--harness-timeout={timeout:g}")
-        if m.device != "cpu":
-            cmd.append(f"--harness-require={m.device}")
+    codes: list[int] = []
+    junits: list[Path] = []
+    for k, (timeout, group) in enumerate(groups, 1):
+        cmd = _pytest_command(run, k, timeout, group, workers)
         if len(groups) > 1:
             _print(f"group {k}/{len(groups)}: {len(group)} case(s), timeout {timeout or 'default'}")
-        codes.append(_run_pytest(cmd, root, limit_s))
-        junits.append(junit)
+        codes.append(_run_pytest(cmd, run.root, limit_s))
+        junits.append(run.out / f"junit-{k}.xml")
+    return codes, junits
 
-    junit_all = out / "junit.xml"
-    report.merge_junit(junits, junit_all)
-    asked = _requested_junit(opts.pytest_args)
-    if asked is not None:
-        # Our own --junitxml overrode the caller's; give them the merged file too.
-        asked.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(junit_all, asked)
-    results = report.results_for([c.nodeid for c, _ in cases], report.read_junit(junits))
-    rows = report.summarize([(c.nodeid, e.id, c.cards) for c, e in cases], results)
-    wall = time.monotonic() - t0
-    table = report.render(rows, title, wall)
-    total = report.totals(rows)
-    narrowed = _has_option(opts.pytest_args, _NARROWING)
+
+def _verdict(total: report.EntryRow, codes: Sequence[int], pytest_args: Sequence[str]) -> list[str]:
+    """Why the run is red (empty: green)."""
+    narrowed = bool(option_values(pytest_args, _NARROWING))
     verdict = []
     if total.failed:
         verdict.append(f"{total.failed} failed")
@@ -318,36 +357,77 @@ def run_suite(root: Path, opts: RunOptions) -> int:
     bad_codes = [c for c in codes if c not in (0, 1, 5)]
     if bad_codes:
         verdict.append(f"pytest exited with {', '.join(map(str, bad_codes))}")
+    return verdict
+
+
+def _write_summary(run: _Run, text: str) -> None:
+    print("\n" + text, flush=True)
+    (run.out / "summary.md").write_text(text, encoding="utf-8")
+    _step_summary(text)
+
+
+def _report(run: _Run, codes: Sequence[int], junits: Sequence[Path]) -> int:
+    """Phase 4: merge the JUnit files, write the summaries and durations; the exit code."""
+    junit_all = run.out / "junit.xml"
+    report.merge_junit(junits, junit_all)
+    asked = _requested_junit(run.opts.pytest_args)
+    if asked is not None:
+        # Our own --junitxml overrode the caller's; give them the merged file too.
+        asked.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(junit_all, asked)
+    results = report.results_for([c.nodeid for c, _ in run.cases], report.read_junit(junits))
+    rows = report.summarize([(c.nodeid, e.id, c.cards) for c, e in run.cases], results)
+    table = report.render(rows, run.title, time.monotonic() - run.started)
+    verdict = _verdict(report.totals(rows), codes, run.opts.pytest_args)
     detail = report.failures(results)
-    for headline, log in selection.fired(out):
+    for headline, log in selection.fired(run.out):
         detail += f"- watchdog: {headline}; stacks in {log}\n"
+    not_here = run.not_here
     text = table + ("\n" + detail if detail else "") + ("\n" + not_here if not_here else "") + (
         f"\n**FAILED**: {'; '.join(verdict)}\n" if verdict else "\n**PASSED**\n"
     )
-    print("\n" + text, flush=True)
-    (out / "summary.md").write_text(text, encoding="utf-8")
-    report.write_summary_json(out / "summary.json", title, rows, results)
-    _step_summary(text)
-    if opts.durations_out:
+    _write_summary(run, text)
+    report.write_summary_json(run.out / "summary.json", run.title, rows, results)
+    if run.opts.durations_out:
         # Passed cases only: a failure (at setup, say) says little about how long the case takes.
         ran = {n: r.seconds for n, r in results.items() if r.outcome == "passed"}
-        write_durations(opts.durations_out, m.suite, ran)
-        _print(f"recorded {len(ran)} duration(s) in {opts.durations_out}")
-    return 1 if verdict else 0
+        write_durations(run.opts.durations_out, run.manifest.suite, ran)
+        _print(f"recorded {len(ran)} duration(s) in {run.opts.durations_out}")
+    return EXIT_FAILED if verdict else EXIT_OK
+
+
+def run_suite(root: Path, opts: RunOptions) -> int:
+    """Run one suite (or shard); returns the process exit code.
+
+    :data:`EXIT_OK`: every planned case passed or skipped and at least one
+    passed (or nothing needed to run); :data:`EXIT_FAILED`: a case failed,
+    went missing, or nothing passed; :data:`EXIT_USAGE`: the suite cannot be
+    planned (inventory problems, bad arguments).
+    """
+    try:
+        run = _plan_run(root.resolve(), opts, time.monotonic())
+    except _Refused as e:
+        if str(e):
+            print(e, file=sys.stderr)
+        return EXIT_USAGE
+    _prepare_out(run)
+    if not run.cases:
+        _print(f"{run.title}: nothing to run")
+        not_here = run.not_here
+        text = f"### {run.title}\n\nnothing to run\n" + (f"\n{not_here}" if not_here else "")
+        (run.out / "summary.md").write_text(text, encoding="utf-8")
+        _step_summary(text)
+        return EXIT_OK
+    codes, junits = _execute(run)
+    return _report(run, codes, junits)
 
 
 def _requested_junit(pytest_args: Sequence[str]) -> Path | None:
     """The JUnit path the caller asked pytest for (``-- --junitxml=X`` or in
     ``$PYTEST_ADDOPTS``), the last one winning as in pytest; ``None`` if none."""
     args = [*shlex.split(os.environ.get("PYTEST_ADDOPTS", "")), *pytest_args]
-    found = None
-    for i, a in enumerate(args):
-        for name in ("--junitxml", "--junit-xml"):
-            if a == name and i + 1 < len(args):
-                found = args[i + 1]
-            elif a.startswith(name + "="):
-                found = a.split("=", 1)[1]
-    return Path(found).resolve() if found else None
+    found = [v for v in option_values(args, ("--junitxml", "--junit-xml")) if v]
+    return Path(found[-1]).resolve() if found else None
 
 
 def _step_summary(text: str) -> None:

@@ -16,7 +16,7 @@ from suite_project import make_project, manifest
 from harness.spec import LaunchSpec
 from harness.suites import report
 from harness.suites.cli import main
-from harness.suites.inventory import Case
+from harness.suites.inventory import CollectedCase
 from harness.suites.run import worker_count
 
 REPO = Path(__file__).resolve().parents[2]
@@ -203,7 +203,7 @@ def test_matrix_uses_checked_in_durations(pytester, capsys):
 
     assert main(["--root", str(root), "matrix", "cpu", "--target-minutes", "0.9"]) == 0
     assert len(json.loads(capsys.readouterr().out)["include"]) == 2
-    assert main(["--root", str(root), "matrix", "cpu", "--target-minutes", "0.5"]) == 1
+    assert main(["--root", str(root), "matrix", "cpu", "--target-minutes", "0.5"]) == 2  # unplannable: as from run
     assert "over --target-minutes 0.5" in capsys.readouterr().err
 
 
@@ -249,9 +249,9 @@ def test_read_junit_outcomes_and_missing(tmp_path):
 # --------------------------------------------------------------------------- workers
 
 
-def cases_needing(cards: int, n: int) -> list[Case]:
+def cases_needing(cards: int, n: int) -> list[CollectedCase]:
     spec = LaunchSpec(device="cuda", nproc=cards)
-    return [Case(f"t::c{i}", "t", spec, True, None) for i in range(n)]
+    return [CollectedCase(f"t::c{i}", "t", spec, True, None) for i in range(n)]
 
 
 def test_workers_sized_to_leasable_cards(monkeypatch):
@@ -263,7 +263,7 @@ def test_workers_sized_to_leasable_cards(monkeypatch):
     assert worker_count("cuda", cases_needing(1, 10), ["--harness-max-procs=2"]) == 2  # nor than slots
     monkeypatch.setenv("HARNESS_CARDS", "none")
     assert worker_count("cuda", cases_needing(1, 10), wide) == 1
-    cpu = [Case(f"t::c{i}", "t", LaunchSpec(), False, None) for i in range(10)]
+    cpu = [CollectedCase(f"t::c{i}", "t", LaunchSpec(), False, None) for i in range(10)]
     assert worker_count("cpu", cpu, ["--harness-max-procs", "3"]) == 3
     assert worker_count("cpu", cpu, [], requested=5) == 5
 
