@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 from channel_loss.capture import active_capture, record
-from channel_loss.meter import ChannelLossMeter
+from channel_loss.meter import ChannelLossMeter, columns_from_metrics, metrics_from_columns
 from channel_loss.ops import chunk_cross_entropy, per_token_cross_entropy, resolve_targets
 
 try:
@@ -230,11 +230,49 @@ def patch_model(model, *, chunk_size: int = 1024) -> LossPatch:
 # --------------------------------------------------------------------------- fused path
 
 # Config fields with which a model's forward rescales or caps its logits after
-# the LM head; the fused path computes ``lm_head(hidden)`` only, so it refuses them.
+# the LM head (Gemma 2/3: final_logit_softcapping, Cohere: logit_scale, Granite:
+# logits_scaling, ...); the fused path computes ``lm_head(hidden)`` only, so it
+# refuses them. A value of None / False / 1 (scaling) means "no transform".
 _LOGIT_TRANSFORMS = (
     "final_logit_softcapping", "logit_softcapping", "logit_scale", "logits_scaling",
     "lm_head_multiplier", "output_multiplier", "mup_enabled",
 )
+
+
+def _configs_to_check(config) -> list[tuple[str, object]]:
+    """``config`` and the text (decoder) configs HF keeps inside composite models, with their paths."""
+    found: list[tuple[str, object]] = []
+
+    def add(path: str, value) -> None:
+        if value is not None and all(value is not seen for _, seen in found):
+            found.append((path, value))
+
+    add("config", config)
+    get_text_config = getattr(config, "get_text_config", None)
+    if callable(get_text_config):
+        add("config.get_text_config()", get_text_config())
+        try:
+            add("config.get_text_config(decoder=True)", get_text_config(decoder=True))
+        except (TypeError, ValueError):  # older signature, or no single decoder config
+            pass
+    for name in ("text_config", "language_config", "llm_config", "decoder"):
+        add(f"config.{name}", getattr(config, name, None))
+    return found
+
+
+def _check_no_logit_transform(model) -> None:
+    """Raise ``ValueError`` naming the config field when ``model`` scales or caps its logits."""
+    for path, config in _configs_to_check(getattr(model, "config", None)):
+        for name in _LOGIT_TRANSFORMS:
+            value = getattr(config, name, None)
+            if value is None or value is False or (
+                isinstance(value, numbers.Real) and not isinstance(value, bool) and value == 1
+            ):
+                continue
+            raise ValueError(
+                f"{type(model).__name__} transforms its logits ({path}.{name}={value!r}); "
+                "fused_causal_lm_loss computes lm_head(hidden) only: use patch_model() instead"
+            )
 
 
 def fused_causal_lm_loss(
@@ -260,18 +298,15 @@ def fused_causal_lm_loss(
 
     Valid for models whose logits are exactly ``lm_head(last_hidden_state)``
     (Llama, Mistral, Qwen2/3, ...); raises ``ValueError`` for configs that
-    scale or soft-cap logits, or for an output layer that is not a linear head.
+    scale or soft-cap logits (``final_logit_softcapping``, ``logit_scale``,
+    ``logits_scaling``, ...: checked on ``config`` and on the text config of
+    composite models, ``config.get_text_config()``, e.g. a PaliGemma whose
+    Gemma 2 text model soft-caps), or for an output layer that is not a
+    linear head.
     Call it with the unwrapped model (under DDP, call the wrapper's forward:
     use ``patch_model`` instead).
     """
-    config = getattr(model, "config", None)
-    for name in _LOGIT_TRANSFORMS:
-        value = getattr(config, name, None)
-        if value not in (None, False) and not (isinstance(value, numbers.Real) and value == 1):
-            raise ValueError(
-                f"{type(model).__name__} transforms its logits (config.{name}={value!r}); "
-                "fused_causal_lm_loss computes lm_head(hidden) only: use patch_model() instead"
-            )
+    _check_no_logit_transform(model)
     head = model.get_output_embeddings()
     if not isinstance(head, torch.nn.Linear):
         raise ValueError(
@@ -295,42 +330,27 @@ def merge_step_metrics(
 ) -> dict[str, float]:
     """Combine several steps' ``ChannelLossMeter.end_step()`` dicts into one for a logging window.
 
-    Token-weighted, like the Trainer's own averaged ``loss``: per source,
-    ``{prefix}/name`` is its loss sum over all the steps divided by its
-    tokens, ``_tokens`` and ``_samples`` are summed, ``_weighted`` is its loss
-    sum over all scored tokens of all the steps, dropped micro-batches are
-    summed. A single step comes back unchanged (a copy).
+    Token-weighted, like the Trainer's own averaged ``loss``: each step's
+    per-source columns (``channel_loss.attribution.COLUMNS``: loss sum,
+    tokens, samples) are read back with ``columns_from_metrics``, summed, and
+    turned into metrics again, so ``{prefix}/name`` is the source's loss sum
+    over all the steps divided by its tokens, counts are summed, ``_weighted``
+    is its loss sum over all scored tokens of all the steps, and dropped
+    micro-batches are summed. A single step comes back unchanged (a copy).
     """
     steps = [dict(s) for s in steps if s]
     if len(steps) <= 1:
         return steps[0] if steps else {}
-    p = prefix
-    tokens_key, samples_key = f"{p}_tokens/", f"{p}_samples/"
-    tokens: dict[str, float] = {}
-    samples: dict[str, float] = {}
-    loss: dict[str, float] = {}
-    all_tokens = dropped = 0.0
+    total: dict[str, list[float]] = {}
+    dropped = 0.0
     for step in steps:
-        for key, value in step.items():
-            if key.startswith(tokens_key):
-                name = key[len(tokens_key):]
-                tokens[name] = tokens.get(name, 0.0) + value
-                samples.setdefault(name, 0.0)
-                loss[name] = loss.get(name, 0.0) + step.get(f"{p}/{name}", 0.0) * value
-                all_tokens += value
-            elif key.startswith(samples_key):
-                name = key[len(samples_key):]
-                samples[name] = samples.get(name, 0.0) + value
-        dropped += step.get(f"{p}_dropped_micro_batches", 0.0)
-    merged: dict[str, float] = {}
-    for name, count in tokens.items():
-        if count:
-            merged[f"{p}/{name}"] = loss[name] / count
-        merged[f"{p}_tokens/{name}"] = count
-        merged[f"{p}_samples/{name}"] = samples[name]
-        merged[f"{p}_weighted/{name}"] = loss[name] / all_tokens if all_tokens else 0.0
-    merged[f"{p}_dropped_micro_batches"] = dropped
-    return merged
+        columns, step_dropped = columns_from_metrics(step, prefix=prefix)
+        dropped += step_dropped
+        for name, values in columns.items():
+            into = total.setdefault(name, [0.0] * len(values))
+            for i, value in enumerate(values):
+                into[i] += value
+    return metrics_from_columns(total, prefix=prefix, dropped=dropped)
 
 
 class ChannelLossCallback(TrainerCallback):

@@ -418,3 +418,50 @@ def test_real_trainer_logs_channel_loss_keys(tmp_path):
     history = [h for h in trainer.state.log_history if "loss" in h]
     assert all("channel_loss/web" in h for h in history)
     assert not callback._pending
+
+
+def tiny_paligemma(final_logit_softcapping):
+    """A tiny PaliGemma whose Gemma 2 text model keeps its soft-capping in ``text_config``."""
+    text = dict(model_type="gemma2", vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                final_logit_softcapping=final_logit_softcapping)
+    vision = dict(model_type="siglip_vision_model", hidden_size=16, intermediate_size=32,
+                  num_hidden_layers=1, num_attention_heads=2, image_size=8, patch_size=4)
+    config = transformers.PaliGemmaConfig(text_config=text, vision_config=vision,
+                                          image_token_index=VOCAB - 1, projection_dim=32)
+    torch.manual_seed(0)
+    return transformers.PaliGemmaForConditionalGeneration(config).eval()
+
+
+def test_fused_path_checks_the_text_config_of_composite_models():
+    # Issue 14.5: a PaliGemma with final_logit_softcapping=2.0 in text_config was accepted and
+    # returned the loss of uncapped logits (29.96 where model(...).loss was 6.66).
+    input_ids = torch.randint(0, VOCAB - 1, (1, 12), generator=torch.Generator().manual_seed(0))
+    capped = tiny_paligemma(final_logit_softcapping=2.0)
+    with pytest.raises(ValueError, match=r"get_text_config\(\)\.final_logit_softcapping=2\.0"):
+        fused_causal_lm_loss(capped, input_ids=input_ids, labels=input_ids)
+
+    # Without soft-capping the same composite model is fine: its logits are lm_head(hidden).
+    plain = tiny_paligemma(final_logit_softcapping=None)
+    with torch.no_grad():
+        reference = plain(input_ids=input_ids, labels=input_ids).loss
+        fused = fused_causal_lm_loss(plain, input_ids=input_ids, labels=input_ids, chunk_size=4)
+    torch.testing.assert_close(fused, reference, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("config_class", "field", "value"),
+    [
+        ("GraniteConfig", "logits_scaling", 8.0),
+        ("CohereConfig", "logit_scale", 0.0625),
+        ("Gemma2Config", "final_logit_softcapping", 30.0),
+    ],
+)
+def test_fused_path_refuses_every_logit_transform_field(config_class, field, value):
+    config = getattr(transformers, config_class)(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, **{field: value})
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    ids = torch.zeros(1, 4, dtype=torch.long)
+    with pytest.raises(ValueError, match=rf"config\.{field}={value!r}"):
+        fused_causal_lm_loss(model, input_ids=ids, labels=ids)
