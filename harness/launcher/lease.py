@@ -1,8 +1,9 @@
-"""Exclusive, crash-safe leases on accelerator cards and CPU process slots.
+"""Exclusive, crash-safe, first-come-first-served leases on accelerator cards
+and CPU process slots.
 
-Every pytest process on the host (xdist workers, concurrent sessions, scripts
-calling ``harness.launcher.launch``) leases through one *lease directory*. Each
-resource is one lock file in it::
+Every pytest process on the host (xdist workers, concurrent sessions, other
+projects, scripts calling ``harness.launcher.launch``) leases through one
+*lease directory*. Each resource is one lock file in it::
 
     <lease dir>/cuda-0.lock   card cuda:0
     <lease dir>/npu-3.lock    card npu:3
@@ -12,17 +13,36 @@ A resource is held while a process holds an exclusive ``flock`` on its file.
 The OS drops the lock when the last process holding it exits, however it
 exits, so a crashed holder never leaves a stale lease. The holder writes who
 it is (pid, what it runs, since when, its rank pids) into the locked file so a
-waiter that gives up can say who holds what.
+waiter that gives up can say who holds what. Cards are a host-wide resource:
+the default directory is one per host, shared by every project and user.
 
 Lock files are never deleted: deleting a lock file while someone waits on it
 would let two processes lock two different files of the same name.
 
-A process waiting for a busy resource says so by holding a *shared* flock on
-``<resource>.want`` next to its lock file while it waits; a holder that could
-give the resource back early (an idle pool of rank processes) checks
-``Lease.contended()`` and yields. Within one process, a wait that finds
-resources busy first asks the registered *yield hooks* (``add_yield_hook``)
-to free what this very process holds idle.
+**Waiters are served in order.** A lease that cannot be had at once joins a
+queue: it takes the next number from ``<lease dir>/tickets`` and holds an
+exclusive ``flock`` on a *waiter file* (``waiter-<k>.lock``) holding its
+ticket and what it wants, until its wait ends (the OS drops that lock too
+when a waiter dies, so a dead waiter is never waited for). Every lease, a
+newcomer's or a queued one's, leaves alone what a waiter with an earlier
+ticket wants; so a holder that gives its resources back and leases again at
+once (a kept pool yielding between cases) lines up behind whoever was
+waiting. The one exception avoids a deadlock: a waiter that wants something
+this very process holds cannot be served before this process goes on, so it
+is not deferred to. A holder that could give its resources back early (an
+idle pool of rank processes) checks ``Lease.contended()`` (does a waiter
+want them?) and yields. Within one process, a wait that finds resources busy
+first asks the registered *yield hooks* (``add_yield_hook``) to free what
+this very process holds idle.
+
+**Shared directories are hostile ground.** The default directory is in the
+world-writable system temp directory, so any user can plant entries in it.
+Files in a lease directory are opened with ``O_NOFOLLOW`` and must be plain
+files with one link: a planted symbolic or hard link to someone's file is
+refused with an error naming it, never followed, written, truncated or
+chmod'ed. Only a file this harness has just created (``O_EXCL``) is made
+world-writable, so that other users' sessions can lease the same cards. A
+default directory that is a symbolic link is refused too.
 
 The locks are ``fcntl.flock`` rather than ``filelock.FileLock`` because
 filelock opens lock files with ``O_TRUNC`` (erasing the holder record on every
@@ -43,7 +63,9 @@ import re
 import socket
 import stat
 import tempfile
+import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
@@ -52,23 +74,194 @@ import psutil
 from harness.devices import Card
 
 LEASE_DIR_ENV = "HARNESS_LEASE_DIR"
+#: Where a lease directory came from, as ``resolve_lease_dir`` names it.
+LEASE_DIR_OPTION = "--harness-lease-dir"
 _HOLDER_RECORD_MAX = 4096
+_TICKETS = "tickets"
+_WAITER_RE = re.compile(r"waiter-(\d+)\.lock")
+#: Longest pause between two looks of a waiting lease: also the longest a
+#: waiter lets a resource promised to it lie idle.
+_POLL_MAX_S = 0.2
+_BUSY = (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK)
+
+
+class LeaseError(RuntimeError):
+    """A lease could not be had. The message says what, where and why."""
+
+
+class LeaseTimeout(LeaseError, TimeoutError):
+    """A lease wait ran past its bound. The message names what was wanted and who holds it."""
+
+
+class LeaseFileError(LeaseError):
+    """A file in the lease directory cannot be used safely (a planted link, not a
+    plain file, not ours to write). The message names the file and what to do."""
+
+
+class LeaseDirError(LeaseError):
+    """The lease directory is unusable. The message names it and what set it."""
+
+
+def _default_source() -> str:
+    return f"the default (neither {LEASE_DIR_OPTION} nor ${LEASE_DIR_ENV} is set)"
 
 
 def default_lease_dir() -> str:
     """``$HARNESS_LEASE_DIR``, else ``<system temp>/harness-leases``.
 
-    The default is shared by every user of the host (cards are a host-wide
-    resource); when another user created it without letting us write, a
-    per-user directory is used instead.
+    The default is shared by every user and project on the host (cards are a
+    host-wide resource); when another user created it without letting us
+    write, a per-user directory is used instead.
     """
+    return resolve_lease_dir(None)[0]
+
+
+def resolve_lease_dir(option: str | None) -> tuple[str, str]:
+    """The lease directory to use and what chose it, for error messages.
+
+    ``option`` is ``--harness-lease-dir``'s value (None: not given); then
+    ``$HARNESS_LEASE_DIR``; then the host-wide default. The second item names
+    the source: ``"--harness-lease-dir"``, ``"$HARNESS_LEASE_DIR"`` or a phrase
+    saying it is the default.
+    """
+    if option:
+        return option, LEASE_DIR_OPTION
     env = os.environ.get(LEASE_DIR_ENV)
     if env:
-        return env
+        return env, f"${LEASE_DIR_ENV}"
     shared = os.path.join(tempfile.gettempdir(), "harness-leases")
-    if os.path.isdir(shared) and not os.access(shared, os.W_OK | os.X_OK):
-        return f"{shared}-{os.getuid()}"
-    return shared
+    if (os.path.isdir(shared) and not os.path.islink(shared)
+            and not os.access(shared, os.W_OK | os.X_OK)):
+        return f"{shared}-{os.getuid()}", _default_source()
+    return shared, _default_source()
+
+
+def check_lease_dir(path: str, source: str) -> None:
+    """Make sure ``path`` is a usable lease directory, creating it if missing
+    (world-writable and sticky, so every user of the host can lease through it).
+
+    Raises ``LeaseDirError`` naming ``path`` and ``source`` (what set it, e.g.
+    ``"--harness-lease-dir"``) when it is not a directory, cannot be created,
+    cannot be written, is world-writable without the sticky bit (anyone could
+    delete lock files others hold), or is a symbolic link inside a
+    world-writable directory (anyone could have planted it).
+    """
+
+    def fail(problem: str) -> LeaseDirError:
+        return LeaseDirError(
+            f"harness lease directory {path} (set by {source}) {problem}; point "
+            f"{LEASE_DIR_OPTION} or ${LEASE_DIR_ENV} at a writable directory")
+
+    try:
+        st = os.lstat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        try:
+            os.makedirs(path)
+        except FileExistsError:
+            pass  # another process made it meanwhile
+        except OSError as exc:
+            raise fail(f"cannot be created ({exc.strerror})") from None
+        else:
+            with contextlib.suppress(OSError):
+                os.chmod(path, 0o777 | stat.S_ISVTX)
+        try:
+            st = os.lstat(path)
+        except OSError as exc:
+            raise fail(f"cannot be examined ({exc.strerror})") from None
+    except OSError as exc:
+        raise fail(f"cannot be examined ({exc.strerror})") from None
+    if stat.S_ISLNK(st.st_mode):
+        parent = os.path.dirname(os.path.abspath(path))
+        with contextlib.suppress(OSError):
+            if os.stat(parent).st_mode & stat.S_IWOTH:
+                raise fail(f"is a symbolic link in the world-writable {parent}, which anyone "
+                           "could have planted; it is not followed")
+        try:
+            st = os.stat(path)
+        except OSError as exc:
+            raise fail(f"is a symbolic link to nothing usable ({exc.strerror})") from None
+    if not stat.S_ISDIR(st.st_mode):
+        raise fail("is not a directory")
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise fail("is not writable")
+    if st.st_mode & stat.S_IWOTH and not st.st_mode & stat.S_ISVTX:
+        raise fail("is world-writable without the sticky bit (any user could delete the lock "
+                   "files others hold: chmod +t it)")
+
+
+def ensure_lease_dir(lease_dir: str) -> str:
+    """Create ``lease_dir`` if needed (world-writable, sticky), check it is
+    usable (``check_lease_dir``: ``LeaseDirError``) and return it."""
+    if lease_dir == os.environ.get(LEASE_DIR_ENV):
+        source = f"${LEASE_DIR_ENV}"
+    elif lease_dir == resolve_lease_dir(None)[0]:
+        source = _default_source()
+    else:
+        source = "the caller"
+    check_lease_dir(lease_dir, source)
+    return lease_dir
+
+
+def _open_lease_file(path: str, *, create: bool = True, write: bool = True) -> int:
+    """Open a file of the lease directory without following links.
+
+    Raises ``LeaseFileError`` (naming ``path``) for a symbolic link, a file
+    with other links (a planted hard link to someone's file), anything not a
+    plain file, or one we may not open; ``FileNotFoundError`` when it is
+    missing and ``create`` is False. Only a file created here is chmod'ed.
+    """
+    flags = (os.O_RDWR if write else os.O_RDONLY) | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
+    created = False
+    try:
+        for _ in range(8):
+            if create:
+                try:
+                    fd = os.open(path, flags | os.O_CREAT | os.O_EXCL, 0o666)
+                    created = True
+                    break
+                except FileExistsError:
+                    pass
+            try:
+                fd = os.open(path, flags)
+                break
+            except FileNotFoundError:
+                if not create:
+                    raise
+                continue  # gone between the two opens: create it again
+        else:
+            raise LeaseFileError(f"lease file {path} keeps appearing and disappearing")
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise LeaseFileError(
+                f"lease file {path} is a symbolic link, which the harness never follows (one "
+                "planted in a shared directory could point at anyone's file): remove it") from None
+        if isinstance(exc, FileNotFoundError):
+            raise
+        raise LeaseFileError(f"cannot open lease file {path}: {exc.strerror}{_owner(path)}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise LeaseFileError(f"lease file {path} is not a plain file: remove it")
+        if st.st_nlink != 1:
+            raise LeaseFileError(
+                f"lease file {path} has {st.st_nlink} links (a hard link to another file, "
+                "which the harness never writes): remove it")
+        if created:
+            with contextlib.suppress(OSError):
+                # Lets other users' sessions lease this resource too.
+                os.fchmod(fd, 0o666)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _owner(path: str) -> str:
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return ""
+    return f" (owner uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):o}; its owner can chmod 666 it)"
 
 
 @dataclass(frozen=True)
@@ -96,10 +289,6 @@ def slot_want(max_procs: int, count: int) -> Want:
                 min(count, max_procs))
 
 
-class LeaseTimeout(TimeoutError):
-    """A lease wait ran past its bound. The message names what was wanted and who holds it."""
-
-
 class _Lock:
     """One exclusively flock-ed lock file."""
 
@@ -110,26 +299,20 @@ class _Lock:
 
     def try_acquire(self) -> bool:
         # No O_TRUNC: the file carries the current holder's record.
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+        fd = _open_lease_file(self.path)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as exc:
             os.close(fd)
-            if exc.errno in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
+            if exc.errno in _BUSY:
                 return False
             raise
-        with contextlib.suppress(OSError):
-            # Lets other users' sessions lease this resource too.
-            if os.fstat(fd).st_uid == os.getuid():
-                os.fchmod(fd, 0o666)
         self.fd = fd
         return True
 
     def write_record(self, record: dict) -> None:
         assert self.fd is not None
-        data = json.dumps(record, sort_keys=True).encode()[:_HOLDER_RECORD_MAX]
-        os.ftruncate(self.fd, 0)
-        os.pwrite(self.fd, data, 0)
+        _write_record(self.fd, record)
 
     def release(self, *, unlock: bool) -> None:
         if self.fd is None:
@@ -146,12 +329,23 @@ class _Lock:
             os.close(fd)
 
 
+def _write_record(fd: int, record: dict) -> None:
+    data = json.dumps(record, sort_keys=True).encode()[:_HOLDER_RECORD_MAX]
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, data, 0)
+
+
+def _read_record(fd: int) -> dict | None:
+    try:
+        data = os.pread(fd, _HOLDER_RECORD_MAX, 0)
+        record = json.loads(data) if data else None
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) else None
+
+
 def _lock_file(lease_dir: str, name: str) -> str:
     return os.path.join(lease_dir, re.sub(r"[^A-Za-z0-9_.-]", "_", name.replace(":", "-")) + ".lock")
-
-
-def _want_file(lease_dir: str, name: str) -> str:
-    return _lock_file(lease_dir, name)[: -len(".lock")] + ".want"
 
 
 #: ``hook(lease_dir, busy_names) -> bool``: free what this process holds idle
@@ -174,75 +368,161 @@ def _yield(lease_dir: str, busy: set[str]) -> bool:
     return freed
 
 
-class _Wants:
-    """The shared ``.want`` locks of one waiting ``acquire`` (released when it ends)."""
+# What the leases of this process hold, per lease directory: a waiter that
+# wants any of it is not deferred to (it waits for this process).
+_held_here: Counter[tuple[str, str]] = Counter()
+_held_lock = threading.Lock()
 
-    def __init__(self, lease_dir: str) -> None:
-        self.lease_dir = lease_dir
-        self.fds: dict[str, int] = {}
 
-    def announce(self, names: Iterable[str]) -> None:
-        for name in names:
-            if name in self.fds:
-                continue
-            with contextlib.suppress(OSError):
-                fd = os.open(_want_file(self.lease_dir, name), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC,
-                             0o666)
-                try:
-                    # Non-blocking: a holder checking for waiters holds it
-                    # exclusively for an instant; the next round retries.
-                    fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-                except OSError:
-                    os.close(fd)
+def _held_names(lease_dir: str) -> set[str]:
+    with _held_lock:
+        return {name for (d, name), n in _held_here.items() if d == lease_dir and n > 0}
+
+
+def _wanted_names(record: dict) -> set[str]:
+    names: set[str] = set()
+    for want in record.get("wants") or ():
+        if isinstance(want, dict):
+            names.update(str(n) for n in want.get("names") or ())
+    return names
+
+
+def waiters(lease_dir: str) -> list[dict]:
+    """The lease waits in progress on ``lease_dir``, first come first: their
+    records (``ticket``, ``pid``, ``holder``, ``since``, ``wants``: each
+    ``{"what", "names", "count"}``). A waiter that died is not listed."""
+    try:
+        entries = [e.name for e in os.scandir(lease_dir) if _WAITER_RE.fullmatch(e.name)]
+    except OSError:
+        return []
+    found = []
+    for entry in entries:
+        try:
+            fd = _open_lease_file(os.path.join(lease_dir, entry), create=False, write=False)
+        except (OSError, LeaseError):
+            continue  # gone, or not ours to read: not a waiter of this harness
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except OSError as exc:
+                if exc.errno not in _BUSY:
                     continue
-                with contextlib.suppress(OSError):
-                    if os.fstat(fd).st_uid == os.getuid():
-                        os.fchmod(fd, 0o666)
-                self.fds[name] = fd
-
-    def close(self) -> None:
-        fds, self.fds = self.fds, {}
-        for fd in fds.values():
-            with contextlib.suppress(OSError):
-                os.close(fd)
+                # Exclusively locked: a waiter is alive there.
+                record = _read_record(fd)
+                if record is not None and isinstance(record.get("ticket"), int):
+                    found.append(record)
+            else:
+                fcntl.flock(fd, fcntl.LOCK_UN)  # free slot: nobody waits there
+        finally:
+            os.close(fd)
+    return sorted(found, key=lambda r: r["ticket"])
 
 
 def has_waiters(lease_dir: str, name: str) -> bool:
-    """Whether some process is waiting for resource ``name`` (holds its ``.want`` lock)."""
-    try:
-        fd = os.open(_want_file(lease_dir, name), os.O_RDWR | os.O_CLOEXEC)
-    except OSError:
-        return False  # never wanted by anyone
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as exc:
-        return exc.errno in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK)
-    else:
-        fcntl.flock(fd, fcntl.LOCK_UN)
-        return False
-    finally:
-        os.close(fd)
+    """Whether some process is waiting for resource ``name``."""
+    return any(name in _wanted_names(w) for w in waiters(lease_dir))
 
 
-def ensure_lease_dir(lease_dir: str) -> str:
-    """Create ``lease_dir`` if needed (world-writable, sticky) and return it."""
-    try:
-        os.makedirs(lease_dir, exist_ok=False)
-        with contextlib.suppress(OSError):
-            os.chmod(lease_dir, 0o777 | stat.S_ISVTX)
-    except FileExistsError:
-        pass
-    return lease_dir
+class _Ticket:
+    """This lease wait's place in the queue: an exclusively locked waiter file
+    holding its ticket number and what it wants (dropped when the wait ends)."""
+
+    def __init__(self, ticket: int, fd: int) -> None:
+        self.ticket = ticket
+        self._fd: int | None = fd
+
+    @classmethod
+    def take(cls, lease_dir: str, wants: list[Want], holder: str) -> _Ticket | None:
+        """Join the queue; None when the ticket counter is busy this instant."""
+        fd = _open_lease_file(os.path.join(lease_dir, _TICKETS))
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as exc:
+                if exc.errno in _BUSY:
+                    return None  # someone takes a ticket this very moment: next round
+                raise
+            try:
+                last = int(os.pread(fd, 32, 0).decode() or 0)
+            except (ValueError, UnicodeDecodeError):
+                last = 0
+            # A counter someone reset must not put us before live waiters.
+            last = max([last] + [w["ticket"] for w in waiters(lease_dir)])
+            ticket = last + 1
+            data = str(ticket).encode()
+            os.pwrite(fd, data, 0)
+            os.ftruncate(fd, len(data))
+            # Claimed and recorded before the counter is let go: whoever takes
+            # the next ticket sees this one in the queue.
+            waiter_fd = cls._claim_waiter_file(lease_dir)
+            try:
+                _write_record(waiter_fd, {
+                    "ticket": ticket,
+                    "pid": os.getpid(),
+                    "host": socket.gethostname(),
+                    "holder": holder,
+                    "since": time.time(),
+                    "wants": [{"what": w.what, "names": list(w.names), "count": w.count}
+                              for w in wants],
+                })
+            except BaseException:
+                os.close(waiter_fd)
+                raise
+        finally:
+            os.close(fd)  # drops the counter's lock
+        return cls(ticket, waiter_fd)
+
+    @staticmethod
+    def _claim_waiter_file(lease_dir: str) -> int:
+        for k in range(4096):
+            try:
+                fd = _open_lease_file(os.path.join(lease_dir, f"waiter-{k}.lock"))
+            except LeaseFileError:
+                continue  # planted or foreign: never ours to use, try the next
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as exc:
+                os.close(fd)
+                if exc.errno in _BUSY:
+                    continue  # another waiter's
+                raise
+            return fd
+        raise LeaseError(f"no usable waiter file in {lease_dir} (4096 tried)")
+
+    def leave(self) -> None:
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, 0)
+            os.close(fd)
 
 
 def read_holder(lease_dir: str, name: str) -> dict | None:
     """The holder record of resource ``name`` (None when unreadable or empty)."""
     try:
-        with open(_lock_file(lease_dir, name), "rb") as f:
-            data = f.read(_HOLDER_RECORD_MAX)
-        return json.loads(data) if data else None
-    except (OSError, ValueError):
+        fd = _open_lease_file(_lock_file(lease_dir, name), create=False, write=False)
+    except (OSError, LeaseError):
         return None
+    try:
+        return _read_record(fd)
+    finally:
+        os.close(fd)
+
+
+def _is_held(lease_dir: str, name: str) -> bool:
+    try:
+        fd = _open_lease_file(_lock_file(lease_dir, name), create=False, write=False)
+    except (OSError, LeaseError):
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError as exc:
+        return exc.errno in _BUSY
+    else:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return False
+    finally:
+        os.close(fd)
 
 
 def describe_holder(record: dict | None) -> str:
@@ -279,6 +559,8 @@ class Lease:
         }
         for lock in locks:
             lock.write_record(self._record)
+        with _held_lock:
+            _held_here.update((lease_dir, lock.name) for lock in locks)
 
     @property
     def resources(self) -> tuple[str, ...]:
@@ -306,8 +588,9 @@ class Lease:
         return [lock.fd for lock in self._locks if lock.fd is not None]
 
     def contended(self) -> bool:
-        """Whether another lease wait (any process) wants one of these resources."""
-        return any(has_waiters(self.lease_dir, name) for name in self.resources)
+        """Whether a lease wait in progress (any process) wants one of these resources."""
+        mine = set(self.resources)
+        return any(_wanted_names(w) & mine for w in waiters(self.lease_dir))
 
     def release(self, *, holders_gone: bool = True) -> None:
         """Give the resources back.
@@ -317,6 +600,8 @@ class Lease:
         OS frees each resource when the last of them exits.
         """
         locks, self._locks = self._locks, []
+        with _held_lock:
+            _held_here.subtract((self.lease_dir, lock.name) for lock in locks)
         for lock in locks:
             lock.release(unlock=holders_gone)
 
@@ -331,8 +616,11 @@ def acquire(lease_dir: str, wants: Iterable[Want], *, timeout: float, holder: st
     """Lease every ``Want`` at once, waiting at most ``timeout`` seconds.
 
     All-or-nothing: a partial grab is given back before waiting again, so two
-    waiters can never deadlock holding halves of what each needs. Raises
-    ``LeaseTimeout`` naming what was wanted and who holds it.
+    waiters can never deadlock holding halves of what each needs. First come,
+    first served: what an earlier waiter wants is left to it (see the module
+    docstring). Raises ``LeaseTimeout`` naming what was wanted, who holds it
+    and who is queued ahead; ``LeaseDirError`` / ``LeaseFileError`` when the
+    lease directory or a file in it is unusable.
     """
     wants = [w for w in wants if w.count > 0]
     ensure_lease_dir(lease_dir)
@@ -344,9 +632,10 @@ def acquire(lease_dir: str, wants: Iterable[Want], *, timeout: float, holder: st
             )
     start = time.monotonic()
     delay = 0.02
-    waiting = _Wants(lease_dir)
+    ticket: _Ticket | None = None
     try:
         while True:
+            promised = _promised_to_others(lease_dir, ticket, wants)
             held: list[_Lock] = []
             short: list[Want] = []
             busy: set[str] = set()
@@ -355,6 +644,8 @@ def acquire(lease_dir: str, wants: Iterable[Want], *, timeout: float, holder: st
                 for name in want.names:
                     if got == want.count:
                         break
+                    if name in promised:
+                        continue
                     lock = _Lock(_lock_file(lease_dir, name), name)
                     if lock.try_acquire():
                         held.append(lock)
@@ -367,24 +658,51 @@ def acquire(lease_dir: str, wants: Iterable[Want], *, timeout: float, holder: st
                 return Lease(lease_dir, held, holder)
             for lock in held:
                 lock.release(unlock=True)
-            if _yield(lease_dir, busy):
+            if busy and _yield(lease_dir, busy):
                 continue  # this process freed some of it: try again at once
-            waiting.announce(busy)
             waited = time.monotonic() - start
             if waited >= timeout:
-                raise LeaseTimeout(_timeout_message(lease_dir, short, busy, waited))
-            # Jitter keeps two waiters from retrying in lockstep forever.
+                raise LeaseTimeout(_timeout_message(lease_dir, short, waited, ticket))
+            if ticket is None:
+                ticket = _Ticket.take(lease_dir, wants, holder)
+            # Jitter keeps two waiters from looking in lockstep forever.
             time.sleep(min(delay * random.uniform(0.5, 1.5), max(0.0, timeout - waited)))
-            delay = min(delay * 1.5, 0.5)
+            delay = min(delay * 1.5, _POLL_MAX_S)
     finally:
-        waiting.close()
+        if ticket is not None:
+            ticket.leave()
 
 
-def _timeout_message(lease_dir: str, short: list[Want], busy: set[str], waited: float) -> str:
+def _promised_to_others(lease_dir: str, ticket: _Ticket | None, wants: list[Want]) -> set[str]:
+    """What waiters ahead of ``ticket`` (all of them, without one) want among ``wants``,
+    except waiters that want something this process holds (they wait for us)."""
+    mine = {name for want in wants for name in want.names}
+    held_here = _held_names(lease_dir)
+    promised: set[str] = set()
+    for waiter in waiters(lease_dir):
+        if ticket is not None and waiter["ticket"] >= ticket.ticket:
+            break
+        wanted = _wanted_names(waiter)
+        if wanted & mine and not wanted & held_here:
+            promised |= wanted & mine
+    return promised
+
+
+def _timeout_message(lease_dir: str, short: list[Want], waited: float,
+                     ticket: _Ticket | None) -> str:
     lines = [f"lease wait timed out after {waited:.1f} s (lease dir {lease_dir}):"]
     for want in short:
         lines.append(f"  waited for {want.count} of the {len(want.names)} {want.what}:")
         for name in want.names:
-            state = describe_holder(read_holder(lease_dir, name)) if name in busy else "free"
+            state = describe_holder(read_holder(lease_dir, name)) if _is_held(lease_dir, name) else "free"
             lines.append(f"    {name}: {state}")
+    wanted = {name for want in short for name in want.names}
+    ahead = [w for w in waiters(lease_dir)
+             if (ticket is None or w["ticket"] < ticket.ticket) and _wanted_names(w) & wanted]
+    if ahead:
+        lines.append(f"  queued behind {len(ahead)} earlier waiter(s):")
+        for w in ahead:
+            since = w.get("since")
+            waiting = f", waiting {max(0.0, time.time() - since):.1f} s" if since else ""
+            lines.append(f"    pid {w.get('pid')} ({w.get('holder')}{waiting})")
     return "\n".join(lines)

@@ -1,0 +1,219 @@
+"""Lease waits are served in order: a holder that gives its lease back and
+leases again at once cannot starve a process that was already waiting.
+
+Real processes take real locks in a lease directory of their own; they report
+when they held what through JSON lines in a file.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from harness.launcher import lease as leases
+from harness.launcher.lease import acquire, slot_want
+
+#: Leases both slots of 2 over and over, holding each lease ``hold`` seconds and
+#: leasing again right after giving it back, until ``stop`` exists (or
+#: ``rounds`` leases). What a kept pool does that another session contends
+#: with: close, then lease again for its next case.
+CHURNER = textwrap.dedent('''
+    import json, os, sys, time
+    from harness.launcher.lease import acquire, slot_want
+
+    lease_dir, log, stop, rounds, hold = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), float(sys.argv[5])
+    for i in range(rounds):
+        if os.path.exists(stop):
+            break
+        lease = acquire(lease_dir, [slot_want(2, 2)], timeout=60, holder=f"churner round {i}")
+        start = time.time()
+        with open(log, "a") as f:
+            f.write(json.dumps({"who": "churner", "round": i, "start": start}) + "\\n")
+        time.sleep(hold)
+        end = time.time()
+        lease.release()
+        with open(log, "a") as f:
+            f.write(json.dumps({"who": "churner", "round": i, "start": start, "end": end}) + "\\n")
+''')
+
+#: Waits for both slots (bounded by ``timeout``), holds them ``hold`` seconds.
+WAITER = textwrap.dedent('''
+    import json, sys, time
+    from harness.launcher.lease import LeaseTimeout, acquire, slot_want
+
+    lease_dir, log, name, timeout, hold = sys.argv[1], sys.argv[2], sys.argv[3], float(sys.argv[4]), float(sys.argv[5])
+    asked = time.time()
+    try:
+        lease = acquire(lease_dir, [slot_want(2, 2)], timeout=timeout, holder=name)
+    except LeaseTimeout as exc:
+        with open(log, "a") as f:
+            f.write(json.dumps({"who": name, "timed_out": str(exc), "asked": asked}) + "\\n")
+        sys.exit(3)
+    start = time.time()
+    time.sleep(hold)
+    end = time.time()
+    lease.release()
+    with open(log, "a") as f:
+        f.write(json.dumps({"who": name, "asked": asked, "start": start, "end": end}) + "\\n")
+''')
+
+
+def read_log(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def spawn(script: str, *args: object) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", script, *map(str, args)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def finish(proc: subprocess.Popen, timeout: float) -> str:
+    """Wait for ``proc`` (killing it past ``timeout``) and return its output."""
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    return output
+
+
+def assert_no_overlap(intervals: list[tuple[str, float, float]]) -> None:
+    ordered = sorted(intervals, key=lambda i: i[1])
+    for (a, _, a_end), (b, b_start, _) in itertools.pairwise(ordered):
+        assert a_end <= b_start, f"{a} and {b} held the slots at once: {ordered}"
+
+
+def test_a_waiter_gets_its_turn_while_the_holder_releases_and_leases_again(tmp_path):
+    lease_dir, log, stop = tmp_path / "leases", tmp_path / "log.jsonl", tmp_path / "stop"
+    # Without the waiter, the churner would lease 80 times in a row (20 s);
+    # the waiter's own bound is 10 s.
+    churner = spawn(CHURNER, lease_dir, log, stop, 80, 0.25)
+    waiter = None
+    try:
+        end = time.monotonic() + 30
+        while not any(e.get("end") for e in read_log(log)) and time.monotonic() < end:
+            time.sleep(0.02)  # until the churner has released and leased again at least once
+        assert churner.poll() is None, finish(churner, 5)
+        waiter = spawn(WAITER, lease_dir, log, "waiter", 10, 0.25)
+        waiter_output = finish(waiter, 30)
+        stop.touch()
+        churner_output = finish(churner, 60)
+    finally:
+        stop.touch()
+        for proc in (waiter, churner):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+    entries = read_log(log)
+    waited = [e for e in entries if e["who"] == "waiter"]
+    assert waiter.returncode == 0, (waiter_output, waited)
+    assert churner.returncode == 0, churner_output
+    (served,) = waited
+    # The churner went on leasing after the waiter was served: it was not done, it yielded.
+    rounds = [e for e in entries if e["who"] == "churner" and "end" in e]
+    assert any(r["start"] >= served["end"] for r in rounds), rounds
+    assert_no_overlap([("waiter", served["start"], served["end"])]
+                      + [(f"churner {r['round']}", r["start"], r["end"]) for r in rounds])
+
+
+def wait_for_queue(lease_dir: Path, length: int, proc: subprocess.Popen) -> None:
+    end = time.monotonic() + 30
+    while len(leases.waiters(str(lease_dir))) < length and time.monotonic() < end:
+        assert proc.poll() is None, finish(proc, 5)
+        time.sleep(0.02)
+    assert len(leases.waiters(str(lease_dir))) == length
+
+
+def test_waiters_are_served_in_the_order_they_came(tmp_path):
+    lease_dir, log = tmp_path / "leases", tmp_path / "log.jsonl"
+    procs: list[subprocess.Popen] = []
+    try:
+        with acquire(str(lease_dir), [slot_want(2, 1)], timeout=0, holder="the holder"):
+            for name in ("first", "second", "third"):
+                procs.append(spawn(WAITER, lease_dir, log, name, 60, 0.2))
+                wait_for_queue(lease_dir, len(procs), procs[-1])
+            queued = leases.waiters(str(lease_dir))
+            assert [w["holder"] for w in queued] == ["first", "second", "third"]
+            assert [w["pid"] for w in queued] == [p.pid for p in procs]
+        outputs = [finish(p, 60) for p in procs]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+    assert [p.returncode for p in procs] == [0, 0, 0], outputs
+    served = sorted(read_log(log), key=lambda e: e["start"])
+    assert [e["who"] for e in served] == ["first", "second", "third"]
+    assert_no_overlap([(e["who"], e["start"], e["end"]) for e in served])
+    assert leases.waiters(str(lease_dir)) == []
+
+
+def test_a_newcomer_does_not_jump_the_queue(tmp_path):
+    lease_dir = str(tmp_path / "leases")
+    log = tmp_path / "log.jsonl"
+    holder = acquire(lease_dir, [slot_want(2, 2)], timeout=0, holder="the holder")
+    waiter = spawn(WAITER, lease_dir, log, "waiter", 60, 0.2)
+    try:
+        wait_for_queue(tmp_path / "leases", 1, waiter)
+        holder.release()
+        # Free now, but promised to the waiter: a bounded newcomer gets it only after.
+        with acquire(lease_dir, [slot_want(2, 1)], timeout=30, holder="newcomer"):
+            got = time.time()
+        output = finish(waiter, 30)
+        assert waiter.returncode == 0, output
+    finally:
+        holder.release()
+        if waiter.poll() is None:
+            waiter.kill()
+            waiter.communicate()
+    (served,) = read_log(log)
+    assert served["end"] <= got
+
+
+def test_a_waiter_does_not_wait_behind_a_queue_for_other_resources(tmp_path):
+    lease_dir = str(tmp_path / "leases")
+    with acquire(lease_dir, [slot_want(2, 2)], timeout=0, holder="the holder"):
+        log = tmp_path / "log.jsonl"
+        waiter = spawn(WAITER, lease_dir, log, "waiter", 60, 0)
+        try:
+            wait_for_queue(tmp_path / "leases", 1, waiter)
+            # The queue is for slots of 2 over; slots of 3 over are other lock
+            # files (slot:2) only partly: slot:2 is free and nobody waits for it.
+            with acquire(lease_dir, [slot_want(3, 1)], timeout=0, holder="other") as other:
+                assert other.resources == ("slot:2",)
+        finally:
+            waiter.kill()
+            waiter.communicate()
+
+
+@pytest.mark.parametrize("held", [True, False])
+def test_a_process_never_defers_to_a_waiter_for_what_it_holds_itself(tmp_path, held):
+    """Deferring to a waiter that waits for this very process would deadlock it."""
+    lease_dir = str(tmp_path / "leases")
+    log = tmp_path / "log.jsonl"
+    mine = acquire(lease_dir, [slot_want(3, 1)], timeout=0, holder="mine")  # slot:0
+    waiter = spawn(WAITER, lease_dir, log, "waiter", 60, 0)  # wants slot:0 and slot:1
+    try:
+        wait_for_queue(tmp_path / "leases", 1, waiter)
+        if not held:
+            mine.release()
+            # Now slot:0 is free and the waiter is served before anyone else.
+            with acquire(lease_dir, [slot_want(2, 1)], timeout=30, holder="after"):
+                pass
+            assert read_log(log)[0]["who"] == "waiter"
+        else:
+            with acquire(lease_dir, [slot_want(3, 1)], timeout=0, holder="more") as more:
+                assert more.resources == ("slot:1",)
+    finally:
+        mine.release()
+        finish(waiter, 30)
