@@ -63,7 +63,8 @@ def version() -> str:
 class _VersionAction(argparse.Action):
     # Reading distribution metadata costs tens of ms: only when asked.
     def __call__(self, parser: argparse.ArgumentParser, *_: object) -> None:
-        parser.exit(message=f"{parser.prog} {version()}\n")
+        print(f"{parser.prog} {version()}")
+        parser.exit()
 
 
 def _add_inventory(sub: argparse._SubParsersAction) -> None:

@@ -26,9 +26,10 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import posixpath
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -334,11 +335,38 @@ def _validator(root: Path, definition: str) -> jsonschema.protocols.Validator:
     return cls(sub)
 
 
+def _non_finite(doc: Any, at: tuple[Any, ...] = ()) -> Iterator[tuple[tuple[Any, ...], float]]:
+    """``(path, value)`` of every number in ``doc`` that is not finite.
+
+    Python's JSON reader accepts ``Infinity``, ``-Infinity`` and ``NaN`` (and
+    turns ``1e999`` into infinity); JSON Schema cannot reject them (NaN fails
+    no comparison), and downstream they become an ``OverflowError`` in a rank
+    or invalid JSON in ``harness matrix``.
+    """
+    if isinstance(doc, float) and not math.isfinite(doc):
+        yield at, doc
+    elif isinstance(doc, dict):
+        for k, v in doc.items():
+            yield from _non_finite(v, (*at, k))
+    elif isinstance(doc, list):
+        for i, v in enumerate(doc):
+            yield from _non_finite(v, (*at, i))
+
+
 def validate(doc: Any, root: Path, name: str, definition: str = "manifest") -> list[Problem]:
     """Schema problems of ``doc`` (from file ``name``), each with the JSON pointer
-    of the bad value, in document order."""
-    errors = sorted(_validator(root, definition).iter_errors(doc), key=lambda e: list(map(str, e.absolute_path)))
-    return [Problem("schema", name, pointer(e.absolute_path), e.message) for e in errors]
+    of the bad value, in document order. A number that is not finite
+    (``Infinity``, ``NaN``, an overflowing ``1e999``) is a problem wherever it is."""
+    found = [(list(at), f"{value!r} is not a finite number") for at, value in _non_finite(doc)]
+    bad_numbers = [at for at, _ in found]
+    # One problem per bad value: "-inf is less than the minimum" would only repeat it.
+    found += [
+        (list(e.absolute_path), e.message)
+        for e in _validator(root, definition).iter_errors(doc)
+        if list(e.absolute_path) not in bad_numbers
+    ]
+    found.sort(key=lambda f: list(map(str, f[0])))
+    return [Problem("schema", name, pointer(at), message) for at, message in found]
 
 
 # --------------------------------------------------------------------------- loading

@@ -139,10 +139,10 @@ def load_durations(path: Path | None) -> dict[str, float]:
         raise PlanError(f"{path}: cannot read durations: {e}") from e
     data = doc.get("durations", doc) if isinstance(doc, dict) else None
     if not isinstance(data, dict) or not all(
-        isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0
+        isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < math.inf
         for k, v in data.items()
     ):
-        raise PlanError(f'{path}: expected {{"durations": {{"<nodeid>": <seconds >= 0>, ...}}}}')
+        raise PlanError(f'{path}: expected {{"durations": {{"<nodeid>": <finite seconds >= 0>, ...}}}}')
     return {k: float(v) for k, v in data.items()}
 
 

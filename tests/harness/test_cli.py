@@ -207,6 +207,62 @@ def test_matrix_uses_checked_in_durations(pytester, capsys):
     assert "over --target-minutes 0.5" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("command", ["matrix", "run"])
+def test_numbers_that_are_not_numbers_stop_before_planning(pytester, capsys, command):
+    # Issue 12.6: NaN / Infinity used to print invalid matrix JSON or fail every launched case.
+    doc = json.dumps(manifest("cpu", "cpu", [{"id": "t", "paths": ["tests/t"], "estimated_s": 1, "timeout_s": 60}]))
+    doc = doc.replace('"estimated_s": 1', '"estimated_s": NaN').replace('"timeout_s": 60', '"timeout_s": Infinity')
+    root = make_project(pytester.path, {"tests/t/test_t.py": "def test_t():\n    pass\n"}, {"cpu": doc})
+    assert main(["--root", str(root), command, "cpu"]) == 2
+    out = capsys.readouterr()
+    assert out.out == ""
+    assert "suites/cpu.json /entries/0/estimated_s: [schema] nan is not a finite number" in out.err
+    assert "suites/cpu.json /entries/0/timeout_s: [schema] inf is not a finite number" in out.err
+
+
+def test_matrix_refuses_non_finite_recorded_durations(pytester, capsys):
+    root = make_project(pytester.path, {"tests/t/test_t.py": "def test_t():\n    pass\n"},
+                        {"cpu": manifest("cpu", "cpu", [{"id": "t", "paths": ["tests/t"]}])},
+                        {"suites/durations/cpu.json": '{"durations": {"tests/t/test_t.py::test_t": Infinity}}'})
+    assert main(["--root", str(root), "matrix", "cpu"]) == 2
+    out = capsys.readouterr()
+    assert out.out == ""
+    assert "suites/durations/cpu.json: expected" in out.err
+    assert "finite seconds" in out.err
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [(["matrix", "cpu", "--shards", "0"], "--shards: expected an integer >= 1, got '0'"),
+     (["matrix", "cpu", "--target-minutes", "nan"], "--target-minutes: expected a finite number > 0, got 'nan'"),
+     (["matrix", "cpu", "--target-minutes", "inf"], "--target-minutes: expected a finite number > 0, got 'inf'"),
+     (["run", "cpu", "--workers", "0"], "--workers: expected an integer >= 1, got '0'"),
+     (["run", "cpu", "--max-cards", "-1"], "--max-cards: expected an integer >= 0, got '-1'"),
+     (["run", "cpu", "--shard", "3/2"], "--shard 3/2: need 1 <= I <= N"),
+     (["inventory", "--bogus"], "unrecognized arguments: --bogus"),
+     (["matrix", "cpu", "--", "-x"], "only `harness run` takes pytest arguments")],
+)
+def test_usage_errors_exit_2_everywhere(pytester, capsys, args, message):
+    # Issue 11.10: usage errors exit 2 whatever the subcommand, naming the option and the value.
+    root = make_project(pytester.path, {"tests/t/test_t.py": "def test_t():\n    pass\n"},
+                        {"cpu": manifest("cpu", "cpu", [{"id": "t", "paths": ["tests/t"]}])})
+    try:
+        code = main(["--root", str(root), *args])
+    except SystemExit as e:
+        code = e.code
+    assert code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_version_names_the_distribution(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["--version"])
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("harness ")
+    assert out.strip() != "harness"
+
+
 def test_pytest_args_only_for_run(capsys):
     with pytest.raises(SystemExit) as info:
         main(["matrix", "cpu", "--", "-x"])

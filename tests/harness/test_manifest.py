@@ -106,6 +106,29 @@ def test_every_schema_error_is_reported_not_just_the_first(tmp_path):
     assert "/entries/0/timeout_s" in found[1]
 
 
+@pytest.mark.parametrize(
+    ("field", "literal", "shown"),
+    [("timeout_s", "Infinity", "inf"), ("timeout_s", "NaN", "nan"), ("timeout_s", "-Infinity", "-inf"),
+     ("timeout_s", "1e999", "inf"), ("estimated_s", "NaN", "nan")],
+)
+def test_numbers_that_are_not_finite_are_rejected_with_pointer(tmp_path, field, literal, shown):
+    # Issue 12.6: Python's JSON reader takes these; the schema alone let them through.
+    text = json.dumps(cpu_doc(**{field: 7}), indent=2).replace(f'"{field}": 7', f'"{field}": {literal}')
+    write(tmp_path, "suites/cpu.json", text)
+    assert problems_of(tmp_path) == [f"suites/cpu.json /entries/0/{field}: [schema] {shown} is not a finite number"]
+
+
+def test_non_finite_number_in_an_included_case_list_points_into_it(tmp_path):
+    write(tmp_path, "suites/cases/acc.json", '{"entries": [{"id": "x", "paths": ["tests"], "estimated_s": NaN}]}')
+    write(tmp_path, "suites/cpu.json", manifest("cpu", "cpu", [{"include": "suites/cases/acc.json"}]))
+    runner = json.dumps(manifest("cpu", "cpu", [{"include": "suites/cases/acc.json"}])).replace(
+        '"timeout_minutes": 10', '"timeout_minutes": 10, "budget_minutes": Infinity')
+    write(tmp_path, "suites/cpu.json", runner)
+    assert problems_of(tmp_path) == ["suites/cpu.json /runner/budget_minutes: [schema] inf is not a finite number"]
+    write(tmp_path, "suites/cpu.json", manifest("cpu", "cpu", [{"include": "suites/cases/acc.json"}]))
+    assert problems_of(tmp_path) == ["suites/cases/acc.json /entries/0/estimated_s: [schema] nan is not a finite number"]
+
+
 def test_not_json_names_file_line_and_column(tmp_path):
     write(tmp_path, "suites/cpu.json", '{\n  "suite": "cpu",\n  "device": "cpu"\n  "entries": []\n}\n')
     (found,) = problems_of(tmp_path)

@@ -179,7 +179,11 @@ def test_durations_round_trip_and_merge(tmp_path):
     assert load_durations(tmp_path / "absent.json") == {}
 
 
-@pytest.mark.parametrize("text", ["{", '{"durations": {"a": -1}}', '{"durations": ["a"]}', "[]"])
+@pytest.mark.parametrize(
+    "text",
+    ["{", '{"durations": {"a": -1}}', '{"durations": ["a"]}', "[]", '{"durations": {"a": Infinity}}',
+     '{"durations": {"a": NaN}}'],
+)
 def test_malformed_durations_name_the_file(tmp_path, text):
     path = tmp_path / "gpu.json"
     path.write_text(text)
