@@ -1,0 +1,489 @@
+"""``harness init``: scaffold a repository's suites from pytest's own configuration.
+
+pytest is asked, in-process and collect-only, what it would run from the
+repository root with no arguments: its ``rootdir``, ``inifile``,
+``testpaths`` and ``python_files``, and the test files it collects (files
+that fail to import included). ``suites/cpu.json`` then owns those paths:
+the ``testpaths`` when the configuration sets them, else the directories
+holding the collected files (a file at the top level is owned by name).
+
+On request, ``--accelerators cuda,npu`` adds one suite per accelerator
+(``gpu.json`` for cuda, ``npu.json`` for npu) that all include one shared case
+list, ``suites/cases/accelerator.json``, and ``--workflows`` GitHub Actions
+workflows for every suite written.
+
+Writing is idempotent: a file whose content would not change is left alone;
+one that exists with other content is never overwritten without ``--force``
+(exit 2, naming it). Nothing is written unless every file can be.
+The manifests validate against the schema inside the installed harness;
+their ``$schema`` points at it (relative path when it lies inside the
+repository, else the schema's canonical ``$id``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.util
+import io
+import json
+import os
+import re
+import sys
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from harness.suites.manifest import SCHEMA_FILE, SUITES_DIR, load_schema, rel, validate
+
+#: Exit codes (the CLI's convention): 0 written or unchanged, 1 nothing to own, 2 usage error.
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+
+#: Suite file name per accelerator device (the device otherwise names its suite).
+SUITE_FOR_DEVICE = {"cuda": "gpu"}
+SHARED_CASES = "cases/accelerator.json"
+
+CPU_RUNNER = {"name": "linux-cpu", "labels": ["ubuntu-latest"], "cards": 0, "timeout_minutes": 30}
+ACCELERATOR_TIMEOUT_MINUTES = 60
+#: The label a maintainer sets on a pull request from a fork to run its accelerator shards.
+OPT_IN_LABEL = "ci:accelerators"
+
+
+class InitError(Exception):
+    """``harness init`` cannot proceed; ``code`` is the exit status (1 or 2)."""
+
+    def __init__(self, message: str, code: int = EXIT_FAILED):
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass(frozen=True)
+class PytestLayout:
+    """What pytest's configuration says about a repository.
+
+    ``rootdir`` / ``inifile`` as pytest determined them; ``testpaths`` and
+    ``python_files`` from its ini options; ``files`` the test files collected
+    from the repository root with no arguments (relative to the root, sorted);
+    ``launched_cards`` the most cards any accelerator variant of a collected
+    case needs (0 when none has one).
+    """
+
+    rootdir: Path
+    inifile: Path | None
+    testpaths: tuple[str, ...]
+    python_files: tuple[str, ...]
+    files: tuple[str, ...]
+    launched_cards: int = 0
+    errors: tuple[str, ...] = field(default=())
+
+
+class _Recorder:
+    """pytest plugin object: the configuration and the collected test files."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self.files: set[str] = set()
+        self.errors: list[str] = []
+        self.config: Any = None
+        self.cards = 0
+
+    def pytest_collectreport(self, report: Any) -> None:
+        if report.failed:
+            path = Path(str(report.fspath))
+            if path.is_file():
+                self.files.add(rel(path.resolve(), self.root))
+            lines = str(report.longrepr).strip().splitlines()
+            self.errors.append(f"{report.nodeid or '.'}: {lines[-1] if lines else 'collection failed'}")
+
+    def pytest_collection_finish(self, session: Any) -> None:
+        from harness.spec import spec_for_item
+
+        self.config = session.config
+        for item in session.items:
+            self.files.add(rel(Path(str(item.path)).resolve(), self.root))
+            with contextlib.suppress(ValueError, TypeError):  # the inventory reports bad specs
+                spec = spec_for_item(item)
+                if spec.device != "cpu":
+                    self.cards = max(self.cards, spec.cards)
+
+
+def _plugin_args() -> list[str]:
+    """``-p`` options for what a collect-only run needs when plugin autoloading is off."""
+    args: list[str] = []
+    xdist = importlib.util.find_spec("xdist") is not None
+    if os.environ.get("PYTEST_DISABLE_PLUGIN_AUTOLOAD"):
+        args += ["-p", "harness.launcher.plugin"]
+        if xdist:
+            args += ["-p", "xdist.plugin"]
+    if xdist:
+        args += ["-n", "0"]  # a configured -n would start workers just to collect
+    return args
+
+
+def read_pytest_layout(root: Path) -> PytestLayout:
+    """Ask pytest (in-process, collect-only, from ``root`` with no arguments)
+    what it would run; raises ``InitError`` when pytest itself fails."""
+    import pytest
+
+    root = root.resolve()
+    rec = _Recorder(root)
+    args = ["--collect-only", "-q", "-p", "no:cacheprovider", "--continue-on-collection-errors", *_plugin_args()]
+    # The caller's PYTEST_ADDOPTS is for running tests (a --junitxml there would
+    # be overwritten by an empty collect-only report): not for this.
+    addopts = os.environ.pop("PYTEST_ADDOPTS", None)
+    cwd = Path.cwd()
+    out = io.StringIO()
+    try:
+        os.chdir(root)  # pytest applies testpaths only when run from its rootdir
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+            code = int(pytest.main(args, plugins=[rec]))
+    finally:
+        os.chdir(cwd)
+        if addopts is not None:
+            os.environ["PYTEST_ADDOPTS"] = addopts
+    if code not in (0, 1, 5) or rec.config is None:
+        tail = "\n".join(out.getvalue().strip().splitlines()[-15:])
+        raise InitError(f"pytest could not collect from {root} (exit {code}):\n{tail}")
+    cfg = rec.config
+    return PytestLayout(
+        rootdir=Path(str(cfg.rootpath)),
+        inifile=Path(str(cfg.inipath)) if cfg.inipath else None,
+        testpaths=tuple(str(p) for p in cfg.getini("testpaths")),
+        python_files=tuple(str(p) for p in cfg.getini("python_files")),
+        files=tuple(sorted(f for f in rec.files if not f.startswith(("/", "../")))),
+        launched_cards=rec.cards,
+        errors=tuple(rec.errors),
+    )
+
+
+def owned_paths(layout: PytestLayout, root: Path) -> list[str]:
+    """The repository-relative paths ``suites/cpu.json`` should own.
+
+    The configured ``testpaths`` (glob-expanded as pytest does) that hold a
+    collected file, when set; else the directories holding the collected
+    files, a top-level file by name; nested paths dropped. Sorted.
+    """
+    files = layout.files
+    candidates: list[str] = []
+    if layout.testpaths:
+        base = layout.rootdir
+        for tp in layout.testpaths:
+            hits = sorted(base.glob(tp)) if any(ch in tp for ch in "*?[") else [base / tp]
+            candidates += [rel(h.resolve(), root) for h in hits if h.exists()]
+        candidates = [c for c in candidates if any(_under(f, c) for f in files)]
+    if not candidates:
+        candidates = [f if "/" not in f else f.rsplit("/", 1)[0] for f in files]
+    kept: list[str] = []
+    for c in sorted(set(candidates), key=lambda p: (p.count("/"), p)):
+        if not any(_under(c, k) for k in kept):
+            kept.append(c)
+    return sorted(kept)
+
+
+def _under(path: str, top: str) -> bool:
+    return top in (".", "") or path == top or path.startswith(top.rstrip("/") + "/")
+
+
+def _entry_id(path: str) -> str:
+    text = re.sub(r"\.py$", "", path).strip("/").replace("/", "-")
+    text = re.sub(r"[^A-Za-z0-9_.-]", "-", text).lstrip("_.-")
+    return text or "tests"
+
+
+def _entries(paths: Sequence[str]) -> list[dict[str, Any]]:
+    seen: dict[str, int] = {}
+    out = []
+    for p in paths:
+        base = _entry_id(p)
+        seen[base] = seen.get(base, 0) + 1
+        out.append({"id": base if seen[base] == 1 else f"{base}-{seen[base]}", "paths": [p]})
+    return out
+
+
+def schema_ref(root: Path, manifest_dir: Path) -> str:
+    """``$schema`` for a manifest in ``manifest_dir``: the bundled schema's path
+    relative to it when the installed harness lies inside ``root``, else the
+    schema's canonical ``$id``."""
+    schema = (Path(__file__).resolve().parent / SCHEMA_FILE)
+    try:
+        schema.relative_to(root.resolve())
+    except ValueError:
+        return str(load_schema()["$id"])
+    return os.path.relpath(schema, manifest_dir.resolve()).replace(os.sep, "/")
+
+
+def _dump(doc: dict[str, Any]) -> str:
+    return json.dumps(doc, indent=2) + "\n"
+
+
+def _source(layout: PytestLayout, root: Path) -> str:
+    return rel(layout.inifile, root) if layout.inifile else f"rootdir {rel(layout.rootdir, root)}"
+
+
+def render(root: Path, layout: PytestLayout, accelerators: Sequence[str], workflows: bool) -> dict[str, str]:
+    """Every file ``harness init`` would write: repository-relative path -> content.
+
+    Raises ``InitError`` when pytest found no test file to own.
+    """
+    paths = owned_paths(layout, root)
+    if not paths:
+        raise InitError(
+            f"pytest collects no test file from {root} (python_files: {' '.join(layout.python_files)}); "
+            "add a test (or set testpaths) and run `harness init` again"
+        )
+    suites_dir = root / SUITES_DIR
+    source = _source(layout, root)
+    files: dict[str, str] = {}
+    cpu = {
+        "$schema": schema_ref(root, suites_dir),
+        "suite": "cpu",
+        "description": f"Written by `harness init` from pytest's configuration ({source}): "
+                       "every collected test that runs on CPU.",
+        "device": "cpu",
+        "runner": dict(CPU_RUNNER),
+        "entries": _entries(paths),
+    }
+    files[f"{SUITES_DIR}/cpu.json"] = _dump(cpu)
+    if accelerators:
+        files[f"{SUITES_DIR}/{SHARED_CASES}"] = _dump({
+            "$schema": schema_ref(root, (suites_dir / SHARED_CASES).parent),
+            "description": "Device-sensitive cases shared by the accelerator suites: each suite keeps "
+                           "the variants for its own device.",
+            "entries": _entries(paths),
+        })
+        cards = max(1, layout.launched_cards)
+        for device in accelerators:
+            suite = SUITE_FOR_DEVICE.get(device, device)
+            files[f"{SUITES_DIR}/{suite}.json"] = _dump({
+                "$schema": schema_ref(root, suites_dir),
+                "suite": suite,
+                "description": f"{device} runners: the shared accelerator case list, {device} variants.",
+                "device": device,
+                "runner": {"name": f"{suite}-{cards}", "labels": ["self-hosted", "linux", suite],
+                           "cards": cards, "timeout_minutes": ACCELERATOR_TIMEOUT_MINUTES},
+                "entries": [{"include": f"{SUITES_DIR}/{SHARED_CASES}"}],
+            })
+    for path, text in files.items():
+        doc = json.loads(text)
+        problems = validate(doc, root, path, "manifest" if "suite" in doc else "caseList")
+        if problems:  # a bug here, never the user's: say so plainly
+            raise InitError("harness init produced an invalid manifest: " + "; ".join(map(str, problems)))
+    if workflows:
+        install = _install_lines(root)
+        files[".github/workflows/harness-cpu.yml"] = _cpu_workflow(install)
+        for device in accelerators:
+            suite = SUITE_FOR_DEVICE.get(device, device)
+            files[f".github/workflows/harness-{suite}.yml"] = _accelerator_workflow(suite, device, install)
+    return files
+
+
+def write(root: Path, files: dict[str, str], force: bool) -> list[tuple[str, str]]:
+    """Write ``files`` under ``root``; returns ``(path, "written" | "unchanged" | "overwritten")``.
+
+    Refuses (``InitError`` with code 2, nothing written) when a file exists
+    with other content and ``force`` is false.
+    """
+    clashes = []
+    actions = []
+    for path, text in files.items():
+        target = root / path
+        if not target.exists():
+            actions.append((path, "written"))
+        elif target.read_text(encoding="utf-8") == text:
+            actions.append((path, "unchanged"))
+        else:
+            clashes.append(path)
+            actions.append((path, "overwritten"))
+    if clashes and not force:
+        raise InitError(
+            "; ".join(f"{p} exists with other content" for p in clashes)
+            + "; not overwriting (rerun with --force to replace)",
+            EXIT_USAGE,
+        )
+    for path, action in actions:
+        if action != "unchanged":
+            target = root / path
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_text(files[path], encoding="utf-8")
+    return actions
+
+
+# --------------------------------------------------------------------------- workflows
+
+_CONCURRENCY = """\
+# One run per pull request (a new push cancels the old one); pushes to main never cancel.
+concurrency:
+  group: ${{ github.workflow }}-${{ github.event_name == 'pull_request' && github.event.pull_request.number || github.run_id }}
+  cancel-in-progress: ${{ github.event_name == 'pull_request' }}
+"""
+
+
+def _install_lines(root: Path) -> list[str]:
+    lines = ["python -m pip install pytest-accel-harness"]
+    if (root / "pyproject.toml").exists() or (root / "setup.py").exists():
+        lines.append("python -m pip install -e .  # this project (add its test extra, e.g. -e \".[test]\")")
+    return lines
+
+
+def _cpu_workflow(install: Iterable[str]) -> str:
+    steps = "\n".join(f"          {line}" for line in install)
+    return f"""\
+# Written by `harness init`: the inventory and the CPU suite on every pull request and push.
+name: harness-cpu
+
+on:
+  pull_request:
+  push:
+    branches: [main]
+  workflow_dispatch:
+
+{_CONCURRENCY}
+permissions:
+  contents: read
+
+jobs:
+  cpu:
+    runs-on: ubuntu-latest
+    # Above the suite's runner timeout_minutes ({CPU_RUNNER['timeout_minutes']}), where `harness run` stops pytest
+    # and still writes its summary.
+    timeout-minutes: {CPU_RUNNER['timeout_minutes'] + 10}
+    steps:
+      - uses: actions/checkout@v4
+      - uses: actions/setup-python@v5
+        with:
+          python-version: "3.11"
+          cache: pip
+      - name: Install
+        run: |
+          # CPU torch: a plain `torch` requirement would pull a multi-GB CUDA build.
+          python -m pip install torch --index-url https://download.pytorch.org/whl/cpu
+{steps}
+      - run: harness inventory
+      - run: harness run cpu --out out/harness/cpu --durations-out out/harness/cpu/durations.json
+      - uses: actions/upload-artifact@v4
+        if: always()
+        with:
+          name: harness-cpu
+          path: out/harness/cpu
+"""
+
+
+def _accelerator_workflow(suite: str, device: str, install: Iterable[str]) -> str:
+    steps = "\n".join(f"          {line}" for line in install)
+    return f"""\
+# Written by `harness init`: plan the {suite} suite into shards, run each on its self-hosted runner.
+# Pull requests from forks never reach the self-hosted runners unless a maintainer adds the
+# label `{OPT_IN_LABEL}` (which opts in the commit labelled, not later pushes).
+name: harness-{suite}
+
+on:
+  pull_request:
+    types: [opened, synchronize, reopened, labeled]
+  push:
+    branches: [main]
+  workflow_dispatch:
+
+{_CONCURRENCY}
+permissions:
+  contents: read
+
+jobs:
+  plan:
+    runs-on: ubuntu-latest
+    timeout-minutes: 15
+    outputs:
+      matrix: ${{{{ steps.matrix.outputs.matrix }}}}
+      trusted: ${{{{ github.event_name != 'pull_request' || github.event.pull_request.head.repo.full_name == github.repository || (github.event.action == 'labeled' && github.event.label.name == '{OPT_IN_LABEL}') }}}}
+    steps:
+      - uses: actions/checkout@v4
+      - uses: actions/setup-python@v5
+        with:
+          python-version: "3.11"
+          cache: pip
+      - name: Install (CPU torch is enough to plan)
+        run: |
+          python -m pip install torch --index-url https://download.pytorch.org/whl/cpu
+{steps}
+      - id: matrix
+        run: echo "matrix=$(harness matrix {suite})" >> "$GITHUB_OUTPUT"
+
+  suite:
+    needs: plan
+    if: needs.plan.outputs.trusted == 'true'
+    name: {suite} ${{{{ matrix.shard }}}}
+    strategy:
+      fail-fast: false
+      matrix: ${{{{ fromJSON(needs.plan.outputs.matrix) }}}}
+    runs-on: ${{{{ matrix.runner }}}}
+    # `harness run` stops pytest at matrix.timeout_minutes and writes its summary;
+    # the job's limit adds time for checkout and install.
+    timeout-minutes: ${{{{ matrix.job_timeout_minutes }}}}
+    steps:
+      - uses: actions/checkout@v4
+      # The runner image ships python with its own torch for {device}.
+      - run: |
+{steps}
+      - env:
+          SHARD: ${{{{ matrix.shard }}}}
+        run: harness run {suite} --shard "$SHARD" --out "out/harness/{suite}-${{SHARD/\\//of}}"
+      - uses: actions/upload-artifact@v4
+        if: always()
+        with:
+          name: harness-{suite}-${{{{ strategy.job-index }}}}
+          path: out/harness/
+"""
+
+
+# --------------------------------------------------------------------------- CLI
+
+
+def _devices(text: str) -> list[str]:
+    from harness.devices import accelerators
+
+    known = [d.name for d in accelerators()]
+    aliases = {suite: device for device, suite in SUITE_FOR_DEVICE.items()}
+    out: list[str] = []
+    for word in (w.strip() for w in text.split(",") if w.strip()):
+        device = aliases.get(word, word)
+        if device not in known:
+            raise argparse.ArgumentTypeError(
+                f"unknown accelerator {word!r}; known: {', '.join(known)} (or the suite names "
+                f"{', '.join(SUITE_FOR_DEVICE.get(d, d) for d in known)})"
+            )
+        if device not in out:
+            out.append(device)
+    if not out:
+        raise argparse.ArgumentTypeError("expected a comma-separated list, e.g. cuda,npu")
+    return out
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    """Add the ``init`` subcommand to the ``harness`` CLI (its handler as ``handler``)."""
+    p = sub.add_parser("init", help="write suites/ (and workflows) from pytest's configuration")
+    p.add_argument("--accelerators", type=_devices, default=[], metavar="DEVICES",
+                   help="also write accelerator suites sharing one case list, e.g. cuda,npu (or gpu,npu)")
+    p.add_argument("--workflows", action="store_true",
+                   help="also write .github/workflows/harness-SUITE.yml for each suite")
+    p.add_argument("--force", action="store_true", help="overwrite files that exist with other content")
+    p.set_defaults(handler=cmd_init)
+
+
+def cmd_init(root: Path, args: argparse.Namespace) -> int:
+    """``harness init``: print what was written; the exit code (0, 1, or 2 on a refused overwrite)."""
+    try:
+        layout = read_pytest_layout(root)
+        files = render(root, layout, args.accelerators, args.workflows)
+        actions = write(root, files, args.force)
+    except InitError as e:
+        print(f"harness init: {e}", file=sys.stderr)
+        return e.code
+    print(f"harness init: pytest rootdir {layout.rootdir}, "
+          f"inifile {layout.inifile or 'none'}, testpaths {' '.join(layout.testpaths) or '-'}, "
+          f"{len(layout.files)} test file(s)")
+    for err in layout.errors:
+        print(f"harness init: warning: collection error (the file is still owned): {err}", file=sys.stderr)
+    for path, action in actions:
+        print(f"  {action:<11} {path}")
+    print("next: harness inventory && harness run cpu")
+    return EXIT_OK

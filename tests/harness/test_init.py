@@ -1,0 +1,165 @@
+"""`harness init`: suites from pytest's own configuration, idempotent, never overwriting unasked.
+
+Each test runs the real `harness` command (``python -m harness``) in a subprocess on a
+scratch project, as a user would.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import jsonschema
+import yaml
+
+from harness.suites.manifest import load_schema
+
+LAUNCHED_DEVICE_TEST = """\
+import pytest
+import torch.distributed as dist
+from harness import DEVICES
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.launch(nproc=2)
+def test_world(device):
+    assert dist.get_world_size() == 2
+"""
+
+
+def harness(root: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "harness", *args], cwd=root, capture_output=True, text=True, timeout=180
+    )
+
+
+def write(root: Path, files: dict[str, str]) -> Path:
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(textwrap.dedent(text))
+    return root
+
+
+def manifest(root: Path, name: str) -> dict:
+    doc = json.loads((root / "suites" / name).read_text())
+    jsonschema.validate(doc, load_schema())  # the schema inside the installed harness
+    return doc
+
+
+def test_owns_the_configured_testpaths_and_is_idempotent(tmp_path):
+    root = write(tmp_path, {
+        "pyproject.toml": '[tool.pytest.ini_options]\ntestpaths = ["tests", "docs"]\n',
+        "tests/test_a.py": "def test_a():\n    pass\n",
+        "tests/unit/test_b.py": "def test_b():\n    pass\n",
+        "docs/index.md": "no tests here\n",
+        "scratch/test_elsewhere.py": "def test_c():\n    pass\n",  # outside testpaths: pytest never collects it
+    })
+    done = harness(root, "init")
+    assert done.returncode == 0, done.stderr
+    assert "inifile" in done.stdout
+    assert "pyproject.toml" in done.stdout
+    doc = manifest(root, "cpu.json")
+    assert doc["suite"] == "cpu"
+    assert doc["device"] == "cpu"
+    assert [e["paths"] for e in doc["entries"]] == [["tests"]]
+    written = (root / "suites" / "cpu.json").read_bytes()
+
+    again = harness(root, "init")
+    assert again.returncode == 0, again.stderr
+    assert "unchanged" in again.stdout
+    assert (root / "suites" / "cpu.json").read_bytes() == written
+
+    inv = harness(root, "inventory")
+    assert inv.returncode == 0, inv.stdout + inv.stderr
+    assert "2 case(s)" in inv.stdout
+
+
+def test_follows_python_files_without_testpaths(tmp_path):
+    root = write(tmp_path, {
+        "pytest.ini": "[pytest]\npython_files = check_*.py\n",
+        "check_top.py": "def test_top():\n    pass\n",
+        "checks/deep/check_one.py": "def test_one():\n    pass\n",
+        "checks/check_two.py": "def test_two():\n    pass\n",
+        "other/test_not_collected.py": "def test_no():\n    pass\n",
+    })
+    done = harness(root, "init")
+    assert done.returncode == 0, done.stderr
+    assert "pytest.ini" in done.stdout
+    doc = manifest(root, "cpu.json")
+    assert sorted(p for e in doc["entries"] for p in e["paths"]) == ["check_top.py", "checks"]
+
+
+def test_refuses_to_overwrite_without_force(tmp_path):
+    root = write(tmp_path, {"tests/test_a.py": "def test_a():\n    pass\n"})
+    assert harness(root, "init").returncode == 0
+    edited = (root / "suites" / "cpu.json").read_text().replace('"timeout_minutes": 30', '"timeout_minutes": 45')
+    (root / "suites" / "cpu.json").write_text(edited)
+
+    refused = harness(root, "init")
+    assert refused.returncode == 2
+    assert "suites/cpu.json exists with other content" in refused.stderr
+    assert "--force" in refused.stderr
+    assert (root / "suites" / "cpu.json").read_text() == edited
+
+    forced = harness(root, "init", "--force")
+    assert forced.returncode == 0, forced.stderr
+    assert manifest(root, "cpu.json")["runner"]["timeout_minutes"] == 30
+
+
+def test_accelerator_suites_share_one_case_list_and_get_workflows(tmp_path):
+    root = write(tmp_path, {
+        "pyproject.toml": '[project]\nname = "demo"\nversion = "0"\n\n[tool.pytest.ini_options]\ntestpaths = ["tests"]\n',
+        "tests/test_plain.py": "def test_plain():\n    pass\n",
+        "tests/test_ranks.py": LAUNCHED_DEVICE_TEST,
+    })
+    done = harness(root, "init", "--accelerators", "gpu,npu", "--workflows")
+    assert done.returncode == 0, done.stderr
+    shared = manifest(root, "cases/accelerator.json")
+    assert [e["paths"] for e in shared["entries"]] == [["tests"]]
+    for suite, device in (("gpu", "cuda"), ("npu", "npu")):
+        doc = manifest(root, f"{suite}.json")
+        assert doc["device"] == device
+        assert doc["entries"] == [{"include": "suites/cases/accelerator.json"}]
+        assert doc["runner"]["cards"] == 2  # the launched case's ranks, one card each
+    inv = harness(root, "inventory", "--json")
+    assert inv.returncode == 0, inv.stdout + inv.stderr
+    owners = {c["nodeid"]: c["entries"] for c in json.loads(inv.stdout)["cases"]}
+    assert owners["tests/test_ranks.py::test_world[cuda]"] == ["gpu:tests"]
+    assert owners["tests/test_ranks.py::test_world[npu]"] == ["npu:tests"]
+    assert owners["tests/test_plain.py::test_plain"] == ["cpu:tests"]
+
+    workflows = root / ".github" / "workflows"
+    assert sorted(p.name for p in workflows.iterdir()) == ["harness-cpu.yml", "harness-gpu.yml", "harness-npu.yml"]
+    gpu = yaml.safe_load((workflows / "harness-gpu.yml").read_text())
+    assert gpu["jobs"]["suite"]["if"] == "needs.plan.outputs.trusted == 'true'"
+    assert "head.repo.full_name == github.repository" in gpu["jobs"]["plan"]["outputs"]["trusted"]
+
+
+def test_usage_errors_exit_2(tmp_path):
+    root = write(tmp_path, {"tests/test_a.py": "def test_a():\n    pass\n"})
+    done = harness(root, "init", "--accelerators", "tpu")
+    assert done.returncode == 2
+    assert "unknown accelerator 'tpu'" in done.stderr
+    assert not (root / "suites").exists()
+
+
+def test_a_project_without_tests_is_told_so(tmp_path):
+    (tmp_path / "README.md").write_text("nothing to test\n")
+    done = harness(tmp_path, "init")
+    assert done.returncode == 1
+    assert "collects no test file" in done.stderr
+    assert not (tmp_path / "suites").exists()
+
+
+def test_written_cpu_workflow_caches_and_outlasts_the_harness_deadline(tmp_path):
+    root = write(tmp_path, {"tests/test_a.py": "def test_a():\n    pass\n"})
+    assert harness(root, "init", "--workflows").returncode == 0
+    doc = yaml.safe_load((root / ".github" / "workflows" / "harness-cpu.yml").read_text())
+    assert doc["concurrency"]["cancel-in-progress"] == "${{ github.event_name == 'pull_request' }}"
+    (job,) = doc["jobs"].values()
+    assert job["timeout-minutes"] > manifest(root, "cpu.json")["runner"]["timeout_minutes"]
+    setup = next(s for s in job["steps"] if str(s.get("uses", "")).startswith("actions/setup-python"))
+    assert setup["with"]["cache"] == "pip"
