@@ -1,4 +1,12 @@
-"""Which accelerator cards this host has, and how a process is pointed at one.
+"""The device table, which accelerator cards this host has, and how a process is pointed at one.
+
+``DEVICE_TABLE`` holds one ``DeviceType`` row per device type: its default
+``torch.distributed`` backend, visibility variable, runtime (probe,
+``set_device``, synchronize / RNG state for the pool reset, the device
+collectives take their tensors on) and whether its ranks need cards.
+``LaunchSpec`` validation, ``DEVICES``, the card inventory, the pool reset,
+the backend -> device map and the suite schema's device enum (checked by a
+test) all derive from it; an unknown device or backend raises ``ValueError``.
 
 The inventory comes from the device runtime (``torch.cuda`` / ``torch_npu``)
 unless ``HARNESS_CARDS`` overrides it, e.g. ``HARNESS_CARDS=cuda:0,1,2,3`` to
@@ -17,29 +25,175 @@ every pytest process and torch costs over a second to import.
 from __future__ import annotations
 
 import functools
+import importlib
 import importlib.util
 import os
 import re
 import sys
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
-
-from harness.spec import ACCELERATORS
 
 CARDS_ENV = "HARNESS_CARDS"
 #: Set in every process that runs test code on a leased card: ``cuda:2``.
 CARD_ENV = "HARNESS_CARD"
 
-VISIBILITY_ENV: dict[str, str] = {
-    "cuda": "CUDA_VISIBLE_DEVICES",
-    "npu": "ASCEND_RT_VISIBLE_DEVICES",
-}
+
+@dataclass(frozen=True)
+class DeviceType:
+    """Everything the harness knows about one device type (one row of ``DEVICE_TABLE``).
+
+    ``name`` is what ``LaunchSpec.device``, ``DEVICES``, ``HARNESS_CARDS`` and
+    the suite manifests call it; ``backend`` the ``torch.distributed``
+    backend its ranks initialise by default; ``backends`` every backend whose
+    collectives take tensors on this device; ``visibility_env`` the variable
+    that pins a process to cards (None: the device has no cards);
+    ``runtime`` the ``torch.<runtime>`` namespace (``set_device``,
+    ``device_count``, ``synchronize``, RNG state); ``extension`` a module
+    that must be imported to register that namespace (``torch_npu``);
+    ``cheap_probe`` says, without importing torch, whether asking the
+    runtime can find any card at all.
+    """
+
+    name: str
+    backend: str
+    backends: tuple[str, ...]
+    visibility_env: str | None = None
+    runtime: str | None = None
+    extension: str | None = None
+    cheap_probe: Callable[[], bool] | None = None
+
+    @property
+    def is_accelerator(self) -> bool:
+        """Whether a rank of this device needs a card of its own (cpu: no)."""
+        return self.visibility_env is not None
+
+    def torch_runtime(self) -> Any:
+        """The ``torch.<runtime>`` module (imports torch and the extension); None for cpu."""
+        if self.runtime is None:
+            return None
+        import torch
+
+        if self.extension is not None:
+            importlib.import_module(self.extension)
+        return getattr(torch, self.runtime)
+
+    def initialised_runtime(self) -> Any:
+        """The runtime if this process already initialised it, else None (never initialises one)."""
+        torch = sys.modules.get("torch")
+        runtime = getattr(torch, self.runtime, None) if torch is not None and self.runtime else None
+        if runtime is None or not runtime.is_initialized():
+            return None
+        return runtime
+
+    def card_count(self) -> int:
+        """Cards the runtime reports in this process (0: none, no runtime, or a broken driver)."""
+        if self.runtime is None:
+            return 0
+        try:
+            if self.cheap_probe is not None and not self.cheap_probe():
+                return 0
+            return int(self.torch_runtime().device_count())
+        except Exception:
+            # A broken driver is "no cards": the plugin then skips, or fails the
+            # case under --harness-require, which is the signal a runner needs.
+            return 0
+
+    def set_device(self, index: int) -> None:
+        """Make runtime device ``index`` current in this process (imports torch)."""
+        if self.runtime is not None:
+            self.torch_runtime().set_device(index)
+
+    def collective_device(self) -> Any:
+        """The ``torch.device`` a collective of this device's backends takes
+        tensors on: the current card for accelerators, else the host."""
+        import torch
+
+        if self.runtime is None:
+            return torch.device("cpu")
+        return torch.device(self.name, self.torch_runtime().current_device())
+
+
+def _torch_has_gpu_build() -> bool:
+    """Whether the installed torch was built for CUDA / ROCm, read from its
+    ``version.py`` without importing torch (a CPU build has ``cuda = None``).
+
+    Importing torch only to learn that a CPU build has no cards would cost
+    every pytest process over a second, and an import from inside a pytester
+    in-process run is undone afterwards, which torch does not survive.
+    """
+    if "torch" in sys.modules:
+        return True
+    spec = importlib.util.find_spec("torch")
+    if spec is None or spec.origin is None:
+        return False
+    try:
+        with open(os.path.join(os.path.dirname(spec.origin), "version.py")) as f:
+            text = f.read()
+    except OSError:
+        return True  # unknown: ask the runtime
+    values = dict(re.findall(r"^(cuda|hip)\b[^=\n]*=\s*(.+?)\s*$", text, re.MULTILINE))
+    if not values:
+        return True
+    return any(v != "None" for v in values.values())
+
+
+def _has_module(name: str) -> Callable[[], bool]:
+    return lambda: importlib.util.find_spec(name) is not None
+
+
+#: The device table: one row per device type, in ``DEVICES`` order. A new
+#: device type is one more row here plus a suite manifest for its runners.
+DEVICE_TABLE: tuple[DeviceType, ...] = (
+    DeviceType("cpu", backend="gloo", backends=("gloo", "mpi")),
+    DeviceType("cuda", backend="nccl", backends=("nccl",), visibility_env="CUDA_VISIBLE_DEVICES",
+               runtime="cuda", cheap_probe=_torch_has_gpu_build),
+    DeviceType("npu", backend="hccl", backends=("hccl",), visibility_env="ASCEND_RT_VISIBLE_DEVICES",
+               runtime="npu", extension="torch_npu", cheap_probe=_has_module("torch_npu")),
+)
+
+_BY_NAME: dict[str, DeviceType] = {d.name: d for d in DEVICE_TABLE}
+
+#: Device type names, in table order (``cpu`` first).
+DEVICE_NAMES: tuple[str, ...] = tuple(_BY_NAME)
+#: Device types whose ranks need a card each.
+ACCELERATOR_NAMES: tuple[str, ...] = tuple(d.name for d in DEVICE_TABLE if d.is_accelerator)
+#: ``torch.distributed`` backend -> the device type its collectives take tensors on.
+BACKEND_DEVICES: dict[str, str] = {b: d.name for d in DEVICE_TABLE for b in d.backends}
+VISIBILITY_ENV: dict[str, str] = {d.name: d.visibility_env for d in DEVICE_TABLE
+                                  if d.visibility_env is not None}
+
+
+def device_type(name: str) -> DeviceType:
+    """The table row of device ``name``; ``ValueError`` naming the known ones otherwise."""
+    try:
+        return _BY_NAME[name]
+    except (KeyError, TypeError):
+        raise ValueError(f"unknown device {name!r}; known: {', '.join(DEVICE_NAMES)}") from None
+
+
+def device_for_backend(backend: str) -> DeviceType:
+    """The device type whose tensors ``backend``'s collectives take; ``ValueError``
+    naming the known backends otherwise."""
+    try:
+        return _BY_NAME[BACKEND_DEVICES[backend]]
+    except (KeyError, TypeError):
+        raise ValueError(
+            f"unknown torch.distributed backend {backend!r}; known: {', '.join(BACKEND_DEVICES)}"
+        ) from None
+
+
+def accelerators() -> Iterator[DeviceType]:
+    """The table rows of device types that have cards."""
+    return (d for d in DEVICE_TABLE if d.is_accelerator)
+
 
 #: ``@pytest.mark.parametrize("device", DEVICES)``: cpu, cuda, npu. The harness
 #: plugin skips (or, under ``--harness-require``, fails) the accelerator
 #: params on hosts without such cards, before any fixture runs.
-DEVICES: list = [pytest.param(device, id=device) for device in ("cpu", *ACCELERATORS)]
+DEVICES: list = [pytest.param(d.name, id=d.name) for d in DEVICE_TABLE]
 
 
 @dataclass(frozen=True, order=True)
@@ -59,7 +213,7 @@ def parse_cards(text: str) -> dict[str, list[Card]]:
     Guarantees every accelerator type is a key (possibly with no cards), ids
     keep their order, and a malformed value raises ``ValueError`` quoting it.
     """
-    cards: dict[str, list[Card]] = {device: [] for device in ACCELERATORS}
+    cards: dict[str, list[Card]] = {device: [] for device in ACCELERATOR_NAMES}
     text = text.strip()
     if text.lower() in ("", "none"):
         return cards
@@ -67,7 +221,7 @@ def parse_cards(text: str) -> dict[str, list[Card]]:
         if not group:
             continue
         device, sep, ids = group.partition(":")
-        if not sep or device not in ACCELERATORS:
+        if not sep or device not in ACCELERATOR_NAMES:
             raise ValueError(
                 f"{CARDS_ENV}={text!r}: expected groups like 'cuda:0,1,2' or 'npu:0,1' "
                 f"separated by ';', got {group!r}"
@@ -90,20 +244,23 @@ def is_simulated() -> bool:
 def inventory(device: str) -> list[Card]:
     """The cards of ``device`` this host offers to tests, in id order as listed.
 
-    ``cpu`` has none. With ``HARNESS_CARDS`` set, exactly the cards it names;
-    otherwise the cards the device runtime reports (honouring the process's
-    visibility variable). A missing runtime means no cards, never an error.
+    ``cpu`` has none; an unknown device raises ``ValueError``. With
+    ``HARNESS_CARDS`` set, exactly the cards it names; otherwise the cards the
+    device runtime reports (honouring the process's visibility variable). A
+    missing runtime means no cards, never an error.
     """
-    if device not in ACCELERATORS:
+    kind = device_type(device)
+    if not kind.is_accelerator:
         return []
     if is_simulated():
         return parse_cards(os.environ[CARDS_ENV])[device]
-    return list(_runtime_cards(device, os.environ.get(VISIBILITY_ENV[device])))
+    assert kind.visibility_env is not None
+    return list(_runtime_cards(device, os.environ.get(kind.visibility_env)))
 
 
 @functools.cache
 def _runtime_cards(device: str, visible: str | None) -> tuple[Card, ...]:
-    count = _runtime_count(device)
+    count = device_type(device).card_count()
     if visible is not None:
         # The runtime numbers the visible cards 0..n-1; the lease and the
         # ranks' visibility variable need the ids the variable itself uses.
@@ -113,60 +270,16 @@ def _runtime_cards(device: str, visible: str | None) -> tuple[Card, ...]:
     return tuple(Card(device, i) for i in ids)
 
 
-def _runtime_count(device: str) -> int:
-    try:
-        if device == "cuda":
-            if "torch" not in sys.modules and not _torch_has_gpu_build():
-                return 0
-            import torch
-
-            return torch.cuda.device_count()
-        if device == "npu":
-            if importlib.util.find_spec("torch_npu") is None:
-                return 0
-            import torch
-            import torch_npu  # noqa: F401  (registers torch.npu)
-
-            return torch.npu.device_count()
-    except Exception:
-        # A broken driver is "no cards": the plugin then skips, or fails the
-        # case under --harness-require, which is the signal a runner needs.
-        return 0
-    return 0
-
-
-def _torch_has_gpu_build() -> bool:
-    """Whether the installed torch was built for CUDA / ROCm, read from its
-    ``version.py`` without importing torch (a CPU build has ``cuda = None``).
-
-    Importing torch only to learn that a CPU build has no cards would cost
-    every pytest process over a second, and an import from inside a pytester
-    in-process run is undone afterwards, which torch does not survive.
-    """
-    spec = importlib.util.find_spec("torch")
-    if spec is None or spec.origin is None:
-        return False
-    try:
-        with open(os.path.join(os.path.dirname(spec.origin), "version.py")) as f:
-            text = f.read()
-    except OSError:
-        return True  # unknown: ask the runtime
-    values = dict(re.findall(r"^(cuda|hip)\b[^=\n]*=\s*(.+?)\s*$", text, re.MULTILINE))
-    if not values:
-        return True
-    return any(v != "None" for v in values.values())
-
-
 def runtime_available(device: str) -> bool:
     """Whether this process's torch can use ``device`` (may import torch)."""
-    if device == "cpu":
-        return True
-    return _runtime_count(device) > 0
+    kind = device_type(device)
+    return not kind.is_accelerator or kind.card_count() > 0
 
 
 def local_index(card: Card) -> int | None:
     """The runtime index of ``card`` inside this process (None: not visible here)."""
-    visible = os.environ.get(VISIBILITY_ENV[card.device])
+    env = device_type(card.device).visibility_env
+    visible = os.environ.get(env) if env else None
     if visible is not None:
         ids = [i.strip() for i in visible.split(",")]
         return ids.index(card.id) if card.id in ids else None
@@ -175,22 +288,23 @@ def local_index(card: Card) -> int | None:
 
 def set_device(card: Card, index: int) -> None:
     """Make runtime device ``index`` current in this process (imports torch)."""
-    import torch
+    device_type(card.device).set_device(index)
 
-    if card.device == "cuda":
-        torch.cuda.set_device(index)
-    elif card.device == "npu":
-        import torch_npu  # noqa: F401
 
-        torch.npu.set_device(index)
+def visibility(card: Card) -> dict[str, str]:
+    """The environment that pins a process to ``card`` (its visibility variable
+    set to the card's id, and ``HARNESS_CARD``)."""
+    env = device_type(card.device).visibility_env
+    assert env is not None, f"{card.device} has no cards"
+    return {env: card.id, CARD_ENV: str(card)}
 
 
 def describe_inventory() -> str:
     """One line naming the cards per accelerator and where they came from."""
     parts = []
-    for device in ACCELERATORS:
-        cards = inventory(device)
+    for kind in accelerators():
+        cards = inventory(kind.name)
         ids = ",".join(c.id for c in cards)
-        parts.append(f"{device}:{ids}" if cards else f"{device}: none")
+        parts.append(f"{kind.name}:{ids}" if cards else f"{kind.name}: none")
     source = CARDS_ENV if is_simulated() else "device runtime"
     return f"{'; '.join(parts)} (from {source})"

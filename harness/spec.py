@@ -6,19 +6,23 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-DEVICE_TYPES: tuple[str, ...] = ("cpu", "cuda", "npu")
-ACCELERATORS: tuple[str, ...] = ("cuda", "npu")
-DEFAULT_BACKENDS: dict[str, str] = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
+from harness.devices import ACCELERATOR_NAMES, BACKEND_DEVICES, DEVICE_NAMES, DEVICE_TABLE
+
+#: Derived from the device table (``harness.devices.DEVICE_TABLE``).
+DEVICE_TYPES: tuple[str, ...] = DEVICE_NAMES
+ACCELERATORS: tuple[str, ...] = ACCELERATOR_NAMES
+DEFAULT_BACKENDS: dict[str, str] = {d.name: d.backend for d in DEVICE_TABLE}
 
 
 @dataclass(frozen=True)
 class LaunchSpec:
     """How one test case is launched.
 
-    ``device`` is one of ``cpu``, ``cuda`` or ``npu``; ``nproc`` is the number
-    of rank processes (>= 1); ``timeout`` is the case deadline in seconds
-    (``None``: the session default); ``backend`` overrides the
-    ``torch.distributed`` backend (default gloo / nccl / hccl by device);
+    ``device`` is a device type of the device table (``cpu``, ``cuda``,
+    ``npu``); ``nproc`` is the number of rank processes (>= 1); ``timeout``
+    is the case deadline in seconds (``None``: the session default);
+    ``backend`` overrides the ``torch.distributed`` backend (one the table
+    knows; default gloo / nccl / hccl by device);
     ``reuse=False`` opts the case out of pooled rank processes.
 
     Invalid values raise ``ValueError`` naming the field and the value.
@@ -48,15 +52,17 @@ class LaunchSpec:
                     f"LaunchSpec.timeout must be a positive, finite number of seconds; "
                     f"got {self.timeout!r}"
                 )
-        if self.backend is not None and (not isinstance(self.backend, str) or not self.backend):
-            raise ValueError(f"LaunchSpec.backend must be a non-empty string or None; got {self.backend!r}")
+        if self.backend is not None and (not isinstance(self.backend, str)
+                                         or self.backend not in BACKEND_DEVICES):
+            raise ValueError(f"LaunchSpec.backend must be None or one of "
+                             f"{', '.join(BACKEND_DEVICES)}; got {self.backend!r}")
         if not isinstance(self.reuse, bool):
             raise ValueError(f"LaunchSpec.reuse must be a bool; got {self.reuse!r}")
 
     @property
     def cards(self) -> int:
         """Accelerator cards the case needs: 0 on cpu, one per rank otherwise."""
-        return 0 if self.device == "cpu" else self.nproc
+        return self.nproc if self.device in ACCELERATORS else 0
 
     @property
     def dist_backend(self) -> str:

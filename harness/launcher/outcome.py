@@ -2,7 +2,7 @@
 
 A rank writes its ``RankOutcome`` to a file when its function returns or
 raises; a rank that dies first (signal, ``os._exit``, deadline) leaves none,
-and the launcher records how it ended instead. ``CaseResult`` turns all of
+and the launcher records how it ended instead. ``CaseOutcome`` turns all of
 that into one status and a report that starts with the first failure.
 """
 
@@ -80,7 +80,7 @@ def _ranks(n: int) -> str:
 
 
 @dataclass
-class CaseResult:
+class CaseOutcome:
     """Everything observed about one launch of ``nproc`` ranks."""
 
     nproc: int
@@ -95,6 +95,9 @@ class CaseResult:
     timed_out: list[int] = field(default_factory=list)
     #: ranks stopped because they kept running after another rank failed
     abandoned: list[int] = field(default_factory=list)
+    #: ranks (of those timed out or abandoned) found stopped by a signal
+    #: (SIGSTOP, SIGTSTP, a debugger) when their stacks were asked for
+    stopped: list[int] = field(default_factory=list)
     abandon_grace_s: float = 0.0
     #: rank -> its Python stacks, dumped just before it was stopped
     stacks: dict[int, str] = field(default_factory=dict)
@@ -197,6 +200,9 @@ class CaseResult:
 
     def _stack_section(self, rank: int, when: str) -> str:
         stack = self.stacks.get(rank, "").rstrip("\n")
-        if not stack:
+        if rank in self.stopped:
+            stack = ("(no Python stack: the rank was stopped by a signal -- SIGSTOP, SIGTSTP "
+                     "or a debugger -- and could not answer)")
+        elif not stack:
             stack = "(no Python stack: the rank had not started running Python code yet)"
         return f"--- rank {rank} stack {when} ---\n{stack}"

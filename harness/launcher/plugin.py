@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import os
 import sys
-import threading
 from typing import NoReturn
 
 import pytest
@@ -36,22 +35,37 @@ from harness.devices import (
     runtime_available,
     set_device,
 )
-from harness.launcher import settings as harness_settings
-from harness.launcher.launch import echo_logs, lease_case, missing_cards, pickle_args, run_ranks
-from harness.launcher.lease import Lease, LeaseTimeout, acquire, card_want, default_lease_dir
-from harness.launcher.outcome import FAILED, SKIPPED, XFAILED, CaseResult
+from harness.launcher.case import (
+    CasePlan,
+    choose_deadline,
+    conclude,
+    missing_cards,
+    pickle_args,
+    run_case,
+)
+from harness.launcher.lease import (
+    Lease,
+    LeaseError,
+    acquire,
+    card_want,
+    check_lease_dir,
+    resolve_lease_dir,
+)
 from harness.launcher.pool import keeper
 from harness.launcher.rank import RankTask
 from harness.launcher.settings import (
     DEFAULT_LEASE_TIMEOUT_S,
     DEFAULT_TIMEOUT_S,
     Settings,
+    active,
     cpu_count,
 )
 from harness.launcher.target import FunctionRef
 from harness.spec import ACCELERATORS, LaunchSpec, is_launched, spec_for_item
 
 SETTINGS_KEY = pytest.StashKey[Settings]()
+#: How to deactivate this config's settings (``harness.launcher.settings.active``).
+ACTIVATION_KEY = pytest.StashKey["contextvars.Token[Settings]"]()
 SPEC_KEY = pytest.StashKey[LaunchSpec]()
 CARD_LEASE_KEY = pytest.StashKey[tuple[Lease, "str | None"]]()
 
@@ -88,7 +102,7 @@ def pytest_configure(config: pytest.Config) -> None:
     )
     settings = _settings_from(config)
     config.stash[SETTINGS_KEY] = settings
-    harness_settings.push(settings)
+    config.stash[ACTIVATION_KEY] = active.set(settings)
 
 
 def _settings_from(config: pytest.Config) -> Settings:
@@ -110,9 +124,14 @@ def _settings_from(config: pytest.Config) -> Settings:
             parse_cards(os.environ["HARNESS_CARDS"])
         except ValueError as exc:
             raise pytest.UsageError(str(exc)) from None
+    lease_dir, lease_dir_source = resolve_lease_dir(opt("harness_lease_dir"))
+    try:
+        check_lease_dir(lease_dir, lease_dir_source)  # once here, not as an error per test
+    except LeaseError as exc:
+        raise pytest.UsageError(str(exc)) from None
     return Settings(
         timeout=opt("harness_timeout"),
-        lease_dir=opt("harness_lease_dir") or default_lease_dir(),
+        lease_dir=lease_dir,
         max_procs=max_procs or cpu_count(),
         lease_timeout=opt("harness_lease_timeout"),
         require=require,
@@ -128,9 +147,13 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
 
 def pytest_unconfigure(config: pytest.Config) -> None:
     keeper.close()
-    settings = config.stash.get(SETTINGS_KEY, None)
-    if settings is not None:
-        harness_settings.pop(settings)
+    token = config.stash.get(ACTIVATION_KEY, None)
+    if token is not None:
+        del config.stash[ACTIVATION_KEY]
+        try:
+            active.reset(token)
+        except ValueError:  # configured in another context: nothing of ours is active here
+            pass
 
 
 def pytest_report_header(config: pytest.Config) -> list[str]:
@@ -166,7 +189,7 @@ def _lease_card_in_process(item: pytest.Function, spec: LaunchSpec, settings: Se
     try:
         lease = acquire(settings.lease_dir, [card_want(inventory(spec.device), 1)],
                         timeout=settings.lease_timeout, holder=item.nodeid)
-    except LeaseTimeout as exc:
+    except LeaseError as exc:
         _fail(f"{item.nodeid}: could not lease a {spec.device} card\n{exc}")
     card = lease.cards()[0]
     item.stash[CARD_LEASE_KEY] = (lease, os.environ.get(CARD_ENV))
@@ -202,43 +225,14 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
     spec = pyfuncitem.stash.get(SPEC_KEY, None) or spec_for_item(pyfuncitem)
     settings = pyfuncitem.config.stash[SETTINGS_KEY]
     task = _task_for(pyfuncitem)
-    if spec.timeout:
-        deadline_s, source = spec.timeout, "LaunchSpec.timeout"
-    else:
-        deadline_s, source = settings.timeout, "--harness-timeout"
+    deadline = choose_deadline(spec, settings, default_source="--harness-timeout")
+    plan = CasePlan(spec, settings, pyfuncitem.nodeid, deadline, reuse=spec.reuse and settings.reuse)
     try:
-        # Pools are kept by the main thread: Linux kills ranks whose spawning thread ends.
-        if spec.reuse and settings.reuse and threading.current_thread() is threading.main_thread():
-            result = keeper.run(task, spec, settings, deadline_s=deadline_s,
-                                deadline_source=source, what=pyfuncitem.nodeid)
-        else:
-            result = _run_fresh(task, spec, settings, deadline_s, source, pyfuncitem.nodeid)
-    except LeaseTimeout as exc:
+        result = run_case(task, plan)
+    except LeaseError as exc:
         _fail(f"{pyfuncitem.nodeid}: could not lease what the case needs\n{exc}")
-    echo_logs(result)
-    status = result.status
-    if status == FAILED:
-        _fail(result.report())
-    if status == SKIPPED:
-        _skip_at_test(result.reason())
-    if status == XFAILED:
-        pytest.xfail(result.reason())
+    conclude(result, fail=_fail, skip=_skip_at_test, xfail=pytest.xfail)
     return True
-
-
-def _run_fresh(task: RankTask, spec: LaunchSpec, settings: Settings, deadline_s: float,
-               source: str, what: str) -> CaseResult:
-    """Lease, run the case on fresh ranks, give the lease back."""
-    lease = lease_case(spec, settings, what)
-    result = None
-    try:
-        result = run_ranks(task, spec, deadline_s=deadline_s, deadline_source=source,
-                           cards=lease.cards(), lease=lease, capture=True, what=what)
-    finally:
-        # Ranks the kernel would not kill keep their inherited lock: the card
-        # stays leased until they are really gone.
-        lease.release(holders_gone=result is not None and not result.survivors)
-    return result
 
 
 def _fail(message: str) -> NoReturn:
@@ -246,7 +240,7 @@ def _fail(message: str) -> NoReturn:
     raise pytest.fail.Exception(message, pytrace=False) from None
 
 
-def _skip_at_test(reason: str) -> None:
+def _skip_at_test(reason: str) -> NoReturn:
     """Skip, reported at the test's location rather than at this plugin's line."""
     try:
         exc = pytest.skip.Exception(reason, _use_item_location=True)

@@ -26,7 +26,7 @@ safe by construction:
   idle, every ``IDLE_CHECK_S``), at session end and at interpreter exit.
 
 The rank side is ``harness.launcher.rank.pool_rank_main``; outcomes, reports and the
-tree kill are the ones every launch uses (``harness.launcher.launch``).
+tree kill are the ones every case uses (``harness.launcher.case``).
 """
 
 from __future__ import annotations
@@ -42,38 +42,33 @@ import time
 from collections import deque
 from multiprocessing import get_context
 from multiprocessing.connection import wait as wait_any
-from typing import Any
+from typing import Any, TypeVar
 
 from harness.launcher import procs
-from harness.launcher.launch import (
+from harness.launcher.case import (
     EXIT_WAIT_S,
     KILL_GRACE_S,
-    Case,
-    InheritedFd,
-    collect_logs,
+    CasePlan,
+    CaseRun,
     lease_case,
-    new_result,
-    rank_context,
+    lease_fds,
     reap_on_sigterm,
     signals_deferred,
-    supervise,
-    wind_down,
 )
 from harness.launcher.lease import Lease, add_yield_hook
-from harness.launcher.outcome import FAILED, CaseResult
+from harness.launcher.outcome import FAILED, CaseOutcome
 from harness.launcher.rank import (
-    CASE,
-    EXIT,
-    GO,
     HEALTH_TIMEOUT_S,
-    IDLE,
-    OUTCOME,
-    READY,
+    Exit,
+    Go,
+    Idle,
+    OutcomeWritten,
     RankTask,
+    Ready,
+    RunCase,
     pool_rank_main,
 )
 from harness.launcher.reset import Inherited
-from harness.launcher.settings import Settings
 from harness.spec import LaunchSpec
 
 #: How often an idle pool checks whether another process waits for its lease.
@@ -83,6 +78,8 @@ IDLE_CHECK_S = 0.25
 READY_SLACK_S = 5.0
 #: How long ranks told to exit get before their trees are killed.
 CLOSE_WAIT_S = 2.0
+
+_Message = TypeVar("_Message")
 
 
 def pool_key(spec: LaunchSpec) -> tuple[str, int, str]:
@@ -95,7 +92,7 @@ class _Channel:
 
     def __init__(self, conn: Any) -> None:
         self.conn = conn
-        self.inbox: deque[tuple] = deque()
+        self.inbox: deque[object] = deque()
         self.closed = False
 
     def fileno(self) -> int:
@@ -109,7 +106,7 @@ class _Channel:
         except (EOFError, OSError):
             self.closed = True
 
-    def send(self, message: tuple) -> bool:
+    def send(self, message: object) -> bool:
         if self.closed:
             return False
         try:
@@ -119,11 +116,11 @@ class _Channel:
             return False
         return True
 
-    def take(self, kind: str) -> tuple | None:
-        """The first message of ``kind``, dropping those before it (None: none yet)."""
+    def take(self, kind: type[_Message]) -> _Message | None:
+        """The first message of type ``kind``, dropping those before it (None: none yet)."""
         while self.inbox:
             message = self.inbox.popleft()
-            if message[0] == kind:
+            if isinstance(message, kind):
                 return message
         return None
 
@@ -160,7 +157,7 @@ class RankPool:
         self._channels: list[_Channel] = []
         try:
             mp = get_context("spawn")
-            fds = [InheritedFd(fd) for fd in (lease.fds() if lease else [])]
+            fds = lease_fds(lease)
             for rank in range(spec.nproc):
                 ours, theirs = mp.Pipe()
                 proc = mp.Process(target=pool_rank_main, args=(os.getpid(), theirs, fds),
@@ -183,9 +180,8 @@ class RankPool:
         return self.usable and all(p.is_alive() for p in self._procs) and not any(
             c.closed for c in self._channels)
 
-    def run(self, task: RankTask, *, deadline_s: float, deadline_source: str,
-            what: str) -> CaseResult | None:
-        """Run one case on the pool, as ``launch.run_ranks`` would on fresh ranks.
+    def run(self, task: RankTask, plan: CasePlan) -> CaseOutcome | None:
+        """Run one case on the pool, through the phases fresh ranks go through.
 
         Returns None when a reused pool failed its health check before the
         case started (``problem`` says why); the pool is then closed. After
@@ -197,60 +193,53 @@ class RankPool:
         self.cases += 1
         case_dir = os.path.join(self._dir, f"case-{self.cases}")
         os.mkdir(case_dir)
-        result = new_result(self.spec, self.cards, deadline_s, deadline_source)
-        case = Case(what, self.spec.nproc, self.spec.device, tuple(str(c) for c in self.cards),
-                    time.time() + deadline_s)
+        run = CaseRun(plan, self.cards, case_dir, store_path=self._store)
         if self.lease is not None:
-            self.lease.annotate(holder=what, ranks=self.pids)
+            self.lease.annotate(holder=plan.what, ranks=self.pids)
         kept = False
         try:
             with reap_on_sigterm():
                 try:
-                    if not self._dispatch(task, case_dir, deadline_s, case, check):
+                    if not self._dispatch(task, run, check):
                         return None
-                    supervise(self._procs, result, case_dir, time.monotonic() + deadline_s,
-                              self._channels)
-                    kept = self._settle(result)
+                    run.supervise(self._procs, self._channels)
+                    kept = self._settle(run.result)
                 finally:
                     with signals_deferred():
                         if kept:
-                            if self.capture:
-                                collect_logs(result, case_dir, self.spec.nproc)
+                            run.collect_logs()
                         else:
-                            self._stop(result, case_dir)
-            return result
+                            self._stop(run)
+            return run.result
         finally:
             shutil.rmtree(case_dir, ignore_errors=True)
 
-    def _dispatch(self, task: RankTask, case_dir: str, deadline_s: float, case: Case,
-                  check: bool) -> bool:
+    def _dispatch(self, task: RankTask, run: CaseRun, check: bool) -> bool:
         """Hand the case to every rank; on a reused pool, only once all pass the health check."""
         if not self.alive():
             self.problem = "a rank is gone"
             return False
         inherited = Inherited.now()  # what fresh ranks would start with, fixtures' doing included
         for rank, channel in enumerate(self._channels):
-            card = self.cards[rank] if self.spec.cards else None
-            ctx = rank_context(rank, self.spec, case_dir, card, deadline_s, self.capture, case,
-                               store_path=self._store)
-            if not channel.send((CASE, ctx, task, inherited, self.cases, check)):
+            if not channel.send(RunCase(run.rank_context(rank), task, inherited, self.cases, check)):
                 self.problem = f"rank {rank} is not listening"
                 return False
         if not check:
             return True
-        ready = self._collect(READY, HEALTH_TIMEOUT_S + READY_SLACK_S, until_problem=True)
-        problems = [f"rank {r}: {ready[r][1]}" for r in sorted(ready) if ready[r][1]]
+        ready = self._collect(Ready, HEALTH_TIMEOUT_S + READY_SLACK_S, until_problem=True)
+        problems = [f"rank {r}: {ready[r].problem}" for r in sorted(ready) if ready[r].problem]
         problems += [f"rank {r} did not answer" for r in range(self.spec.nproc) if r not in ready]
         if problems:
             self.problem = "; ".join(problems)
             return False
-        return all(channel.send((GO,)) for channel in self._channels)
+        return all(channel.send(Go()) for channel in self._channels)
 
-    def _collect(self, kind: str, timeout: float, *, until_problem: bool = False) -> dict[int, tuple]:
-        """Each rank's next ``(kind, problem)`` message, waiting at most ``timeout``
+    def _collect(self, kind: type[Ready] | type[Idle], timeout: float, *,
+                 until_problem: bool = False) -> dict[int, Any]:
+        """Each rank's next message of type ``kind``, waiting at most ``timeout``
         seconds (ranks that die or close their pipe are left out at once; with
         ``until_problem`` the wait ends at the first message naming a problem)."""
-        got: dict[int, tuple] = {}
+        got: dict[int, Any] = {}
         end = time.monotonic() + timeout
         while True:
             for rank, channel in enumerate(self._channels):
@@ -262,21 +251,21 @@ class RankPool:
             waiting = [r for r in range(len(self._channels))
                        if r not in got and not self._channels[r].closed and self._procs[r].is_alive()]
             left = end - time.monotonic()
-            if not waiting or left <= 0 or (until_problem and any(m[1] for m in got.values())):
+            if not waiting or left <= 0 or (until_problem and any(m.problem for m in got.values())):
                 return got
             wait_any([self._channels[r] for r in waiting] + [self._procs[r].sentinel for r in waiting],
                      timeout=left)
 
-    def _settle(self, result: CaseResult) -> bool:
+    def _settle(self, result: CaseOutcome) -> bool:
         """After a case: whether the pool can run another. It can when every rank
         passed (or skipped) and reported itself clean; processes the case
         started under the ranks are stopped either way."""
         if result.status == FAILED or result.exits or len(result.outcomes) < self.spec.nproc:
             return False
-        for channel in self._channels:  # (OUTCOME,) said the files were written
-            channel.take(OUTCOME)
-        idle = self._collect(IDLE, EXIT_WAIT_S)
-        problems = [f"rank {r}: {idle[r][1]}" for r in sorted(idle) if idle[r][1]]
+        for channel in self._channels:  # OutcomeWritten said the files were written
+            channel.take(OutcomeWritten)
+        idle = self._collect(Idle, EXIT_WAIT_S)
+        problems = [f"rank {r}: {idle[r].problem}" for r in sorted(idle) if idle[r].problem]
         problems += [f"rank {r} did not report back after the case"
                      for r in range(self.spec.nproc) if r not in idle]
         leftovers = procs.kill_trees(self.pids, grace=KILL_GRACE_S, spare=self.pids)
@@ -288,13 +277,13 @@ class RankPool:
             return False
         return True
 
-    def _stop(self, result: CaseResult, case_dir: str) -> None:
-        """Tear the pool down mid-case, the way a spawn-per-case launch stops its ranks."""
+    def _stop(self, run: CaseRun) -> None:
+        """Tear the pool down mid-case, the way fresh ranks are stopped."""
         self.usable = False
         for channel in self._channels:
-            channel.send((EXIT,))  # ranks that reported exit now instead of waiting
-        wind_down(self._procs, result, case_dir, self.capture)
-        self.survivors = list(result.survivors)
+            channel.send(Exit())  # ranks that reported exit now instead of waiting
+        run.wind_down(self._procs)
+        self.survivors = list(run.result.survivors)
         self.close()
 
     def close(self) -> None:
@@ -305,7 +294,7 @@ class RankPool:
             return
         self._closed = True
         for channel in self._channels:
-            channel.send((EXIT,))
+            channel.send(Exit())
         end = time.monotonic() + CLOSE_WAIT_S
         for proc in self._procs:
             if proc.pid is not None:
@@ -337,13 +326,13 @@ class PoolKeeper:
         """The pool kept now (None: none)."""
         return self._pool
 
-    def run(self, task: RankTask, spec: LaunchSpec, settings: Settings, *, deadline_s: float,
-            deadline_source: str, what: str) -> CaseResult:
-        """Run a case on the kept pool for ``spec``, starting one (and leasing
+    def run(self, task: RankTask, plan: CasePlan) -> CaseOutcome:
+        """Run a case on the kept pool for ``plan.spec``, starting one (and leasing
         for it: ``LeaseTimeout``) when there is none that fits or is healthy.
 
         Call it from the main thread only (the one that outlives the pool).
         """
+        spec = plan.spec
         with self._lock:
             notes: list[str] = []
             pool = self._pool
@@ -355,9 +344,9 @@ class PoolKeeper:
                 self._close_locked()
             while True:
                 if self._pool is None:
-                    lease = lease_case(spec, settings, what)
+                    lease = lease_case(spec, plan.settings, plan.what)
                     try:
-                        self._pool = RankPool(spec, lease, capture=settings.capture)
+                        self._pool = RankPool(spec, lease, capture=plan.settings.capture)
                     except BaseException:
                         lease.release()
                         raise
@@ -366,8 +355,7 @@ class PoolKeeper:
                 pool.busy = True
                 result = None
                 try:
-                    result = pool.run(task, deadline_s=deadline_s, deadline_source=deadline_source,
-                                      what=what)
+                    result = pool.run(task, plan)
                 finally:
                     pool.busy = False
                     if not pool.usable or result is None:

@@ -105,3 +105,20 @@ def kill_trees(roots: Iterable[int], *, grace: float, own_session: bool = True,
         return []
     _signal(alive, signal.SIGKILL)
     return wait_gone(alive, kill_wait)
+
+
+_STOPPED = {psutil.STATUS_STOPPED, getattr(psutil, "STATUS_TRACING_STOP", "tracing-stop")}
+
+
+def stopped(pid: int) -> bool:
+    """Whether rank process ``pid`` is stopped by a signal (SIGSTOP, SIGTSTP, a
+    debugger). A rank that runs under a supervisor (``harness.launcher.rank``)
+    is the supervisor's oldest child, which is checked too."""
+    try:
+        proc = psutil.Process(pid)
+        if proc.status() in _STOPPED:
+            return True
+        children = sorted(proc.children(), key=lambda p: p.create_time())
+        return bool(children) and children[0].status() in _STOPPED
+    except psutil.Error:
+        return False

@@ -42,9 +42,9 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
-from harness.devices import Card, local_index, runtime_available, set_device
+from harness.devices import Card, device_for_backend, local_index, runtime_available, set_device
 from harness.launcher.outcome import FAILED, PASSED, SKIPPED, XFAILED, RankOutcome
-from harness.launcher.reset import Baseline, fresh_context
+from harness.launcher.reset import Baseline, Inherited, fresh_context
 from harness.launcher.target import FunctionRef
 
 #: How long a pooled rank's health check waits for its peers.
@@ -52,13 +52,6 @@ HEALTH_TIMEOUT_S = 5.0
 STACK_DUMP_SIGNAL = getattr(signal, "SIGUSR1", None)
 _HARNESS_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 _keep: dict[str, object] = {}
-
-# Pool protocol. Launcher -> rank: (CASE, RankContext, RankTask, Inherited,
-# seq, check), (GO,), (EXIT,). Rank -> launcher: (READY, problem | None) after the health
-# check, (OUTCOME,) once the outcome file is written, (IDLE, problem | None)
-# once the case's state is cleaned up (a problem: the rank cannot be reused).
-CASE, GO, EXIT = "case", "go", "exit"
-READY, OUTCOME, IDLE = "ready", "outcome", "idle"
 
 
 @dataclass(frozen=True)
@@ -88,6 +81,53 @@ class RankContext:
     pg_timeout_s: float
     parent_pid: int
     env: dict[str, str] = field(default_factory=dict)
+
+
+# The kept-rank protocol: launcher -> rank ``RunCase``, ``Go``, ``Exit``;
+# rank -> launcher ``Ready`` (after the health check), ``OutcomeWritten``,
+# ``Idle`` (once the case's state is cleaned up).
+
+
+@dataclass(frozen=True)
+class RunCase:
+    """Launcher -> kept rank: run this case (``seq``: the pool's case number;
+    ``check``: run the health check first and wait for ``Go``)."""
+
+    ctx: RankContext
+    task: RankTask
+    inherited: Inherited
+    seq: int
+    check: bool
+
+
+@dataclass(frozen=True)
+class Go:
+    """Launcher -> kept rank: every rank passed the health check; run the case."""
+
+
+@dataclass(frozen=True)
+class Exit:
+    """Launcher -> kept rank: leave now."""
+
+
+@dataclass(frozen=True)
+class Ready:
+    """Kept rank -> launcher: the health check's verdict (``problem`` None: healthy)."""
+
+    problem: str | None
+
+
+@dataclass(frozen=True)
+class OutcomeWritten:
+    """Kept rank -> launcher: this case's outcome file is written."""
+
+
+@dataclass(frozen=True)
+class Idle:
+    """Kept rank -> launcher: the case is cleaned up (``problem``: why this rank
+    cannot run another case)."""
+
+    problem: str | None
 
 
 def rank_main(ctx: RankContext, task: RankTask, lease_fds: list[int]) -> NoReturn:
@@ -139,21 +179,21 @@ def _serve(parent_pid: int, conn: Any) -> NoReturn:
             message = conn.recv()
         except (EOFError, OSError):
             _hard_exit(0)  # the launcher is gone or closed the pool
-        if message[0] != CASE:
+        if not isinstance(message, RunCase):
             _hard_exit(0)
-        _, ctx, task, inherited, seq, check = message
-        inherited.apply(ctx.env)
+        ctx, task, seq, check = message.ctx, message.task, message.seq, message.check
+        message.inherited.apply(ctx.env)
         _enter_case(ctx)
         if baseline is not None:
             baseline.restore()
         if check:
             problem = _health_check(ctx, seq)
-            conn.send((READY, problem))
+            conn.send(Ready(problem))
             try:
                 reply = conn.recv()
             except (EOFError, OSError):
                 _hard_exit(0)
-            if problem is not None or reply[0] != GO:
+            if problem is not None or not isinstance(reply, Go):
                 _hard_exit(0)
         if baseline is None:
             # First case: join the process group, then record the state every
@@ -167,10 +207,10 @@ def _serve(parent_pid: int, conn: Any) -> NoReturn:
             outcome = _run(ctx, task, fresh_module=True)
         outcome.write(ctx.outcome_path)
         _flush()
-        conn.send((OUTCOME,))
+        conn.send(OutcomeWritten())
         if outcome.status == FAILED:
             _exit(outcome)
-        conn.send((IDLE, _leftovers(baseline)))
+        conn.send(Idle(_leftovers(baseline)))
         # Free the case's garbage (device memory in reference cycles, too)
         # before the next case, off the launcher's critical path.
         gc.collect()
@@ -322,8 +362,9 @@ def _health_check(ctx: RankContext, seq: int) -> str | None:
         if not dist.is_initialized():
             return "the process group is gone"
         device = torch.device("cpu")
-        if ctx.card is not None and ctx.backend not in ("gloo", "mpi") and runtime_available(ctx.device):
-            device = torch.device(ctx.device, getattr(torch, ctx.device).current_device())
+        placement = device_for_backend(ctx.backend)
+        if ctx.card is not None and placement.is_accelerator and runtime_available(placement.name):
+            device = placement.collective_device()
         probe = torch.tensor([1.0, float(seq)], device=device)
         work = dist.all_reduce(probe, async_op=True)
         late = f"the health-check all-reduce did not finish within {HEALTH_TIMEOUT_S:g} s"

@@ -38,6 +38,8 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
+from harness.devices import accelerators
+
 #: Signals whose handlers a case may have replaced (the stack-dump signal is
 #: the harness's own and stays).
 _SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP", "SIGALRM",
@@ -194,8 +196,8 @@ def _torch_state() -> dict[str, Any]:
     get_default_device = getattr(torch, "get_default_device", None)
     if get_default_device is not None:
         state["device"] = get_default_device()
-    if torch.cuda.is_initialized():
-        state["cuda_rng"] = torch.cuda.get_rng_state_all()
+    state["device_rng"] = {kind.name: runtime.get_rng_state_all() for kind in accelerators()
+                           if (runtime := kind.initialised_runtime()) is not None}
     return state
 
 
@@ -207,8 +209,9 @@ def _restore_torch(state: dict[str, Any]) -> None:
     # recorded states put back exactly.
     torch.manual_seed(state["seed"])
     torch.set_rng_state(state["cpu_rng"])
-    if "cuda_rng" in state:
-        torch.cuda.set_rng_state_all(state["cuda_rng"])
+    for kind in accelerators():
+        if kind.name in state["device_rng"]:
+            kind.torch_runtime().set_rng_state_all(state["device_rng"][kind.name])
     if "device" in state and torch.get_default_device() != state["device"]:
         torch.set_default_device(None if state["device"].type == "cpu" else state["device"])
     if torch.get_default_dtype() != state["dtype"]:
@@ -245,13 +248,12 @@ def _process_groups() -> tuple[int, Any]:
 
 def _device_error() -> str | None:
     """A sticky accelerator error surfaces at a synchronize; such a rank is done."""
-    torch = sys.modules["torch"]
-    for name in ("cuda", "npu"):
-        runtime = getattr(torch, name, None)
-        if runtime is None or not runtime.is_initialized():
+    for kind in accelerators():
+        runtime = kind.initialised_runtime()
+        if runtime is None:
             continue
         try:
             runtime.synchronize()
         except Exception as exc:
-            return f"{name} error after the case: {type(exc).__name__}: {exc}"
+            return f"{kind.name} error after the case: {type(exc).__name__}: {exc}"
     return None

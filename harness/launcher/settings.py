@@ -1,13 +1,14 @@
 """Session-wide harness settings: deadlines, lease directory, process slots.
 
 The pytest plugin activates the settings its command line gives for the
-length of the session; ``harness.launcher.launch`` called from scripts gets the
-defaults (``HARNESS_LEASE_DIR`` honoured).
+length of the session (``active``); ``harness.launch`` called from scripts
+gets the defaults (``HARNESS_LEASE_DIR`` honoured).
 """
 
 from __future__ import annotations
 
 import os
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 
 from harness.launcher.lease import default_lease_dir
@@ -41,22 +42,14 @@ class Settings:
     reuse: bool = True
 
 
-_stack: list[Settings] = []
+#: The settings of the pytest session this code runs in (unset: none). The
+#: plugin keeps its session's ``Settings`` in ``config.stash`` and activates
+#: them here for the session's length (a ContextVar: nested pytester runs
+#: restore the outer session's on exit by resetting their token).
+active: ContextVar[Settings] = ContextVar("harness_settings")
 
 
 def current() -> Settings:
-    """The innermost active settings, else defaults from the environment."""
-    return _stack[-1] if _stack else Settings()
-
-
-def push(settings: Settings) -> None:
-    """Activate ``settings`` (the plugin does this at configure time)."""
-    _stack.append(settings)
-
-
-def pop(settings: Settings) -> None:
-    """Deactivate ``settings``; nested pytest runs (pytester) restore the outer ones."""
-    for i in range(len(_stack) - 1, -1, -1):
-        if _stack[i] is settings:
-            del _stack[i]
-            return
+    """The active session's settings, else defaults from the environment."""
+    settings = active.get(None)
+    return settings if settings is not None else Settings()

@@ -40,7 +40,7 @@ class FunctionRef:
         qualname = getattr(fn, "__qualname__", None)
         if not module or not qualname or "<" in qualname:
             raise ValueError(
-                f"harness.launcher.launch needs a function defined at module level so that the "
+                f"harness.launch needs a function defined at module level so that the "
                 f"spawned ranks can import it; got {fn!r}"
             )
         mod = sys.modules.get(module)

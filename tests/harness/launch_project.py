@@ -82,7 +82,9 @@ def write_project(root: Path, files: dict[str, str]) -> Path:
 
 
 @dataclass
-class Case:
+class JunitCase:
+    """One test's outcome as the inner session's JUnit report gives it."""
+
     status: str  # passed / failed / error / skipped
     message: str
     text: str
@@ -93,9 +95,9 @@ class Session:
     returncode: int
     output: str
     seconds: float
-    cases: dict[str, Case] = field(default_factory=dict)
+    cases: dict[str, JunitCase] = field(default_factory=dict)
 
-    def case(self, name: str) -> Case:
+    def case(self, name: str) -> JunitCase:
         assert name in self.cases, f"no test {name} in {sorted(self.cases)}\n{self.output}"
         return self.cases[name]
 
@@ -118,7 +120,7 @@ def run_session(root: Path, *args: str, env: dict[str, str], timeout: float = 18
     return session
 
 
-def parse_junit(path: Path) -> dict[str, Case]:
+def parse_junit(path: Path) -> dict[str, JunitCase]:
     cases = {}
     for tc in ET.parse(path).getroot().iter("testcase"):
         status, message, text = "passed", "", ""
@@ -128,7 +130,7 @@ def parse_junit(path: Path) -> dict[str, Case]:
                 status = {"failure": "failed"}.get(tag, tag)
                 message, text = node.get("message", ""), node.text or ""
                 break
-        cases[tc.get("name")] = Case(status, message, text)
+        cases[tc.get("name")] = JunitCase(status, message, text)
     return cases
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from harness import DEVICES
+from harness import DEVICES, LaunchSpec
 from harness.devices import Card, inventory, is_simulated, local_index, parse_cards
 
 
@@ -47,3 +47,50 @@ def test_local_index_follows_the_visibility_variable(monkeypatch):
 def test_devices_params():
     assert [p.values for p in DEVICES] == [("cpu",), ("cuda",), ("npu",)]
     assert [p.id for p in DEVICES] == ["cpu", "cuda", "npu"]
+
+
+def test_everything_device_shaped_derives_from_the_table():
+    from harness import devices, spec
+
+    names = tuple(d.name for d in devices.DEVICE_TABLE)
+    assert [p.values[0] for p in DEVICES] == list(names)
+    assert names == spec.DEVICE_TYPES
+    assert tuple(d.name for d in devices.DEVICE_TABLE if d.is_accelerator) == spec.ACCELERATORS
+    assert {d.name: d.backend for d in devices.DEVICE_TABLE} == spec.DEFAULT_BACKENDS
+    assert {d.name: d.visibility_env for d in devices.DEVICE_TABLE
+                                      if d.is_accelerator} == devices.VISIBILITY_ENV
+    assert set(parse_cards("none")) == set(spec.ACCELERATORS)
+    for d in devices.DEVICE_TABLE:
+        assert devices.device_for_backend(d.backend) is d
+        assert LaunchSpec(device=d.name, nproc=2).cards == (2 if d.is_accelerator else 0)
+
+
+def test_unknown_device_or_backend_raises_naming_the_known_ones():
+    from harness import devices
+
+    with pytest.raises(ValueError, match=r"unknown device 'xpu'; known: cpu, cuda, npu"):
+        devices.device_type("xpu")
+    with pytest.raises(ValueError, match=r"unknown device 'tpu'"):
+        inventory("tpu")
+    with pytest.raises(ValueError, match=r"unknown torch.distributed backend 'ucc'; known: gloo, mpi, nccl, hccl"):
+        devices.device_for_backend("ucc")
+
+
+def test_suite_schema_device_enum_is_the_table():
+    import json
+    from importlib.resources import files
+
+    from harness import devices
+
+    schema = json.loads(files("harness.suites").joinpath("schema.json").read_text())
+    assert schema["$defs"]["manifest"]["properties"]["device"]["enum"] == [d.name for d in devices.DEVICE_TABLE]
+
+
+def test_channel_loss_collectives_place_tensors_where_the_table_says():
+    from channel_loss import exchange
+    from harness.devices import BACKEND_DEVICES
+
+    theirs = getattr(exchange, "BACKEND_DEVICES", None)
+    if theirs is None:
+        pytest.skip("channel_loss.exchange does not expose BACKEND_DEVICES yet")
+    assert dict(theirs) == BACKEND_DEVICES

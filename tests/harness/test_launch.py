@@ -1,4 +1,4 @@
-"""harness.launcher.launch from code: per-rank results, failures naming the rank, bad inputs."""
+"""harness.launch from code: per-rank results, failures naming the rank, bad inputs."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 import harness
 from harness import LaunchError, LaunchSpec
-from harness.launcher.launch import pg_timeout_for
+from harness.launcher.case import pg_timeout_for
 
 
 def rank_facts(tag: str) -> tuple:

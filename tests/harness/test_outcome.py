@@ -12,14 +12,14 @@ from harness.launcher.outcome import (
     PASSED,
     SKIPPED,
     XFAILED,
-    CaseResult,
+    CaseOutcome,
     RankOutcome,
     describe_exit,
 )
 
 
-def result(**kw) -> CaseResult:
-    return CaseResult(nproc=kw.pop("nproc", 2), label="cpu/gloo", deadline_s=5,
+def result(**kw) -> CaseOutcome:
+    return CaseOutcome(nproc=kw.pop("nproc", 2), label="cpu/gloo", deadline_s=5,
                       deadline_source="LaunchSpec.timeout", **kw)
 
 

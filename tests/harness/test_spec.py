@@ -51,6 +51,7 @@ def test_is_frozen():
     ("timeout", True),
     ("backend", ""),
     ("backend", 3),
+    ("backend", "nccl2"),
     ("reuse", "yes"),
 ])
 def test_bad_value_is_a_value_error_naming_field_and_value(field, value):
