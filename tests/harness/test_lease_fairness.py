@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+from launch_project import inner_env, pytest_command, read_card_uses, run_session, write_project
 
 from harness.launcher import lease as leases
 from harness.launcher.lease import acquire, slot_want
@@ -217,3 +218,69 @@ def test_a_process_never_defers_to_a_waiter_for_what_it_holds_itself(tmp_path, h
     finally:
         mine.release()
         finish(waiter, 30)
+
+
+# -- the same through the plugin: kept pools, 2 process slots, 2-rank cases ----
+
+#: Twelve 2-rank cases of 2 s each; once the other session is done the rest skip.
+POOL_SESSION = '''
+    import os
+    import time
+
+    import pytest
+
+    from recording import out_dir, record_card_use
+
+
+    @pytest.mark.parametrize("n", range(12))
+    @pytest.mark.launch(nproc=2)
+    def test_two_ranks(n):
+        if (out_dir() / "waiter-done").exists():
+            pytest.skip("the other session is done")
+        record_card_use(f"churner-{n}-rank{os.environ['RANK']}", seconds=2.0)
+'''
+
+WAITING_SESSION = '''
+    import os
+
+    import pytest
+
+    from recording import record_card_use
+
+
+    @pytest.mark.launch(nproc=2)
+    def test_two_ranks_too():
+        record_card_use(f"waiter-rank{os.environ['RANK']}", seconds=0.5)
+'''
+
+
+def test_a_session_waiting_for_slots_is_not_starved_by_a_kept_pool(tmp_path):
+    """2 process slots, two sessions of 2-rank cases: the busy one closes its pool
+    for the waiting one and leases again for its next case; it must line up behind."""
+    leases, out = tmp_path / "leases", tmp_path / "out"
+    out.mkdir()
+    env = inner_env(out, leases)
+    busy_root = write_project(tmp_path / "busy", {"test_busy.py": POOL_SESSION})
+    waiting_root = write_project(tmp_path / "waiting", {"test_waiting.py": WAITING_SESSION})
+    busy = subprocess.Popen(pytest_command(busy_root, "--harness-max-procs", "2"), cwd=busy_root,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        end = time.monotonic() + 120
+        while not read_card_uses(out) and busy.poll() is None and time.monotonic() < end:
+            time.sleep(0.1)
+        assert read_card_uses(out), finish(busy, 5)  # its first case ran: its pool holds both slots
+        # Without a fair handoff the busy session keeps both slots for its 12 cases
+        # (over 24 s); in turn, the wait is about one case and a pool start.
+        waiting = run_session(waiting_root, "--harness-max-procs", "2", "--harness-lease-timeout", "20",
+                              env=env, timeout=120)
+        (out / "waiter-done").touch()
+        busy_output = finish(busy, 180)
+    finally:
+        (out / "waiter-done").touch()
+        if busy.poll() is None:
+            busy.kill()
+            busy.communicate()
+    assert waiting.case("test_two_ranks_too").status == "passed", waiting.output
+    assert busy.returncode == 0, busy_output
+    uses = read_card_uses(out)
+    assert_no_overlap([(u["case"], u["start"], u["end"]) for u in uses if u["case"].endswith("rank0")])
