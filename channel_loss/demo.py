@@ -1,6 +1,9 @@
 """A training demo: per-source loss curves of a tiny causal LM on packed data from three sources.
 
-Run ``python -m channel_loss.demo [--steps N] [--out DIR] [--sp W] [--interval K]``.
+Run ``python -m channel_loss.demo [--steps N] [--out DIR] [--sp W] [--interval K]``,
+or start the ranks yourself, the way PyTorch users do:
+``torchrun --nproc-per-node W -m channel_loss.demo [...]`` (the ranks and the
+rendezvous come from torchrun's environment; rank 0 writes the outputs).
 
 Three synthetic sources of different difficulty are packed into each row:
 
@@ -17,8 +20,9 @@ needed); its loss is ``chunk_cross_entropy`` inside
 ``ChannelLossMeter.micro_batch`` with a ``PackedLayout`` built from the
 ``position_ids``, so the metrics come from the loss pass itself.
 
-With ``--sp W`` the step runs on W ranks over Gloo (started with
-``harness.launcher.launch``) as sequence parallelism of the loss: every rank runs the
+With ``--sp W`` the step runs on W ranks over Gloo, started with torch's own
+launcher (``torch.distributed.launcher.elastic_launch``, what ``torchrun``
+runs), as sequence parallelism of the loss: every rank runs the
 (tiny) model on the whole packed row, takes its ``Shard`` (``--sp-mode``:
 zigzag by default, or contiguous) of the hidden states and of the globally
 pre-shifted labels, computes the loss of its tokens
@@ -36,10 +40,17 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
+import signal
 import sys
+import tempfile
+import threading
 import time
-from collections.abc import Sequence
+import uuid
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -47,8 +58,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from channel_loss.attribution import COLUMNS
 from channel_loss.layout import PackedLayout
-from channel_loss.meter import ChannelLossMeter
+from channel_loss.meter import MEAN, WEIGHTED, ChannelLossMeter, columns_from_metrics, metric_key
 from channel_loss.ops import chunk_cross_entropy
 
 __all__ = ["SOURCES", "DemoConfig", "TinyCausalLM", "main", "make_micro_batch", "run"]
@@ -57,6 +69,10 @@ __all__ = ["SOURCES", "DemoConfig", "TinyCausalLM", "main", "make_micro_batch", 
 SOURCES: dict[int, str] = {0: "pattern", 1: "noisy", 2: "random"}
 IGNORE_INDEX = -100
 MIN_SAMPLE, MAX_SAMPLE = 8, 48
+#: A stuck collective raises in the ranks after this long instead of hanging.
+COLLECTIVE_TIMEOUT = timedelta(seconds=120)
+#: How long the launcher waits for every rank to join the rendezvous.
+RENDEZVOUS_TIMEOUT_S = 120
 PLOT_NAME = "channel_loss.png"
 METRICS_NAME = "metrics.jsonl"
 
@@ -183,14 +199,17 @@ class TinyCausalLM(nn.Module):
 
 
 def _print_table(step: int, metrics: dict[str, float], prefix: str = "channel_loss") -> None:
+    columns, _ = columns_from_metrics(metrics, prefix=prefix)
+    shown = [(i, c.metric) for i, c in enumerate(COLUMNS) if c.metric is not None]
     print(f"  step {step}: per-source loss (mean CE over scored tokens)")
-    print(f"    {'source':<10}{'mean CE':>10}{'tokens':>9}{'samples':>9}{'weighted':>10}")
+    print(f"    {'source':<10}{'mean CE':>10}" + "".join(f"{m:>9}" for _, m in shown)
+          + f"{'weighted':>10}")
     for name in SOURCES.values():
-        if f"{prefix}_tokens/{name}" not in metrics:
+        if name not in columns:
             continue
-        mean = metrics.get(f"{prefix}/{name}", float("nan"))
-        print(f"    {name:<10}{mean:>10.4f}{metrics[f'{prefix}_tokens/{name}']:>9.0f}"
-              f"{metrics[f'{prefix}_samples/{name}']:>9.0f}{metrics[f'{prefix}_weighted/{name}']:>10.4f}")
+        mean = metrics.get(metric_key(prefix, MEAN, name), float("nan"))
+        counts = "".join(f"{columns[name][i]:>9.0f}" for i, _ in shown)
+        print(f"    {name:<10}{mean:>10.4f}{counts}{metrics[metric_key(prefix, WEIGHTED, name)]:>10.4f}")
     sys.stdout.flush()
 
 
@@ -271,25 +290,78 @@ def _train(config: DemoConfig) -> list[dict[str, float]]:
 
 
 def _sp_rank(config: dict) -> list[dict[str, float]]:
-    """Rank entry point for ``harness.launcher.launch``: the process group is up, train on it."""
-    return train(DemoConfig(**config))
+    """Rank entry point under torch's elastic launcher: join its process group, train on it."""
+    dist.init_process_group("gloo", timeout=COLLECTIVE_TIMEOUT)  # env:// set by the launcher
+    try:
+        return train(DemoConfig(**config))
+    finally:
+        dist.destroy_process_group()
 
 
-def run(config: DemoConfig) -> list[dict[str, float]]:
-    """Train in this process (``sp == 1``) or on ``sp`` Gloo ranks via ``harness.launcher.launch``."""
-    if config.sp < 1:
-        raise ValueError(f"sp must be >= 1; got {config.sp}")
-    if config.sp == 1:
-        return train(config)
-    import harness
+@contextmanager
+def _launcher_side_effects_undone() -> Iterator[None]:
+    """Restore the signal handlers and environment the elastic agent changes in its own process.
+
+    The agent installs handlers for SIGTERM/SIGINT/SIGHUP/SIGQUIT that raise
+    in whatever runs next; a caller (a test run, a notebook) keeps its own.
+    """
+    names = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
+    numbers = [getattr(signal, name) for name in names if hasattr(signal, name)]
+    handlers = {number: signal.getsignal(number) for number in numbers}
+    environ = dict(os.environ)
+    try:
+        yield
+    finally:
+        for number, handler in handlers.items():
+            if handler is not None and threading.current_thread() is threading.main_thread():
+                signal.signal(number, handler)
+        os.environ.clear()
+        os.environ.update(environ)
+
+
+def _launch(config: DemoConfig) -> list[dict[str, float]]:
+    """Run ``config.sp`` ranks on this host with torch's elastic launcher; return rank 0's records."""
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     # Import this module under its real name: run as ``python -m``, this code is
     # ``__main__``, which the spawned ranks could not import by that name.
     from channel_loss import demo
 
-    results = harness.launch(demo._sp_rank, harness.LaunchSpec(device="cpu", nproc=config.sp),
-                             asdict(config))
+    with tempfile.TemporaryDirectory(prefix="channel_loss_demo_") as logs, \
+            _launcher_side_effects_undone():
+        launch = LaunchConfig(
+            min_nodes=1, max_nodes=1, nproc_per_node=config.sp,
+            run_id=f"channel_loss_demo_{uuid.uuid4().hex}",
+            # torchrun --standalone: a rendezvous on a free local port held by this process.
+            rdzv_backend="c10d", rdzv_endpoint="localhost:0",
+            rdzv_configs={"timeout": RENDEZVOUS_TIMEOUT_S},
+            max_restarts=0, start_method="spawn", logs_specs=DefaultLogsSpecs(log_dir=logs),
+        )
+        results = elastic_launch(launch, demo._sp_rank)(asdict(config))
     return results[0]  # the meter gives every rank the same metrics
+
+
+def run(config: DemoConfig) -> list[dict[str, float]]:
+    """Train and return one record per measured step.
+
+    ``sp == 1``: in this process. ``sp > 1``: if this process is already one
+    rank of an initialised ``sp``-rank process group (e.g. started by
+    ``torchrun``), train on it; otherwise start ``sp`` Gloo ranks on this
+    host with torch's elastic launcher (as ``torchrun --standalone`` does).
+    """
+    if config.sp < 1:
+        raise ValueError(f"sp must be >= 1; got {config.sp}")
+    if config.sp == 1 or (dist.is_available() and dist.is_initialized()):
+        return train(config)
+    return _launch(config)
+
+
+def _torchrun_world() -> int | None:
+    """The world size when torchrun (or another env:// launcher) started this process, else None."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return int(os.environ["WORLD_SIZE"])
+    return None
 
 
 # --------------------------------------------------------------------------- output
@@ -319,7 +391,8 @@ def plot(records: Sequence[dict], out: Path, *, vocab: int, prefix: str = "chann
     fig, ax = plt.subplots(figsize=(7, 4.2), dpi=120)
     steps = [r["step"] for r in records]
     for name in SOURCES.values():
-        points = [(r["step"], r[f"{prefix}/{name}"]) for r in records if f"{prefix}/{name}" in r]
+        key = metric_key(prefix, MEAN, name)
+        points = [(r["step"], r[key]) for r in records if key in r]
         if points:
             ax.plot(*zip(*points, strict=True), marker="o", markersize=3, label=name)
     ax.plot(steps, [r["loss"] for r in records], color="grey", linestyle="--",
@@ -348,8 +421,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=defaults.steps, help="optimizer steps (default %(default)s)")
     p.add_argument("--out", type=Path, default=Path("channel_loss_demo"),
                    help="output directory (default %(default)s)")
-    p.add_argument("--sp", type=int, default=defaults.sp,
-                   help="sequence-parallel ranks over Gloo (default %(default)s)")
+    p.add_argument("--sp", type=int, default=None,
+                   help=f"sequence-parallel ranks over Gloo, started with torch's elastic launcher "
+                        f"(default {defaults.sp}; under torchrun: its ranks)")
     p.add_argument("--sp-mode", choices=("zigzag", "contiguous"), default=defaults.sp_mode,
                    help="how the packed row is sharded under --sp (default %(default)s)")
     p.add_argument("--interval", type=int, default=defaults.interval,
@@ -360,17 +434,36 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """The command line: train, print progress and tables, write metrics.jsonl and the plot."""
-    args = _parser().parse_args(argv)
-    if args.steps < 1 or args.sp < 1 or args.interval < 1:
-        _parser().error("--steps, --sp and --interval must be >= 1")
-    config = replace(DemoConfig(), steps=args.steps, sp=args.sp, sp_mode=args.sp_mode,
+    """The command line: train, print progress and tables, write metrics.jsonl and the plot.
+
+    Under ``torchrun`` the ranks are torchrun's (``--sp``, if given, must
+    equal its world size) and rank 0 alone prints and writes the outputs.
+    """
+    parser = _parser()
+    args = parser.parse_args(argv)
+    world = _torchrun_world()
+    if world is not None and args.sp not in (None, world):
+        parser.error(f"--sp {args.sp} but torchrun started {world} ranks: they are the SP ranks")
+    sp = world or args.sp or 1
+    if args.steps < 1 or sp < 1 or args.interval < 1:
+        parser.error("--steps, --sp and --interval must be >= 1")
+    config = replace(DemoConfig(), steps=args.steps, sp=sp, sp_mode=args.sp_mode,
                      interval=args.interval, seed=args.seed, quiet=args.quiet)
+    joined = world is not None and world > 1
+    if joined:
+        dist.init_process_group("gloo", timeout=COLLECTIVE_TIMEOUT)
+    try:
+        lead = not joined or dist.get_rank() == 0
+        if lead and not args.quiet:
+            print(f"channel_loss demo: {config.steps} steps, sources {', '.join(SOURCES.values())}, "
+                  f"sp={config.sp}, measuring every {config.interval} step(s)", flush=True)
+        records = run(config)
+    finally:
+        if joined:
+            dist.destroy_process_group()
+    if not lead:
+        return 0
     args.out.mkdir(parents=True, exist_ok=True)
-    if not args.quiet:
-        print(f"channel_loss demo: {config.steps} steps, sources {', '.join(SOURCES.values())}, "
-              f"sp={config.sp}, measuring every {config.interval} step(s)", flush=True)
-    records = run(config)
     path = write_metrics(records, args.out)
     print(f"wrote {path} ({len(records)} measured steps)")
     image = plot(records, args.out, vocab=config.vocab)

@@ -50,7 +50,15 @@ from channel_loss.exchange import (
 from channel_loss.layout import PackedLayout, Shard
 from channel_loss.ops import per_token_cross_entropy, resolve_targets
 
-__all__ = ["ChannelLossMeter", "columns_from_metrics", "metric_key", "metrics_from_columns"]
+__all__ = [
+    "DROPPED",
+    "MEAN",
+    "WEIGHTED",
+    "ChannelLossMeter",
+    "columns_from_metrics",
+    "metric_key",
+    "metrics_from_columns",
+]
 
 logger = logging.getLogger(__name__)
 

@@ -1,7 +1,8 @@
 """``python -m channel_loss.demo``: its outputs, that the easy source learns, and SP=2 == SP=1.
 
-The ``--sp 2`` run starts two Gloo ranks through ``harness.launcher.launch`` (it leases
-its own two process slots). Its metrics must equal the ``--sp 1`` run's
+The ``--sp 2`` run starts two Gloo ranks with torch's elastic launcher, and
+``torchrun --nproc-per-node 2 -m channel_loss.demo`` starts them from outside;
+neither touches the harness. Their metrics must equal the ``--sp 1`` run's
 (same seed): token and sample counts exactly, means and losses within
 ``rel=1e-5`` — sharding only changes the order of float sums (each rank's
 partial loss sums, the gradient all-reduce); the observed gap after 3 steps
@@ -10,8 +11,10 @@ is ~1e-7.
 
 from __future__ import annotations
 
+import ast
 import json
 import math
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -68,13 +71,7 @@ def test_demo_without_matplotlib_skips_the_plot(tmp_path, capsys, monkeypatch):
     check_structure(read_metrics(tmp_path), [0])
 
 
-def test_sp2_metrics_equal_sp1(tmp_path):
-    one, two = tmp_path / "sp1", tmp_path / "sp2"
-    common = ["--steps", "3", "--interval", "1", "--quiet"]
-    assert demo.main([*common, "--out", str(one)]) == 0
-    assert demo.main([*common, "--sp", "2", "--out", str(two)]) == 0
-    a, b = read_metrics(one), read_metrics(two)
-    check_structure(b, [0, 1, 2])
+def assert_same_run(a: list[dict], b: list[dict]) -> None:
     for ra, rb in zip(a, b, strict=True):
         assert ra.keys() == rb.keys()
         for key, value in ra.items():
@@ -82,6 +79,63 @@ def test_sp2_metrics_equal_sp1(tmp_path):
                 assert rb[key] == value, key
             else:
                 assert rb[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
+
+
+COMMON = ["--steps", "2", "--interval", "1", "--quiet"]
+
+
+@pytest.fixture(scope="module")
+def sp1_records(tmp_path_factory) -> list[dict]:
+    out = tmp_path_factory.mktemp("sp1")
+    assert demo.main([*COMMON, "--out", str(out)]) == 0
+    return read_metrics(out)
+
+
+def test_sp2_metrics_equal_sp1(tmp_path, sp1_records):
+    # Ranks started by torch's elastic launcher from this very process.
+    handler = signal.getsignal(signal.SIGINT)
+    assert demo.main([*COMMON, "--sp", "2", "--out", str(tmp_path)]) == 0
+    assert signal.getsignal(signal.SIGINT) is handler  # the launcher's handlers are undone
+    b = read_metrics(tmp_path)
+    check_structure(b, [0, 1])
+    assert_same_run(sp1_records, b)
+
+
+def test_torchrun_starts_the_ranks(tmp_path, sp1_records):
+    # Issue 10.6: the way PyTorch users start ranks. Each rank must join torchrun's group
+    # (before, each trained alone as sp=1 and both wrote the outputs).
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         "-m", "channel_loss.demo", "--steps", "2", "--interval", "1", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=240, check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("(sp=2)") == 1, proc.stdout  # rank 0 alone reports, on 2 ranks
+    assert proc.stdout.count("wrote") == 2  # metrics and plot (or the skip line), once
+    assert_same_run(sp1_records, read_metrics(tmp_path))
+
+
+def test_torchrun_with_a_different_sp_is_a_usage_error(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(SystemExit) as exc:
+        demo.main(["--sp", "3", "--out", str(tmp_path)])
+    assert exc.value.code == 2
+    assert "torchrun started 2 ranks" in capsys.readouterr().err
+
+
+def test_channel_loss_never_imports_the_harness():
+    # Issue 10.6: the demo imported harness (inside run(), for --sp) to start its ranks; the
+    # library must not depend on its own test tool, at import time or later.
+    package = Path(demo.__file__).parent
+    offenders = []
+    for path in sorted(package.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = ([alias.name for alias in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            offenders += [f"{path.name}:{node.lineno} {name}" for name in names
+                          if name.split(".")[0] == "harness"]
+    assert offenders == []
 
 
 def test_cli_entry_point(tmp_path):
