@@ -360,7 +360,7 @@ jobs:
           python -m pip install torch --index-url https://download.pytorch.org/whl/cpu
 {steps}
       - run: harness inventory
-      - run: harness run cpu --out out/harness/cpu --durations-out out/harness/cpu/durations.json
+      - run: harness run cpu --out out/harness/cpu
       - uses: actions/upload-artifact@v4
         if: always()
         with:

@@ -29,6 +29,9 @@ from typing import Any
 from harness.suites.manifest import SUITES_DIR, Runner
 
 DURATIONS_DIR = "durations"
+#: Minutes a CI job gets beyond its runner's ``timeout_minutes``, where ``harness run``
+#: stops pytest and still writes its summary: checkout, install and artifact upload.
+JOB_SETUP_MINUTES = 10
 
 
 class PlanError(ValueError):
@@ -100,6 +103,7 @@ class Plan:
                     "runner_name": s.runner.name,
                     "cards": s.runner.cards,
                     "timeout_minutes": s.runner.timeout_minutes,
+                    "job_timeout_minutes": s.runner.timeout_minutes + JOB_SETUP_MINUTES,
                     "cases": len(s.cases),
                     "estimated_minutes": round(s.load / 60.0, 1),
                 }

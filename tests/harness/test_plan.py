@@ -143,7 +143,8 @@ def test_target_longer_than_one_case_is_refused():
 def test_empty_suite_still_has_one_shard():
     m = plan("s", [runner()], []).matrix()
     assert m == {"include": [{"suite": "s", "shard": "1/1", "runner": ["lbl", "c0"], "runner_name": "r0",
-                              "cards": 0, "timeout_minutes": 60, "cases": 0, "estimated_minutes": 0.0}]}
+                              "cards": 0, "timeout_minutes": 60, "job_timeout_minutes": 70, "cases": 0,
+                              "estimated_minutes": 0.0}]}
 
 
 def test_matrix_json_lists_every_shard():

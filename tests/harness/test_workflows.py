@@ -14,7 +14,8 @@ import nox.registry
 import pytest
 import yaml
 
-from harness.suites.manifest import Runner, suite_files
+from harness.suites import init
+from harness.suites.manifest import Runner, load_manifest, suite_files
 from harness.suites.plan import PlannedCase, plan
 
 REPO = Path(__file__).resolve().parents[2]
@@ -82,12 +83,15 @@ def test_expected_workflows_exist():
     assert {"cpu.yml", "gpu.yml", "npu.yml"} <= set(ALL)
 
 
-def test_nox_sessions_exist_and_reuse_the_interpreters_torch(sessions):
-    assert {"tests", "lint", "inventory", "suite-cpu", "suite-gpu", "suite-npu", "bench"} <= set(sessions)
-    for name in ("tests", "inventory", "suite-cpu", "suite-gpu", "suite-npu", "bench"):
-        assert "--system-site-packages" in (sessions[name].venv_params or []), name
+def test_nox_sessions_exist_one_per_suite(sessions):
+    assert {"tests", "lint", "inventory", "suite-cpu", "suite-gpu", "suite-npu", "bench", "durations"} <= set(sessions)
     for suite in SUITES:
         assert f"suite-{suite}" in sessions, f"suites/{suite}.json has no nox session"
+    for name, func in sessions.items():
+        # --system-site-packages inherits the *base* interpreter, not a virtualenv nox runs
+        # from; sessions reuse nox's own site-packages through a .pth instead (test_adoption
+        # runs `nox -s inventory` from a real virtualenv).
+        assert "--system-site-packages" not in (func.venv_params or []), name
 
 
 @pytest.mark.parametrize("name", ALL)
@@ -115,7 +119,128 @@ def test_required_checks_are_never_skipped_by_path_filters(name):
     for event, spec in (doc["on"] or {}).items():
         assert not (isinstance(spec, dict) and ({"paths", "paths-ignore"} & set(spec))), f"{name}: {event}"
     for job_id, job in doc["jobs"].items():
-        assert "if" not in job, f"{name}: job {job_id} is conditional"
+        # The one condition allowed: the fork gate in front of self-hosted runners.
+        assert job.get("if", FORK_GATE) == FORK_GATE, f"{name}: job {job_id} is conditional"
+
+
+# --------------------------------------------------------------------------- what a maintainer merges
+# The same rules hold for this repository's workflows and for those `harness init --workflows` writes.
+
+FORK_GATE = "needs.plan.outputs.trusted == 'true'"
+PR_ONLY_CANCEL = "${{ github.event_name == 'pull_request' }}"
+
+
+@pytest.fixture(scope="module")
+def init_workflows(tmp_path_factory) -> dict[str, dict]:
+    root = tmp_path_factory.mktemp("init")
+    (root / "pyproject.toml").write_text("[project]\nname = 'x'\nversion = '0'\n")
+    layout = init.PytestLayout(root, None, (), ("test_*.py",), ("tests/test_a.py",), launched_cards=2)
+    files = init.render(root, layout, ["cuda", "npu"], workflows=True)
+    return {
+        f"init:{Path(path).name}": _parsed(text) for path, text in files.items() if path.startswith(".github/")
+    }
+
+
+def _parsed(text: str) -> dict:
+    doc = yaml.safe_load(text)
+    doc["on"] = doc.pop(True, doc.get("on"))
+    return doc
+
+
+def every_workflow(init_workflows: dict[str, dict]) -> dict[str, dict]:
+    return {**{n: load(n) for n in ALL}, **init_workflows}
+
+
+def self_hosted(job: dict) -> bool:
+    runs_on = job.get("runs-on")
+    # Runner labels from the matrix come from the suites' manifests: self-hosted ones.
+    return runs_on == "${{ matrix.runner }}" or "self-hosted" in (runs_on if isinstance(runs_on, list) else [runs_on])
+
+
+def test_accelerator_manifests_name_self_hosted_runners():
+    # What makes `runs-on: ${{ matrix.runner }}` self-hosted (and so fork-gated) in the workflows.
+    for suite in SUITES - {"cpu"}:
+        m = load_manifest(REPO / "suites" / f"{suite}.json", REPO)
+        assert all("self-hosted" in r.labels for r in m.runners), suite
+
+
+def test_pull_requests_from_forks_never_reach_self_hosted_runners(init_workflows):
+    gated = 0
+    for name, doc in every_workflow(init_workflows).items():
+        for job_id, job in doc["jobs"].items():
+            if not self_hosted(job):
+                continue
+            gated += 1
+            assert job.get("if") == FORK_GATE, f"{name}: self-hosted job {job_id} runs for any pull request"
+            needs = job["needs"] if isinstance(job["needs"], list) else [job["needs"]]
+            assert "plan" in needs
+            trusted = doc["jobs"]["plan"]["outputs"]["trusted"]
+            assert not self_hosted(doc["jobs"]["plan"]), f"{name}: the gate itself must run GitHub-hosted"
+            # Trusted: not a pull request, or one from this repository, or the maintainer's label
+            # added to this very commit (a later push from the fork needs it again).
+            assert "github.event_name != 'pull_request'" in trusted
+            assert "github.event.pull_request.head.repo.full_name == github.repository" in trusted
+            assert "github.event.action == 'labeled' && github.event.label.name == 'ci:accelerators'" in trusted
+            assert "labeled" in doc["on"]["pull_request"]["types"], f"{name}: adding the label must start a run"
+            assert "pull_request_target" not in doc["on"], f"{name}: fork code with a write token"
+    assert gated >= 4  # gpu, npu here; gpu, npu from init
+
+
+def test_cancel_in_progress_only_for_pull_requests(init_workflows):
+    for name, doc in every_workflow(init_workflows).items():
+        c = doc["concurrency"]
+        assert c["cancel-in-progress"] == PR_ONLY_CANCEL, name
+        # Outside pull requests every run has its own group: a push to main never cancels
+        # (or, pending, replaces) another.
+        assert "github.run_id" in c["group"], name
+        assert "github.event.pull_request.number" in c["group"], name
+
+
+def test_pip_is_cached_on_github_hosted_runners(init_workflows):
+    for name, doc in every_workflow(init_workflows).items():
+        for job_id, job in doc["jobs"].items():
+            installs = any("pip install" in str(s.get("run", "")) for s in job["steps"])
+            if not installs or self_hosted(job):
+                continue  # self-hosted runners keep pip's cache themselves
+            setup = [s for s in job["steps"] if str(s.get("uses", "")).startswith("actions/setup-python")]
+            assert setup, f"{name}: job {job_id}"
+            assert setup[0]["with"].get("cache") == "pip", f"{name}: job {job_id} downloads every package every run"
+
+
+def _suite_of(job: dict) -> str | None:
+    cmds = commands(job)
+    for session, _ in nox_sessions(cmds):
+        if session.startswith("suite-"):
+            return session.removeprefix("suite-")
+    for call in harness_calls(cmds):
+        if call[0] == "run":
+            return call[1]
+    return None
+
+
+def test_harness_deadline_is_below_the_job_timeout(init_workflows):
+    checked = 0
+    for name, doc in every_workflow(init_workflows).items():
+        for job_id, job in doc["jobs"].items():
+            suite = _suite_of(job)
+            if suite is None:
+                continue
+            checked += 1
+            timeout = job["timeout-minutes"]
+            if name.startswith("init:"):
+                runner_minutes = init.CPU_RUNNER["timeout_minutes"] if suite == "cpu" else init.ACCELERATOR_TIMEOUT_MINUTES
+                runner_limits = [runner_minutes]
+            else:
+                runner_limits = [r.timeout_minutes for r in load_manifest(REPO / "suites" / f"{suite}.json", REPO).runners]
+            if isinstance(timeout, int):
+                # `harness run` stops pytest after the runner's timeout_minutes and writes its summary.
+                assert timeout > max(runner_limits), f"{name}: job {job_id}"
+            else:
+                assert timeout == "${{ matrix.job_timeout_minutes }}", f"{name}: job {job_id}"
+    m = plan("gpu", [Runner(("gpu",), 1, 30, 20, "gpu-1")], [PlannedCase("t::a", "e", 1, 1.0)]).matrix()
+    (row,) = m["include"]
+    assert row["job_timeout_minutes"] > row["timeout_minutes"]
+    assert checked >= 6  # cpu, gpu, npu here and from init
 
 
 def test_cpu_workflow_runs_lint_inventory_and_the_cpu_suite():
@@ -139,7 +264,7 @@ def test_accelerator_workflow_plans_then_runs_its_shards(name, suite):
         job = jobs[j]
         assert job["strategy"]["matrix"] == f"${{{{ fromJSON(needs.{planner}.outputs.matrix) }}}}"
         assert job["runs-on"] == "${{ matrix.runner }}"
-        assert job["timeout-minutes"] == "${{ matrix.timeout_minutes }}"
+        assert job["timeout-minutes"] == "${{ matrix.job_timeout_minutes }}"
         used = nox_sessions(commands(job))
         assert {s for s, _ in used} == {f"suite-{suite}"}
         assert all("--shard" in args for _, args in used)
