@@ -307,6 +307,11 @@ class _Lock:
             if exc.errno in _BUSY:
                 return False
             raise
+        try:
+            _check_ours(fd, self.path)
+        except BaseException:
+            os.close(fd)
+            raise
         self.fd = fd
         return True
 
@@ -329,8 +334,32 @@ class _Lock:
             os.close(fd)
 
 
+def _check_ours(fd: int, path: str) -> None:
+    """Refuse (``LeaseFileError``) a file holding anything but what the harness
+    writes in its files (nothing, a JSON record, a ticket number): the harness
+    did not create it, so it is never written or truncated."""
+    data = os.pread(fd, _HOLDER_RECORD_MAX + 1, 0)
+    if not data:
+        return
+    try:
+        value = json.loads(data)
+    except ValueError:
+        value = None
+    if len(data) > _HOLDER_RECORD_MAX or not isinstance(value, (dict, int)):
+        raise LeaseFileError(
+            f"lease file {path} holds something the harness never writes there (the harness "
+            "did not create it, so it leaves it alone): remove it or use another lease directory")
+
+
 def _write_record(fd: int, record: dict) -> None:
-    data = json.dumps(record, sort_keys=True).encode()[:_HOLDER_RECORD_MAX]
+    data = json.dumps(record, sort_keys=True).encode()
+    if len(data) > _HOLDER_RECORD_MAX:
+        # Still a valid record (what _check_ours accepts), just shorter.
+        short = {k: v for k, v in record.items() if k in ("pid", "host", "since", "ticket")}
+        short["holder"] = str(record.get("holder", ""))[:512]
+        if isinstance(record.get("ranks"), list):
+            short["ranks"] = record["ranks"][:64]
+        data = json.dumps(short, sort_keys=True).encode()
     os.ftruncate(fd, 0)
     os.pwrite(fd, data, 0)
 
@@ -442,9 +471,10 @@ class _Ticket:
                 if exc.errno in _BUSY:
                     return None  # someone takes a ticket this very moment: next round
                 raise
+            _check_ours(fd, os.path.join(lease_dir, _TICKETS))
             try:
                 last = int(os.pread(fd, 32, 0).decode() or 0)
-            except (ValueError, UnicodeDecodeError):
+            except ValueError:
                 last = 0
             # A counter someone reset must not put us before live waiters.
             last = max([last] + [w["ticket"] for w in waiters(lease_dir)])
@@ -486,6 +516,11 @@ class _Ticket:
                 if exc.errno in _BUSY:
                     continue  # another waiter's
                 raise
+            try:
+                _check_ours(fd, os.path.join(lease_dir, f"waiter-{k}.lock"))
+            except LeaseFileError:
+                os.close(fd)
+                continue
             return fd
         raise LeaseError(f"no usable waiter file in {lease_dir} (4096 tried)")
 

@@ -121,3 +121,13 @@ def test_holder_record_lists_rank_pids(lease_dir):
 def test_impossible_request_fails_immediately(lease_dir):
     with pytest.raises(ValueError, match=r"cannot lease 4 cuda cards: only 3 exist"):
         acquire(lease_dir, [card_want(CARDS, 4)], timeout=60, holder="x")
+
+
+def test_a_long_holder_record_stays_readable(lease_dir):
+    with acquire(lease_dir, [card_want(CARDS[:1], 1)], timeout=0, holder="x" * 5000) as lease:
+        lease.annotate(ranks=list(range(100_000, 101_000)))
+        record = read_holder(lease_dir, "cuda:0")
+        assert record["pid"] == os.getpid()
+        assert record["ranks"][:3] == [100_000, 100_001, 100_002]
+    # ...and the file is still one the harness leases again.
+    acquire(lease_dir, [card_want(CARDS[:1], 1)], timeout=0, holder="next").release()

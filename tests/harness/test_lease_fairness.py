@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -218,6 +220,43 @@ def test_a_process_never_defers_to_a_waiter_for_what_it_holds_itself(tmp_path, h
     finally:
         mine.release()
         finish(waiter, 30)
+
+
+def test_a_waiter_that_died_is_not_waited_for(tmp_path):
+    lease_dir = str(tmp_path / "leases")
+    log = tmp_path / "log.jsonl"
+    holder = acquire(lease_dir, [slot_want(2, 2)], timeout=0, holder="the holder")
+    waiter = spawn(WAITER, lease_dir, log, "waiter", 60, 0)
+    try:
+        wait_for_queue(tmp_path / "leases", 1, waiter)
+        waiter.send_signal(signal.SIGKILL)
+        waiter.wait()
+        assert leases.waiters(lease_dir) == []
+        holder.release()
+        acquire(lease_dir, [slot_want(2, 2)], timeout=0, holder="next").release()
+    finally:
+        holder.release()
+        if waiter.poll() is None:
+            waiter.kill()
+            waiter.communicate()
+
+
+def test_a_timed_out_wait_names_who_is_queued_ahead(tmp_path):
+    lease_dir = str(tmp_path / "leases")
+    log = tmp_path / "log.jsonl"
+    with acquire(lease_dir, [slot_want(2, 2)], timeout=0, holder="the holder"):
+        waiter = spawn(WAITER, lease_dir, log, "first in line", 60, 0)
+        try:
+            wait_for_queue(tmp_path / "leases", 1, waiter)
+            with pytest.raises(leases.LeaseTimeout) as info:
+                acquire(lease_dir, [slot_want(2, 1)], timeout=0.3, holder="second in line")
+        finally:
+            waiter.kill()
+            waiter.communicate()
+    message = str(info.value)
+    assert f"slot:0: held by pid {os.getpid()} (the holder; for " in message
+    assert "queued behind 1 earlier waiter(s):" in message
+    assert f"pid {waiter.pid} (first in line, waiting " in message
 
 
 # -- the same through the plugin: kept pools, 2 process slots, 2-rank cases ----

@@ -98,6 +98,16 @@ def test_planted_queue_files_leave_their_targets_alone(shared_dir, victim, tmp_p
     assert isinstance(error, leases.LeaseFileError), error
 
 
+def test_a_file_the_harness_did_not_write_is_left_alone(shared_dir):
+    notes = shared_dir / "cuda-0.lock"
+    notes.write_text(VICTIM_TEXT)
+    notes.chmod(0o600)
+    error = lease_and_catch(shared_dir, [card_want(CARD, 1)])
+    assert_untouched(notes)
+    assert isinstance(error, leases.LeaseFileError), error
+    assert "holds something the harness never writes there" in str(error)
+
+
 def test_lock_files_the_harness_creates_are_leasable_by_every_user(shared_dir):
     old = os.umask(0o077)
     try:
