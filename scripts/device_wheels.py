@@ -1,0 +1,122 @@
+"""Prepare the wheel folder that ``scripts/device_check.sh`` installs from on an offline card machine.
+
+Run on a networked machine (Python >= 3.11), in the checkout:
+
+    python scripts/device_wheels.py                 # -> .whl/device (git-ignored)
+    python scripts/device_wheels.py DIR --python 3.10 3.12 --arch x86_64
+
+The card machine's image ships its own torch, numpy and triton (never carried:
+its torch is the one to qualify), and usually pytest, xdist, hypothesis,
+psutil and filelock, but no jsonschema. The folder holds, for every
+interpreter version and CPU architecture asked for, binary-compatible wheels
+of everything else the checkout's distributions and the GPU suite need
+(jsonschema and its dependencies, ``rpds-py`` among them, which is compiled;
+the test tools as a fallback), setuptools and wheel to build the checkout
+offline, and the Liger-Kernel wheel (``--no-deps``; it needs the image's
+triton) for the benchmark. ``device_check.sh`` installs from it with ``pip
+--no-index --find-links``, so whatever is already installed stays and only
+what is missing comes from here. The checkout itself travels as source and
+is built there (a wheel built here would be stale by the next commit).
+
+Writes ``MANIFEST.json`` (what was asked, file sizes) into the folder and
+fails when the folder exceeds ``--max-mib`` (default 60).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+#: Provided by the card machine's image; never downloaded (the image's torch
+#: is what the check qualifies, and these are large).
+IMAGE_PROVIDES = {"torch", "numpy", "triton", "nvidia-*"}
+#: Needed by the GPU suite's tests beyond the distributions' own requirements.
+TEST_TOOLS = ("pytest>=8", "pytest-xdist>=3.5", "hypothesis>=6.100")
+#: Builds the checkout offline (pip's isolated build env gets them from the folder).
+BUILD = ("setuptools>=64", "wheel")
+#: Benchmarked against; installed with --no-deps on the card machine.
+NO_DEPS = ("liger-kernel",)
+
+PYTHONS = ("3.10", "3.11", "3.12", "3.13")
+ARCHS = ("x86_64", "aarch64")
+# manylinux tags pip should accept for a glibc >= 2.17 image, newest policy first.
+GLIBC = ("manylinux_2_28", "manylinux_2_17", "manylinux2014")
+
+
+def _name(req: str) -> str:
+    return re.split(r"[\s<>=!~;\[]", req, maxsplit=1)[0].lower().replace("_", "-")
+
+
+def _provided(req: str) -> bool:
+    name = _name(req)
+    return any(name == p or (p.endswith("*") and name.startswith(p[:-1])) for p in IMAGE_PROVIDES)
+
+
+def project_requirements(root: Path = REPO) -> list[str]:
+    """Run-time requirements of the checkout's distributions (root and ``harness/`` when
+    it has its own ``pyproject.toml``), less what the image provides, plus the test tools."""
+    import tomllib
+
+    reqs: list[str] = []
+    for pyproject in (root / "pyproject.toml", root / "harness" / "pyproject.toml"):
+        if pyproject.is_file():
+            project = tomllib.loads(pyproject.read_text(encoding="utf-8")).get("project", {})
+            reqs += project.get("dependencies", [])
+    reqs += TEST_TOOLS
+    return list(dict.fromkeys(r for r in reqs if not _provided(r)))
+
+
+def _download(dest: Path, reqs: list[str], python: str, arch: str) -> None:
+    platforms = [arg for tag in GLIBC for arg in ("--platform", f"{tag}_{arch}")]
+    abi = "cp" + python.replace(".", "")
+    cmd = [
+        sys.executable, "-m", "pip", "download", "--quiet", "--dest", str(dest),
+        "--only-binary=:all:", "--implementation", "cp", "--python-version", python,
+        "--abi", abi, *platforms, *reqs,
+    ]
+    print(f"device_wheels: python {python} {arch}: {' '.join(reqs)}", flush=True)
+    subprocess.run(cmd, check=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("dest", nargs="?", default=str(REPO / ".whl" / "device"),
+                        help="wheel folder (default: .whl/device, git-ignored)")
+    parser.add_argument("--python", nargs="+", default=list(PYTHONS),
+                        help=f"interpreter versions of the card image (default: {' '.join(PYTHONS)})")
+    parser.add_argument("--arch", nargs="+", default=list(ARCHS), choices=ARCHS)
+    parser.add_argument("--max-mib", type=float, default=60.0)
+    args = parser.parse_args(argv)
+
+    dest = Path(args.dest).resolve()
+    dest.mkdir(parents=True, exist_ok=True)
+    reqs = [*project_requirements(), *BUILD]
+    for python in args.python:
+        for arch in args.arch:
+            _download(dest, reqs, python, arch)
+    subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--dest", str(dest),
+                    "--no-deps", "--only-binary=:all:", *NO_DEPS], check=True)
+
+    files = sorted(p for p in dest.iterdir() if p.suffix == ".whl")
+    total = sum(p.stat().st_size for p in files)
+    manifest = {
+        "requirements": reqs, "no_deps": list(NO_DEPS), "python": args.python, "arch": args.arch,
+        "files": {p.name: p.stat().st_size for p in files}, "total_bytes": total,
+    }
+    (dest / "MANIFEST.json").write_text(json.dumps(manifest, indent=1) + "\n", encoding="utf-8")
+    print(f"device_wheels: {len(files)} wheel(s), {total / 2**20:.1f} MiB in {dest}")
+    if total > args.max_mib * 2**20:
+        print(f"device_wheels: {total / 2**20:.1f} MiB exceeds --max-mib {args.max_mib:g}; "
+              "the run tool carries at most 64 MiB", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

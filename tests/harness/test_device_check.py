@@ -1,0 +1,153 @@
+"""scripts/device_check.sh, the one-shot accelerator qualification, proven on CPU.
+
+The dry run (``DEVICE_CHECK_DRY=1``) is the real script end to end: an offline
+install of this checkout from a wheel folder into a throwaway venv, the
+inventory, a narrowed cpu suite run through ``harness run``, the claims and the
+benchmark of ``scripts/bench/cuda_qualify.py`` on the CPU at a tiny shape, and
+the verdict. The CUDA-only parts (profiler kernel counts, sync debug mode,
+peak device memory, Liger) need a card and are not run here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from scripts.bench import cuda_qualify
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "scripts" / "device_check.sh"
+
+
+def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("DEVICE_CHECK", "DEVICE_WHEELS", "PIP_"))}
+    env.pop("OUT", None)
+    env.update(PYTHON=sys.executable, TMPDIR=str(tmp_path), **extra)
+    return env
+
+
+@pytest.fixture(scope="module")
+def dry_run(tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path, Path]:
+    """One dry run shared by the checks below (it is the slow part)."""
+    tmp = tmp_path_factory.mktemp("device_check")
+    # What the dry run needs that this machine lacks: nothing (jsonschema, pytest,
+    # setuptools are installed), so an empty folder proves the "already there" path
+    # and that the checkout itself installs with --no-index.
+    wheels = tmp / "wheels"
+    wheels.mkdir()
+    out = tmp / "out"
+    done = subprocess.run(
+        ["bash", str(SCRIPT), str(out)], cwd=tmp, capture_output=True, text=True, timeout=600,
+        env=_env(tmp, DEVICE_CHECK_DRY="1", DEVICE_WHEELS=str(wheels)),
+    )
+    return done, out, tmp
+
+
+def test_dry_run_passes_and_leaves_every_file(dry_run):
+    done, out, tmp = dry_run
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+    for name in ("env.txt", "install.log", "pip-freeze.txt", "inventory.txt", "suite/junit.xml",
+                 "suite/summary.md", "suite/summary.json", "durations.json", "claims.json",
+                 "bench.json", "bench.md", "device_check.json", "device_check.md", "phases.tsv"):
+        assert (out / name).is_file(), name
+    phases = cuda_qualify.read_phases(out / "phases.tsv")
+    assert [p["phase"] for p in phases] == ["install", "inventory", "suite", "claims", "bench"]
+    assert all(p["rc"] == 0 for p in phases), phases
+    assert (out / "device_check.md").read_text().startswith("# device check: PASSED")
+    assert json.loads((out / "device_check.json").read_text())["passed"] is True
+    # The throwaway venv is gone.
+    assert not list(tmp.glob("device-check-venv.*"))
+
+
+def test_dry_run_installs_the_checkout_offline(dry_run):
+    _, out, _ = dry_run
+    log = (out / "install.log").read_text()
+    # The checkout (both distributions) was installed, from source, with no index;
+    # what this interpreter already has was kept.
+    assert f"channel_loss from {REPO / 'channel_loss'}" in log
+    assert f"harness from {REPO / 'harness'}" in log
+    assert "Successfully installed channel-loss" in log
+    assert "Requirement already satisfied: jsonschema" in log
+    freeze = (out / "pip-freeze.txt").read_text()
+    assert "channel-loss" in freeze.lower() or "channel_loss" in freeze.lower()
+
+
+def test_dry_run_suite_claims_and_bench(dry_run):
+    _, out, _ = dry_run
+    total = json.loads((out / "suite" / "summary.json").read_text())["total"]
+    assert total["passed"] >= 1
+    assert total["failed"] == 0
+    assert json.loads((out / "durations.json").read_text())
+    claims = {c["name"]: c for c in json.loads((out / "claims.json").read_text())["claims"]}
+    assert claims["observed == plain (loss, grads, bitwise)"]["status"] == "held"
+    assert claims["no extra matmul under capture"]["status"] == "held"
+    assert claims["no extra matmul under capture"]["data"]["aten_matmuls_plain"] > 0
+    # CUDA-only claims say why they did not run on the CPU.
+    assert claims["capture adds no host sync"]["status"] == "skipped"
+    assert "cpu" in claims["capture adds no host sync"]["detail"]
+    bench = json.loads((out / "bench.json").read_text())
+    rows = {r["method"]: r for r in bench["shapes"][0]["rows"]}
+    assert {"naive", "torch_native", "liger", "ours", "ours_capture"} <= set(rows)
+    assert [m for m in rows if m.startswith("ours[chunk=")] == ["ours[chunk=32]", "ours[chunk=64]"]
+    assert all(rows[m]["status"] == "ok" and rows[m]["ms"] > 0 for m in rows if m.startswith("ours"))
+    assert rows["liger"]["status"] == "skipped"
+    assert "CUDA" in rows["liger"]["note"]
+    assert "| ours_capture |" in (out / "bench.md").read_text()
+
+
+def test_missing_wheel_folder_is_a_setup_error(tmp_path):
+    missing = tmp_path / "no-such-folder"
+    done = subprocess.run(
+        ["bash", str(SCRIPT), str(tmp_path / "out")], capture_output=True, text=True, timeout=60,
+        env=_env(tmp_path, DEVICE_CHECK_DRY="1", DEVICE_WHEELS=str(missing)),
+    )
+    assert done.returncode == 2
+    assert str(missing) in done.stderr
+    assert "device_wheels.py" in done.stderr
+
+
+def _write(out: Path, phases: list[tuple[str, int]], claims: list[dict] | None, bench: bool = True) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "phases.tsv").write_text("".join(f"{n}\t{rc}\t1\t60\n" for n, rc in phases))
+    if claims is not None:
+        (out / "claims.json").write_text(json.dumps({"env": ENV, "claims": claims}))
+    if bench:
+        (out / "bench.json").write_text(json.dumps({"env": ENV, "dtype": "bfloat16",
+                                                    "repeats": 1, "shapes": []}))
+
+
+ENV = {"device": "cpu", "torch": "2.4.0"}
+HELD = {"name": "observed == plain", "status": "held", "detail": "equal", "data": {}}
+
+
+def test_report_passes_only_when_every_phase_and_claim_held(tmp_path):
+    _write(tmp_path / "ok", [("install", 0), ("suite", 0)], [HELD, {**HELD, "status": "skipped"}])
+    assert cuda_qualify.main(["report", "--out", str(tmp_path / "ok")]) == 0
+
+    _write(tmp_path / "timeout", [("install", 0), ("suite", 124)], [HELD])
+    v = cuda_qualify.verdict(tmp_path / "timeout")
+    assert not v["passed"]
+    assert v["reasons"] == ["phase suite timed out after 60s"]
+    assert cuda_qualify.main(["report", "--out", str(tmp_path / "timeout")]) == 1
+    assert (tmp_path / "timeout" / "device_check.md").read_text().startswith("# device check: FAILED")
+
+    failed = {**HELD, "status": "failed", "detail": "differ: weight.grad"}
+    _write(tmp_path / "claim", [("suite", 0)], [HELD, failed])
+    assert cuda_qualify.verdict(tmp_path / "claim")["reasons"] == [
+        "claim failed: observed == plain: differ: weight.grad"
+    ]
+
+    _write(tmp_path / "missing", [("suite", 0)], None, bench=False)
+    assert cuda_qualify.verdict(tmp_path / "missing")["reasons"] == ["claims.json missing", "bench.json missing"]
+
+
+def test_bad_shape_is_named():
+    with pytest.raises(ValueError, match="16384x4096"):
+        cuda_qualify.parse_shape("16384x4096")
+    with pytest.raises(SystemExit):
+        cuda_qualify.main(["bench", "--out", "x", "--device", "cpu", "--shape", "1x0x3"])
