@@ -197,7 +197,7 @@ if [ "$dry" = 1 ]; then
         # A few cases, in one process: enough to prove the run, its JUnit and summary.
         set -- -p no:xdist -k "${DEVICE_CHECK_DRY_K:-test_capture_is_bitwise_invisible and none}"
     fi
-    claims_args=(--device cpu --shape 128x32x500)
+    claims_args=(--device cpu --shape 128x32x500 --chunk-size 32)
     bench_args=(--device cpu --shape 128x32x500 --chunks 32 64 --repeats 2)
 else
     device=cuda

@@ -11,15 +11,16 @@ psutil and filelock, but no jsonschema. The folder holds, for every
 interpreter version and CPU architecture asked for, binary-compatible wheels
 of everything else the checkout's distributions and the GPU suite need
 (jsonschema and its dependencies, ``rpds-py`` among them, which is compiled;
-the test tools as a fallback), setuptools and wheel to build the checkout
-offline, and the Liger-Kernel wheel (``--no-deps``; it needs the image's
+the test tools as a fallback), the build-system requirements (setuptools) to
+build the checkout offline, and the Liger-Kernel wheel (``--no-deps``; it needs the image's
 triton) for the benchmark. ``device_check.sh`` installs from it with ``pip
 --no-index --find-links``, so whatever is already installed stays and only
 what is missing comes from here. The checkout itself travels as source and
 is built there (a wheel built here would be stale by the next commit).
 
-Writes ``MANIFEST.json`` (what was asked, file sizes) into the folder and
-fails when the folder exceeds ``--max-mib`` (default 60).
+Starts from an empty folder (removes the wheels already there), writes
+``MANIFEST.json`` (what was asked, file sizes) into it and fails when it
+exceeds ``--max-mib`` (default 60; about 19 MiB for the defaults).
 """
 
 from __future__ import annotations
@@ -38,12 +39,12 @@ REPO = Path(__file__).resolve().parents[1]
 IMAGE_PROVIDES = {"torch", "numpy", "triton", "nvidia-*"}
 #: Needed by the GPU suite's tests beyond the distributions' own requirements.
 TEST_TOOLS = ("pytest>=8", "pytest-xdist>=3.5", "hypothesis>=6.100")
-#: Builds the checkout offline (pip's isolated build env gets them from the folder).
-BUILD = ("setuptools>=64", "wheel")
+#: Besides the pyproject files' build-system requirements: for older setuptools.
+BUILD_EXTRA = ("wheel",)
 #: Benchmarked against; installed with --no-deps on the card machine.
 NO_DEPS = ("liger-kernel",)
 
-PYTHONS = ("3.10", "3.11", "3.12", "3.13")
+PYTHONS = ("3.10", "3.11", "3.12", "3.13", "3.14")
 ARCHS = ("x86_64", "aarch64")
 # manylinux tags pip should accept for a glibc >= 2.17 image, newest policy first.
 GLIBC = ("manylinux_2_28", "manylinux_2_17", "manylinux2014")
@@ -59,16 +60,19 @@ def _provided(req: str) -> bool:
 
 
 def project_requirements(root: Path = REPO) -> list[str]:
-    """Run-time requirements of the checkout's distributions (root and ``harness/`` when
-    it has its own ``pyproject.toml``), less what the image provides, plus the test tools."""
+    """What installing the checkout's distributions (root and ``harness/`` when it has
+    its own ``pyproject.toml``) offline needs: their run-time requirements less what
+    the image provides, the test tools, and their build-system requirements (pip's
+    isolated build takes setuptools from the folder when the image's is too old)."""
     import tomllib
 
     reqs: list[str] = []
     for pyproject in (root / "pyproject.toml", root / "harness" / "pyproject.toml"):
         if pyproject.is_file():
-            project = tomllib.loads(pyproject.read_text(encoding="utf-8")).get("project", {})
-            reqs += project.get("dependencies", [])
-    reqs += TEST_TOOLS
+            doc = tomllib.loads(pyproject.read_text(encoding="utf-8"))
+            reqs += doc.get("project", {}).get("dependencies", [])
+            reqs += doc.get("build-system", {}).get("requires", [])
+    reqs += [*TEST_TOOLS, *BUILD_EXTRA]
     return list(dict.fromkeys(r for r in reqs if not _provided(r)))
 
 
@@ -96,7 +100,9 @@ def main(argv: list[str] | None = None) -> int:
 
     dest = Path(args.dest).resolve()
     dest.mkdir(parents=True, exist_ok=True)
-    reqs = [*project_requirements(), *BUILD]
+    for stale in dest.glob("*.whl"):  # a previous run's versions would pile up
+        stale.unlink()
+    reqs = project_requirements()
     for python in args.python:
         for arch in args.arch:
             _download(dest, reqs, python, arch)

@@ -257,7 +257,8 @@ def claim_bitwise(h, w, t, device) -> list[dict[str, Any]]:
 
 
 def claim_per_token(h, w, t, device, chunk_size: int) -> dict[str, Any]:
-    with torch.no_grad(), deterministic():
+    with deterministic():
+        # The training forward (gradients on), as a step would record it.
         _, cap = ours(h, w, t, chunk_size, observe=True)
         fallback = cl.per_token_cross_entropy(hidden_states=h, weight=w, shift_labels=t, chunk_size=chunk_size)
     same = torch.equal(cap.observations[0].token_losses, fallback)

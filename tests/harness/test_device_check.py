@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from scripts import device_wheels
 from scripts.bench import cuda_qualify
 
 REPO = Path(__file__).resolve().parents[2]
@@ -151,3 +152,10 @@ def test_bad_shape_is_named():
         cuda_qualify.parse_shape("16384x4096")
     with pytest.raises(SystemExit):
         cuda_qualify.main(["bench", "--out", "x", "--device", "cpu", "--shape", "1x0x3"])
+
+
+def test_wheel_folder_carries_what_the_checkout_needs_but_never_torch():
+    reqs = [device_wheels._name(r) for r in device_wheels.project_requirements(REPO)]
+    # jsonschema is what the card image lacks; setuptools builds the checkout offline.
+    assert {"jsonschema", "pytest", "pytest-xdist", "hypothesis", "setuptools"} <= set(reqs)
+    assert not {"torch", "numpy", "triton"} & set(reqs)
