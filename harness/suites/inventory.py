@@ -21,27 +21,28 @@ owned by no entry), ``unowned-case``, ``entry-matches-nothing``,
 from __future__ import annotations
 
 import contextlib
-import functools
+import glob
 import importlib.util
 import io
 import os
-from collections.abc import Iterable, Sequence
+import posixpath
+import re
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from harness.spec import LaunchSpec, is_launched, spec_for_item
 from harness.suites.manifest import (
+    SUITES_DIR,
     Entry,
     Manifest,
     Problem,
+    glob_regex,
     has_glob,
     load_suites,
-    path_matches,
     rel,
 )
-
-TESTS_GLOB = "tests/**/test_*.py"
 
 
 @dataclass(frozen=True)
@@ -92,6 +93,8 @@ class SuiteInventory:
     cases: list[CollectedCase]
     owners: dict[str, list[tuple[str, str]]] = field(default_factory=dict)
     problems: list[Problem] = field(default_factory=list)
+    #: The pytest configuration file the collection used (``None``: none found).
+    inipath: Path | None = None
 
     def suite_cases(self, suite: str) -> list[tuple[CollectedCase, Entry]]:
         """The cases ``suite`` owns, each with its owning entry, in collection order."""
@@ -126,22 +129,65 @@ class SuiteInventory:
 
 # --------------------------------------------------------------------------- collection
 
+# A frame of a collection error's traceback: ``path:LINE: in ...`` (pytest's own
+# form) or ``File "path", line LINE`` (a SyntaxError's).
+_FRAME = re.compile(r'^(?:E\s+)?File "(?P<f1>[^"]+)", line (?P<l1>\d+)|^(?P<f2>[^\s<][^:\n]*):(?P<l2>\d+): in ', re.M)
+
+
+def _collection_error(report: Any, root: Path) -> Problem:
+    """A ``collection-error`` problem for a failed collect report: the file, its line
+    on the stack and, when the error was raised further down in another file of
+    the repository, that file and line; and the error's last line."""
+    text = str(report.longrepr).strip()
+    lines = text.splitlines()
+    errors = [ln[1:].strip() for ln in lines if ln.startswith("E ")]
+    message = errors[-1] if errors else (lines[-1] if lines else "collection failed")
+    file = report.nodeid.split("::", 1)[0] or "."
+    frames = []
+    for m in _FRAME.finditer(text):
+        path, line = (m["f1"], m["l1"]) if m["f1"] else (m["f2"], m["l2"])
+        full = Path(path) if os.path.isabs(path) else root / path
+        name = rel(full, root)
+        if not os.path.isabs(name):
+            frames.append((name, line))
+    own = [line for name, line in frames if name == file]
+    deepest = f"{frames[-1][0]}:{frames[-1][1]}" if frames else ""
+    if own and frames[-1][0] == file:
+        where = f"line {own[-1]}"
+    elif own:
+        where = f"line {own[-1]}, raised at {deepest}"
+    else:
+        where = f"raised at {deepest}" if deepest else ""
+    return Problem("collection-error", file, where, message)
+
 
 class _Recorder:
-    """pytest plugin object: records collected items and collection errors."""
+    """pytest plugin object: records the test files pytest collects (by its own
+    rules), the items, collection errors, and the configuration it used."""
 
     def __init__(self, root: Path):
         self.root = root
         self.cases: list[CollectedCase] = []
         self.problems: list[Problem] = []
+        self.files: list[str] = []
+        self.scope: list[str] = []
+        self.inipath: Path | None = None
+
+    def pytest_configure(self, config: Any) -> None:
+        self.inipath = config.inipath
+
+    def pytest_collectstart(self, collector: Any) -> None:
+        import pytest
+
+        if isinstance(collector, pytest.File):
+            self.files.append(rel(Path(str(collector.path)), self.root))
 
     def pytest_collectreport(self, report: Any) -> None:
         if report.failed:
-            text = str(report.longrepr).strip().splitlines()
-            last = text[-1] if text else "collection failed"
-            self.problems.append(Problem("collection-error", report.nodeid or ".", "", last))
+            self.problems.append(_collection_error(report, self.root))
 
     def pytest_collection_finish(self, session: Any) -> None:
+        self.scope = [rel(Path(a.split("::", 1)[0]), self.root) for a in session.config.args]
         for item in session.items:
             self.cases.append(_case(item, self.root))
 
@@ -177,40 +223,104 @@ def _case(item: Any, root: Path) -> CollectedCase:
 
 
 @contextlib.contextmanager
-def _quiet() -> Any:
+def _quiet_in(root: Path) -> Iterator[io.StringIO]:
+    """Output captured, working directory at ``root`` (where pytest applies ``testpaths``)."""
     buf = io.StringIO()
-    with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(buf):
-        yield buf
+    here = os.getcwd()
+    os.chdir(root)
+    try:
+        with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(buf):
+            yield buf
+    finally:
+        os.chdir(here)
 
 
-def collect(root: Path, targets: Sequence[str]) -> tuple[list[CollectedCase], list[Problem]]:
-    """Collect ``targets`` (repository-relative files or directories) with pytest,
-    in-process and collect-only, using the repository's pytest configuration.
+def autoload_disabled(args: Sequence[str] = ()) -> bool:
+    """True when pytest will not load plugins from entry points
+    (``PYTEST_DISABLE_PLUGIN_AUTOLOAD``, or ``--disable-plugin-autoload`` in ``args``)."""
+    return bool(os.environ.get("PYTEST_DISABLE_PLUGIN_AUTOLOAD")) or "--disable-plugin-autoload" in args
 
-    Returns the cases and the collection problems (files that failed to import,
-    or pytest itself failing, with the tail of its output).
+
+def _plugin_name(module: str) -> str:
+    """How ``-p`` loads the pytest plugin ``module``: by its entry-point name when a
+    distribution declares one (so autoloading, when on, finds it already
+    registered), else by module name."""
+    from importlib.metadata import entry_points
+
+    for ep in entry_points(group="pytest11"):
+        if ep.value == module:
+            return ep.name
+    return module
+
+
+#: The pytest plugins the harness itself needs in a pytest process: xdist (for ``-n``) and the launch plugin.
+NEEDED_PLUGINS = ("xdist.plugin", "harness.launcher.plugin")
+
+
+def plugin_args(args: Sequence[str] = ()) -> list[str]:
+    """``-p`` arguments that load :data:`NEEDED_PLUGINS` explicitly when plugin autoloading
+    is disabled (none otherwise: autoloading finds them); plugins not installed are left out."""
+    if not autoload_disabled(args):
+        return []
+    out = []
+    for module in NEEDED_PLUGINS:
+        if importlib.util.find_spec(module.split(".", 1)[0]) is not None:
+            out += ["-p", _plugin_name(module)]
+    return out
+
+
+@dataclass
+class Collection:
+    """What one in-process collect-only pytest run saw.
+
+    ``files``: the test files pytest collected by its own rules
+    (``python_files``, ``testpaths``, ``norecursedirs``, ``--ignore``);
+    ``scope``: the paths it collected from (its arguments, or ``testpaths``);
+    ``inipath``: the configuration file it used.
+    """
+
+    cases: list[CollectedCase] = field(default_factory=list)
+    problems: list[Problem] = field(default_factory=list)
+    files: list[str] = field(default_factory=list)
+    scope: list[str] = field(default_factory=list)
+    inipath: Path | None = None
+
+    def extend(self, other: Collection) -> None:
+        """Add another run's findings (cases already seen are not repeated)."""
+        seen = {c.nodeid for c in self.cases}
+        self.cases += [c for c in other.cases if c.nodeid not in seen]
+        self.problems += other.problems
+        self.files = list(dict.fromkeys([*self.files, *other.files]))
+        self.inipath = self.inipath or other.inipath
+
+
+def collect(root: Path, targets: Sequence[str] | None) -> Collection:
+    """Collect with pytest, in-process and collect-only, from ``root`` with the
+    repository's pytest configuration: ``targets`` (repository-relative files or
+    directories), or when ``None`` what pytest collects by default there
+    (``testpaths``, else the root).
+
+    Problems: files that failed to import (with the line), or pytest itself
+    failing, with the tail of its output.
     """
     import pytest
 
-    if not targets:
-        return [], []
+    if targets is not None and not targets:
+        return Collection()
     rec = _Recorder(root)
-    args = [
-        "--collect-only",
-        "-q",
-        "-p",
-        "no:cacheprovider",
-        "--continue-on-collection-errors",
-        f"--rootdir={root}",
-    ]
+    args = ["--collect-only", "-q", "-p", "no:cacheprovider", "--continue-on-collection-errors", f"--rootdir={root}"]
+    args += plugin_args()
+    # This process imported the harness before pytest could mark it for assertion
+    # rewriting; a project's `filterwarnings = error` must not turn that notice into a failure.
+    args += ["-W", "ignore::pytest.PytestAssertRewriteWarning"]
     if importlib.util.find_spec("xdist") is not None:
         args += ["-n", "0"]  # never start workers just to collect
-    args += [str(root / t) for t in targets]
+    args += [str(root / t) for t in targets or ()]
     # The caller's PYTEST_ADDOPTS is for running tests (a --junitxml there
     # would be overwritten by an empty collect-only report): not for this.
     addopts = os.environ.pop("PYTEST_ADDOPTS", None)
     try:
-        with _quiet() as out:
+        with _quiet_in(root) as out:
             code = pytest.main(args, plugins=[rec])
     finally:
         if addopts is not None:
@@ -219,72 +329,145 @@ def collect(root: Path, targets: Sequence[str]) -> tuple[list[CollectedCase], li
     if int(code) not in (0, 1, 5):
         tail = "\n".join(out.getvalue().strip().splitlines()[-15:])
         rec.problems.append(Problem("collection-error", ".", "", f"pytest exited with {int(code)}:\n{tail}"))
-    return rec.cases, rec.problems
+    return Collection(rec.cases, rec.problems, rec.files, rec.scope, rec.inipath)
 
 
-def _targets(root: Path, manifests: Iterable[Manifest], with_tests: bool) -> list[str]:
-    """Minimal collection arguments covering the test files and every entry path."""
+def _under(path: str, roots: set[str]) -> bool:
+    """True when ``path`` is one of ``roots`` or lies under one (``.`` is everything)."""
+    if "." in roots or path in roots:
+        return True
+    parts = path.split("/")
+    return any("/".join(parts[:k]) in roots for k in range(1, len(parts)))
+
+
+def _entry_targets(root: Path, manifests: Iterable[Manifest]) -> list[str]:
+    """Minimal collection arguments covering every entry path of ``manifests``
+    (each glob expanded once, covered paths dropped in one pass)."""
     paths: set[str] = set()
-    if with_tests:
-        paths.update(rel(p, root) for p in root.glob(TESTS_GLOB))
+    patterns: set[str] = set()
     for m in manifests:
         for e in m.entries:
             for p in e.paths:
                 file_part = p.split("::", 1)[0]
                 if has_glob(file_part):
-                    paths.update(rel(x, root) for x in root.glob(file_part) if x.suffix == ".py" or x.is_dir())
-                elif (root / file_part).exists():
+                    patterns.add(file_part)
+                elif os.path.lexists(root / file_part):
                     paths.add(file_part)
-    ordered = sorted(paths, key=lambda p: (p.count("/"), p))
-    kept: list[str] = []
-    for p in ordered:
-        if p == "." or not any(path_matches(p, k) for k in kept):
-            kept.append(p)
+    for pattern in patterns:
+        for hit in glob.iglob(pattern, root_dir=root, recursive=True):
+            if hit.endswith(".py") or (root / hit).is_dir():
+                paths.add(posixpath.normpath(hit))
+    kept: set[str] = set()
+    for p in sorted(paths, key=lambda p: (p.count("/"), p)):
+        if not _under(p, kept):
+            kept.add(p)
     return sorted(kept)
 
 
 # --------------------------------------------------------------------------- matching
 
 
-@functools.lru_cache(maxsize=256)
-def _expression(expr: str) -> Any:
-    from _pytest.mark.expression import Expression  # pytest's own -m language
+class _Markers:
+    """A case's markers as pytest's ``-m`` language evaluates them."""
 
-    return Expression.compile(expr)
+    def __init__(self, case: CollectedCase):
+        self.by_name: dict[str, list[dict[str, Any]]] = {}
+        for name, kwargs in case.marks:
+            self.by_name.setdefault(name, []).append(dict(kwargs))
 
-
-def _matches_markers(case: CollectedCase, expr: str) -> bool:
-    by_name: dict[str, list[dict[str, Any]]] = {}
-    for name, kwargs in case.marks:
-        by_name.setdefault(name, []).append(dict(kwargs))
-
-    def matcher(name: str, /, **kwargs: Any) -> bool:
-        return any(all(m.get(k, object()) == v for k, v in kwargs.items()) for m in by_name.get(name, ()))
-
-    return _expression(expr).evaluate(matcher)
+    def __call__(self, name: str, /, **kwargs: Any) -> bool:
+        return any(all(m.get(k, object()) == v for k, v in kwargs.items()) for m in self.by_name.get(name, ()))
 
 
-def _selector_matches(selector: str, case: CollectedCase) -> tuple[bool, bool]:
-    """(matches, by node id) for one entry path."""
-    if "::" in selector:
-        hit = case.nodeid == selector or case.nodeid.startswith((selector + "::", selector + "["))
-        return hit, hit
-    return path_matches(case.file, selector), False
+def _literal_prefix(pattern: str) -> str:
+    """The directory part of a glob before its first segment with glob syntax (``""`` for none)."""
+    parts = pattern.split("/")
+    out = []
+    for part in parts[:-1]:
+        if has_glob(part):
+            break
+        out.append(part)
+    return "/".join(out)
 
 
-def _entry_matches(entry: Entry, case: CollectedCase, suite_device: str) -> bool:
-    """True when ``entry`` (of a suite on ``suite_device``) selects ``case``."""
-    by_path = by_id = False
-    for sel in entry.paths:
-        hit, explicit = _selector_matches(sel, case)
-        by_id |= explicit
-        by_path |= hit and not explicit
-    if not (by_path or by_id):
-        return False
-    # Another device's variant of a shared test is that device's suite's case.
-    if not by_id and case.device != suite_device:
-        return False
-    return entry.markers is None or _matches_markers(case, entry.markers)
+def _ancestors(path: str) -> list[str]:
+    """``path`` and every directory above it, ``.`` included: ``a/b/c`` -> ``., a, a/b, a/b/c``."""
+    parts = path.split("/")
+    return [".", *("/".join(parts[:k]) for k in range(1, len(parts) + 1))]
+
+
+def _id_prefixes(nodeid: str) -> list[str]:
+    """Every prefix of a node id that a node-id selector may name: the id itself and
+    the id cut before each ``::`` and each ``[``."""
+    cuts = {i for i in range(1, len(nodeid)) if nodeid.startswith("::", i) or nodeid[i] == "["}
+    return [nodeid, *(nodeid[:i] for i in sorted(cuts))]
+
+
+class EntryIndex:
+    """The entries of one manifest, indexed so that finding the entries that select
+    a case costs time in the case's path depth and the few candidates, not in the
+    number of entries: node-id selectors and plain paths are looked up by the
+    case's id prefixes and ancestor directories, globs are compiled once and
+    grouped by their literal directory prefix."""
+
+    def __init__(self, entries: Sequence[Entry]):
+        self.entries = list(entries)
+        self.by_id: dict[str, list[int]] = {}
+        self.by_path: dict[str, list[int]] = {}
+        self.globs: dict[str, list[tuple[re.Pattern[str], int]]] = {}
+        self.markers: dict[int, Any] = {}
+        self.id_files: set[str] = set()
+        from _pytest.mark.expression import Expression  # pytest's own -m language
+
+        for i, e in enumerate(self.entries):
+            for sel in e.paths:
+                if "::" in sel:
+                    self.by_id.setdefault(sel, []).append(i)
+                    self.id_files.add(sel.split("::", 1)[0])
+                elif has_glob(sel):
+                    self.globs.setdefault(_literal_prefix(sel), []).append((glob_regex(sel), i))
+                else:
+                    self.by_path.setdefault(sel.rstrip("/") or ".", []).append(i)
+            if e.markers is not None:
+                self.markers[i] = Expression.compile(e.markers)
+
+    def _selecting(self, case: CollectedCase) -> dict[int, bool]:
+        """Entry position -> whether it names the case by node id, for every entry a selector of which matches."""
+        hits: dict[int, bool] = {}
+        for prefix in _id_prefixes(case.nodeid):
+            for i in self.by_id.get(prefix, ()):
+                hits[i] = True
+        dirs = _ancestors(case.file)
+        for d in dirs:
+            for i in self.by_path.get(d, ()):
+                hits.setdefault(i, False)
+        for d in ("", *dirs[1:]):
+            for rx, i in self.globs.get(d, ()):
+                if i not in hits and any(rx.match(a) for a in dirs[1:]):
+                    hits[i] = False
+        return hits
+
+    def covers_file(self, path: str) -> bool:
+        """True when some entry's path (a node id's file part included) is ``path`` or a directory above it."""
+        dirs = _ancestors(path)
+        if any(d in self.by_path or d in self.id_files for d in dirs):
+            return True
+        return any(rx.match(a) for d in ("", *dirs[1:]) for rx, _ in self.globs.get(d, ()) for a in dirs[1:])
+
+    def matching(self, case: CollectedCase, suite_device: str) -> list[Entry]:
+        """The entries (in manifest order) that select ``case`` in a suite on ``suite_device``."""
+        out = []
+        marks: _Markers | None = None
+        for i, by_id in sorted(self._selecting(case).items()):
+            # Another device's variant of a shared test is that device's suite's case.
+            if not by_id and case.device != suite_device:
+                continue
+            if i in self.markers:
+                marks = marks or _Markers(case)
+                if not self.markers[i].evaluate(marks):
+                    continue
+            out.append(self.entries[i])
+        return out
 
 
 def _fit_problems(m: Manifest, entry: Entry, case: CollectedCase) -> list[Problem]:
@@ -336,6 +519,10 @@ class _Scope:
 def _load_scope(root: Path, suites: Iterable[str] | None) -> _Scope:
     """Phase 1: load every manifest, keep the problems of the selected suites."""
     all_manifests, problems = load_suites(root)
+    if not all_manifests and not problems:
+        # Never "0 case(s), 0 problem(s)": a repository without suites checks nothing.
+        why = "has no suite manifests" if (root / SUITES_DIR).is_dir() else f"does not exist in {root}"
+        problems = [Problem("no-suites", f"{SUITES_DIR}/", "", f"{why}: write one (`harness init`) or pass --root")]
     ok = not any(p.rule in _MANIFEST_RULES for p in problems)
     if not suites:
         return _Scope(all_manifests, list(all_manifests), problems, ok)
@@ -358,25 +545,25 @@ def _spec_problems(cases: Iterable[CollectedCase]) -> list[Problem]:
 def _assign_owners(inv: SuiteInventory, m: Manifest, judged: bool) -> None:
     """Phase 4, one suite: record the first matching entry of ``m`` for each case;
     when the suite is ``judged``, add its fit and ``entry-matches-nothing`` problems."""
+    index = EntryIndex(m.entries)
     owned_by: dict[str, int] = {e.id: 0 for e in m.entries}
     matched: dict[str, int] = {e.id: 0 for e in m.entries}
     first_owner: dict[str, str] = {}
     for c in inv.cases:
         if c.spec is None:
             continue
-        owner: Entry | None = None
-        for e in m.entries:
-            if _entry_matches(e, c, m.device):
-                matched[e.id] += 1
-                if owner is None:
-                    owner = e
-                    owned_by[e.id] += 1
-                else:
-                    first_owner.setdefault(e.id, owner.id)
-        if owner is not None:
-            inv.owners.setdefault(c.nodeid, []).append((m.suite, owner.id))
-            if judged:
-                inv.problems.extend(_fit_problems(m, owner, c))
+        hits = index.matching(c, m.device)
+        if not hits:
+            continue
+        owner = hits[0]
+        owned_by[owner.id] += 1
+        for e in hits:
+            matched[e.id] += 1
+        for e in hits[1:]:
+            first_owner.setdefault(e.id, owner.id)
+        inv.owners.setdefault(c.nodeid, []).append((m.suite, owner.id))
+        if judged:
+            inv.problems.extend(_fit_problems(m, owner, c))
     if judged:
         inv.problems.extend(_idle_entries(m, owned_by, matched, first_owner))
 
@@ -404,19 +591,19 @@ def _idle_entries(
     return out
 
 
-def _ownership_problems(inv: SuiteInventory, manifests: Sequence[Manifest]) -> list[Problem]:
-    """Phase 5: ``unowned-file`` for each test file none of whose cases any suite owns,
-    ``unowned-case`` for each other case no suite owns."""
+def _ownership_problems(inv: SuiteInventory, manifests: Sequence[Manifest], files: Sequence[str]) -> list[Problem]:
+    """Phase 5: ``unowned-file`` for each test file pytest collects by default none of
+    whose cases any suite owns, ``unowned-case`` for each other case no suite owns."""
     by_file: dict[str, list[CollectedCase]] = {}
     for c in inv.cases:
         by_file.setdefault(c.file, []).append(c)
-    covered = [p.split("::", 1)[0] for m in manifests for e in m.entries for p in e.paths]
+    covered = EntryIndex([e for m in manifests for e in m.entries])
     out = []
-    for f in sorted(rel(p, inv.root) for p in inv.root.glob(TESTS_GLOB)):
+    for f in sorted(set(files)):
         fcases = by_file.get(f, [])
         if any(c.nodeid in inv.owners for c in fcases):
             continue
-        if not fcases and any(path_matches(f, p) for p in covered):
+        if not fcases and covered.covers_file(f):
             continue  # collects nothing here (e.g. a module-level skip); its entry covers it
         out.append(Problem("unowned-file", f, "", "test file owned by no suite entry: add it to a suite in suites/"))
     unowned_files = {p.file for p in out}
@@ -428,31 +615,68 @@ def _ownership_problems(inv: SuiteInventory, manifests: Sequence[Manifest]) -> l
     return out
 
 
+def _outside_problems(root: Path, files: Iterable[str]) -> list[Problem]:
+    """``symlink-outside-repository`` for each collected test file whose real location
+    (through a symlink) is outside the repository, as manifests reject such paths."""
+    out = []
+    real_root = root.resolve()
+    for f in sorted(set(files)):
+        target = (root / f).resolve()
+        if not os.path.isabs(f) and not target.is_relative_to(real_root):
+            out.append(Problem(
+                "symlink-outside-repository", f, "",
+                f"is a symlink to {target}, outside the repository: a checkout elsewhere (CI) will not have "
+                "it and --changed-from cannot see its changes; move the test into the repository",
+            ))
+    return out
+
+
+def _collect_for(root: Path, scope: _Scope, check_ownership: bool) -> Collection:
+    """Phase 2: with ``check_ownership``, what pytest collects by default (its own rules
+    decide which files are tests) plus entry paths outside that; else only the
+    selected suites' entry paths."""
+    if not check_ownership:
+        return collect(root, _entry_targets(root, scope.selected))
+    found = collect(root, None)
+    # An entry may name what pytest does not collect by default (outside
+    # testpaths, under norecursedirs such as dist/): collect those paths as
+    # `harness run` will, by naming them.
+    seen = {a for f in found.files for a in _ancestors(f)}
+    extra = [t for t in _entry_targets(root, scope.all) if t not in seen]
+    if extra:
+        found.extend(collect(root, extra))
+    return found
+
+
 def build_inventory(
     root: Path, suites: Iterable[str] | None = None, *, check_ownership: bool = True
 ) -> SuiteInventory:
     """Collect the repository's tests and check them against its suites.
 
     ``suites`` limits the checked suites (default: all of ``suites/*.json``).
-    With ``check_ownership`` (default) every test file is collected and the
-    ``unowned-file`` / ``unowned-case`` rules are checked against *all* suites
-    (ownership is global: a file the cpu suite owns is owned even when only
-    the gpu suite is inventoried); without it only the selected suites' entry
-    paths are collected (what ``harness run`` needs).
+    With ``check_ownership`` (default) pytest collects what it collects by
+    default (``testpaths``, ``python_files``, ``norecursedirs``, ``--ignore``
+    from the repository's configuration) and every test file it finds must be
+    owned: the ``unowned-file`` / ``unowned-case`` rules are checked against
+    *all* suites (ownership is global: a file the cpu suite owns is owned even
+    when only the gpu suite is inventoried). Without it only the selected
+    suites' entry paths are collected (what ``harness run`` needs). A
+    repository without suites is a ``no-suites`` problem.
     """
     root = root.resolve()
     scope = _load_scope(root, suites)
-    read = scope.all if check_ownership else scope.selected
-    cases, collect_problems = collect(root, _targets(root, read, check_ownership))
+    found = _collect_for(root, scope, check_ownership)
     inv = SuiteInventory(
         root=root,
         manifests={m.suite: m for m in scope.all},
-        cases=cases,
-        problems=[*scope.problems, *collect_problems, *_spec_problems(cases)],
+        cases=found.cases,
+        problems=[*scope.problems, *found.problems, *_spec_problems(found.cases)],
+        inipath=found.inipath,
     )
+    inv.problems.extend(_outside_problems(root, {*found.files, *(c.file for c in found.cases)}))
     judged = scope.selected_names
-    for m in read:
+    for m in scope.all if check_ownership else scope.selected:
         _assign_owners(inv, m, m.suite in judged)
     if check_ownership and scope.manifests_ok:
-        inv.problems.extend(_ownership_problems(inv, scope.all))
+        inv.problems.extend(_ownership_problems(inv, scope.all, found.files))
     return inv

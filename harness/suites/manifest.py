@@ -27,6 +27,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import os
 import posixpath
 import re
 from collections.abc import Iterable, Iterator
@@ -157,8 +158,16 @@ def find_root(start: Path | None = None) -> Path:
 
 
 def rel(path: Path, root: Path) -> str:
-    """``path`` relative to ``root`` in POSIX form (the path itself when outside)."""
+    """``path`` relative to ``root`` in POSIX form (the path itself when outside).
+
+    Symlinks are not followed: a link inside the repository keeps its own name
+    (where its target lives is a separate question, see ``symlink-outside-repository``).
+    """
     try:
+        return Path(os.path.abspath(path)).relative_to(os.path.abspath(root)).as_posix()
+    except ValueError:
+        pass
+    try:  # ``root`` reached through a symlink (/tmp -> /private/tmp)
         return path.resolve().relative_to(root.resolve()).as_posix()
     except ValueError:
         return str(path)
@@ -196,7 +205,9 @@ def has_glob(pattern: str) -> bool:
     return bool(GLOB_CHARS.search(pattern))
 
 
-@functools.lru_cache(maxsize=1024)
+# Unbounded: one entry per distinct manifest pattern. A bounded cache smaller
+# than the patterns in use thrashes (inventory time went superlinear past 1,024).
+@functools.cache
 def glob_regex(pattern: str) -> re.Pattern[str]:
     """Compile a repository-relative glob: ``*`` and ``?`` stay within one path
     segment, ``**`` spans any number of segments (``a/**/b`` also matches ``a/b``)."""

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from harness.suites import changes, report, selection
-from harness.suites.inventory import CollectedCase, SuiteInventory, build_inventory
+from harness.suites.inventory import CollectedCase, SuiteInventory, build_inventory, plugin_args
 from harness.suites.manifest import Entry, Manifest
 from harness.suites.plan import (
     PlanError,
@@ -228,6 +228,8 @@ class _Run:
     too_big: list[CollectedCase]
     out: Path
     started: float
+    #: The pytest configuration file the inventory found (``None``: none).
+    inipath: Path | None = None
 
     @property
     def title(self) -> str:
@@ -271,7 +273,7 @@ def _plan_run(root: Path, opts: RunOptions, started: float) -> _Run:
         too_big = [c for c, _ in cases if c.cards > opts.max_cards]
         cases = [(c, e) for c, e in cases if c.cards <= opts.max_cards]
     out = (opts.out or _default_out(root, m.suite, shard)).resolve()
-    return _Run(root, opts, m, shard, cases, too_big, out, started)
+    return _Run(root, opts, m, shard, cases, too_big, out, started, inv.inipath)
 
 
 def _prepare_out(run: _Run) -> None:
@@ -307,7 +309,8 @@ def _pytest_command(run: _Run, k: int, timeout: float | None, group: Sequence[Pa
     # The caller's pytest arguments first: where they clash with ours
     # (--junitxml), ours come later and win, so the run can be read back.
     cmd = [sys.executable, "-m", "pytest", *sorted({c.file for c, _ in group}), *run.opts.pytest_args]
-    cmd += ["-p", "harness.suites.selection", f"--harness-select={select_file}", f"--rootdir={run.root}"]
+    cmd += _config_args(run)
+    cmd += ["-p", "harness.suites.selection", f"--harness-select={select_file}"]
     cmd += [f"--junitxml={junit}", "-o", "junit_duration_report=total"]
     if not _user_xdist(run.opts.pytest_args) and _XDIST_INSTALLED:
         # One case gains nothing from a worker process; more keep the
@@ -319,6 +322,25 @@ def _pytest_command(run: _Run, k: int, timeout: float | None, group: Sequence[Pa
     if run.manifest.device != "cpu":
         cmd.append(f"--harness-require={run.manifest.device}")
     return cmd
+
+
+_CONFIG_OPTIONS = ("-c", "--config-file", "--inifile")
+
+
+def _config_args(run: _Run) -> list[str]:
+    """Arguments that pin the pytest configuration and plugins of the run.
+
+    The configuration file is named (``-c``) unless the caller named one: pytest
+    looks for it before plugins have declared their options, so the value of
+    ``--harness-lease-dir DIR`` (space-separated) would count as a path there
+    and the project's configuration would be lost. Plugins the harness needs
+    are loaded explicitly when autoloading is off.
+    """
+    given = [*shlex.split(os.environ.get("PYTEST_ADDOPTS", "")), *run.opts.pytest_args]
+    out = [f"--rootdir={run.root}"]
+    if run.inipath is not None and not option_values(given, _CONFIG_OPTIONS):
+        out += ["-c", str(run.inipath)]
+    return out + plugin_args(given)
 
 
 def _execute(run: _Run) -> tuple[list[int], list[Path]]:

@@ -168,6 +168,64 @@ def test_run_changed_from_and_shards(pytester):
     assert summary_rows((root / "out/s1/summary.md").read_text())["total"][:2] == ["2", "2"]
 
 
+STRICT_CONFIG = """[tool.pytest.ini_options]
+testpaths = ["tests"]
+markers = ["mine: a registered marker"]
+addopts = ["--strict-markers"]
+xfail_strict = true
+"""
+STRICT_TESTS = {
+    "tests/s/test_s.py": """
+        import pytest
+
+        @pytest.mark.mine
+        def test_marked():
+            pass
+
+        @pytest.mark.xfail(reason="strict: a pass is a failure")
+        def test_xpass():
+            pass
+
+        def test_other():
+            pass
+    """,
+}
+
+
+@pytest.mark.parametrize("form", ["space", "equals"])
+def test_option_value_after_double_dash_keeps_the_project_configuration(pytester, tmp_path_factory, form):
+    # Issue 12.10: `--harness-lease-dir DIR` (space-separated) made pytest take DIR
+    # for a path while looking for its configuration: --strict-markers and
+    # xfail_strict were silently dropped; `--harness-lease-dir=DIR` worked.
+    root = make_project(pytester.path, STRICT_TESTS, {"cpu": manifest("cpu", "cpu", [{"id": "s", "paths": ["tests/s"]}])},
+                        {"pyproject.toml": STRICT_CONFIG})
+    lease = tmp_path_factory.mktemp("leases")  # outside the project, as /tmp/harness-leases is
+    lease_args = ["--harness-lease-dir", str(lease)] if form == "space" else [f"--harness-lease-dir={lease}"]
+    done = harness(root, "run", "cpu", "--out", "out", "--", "-p", "no:xdist", "-k", "marked or xpass", *lease_args)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "configfile: pyproject.toml" in done.stdout
+    results = {c["nodeid"].split("::")[1]: c["outcome"] for c in json.loads((root / "out/summary.json").read_text())["cases"]}
+    assert results == {"test_marked": "passed", "test_xpass": "failed", "test_other": "missing"}
+
+
+def test_run_and_inventory_with_plugin_autoload_disabled(pytester):
+    # Issue 11.4: with PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 the harness loads what it
+    # needs itself (-p xdist, -p harness); before: "unrecognized arguments: -n".
+    tests = {"tests/fast/test_f.py": "def test_one():\n    pass\n\ndef test_two():\n    pass\n", **LAUNCHED}
+    root = make_project(pytester.path, tests, {"cpu": manifest("cpu", "cpu", [
+        {"id": "fast", "paths": ["tests/fast"]}, {"id": "dist", "paths": ["tests/dist"], "timeout_s": 120},
+    ])})
+    env = {"PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}
+    done = harness(root, "inventory", "-q", env=env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "3 case(s); per suite: cpu 3; 0 problem(s)" in done.stdout
+    done = harness(root, "run", "cpu", "--out", "out", "--workers", "2", env=env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = summary_rows((root / "out/summary.md").read_text())
+    assert rows["total"][:5] == ["3", "3", "0", "0", "0"]
+    assert "2 workers [2 items]" in done.stdout  # xdist was loaded and used
+
+
 def test_hung_plain_case_is_stopped_by_the_watchdog(pytester):
     tests = {"tests/h/test_h.py": "import time\n\ndef test_hang():\n    time.sleep(120)\n\ndef test_ok():\n    pass\n"}
     root = make_project(pytester.path, tests,

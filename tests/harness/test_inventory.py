@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import textwrap
 
 import pytest
 from suite_project import DEVICE_TESTS, make_project, manifest
@@ -282,3 +283,90 @@ def test_broken_other_manifest_does_not_flood_a_named_inventory(pytester):
     inv = build_inventory(pytester.path, ["gpu"])
     assert inv.problems == []  # cpu's problem is cpu's; ownership is not judged without cpu
     assert [c.nodeid for c, _ in inv.suite_cases("gpu")] == ["tests/test_a.py::test_dev[cuda]"]
+
+
+# --------------------------------------------------------------------------- pytest's own collection rules
+
+
+def test_ownership_follows_pytests_collection_rules(pytester):
+    # Issue 11.3: which files are tests is pytest's call (python_files, testpaths,
+    # norecursedirs, --ignore from the configuration), not a hard-coded tests/**/test_*.py.
+    config = """
+        [tool.pytest.ini_options]
+        testpaths = ["tests"]
+        python_files = ["check_*.py"]
+        norecursedirs = ["fixtures"]
+        addopts = ["--ignore=tests/skipme"]
+    """
+    tests = {
+        "tests/check_owned.py": "def test_a():\n    pass\n",
+        "tests/check_new.py": "def test_b():\n    pass\n",
+        "tests/fixtures/test_data.py": "def test_not_collected():\n    pass\n",
+        "tests/skipme/test_x.py": "def test_ignored():\n    pass\n",
+        "scripts/test_tool.py": "def test_outside_testpaths():\n    pass\n",
+    }
+    root = make_project(pytester.path, tests,
+                        {"cpu": manifest("cpu", "cpu", [{"id": "owned", "paths": ["tests/check_owned.py"]}])},
+                        {"pyproject.toml": textwrap.dedent(config)})
+    inv = build_inventory(root)
+    assert [str(p) for p in inv.problems] == [
+        "tests/check_new.py: [unowned-file] test file owned by no suite entry: add it to a suite in suites/"
+    ]
+    assert [c.nodeid for c in inv.cases] == ["tests/check_new.py::test_b", "tests/check_owned.py::test_a"]
+
+
+def test_entry_outside_testpaths_is_still_collected(pytester):
+    tests = {"tests/test_a.py": DEVICE_TESTS, "scripts/check_tool.py": "def test_tool():\n    pass\n"}
+    inv = build_inventory(project(pytester, tests, cpu_entries=[
+        {"id": "all", "paths": ["tests"]}, {"id": "tool", "paths": ["scripts/check_tool.py"]},
+    ]))
+    assert inv.problems == []
+    assert inv.owners["scripts/check_tool.py::test_tool"] == [("cpu", "tool")]
+
+
+@pytest.mark.parametrize("with_dir", [False, True])
+def test_repository_without_suites_is_an_error(pytester, capsys, with_dir):
+    # Issue 11.3: never "0 case(s), 0 problem(s)" and exit 0.
+    pytester.makepyfile(test_a="def test_a():\n    pass\n")
+    if with_dir:
+        (pytester.path / "suites").mkdir()
+    assert main(["--root", str(pytester.path), "inventory"]) == 1
+    err = capsys.readouterr().err
+    assert "suites/: [no-suites]" in err
+    assert ("has no suite manifests" if with_dir else "does not exist in") in err
+
+
+# --------------------------------------------------------------------------- diagnostics
+
+
+def test_symlink_leaving_the_repository_is_named_as_such(pytester, tmp_path_factory):
+    # Issue 12.9: it was "[unowned-file] ... add it to a suite" although tests/ is owned.
+    elsewhere = tmp_path_factory.mktemp("elsewhere") / "test_far.py"
+    elsewhere.write_text("def test_far():\n    pass\n")
+    root = project(pytester)
+    (root / "tests/test_link.py").symlink_to(elsewhere)
+    inv = build_inventory(root)
+    (p,) = inv.problems
+    assert p.rule == "symlink-outside-repository"
+    assert p.file == "tests/test_link.py"
+    assert f"is a symlink to {elsewhere.resolve()}, outside the repository" in p.message
+    assert inv.owners["tests/test_link.py::test_far"] == [("cpu", "all")]
+
+
+@pytest.mark.parametrize(
+    ("source", "where", "message"),
+    [
+        ("import os\n\ndef test_x(:\n    pass\n", "line 3", "SyntaxError: invalid syntax"),
+        ("import os\nimport module_that_does_not_exist\n", "line 2",
+         "ModuleNotFoundError: No module named 'module_that_does_not_exist'"),
+        ("import helper_that_raises\n", "line 1, raised at tests/helper_that_raises.py:2", "ValueError: boom"),
+    ],
+)
+def test_collection_error_keeps_file_and_line(pytester, source, where, message):
+    # Issue 12.9: only the last line ("E   SyntaxError: invalid syntax") was kept.
+    tests = {"tests/test_a.py": DEVICE_TESTS, "tests/test_broken.py": source,
+             "tests/helper_that_raises.py": "def f():\n    raise ValueError('boom')\n\nf()\n"}
+    inv = build_inventory(project(pytester, tests))
+    (p,) = only(inv, "collection-error")
+    assert (p.file, p.where, p.message) == ("tests/test_broken.py", where, message)
+    assert str(p) == f"tests/test_broken.py {where}: [collection-error] {message}"
