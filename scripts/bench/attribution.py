@@ -6,7 +6,8 @@
 2. Collectives per logged step of ``ChannelLossMeter`` (target <= 2), per
    micro-batch (target 0) and per unsampled step (target 0), counted by
    wrapping the ``torch.distributed`` functions in real Gloo runs: SP=2,
-   DP=2, SP=2 x DP=2.
+   DP=2, SP=2 x DP=2, and SP=2 x DP=2 with 300 micro-batches per step of
+   which one (index 299, on rank 0) fails: exactly 1 dropped per logged step.
 
     python scripts/bench/attribution.py [--tokens 1000000] [--repeats 5] [--device cpu]
 """
@@ -86,10 +87,17 @@ def time_source_totals(tokens: int, samples: int, repeats: int, device: torch.de
     return statistics.median(build[1:]), statistics.median(attribute[1:])
 
 
-SCENARIOS = {"SP=2": (2, 1), "DP=2": (1, 2), "SP=2 x DP=2": (2, 2)}
+#: name: (sp, dp, micro-batches per step, the micro-batch that fails on rank 0 or -1)
+SCENARIOS = {"SP=2": (2, 1, 2, -1), "DP=2": (1, 2, 2, -1), "SP=2 x DP=2": (2, 2, 2, -1),
+             "300 mb, 1 fail": (2, 2, 300, 299)}
 
 
-def _meter_rank(rank: int, world: int, store: str, sp: int, dp: int, results) -> None:
+class _Failed(RuntimeError):
+    pass
+
+
+def _meter_rank(rank: int, world: int, store: str, sp: int, dp: int, micro: int, fail: int,
+                results) -> None:
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     # Rank r is SP rank r % sp of DP rank r // sp; every rank creates every group, in order.
     sp_groups = [dist.new_group([d * sp + s for s in range(sp)]) for d in range(dp)]
@@ -100,31 +108,43 @@ def _meter_rank(rank: int, world: int, store: str, sp: int, dp: int, results) ->
     layout = PackedLayout.from_cu_seqlens([0, 100, 250, 256], total_length=256)
     shard = layout.shard(sp, sp_rank, "zigzag")
     losses, targets = shard.take(torch.rand(256), 0.0), shard.take(torch.randint(0, 9, (256,)), -100)
-    counts = {"step": [], "micro_batch": [], "unsampled": []}
+    counts = {"step": [], "micro_batch": [], "unsampled": [], "dropped": []}
     for _ in range(4):
         meter.begin_step()
-        for m in range(2):
+        for m in range(micro):
             # Step 0 meets every source for the first time; step 2 only known ones.
-            sources = [f"dp{dp_rank}-{m}", "shared", m]
-            with count_collectives() as calls, meter.micro_batch(source_ids=sources, layout=layout,
-                                                                 shard=shard):
-                record(losses, targets)
+            sources = [f"dp{dp_rank}-{m % 2}", "shared", m % 2]
+            try:
+                with count_collectives() as calls, meter.micro_batch(
+                        source_ids=sources, layout=layout, shard=shard):
+                    record(losses, targets)
+                    if rank == 0 and m == fail:
+                        raise _Failed
+            except _Failed:
+                pass
             counts["micro_batch"].append(len(calls))
         sampled = meter.sampled
         with count_collectives() as calls:
-            meter.end_step()
+            metrics = meter.end_step()
         counts["step" if sampled else "unsampled"].append(len(calls))
+        if sampled:
+            counts["dropped"].append(int(metrics["channel_loss_dropped_micro_batches"]))
     if rank == 0:
         results.put(counts)
     dist.destroy_process_group()
 
 
-def count_meter_collectives(sp: int, dp: int) -> dict[str, list[int]]:
-    """Collective calls per end_step / micro_batch / unsampled step on an ``sp x dp`` Gloo run."""
+def count_meter_collectives(sp: int, dp: int, micro: int = 2, fail: int = -1) -> dict[str, list[int]]:
+    """Collective calls per end_step / micro_batch / unsampled step on an ``sp x dp`` Gloo run.
+
+    Also the dropped micro-batches of each logged step (``fail``: the index
+    that fails on rank 0, -1 for none).
+    """
     ctx = mp.get_context("spawn")
     results = ctx.SimpleQueue()
     with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(_meter_rank, args=(sp * dp, os.path.join(tmp, "store"), sp, dp, results),
+        mp.start_processes(_meter_rank,
+                           args=(sp * dp, os.path.join(tmp, "store"), sp, dp, micro, fail, results),
                            nprocs=sp * dp, start_method="spawn")
         return results.get()
 
@@ -148,15 +168,19 @@ def main(argv: list[str] | None = None) -> int:
     print(f"ratio 10,000 / 10 samples: {ratio:.2f} (target <= 2)\n")
 
     print("collectives per call (Gloo; step 0 registers new sources, step 2 is steady)")
-    print(f"{'scenario':>12} | {'ranks':>5} | {'logged step':>11} | {'micro-batch':>11} | {'unsampled step':>14}")
-    worst = 0
-    for name, (sp, dp) in SCENARIOS.items():
-        counts = count_meter_collectives(sp, dp)
+    print(f"{'scenario':>14} | {'ranks':>5} | {'logged step':>11} | {'micro-batch':>11} | "
+          f"{'unsampled step':>14} | {'dropped':>7}")
+    worst, exact = 0, True
+    for name, (sp, dp, micro, fail) in SCENARIOS.items():
+        counts = count_meter_collectives(sp, dp, micro, fail)
         worst = max(worst, *counts["step"])
-        print(f"{name:>12} | {sp * dp:>5} | {'/'.join(map(str, counts['step'])):>11} | "
-              f"{max(counts['micro_batch']):>11} | {max(counts['unsampled']):>14}")
-    print(f"most collectives in a logged step: {worst} (target <= 2)")
-    return 0 if ratio <= 2 and worst <= 2 else 1
+        exact &= counts["dropped"] == [int(fail >= 0)] * len(counts["dropped"])
+        print(f"{name:>14} | {sp * dp:>5} | {'/'.join(map(str, counts['step'])):>11} | "
+              f"{max(counts['micro_batch']):>11} | {max(counts['unsampled']):>14} | "
+              f"{'/'.join(map(str, counts['dropped'])):>7}")
+    print(f"most collectives in a logged step: {worst} (target <= 2); "
+          f"dropped exactly the failed micro-batch: {exact}")
+    return 0 if ratio <= 2 and worst <= 2 and exact else 1
 
 
 if __name__ == "__main__":
