@@ -128,7 +128,10 @@ def read_pytest_layout(root: Path) -> PytestLayout:
 
     root = root.resolve()
     rec = _Recorder(root)
-    args = ["--collect-only", "-q", "-p", "no:cacheprovider", "--continue-on-collection-errors", *_plugin_args()]
+    # -W: this process imported the harness before pytest could mark it for assertion
+    # rewriting; a project's `filterwarnings = error` must not turn that notice into a failure.
+    args = ["--collect-only", "-q", "-p", "no:cacheprovider", "--continue-on-collection-errors",
+            "-W", "ignore::pytest.PytestAssertRewriteWarning", *_plugin_args()]
     # The caller's PYTEST_ADDOPTS is for running tests (a --junitxml there would
     # be overwritten by an empty collect-only report): not for this.
     addopts = os.environ.pop("PYTEST_ADDOPTS", None)
