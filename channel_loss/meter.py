@@ -386,7 +386,10 @@ class ChannelLossMeter:
         """Measure one micro-batch: wrap its forward and loss.
 
         ``source_ids`` has one id (``int`` or ``str``) per sample of
-        ``layout``; ``shard`` is this rank's slice when ``sp_group`` has more
+        ``layout``, in the layout's row-major sample order (paired samples,
+        e.g. DPO's chosen and rejected, are two samples: give each the pair's
+        id; for TRL's ``[chosen rows; rejected rows]`` batch that is
+        ``pair_ids + pair_ids``); ``shard`` is this rank's slice when ``sp_group`` has more
         than one rank; ``source_names`` maps ids to display names. The loss
         inside must be computed with ``chunk_cross_entropy`` (or reported
         with ``observe_logits``) exactly once. If the body raises, the
