@@ -1,11 +1,12 @@
 """``harness init``: scaffold a repository's suites from pytest's own configuration.
 
-pytest is asked, in-process and collect-only, what it would run from the
-repository root with no arguments: its ``rootdir``, ``inifile``,
-``testpaths`` and ``python_files``, and the test files it collects (files
-that fail to import included). ``suites/cpu.json`` then owns those paths:
-the ``testpaths`` when the configuration sets them, else the directories
-holding the collected files (a file at the top level is owned by name).
+pytest is asked, through the inventory's in-process collect-only run from
+the repository root with no arguments, what it would run: the configuration
+file it uses, the ``testpaths`` it collects from and the test files it
+collects by its own rules (``python_files``, ``norecursedirs``; files that
+fail to import included). ``suites/cpu.json`` then owns those paths: the
+``testpaths`` that hold tests when the configuration sets them, else the
+directories holding the collected files (a top-level file by name).
 
 On request, ``--accelerators cuda,npu`` adds one suite per accelerator
 (``gpu.json`` for cuda, ``npu.json`` for npu) that all include one shared case
@@ -23,9 +24,6 @@ repository, else the schema's canonical ``$id``).
 from __future__ import annotations
 
 import argparse
-import contextlib
-import importlib.util
-import io
 import json
 import os
 import re
@@ -35,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from harness.suites.inventory import collect
 from harness.suites.manifest import SCHEMA_FILE, SUITES_DIR, load_schema, rel, validate
 
 #: Exit codes (the CLI's convention): 0 written or unchanged, 1 nothing to own, 2 usage error.
@@ -62,119 +61,49 @@ class InitError(Exception):
 class PytestLayout:
     """What pytest's configuration says about a repository.
 
-    ``rootdir`` / ``inifile`` as pytest determined them; ``testpaths`` and
-    ``python_files`` from its ini options; ``files`` the test files collected
-    from the repository root with no arguments (relative to the root, sorted);
-    ``launched_cards`` the most cards any accelerator variant of a collected
-    case needs (0 when none has one).
+    ``inifile``: the configuration file pytest used; ``testpaths``: the paths
+    it collected from by default when its configuration sets ``testpaths``
+    (empty otherwise); ``files``: the test files it collected by its own rules
+    (``python_files``, ``norecursedirs``, ...), repository-relative, sorted;
+    ``launched_cards``: the most cards an accelerator variant of a collected
+    case needs (0 when none has one); ``errors``: collection errors.
     """
 
     rootdir: Path
     inifile: Path | None
     testpaths: tuple[str, ...]
-    python_files: tuple[str, ...]
     files: tuple[str, ...]
     launched_cards: int = 0
     errors: tuple[str, ...] = field(default=())
 
 
-class _Recorder:
-    """pytest plugin object: the configuration and the collected test files."""
-
-    def __init__(self, root: Path):
-        self.root = root
-        self.files: set[str] = set()
-        self.errors: list[str] = []
-        self.config: Any = None
-        self.cards = 0
-
-    def pytest_collectreport(self, report: Any) -> None:
-        if report.failed:
-            path = Path(str(report.fspath))
-            if path.is_file():
-                self.files.add(rel(path.resolve(), self.root))
-            lines = str(report.longrepr).strip().splitlines()
-            self.errors.append(f"{report.nodeid or '.'}: {lines[-1] if lines else 'collection failed'}")
-
-    def pytest_collection_finish(self, session: Any) -> None:
-        from harness.spec import spec_for_item
-
-        self.config = session.config
-        for item in session.items:
-            self.files.add(rel(Path(str(item.path)).resolve(), self.root))
-            with contextlib.suppress(ValueError, TypeError):  # the inventory reports bad specs
-                spec = spec_for_item(item)
-                if spec.device != "cpu":
-                    self.cards = max(self.cards, spec.cards)
-
-
-def _plugin_args() -> list[str]:
-    """``-p`` options for what a collect-only run needs when plugin autoloading is off."""
-    args: list[str] = []
-    xdist = importlib.util.find_spec("xdist") is not None
-    if os.environ.get("PYTEST_DISABLE_PLUGIN_AUTOLOAD"):
-        args += ["-p", "harness.launcher.plugin"]
-        if xdist:
-            args += ["-p", "xdist.plugin"]
-    if xdist:
-        args += ["-n", "0"]  # a configured -n would start workers just to collect
-    return args
-
-
 def read_pytest_layout(root: Path) -> PytestLayout:
-    """Ask pytest (in-process, collect-only, from ``root`` with no arguments)
-    what it would run; raises ``InitError`` when pytest itself fails."""
-    import pytest
-
+    """Ask pytest (the inventory's in-process collect-only run, from ``root`` with
+    no arguments) what it would run; raises ``InitError`` when pytest itself fails."""
     root = root.resolve()
-    rec = _Recorder(root)
-    # -W: this process imported the harness before pytest could mark it for assertion
-    # rewriting; a project's `filterwarnings = error` must not turn that notice into a failure.
-    args = ["--collect-only", "-q", "-p", "no:cacheprovider", "--continue-on-collection-errors",
-            "-W", "ignore::pytest.PytestAssertRewriteWarning", *_plugin_args()]
-    # The caller's PYTEST_ADDOPTS is for running tests (a --junitxml there would
-    # be overwritten by an empty collect-only report): not for this.
-    addopts = os.environ.pop("PYTEST_ADDOPTS", None)
-    cwd = Path.cwd()
-    out = io.StringIO()
-    try:
-        os.chdir(root)  # pytest applies testpaths only when run from its rootdir
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
-            code = int(pytest.main(args, plugins=[rec]))
-    finally:
-        os.chdir(cwd)
-        if addopts is not None:
-            os.environ["PYTEST_ADDOPTS"] = addopts
-    if code not in (0, 1, 5) or rec.config is None:
-        tail = "\n".join(out.getvalue().strip().splitlines()[-15:])
-        raise InitError(f"pytest could not collect from {root} (exit {code}):\n{tail}")
-    cfg = rec.config
+    found = collect(root, None)
+    broken = [p for p in found.problems if p.file == "."]
+    if broken:
+        raise InitError(f"pytest could not collect from {root}: {broken[0].message}")
     return PytestLayout(
-        rootdir=Path(str(cfg.rootpath)),
-        inifile=Path(str(cfg.inipath)) if cfg.inipath else None,
-        testpaths=tuple(str(p) for p in cfg.getini("testpaths")),
-        python_files=tuple(str(p) for p in cfg.getini("python_files")),
-        files=tuple(sorted(f for f in rec.files if not f.startswith(("/", "../")))),
-        launched_cards=rec.cards,
-        errors=tuple(rec.errors),
+        rootdir=root,
+        inifile=found.inipath,
+        testpaths=tuple(p for p in found.scope if p not in (".", "")),
+        files=tuple(sorted({f for f in found.files if not f.startswith(("/", "../"))})),
+        launched_cards=max((c.cards for c in found.cases if c.device != "cpu"), default=0),
+        errors=tuple(str(p) for p in found.problems),
     )
 
 
-def owned_paths(layout: PytestLayout, root: Path) -> list[str]:
+def owned_paths(layout: PytestLayout) -> list[str]:
     """The repository-relative paths ``suites/cpu.json`` should own.
 
-    The configured ``testpaths`` (glob-expanded as pytest does) that hold a
-    collected file, when set; else the directories holding the collected
+    The ``testpaths`` pytest collected from that hold a collected file, when
+    the configuration sets them; else the directories holding the collected
     files, a top-level file by name; nested paths dropped. Sorted.
     """
     files = layout.files
-    candidates: list[str] = []
-    if layout.testpaths:
-        base = layout.rootdir
-        for tp in layout.testpaths:
-            hits = sorted(base.glob(tp)) if any(ch in tp for ch in "*?[") else [base / tp]
-            candidates += [rel(h.resolve(), root) for h in hits if h.exists()]
-        candidates = [c for c in candidates if any(_under(f, c) for f in files)]
+    candidates = [t for t in layout.testpaths if any(_under(f, t) for f in files)]
     if not candidates:
         candidates = [f if "/" not in f else f.rsplit("/", 1)[0] for f in files]
     kept: list[str] = []
@@ -229,10 +158,10 @@ def render(root: Path, layout: PytestLayout, accelerators: Sequence[str], workfl
 
     Raises ``InitError`` when pytest found no test file to own.
     """
-    paths = owned_paths(layout, root)
+    paths = owned_paths(layout)
     if not paths:
         raise InitError(
-            f"pytest collects no test file from {root} (python_files: {' '.join(layout.python_files)}); "
+            f"pytest collects no test file from {root} (see its python_files and testpaths); "
             "add a test (or set testpaths) and run `harness init` again"
         )
     suites_dir = root / SUITES_DIR

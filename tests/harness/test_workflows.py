@@ -134,7 +134,7 @@ PR_ONLY_CANCEL = "${{ github.event_name == 'pull_request' }}"
 def init_workflows(tmp_path_factory) -> dict[str, dict]:
     root = tmp_path_factory.mktemp("init")
     (root / "pyproject.toml").write_text("[project]\nname = 'x'\nversion = '0'\n")
-    layout = init.PytestLayout(root, None, (), ("test_*.py",), ("tests/test_a.py",), launched_cards=2)
+    layout = init.PytestLayout(root, None, (), ("tests/test_a.py",), launched_cards=2)
     files = init.render(root, layout, ["cuda", "npu"], workflows=True)
     return {
         f"init:{Path(path).name}": _parsed(text) for path, text in files.items() if path.startswith(".github/")
