@@ -379,15 +379,14 @@ class _Markers:
         return any(all(m.get(k, object()) == v for k, v in kwargs.items()) for m in self.by_name.get(name, ()))
 
 
-def _literal_prefix(pattern: str) -> str:
-    """The directory part of a glob before its first segment with glob syntax (``""`` for none)."""
-    parts = pattern.split("/")
-    out = []
-    for part in parts[:-1]:
-        if has_glob(part):
-            break
-        out.append(part)
-    return "/".join(out)
+def _literal_segment(pattern: str) -> str | None:
+    """The last path segment of a glob without glob syntax (``None`` when every segment has some).
+
+    A path the glob matches (or lies under a directory it matches) has this
+    segment among its own, so the glob need only be tried on such paths.
+    """
+    literal = [part for part in pattern.split("/") if not has_glob(part)]
+    return literal[-1] if literal else None
 
 
 def _ancestors(path: str) -> list[str]:
@@ -408,13 +407,13 @@ class EntryIndex:
     a case costs time in the case's path depth and the few candidates, not in the
     number of entries: node-id selectors and plain paths are looked up by the
     case's id prefixes and ancestor directories, globs are compiled once and
-    grouped by their literal directory prefix."""
+    tried only on paths holding their last literal segment."""
 
     def __init__(self, entries: Sequence[Entry]):
         self.entries = list(entries)
         self.by_id: dict[str, list[int]] = {}
         self.by_path: dict[str, list[int]] = {}
-        self.globs: dict[str, list[tuple[re.Pattern[str], int]]] = {}
+        self.globs: dict[str | None, list[tuple[re.Pattern[str], int]]] = {}
         self.markers: dict[int, Any] = {}
         self.id_files: set[str] = set()
         from _pytest.mark.expression import Expression  # pytest's own -m language
@@ -425,7 +424,7 @@ class EntryIndex:
                     self.by_id.setdefault(sel, []).append(i)
                     self.id_files.add(sel.split("::", 1)[0])
                 elif has_glob(sel):
-                    self.globs.setdefault(_literal_prefix(sel), []).append((glob_regex(sel), i))
+                    self.globs.setdefault(_literal_segment(sel), []).append((glob_regex(sel), i))
                 else:
                     self.by_path.setdefault(sel.rstrip("/") or ".", []).append(i)
             if e.markers is not None:
@@ -441,18 +440,23 @@ class EntryIndex:
         for d in dirs:
             for i in self.by_path.get(d, ()):
                 hits.setdefault(i, False)
-        for d in ("", *dirs[1:]):
-            for rx, i in self.globs.get(d, ()):
-                if i not in hits and any(rx.match(a) for a in dirs[1:]):
-                    hits[i] = False
+        for rx, i in self._globs_for(case.file):
+            if i not in hits and any(rx.match(a) for a in dirs[1:]):
+                hits[i] = False
         return hits
+
+    def _globs_for(self, path: str) -> Iterator[tuple[re.Pattern[str], int]]:
+        """The globs that can match ``path`` or a directory above it (see :func:`_literal_segment`)."""
+        yield from self.globs.get(None, ())
+        for segment in set(path.split("/")):
+            yield from self.globs.get(segment, ())
 
     def covers_file(self, path: str) -> bool:
         """True when some entry's path (a node id's file part included) is ``path`` or a directory above it."""
         dirs = _ancestors(path)
         if any(d in self.by_path or d in self.id_files for d in dirs):
             return True
-        return any(rx.match(a) for d in ("", *dirs[1:]) for rx, _ in self.globs.get(d, ()) for a in dirs[1:])
+        return any(rx.match(a) for rx, _ in self._globs_for(path) for a in dirs[1:])
 
     def matching(self, case: CollectedCase, suite_device: str) -> list[Entry]:
         """The entries (in manifest order) that select ``case`` in a suite on ``suite_device``."""
