@@ -533,6 +533,10 @@ def _read_json(path: Path) -> Any:
         return None
 
 
+#: device_check.sh runs no phase with less time than this left (and records 124).
+MIN_PHASE_S = 5
+
+
 def read_phases(path: Path) -> list[dict[str, Any]]:
     """``phases.tsv`` lines ``name<TAB>exit status<TAB>seconds<TAB>limit seconds``."""
     phases = []
@@ -555,10 +559,14 @@ def verdict(out: Path) -> dict[str, Any]:
     if not phases:
         reasons.append("no phase recorded (phases.tsv missing)")
     for p in phases:
-        if p["rc"] in (124, 137):
+        if p["rc"] in (124, 137) and p["limit_s"] < MIN_PHASE_S:
+            reasons.append(f"phase {p['phase']} not run: no time left in the budget")
+        elif p["rc"] in (124, 137):
             reasons.append(f"phase {p['phase']} timed out after {p['limit_s']:.0f}s")
         elif p["rc"] != 0:
             reasons.append(f"phase {p['phase']} exited {p['rc']}")
+    if suite is None and not (out / "suite" / "summary.md").is_file():
+        reasons.append("suite summary missing")
     if claims is None:
         reasons.append("claims.json missing")
     else:
