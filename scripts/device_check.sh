@@ -9,8 +9,8 @@
 # Offline: pip runs with --no-index --find-links "$DEVICE_WHEELS" (default
 # .whl/device, git-ignored), a folder prepared on a networked machine by the
 # companion script `python scripts/device_wheels.py` (jsonschema and its
-# dependencies for Python 3.10-3.13 on x86_64/aarch64, the test tools,
-# setuptools, the Liger-Kernel wheel; ~16 MiB). The machine's own torch,
+# dependencies for Python 3.10-3.14 on x86_64/aarch64, the test tools,
+# setuptools, the Liger-Kernel wheel; ~19 MiB). The machine's own torch,
 # numpy and triton are used as they are. The install goes into a throwaway
 # venv that sees the interpreter's packages (--system-site-packages), so only
 # what is missing comes from the folder and the image is left untouched.
@@ -64,6 +64,12 @@ dry="${DEVICE_CHECK_DRY:-0}"
 wheels="${DEVICE_WHEELS:-$repo/.whl/device}"
 # The CPU dry run is not held to the card's 8 minutes (a loaded CI machine is slow).
 budget="${DEVICE_CHECK_BUDGET_S:-$([ "$dry" = 1 ] && echo 1350 || echo 450)}"
+case "$budget" in
+    '' | *[!0-9]*)
+        echo "device_check: DEVICE_CHECK_BUDGET_S must be whole seconds; got '$budget'" >&2
+        exit 2
+        ;;
+esac
 start=$SECONDS
 rm -f "$out/phases.tsv"
 
