@@ -5,7 +5,7 @@ from channel_loss.capture import Capture, TokenObservation, capture
 from channel_loss.errors import ChannelLossMetadataError
 from channel_loss.layout import PackedLayout, Shard
 from channel_loss.meter import ChannelLossMeter
-from channel_loss.ops import chunk_cross_entropy, per_token_cross_entropy
+from channel_loss.ops import chunk_cross_entropy, default_chunk_size, per_token_cross_entropy
 
 __all__ = [
     "Capture",
@@ -17,6 +17,7 @@ __all__ = [
     "TokenObservation",
     "capture",
     "chunk_cross_entropy",
+    "default_chunk_size",
     "per_token_cross_entropy",
     "source_totals",
 ]

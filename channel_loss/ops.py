@@ -9,15 +9,18 @@ log-sum-exp the gradient needs, observing it costs no extra pass.
 
 from __future__ import annotations
 
+import math
+import numbers
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
 
 from channel_loss.capture import record
 
-__all__ = ["chunk_cross_entropy", "per_token_cross_entropy"]
+__all__ = ["chunk_cross_entropy", "default_chunk_size", "per_token_cross_entropy"]
 
 
 # --------------------------------------------------------------------------- input checking
@@ -25,6 +28,21 @@ __all__ = ["chunk_cross_entropy", "per_token_cross_entropy"]
 
 def _shape(t: torch.Tensor) -> str:
     return str(tuple(t.shape))
+
+
+def _require(ok: torch.Tensor, message: str) -> None:
+    """Raise ``ValueError(message)`` unless the 0-d bool ``ok`` holds, without a host sync.
+
+    On the CPU the check is immediate. On an accelerator reading ``ok`` would
+    stall the host until the device catches up, so the check is queued on the
+    device instead (``torch._assert_async``): a failure surfaces as a
+    device-side assertion carrying ``message`` at the next synchronisation.
+    """
+    if ok.device.type == "cpu":
+        if not bool(ok):
+            raise ValueError(message)
+    elif ok.device.type != "meta":
+        torch._assert_async(ok, message)
 
 
 def resolve_targets(
@@ -40,7 +58,10 @@ def resolve_targets(
     ``shift_labels`` as given, else ``labels`` shifted left by one with
     ``ignore_index`` appended (the HF convention). Raises ``ValueError`` unless
     exactly one is given, integer-typed, shaped ``lead`` (the leading shape of
-    ``what``), with every target in ``[0, vocab)`` or ``ignore_index``.
+    ``what``), with every target in ``[0, vocab)`` or ``ignore_index``. On the
+    CPU the error names the first bad target; on an accelerator the range
+    check costs no host sync: it runs on the device and fails at the next
+    synchronisation (see ``_require``).
     """
     if (labels is None) == (shift_labels is None):
         raise ValueError(
@@ -63,12 +84,16 @@ def resolve_targets(
     else:
         targets = shift_labels.to(torch.int64)
     bad = (targets != ignore_index) & ((targets < 0) | (targets >= vocab))
-    if bool(bad.any()):
-        first = targets[bad][0].item()
-        raise ValueError(
-            f"{name} holds target {first} outside [0, {vocab}) that is not "
-            f"ignore_index={ignore_index}"
-        )
+    if targets.device.type == "cpu":
+        if bool(bad.any()):
+            first = targets[bad][0].item()
+            raise ValueError(
+                f"{name} holds target {first} outside [0, {vocab}) that is not "
+                f"ignore_index={ignore_index}"
+            )
+    else:
+        _require(~bad.any(), f"{name} holds a target outside [0, {vocab}) that is not "
+                             f"ignore_index={ignore_index}")
     return targets
 
 
@@ -252,6 +277,45 @@ def _chunked_pass(
     return token_losses, [grad_h, grad_w, grad_full, grad_factor, grad_factor_w]
 
 
+# Rows of a gradient rescaled per step in backward: an fp32 temporary of at
+# most this many elements instead of one as large as the gradient.
+_RESCALE_BLOCK = 1 << 20
+
+
+def _keep_graph() -> bool:
+    """Whether the running backward keeps the graph (``retain_graph=True``); True if unknown."""
+    probe = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
+    return True if probe is None else bool(probe())
+
+
+def _rescaled(g: torch.Tensor, factor: torch.Tensor, dtype: torch.dtype, reuse: bool,
+              in_fp32: bool) -> torch.Tensor:
+    """``g * factor`` as ``dtype``, written into ``g`` itself when ``reuse``.
+
+    ``in_fp32``: multiply in fp32 even though ``g`` is low precision (an
+    fp16 gradient times a factor that may lie below fp16's range). Otherwise
+    the arithmetic is ``g * factor`` in ``g``'s dtype, as autograd would do it.
+    Never allocates an fp32 temporary larger than ``_RESCALE_BLOCK`` elements.
+    """
+    if g.dtype == dtype and not in_fp32:
+        return g.mul_(factor) if reuse else g * factor
+    if reuse and not in_fp32:
+        return g.mul_(factor).to(dtype)
+    out = g if reuse and g.dtype == dtype else torch.empty(g.shape, dtype=dtype, device=g.device)
+    rows = max(1, _RESCALE_BLOCK // max(1, g[0].numel()))
+    for s in range(0, g.shape[0], rows):
+        out[s:s + rows] = g[s:s + rows].float() * factor
+    return out
+
+
+_SECOND_ORDER = (
+    "chunk_cross_entropy is once differentiable (trying to differentiate twice a function "
+    "that was marked with @once_differentiable): its backward returns gradients computed "
+    "in the forward pass, so create_graph=True / second-order gradients through it are "
+    "not supported"
+)
+
+
 class _ChunkedCE(torch.autograd.Function):
     """Loss, per-token losses and input gradients from one chunked pass.
 
@@ -259,34 +323,59 @@ class _ChunkedCE(torch.autograd.Function):
     Only the finished gradients are saved for backward, so saved-tensor hooks
     (offload, checkpoint) see a few long-lived tensors and never the chunk
     intermediates.
+
+    fp16 (``defer``): the saved gradients are those of the *summed* CE; the
+    divisor is applied in backward together with the upstream factor (a
+    ``GradScaler`` scale), so values that fp16 can hold are never divided
+    into its underflow range first. Other dtypes keep the divisor folded in.
+
+    Backward writes into the saved gradients (holding each one once) unless
+    the graph is being retained, and is not differentiable itself: a
+    backward with ``create_graph=True`` (second-order gradients) raises
+    ``RuntimeError`` with the standard ``once_differentiable`` wording.
     """
 
     @staticmethod
     def forward(ctx, h, weight, bias_full, bias_factor, bias_factor_weight, targets, valid,
                 denom, bias_map, chunk_size, needs):
         bias = _Bias(bias_full, bias_factor, bias_factor_weight, bias_map)
+        defer = h.dtype == torch.float16
+        scale = torch.ones_like(denom) if defer else denom.reciprocal()
         token_losses, grads = _chunked_pass(
-            h, weight, bias, targets, valid, denom.reciprocal(), chunk_size, needs
+            h, weight, bias, targets, valid, scale, chunk_size, needs
         )
         loss = token_losses.sum() / denom
         ctx.set_materialize_grads(False)
         ctx.mark_non_differentiable(token_losses)
         inputs = (h, weight, bias_full, bias_factor, bias_factor_weight)
         ctx.dtypes = [None if g is None else x.dtype for g, x in zip(grads, inputs, strict=True)]
-        ctx.save_for_backward(*(g for g in grads if g is not None))
+        ctx.defer = defer
+        ctx.save_for_backward(denom, *(g for g in grads if g is not None))
         return loss, token_losses
 
     @staticmethod
     def backward(ctx, grad_loss, _grad_token_losses):
-        saved = iter(ctx.saved_tensors)
-        grads = []
-        for dtype in ctx.dtypes:
-            g = None if dtype is None else next(saved)
-            if g is None or grad_loss is None:
-                grads.append(None)
-            else:
-                # Multiply unconditionally: testing grad_loss == 1 would sync the host.
-                grads.append((g * grad_loss).to(dtype))
+        if torch.is_grad_enabled():
+            # create_graph=True: the gradients returned here are constants of the
+            # forward, so any derivative taken of them would be silently wrong.
+            raise RuntimeError(_SECOND_ORDER)
+        return _ChunkedCE._backward(ctx, grad_loss)
+
+    @staticmethod
+    @once_differentiable
+    def _backward(ctx, grad_loss):
+        denom, *saved = ctx.saved_tensors
+        grads = [None] * len(ctx.dtypes)
+        if grad_loss is not None:
+            # Multiply unconditionally: testing grad_loss == 1 would sync the host.
+            factor = grad_loss.float() / denom if ctx.defer else grad_loss
+            reuse = not _keep_graph()
+            saved_grads = iter(saved)
+            for i, dtype in enumerate(ctx.dtypes):
+                if dtype is not None:
+                    g = next(saved_grads)
+                    grads[i] = _rescaled(g, factor, dtype, reuse,
+                                         in_fp32=ctx.defer and g.dtype != torch.float32)
         return (*grads, None, None, None, None, None, None)
 
 
@@ -297,37 +386,121 @@ def _scatter_rows(grad_rows: torch.Tensor, bias: _Bias, d: torch.Tensor, s: int,
         grad_rows.index_add_(0, bias.row_of_token[s:e], d)
 
 
-# --------------------------------------------------------------------------- public API
+# --------------------------------------------------------------------------- chunk size
 
 
-def _check_chunk_size(chunk_size: int) -> None:
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
-        raise ValueError(f"chunk_size must be an int >= 1; got {chunk_size!r}")
+#: Bounds of the default chunk (rows) on the CPU and on accelerators.
+CPU_CHUNK_BOUNDS = (8, 4096)
+ACCELERATOR_CHUNK_BOUNDS = (512, 8192)
+#: Largest default chunk of fp32 logits for the logits fallback (elements).
+LOGITS_CHUNK_ELEMENTS = 1 << 24
+
+
+def _floor_pow2(x: float) -> int:
+    return 1 << max(0, math.floor(math.log2(x))) if x >= 1 else 1
+
+
+def default_chunk_size(tokens: int, hidden: int, vocab: int, dtype: torch.dtype,
+                       device: torch.device | str = "cpu") -> int:
+    """The ``chunk_size`` that ``chunk_cross_entropy(chunk_size=None)`` uses.
+
+    The rule: the largest power of two ``c`` with one chunk's fp32 logits
+    (``c x vocab x 4`` bytes) no larger than the hidden states
+    (``tokens x hidden x dtype.itemsize`` bytes), clamped to
+    ``CPU_CHUNK_BOUNDS`` = [8, 4096] on the CPU and ``ACCELERATOR_CHUNK_BOUNDS``
+    = [512, 8192] elsewhere (CUDA, NPU). On the CPU this is the chunk torch's own
+    ``F.linear_cross_entropy`` picks for fp32, and it keeps the op's extra
+    memory at the size of the fp32 weight gradient plus about two copies of
+    the hidden states. On accelerators every chunk also reads and writes the
+    whole fp32 weight gradient (``vocab x hidden x 8`` bytes of HBM traffic)
+    next to ``6 x c x vocab x hidden`` FLOPs of matmul; below about 512 rows
+    that traffic, not the matmuls, sets the time, hence the higher floor.
+    Depends only on the arguments, so two calls with the same shapes chunk
+    alike (the bitwise ``per_token_cross_entropy`` contract).
+    """
+    low, high = CPU_CHUNK_BOUNDS if torch.device(device).type == "cpu" else ACCELERATOR_CHUNK_BOUNDS
+    budget = tokens * hidden * dtype.itemsize / (4 * max(vocab, 1))
+    return min(max(_floor_pow2(budget), low), high)
+
+
+def _resolve_chunk_size(chunk_size, hidden_states: torch.Tensor, vocab: int) -> int:
+    if chunk_size is None:
+        tokens = hidden_states.numel() // max(hidden_states.shape[-1], 1)
+        return default_chunk_size(tokens, hidden_states.shape[-1], vocab, hidden_states.dtype,
+                                  hidden_states.device)
+    return _check_chunk_size(chunk_size)
+
+
+def _check_chunk_size(chunk_size) -> int:
+    if isinstance(chunk_size, numbers.Integral) and not isinstance(chunk_size, bool):
+        value = int(chunk_size)
+        if value >= 1:
+            return value
+    raise ValueError(f"chunk_size must be an int >= 1; got {chunk_size!r} (None: the default)")
+
+
+# --------------------------------------------------------------------------- num_items_in_batch
 
 
 def _denominator(num_items_in_batch, valid: torch.Tensor) -> torch.Tensor:
-    """fp32 0-d divisor; a zero divisor becomes 1 so an empty batch gives 0, never NaN."""
+    """fp32 0-d divisor on ``valid``'s device; the caller's value is never written to.
+
+    One rule for ints, floats, numpy scalars and tensors: a finite number
+    >= 0, and 0 only when no target is scored (an empty batch gives loss 0
+    and zero gradients, never NaN). ``None``: the local count of scored
+    targets. A value the host knows (a Python or numpy number, a CPU tensor)
+    is checked at once; a tensor on an accelerator is checked there, without a
+    host sync (``_require``), and so is "0 while targets are scored" when the
+    targets live on an accelerator.
+    """
+    what = "num_items_in_batch"
     if num_items_in_batch is None:
         denom = valid.sum().to(torch.float32)
-    elif isinstance(num_items_in_batch, torch.Tensor):
+        return torch.where(denom == 0, torch.ones_like(denom), denom)
+    if isinstance(num_items_in_batch, torch.Tensor):
         if num_items_in_batch.numel() != 1:
-            raise ValueError(
-                f"num_items_in_batch must be a scalar; got shape {_shape(num_items_in_batch)}"
-            )
-        # A copy: the caller's tensor is never written to.
-        denom = num_items_in_batch.detach().reshape(()).to(valid.device, torch.float32)
-    elif isinstance(num_items_in_batch, (int, float)) and not isinstance(num_items_in_batch, bool):
-        if num_items_in_batch < 0:
-            raise ValueError(f"num_items_in_batch must be >= 0; got {num_items_in_batch}")
-        denom = torch.tensor(float(num_items_in_batch), dtype=torch.float32, device=valid.device)
+            raise ValueError(f"{what} must be a scalar; got shape {_shape(num_items_in_batch)}")
+        if num_items_in_batch.dtype == torch.bool or num_items_in_batch.dtype.is_complex:
+            raise ValueError(f"{what} must be a real number; got dtype {num_items_in_batch.dtype}")
+        given = num_items_in_batch.detach().reshape(())
+        # A CPU tensor's value is already on the host: reading it syncs nothing.
+        host = float(given.item()) if given.device.type == "cpu" else None
+    elif isinstance(num_items_in_batch, numbers.Real) and not isinstance(num_items_in_batch, bool):
+        given, host = None, float(num_items_in_batch)
     else:
         raise ValueError(
-            f"num_items_in_batch must be an int, a scalar tensor or None; "
+            f"{what} must be an int, a float, a numpy scalar, a scalar tensor or None; "
             f"got {type(num_items_in_batch).__name__}"
         )
+    zero_msg = f"{what} is 0 while some targets are scored (the loss would be inf)"
+    if host is None:
+        denom = given.to(valid.device, torch.float32)
+        _require(torch.isfinite(denom) & (denom >= 0) & ((denom != 0) | ~valid.any()),
+                 f"{what} must be a finite number >= 0, and not 0 while targets are scored")
+    else:
+        if not math.isfinite(host) or host < 0:
+            raise ValueError(f"{what} must be a finite number >= 0; got {num_items_in_batch!r}")
+        # torch.full fills on the device; torch.tensor(host, device=...) would copy and sync.
+        denom = torch.full((), host, dtype=torch.float32, device=valid.device)
+        if host == 0:
+            if valid.device.type == "cpu":
+                if bool(valid.any()):
+                    raise ValueError(zero_msg)
+            else:
+                _require(~valid.any(), zero_msg)
     return torch.where(denom == 0, torch.ones_like(denom), denom)
 
 
+# --------------------------------------------------------------------------- public API
+
+
+_COMPILE_NOTE = (
+    "channel_loss ops run eagerly under torch.compile: a traced chunk loop loses the "
+    "O(chunk_size x V) memory bound (it grows with the token count like full logits)"
+)
+
+
+@torch.compiler.disable(reason=_COMPILE_NOTE)
 def chunk_cross_entropy(
     hidden_states: torch.Tensor,
     weight: torch.Tensor,
@@ -337,8 +510,8 @@ def chunk_cross_entropy(
     logits_bias: torch.Tensor | None = None,
     logits_bias_weight: torch.Tensor | None = None,
     ignore_index: int = -100,
-    num_items_in_batch: int | torch.Tensor | None = None,
-    chunk_size: int = 1024,
+    num_items_in_batch: int | float | torch.Tensor | None = None,
+    chunk_size: int | None = None,
 ) -> torch.Tensor:
     """Mean token cross-entropy of ``F.linear(hidden_states, weight)`` logits, chunked.
 
@@ -351,17 +524,29 @@ def chunk_cross_entropy(
     ``ignore_index``, divided by ``num_items_in_batch`` (never modified) or by
     the local count of such targets. With no valid target the loss is 0.0 and
     every gradient zero. Gradients reach every input that requires grad; the
-    weight gradient accumulates in fp32. Extra memory is O(chunk_size x V).
-    Inside ``capture()`` the per-token losses of this very pass are recorded;
-    loss and gradients are bitwise the same with or without a scope.
+    weight gradient accumulates in fp32; fp16 gradients are as accurate as
+    the standard ``F.linear(...).float()`` + CE path under loss scaling (the
+    divisor is applied in backward, with the upstream factor). Extra memory is
+    O(chunk_size x V) plus the gradients; ``chunk_size=None`` picks it from
+    the shapes (``default_chunk_size``), an int wins. Inside ``capture()`` the
+    per-token losses of this very pass are recorded; loss and gradients are
+    bitwise the same with or without a scope.
+
+    Not differentiable twice (second-order gradients raise). Under
+    ``torch.compile`` the call runs eagerly (one graph break; with
+    ``fullgraph=True`` compilation fails naming this op), which keeps the
+    memory bound. On accelerators the checks of target range and of
+    ``num_items_in_batch`` values cost no host sync: they run on the device
+    and a failure surfaces as a device-side assertion at the next sync.
 
     Raises ``ValueError`` naming the argument for inconsistent shapes, dtypes,
-    targets outside ``[0, V)``, or ``chunk_size < 1``.
+    targets outside ``[0, V)``, ``chunk_size < 1``, or a ``num_items_in_batch``
+    that is negative, not finite, or 0 while targets are scored.
     """
-    _check_chunk_size(chunk_size)
     _check_hidden_weight(hidden_states, weight)
-    lead = hidden_states.shape[:-1]
     vocab = weight.shape[0]
+    chunk_size = _resolve_chunk_size(chunk_size, hidden_states, vocab)
+    lead = hidden_states.shape[:-1]
     targets = resolve_targets(lead, labels, shift_labels, ignore_index, vocab, "hidden_states")
     bias = _resolve_bias(logits_bias, logits_bias_weight, lead, vocab, hidden_states.device)
     flat_targets = targets.reshape(-1)
@@ -378,6 +563,7 @@ def chunk_cross_entropy(
     return loss
 
 
+@torch.compiler.disable(reason=_COMPILE_NOTE)
 def per_token_cross_entropy(
     *,
     logits: torch.Tensor | None = None,
@@ -388,17 +574,19 @@ def per_token_cross_entropy(
     labels: torch.Tensor | None = None,
     shift_labels: torch.Tensor | None = None,
     ignore_index: int = -100,
-    chunk_size: int = 1024,
+    chunk_size: int | None = None,
 ) -> torch.Tensor:
     """Detached fp32 per-token CE with the leading shape of the targets, 0.0 where ignored.
 
     Give either ``logits`` (``[..., V]``, as a logits-returning model produces)
     or ``hidden_states`` and ``weight`` (with optional bias, as for
-    ``chunk_cross_entropy``). For the hidden path and the same ``chunk_size``,
-    the result is bitwise equal to what ``capture()`` records for
-    ``chunk_cross_entropy``. Never builds an autograd graph.
+    ``chunk_cross_entropy``). For the hidden path and the same ``chunk_size``
+    (also when both calls leave it None, since the default depends only on
+    the shapes, dtype and device), the result is bitwise equal to what
+    ``capture()`` records for ``chunk_cross_entropy``. For logits the default
+    chunk keeps each fp32 working copy at most ``LOGITS_CHUNK_ELEMENTS``
+    elements. Never builds an autograd graph.
     """
-    _check_chunk_size(chunk_size)
     if logits is not None:
         if hidden_states is not None or weight is not None:
             raise ValueError("pass either logits or hidden_states + weight, not both")
@@ -409,6 +597,8 @@ def per_token_cross_entropy(
         if not logits.dtype.is_floating_point:
             raise ValueError(f"logits must be floating point; got dtype {logits.dtype}")
         lead, vocab = logits.shape[:-1], logits.shape[-1]
+        chunk_size = (max(1, LOGITS_CHUNK_ELEMENTS // max(vocab, 1)) if chunk_size is None
+                      else _check_chunk_size(chunk_size))
         targets = resolve_targets(lead, labels, shift_labels, ignore_index, vocab, "logits")
         flat_logits = logits.detach().reshape(-1, vocab)
         flat_targets = targets.reshape(-1)
@@ -425,6 +615,7 @@ def per_token_cross_entropy(
     _check_hidden_weight(hidden_states, weight)
     lead = hidden_states.shape[:-1]
     vocab = weight.shape[0]
+    chunk_size = _resolve_chunk_size(chunk_size, hidden_states, vocab)
     targets = resolve_targets(lead, labels, shift_labels, ignore_index, vocab, "hidden_states")
     with torch.no_grad():
         bias = _resolve_bias(logits_bias, logits_bias_weight, lead, vocab, hidden_states.device)

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from hypothesis import given
 from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
 import channel_loss as cl
@@ -482,3 +483,317 @@ def test_last_label_is_not_checked_against_vocab():
     h, w, labels = _good()
     labels[:, 0] = 99
     cl.chunk_cross_entropy(h, w, labels)
+
+
+# ------------------------------------------------------------------ issue 14: numerics and contracts
+
+
+def _rel_l2(got: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((got.double() - ref).norm() / ref.norm())
+
+
+@pytest.mark.parametrize("num_items", [64, 2**10, 2**13, 2**16, 2**18, 2**20])
+def test_fp16_loss_scaling_is_as_accurate_as_the_standard_path(num_items):
+    """Issue 14.1: the divisor must not push fp16 gradients into underflow before the scale."""
+    T, H, V, scale = 64, 64, 4096, 65536.0
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(T, H, generator=g).half()
+    w = (torch.randn(V, H, generator=g) / H**0.5).half()
+    targets = torch.randint(0, V, (T,), generator=g)
+
+    def hidden_grad(loss_fn, dtype):
+        x = h.to(dtype, copy=True).requires_grad_()
+        (scale * loss_fn(x, w.to(dtype))).backward()
+        return x.grad
+
+    def standard(x, weight):
+        logits = F.linear(x, weight).float()
+        return F.cross_entropy(logits, targets, reduction="sum") / num_items
+
+    def ours(x, weight):
+        return cl.chunk_cross_entropy(x, weight, shift_labels=targets,
+                                      num_items_in_batch=num_items, chunk_size=16)
+
+    ref = hidden_grad(standard, torch.float64)
+    std_error = _rel_l2(hidden_grad(standard, torch.float16), ref)
+    our_grad = hidden_grad(ours, torch.float16)
+    assert our_grad.dtype == torch.float16
+    # Before the fix: 1.2e-3 at 2**10 ... 1.9e-1 at 2**20 against 2.6e-4 for the standard path.
+    assert _rel_l2(our_grad, ref) <= 3 * std_error, (num_items, std_error)
+
+
+def test_fp16_gradient_buffers_stay_fp16():
+    """The fp16 fix holds no wider buffer: the saved hidden gradient keeps the input dtype."""
+    inputs, labels = make_inputs(lead=(4, 8), H=8, V=40, bias="none", dtype=torch.float16)
+    saved = []
+
+    def pack(t):
+        saved.append((tuple(t.shape), t.dtype))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = cl.chunk_cross_entropy(**inputs, labels=labels, num_items_in_batch=2**20)
+    assert ((32, 8), torch.float16) in saved  # the hidden gradient, [N, H]
+    assert ((32, 8), torch.float32) not in saved
+    loss.backward()
+    assert inputs["hidden_states"].grad.dtype == torch.float16
+
+
+def test_second_order_gradients_are_refused():
+    """Issue 14.2: the backward is not differentiable; say so instead of returning wrong numbers."""
+    inputs, labels = make_inputs(lead=(2, 6), H=4, V=9, bias="factored", seed=4)
+    loss = cl.chunk_cross_entropy(**inputs, labels=labels, chunk_size=4)
+    with pytest.raises(RuntimeError, match="once_differentiable"):
+        torch.autograd.grad(loss * loss, inputs["hidden_states"], create_graph=True)
+    # Even a constant upstream gradient: a later derivative of .grad would silently miss ours.
+    loss = cl.chunk_cross_entropy(**inputs, labels=labels, chunk_size=4)
+    with pytest.raises(RuntimeError, match="not supported"):
+        torch.autograd.grad(loss, inputs["weight"], create_graph=True)
+    # The graph is intact: a plain first-order backward still works afterwards.
+    loss.backward()
+    ref, _, ref_inputs = reference_loss(inputs, hf_shift(labels))
+    ref.backward()
+    torch.testing.assert_close(inputs["weight"].grad.double(), ref_inputs["weight"].grad,
+                               rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("bias", BIAS_FORMS)
+def test_retain_graph_backward_twice_is_bitwise_twice(dtype, bias):
+    """Backward reuses the saved gradients' memory, except when the graph is retained."""
+    inputs, labels = make_inputs(lead=(2, 7), H=8, V=13, bias=bias, dtype=dtype, seed=5)
+    loss = cl.chunk_cross_entropy(**inputs, labels=labels, chunk_size=4, num_items_in_batch=9)
+    (loss * 3.0).backward(retain_graph=True)
+    once = {k: v.grad.clone() for k, v in inputs.items()}
+    for x in inputs.values():
+        x.grad = None
+    (loss * 3.0).backward(retain_graph=True)
+    again = {k: v.grad.clone() for k, v in inputs.items()}
+    (loss * 3.0).backward()  # the last one frees: may write into the saved buffers
+    for name, x in inputs.items():
+        assert torch.equal(again[name], once[name]), name
+        assert torch.equal(x.grad, once[name] + once[name]), name
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        loss.backward()
+    # A fresh graph without retain_graph gives the same bits.
+    for x in inputs.values():
+        x.grad = None
+    loss = cl.chunk_cross_entropy(**inputs, labels=labels, chunk_size=4, num_items_in_batch=9)
+    (loss * 3.0).backward()
+    for name, x in inputs.items():
+        assert torch.equal(x.grad, once[name]), name
+
+
+class LiveBytes(TorchDispatchMode):
+    """Tensor-size accounting: bytes of storages created under the mode and still alive."""
+
+    def __init__(self):
+        super().__init__()
+        self.live = 0
+        self.peak = 0
+        self._seen: set[int] = set()
+
+    def _forget(self, key: int, nbytes: int) -> None:
+        self._seen.discard(key)
+        self.live -= nbytes
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        # Views and in-place results share an argument's storage: not a new allocation.
+        arg_storages = {id(a.untyped_storage()) for a in tree_flatten((args, kwargs))[0]
+                        if isinstance(a, torch.Tensor)}
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                storage = t.untyped_storage()
+                key = id(storage)
+                if key not in self._seen and key not in arg_storages:
+                    self._seen.add(key)
+                    self.live += storage.nbytes()
+                    weakref.finalize(storage, self._forget, key, storage.nbytes())
+        self.peak = max(self.peak, self.live)
+        return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_weight_gradient_is_held_once(dtype):
+    """At large V x H the fp32 weight gradient must not be held twice (saved + scaled copy)."""
+    N, H, V = 8, 64, 4096
+    inputs, labels = make_inputs(lead=(N,), H=H, V=V, bias="none", dtype=dtype, seed=6)
+    fp32_weight_grad = V * H * 4
+    with LiveBytes() as mem:
+        loss = cl.chunk_cross_entropy(**inputs, shift_labels=labels, chunk_size=2)
+        (loss * 2.0).backward()
+    # Held once: the fp32 buffer, plus the final gradient when its dtype differs, plus
+    # O(chunk x V + N x H) working memory (< 5% here). Before the fix: 2x and 2.5x.
+    final = 0 if dtype == torch.float32 else V * H * dtype.itemsize
+    assert mem.peak <= 1.05 * fp32_weight_grad + final, mem.peak / fp32_weight_grad
+    assert mem.peak >= fp32_weight_grad
+
+
+def test_observation_owns_its_targets():
+    """Issue 14.6: a caller that reuses its int64 label buffer does not change observations."""
+    inputs, labels = make_inputs(lead=(2, 6), H=4, V=9, bias="none")
+    buffer = labels.clone()
+    buffer[0, :2] = IGNORE
+    expected = buffer.clone()
+    with cl.capture() as cap:
+        cl.chunk_cross_entropy(**inputs, shift_labels=buffer)
+    buffer.fill_(IGNORE)  # the next batch is prefetched into the same buffer
+    (obs,) = cap.observations
+    assert torch.equal(obs.targets, expected)
+    assert int(obs.scored.sum()) == 10
+
+
+def test_observation_carries_ignore_index():
+    """Issue 14.3 (op side): what the loss ignored is what the observation says is ignored."""
+    inputs, labels = make_inputs(lead=(8,), H=4, V=9, bias="none")
+    labels[:3] = -1
+    with cl.capture() as cap:
+        loss = cl.chunk_cross_entropy(**inputs, shift_labels=labels, ignore_index=-1)
+    (obs,) = cap.observations
+    assert obs.ignore_index == -1
+    assert torch.equal(obs.scored, labels != -1)
+    assert torch.equal(obs.token_losses.sum() / obs.scored.sum(), loss.detach())
+
+
+# ------------------------------------------------------------------ num_items_in_batch and chunk_size
+
+
+def _np():
+    return pytest.importorskip("numpy")
+
+
+@pytest.mark.parametrize(
+    ("value", "match"),
+    [
+        (lambda: -3, r"num_items_in_batch must be a finite number >= 0; got -3"),
+        (lambda: torch.tensor(-3), r"num_items_in_batch must be a finite number >= 0; got tensor"),
+        (lambda: _np().int64(-3), r"num_items_in_batch must be a finite number >= 0"),
+        (lambda: float("nan"), r"num_items_in_batch must be a finite number >= 0; got nan"),
+        (lambda: torch.tensor(float("nan")), r"must be a finite number >= 0"),
+        (lambda: float("inf"), r"must be a finite number >= 0"),
+        (lambda: 0, r"num_items_in_batch is 0 while some targets are scored"),
+        (lambda: torch.tensor(0), r"num_items_in_batch is 0 while some targets are scored"),
+        (lambda: _np().int32(0), r"num_items_in_batch is 0 while some targets are scored"),
+        (lambda: torch.tensor(True), r"num_items_in_batch must be a real number; got dtype torch.bool"),
+        (lambda: True, r"num_items_in_batch must be an int, a float, a numpy scalar"),
+        (lambda: "8", r"num_items_in_batch must be an int, a float, a numpy scalar"),
+    ],
+)
+def test_num_items_in_batch_one_rule(value, match):
+    """Issue 14.9: ints, numpy scalars and tensors follow one rule."""
+    inputs, labels = make_inputs(lead=(2, 5), H=4, V=7, bias="none")
+    with pytest.raises(ValueError, match=match):
+        cl.chunk_cross_entropy(**inputs, labels=labels, num_items_in_batch=value())
+
+
+def test_num_items_zero_without_scored_targets_is_an_empty_batch():
+    inputs, labels = make_inputs(lead=(2, 5), H=4, V=7, bias="none")
+    labels[...] = IGNORE
+    for zero in (0, torch.tensor(0), 0.0):
+        loss = cl.chunk_cross_entropy(**inputs, labels=labels, num_items_in_batch=zero)
+        loss.backward()
+        assert loss.item() == 0.0
+        assert bool((inputs["weight"].grad == 0).all())
+
+
+def test_numpy_scalars_are_accepted_like_ints():
+    np = _np()
+    inputs, labels = make_inputs(lead=(3, 7), H=4, V=7, bias="full", seed=8)
+    expected = cl.chunk_cross_entropy(**inputs, labels=labels, num_items_in_batch=40,
+                                      chunk_size=4)
+    for items in (np.int64(40), np.int32(40), torch.tensor(40), np.float64(40.0)):
+        for chunk in (4, np.int64(4), np.int32(4)):
+            got = cl.chunk_cross_entropy(**inputs, labels=labels, num_items_in_batch=items,
+                                         chunk_size=chunk)
+            assert torch.equal(got, expected), (items, chunk)
+    eager = cl.per_token_cross_entropy(**inputs, labels=labels, chunk_size=np.int64(4))
+    assert torch.equal(eager, cl.per_token_cross_entropy(**inputs, labels=labels, chunk_size=4))
+
+
+@pytest.mark.parametrize(
+    ("tokens", "hidden", "vocab", "dtype", "on", "expected"),
+    [
+        # fp32 logits of one chunk no larger than the hidden states, power of two.
+        (4096, 256, 32000, torch.float32, "cpu", 32),
+        (32768, 256, 32000, torch.float32, "cpu", 256),
+        (4096, 256, 32000, torch.bfloat16, "cpu", 16),
+        (8192, 256, 128256, torch.float32, "cpu", 16),
+        (100, 16, 128256, torch.float32, "cpu", 8),  # lower bound
+        (10**6, 8192, 32000, torch.float32, "cpu", 4096),  # upper bound
+        (16384, 4096, 128256, torch.bfloat16, "cuda", 512),  # accelerator floor
+        (16384, 4096, 32000, torch.bfloat16, "cuda", 1024),
+        (10**6, 8192, 32000, torch.bfloat16, "cuda", 8192),
+    ],
+)
+def test_default_chunk_size_rule(tokens, hidden, vocab, dtype, on, expected):
+    # ``on`` is a device string, not the harness's ``device`` parameter: nothing runs there.
+    assert cl.default_chunk_size(tokens, hidden, vocab, dtype, on) == expected
+    assert cl.default_chunk_size(tokens, hidden, vocab, dtype, torch.device(on)) == expected
+
+
+def test_default_chunk_size_is_used_and_an_explicit_one_wins():
+    inputs, labels = make_inputs(lead=(64,), H=4, V=512, bias="none")
+    default = cl.default_chunk_size(64, 4, 512, torch.float32)
+    assert default == 8
+
+    def matmuls(**kw):
+        with MatmulCounter() as counter:
+            cl.chunk_cross_entropy(**inputs, shift_labels=labels, **kw).backward()
+        return counter.matmuls
+
+    per_chunk = matmuls(chunk_size=64)  # one chunk
+    assert matmuls() == per_chunk * (64 // default)
+    assert matmuls(chunk_size=32) == per_chunk * 2
+    # Both sides left at the default chunk alike: the bitwise contract holds.
+    with cl.capture() as cap:
+        cl.chunk_cross_entropy(**inputs, shift_labels=labels)
+    eager = cl.per_token_cross_entropy(**inputs, shift_labels=labels)
+    assert torch.equal(eager, cap.observations[0].token_losses)
+
+
+# ------------------------------------------------------------------ compile and host syncs
+
+
+def test_torch_compile_runs_the_op_eagerly():
+    """Compiled callers keep the O(chunk x V) memory bound: the op is an eager region."""
+    torch._dynamo.reset()
+    inputs, labels = make_inputs(lead=(16,), H=4, V=33, bias="none")
+
+    def step(h, w, t):
+        return cl.chunk_cross_entropy(h * 2, w, shift_labels=t, chunk_size=4) + 1
+
+    compiled = torch.compile(step, backend="eager")
+    with cl.capture() as cap, MatmulCounter() as counter:
+        got = compiled(inputs["hidden_states"], inputs["weight"], labels)
+    assert torch.equal(got, step(inputs["hidden_states"], inputs["weight"], labels))
+    assert len(cap.observations) == 1
+    assert counter.largest <= 4 * 33, "the compiled call materialised more than one chunk"
+    torch._dynamo.reset()  # fullgraph=True must trace afresh, not reuse the frame above
+    strict = torch.compile(step, backend="eager", fullgraph=True)
+    with pytest.raises(Exception, match=r"channel_loss ops run eagerly under torch\.compile"):
+        strict(inputs["hidden_states"], inputs["weight"], labels)
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_target_check_is_immediate_on_cpu_and_sync_free_on_accelerators(device):
+    """Issue 13: the target-range check keeps its error but adds no host sync on a card."""
+    inputs, labels = make_inputs(lead=(2, 9), H=4, V=11, bias="none", device=device)
+    labels[0, 3] = IGNORE
+    if device == "cpu":
+        bad = labels.clone()
+        bad[1, 4] = 11
+        with pytest.raises(ValueError, match=r"labels holds target 11 outside \[0, 11\)"):
+            cl.chunk_cross_entropy(**inputs, labels=bad)
+        return
+    runtime = getattr(torch, device)
+    runtime.synchronize()
+    runtime.set_sync_debug_mode("error")
+    try:
+        for items in (None, 17, torch.tensor(17, device=device)):
+            loss = cl.chunk_cross_entropy(**inputs, labels=labels, num_items_in_batch=items)
+            loss.backward()
+    finally:
+        runtime.set_sync_debug_mode("default")
+    runtime.synchronize()
