@@ -1,10 +1,16 @@
 """The launch side: leasing cards and process slots, starting and supervising rank processes.
 
-Given a :class:`harness.LaunchSpec`, this room leases what the case needs
-(``lease``), starts its ranks fresh or hands the case to kept ranks
-(``launch``, ``pool``, ``rank``, ``reset``), enforces the deadline, reaps every
-process (``procs``) and turns what the ranks reported into one outcome
-(``outcome``). ``plugin`` is the pytest face of all that. It shares only the
-spec (``harness.spec``) and the device table (``harness.devices``) with the
-suite side.
+Given a :class:`harness.LaunchSpec`, this room runs one case lifecycle
+(``case``: ``run_case`` leases, runs and releases; the deadline, the outcome
+mapping and the report are decided there once) with one of two rank
+strategies: fresh ranks per case (``case.FreshRanks``) or kept ranks
+(``pool``), both made of the same phases. ``lease`` holds the host-wide
+card and process-slot locks; ``rank`` is the code inside a rank and its typed
+messages; ``supervisor`` keeps every process a case starts below the rank's
+supervisor, so none escapes; ``reset`` puts kept ranks back between cases;
+``procs`` finds and kills process trees; ``outcome`` turns what the ranks did
+into one verdict and report; ``target`` names the function ranks import;
+``settings`` holds the session's settings; ``plugin`` is the pytest face of
+all that. It shares only the spec (``harness.spec``) and the device table
+(``harness.devices``) with the suite side.
 """

@@ -62,6 +62,9 @@ KILL_GRACE_S = 3.0
 #: How long a rank that reported its outcome may take to exit by itself.
 EXIT_WAIT_S = 5.0
 STACK_DUMP_WAIT_S = 2.0
+#: Kept ranks that finished a case wait this long for their peers to finish
+#: too before they leave (as fresh ranks leave at once), see ``CaseRun.supervise``.
+STRAGGLER_GRACE_S = 1.0
 #: Per rank and case, the first and the last this many bytes of its output
 #: are kept (on disk while it runs); what lies between is dropped and counted.
 OUTPUT_HEAD_BYTES = 64 * 1024
@@ -297,24 +300,26 @@ def run_ranks(task: RankTask, plan: CasePlan, cards: list[Card], *,
     """
     run = CaseRun(plan, cards, tempfile.mkdtemp(prefix="harness-case-"))
     started: list[Any] = []
-    try:
-        with reap_on_sigterm():
-            try:
-                mp = get_context("spawn")
-                fds = lease_fds(lease)
-                for rank in range(plan.spec.nproc):
-                    proc = mp.Process(target=rank_main, args=(run.rank_context(rank), task, fds),
-                                      name=f"harness-rank-{rank}")
-                    proc.start()
-                    started.append(proc)
-                if lease is not None:
-                    lease.annotate(ranks=[p.pid for p in started])
-                run.supervise(started)
-            finally:
-                with signals_deferred():
+    with reap_on_sigterm():
+        try:
+            mp = get_context("spawn")
+            fds = lease_fds(lease)
+            for rank in range(plan.spec.nproc):
+                proc = mp.Process(target=rank_main, args=(run.rank_context(rank), task, fds),
+                                  name=f"harness-rank-{rank}")
+                proc.start()
+                started.append(proc)
+            if lease is not None:
+                lease.annotate(ranks=[p.pid for p in started])
+            run.supervise(started)
+        finally:
+            # Inside reap_on_sigterm: a SIGTERM re-raised on its way out ends
+            # the process, and the directory must be gone by then.
+            with signals_deferred():
+                try:
                     run.wind_down(started)
-    finally:
-        shutil.rmtree(run.case_dir, ignore_errors=True)
+                finally:
+                    shutil.rmtree(run.case_dir, ignore_errors=True)
     return run.result
 
 
@@ -384,7 +389,8 @@ class CaseRun:
             env=env,
         )
 
-    def supervise(self, started: list[Any], channels: list[Any] | None = None) -> None:
+    def supervise(self, started: list[Any], channels: list[Any] | None = None, *,
+                  release: Callable[[list[int]], None] | None = None) -> None:
         """Wait until every rank has reported or exited, the deadline passes, or the
         others overstay ``ABANDON_GRACE_S`` after a failure; record which.
 
@@ -392,9 +398,16 @@ class CaseRun:
         and ``drain()``) wake the wait when a rank says its outcome is
         written, instead of the outcome files being polled. Meanwhile each
         rank's output file is kept to its head and tail (``bound_output``).
+
+        ``release`` (kept ranks, which outlive their case) is called once with
+        the ranks that finished when others are still running
+        ``STRAGGLER_GRACE_S`` after the first finished: it makes them leave as
+        fresh ranks would have at once, so a peer blocked in a collective with
+        them fails now instead of at the process-group timeout.
         """
         result = self.result
         first_failure: float | None = None
+        first_done: float | None = None
         while True:
             pending = self._observe(started)
             if not pending:
@@ -402,6 +415,11 @@ class CaseRun:
             now = time.monotonic()
             if first_failure is None and _has_failure(result):
                 first_failure = now
+            if release is not None and result.outcomes:
+                first_done = now if first_done is None else first_done
+                if now >= first_done + STRAGGLER_GRACE_S:
+                    release(sorted(r for r in result.outcomes if r not in result.exits))
+                    release = None
             if now >= self.deadline:
                 result.timed_out = pending
                 return

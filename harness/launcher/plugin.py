@@ -19,6 +19,7 @@ Per test:
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 from typing import NoReturn
@@ -114,8 +115,9 @@ def _settings_from(config: pytest.Config) -> Settings:
             f"--harness-require: unknown device(s) {', '.join(bad)}; choose from {', '.join(ACCELERATORS)}"
         )
     for name in ("harness_timeout", "harness_lease_timeout"):
-        if not opt(name) > 0:
-            raise pytest.UsageError(f"--{name.replace('_', '-')} must be > 0; got {opt(name)}")
+        if not (opt(name) > 0 and math.isfinite(opt(name))):
+            raise pytest.UsageError(f"--{name.replace('_', '-')} must be a positive, finite number "
+                                    f"of seconds; got {opt(name)}")
     max_procs = opt("harness_max_procs")
     if max_procs is not None and max_procs < 1:
         raise pytest.UsageError(f"--harness-max-procs must be >= 1; got {max_procs}")

@@ -202,7 +202,7 @@ class RankPool:
                 try:
                     if not self._dispatch(task, run, check):
                         return None
-                    run.supervise(self._procs, self._channels)
+                    run.supervise(self._procs, self._channels, release=self._release)
                     kept = self._settle(run.result)
                 finally:
                     with signals_deferred():
@@ -268,7 +268,8 @@ class RankPool:
         problems = [f"rank {r}: {idle[r].problem}" for r in sorted(idle) if idle[r].problem]
         problems += [f"rank {r} did not report back after the case"
                      for r in range(self.spec.nproc) if r not in idle]
-        leftovers = procs.kill_trees(self.pids, grace=KILL_GRACE_S, spare=self.pids)
+        ranks = [*self.pids, *(message.pid for message in idle.values())]
+        leftovers = procs.kill_trees(self.pids, grace=KILL_GRACE_S, spare=ranks)
         if leftovers:
             problems.append(f"pids {[p.pid for p in leftovers]} the case started would not die")
         if problems:
@@ -276,6 +277,14 @@ class RankPool:
                                 + "; ".join(problems))
             return False
         return True
+
+    def _release(self, ranks: list[int]) -> None:
+        """Let ``ranks`` (finished while peers still run) leave now, as fresh ranks
+        would have: a peer blocked in a collective with them then fails at
+        once. The pool is not reused."""
+        self.usable = False
+        for rank in ranks:
+            self._channels[rank].send(Exit())
 
     def _stop(self, run: CaseRun) -> None:
         """Tear the pool down mid-case, the way fresh ranks are stopped."""

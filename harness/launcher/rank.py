@@ -1,7 +1,7 @@
 """The code that runs inside one rank process.
 
-A rank: ties its life to the launcher's (parent death kills it), leads its
-own session (so the launcher finds everything it starts), sends its output to
+A rank: runs under a supervisor (``harness.launcher.supervisor``) that ties
+its life, and that of everything it starts, to the launcher's, sends its output to
 its log file, registers a stack dump on SIGUSR1, sets its environment
 (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, card
 visibility) before anything imports torch, selects its card, joins the
@@ -29,14 +29,12 @@ per-case state (``harness.launcher.reset``) in between.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import faulthandler
 import gc
 import os
 import pickle
 import signal
 import sys
-import threading
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -45,6 +43,7 @@ from typing import Any, NoReturn
 from harness.devices import Card, device_for_backend, local_index, runtime_available, set_device
 from harness.launcher.outcome import FAILED, PASSED, SKIPPED, XFAILED, RankOutcome
 from harness.launcher.reset import Baseline, Inherited, fresh_context
+from harness.launcher.supervisor import split
 from harness.launcher.target import FunctionRef
 
 #: How long a pooled rank's health check waits for its peers.
@@ -128,19 +127,22 @@ class Idle:
     cannot run another case)."""
 
     problem: str | None
+    #: the rank's own pid (under its supervisor, whose pid the launcher knows)
+    pid: int
 
 
 def rank_main(ctx: RankContext, task: RankTask, lease_fds: list[int]) -> NoReturn:
     """Entry point of a spawned rank that runs one case (a ``multiprocessing`` target).
 
-    ``lease_fds`` are the launcher's lease descriptors, inherited and kept
-    open for this process's whole life: the OS keeps the lease until every
-    rank is gone, even if the launcher dies first. Never returns: the rank
-    exits with ``os._exit`` once its outcome is written (0 unless it failed).
+    ``lease_fds`` are the launcher's lease descriptors: the rank's supervisor
+    (``harness.launcher.supervisor``), the last of the case's processes to
+    exit, keeps them open, so the OS keeps the lease until the case is gone,
+    even if the launcher dies first; the rank and what it starts never hold
+    them. Never returns: the rank exits with ``os._exit`` once its outcome is
+    written (0 unless it failed).
     """
-    del lease_fds  # kept open by never closing them
     try:
-        _start_rank(ctx.parent_pid)
+        _start_rank(ctx.parent_pid, lease_fds)
         _enter_case(ctx)
         outcome = _run(ctx, task, fresh_module=False)
         outcome.write(ctx.outcome_path)
@@ -164,15 +166,14 @@ def pool_rank_main(parent_pid: int, conn: Any, lease_fds: list[int]) -> NoReturn
     cleaned up and the rank reports whether it can run another. Exits with
     ``os._exit``, never through interpreter finalisation.
     """
-    del lease_fds  # kept open by never closing them
     try:
-        _serve(parent_pid, conn)
+        _serve(parent_pid, conn, lease_fds)
     except BaseException:
         _fatal()
 
 
-def _serve(parent_pid: int, conn: Any) -> NoReturn:
-    _start_rank(parent_pid)
+def _serve(parent_pid: int, conn: Any, lease_fds: list[int]) -> NoReturn:
+    _start_rank(parent_pid, lease_fds, rank_only=(conn.fileno(),))
     baseline: Baseline | None = None
     while True:
         try:
@@ -210,16 +211,16 @@ def _serve(parent_pid: int, conn: Any) -> NoReturn:
         conn.send(OutcomeWritten())
         if outcome.status == FAILED:
             _exit(outcome)
-        conn.send(Idle(_leftovers(baseline)))
+        conn.send(Idle(_leftovers(baseline), os.getpid()))
         # Free the case's garbage (device memory in reference cycles, too)
         # before the next case, off the launcher's critical path.
         gc.collect()
 
 
-def _start_rank(parent_pid: int) -> None:
-    _die_with_parent(parent_pid)
-    with contextlib.suppress(OSError):
-        os.setsid()
+def _start_rank(parent_pid: int, lease_fds: list[int], rank_only: tuple[int, ...] = ()) -> None:
+    """Split into supervisor and rank (only the rank returns), then arm the
+    crash dump."""
+    split(parent_pid, keep=lease_fds, rank_only=rank_only)
     faulthandler.enable(file=sys.stderr, all_threads=True)
 
 
@@ -237,27 +238,6 @@ def _enter_case(ctx: RankContext) -> None:
             with contextlib.suppress(Exception):
                 previous.close()  # type: ignore[attr-defined]
     os.environ.update(ctx.env)
-
-
-def _die_with_parent(parent_pid: int) -> None:
-    # Linux: the kernel SIGKILLs this rank when the thread that spawned it
-    # ends (so a pool keeping ranks across calls must spawn them from a thread
-    # that lives as long as the pool). Elsewhere: a watcher thread.
-    if sys.platform.startswith("linux"):
-        with contextlib.suppress(OSError, AttributeError):
-            libc = ctypes.CDLL(None, use_errno=True)
-            pr_set_pdeathsig = 1
-            if libc.prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0) == 0:
-                if os.getppid() != parent_pid:  # the parent died before prctl
-                    os._exit(1)
-                return
-
-    def watch() -> None:
-        while os.getppid() == parent_pid:
-            time.sleep(0.5)
-        os.kill(os.getpid(), signal.SIGKILL)
-
-    threading.Thread(target=watch, name="harness-parent-watch", daemon=True).start()
 
 
 def _redirect_output(path: str) -> None:

@@ -3,7 +3,8 @@
 A pooled rank runs many cases in one interpreter. Before each case:
 
 * what a freshly spawned rank inherits from the launcher -- its environment,
-  working directory and ``sys.path`` -- is taken from the launcher *now*
+  working directory, ``sys.path`` and file-mode creation mask (umask) -- is
+  taken from the launcher *now*
   (``Inherited``), so fixtures that set them for the case reach the ranks;
 * the process-wide state a test can change is restored to a *baseline* taken
   before the pool's first case ran (``Baseline``): the Python, NumPy and
@@ -11,13 +12,18 @@ A pooled rank runs many cases in one interpreter. Before each case:
   deterministic algorithms, TF32 / matmul precision, grad and anomaly mode,
   intra-op threads), warning filters, the root logger, signal handlers and a
   pending ``alarm``, and ``sys.stdout`` / ``sys.stderr``;
+* the interpreter settings a case can change (``InterpreterState``): the
+  recursion limit, ``gc.disable()`` and its thresholds, the
+  switch interval, trace / profile functions, exception and display hooks,
+  the default socket timeout, resource limits;
 * ContextVars (e.g. a ``channel_loss.capture()`` scope a case left open) need
   no restoring: each case runs in a copy of the rank's untouched context
   (``fresh_context``).
 
 What cannot be put back is detected after the case instead (``leftovers``):
 Python threads the case left running, process groups it created or
-destroyed, a CUDA error. A rank with leftovers is not reused.
+destroyed, a hard resource limit it lowered, a CUDA error. A rank with
+leftovers is not reused.
 
 Nothing here imports torch at module level: a rank imports this module before
 its environment (``CUDA_VISIBLE_DEVICES`` ...) is set.
@@ -63,11 +69,12 @@ class Inherited:
     environ: dict[str, str]
     cwd: str
     sys_path: list[str]
+    umask: int = 0o022
 
     @classmethod
     def now(cls) -> Inherited:
-        """The launcher's current environment, working directory and ``sys.path``."""
-        return cls(dict(os.environ), os.getcwd(), list(sys.path))
+        """The launcher's current environment, working directory, ``sys.path`` and umask."""
+        return cls(dict(os.environ), os.getcwd(), list(sys.path), _umask())
 
     def apply(self, overlay: dict[str, str]) -> None:
         """Take them over in this rank, with ``overlay`` (the rank's own variables) on top."""
@@ -75,6 +82,7 @@ class Inherited:
         with contextlib.suppress(OSError):
             os.chdir(self.cwd)
         sys.path[:] = self.sys_path
+        os.umask(self.umask)
 
 
 def fresh_context() -> contextvars.Context:
@@ -96,6 +104,7 @@ class Baseline:
     stdout: Any
     stderr: Any
     threads: frozenset[int]
+    interpreter: InterpreterState | None = None
     torch: dict[str, Any] = field(default_factory=dict)
     groups: int = 0
     default_group: Any = None
@@ -118,6 +127,7 @@ class Baseline:
             stdout=sys.stdout,
             stderr=sys.stderr,
             threads=frozenset(t.ident for t in threading.enumerate() if t.ident is not None),
+            interpreter=InterpreterState.capture(),
         )
         if "torch" in sys.modules:
             baseline.torch = _torch_state()
@@ -153,11 +163,17 @@ class Baseline:
             if handler is not None and signal.getsignal(sig) is not handler:
                 signal.signal(sig, handler)
         sys.stdout, sys.stderr = self.stdout, self.stderr
+        if self.interpreter is not None:
+            self.interpreter.restore()
         if self.torch:
             _restore_torch(self.torch)
 
     def leftovers(self) -> str | None:
         """Why this rank cannot run another case (None: it can). Called after a case."""
+        if self.interpreter is not None:
+            changed = self.interpreter.unrestorable()
+            if changed:
+                return changed
         threads = [t for t in threading.enumerate()
                    if t.ident not in self.threads and t.is_alive()]
         if threads:
@@ -173,6 +189,114 @@ class Baseline:
             # them is itself a hang risk, so their ranks are not reused.
             return f"the case created {groups - self.groups} process group(s)"
         return _device_error()
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def _limits() -> dict[int, tuple[int, int]]:
+    resource = _resource()
+    if resource is None:
+        return {}
+    out = {}
+    for name in ("RLIMIT_NOFILE", "RLIMIT_CORE", "RLIMIT_STACK", "RLIMIT_AS", "RLIMIT_NPROC",
+                 "RLIMIT_DATA", "RLIMIT_FSIZE", "RLIMIT_CPU"):
+        which = getattr(resource, name, None)
+        if which is not None:
+            with contextlib.suppress(OSError, ValueError):
+                out[which] = resource.getrlimit(which)
+    return out
+
+
+def _resource() -> Any:
+    try:
+        import resource
+    except ImportError:  # not on every platform
+        return None
+    return resource
+
+
+@dataclass(frozen=True)
+class InterpreterState:
+    """Process-wide interpreter settings a case can change and a fresh rank
+    would start with: the recursion limit, the garbage collector (enabled,
+    thresholds), the file-mode creation mask, the thread switch interval,
+    trace / profile functions, the exception / unraisable / display hooks,
+    the default socket timeout, ``sys.dont_write_bytecode`` and the resource
+    limits. ``restore`` puts them back; ``unrestorable`` names what could not
+    be (a hard resource limit lowered for good): such a rank is not reused."""
+
+    recursion_limit: int
+    gc_enabled: bool
+    gc_threshold: tuple[int, ...]
+    switch_interval: float
+    trace: Any
+    profile: Any
+    excepthook: Any
+    unraisablehook: Any
+    displayhook: Any
+    threading_excepthook: Any
+    socket_timeout: float | None
+    dont_write_bytecode: bool
+    limits: dict[int, tuple[int, int]]
+
+    @classmethod
+    def capture(cls) -> InterpreterState:
+        """This process's settings now."""
+        import socket
+
+        return cls(
+            recursion_limit=sys.getrecursionlimit(),
+            gc_enabled=gc.isenabled(),
+            gc_threshold=gc.get_threshold(),
+            switch_interval=sys.getswitchinterval(),
+            trace=sys.gettrace(),
+            profile=sys.getprofile(),
+            excepthook=sys.excepthook,
+            unraisablehook=sys.unraisablehook,
+            displayhook=sys.displayhook,
+            threading_excepthook=threading.excepthook,
+            socket_timeout=socket.getdefaulttimeout(),
+            dont_write_bytecode=sys.dont_write_bytecode,
+            limits=_limits(),
+        )
+
+    def restore(self) -> None:
+        """Put every setting back (resource limits: as far as the kernel allows)."""
+        import socket
+
+        sys.setrecursionlimit(self.recursion_limit)
+        (gc.enable if self.gc_enabled else gc.disable)()
+        gc.set_threshold(*self.gc_threshold)
+        sys.setswitchinterval(self.switch_interval)
+        sys.settrace(self.trace)
+        threading.settrace(self.trace)
+        sys.setprofile(self.profile)
+        threading.setprofile(self.profile)
+        sys.excepthook = self.excepthook
+        sys.unraisablehook = self.unraisablehook
+        sys.displayhook = self.displayhook
+        threading.excepthook = self.threading_excepthook
+        socket.setdefaulttimeout(self.socket_timeout)
+        sys.dont_write_bytecode = self.dont_write_bytecode
+        resource = _resource()
+        if resource is not None:
+            for which, limit in self.limits.items():
+                with contextlib.suppress(OSError, ValueError):
+                    if resource.getrlimit(which) != limit:
+                        resource.setrlimit(which, limit)
+
+    def unrestorable(self) -> str | None:
+        """What a case changed that ``restore`` cannot put back (None: nothing):
+        resource limits are put back now, and those the kernel keeps lowered named."""
+        self.restore()
+        changed = sorted(which for which, limit in _limits().items() if self.limits.get(which) != limit)
+        if changed:
+            return f"the case lowered resource limit(s) {changed} for good"
+        return None
 
 
 def _torch_state() -> dict[str, Any]:

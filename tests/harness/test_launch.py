@@ -24,11 +24,14 @@ def rank_facts(tag: str) -> tuple:
     return (tag, dist.get_rank(), int(total.item()), *(os.environ[n] for n in names))
 
 
-def held_lock_files() -> list[str]:
+def held_lock_files() -> tuple[list[str], list[str]]:
+    """Lock files held by this rank, and by its supervisor (its parent)."""
     import psutil
 
-    return sorted(os.path.basename(f.path) for f in psutil.Process().open_files()
-                  if f.path.endswith(".lock"))
+    def locks(proc: psutil.Process) -> list[str]:
+        return sorted(os.path.basename(f.path) for f in proc.open_files() if f.path.endswith(".lock"))
+
+    return locks(psutil.Process()), locks(psutil.Process().parent())
 
 
 def divide_on_rank_1() -> None:
@@ -46,12 +49,15 @@ def test_launch_returns_each_ranks_result_in_rank_order():
     ]
 
 
-def test_ranks_hold_the_lease_of_their_case():
-    # Inherited lock descriptors: the slots stay leased while any rank lives,
-    # even if the launching process were killed.
-    for held in harness.launch(held_lock_files, LaunchSpec(nproc=2)):
-        assert len(held) == 2
-        assert all(name.startswith("slot-") for name in held)
+def test_rank_supervisors_hold_the_lease_of_their_case():
+    # Inherited lock descriptors: the slots stay leased while any process of
+    # the case lives (the supervisor is the last to exit), even if the
+    # launching process were killed; the rank itself, and so whatever it
+    # starts, holds none.
+    for rank_held, supervisor_held in harness.launch(held_lock_files, LaunchSpec(nproc=2)):
+        assert rank_held == []
+        assert len(supervisor_held) == 2
+        assert all(name.startswith("slot-") for name in supervisor_held)
 
 
 def test_launch_failure_names_the_rank_and_shows_its_traceback():

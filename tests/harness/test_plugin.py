@@ -270,3 +270,12 @@ def test_unknown_required_device_is_a_usage_error(device_project):
     result = device_project.runpytest_subprocess("--harness-require=tpu")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines(["*--harness-require: unknown device(s) tpu*"])
+
+
+@pytest.mark.parametrize("value", ["inf", "nan", "0", "-1"])
+@pytest.mark.parametrize("option", ["--harness-timeout", "--harness-lease-timeout"])
+def test_a_timeout_option_that_is_not_a_positive_finite_number_is_a_usage_error(tmp_path, option, value):
+    root = write_project(tmp_path / "project", {"test_nothing.py": "def test_nothing():\n    pass\n"})
+    session = run_session(root, f"{option}={value}", env=inner_env(root / "out", root / "leases"))
+    assert session.returncode == pytest.ExitCode.USAGE_ERROR, session.output
+    assert f"{option} must be a positive, finite number of seconds; got {float(value)}" in session.output

@@ -145,3 +145,100 @@ def test_signalled_pytest_takes_its_ranks_with_it(tmp_path, sig, returncode):
             proc.communicate()
     assert proc.returncode == returncode, output
     assert survivors(ranks, wait=5) == []
+
+
+def test_sigterm_to_pytest_with_fresh_ranks_leaves_no_case_directory(tmp_path):
+    root = write_project(tmp_path / "project", {"test_hangs.py": HANGS})
+    out, tmp = root / "out", tmp_path / "tmp"
+    tmp.mkdir()
+    env = {**inner_env(out, root / "leases"), "TMPDIR": str(tmp)}
+    proc = subprocess.Popen(pytest_command(root, "--harness-no-reuse"), cwd=root, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        end = time.monotonic() + 60
+        while len(read_pids(out)) < 2 and time.monotonic() < end and proc.poll() is None:
+            time.sleep(0.1)
+        ranks = list(read_pids(out).values())
+        assert len(ranks) == 2, "ranks never started"
+        assert list(tmp.glob("harness-case-*")), "the case directory is not where TMPDIR says"
+        proc.send_signal(signal.SIGTERM)
+        output, _ = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == -signal.SIGTERM, output
+    assert survivors(ranks, wait=5) == []
+    assert list(tmp.glob("harness-case-*")) == []
+
+
+FLOOD = '''
+    import sys
+
+    import pytest
+
+    from harness import LaunchSpec
+
+
+    @pytest.mark.launch(LaunchSpec(nproc=2, timeout=8))
+    def test_floods():
+        line = "x" * 200 + "\\n"
+        sys.stderr.write("first words\\n")
+        while True:
+            sys.stderr.write(line)
+'''
+
+
+@pytest.mark.parametrize("reuse", [True, False], ids=["kept", "fresh"])
+def test_flooding_rank_output_is_kept_to_its_head_and_tail(tmp_path, reuse):
+    root = write_project(tmp_path / "project", {"test_flood.py": FLOOD})
+    args = () if reuse else ("--harness-no-reuse",)
+    session = run_session(root, *args, env=inner_env(root / "out", root / "leases"))
+    case = session.case("test_floods")
+    assert case.status == "failed"
+    assert case.text.startswith("case timed out (2 ranks, cpu/gloo)"), case.text[:2000]
+    # Head and tail of each rank's output, and a note of what was dropped:
+    # well under a megabyte in all, however much the ranks wrote.
+    assert session.output.count("first words") == 2, session.output[:5000]
+    assert session.output.count("bytes of this rank's output dropped") == 2, session.output[:5000]
+    assert len(session.output) < 1_500_000
+    # Deadline, stack dumps and the stop grace; not the time to read gigabytes.
+    assert session.seconds < 60, session.output[:5000]
+
+
+STOPS = '''
+    import os
+    import signal
+    import time
+
+    import pytest
+
+    from recording import out_dir, record_pid
+
+
+    @pytest.mark.launch(nproc=2, timeout=120)
+    def test_rank_stops_itself():
+        import torch.distributed as dist
+
+        marker = out_dir() / "stopping"
+        if dist.get_rank() == 1:
+            record_pid("stopped-rank")
+            marker.write_text("")
+            os.kill(os.getpid(), signal.SIGSTOP)
+        while not marker.exists():
+            time.sleep(0.05)
+        time.sleep(0.5)
+        raise RuntimeError("rank 0 gives up on its stopped peer")
+'''
+
+
+def test_a_rank_stopped_by_a_signal_is_reported_as_stopped(tmp_path):
+    root = write_project(tmp_path / "project", {"test_stops.py": STOPS})
+    session = run_session(root, env=inner_env(root / "out", root / "leases"))
+    case = session.case("test_rank_stops_itself")
+    assert case.status == "failed"
+    assert case.text.startswith("rank 0 failed: RuntimeError: rank 0 gives up"), case.text
+    stack = case.text.split("--- rank 1 stack when stopped ---", 1)[1]
+    assert "the rank was stopped by a signal" in stack, case.text
+    assert "had not started running Python code" not in stack
+    assert survivors([read_pids(root / "out")["stopped-rank"]], wait=5) == []

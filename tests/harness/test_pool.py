@@ -143,10 +143,14 @@ SEQUENCE = '''
     @pytest.mark.launch(nproc=2)
     def test_08_two():
         note("two")
-        # The kept ranks hold their pool's lease themselves (crash-safe).
-        held = sorted(os.path.basename(f.path) for f in psutil.Process().open_files()
-                      if f.path.endswith(".lock"))
-        (out_dir() / f"locks-{rank()}.json").write_text(json.dumps(held))
+        # The kept ranks' supervisors hold their pool's lease (crash-safe);
+        # the ranks, and so what a case starts, hold none.
+        def held(proc):
+            return sorted(os.path.basename(f.path) for f in proc.open_files()
+                          if f.path.endswith(".lock"))
+
+        (out_dir() / f"locks-{rank()}.json").write_text(json.dumps(
+            [held(psutil.Process()), held(psutil.Process().parent())]))
 
 
     @pytest.mark.launch(nproc=2)
@@ -292,7 +296,8 @@ def test_another_rank_count_gets_its_own_ranks(sequence):
     assert session.case("test_08_two").status == "passed", session.output
     assert not set(pids["two"]) & (set(pids["three"]) | set(pids["after-hang"]))
     for rank in (0, 1):
-        held = json.loads((root / "out" / f"locks-{rank}.json").read_text())
+        rank_held, held = json.loads((root / "out" / f"locks-{rank}.json").read_text())
+        assert rank_held == []
         assert len(held) == 2, held
         assert all(name.startswith("slot-") for name in held), held
 
@@ -597,3 +602,98 @@ def start_sleeper_thread():
     stop = threading.Event()
     threading.Thread(target=stop.wait, args=(10,), name="sleeper", daemon=True).start()
     return stop
+
+
+INTERPRETER_STATE = '''
+    import gc
+    import json
+    import os
+    import socket
+    import sys
+
+    import pytest
+
+    from recording import out_dir
+
+
+    def state():
+        mask = os.umask(0)
+        os.umask(mask)
+        return {"pid": os.getpid(), "recursion": sys.getrecursionlimit(), "gc": gc.isenabled(),
+                "threshold": list(gc.get_threshold()), "umask": mask,
+                "switch": sys.getswitchinterval(), "socket": socket.getdefaulttimeout(),
+                "excepthook": sys.excepthook is sys.__excepthook__}
+
+
+    def record(name):
+        (out_dir() / f"{name}-{os.environ['RANK']}.json").write_text(json.dumps(state()))
+
+
+    @pytest.mark.launch(nproc=2)
+    def test_1_changes_the_interpreter():
+        record("before")
+        sys.setrecursionlimit(123)
+        gc.disable()
+        gc.set_threshold(5, 5, 5)
+        os.umask(0o077)
+        sys.setswitchinterval(0.5)
+        socket.setdefaulttimeout(3.0)
+        sys.excepthook = lambda *args: None
+
+
+    @pytest.mark.launch(nproc=2)
+    def test_2_sees_a_fresh_interpreter():
+        record("after")
+'''
+
+
+def test_interpreter_settings_a_case_changed_do_not_reach_the_next(tmp_path):
+    root = write_project(tmp_path / "project", {"test_state.py": INTERPRETER_STATE})
+    out = root / "out"
+    session = run_session(root, "--harness-max-procs", "2", env=inner_env(out, root / "leases"))
+    assert session.returncode == 0, session.output
+    for rank in (0, 1):
+        before = json.loads((out / f"before-{rank}.json").read_text())
+        after = json.loads((out / f"after-{rank}.json").read_text())
+        assert after["pid"] == before["pid"], "the second case did not run on the kept rank"
+        assert after == before
+
+
+PEER_PASSED = '''
+    import os
+    import time
+
+    import pytest
+
+    from harness import LaunchSpec
+    from recording import out_dir
+
+
+    @pytest.mark.launch(LaunchSpec(nproc=2, timeout=40))
+    def test_blocked_after_peer_passed():
+        import torch
+        import torch.distributed as dist
+
+        if dist.get_rank() == 1:
+            return
+        start = time.monotonic()
+        try:
+            dist.all_reduce(torch.ones(1))
+        finally:
+            (out_dir() / "blocked-seconds").write_text(str(time.monotonic() - start))
+'''
+
+
+@pytest.mark.parametrize("reuse", [True, False], ids=["kept", "fresh"])
+def test_a_rank_blocked_on_a_peer_that_passed_fails_when_the_peer_is_gone(tmp_path, reuse):
+    root = write_project(tmp_path / "project", {"test_peer.py": PEER_PASSED})
+    out = root / "out"
+    args = ["--harness-max-procs", "2"] + ([] if reuse else ["--harness-no-reuse"])
+    session = run_session(root, *args, env=inner_env(out, root / "leases"))
+    case = session.case("test_blocked_after_peer_passed")
+    assert case.status == "failed"
+    # The peer's leaving ends the collective (as its exit does for fresh
+    # ranks), not the process-group timeout (32 s) nor the deadline.
+    assert case.text.startswith("rank 0 failed: "), case.text
+    assert "timed out" not in case.text.splitlines()[0].lower(), case.text
+    assert float((out / "blocked-seconds").read_text()) < 32 / 2
