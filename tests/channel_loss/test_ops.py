@@ -8,6 +8,9 @@ each check); bitwise claims with ``torch.equal``.
 from __future__ import annotations
 
 import gc
+import subprocess
+import sys
+import textwrap
 import threading
 import weakref
 from typing import ClassVar
@@ -790,12 +793,34 @@ def test_target_check_is_immediate_on_cpu_and_sync_free_on_accelerators(device):
             cl.chunk_cross_entropy(**inputs, labels=bad)
         return
     runtime = getattr(torch, device)
+    if not hasattr(runtime, "set_sync_debug_mode"):
+        pytest.skip(f"torch.{device} has no sync debug mode")
+    every_items = (None, 17, torch.tensor(17, device=device))  # made before: a copy syncs
     runtime.synchronize()
     runtime.set_sync_debug_mode("error")
     try:
-        for items in (None, 17, torch.tensor(17, device=device)):
+        for items in every_items:
             loss = cl.chunk_cross_entropy(**inputs, labels=labels, num_items_in_batch=items)
             loss.backward()
     finally:
         runtime.set_sync_debug_mode("default")
     runtime.synchronize()
+    # A bad target still fails, on the device, at the next sync. A device-side assertion
+    # poisons the process's context, so it runs in a process of its own.
+    code = textwrap.dedent(f"""
+        import torch, channel_loss as cl
+        h = torch.randn(4, 3, device="{device}")
+        w = torch.randn(5, 3, device="{device}")
+        t = torch.tensor([0, 1, 7, 2], device="{device}")
+        loss = cl.chunk_cross_entropy(h, w, shift_labels=t)
+        print("queued without a host-side check", flush=True)
+        torch.{device}.synchronize()
+        print("synchronised", flush=True)
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300)
+    assert "queued without a host-side check" in proc.stdout, proc.stderr[-2000:]
+    assert "synchronised" not in proc.stdout
+    assert proc.returncode != 0
+    assert "outside [0, 5)" in proc.stderr or "device-side assert" in proc.stderr, \
+        proc.stderr[-2000:]
