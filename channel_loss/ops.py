@@ -302,7 +302,7 @@ def _rescaled(g: torch.Tensor, factor: torch.Tensor, dtype: torch.dtype, reuse: 
     if reuse and not in_fp32:
         return g.mul_(factor).to(dtype)
     out = g if reuse and g.dtype == dtype else torch.empty(g.shape, dtype=dtype, device=g.device)
-    rows = max(1, _RESCALE_BLOCK // max(1, g[0].numel()))
+    rows = max(1, _RESCALE_BLOCK // max(1, math.prod(g.shape[1:])))
     for s in range(0, g.shape[0], rows):
         out[s:s + rows] = g[s:s + rows].float() * factor
     return out

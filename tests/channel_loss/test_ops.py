@@ -542,6 +542,18 @@ def test_fp16_gradient_buffers_stay_fp16():
     assert inputs["hidden_states"].grad.dtype == torch.float16
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_no_tokens_gives_zero_loss_and_empty_gradients(dtype):
+    h = torch.randn(0, 4, dtype=dtype, requires_grad=True)
+    w = torch.randn(7, 4, dtype=dtype, requires_grad=True)
+    loss = cl.chunk_cross_entropy(h, w, shift_labels=torch.zeros(0, dtype=torch.long))
+    loss.backward()
+    assert loss.item() == 0.0
+    assert h.grad.shape == (0, 4)
+    assert h.grad.dtype == dtype
+    assert bool((w.grad == 0).all())
+
+
 def test_second_order_gradients_are_refused():
     """Issue 14.2: the backward is not differentiable; say so instead of returning wrong numbers."""
     inputs, labels = make_inputs(lead=(2, 6), H=4, V=9, bias="factored", seed=4)
