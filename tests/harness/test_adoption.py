@@ -27,6 +27,7 @@ import shutil
 import subprocess
 import sys
 import tarfile
+import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
@@ -154,6 +155,20 @@ def test_a_new_project_goes_init_inventory_run_green(venv, tmp_path):
     assert summary["total"]["failed"] == summary["total"]["missing"] == 0
     launched = [c for c in summary["cases"] if c["nodeid"].endswith("test_all_reduce")]
     assert [c["outcome"] for c in launched] == ["passed"]
+
+    # Durations flow back: this repository's refresh script folds the run's output into
+    # suites/durations/cpu.json, each case's share of the pytest run's wall time.
+    refresh = sh([venv_python(venv), str(REPO / "scripts" / "refresh_durations.py"), "out/harness/cpu"],
+                 project, venv)
+    assert refresh.returncode == 0, refresh.stderr
+    recorded = json.loads((project / "suites" / "durations" / "cpu.json").read_text())["durations"]
+    assert sorted(recorded) == ["tests/test_basic.py::test_all_reduce", "tests/test_basic.py::test_plain"]
+    wall = float(ET.parse(project / "out" / "harness" / "cpu" / "junit.xml").getroot().find("testsuite").get("time"))
+    assert sum(recorded.values()) == pytest.approx(wall, abs=0.01)
+    matrix = sh(["harness", "matrix", "cpu"], project, venv)
+    assert matrix.returncode == 0, matrix.stderr
+    (row,) = json.loads(matrix.stdout)["include"]
+    assert row["estimated_minutes"] == round(sum(recorded.values()) / 60, 1)
 
 
 def _pytest_counts(text: str) -> dict[str, int]:
