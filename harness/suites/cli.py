@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import signal
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -212,4 +213,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.pytest_args = extra
     # init writes suites/, so it starts where it is asked to, not at an existing suites/ above.
     root = (args.root or (Path.cwd() if args.command == "init" else find_root())).resolve()
-    return args.handler(root, args)
+    try:
+        return args.handler(root, args)
+    except KeyboardInterrupt:  # Ctrl-C: stop without a traceback, with the shell's code
+        print(f"harness {args.command}: interrupted", file=sys.stderr)
+        return 128 + signal.SIGINT

@@ -172,9 +172,13 @@ class _Recorder:
         self.files: list[str] = []
         self.scope: list[str] = []
         self.inipath: Path | None = None
+        self.interrupted = False
 
     def pytest_configure(self, config: Any) -> None:
         self.inipath = config.inipath
+
+    def pytest_keyboard_interrupt(self, excinfo: Any) -> None:
+        self.interrupted = True
 
     def pytest_collectstart(self, collector: Any) -> None:
         import pytest
@@ -325,6 +329,8 @@ def collect(root: Path, targets: Sequence[str] | None) -> Collection:
     finally:
         if addopts is not None:
             os.environ["PYTEST_ADDOPTS"] = addopts
+    if rec.interrupted:
+        raise KeyboardInterrupt  # pytest reported it and returned; the caller asked to stop
     # 0: collected, 1: some collection error (recorded above), 5: nothing collected.
     if int(code) not in (0, 1, 5):
         tail = "\n".join(out.getvalue().strip().splitlines()[-15:])

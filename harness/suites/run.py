@@ -15,17 +15,22 @@ table also goes to stdout and, when set, ``$GITHUB_STEP_SUMMARY``.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
+
+import psutil
 
 from harness.suites import changes, report, selection
 from harness.suites.inventory import CollectedCase, SuiteInventory, build_inventory, plugin_args
@@ -175,37 +180,134 @@ def plan_cases(
     return [(c, e) for c, e in owned if c.nodeid in mine]
 
 
-def _run_pytest(cmd: list[str], root: Path, limit_s: float) -> int:
-    """Run one pytest subprocess, output streaming through; past ``limit_s`` its
-    whole process tree is terminated, then killed."""
-    proc = subprocess.Popen(cmd, cwd=root)
-    try:
-        return proc.wait(timeout=limit_s)
-    except subprocess.TimeoutExpired:
-        _print(f"pytest ran past {limit_s / 60:.0f} min (the runner's timeout); stopping it")
-        import psutil
+#: After an interrupt is passed on, how long pytest gets to stop its workers and
+#: ranks and write its reports before its whole process tree is terminated.
+INTERRUPT_GRACE_S = 30.0
+#: Between SIGTERM and SIGKILL when a process tree is stopped.
+KILL_AFTER_S = 5.0
+#: The signals that stop a run: exit code 128 + signal number (130, 143, 129).
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
-        try:
-            tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
-        except psutil.NoSuchProcess:
-            tree = []
-        for p in tree:
-            try:
+
+class _Stop:
+    """The stop signals of a whole ``harness run``, from its start to its summary.
+
+    A signal is recorded and passed on to the running pytest as SIGINT (as a
+    terminal's Ctrl-C would be: pytest stops its workers and ranks and writes
+    its reports); with no pytest running it ends the phase in progress (the
+    in-process inventory) with ``KeyboardInterrupt``. A second signal while
+    pytest winds down stops its process tree at once. pytest runs in its own
+    process group, so a Ctrl-C to the harness's group reaches it once, through here.
+    """
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self.child: subprocess.Popen[bytes] | None = None
+        self.tree: dict[int, psutil.Process] = {}
+        #: While planning (the in-process inventory) a signal raises; later it is only recorded.
+        self.planning = True
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> _Stop:
+        for s in STOP_SIGNALS:
+            self._previous[s] = signal.signal(s, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+
+    def _handle(self, signum: int, _frame: object) -> None:
+        again = self.signum is not None
+        self.signum = self.signum or signum
+        if self.child is None:
+            if self.planning:
+                raise KeyboardInterrupt
+            return
+        self.snapshot()
+        if again:
+            _stop_tree(list(self.tree.values()))
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.child.pid, signal.SIGINT)
+
+    def snapshot(self) -> None:
+        """Remember pytest's current process tree (workers, ranks, what tests started):
+        once pytest has exited, orphans can no longer be found through it."""
+        if self.child is not None:
+            for p in _tree(self.child.pid):
+                self.tree.setdefault(p.pid, p)
+
+    @property
+    def exit_code(self) -> int:
+        """128 + the signal number (130 for a KeyboardInterrupt not seen as a signal)."""
+        return 128 + (self.signum or signal.SIGINT)
+
+    @property
+    def name(self) -> str:
+        return signal.Signals(self.signum or signal.SIGINT).name
+
+
+def _tree(pid: int) -> list[psutil.Process]:
+    try:
+        root = psutil.Process(pid)
+        return [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
+
+
+def _stop_tree(procs: Sequence[psutil.Process]) -> None:
+    """SIGTERM every process of ``procs`` still alive, SIGKILL those left after
+    :data:`KILL_AFTER_S`, and wait for them (bounded)."""
+    alive = []
+    for p in procs:
+        with contextlib.suppress(psutil.Error):
+            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
                 p.terminate()
-            except psutil.NoSuchProcess:
-                pass
-        _, alive = psutil.wait_procs(tree, timeout=15)
-        for p in alive:
+                alive.append(p)
+    _, alive = psutil.wait_procs(alive, timeout=KILL_AFTER_S)
+    for p in alive:
+        with contextlib.suppress(psutil.Error):
+            p.kill()
+    psutil.wait_procs(alive, timeout=KILL_AFTER_S)
+
+
+def _run_pytest(cmd: list[str], root: Path, limit_s: float, stop: _Stop) -> int:
+    """Run one pytest subprocess in its own process group, output streaming through.
+
+    Past ``limit_s`` (the runner's job timeout) its whole process tree is
+    terminated, then killed: 124. On a stop signal (see :class:`_Stop`) it gets
+    :data:`INTERRUPT_GRACE_S` to stop by itself; whatever of its tree is left
+    then (or outlived it) is terminated, then killed. Returns pytest's exit code.
+    """
+    # Its own process group: a Ctrl-C to ours reaches it once, through _Stop.
+    group = {"process_group": 0} if sys.version_info >= (3, 11) else {"preexec_fn": os.setpgrp}
+    stop.child = subprocess.Popen(cmd, cwd=root, **group)  # type: ignore[call-overload]
+    proc = stop.child
+    try:
+        deadline = time.monotonic() + limit_s
+        while True:
+            if stop.signum is not None:
+                deadline = min(deadline, time.monotonic() + INTERRUPT_GRACE_S)
             try:
-                p.kill()
-            except psutil.NoSuchProcess:
-                pass
-        proc.wait()
-        return 124
-    except KeyboardInterrupt:
-        # The child got the same SIGINT; let it write its reports and exit.
-        proc.wait()
-        raise
+                code = proc.wait(timeout=max(0.0, min(1.0, deadline - time.monotonic())))
+                break
+            except subprocess.TimeoutExpired:
+                if time.monotonic() < deadline:
+                    continue
+                if stop.signum is None:
+                    _print(f"pytest ran past {limit_s / 60:.0f} min (the runner's timeout); stopping it")
+                stop.snapshot()
+                _stop_tree(list(stop.tree.values()))
+                proc.wait()
+                code = 124 if stop.signum is None else proc.returncode
+                break
+        if stop.signum is not None:
+            _stop_tree(list(stop.tree.values()))  # what outlived pytest
+        return code
+    finally:
+        stop.child = None
+        stop.tree.clear()
 
 
 class _Refused(Exception):
@@ -343,8 +445,8 @@ def _config_args(run: _Run) -> list[str]:
     return out + plugin_args(given)
 
 
-def _execute(run: _Run) -> tuple[list[int], list[Path]]:
-    """Phase 3: one pytest process per timeout group; their exit codes and JUnit files."""
+def _execute(run: _Run, stop: _Stop) -> tuple[list[int], list[Path]]:
+    """Phase 3: one pytest process per timeout group, until a stop signal; their exit codes and JUnit files."""
     m = run.manifest
     workers = worker_count(m.device, [c for c, _ in run.cases], run.opts.pytest_args, run.opts.workers)
     entries = list(dict.fromkeys(e.id for _, e in run.cases))
@@ -358,25 +460,28 @@ def _execute(run: _Run) -> tuple[list[int], list[Path]]:
     codes: list[int] = []
     junits: list[Path] = []
     for k, (timeout, group) in enumerate(groups, 1):
+        if stop.signum is not None:
+            _print(f"{stop.name}: {len(groups) - k + 1} group(s) of cases not started")
+            break
         cmd = _pytest_command(run, k, timeout, group, workers)
         if len(groups) > 1:
             _print(f"group {k}/{len(groups)}: {len(group)} case(s), timeout {timeout or 'default'}")
-        codes.append(_run_pytest(cmd, run.root, limit_s))
+        codes.append(_run_pytest(cmd, run.root, limit_s, stop))
         junits.append(run.out / f"junit-{k}.xml")
     return codes, junits
 
 
-def _verdict(total: report.EntryRow, codes: Sequence[int], pytest_args: Sequence[str]) -> list[str]:
+def _verdict(total: report.EntryRow, codes: Sequence[int], pytest_args: Sequence[str], stop: _Stop) -> list[str]:
     """Why the run is red (empty: green)."""
     narrowed = bool(option_values(pytest_args, _NARROWING))
-    verdict = []
+    verdict = [f"interrupted by {stop.name}"] if stop.signum is not None else []
     if total.failed:
         verdict.append(f"{total.failed} failed")
     if total.missing and not narrowed:
         verdict.append(f"{total.missing} planned case(s) never ran")
     if not total.passed and not narrowed:
         verdict.append(f"no case passed ({total.skipped} skipped)")
-    bad_codes = [c for c in codes if c not in (0, 1, 5)]
+    bad_codes = [c for c in codes if c not in (0, 1, 5) and stop.signum is None]
     if bad_codes:
         verdict.append(f"pytest exited with {', '.join(map(str, bad_codes))}")
     return verdict
@@ -388,8 +493,9 @@ def _write_summary(run: _Run, text: str) -> None:
     _step_summary(text)
 
 
-def _report(run: _Run, codes: Sequence[int], junits: Sequence[Path]) -> int:
-    """Phase 4: merge the JUnit files, write the summaries and durations; the exit code."""
+def _report(run: _Run, codes: Sequence[int], junits: Sequence[Path], stop: _Stop) -> int:
+    """Phase 4: merge the JUnit files, write the summaries (partial after a stop
+    signal: the cases that did not run are missing) and durations; the exit code."""
     junit_all = run.out / "junit.xml"
     report.merge_junit(junits, junit_all)
     asked = _requested_junit(run.opts.pytest_args)
@@ -400,7 +506,7 @@ def _report(run: _Run, codes: Sequence[int], junits: Sequence[Path]) -> int:
     results = report.results_for([c.nodeid for c, _ in run.cases], report.read_junit(junits))
     rows = report.summarize([(c.nodeid, e.id, c.cards) for c, e in run.cases], results)
     table = report.render(rows, run.title, time.monotonic() - run.started)
-    verdict = _verdict(report.totals(rows), codes, run.opts.pytest_args)
+    verdict = _verdict(report.totals(rows), codes, run.opts.pytest_args, stop)
     detail = report.failures(results)
     for headline, log in selection.fired(run.out):
         detail += f"- watchdog: {headline}; stacks in {log}\n"
@@ -415,6 +521,8 @@ def _report(run: _Run, codes: Sequence[int], junits: Sequence[Path]) -> int:
         ran = {n: r.seconds for n, r in results.items() if r.outcome == "passed"}
         write_durations(run.opts.durations_out, run.manifest.suite, ran)
         _print(f"recorded {len(ran)} duration(s) in {run.opts.durations_out}")
+    if stop.signum is not None:
+        return stop.exit_code
     return EXIT_FAILED if verdict else EXIT_OK
 
 
@@ -424,24 +532,31 @@ def run_suite(root: Path, opts: RunOptions) -> int:
     :data:`EXIT_OK`: every planned case passed or skipped and at least one
     passed (or nothing needed to run); :data:`EXIT_FAILED`: a case failed,
     went missing, or nothing passed; :data:`EXIT_USAGE`: the suite cannot be
-    planned (inventory problems, bad arguments).
+    planned (inventory problems, bad arguments); 128 + N after signal N
+    (SIGINT 130, SIGTERM 143, SIGHUP 129): pytest, its workers and ranks
+    are stopped and reaped, and the summary of what ran is written.
     """
-    try:
-        run = _plan_run(root.resolve(), opts, time.monotonic())
-    except _Refused as e:
-        if str(e):
-            print(e, file=sys.stderr)
-        return EXIT_USAGE
-    _prepare_out(run)
-    if not run.cases:
-        _print(f"{run.title}: nothing to run")
-        not_here = run.not_here
-        text = f"### {run.title}\n\nnothing to run\n" + (f"\n{not_here}" if not_here else "")
-        (run.out / "summary.md").write_text(text, encoding="utf-8")
-        _step_summary(text)
-        return EXIT_OK
-    codes, junits = _execute(run)
-    return _report(run, codes, junits)
+    with _Stop() as stop:
+        try:
+            run = _plan_run(root.resolve(), opts, time.monotonic())
+        except _Refused as e:
+            if str(e):
+                print(e, file=sys.stderr)
+            return EXIT_USAGE
+        except KeyboardInterrupt:
+            _print(f"{stop.name}: stopped before any case ran")
+            return stop.exit_code
+        stop.planning = False
+        _prepare_out(run)
+        if not run.cases:
+            _print(f"{run.title}: nothing to run")
+            not_here = run.not_here
+            text = f"### {run.title}\n\nnothing to run\n" + (f"\n{not_here}" if not_here else "")
+            (run.out / "summary.md").write_text(text, encoding="utf-8")
+            _step_summary(text)
+            return EXIT_OK
+        codes, junits = _execute(run, stop)
+        return _report(run, codes, junits, stop)
 
 
 def _requested_junit(pytest_args: Sequence[str]) -> Path | None:

@@ -1,0 +1,106 @@
+"""``harness run`` under SIGTERM / SIGINT / Ctrl-C (issue 12.4): real signals to a real run.
+
+The run holds a plain case in an xdist worker (which has started a process
+that ignores SIGINT and SIGTERM in a session of its own) and a launched
+2-rank case; every pid is written to a file. Whatever the signal, the run
+must stop promptly, leave none of those processes alive, write the partial
+summary and exit 128 + the signal number without a traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+from suite_project import make_project, manifest
+
+PLAIN = """
+    import os
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    STUBBORN = "import signal, time\\nfor s in (signal.SIGINT, signal.SIGTERM):\\n    signal.signal(s, signal.SIG_IGN)\\ntime.sleep(600)\\n"
+
+    def test_plain_waits():
+        pids = Path(os.environ["PIDS_DIR"])
+        child = subprocess.Popen([sys.executable, "-c", STUBBORN], start_new_session=True)
+        (pids / "stubborn").write_text(str(child.pid))
+        (pids / "worker").write_text(str(os.getpid()))
+        (pids / "controller").write_text(str(os.getppid()))
+        time.sleep(600)
+"""
+LAUNCHED = """
+    import os
+    import time
+    from pathlib import Path
+
+    import pytest
+
+    @pytest.mark.launch(nproc=2)
+    def test_ranks_wait():
+        Path(os.environ["PIDS_DIR"], f"rank{os.environ['RANK']}").write_text(str(os.getpid()))
+        time.sleep(600)
+"""
+EXPECTED = {"stubborn", "worker", "controller", "rank0", "rank1"}
+
+
+def alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def wait_for(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.2)
+
+
+@pytest.mark.parametrize(
+    ("how", "signum", "code"),
+    [("harness", signal.SIGTERM, 143), ("harness", signal.SIGINT, 130), ("group", signal.SIGINT, 130)],
+    ids=["term-harness", "int-harness", "ctrl-c-group"],
+)
+def test_signal_stops_the_whole_run(pytester, tmp_path_factory, how, signum, code):
+    root = make_project(pytester.path, {"tests/plain/test_p.py": PLAIN, "tests/dist/test_d.py": LAUNCHED},
+                        {"cpu": manifest("cpu", "cpu", [{"id": "plain", "paths": ["tests/plain"]},
+                                                       {"id": "dist", "paths": ["tests/dist"]}])})
+    pids_dir = tmp_path_factory.mktemp("pids")
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTEST_ADDOPTS", "GITHUB_STEP_SUMMARY")}
+    env["PIDS_DIR"] = str(pids_dir)
+    # Its own session and process group, as a shell job would be: "the group" is the harness's.
+    proc = subprocess.Popen([sys.executable, "-m", "harness", "run", "cpu", "--out", "out", "--workers", "2"],
+                            cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        wait_for(lambda: {p.name for p in pids_dir.iterdir()} >= EXPECTED, 240, "every case to start")
+        pids = {p.name: int(p.read_text()) for p in pids_dir.iterdir()}
+        assert all(alive(pid) for pid in pids.values())
+        if how == "group":
+            os.killpg(proc.pid, signum)
+        else:
+            os.kill(proc.pid, signum)
+        out, err = proc.communicate(timeout=120)  # a bound against a hang, not a timing claim
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == code, out + err
+    assert "Traceback" not in out + err
+    left = {name: pid for name, pid in pids.items() if alive(pid)}
+    assert left == {}, f"still running after the harness exited: {left}"
+    summary = json.loads((root / "out/summary.json").read_text())
+    assert {c["nodeid"].split("::")[1] for c in summary["cases"]} == {"test_plain_waits", "test_ranks_wait"}
+    name = signal.Signals(signum).name
+    assert f"**FAILED**: interrupted by {name}" in (root / "out/summary.md").read_text()
