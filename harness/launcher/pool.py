@@ -341,26 +341,11 @@ class PoolKeeper:
 
         Call it from the main thread only (the one that outlives the pool).
         """
-        spec = plan.spec
         with self._lock:
             notes: list[str] = []
-            pool = self._pool
-            if pool is not None and (pool.key != pool_key(spec) or not pool.alive()):
-                self._close_locked()
-            elif pool is not None and pool.lease is not None and pool.lease.contended():
-                # Another process waits for what the pool holds: give it back
-                # and lease again, like a spawn-per-case launch would.
-                self._close_locked()
+            self._drop_unfit(plan.spec)
             while True:
-                if self._pool is None:
-                    lease = lease_case(spec, plan.settings, plan.what)
-                    try:
-                        self._pool = RankPool(spec, lease, capture=plan.settings.capture)
-                    except BaseException:
-                        lease.release()
-                        raise
-                    self._watch()
-                pool = self._pool
+                pool = self._pool or self._start(plan)
                 pool.busy = True
                 result = None
                 try:
@@ -375,6 +360,27 @@ class PoolKeeper:
                 # Only a reused pool is checked, so this loops at most once.
                 notes.append(f"the kept ranks failed their health check ({pool.problem}); "
                              "the case ran on fresh ranks")
+
+    def _drop_unfit(self, spec: LaunchSpec) -> None:
+        """Close the kept pool unless ``spec`` can run on it now."""
+        pool = self._pool
+        if pool is not None and (pool.key != pool_key(spec) or not pool.alive()):
+            self._close_locked()
+        elif pool is not None and pool.lease is not None and pool.lease.contended():
+            # Another process waits for what the pool holds: give it back
+            # and lease again, like a spawn-per-case launch would.
+            self._close_locked()
+
+    def _start(self, plan: CasePlan) -> RankPool:
+        """Lease for ``plan`` and start a pool on the lease (kept from now on)."""
+        lease = lease_case(plan.spec, plan.settings, plan.what)
+        try:
+            self._pool = RankPool(plan.spec, lease, capture=plan.settings.capture)
+        except BaseException:
+            lease.release()
+            raise
+        self._watch()
+        return self._pool
 
     def close(self) -> None:
         """Close the pool, if any (session end, interpreter exit)."""

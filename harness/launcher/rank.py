@@ -176,36 +176,15 @@ def _serve(parent_pid: int, conn: Any, lease_fds: list[int]) -> NoReturn:
     _start_rank(parent_pid, lease_fds, rank_only=(conn.fileno(),))
     baseline: Baseline | None = None
     while True:
-        try:
-            message = conn.recv()
-        except (EOFError, OSError):
-            _hard_exit(0)  # the launcher is gone or closed the pool
-        if not isinstance(message, RunCase):
-            _hard_exit(0)
-        ctx, task, seq, check = message.ctx, message.task, message.seq, message.check
+        message = _receive_case(conn)
+        ctx = message.ctx
         message.inherited.apply(ctx.env)
         _enter_case(ctx)
         if baseline is not None:
             baseline.restore()
-        if check:
-            problem = _health_check(ctx, seq)
-            conn.send(Ready(problem))
-            try:
-                reply = conn.recv()
-            except (EOFError, OSError):
-                _hard_exit(0)
-            if problem is not None or not isinstance(reply, Go):
-                _hard_exit(0)
-        if baseline is None:
-            # First case: join the process group, then record the state every
-            # later case starts from (before any test code has run).
-            outcome = _join(ctx)
-            if outcome is None:
-                baseline = Baseline.capture()
-                outcome = _run(ctx, task, fresh_module=True)
-        else:
-            _set_pg_timeout(ctx.pg_timeout_s)
-            outcome = _run(ctx, task, fresh_module=True)
+        if message.check:
+            _health_gate(conn, ctx, message.seq)
+        outcome, baseline = _run_kept(ctx, message.task, baseline)
         outcome.write(ctx.outcome_path)
         _flush()
         conn.send(OutcomeWritten())
@@ -215,6 +194,44 @@ def _serve(parent_pid: int, conn: Any, lease_fds: list[int]) -> NoReturn:
         # Free the case's garbage (device memory in reference cycles, too)
         # before the next case, off the launcher's critical path.
         gc.collect()
+
+
+def _receive_case(conn: Any) -> RunCase:
+    """The next case; anything else (``Exit``, a closed pipe) ends the rank."""
+    try:
+        message = conn.recv()
+    except (EOFError, OSError):
+        _hard_exit(0)  # the launcher is gone or closed the pool
+    if not isinstance(message, RunCase):
+        _hard_exit(0)
+    return message
+
+
+def _health_gate(conn: Any, ctx: RankContext, seq: int) -> None:
+    """Report the health check and wait for ``Go``; any other answer ends the rank."""
+    problem = _health_check(ctx, seq)
+    conn.send(Ready(problem))
+    try:
+        reply = conn.recv()
+    except (EOFError, OSError):
+        _hard_exit(0)
+    if problem is not None or not isinstance(reply, Go):
+        _hard_exit(0)
+
+
+def _run_kept(ctx: RankContext, task: RankTask,
+              baseline: Baseline | None) -> tuple[RankOutcome, Baseline | None]:
+    """Run a case on a kept rank. The first case joins the process group and
+    records the baseline every later case starts from (before any test code
+    has run); later ones get this case's process-group timeout."""
+    if baseline is None:
+        outcome = _join(ctx)
+        if outcome is not None:
+            return outcome, None
+        baseline = Baseline.capture()
+    else:
+        _set_pg_timeout(ctx.pg_timeout_s)
+    return _run(ctx, task, fresh_module=True), baseline
 
 
 def _start_rank(parent_pid: int, lease_fds: list[int], rank_only: tuple[int, ...] = ()) -> None:
