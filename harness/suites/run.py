@@ -359,15 +359,17 @@ def _plan_run(root: Path, opts: RunOptions, started: float) -> _Run:
         raise _Refused("")
     suite_name, inv = loaded
     m = inv.manifests[suite_name]
-    owned = inv.suite_cases(suite_name)
+    try:
+        # The shard is cut from the whole suite, as `harness matrix` planned it,
+        # and only then narrowed: re-partitioning the narrowed cases would move
+        # them between shards (onto runners with fewer cards, say).
+        cases = plan_cases(root, m, inv.suite_cases(suite_name), opts.durations, shard)
+    except PlanError as e:
+        raise _Refused(f"harness run: {e}") from None
     if opts.changed_from:
         sel = changes.select(m.entries, changes.changed_files(root, opts.changed_from))
         _print(f"--changed-from {opts.changed_from}: {sel.reason}")
-        owned = [(c, e) for c, e in owned if e.id in sel.entries]
-    try:
-        cases = plan_cases(root, m, owned, opts.durations, shard)
-    except PlanError as e:
-        raise _Refused(f"harness run: {e}") from None
+        cases = [(c, e) for c, e in cases if e.id in sel.entries]
     too_big: list[CollectedCase] = []
     if opts.max_cards is not None:
         # A smaller machine than the suite's runners (a workstation, a device

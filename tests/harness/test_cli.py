@@ -226,6 +226,34 @@ def test_run_and_inventory_with_plugin_autoload_disabled(pytester):
     assert "2 workers [2 items]" in done.stdout  # xdist was loaded and used
 
 
+def test_changed_from_keeps_the_shards_of_the_whole_suite(pytester, capsys):
+    # Issue 11.6: a shard job narrowed by --changed-from runs its share of the
+    # matrix's partition of the whole suite, not a re-partition of the narrowed cases.
+    tests = {"tests/a/test_a.py": "def test_a1():\n    pass\n",
+             "tests/b/test_b.py": "def test_b1():\n    pass\n\ndef test_b2():\n    pass\n\ndef test_b3():\n    pass\n"}
+    durations = {"durations": {"tests/a/test_a.py::test_a1": 10, "tests/b/test_b.py::test_b1": 3,
+                               "tests/b/test_b.py::test_b2": 3, "tests/b/test_b.py::test_b3": 3}}
+    entries = [{"id": "a", "paths": ["tests/a"], "depends_on": ["src/a.py"]},
+               {"id": "b", "paths": ["tests/b"], "depends_on": ["src/b.py"]}]
+    root = make_project(pytester.path, tests, {"cpu": manifest("cpu", "cpu", entries)},
+                        {"src/a.py": "", "src/b.py": "", ".gitignore": "out/\n", "suites/durations/cpu.json": durations})
+    git(root, "init", "-q", "-b", "main")
+    git(root, "-c", "user.email=t@e", "-c", "user.name=t", "add", ".")
+    git(root, "-c", "user.email=t@e", "-c", "user.name=t", "commit", "-qm", "base")
+    (root / "src/b.py").write_text("changed = True\n")
+
+    # The matrix: a1 alone on shard 1 (10 s), b1-b3 on shard 2 (9 s).
+    assert main(["--root", str(root), "matrix", "cpu", "--shards", "2"]) == 0
+    assert [s["cases"] for s in json.loads(capsys.readouterr().out)["include"]] == [1, 3]
+    for shard, expected in (("1/2", []), ("2/2", ["test_b1", "test_b2", "test_b3"])):
+        out = f"out/{shard[0]}"
+        code = main(["--root", str(root), "run", "cpu", "--shard", shard, "--changed-from", "main", "--out", out,
+                     "--", "-p", "no:xdist"])
+        assert code == 0, capsys.readouterr()
+        planned = json.loads((root / out / "plan.json").read_text())["cases"]
+        assert [c.split("::")[1] for c, _ in planned] == expected
+
+
 def test_hung_plain_case_is_stopped_by_the_watchdog(pytester):
     tests = {"tests/h/test_h.py": "import time\n\ndef test_hang():\n    time.sleep(120)\n\ndef test_ok():\n    pass\n"}
     root = make_project(pytester.path, tests,
