@@ -9,9 +9,10 @@ log-sum-exp the gradient needs, observing it costs no extra pass.
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -508,9 +509,31 @@ _COMPILE_NOTE = (
     "channel_loss ops run eagerly under torch.compile: a traced chunk loop loses the "
     "O(chunk_size x V) memory bound (it grows with the token count like full logits)"
 )
+_EAGER: dict[Callable, Callable] = {}
 
 
-@torch.compiler.disable(reason=_COMPILE_NOTE)
+def _eager_under_compile(fn: Callable) -> Callable:
+    """``torch.compiler.disable(fn)``, made on the first call so importing stays cheap.
+
+    ``torch.compiler.disable`` imports ``torch._dynamo`` (seconds). Under
+    ``torch.compile`` the call is a graph break and ``fn`` runs eagerly; with
+    ``fullgraph=True`` compilation fails with ``_COMPILE_NOTE`` in the message
+    (also when the very first call is being traced, via the ``raise`` below).
+    """
+
+    @functools.wraps(fn)
+    def eager(*args, **kwargs):
+        disabled = _EAGER.get(fn)
+        if disabled is None:
+            if torch.compiler.is_compiling():
+                raise RuntimeError(_COMPILE_NOTE)
+            disabled = _EAGER[fn] = torch.compiler.disable(fn, reason=_COMPILE_NOTE)
+        return disabled(*args, **kwargs)
+
+    return eager
+
+
+@_eager_under_compile
 def chunk_cross_entropy(
     hidden_states: torch.Tensor,
     weight: torch.Tensor,
@@ -573,7 +596,7 @@ def chunk_cross_entropy(
     return loss
 
 
-@torch.compiler.disable(reason=_COMPILE_NOTE)
+@_eager_under_compile
 def per_token_cross_entropy(
     *,
     logits: torch.Tensor | None = None,

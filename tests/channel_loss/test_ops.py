@@ -793,6 +793,30 @@ def test_torch_compile_runs_the_op_eagerly():
     torch._dynamo.reset()
 
 
+def test_first_call_under_compile_and_cheap_import():
+    """A fresh process: importing channel_loss does not import dynamo (seconds), and a
+    fullgraph compile whose trace is the op's very first call still fails naming why."""
+    code = textwrap.dedent("""
+        import sys, torch
+        import channel_loss as cl
+        print("dynamo imported:", "torch._dynamo" in sys.modules, flush=True)
+        h, w, t = torch.randn(6, 3), torch.randn(5, 3), torch.tensor([0, 1, 2, 3, 4, 0])
+        step = lambda h, w, t: cl.chunk_cross_entropy(h, w, shift_labels=t, chunk_size=2) + 1
+        try:
+            torch.compile(step, backend="eager", fullgraph=True)(h, w, t)
+        except Exception as exc:
+            print("refused:", "channel_loss ops run eagerly" in str(exc), flush=True)
+        got = torch.compile(step, backend="eager")(h, w, t)
+        print("eager result:", torch.equal(got, step(h, w, t)), flush=True)
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "dynamo imported: False" in proc.stdout
+    assert "refused: True" in proc.stdout
+    assert "eager result: True" in proc.stdout
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_target_check_is_immediate_on_cpu_and_sync_free_on_accelerators(device):
     """Issue 13: the target-range check keeps its error but adds no host sync on a card."""
