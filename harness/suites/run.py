@@ -121,21 +121,22 @@ def leasable_cards(device: str) -> int:
 def worker_count(
     device: str, cases: Sequence[CollectedCase], pytest_args: Sequence[str], requested: int | None = None
 ) -> int:
-    """xdist workers for a run: one per process slot on cpu (``--harness-max-procs``,
-    else the CPUs this process may use); on accelerators as many as the
-    leasable cards allow for the smallest case, at most one per slot; never
-    more than there are cases, never fewer than one."""
+    """xdist workers for running ``cases``, sized so that the run's own cases never
+    wait for each other's leases: at most ``slots // (most ranks of a case)``
+    (slots: ``--harness-max-procs``, else the CPUs this process may use) and, on
+    accelerators, ``leasable cards // (most cards of a case)``; never more than
+    there are cases, never fewer than one. ``requested`` (``--workers``) wins."""
     if requested:
         return max(1, requested)
     slots = _cpu_slots()
     given = option_values(pytest_args, ["--harness-max-procs"])
     if given and given[-1] and given[-1].isdigit():
         slots = max(1, int(given[-1]))
-    if device == "cpu":
-        n = slots
-    else:
-        need = min((c.cards for c in cases), default=1) or 1
-        n = min(slots, max(1, leasable_cards(device) // need))
+    # Two workers each running a 2-rank case on 2 slots: one of them waits out
+    # its lease timeout. Size for the largest case instead.
+    n = slots // max((c.nproc for c in cases if c.launched), default=1)
+    if device != "cpu":
+        n = min(n, leasable_cards(device) // max((c.cards for c in cases), default=1))
     return max(1, min(n, len(cases)))
 
 
@@ -450,24 +451,25 @@ def _config_args(run: _Run) -> list[str]:
 def _execute(run: _Run, stop: _Stop) -> tuple[list[int], list[Path]]:
     """Phase 3: one pytest process per timeout group, until a stop signal; their exit codes and JUnit files."""
     m = run.manifest
-    workers = worker_count(m.device, [c for c, _ in run.cases], run.opts.pytest_args, run.opts.workers)
+    groups = _timeout_groups(run.cases)
+    sizes = [worker_count(m.device, [c for c, _ in g], run.opts.pytest_args, run.opts.workers) for _, g in groups]
     entries = list(dict.fromkeys(e.id for _, e in run.cases))
-    xdist = "xdist as given" if _user_xdist(run.opts.pytest_args) else f"{workers} xdist worker(s)"
+    xdist = "xdist as given" if _user_xdist(run.opts.pytest_args) else f"{max(sizes)} xdist worker(s)"
     _print(
         f"{run.title}: {len(run.cases)} case(s) in {len(entries)} entr{'y' if len(entries) == 1 else 'ies'} "
         f"on {m.device}; {xdist}; output in {run.out}"
     )
-    groups = _timeout_groups(run.cases)
     limit_s = max(r.timeout_minutes for r in m.runners) * 60.0
     codes: list[int] = []
     junits: list[Path] = []
-    for k, (timeout, group) in enumerate(groups, 1):
+    for k, ((timeout, group), workers) in enumerate(zip(groups, sizes, strict=True), 1):
         if stop.signum is not None:
             _print(f"{stop.name}: {len(groups) - k + 1} group(s) of cases not started")
             break
         cmd = _pytest_command(run, k, timeout, group, workers)
         if len(groups) > 1:
-            _print(f"group {k}/{len(groups)}: {len(group)} case(s), timeout {timeout or 'default'}")
+            _print(f"group {k}/{len(groups)}: {len(group)} case(s), timeout {timeout or 'default'}, "
+                   f"{workers} worker(s)")
         codes.append(_run_pytest(cmd, run.root, limit_s, stop))
         junits.append(run.out / f"junit-{k}.xml")
     return codes, junits

@@ -410,6 +410,36 @@ def test_workers_sized_to_leasable_cards(monkeypatch):
     assert worker_count("cpu", cpu, [], requested=5) == 5
 
 
+def test_workers_never_let_the_runs_own_cases_starve_each_other(monkeypatch):
+    # Issue 12.2: workers <= slots / most ranks of a case, cards / most cards of a case.
+    two_ranks = [CollectedCase(f"t::r{i}", "t", LaunchSpec(nproc=2), True, None) for i in range(10)]
+    plain = [CollectedCase(f"t::p{i}", "t", LaunchSpec(), False, None) for i in range(10)]
+    assert worker_count("cpu", two_ranks, ["--harness-max-procs", "2"]) == 1
+    assert worker_count("cpu", [*plain, *two_ranks], ["--harness-max-procs=5"]) == 2
+    assert worker_count("cpu", plain, ["--harness-max-procs", "2"]) == 2  # plain cases take no slot lease
+    monkeypatch.setenv("HARNESS_CARDS", "cuda:0,1,2,3")
+    mixed = [*cases_needing(1, 5), *cases_needing(4, 1)]
+    assert worker_count("cuda", mixed, ["--harness-max-procs", "16"]) == 1
+    assert worker_count("cuda", [*cases_needing(1, 5), *cases_needing(2, 1)], ["--harness-max-procs", "16"]) == 2
+
+
+def test_run_sizes_workers_to_its_largest_case(pytester, tmp_path_factory):
+    # Issue 12.2: `harness run cpu` on 2 slots used -n 2 with 2-rank cases, so one
+    # worker waited for the other's slots until its lease timed out.
+    body = "".join(
+        f"\n\n@pytest.mark.launch(nproc=2)\ndef test_r{i}():\n    import torch.distributed as dist\n"
+        f"    assert dist.get_world_size() == 2\n" for i in range(4)
+    )
+    root = make_project(pytester.path, {"tests/r/test_r.py": "import pytest" + body},
+                        {"cpu": manifest("cpu", "cpu", [{"id": "r", "paths": ["tests/r"], "timeout_s": 120}])})
+    lease = tmp_path_factory.mktemp("leases")
+    done = harness(root, "run", "cpu", "--out", "out", "--", "--harness-max-procs", "2",
+                   f"--harness-lease-dir={lease}")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "4 case(s) in 1 entry on cpu; 1 xdist worker(s)" in done.stdout
+    assert summary_rows((root / "out/summary.md").read_text())["total"][:3] == ["4", "4", "0"]
+
+
 # --------------------------------------------------------------------------- the real repository
 
 
