@@ -7,8 +7,9 @@ Usage (also ``nox -s durations -- DIR ...``)::
 
 Each argument is a folder, searched recursively for the output folders of
 ``harness run`` (``plan.json`` next to ``junit.xml``): the suite comes from
-``plan.json``, each planned case's seconds from the JUnit XML (passed cases
-only). Durations are merged into the checked-in file: cases absent from the
+``plan.json``, each planned case's seconds from the JUnit XML (every case
+that ran, failed and skipped ones included: they took that share of the run
+too). Durations are merged into the checked-in file: cases absent from the
 artifacts keep their old value; ``--prune`` drops node ids that the suite no
 longer has.
 
@@ -51,8 +52,8 @@ def wall_shares(junits: Sequence[Path]) -> dict[tuple[str, str], float]:
 
 
 def passed_seconds(out_dir: Path) -> tuple[str, dict[str, float]]:
-    """The suite of one ``harness run`` output folder and its passed cases' shares of
-    the wall time (see the module docstring)."""
+    """The suite of one ``harness run`` output folder and the shares of its wall time
+    of the cases that ran (see the module docstring)."""
     doc = json.loads((out_dir / "plan.json").read_text(encoding="utf-8"))
     nodeids = [c[0] for c in doc["cases"]]
     # The merged junit.xml holds every pytest run's testsuite; the per-run files the same.
@@ -60,7 +61,7 @@ def passed_seconds(out_dir: Path) -> tuple[str, dict[str, float]]:
     results = report.results_for(nodeids, report.read_junit(junits))
     factors = wall_shares(junits)
     return doc["suite"], {
-        n: r.seconds * factors.get(report.junit_key(n), 1.0) for n, r in results.items() if r.outcome == "passed"
+        n: r.seconds * factors.get(report.junit_key(n), 1.0) for n, r in results.items() if r.outcome != "missing"
     }
 
 
@@ -79,7 +80,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for plan_file in sorted(d.rglob("plan.json")):
             suite, seconds = passed_seconds(plan_file.parent)
             found.setdefault(suite, {}).update(seconds)
-            print(f"{plan_file.parent}: {suite}: {len(seconds)} passed case(s)")
+            print(f"{plan_file.parent}: {suite}: {len(seconds)} case(s) ran")
     if not found:
         print("refresh_durations: no `harness run` output (plan.json + junit.xml) under "
               + ", ".join(map(str, args.dirs)), file=sys.stderr)
