@@ -41,7 +41,7 @@ from harness.suites.plan import (
     estimate,
     load_durations,
     parse_shard,
-    partition,
+    plan,
     write_durations,
 )
 
@@ -171,13 +171,18 @@ def plan_cases(
     root: Path, m: Manifest, owned: Sequence[tuple[CollectedCase, Entry]], durations: Path | None,
     shard: tuple[int, int] | None,
 ) -> list[tuple[CollectedCase, Entry]]:
-    """The cases of one shard (all of ``owned`` when ``shard`` is None), in collection order."""
-    if shard is None:
-        return list(owned)
+    """The cases of one shard (all of ``owned`` when ``shard`` is None), in collection order.
+
+    The suite is planned exactly as ``harness matrix`` plans it (``--shards N``
+    for a shard ``I/N``), so a suite the matrix refuses (a case or a shard over
+    its runner's budget) is refused here too: ``PlanError``.
+    """
     recorded = load_durations(durations or default_durations_path(root, m.suite))
     planned = estimate([(c.nodeid, e.id, c.cards, e.estimated_s) for c, e in owned], recorded)
-    shards = partition(planned, m.runners, shard[1])
-    mine = {p.nodeid for p in shards[shard[0] - 1].cases}
+    result = plan(m.suite, m.runners, planned, shards=shard[1] if shard else None)
+    if shard is None:
+        return list(owned)
+    mine = {p.nodeid for p in result.shard(shard[0]).cases}
     return [(c, e) for c, e in owned if c.nodeid in mine]
 
 

@@ -276,6 +276,23 @@ def test_run_refuses_a_suite_with_problems(pytester):
     assert "see `harness inventory cpu`" in done.stderr
 
 
+@pytest.mark.parametrize(
+    ("entries", "shard"),
+    [([*CPU_ENTRIES, {"id": "ghost", "paths": ["tests/none"]}], []),
+     ([{**CPU_ENTRIES[0], "estimated_s": 3600}, CPU_ENTRIES[1]], []),
+     ([{**CPU_ENTRIES[0], "estimated_s": 3600}, CPU_ENTRIES[1]], ["--shard", "1/1"])],
+    ids=["inventory-problem", "case-over-budget", "case-over-budget-shard"],
+)
+def test_unplannable_suite_gives_the_same_code_from_run_and_matrix(pytester, capsys, entries, shard):
+    # Issue 11.10: `run` said 2 and `matrix` 1 for a suite with inventory problems;
+    # a case over its runner's budget stopped the matrix but ran under `run`.
+    root = make_project(pytester.path, RUN_TESTS, {"cpu": manifest("cpu", "cpu", entries)})
+    codes = {"run": main(["--root", str(root), "run", "cpu", *shard]),
+             "matrix": main(["--root", str(root), "matrix", "cpu", *(["--shards", "1"] if shard else [])])}
+    assert codes == {"run": 2, "matrix": 2}, capsys.readouterr()
+    assert not (root / "out").exists()  # nothing ran
+
+
 def test_matrix_uses_checked_in_durations(pytester, capsys):
     tests = {"tests/t/test_t.py": "import pytest\n\n@pytest.mark.parametrize('i', range(6))\ndef test_t(i):\n    pass\n"}
     durations = {"durations": {f"tests/t/test_t.py::test_t[{i}]": s for i, s in enumerate([50, 10, 10, 10, 10, 10])}}
