@@ -1,7 +1,11 @@
-"""SuiteInventory: which suite entry owns each test case, and whether every case fits its runner.
+"""Inventory: which suite entry owns each test case, and whether every case fits its runner.
 
-Cases are collected with pytest in-process (collect only) through a small
-plugin object that records the items; nothing runs. Ownership rules:
+Cases are collected with pytest in-process (collect only, from the
+repository root, with the repository's configuration) through a small plugin
+object that records the test files pytest collects by its own rules
+(``testpaths``, ``python_files``, ``norecursedirs``, ``--ignore``), the items
+and the collection errors; nothing runs. Entry paths pytest does not collect
+by default are collected too, by name, as ``harness run`` will. Ownership rules:
 
 - A suite owns the cases its entries match. A device-parametrized case (its
   ``device`` parameter, e.g. from ``harness.DEVICES``) and a launched case
@@ -9,15 +13,19 @@ plugin object that records the items; nothing runs. Ownership rules:
   entries skip them silently when they match by path. A case an entry names
   by node id is owned whatever its device (and then checked against the suite).
 - Within a suite, a case belongs to the *first* entry that matches it.
+- Matching is indexed (:class:`EntryIndex`): the work grows linearly with the
+  number of cases and entries (``scripts/bench/inventory.py``).
 
 Rules (each problem names the rule, the file and the case):
 ``cpu-case-needs-cards``, ``accelerator-case-without-cards``, ``wrong-device``,
-``case-exceeds-runner-cards``, ``unowned-file`` (a ``tests/**/test_*.py``
-owned by no entry), ``unowned-case``, ``entry-matches-nothing``,
+``case-exceeds-runner-cards``, ``unowned-file`` (a file pytest collects by
+default owned by no entry), ``unowned-case``, ``entry-matches-nothing``,
 ``duplicate-entry-id``, ``schema`` / ``json`` / ``path`` / ``include``
-(manifest problems), ``collection-error`` and ``bad-launch-spec``.
+(manifest problems), ``no-suites`` (no manifest at all),
+``symlink-outside-repository`` (a collected test file that is a link to a
+file outside the repository), ``collection-error`` (with the file and line)
+and ``bad-launch-spec``.
 """
-
 from __future__ import annotations
 
 import contextlib

@@ -1,12 +1,22 @@
 """``harness run``: run a suite's planned cases through pytest and the harness plugin.
 
-The suite is inventoried in-process (collect only), narrowed by
-``--changed-from``, planned and cut to the requested shard, then run in a
+The suite is inventoried in-process (collect only), planned and cut to the
+requested shard, narrowed by ``--changed-from``, then run in a
 pytest subprocess per distinct entry ``timeout_s`` (passed as
 ``--harness-timeout``), with xdist workers sized to the cards (accelerator
 suites) or process slots (cpu) this host can lease, and ``-p
 harness.suites.selection`` so that exactly the planned cases run. Accelerator suites
 pass ``--harness-require DEVICE``: a runner without cards goes red, not green.
+
+The suite is planned as ``harness matrix`` plans it: a shard ``I/N`` is cut
+from the whole suite before ``--changed-from`` narrows it. pytest gets the
+project's configuration file by name (``-c``; a space-separated option value
+after ``--`` cannot make it look elsewhere) and, with plugin autoloading off,
+the plugins the harness needs (``-p``). Workers are sized so the run's own
+cases never wait for each other's leases. SIGINT / SIGTERM / SIGHUP (or
+Ctrl-C to the group) stop the whole run: pytest (in its own process group)
+is interrupted, then its tree is terminated and killed; the partial summary
+is written and the exit code is 128 + the signal number.
 
 Outputs, in ``--out`` (default ``out/harness/<suite>[-<i>of<n>]``):
 ``junit.xml``, ``summary.md``, ``summary.json``, ``plan.json``; the summary
