@@ -1,8 +1,10 @@
 """Finding and killing every process a rank started.
 
-Each rank calls ``setsid()`` first thing, so it leads its own session: its
-descendants are found through the live process tree *and* through the session
-id, which also catches orphans whose parent (the rank) has already exited.
+The process the launcher starts for a rank (its supervisor, see
+``harness.launcher.supervisor``) calls ``setsid()`` first thing and is a child
+subreaper, so everything the rank starts stays in its tree; descendants are
+found through the live process tree *and* through the session id, which also
+catches orphans where subreapers are unsupported.
 """
 
 from __future__ import annotations

@@ -50,7 +50,7 @@ from harness.launcher.target import FunctionRef
 HEALTH_TIMEOUT_S = 5.0
 STACK_DUMP_SIGNAL = getattr(signal, "SIGUSR1", None)
 _HARNESS_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
-_keep: dict[str, object] = {}
+_keep: dict[str, Any] = {}
 
 
 @dataclass(frozen=True)
@@ -253,7 +253,7 @@ def _enter_case(ctx: RankContext) -> None:
         faulthandler.register(STACK_DUMP_SIGNAL, file=_keep["stacks"], all_threads=True)
         if previous is not None:
             with contextlib.suppress(Exception):
-                previous.close()  # type: ignore[attr-defined]
+                previous.close()
     os.environ.update(ctx.env)
 
 
