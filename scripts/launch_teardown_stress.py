@@ -1,7 +1,7 @@
 """Launch 2-rank Gloo cases back to back and count the ones that fail.
 
 A rank that returned its result must exit cleanly every time (see
-``harness/rank.py``: it leaves with ``os._exit`` instead of racing interpreter
+``harness/launcher/rank.py``: it leaves with ``os._exit`` instead of racing interpreter
 finalisation against Gloo's threads). This is the check for that, too slow
 for the test suite::
 
