@@ -50,6 +50,7 @@ from harness.suites.manifest import (
     glob_regex,
     has_glob,
     load_suites,
+    marker_expression,
     rel,
 )
 
@@ -442,8 +443,6 @@ class EntryIndex:
         self.globs: dict[str | None, list[tuple[re.Pattern[str], int]]] = {}
         self.markers: dict[int, Any] = {}
         self.id_files: set[str] = set()
-        from _pytest.mark.expression import Expression  # pytest's own -m language
-
         for i, e in enumerate(self.entries):
             for sel in e.paths:
                 if "::" in sel:
@@ -454,7 +453,7 @@ class EntryIndex:
                 else:
                     self.by_path.setdefault(sel.rstrip("/") or ".", []).append(i)
             if e.markers is not None:
-                self.markers[i] = Expression.compile(e.markers)
+                self.markers[i] = marker_expression(e.markers)
 
     def _selecting(self, case: CollectedCase) -> dict[int, bool]:
         """Entry position -> whether it names the case by node id, for every entry a selector of which matches."""

@@ -337,11 +337,28 @@ def load_schema(root: Path | None = None) -> dict[str, Any]:
         raise ManifestError([Problem("schema", str(path), "", "schema missing from the harness package")]) from e
 
 
-def _validator(root: Path, definition: str) -> jsonschema.protocols.Validator:
-    schema = load_schema(root)
+def _inline_refs(node: Any, defs: dict[str, Any]) -> Any:
+    """``node`` with every local ``{"$ref": "#/$defs/x"}`` replaced by the definition
+    itself (kept beside any sibling keywords through ``allOf``). The schema has
+    no recursive definitions; resolving references once rather than at every
+    value validates a 10,000-entry manifest in about half the time."""
+    if isinstance(node, list):
+        return [_inline_refs(x, defs) for x in node]
+    if not isinstance(node, dict):
+        return node
+    out = {k: _inline_refs(v, defs) for k, v in node.items() if k != "$ref"}
+    if "$ref" not in node:
+        return out
+    target = _inline_refs(defs[node["$ref"].removeprefix("#/$defs/")], defs)
+    return {**out, "allOf": [target]} if out else target
+
+
+@functools.lru_cache(maxsize=8)
+def _validator(definition: str) -> jsonschema.protocols.Validator:
+    schema = load_schema()
     # Validate against one definition so that errors point into it rather
     # than at the root's if/then/else dispatch.
-    sub = {"$defs": schema["$defs"], "$ref": f"#/$defs/{definition}"}
+    sub = _inline_refs(schema["$defs"][definition], schema["$defs"])
     cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
     return cls(sub)
 
@@ -373,7 +390,7 @@ def validate(doc: Any, root: Path, name: str, definition: str = "manifest") -> l
     # One problem per bad value: "-inf is less than the minimum" would only repeat it.
     found += [
         (list(e.absolute_path), e.message)
-        for e in _validator(root, definition).iter_errors(doc)
+        for e in _validator(definition).iter_errors(doc)
         if list(e.absolute_path) not in bad_numbers
     ]
     found.sort(key=lambda f: list(map(str, f[0])))
@@ -383,12 +400,19 @@ def validate(doc: Any, root: Path, name: str, definition: str = "manifest") -> l
 # --------------------------------------------------------------------------- loading
 
 
+# Unbounded, like glob_regex: one entry per distinct expression in the manifests.
+@functools.cache
+def marker_expression(expr: str) -> Any:
+    """pytest's own compiled ``-m`` expression for ``expr`` (raises its ``ParseError``)."""
+    from _pytest.mark.expression import Expression  # pytest's own -m language
+
+    return Expression.compile(expr)
+
+
 def _compile_markers(expr: str) -> str | None:
     """Why the ``-m`` expression does not parse, or ``None``."""
-    from _pytest.mark.expression import Expression  # pytest's own -m parser
-
     try:
-        Expression.compile(expr)
+        marker_expression(expr)
     except Exception as e:  # ParseError: keep the message, whatever the class
         return f"bad -m expression {expr!r}: {e}"
     return None
