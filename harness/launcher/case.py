@@ -1,10 +1,11 @@
 """One case lifecycle: lease, run on ranks, release; deadline, outcome and report written once.
 
-``run_case(task, plan)`` is the one function the pytest plugin and
-``harness.launch`` call. It picks a *rank strategy* -- ``FreshRanks`` (spawn
-the case's ranks, stop them after) or the kept pool (``harness.launcher.pool``)
--- and the strategy leases what the case needs, runs it and releases. Both
-strategies run a case through the same phases of ``CaseRun``:
+``harness.launcher.launch.run_case(task, plan)`` is the one function the
+pytest plugin and ``harness.launch`` call. It picks a *rank strategy* (a
+``RankStrategy``): ``FreshRanks`` here (spawn the case's ranks, stop them
+after) or the kept pool (``harness.launcher.pool``); the strategy leases what
+the case needs, runs it and releases. Both strategies run a case through the
+same phases of ``CaseRun``:
 
 * ``rank_context``: what each rank is told (environment, card, files);
 * ``supervise``: wait until every rank reported or exited, the deadline
@@ -151,18 +152,6 @@ class RankStrategy(Protocol):
     """
 
     def run(self, task: RankTask, plan: CasePlan) -> CaseOutcome: ...
-
-
-def run_case(task: RankTask, plan: CasePlan) -> CaseOutcome:
-    """Run ``task`` as ``plan`` says: on the kept pool when ``plan.reuse`` (and
-    this is the main thread, which outlives the pool), else on fresh ranks."""
-    from harness.launcher.pool import keeper
-
-    # Pools are kept by the main thread: Linux kills ranks whose spawning thread ends.
-    kept = (plan.reuse and plan.cards is None
-            and threading.current_thread() is threading.main_thread())
-    strategy: RankStrategy = keeper if kept else FRESH
-    return strategy.run(task, plan)
 
 
 def conclude(result: CaseOutcome, *, fail: Callable[[str], NoReturn],

@@ -1,29 +1,34 @@
-"""``harness.launch``: start a case's ranks from code.
+"""Running a case: ``run_case`` (for the plugin and ``harness.launch``) and ``harness.launch``.
 
+``run_case(task, plan)`` is the one case lifecycle: it picks the rank
+strategy (kept pool or fresh ranks), which leases, runs and releases
+(``harness.launcher.case``, ``harness.launcher.pool``).
 ``launch(fn, spec, *args)`` is the public entry for code that starts ranks
-itself; it runs through the one case lifecycle (``harness.launcher.case``):
-it leases what it starts unless it runs inside a case that already holds a
-lease (then it may not start more ranks than that case declared).
+itself; it leases what it starts unless it runs inside a case that already
+holds a lease (then it may not start more ranks than that case declared).
 """
 
 from __future__ import annotations
 
 import os
 import sys
+import threading
 from collections.abc import Callable
 from typing import Any, NoReturn
 
 from harness.devices import Card
 from harness.launcher.case import (
+    FRESH,
     CasePlan,
     EnclosingCase,
+    RankStrategy,
     choose_deadline,
     conclude,
     missing_cards,
     pickle_args,
-    run_case,
 )
 from harness.launcher.outcome import CaseOutcome
+from harness.launcher.pool import keeper
 from harness.launcher.rank import RankTask
 from harness.launcher.settings import current
 from harness.launcher.target import FunctionRef
@@ -40,6 +45,16 @@ class LaunchError(Exception):
 
 class LaunchBudgetError(LaunchError, ValueError):
     """``harness.launch`` asked for more ranks or cards than the enclosing case declared."""
+
+
+def run_case(task: RankTask, plan: CasePlan) -> CaseOutcome:
+    """Run ``task`` as ``plan`` says: on the kept pool when ``plan.reuse`` (and
+    this is the main thread, which outlives the pool), else on fresh ranks."""
+    # Pools are kept by the main thread: Linux kills ranks whose spawning thread ends.
+    kept = (plan.reuse and plan.cards is None
+            and threading.current_thread() is threading.main_thread())
+    strategy: RankStrategy = keeper if kept else FRESH
+    return strategy.run(task, plan)
 
 
 def launch(fn: Callable[..., Any], spec: LaunchSpec, *args: Any) -> list[Any]:

@@ -36,14 +36,8 @@ from harness.devices import (
     runtime_available,
     set_device,
 )
-from harness.launcher.case import (
-    CasePlan,
-    choose_deadline,
-    conclude,
-    missing_cards,
-    pickle_args,
-    run_case,
-)
+from harness.launcher.case import CasePlan, choose_deadline, conclude, missing_cards, pickle_args
+from harness.launcher.launch import run_case
 from harness.launcher.lease import (
     Lease,
     LeaseError,
