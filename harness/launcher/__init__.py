@@ -1,10 +1,10 @@
 """The launch side: leasing cards and process slots, starting and supervising rank processes.
 
 Given a :class:`harness.LaunchSpec`, this room runs one case lifecycle
-(``case``: ``run_case`` leases, runs and releases; the deadline, the outcome
-mapping and the report are decided there once) with one of two rank
-strategies: fresh ranks per case (``case.FreshRanks``) or kept ranks
-(``pool``), both made of the same phases. ``lease`` holds the host-wide
+(``launch.run_case`` leases, runs and releases, for the plugin and for
+``harness.launch`` alike; ``case`` decides the deadline, maps the outcome and
+holds the phases a run goes through) with one of two rank strategies: fresh
+ranks per case (``case.FreshRanks``) or kept ranks (``pool``). ``lease`` holds the host-wide
 card and process-slot locks; ``rank`` is the code inside a rank and its typed
 messages; ``supervisor`` keeps every process a case starts below the rank's
 supervisor, so none escapes; ``reset`` puts kept ranks back between cases;
