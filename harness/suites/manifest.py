@@ -436,6 +436,64 @@ def _runners(doc: dict[str, Any]) -> tuple[Runner, ...]:
     return tuple(sorted(out, key=lambda r: r.cards))
 
 
+def _included(
+    raw: dict[str, Any], name: str, ptr: str, root: Path, chain: tuple[str, ...], problems: list[Problem],
+    included: list[str],
+) -> list[Entry]:
+    """The entries an ``{"include": FILE}`` entry splices in (none, with problems, when it cannot)."""
+    target_rel = raw["include"]
+    why = _outside(root, target_rel)
+    if why:
+        problems.append(Problem("path", name, ptr + "/include", f"{target_rel!r} {why}"))
+        return []
+    target = root / posixpath.normpath(target_rel)
+    tname = rel(target, root)
+    if tname in chain:
+        cycle = " -> ".join((*chain, tname))
+        problems.append(Problem("include", name, ptr + "/include", f"include cycle: {cycle}"))
+        return []
+    if not target.is_file():
+        problems.append(Problem("include", name, ptr + "/include", f"{target_rel!r} does not exist"))
+        return []
+    try:
+        doc = read_json(target, root)
+    except ManifestError as e:
+        problems.extend(e.problems)
+        return []
+    kind = "manifest" if isinstance(doc, dict) and "suite" in doc else "caseList"
+    found = validate(doc, root, tname, kind)
+    if found:
+        problems.extend(found)
+        return []
+    included.append(tname)
+    return _expand(doc["entries"], target, root, (*chain, tname), problems, included)
+
+
+def _case_entry(raw: dict[str, Any], name: str, ptr: str, root: Path, problems: list[Problem]) -> Entry:
+    """A case entry, with a problem for each path that leaves the repository and a bad ``markers``."""
+    for j, p in enumerate(raw["paths"]):
+        why = _outside(root, p.split("::", 1)[0])
+        if why:
+            problems.append(Problem("path", name, f"{ptr}/paths/{j}", f"{p!r} {why}"))
+    if "markers" in raw and (why := _compile_markers(raw["markers"])):
+        problems.append(Problem("schema", name, f"{ptr}/markers", why))
+    deps = raw.get("depends_on")
+    for j, g in enumerate(deps or ()):
+        why = _outside(root, g)
+        if why:
+            problems.append(Problem("path", name, f"{ptr}/depends_on/{j}", f"{g!r} {why}"))
+    return Entry(
+        id=raw["id"],
+        paths=tuple(p.rstrip("/") or "." for p in raw["paths"]),
+        markers=raw.get("markers"),
+        timeout_s=raw.get("timeout_s"),
+        estimated_s=float(raw.get("estimated_s", DEFAULT_ESTIMATED_S)),
+        depends_on=tuple(deps) if deps is not None else None,
+        source=name,
+        pointer=ptr,
+    )
+
+
 def _expand(
     entries: list[Any],
     file: Path,
@@ -444,61 +502,15 @@ def _expand(
     problems: list[Problem],
     included: list[str],
 ) -> list[Entry]:
+    """The entries of ``file`` in order, includes spliced in (``chain``: the files including it)."""
     name = rel(file, root)
     out: list[Entry] = []
     for i, raw in enumerate(entries):
         ptr = f"/entries/{i}"
         if "include" in raw:
-            target_rel = raw["include"]
-            why = _outside(root, target_rel)
-            if why:
-                problems.append(Problem("path", name, ptr + "/include", f"{target_rel!r} {why}"))
-                continue
-            target = root / posixpath.normpath(target_rel)
-            tname = rel(target, root)
-            if tname in chain:
-                cycle = " -> ".join((*chain, tname))
-                problems.append(Problem("include", name, ptr + "/include", f"include cycle: {cycle}"))
-                continue
-            if not target.is_file():
-                problems.append(Problem("include", name, ptr + "/include", f"{target_rel!r} does not exist"))
-                continue
-            try:
-                doc = read_json(target, root)
-            except ManifestError as e:
-                problems.extend(e.problems)
-                continue
-            kind = "manifest" if isinstance(doc, dict) and "suite" in doc else "caseList"
-            found = validate(doc, root, tname, kind)
-            if found:
-                problems.extend(found)
-                continue
-            included.append(tname)
-            out.extend(_expand(doc["entries"], target, root, (*chain, tname), problems, included))
-            continue
-        for j, p in enumerate(raw["paths"]):
-            why = _outside(root, p.split("::", 1)[0])
-            if why:
-                problems.append(Problem("path", name, f"{ptr}/paths/{j}", f"{p!r} {why}"))
-        if "markers" in raw and (why := _compile_markers(raw["markers"])):
-            problems.append(Problem("schema", name, f"{ptr}/markers", why))
-        deps = raw.get("depends_on")
-        for j, g in enumerate(deps or ()):
-            why = _outside(root, g)
-            if why:
-                problems.append(Problem("path", name, f"{ptr}/depends_on/{j}", f"{g!r} {why}"))
-        out.append(
-            Entry(
-                id=raw["id"],
-                paths=tuple(p.rstrip("/") or "." for p in raw["paths"]),
-                markers=raw.get("markers"),
-                timeout_s=raw.get("timeout_s"),
-                estimated_s=float(raw.get("estimated_s", DEFAULT_ESTIMATED_S)),
-                depends_on=tuple(deps) if deps is not None else None,
-                source=name,
-                pointer=ptr,
-            )
-        )
+            out.extend(_included(raw, name, ptr, root, chain, problems, included))
+        else:
+            out.append(_case_entry(raw, name, ptr, root, problems))
     return out
 
 
