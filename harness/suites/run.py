@@ -34,6 +34,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -225,8 +226,9 @@ class _Stop:
         self._previous: dict[int, Any] = {}
 
     def __enter__(self) -> _Stop:
-        for s in STOP_SIGNALS:
-            self._previous[s] = signal.signal(s, self._handle)
+        if threading.current_thread() is threading.main_thread():  # only there can Python handle signals
+            for s in STOP_SIGNALS:
+                self._previous[s] = signal.signal(s, self._handle)
         return self
 
     def __exit__(self, *exc: object) -> None:
