@@ -302,6 +302,9 @@ def _run_pytest(cmd: list[str], root: Path, limit_s: float, stop: _Stop) -> int:
     group = {"process_group": 0} if sys.version_info >= (3, 11) else {"preexec_fn": os.setpgrp}
     stop.child = subprocess.Popen(cmd, cwd=root, **group)  # type: ignore[call-overload]
     proc = stop.child
+    if stop.signum is not None:  # the signal came between the groups' check and the start
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGINT)
     try:
         deadline = time.monotonic() + limit_s
         while True:
