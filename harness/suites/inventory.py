@@ -200,7 +200,9 @@ class _Recorder:
 
     def pytest_collectreport(self, report: Any) -> None:
         if report.failed:
-            self.problems.append(_collection_error(report, self.root))
+            problem = _collection_error(report, self.root)
+            if problem not in self.problems:  # a failing conftest is reported for each node it spoils
+                self.problems.append(problem)
 
     def pytest_collection_finish(self, session: Any) -> None:
         self.scope = [rel(Path(a.split("::", 1)[0]), self.root) for a in session.config.args]
