@@ -83,3 +83,36 @@ def test_launch_names_an_argument_it_cannot_send():
 def test_process_group_timeout_is_below_the_case_deadline(deadline):
     assert 0 < pg_timeout_for(deadline) < deadline or deadline <= 0.1
     assert pg_timeout_for(deadline) >= deadline - 30
+
+
+def test_rank_output_is_kept_to_its_head_and_tail_on_disk(tmp_path):
+    from harness.launcher.case import (
+        OUTPUT_HEAD_BYTES,
+        OUTPUT_TAIL_BYTES,
+        bound_output,
+        read_bounded,
+    )
+
+    path = tmp_path / "rank-0.log"
+    lines = [f"line {i:07d}\n" for i in range(400_000)]  # 5.2 MB
+    with open(path, "a") as f:  # appended to, as a rank writes it
+        f.writelines(lines[:200_000])
+        f.flush()
+        bound_output(str(path))
+        f.writelines(lines[200_000:])
+    bound_output(str(path))
+    size = os.path.getsize(path)
+    assert size == sum(map(len, lines))
+    # The dropped middle takes no space (the file system punches holes here).
+    assert os.stat(path).st_blocks * 512 < OUTPUT_HEAD_BYTES + OUTPUT_TAIL_BYTES + 64 * 1024
+    text = read_bounded(str(path))
+    head, _, rest = text.partition("\n[harness: ")
+    note, _, tail = rest.partition("]\n")
+    assert "".join(lines).startswith(head)
+    assert "".join(lines).endswith(tail)
+    assert note.startswith(f"{size - OUTPUT_HEAD_BYTES - OUTPUT_TAIL_BYTES} bytes of this rank's "
+                           "output dropped")
+    assert len(text) < OUTPUT_HEAD_BYTES + OUTPUT_TAIL_BYTES + 200
+    short = tmp_path / "short.log"
+    short.write_text("all of it\n")
+    assert read_bounded(str(short)) == "all of it\n"
