@@ -30,11 +30,9 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import glob
 import importlib.util
 import io
 import os
-import posixpath
 import re
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -369,6 +367,38 @@ def _under(path: str, roots: set[str]) -> bool:
     return any("/".join(parts[:k]) in roots for k in range(1, len(parts)))
 
 
+def _glob_all(root: Path, patterns: Iterable[str]) -> set[str]:
+    """The ``.py`` files and directories under ``root`` that any of ``patterns`` matches
+    (as entries match: :func:`harness.suites.manifest.glob_regex`), hidden ones aside.
+
+    One walk of each distinct literal directory prefix serves every pattern,
+    each path tried only against the patterns holding one of its segments:
+    expanding the patterns one by one costs the size of the tree per pattern.
+    """
+    by_segment: dict[str | None, list[re.Pattern[str]]] = {}
+    tops: set[str] = set()
+    for pattern in patterns:
+        by_segment.setdefault(_literal_segment(pattern), []).append(glob_regex(pattern))
+        parts = pattern.split("/")
+        tops.add("/".join(parts[: next(i for i, s in enumerate(parts) if has_glob(s))]) or ".")
+    walked: set[str] = set()
+    found: set[str] = set()
+    for top in sorted(tops, key=lambda p: (p.count("/"), p)):
+        if _under(top, walked) or not (root / top).is_dir():
+            continue  # walked from a directory above, or nothing there
+        walked.add(top)
+        for dirpath, dirnames, filenames in os.walk(root / top):
+            dirnames[:] = [d for d in dirnames if not d.startswith(".")]
+            base = rel(Path(dirpath), root)
+            names = [*dirnames, *(f for f in filenames if f.endswith(".py") and not f.startswith("."))]
+            for name in names:
+                path = name if base == "." else f"{base}/{name}"
+                segments = {None, *path.split("/")}
+                if any(rx.match(path) for s in segments for rx in by_segment.get(s, ())):
+                    found.add(path)
+    return found
+
+
 def _entry_targets(root: Path, manifests: Iterable[Manifest]) -> list[str]:
     """Minimal collection arguments covering every entry path of ``manifests``
     (each glob expanded once, covered paths dropped in one pass)."""
@@ -382,10 +412,7 @@ def _entry_targets(root: Path, manifests: Iterable[Manifest]) -> list[str]:
                     patterns.add(file_part)
                 elif os.path.lexists(root / file_part):
                     paths.add(file_part)
-    for pattern in patterns:
-        for hit in glob.iglob(pattern, root_dir=root, recursive=True):
-            if hit.endswith(".py") or (root / hit).is_dir():
-                paths.add(posixpath.normpath(hit))
+    paths.update(_glob_all(root, patterns))
     kept: set[str] = set()
     for p in sorted(paths, key=lambda p: (p.count("/"), p)):
         if not _under(p, kept):

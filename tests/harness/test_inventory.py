@@ -370,3 +370,20 @@ def test_collection_error_keeps_file_and_line(pytester, source, where, message):
     (p,) = only(inv, "collection-error")
     assert (p.file, p.where, p.message) == ("tests/test_broken.py", where, message)
     assert str(p) == f"tests/test_broken.py {where}: [collection-error] {message}"
+
+
+def test_glob_entries_collect_what_they_match_for_a_run(pytester):
+    # Without the ownership check (what `harness run` does) only entry paths are
+    # collected: each glob is expanded, in one walk, to the files it matches.
+    tests = {"tests/a/test_one.py": "def test_1():\n    pass\n", "tests/b/c/test_two.py": "def test_2():\n    pass\n",
+             "tests/b/c/check_three.py": "def test_3():\n    pass\n", "tests/.hidden/test_no.py": "def test_x():\n    pass\n"}
+    root = project(pytester, tests, cpu_entries=[
+        {"id": "one", "paths": ["tests/*/test_*.py"]}, {"id": "deep", "paths": ["tests/**/c/*_*.py"]},
+    ])
+    inv = build_inventory(root, ["cpu"], check_ownership=False)
+    assert inv.problems == []
+    assert {c.nodeid: o for c in inv.cases for o in inv.owners[c.nodeid]} == {
+        "tests/a/test_one.py::test_1": ("cpu", "one"),
+        "tests/b/c/test_two.py::test_2": ("cpu", "deep"),
+        "tests/b/c/check_three.py::test_3": ("cpu", "deep"),
+    }
