@@ -11,18 +11,18 @@ ours under ``capture()``. The default run covers three configurations:
     tokens  N=32768 H=256 V=32000   1 round   (many tokens)
 
 Every measurement is one fwd+bwd step in a fresh subprocess (after a
-warm-up step on a tiny problem, and one at full size in the ``base``
-configuration), which reports the step's time
-and its extra peak RSS (the kernel's high-water mark, reset just before the
-step, above the RSS before it; inputs and their ``.grad`` already exist).
-Rounds visit the methods round-robin, so machine noise hits every method
-alike; the table shows the best time and the median extra peak of the
-rounds. The capture overhead comes from alternating ``ours`` /
-``ours_capture`` steps in one process (15 pairs in ``base``, 1 in the
-others; best of each), not from the separate processes. Naive full logits is skipped where it would need more than
-``--naive-limit-gib`` (it needs ~3 x N x V x 4 bytes); its
-extra peak is then the lower bound N x V x 4 (the logits alone), so the
-"ours / naive" ratio printed is an upper bound (marked <=).
+warm-up step on a tiny problem, and one at full size in ``base``), which
+reports the step's time and its extra peak RSS (the kernel's high-water
+mark, reset just before the step, above the RSS before it; inputs and their
+``.grad`` already exist). Rounds visit the methods round-robin, so machine
+noise hits every method alike; the table shows the best time and the median
+extra peak of the rounds. The capture overhead comes from alternating
+``ours`` / ``ours_capture`` steps in one process (15 pairs in ``base``, 1 in
+the others; best of each), not from the separate processes. Naive full
+logits is skipped where it would need more than ``--naive-limit-gib`` (it
+needs ~3 x N x V x 4 bytes); its extra peak is then the lower bound
+N x V x 4 (the logits alone), so the "ours / naive" ratio printed is an
+upper bound (marked <=).
 
     python scripts/bench/chunk_loss.py                        # all three configurations
     python scripts/bench/chunk_loss.py --configs base         # one of them
