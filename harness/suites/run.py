@@ -220,6 +220,8 @@ class _Stop:
     def __init__(self) -> None:
         self.signum: int | None = None
         self.child: subprocess.Popen[bytes] | None = None
+        #: Exists once the running pytest's session has started (``selection.started_marker``).
+        self.started: Path | None = None
         self.tree: dict[int, psutil.Process] = {}
         #: While planning (the in-process inventory) a signal raises; later it is only recorded.
         self.planning = True
@@ -246,8 +248,17 @@ class _Stop:
         if again:
             _stop_tree(list(self.tree.values()))
             return
+        self.interrupt()
+
+    def interrupt(self) -> None:
+        """Stop the running pytest: SIGINT to its group once its session has started
+        (it stops its workers and ranks and reports); before that nothing ran and
+        there is nothing to report, and an interrupt would only print a traceback
+        from its start-up: SIGKILL to its group."""
+        assert self.child is not None
+        started = self.started is not None and self.started.exists()
         with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.child.pid, signal.SIGINT)
+            os.killpg(self.child.pid, signal.SIGINT if started else signal.SIGKILL)
 
     def snapshot(self) -> None:
         """Remember pytest's current process tree (workers, ranks, what tests started):
@@ -290,7 +301,7 @@ def _stop_tree(procs: Sequence[psutil.Process]) -> None:
     psutil.wait_procs(alive, timeout=KILL_AFTER_S)
 
 
-def _run_pytest(cmd: list[str], root: Path, limit_s: float, stop: _Stop) -> int:
+def _run_pytest(cmd: list[str], root: Path, limit_s: float, stop: _Stop, started: Path) -> int:
     """Run one pytest subprocess in its own process group, output streaming through.
 
     Past ``limit_s`` (the runner's job timeout) its whole process tree is
@@ -300,11 +311,12 @@ def _run_pytest(cmd: list[str], root: Path, limit_s: float, stop: _Stop) -> int:
     """
     # Its own process group: a Ctrl-C to ours reaches it once, through _Stop.
     group = {"process_group": 0} if sys.version_info >= (3, 11) else {"preexec_fn": os.setpgrp}
+    started.unlink(missing_ok=True)
+    stop.started = started
     stop.child = subprocess.Popen(cmd, cwd=root, **group)  # type: ignore[call-overload]
     proc = stop.child
     if stop.signum is not None:  # the signal came between the groups' check and the start
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGINT)
+        stop.interrupt()
     try:
         deadline = time.monotonic() + limit_s
         while True:
@@ -422,9 +434,14 @@ def _user_xdist(pytest_args: Sequence[str]) -> bool:
     return bool(option_values(pytest_args, _XDIST)) or "no:xdist" in pytest_args
 
 
+def _select_file(run: _Run, k: int) -> Path:
+    """The planned cases of timeout group ``k`` (read by ``harness.suites.selection``)."""
+    return run.out / f"select-{k}.json"
+
+
 def _pytest_command(run: _Run, k: int, timeout: float | None, group: Sequence[Pair], workers: int) -> list[str]:
     """The pytest command line for timeout group ``k``; writes its selection file."""
-    select_file = run.out / f"select-{k}.json"
+    select_file = _select_file(run, k)
     deadline = timeout or PLAIN_CASE_DEADLINE_S
     select_file.write_text(
         json.dumps({"root": str(run.root), "cases": {c.nodeid: deadline for c, _ in group}}), encoding="utf-8"
@@ -490,7 +507,7 @@ def _execute(run: _Run, stop: _Stop) -> tuple[list[int], list[Path]]:
         if len(groups) > 1:
             _print(f"group {k}/{len(groups)}: {len(group)} case(s), timeout {timeout or 'default'}, "
                    f"{workers} worker(s)")
-        codes.append(_run_pytest(cmd, run.root, limit_s, stop))
+        codes.append(_run_pytest(cmd, run.root, limit_s, stop, selection.started_marker(_select_file(run, k))))
         junits.append(run.out / f"junit-{k}.xml")
     return codes, junits
 

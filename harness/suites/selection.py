@@ -65,6 +65,18 @@ def _case_id(item: pytest.Item, root: Path) -> str:
     return case_id(item, root)
 
 
+def started_marker(select_file: Path) -> Path:
+    """The file the controller writes next to ``select_file`` once its session has
+    started: from then on an interrupt is reported by pytest; before, nothing ran."""
+    return select_file.with_name(select_file.name + ".started")
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    path = session.config.getoption("harness_select")
+    if path and not hasattr(session.config, "workerinput"):  # the controller only
+        started_marker(Path(path)).touch()
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     sel = _load(config)
     if sel is None:

@@ -104,3 +104,43 @@ def test_signal_stops_the_whole_run(pytester, tmp_path_factory, how, signum, cod
     assert {c["nodeid"].split("::")[1] for c in summary["cases"]} == {"test_plain_waits", "test_ranks_wait"}
     name = signal.Signals(signum).name
     assert f"**FAILED**: interrupted by {name}" in (root / "out/summary.md").read_text()
+
+
+SLOW_START_CONFTEST = """
+    import os
+    import sys
+    import time
+    from pathlib import Path
+
+    # Only in the pytest `harness run` starts (not in the in-process inventory):
+    # hold it in its start-up, before its session begins.
+    if any(a.startswith("--harness-select") for a in sys.argv):
+        Path(os.environ["PIDS_DIR"], "pytest").write_text(str(os.getpid()))
+        time.sleep(600)
+"""
+
+
+def test_signal_during_pytest_startup_stops_it_without_a_traceback(pytester, tmp_path_factory):
+    # A SIGINT passed on while pytest was still starting printed its KeyboardInterrupt
+    # traceback (nothing had run, there was nothing for it to report).
+    root = make_project(pytester.path, {"tests/plain/test_p.py": "def test_p():\n    pass\n",
+                                        "tests/conftest.py": SLOW_START_CONFTEST},
+                        {"cpu": manifest("cpu", "cpu", [{"id": "plain", "paths": ["tests/plain"]}])})
+    pids_dir = tmp_path_factory.mktemp("pids")
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTEST_ADDOPTS", "GITHUB_STEP_SUMMARY")}
+    env["PIDS_DIR"] = str(pids_dir)
+    proc = subprocess.Popen([sys.executable, "-m", "harness", "run", "cpu", "--out", "out"], cwd=root, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        wait_for(lambda: (pids_dir / "pytest").exists(), 240, "pytest to start")
+        pid = int((pids_dir / "pytest").read_text())
+        os.kill(proc.pid, signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)  # a bound against a hang, not a timing claim
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 143, out + err
+    assert "Traceback" not in out + err
+    assert not alive(pid)
+    assert "**FAILED**: interrupted by SIGTERM" in (root / "out/summary.md").read_text()
