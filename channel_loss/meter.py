@@ -426,12 +426,13 @@ class ChannelLossMeter:
         labels: torch.Tensor | None = None,
         *,
         shift_labels: torch.Tensor | None = None,
-        chunk_size: int = 1024,
+        chunk_size: int | None = None,
     ) -> None:
         """Report the per-token losses of a model that returns ``logits``; call inside ``micro_batch``.
 
         Targets follow the usual rule (``shift_labels``, else ``labels``
-        shifted by one); the losses are computed detached, chunk by chunk.
+        shifted by one); the losses are computed detached, chunk by chunk
+        (``chunk_size`` None: ``per_token_cross_entropy``'s default for logits).
         """
         step = self._require_step("observe_logits")
         if not step.sampled:

@@ -81,7 +81,7 @@ class ObservingLoss:
     by one with ``ignore_index`` appended). Outside a scope it costs nothing.
     """
 
-    def __init__(self, original, *, chunk_size: int = 1024):
+    def __init__(self, original, *, chunk_size: int | None = None):
         self.original = original
         self.chunk_size = chunk_size
         self.active = True
@@ -184,7 +184,7 @@ class LossPatch:
         self.remove()
 
 
-def patch_model(model, *, chunk_size: int = 1024) -> LossPatch:
+def patch_model(model, *, chunk_size: int | None = None) -> LossPatch:
     """Install an observing loss function on an HF causal LM; return the handle that removes it.
 
     ``model`` is a transformers ``PreTrainedModel`` whose forward computes its
@@ -206,7 +206,7 @@ def patch_model(model, *, chunk_size: int = 1024) -> LossPatch:
       ``config.loss_type``) before patching, not after.
 
     ``chunk_size`` bounds the observer's extra memory to ``chunk_size x vocab``
-    fp32 values. Raises ``TypeError`` for a model without ``loss_function`` and
+    fp32 values (None: ``per_token_cross_entropy``'s default for logits). Raises ``TypeError`` for a model without ``loss_function`` and
     ``RuntimeError`` when the model is already patched.
     """
     original = getattr(model, "loss_function", None)
@@ -282,7 +282,7 @@ def fused_causal_lm_loss(
     shift_labels: torch.Tensor | None = None,
     num_items_in_batch: int | torch.Tensor | None = None,
     ignore_index: int = -100,
-    chunk_size: int = 1024,
+    chunk_size: int | None = None,
     **model_inputs: Any,
 ) -> torch.Tensor:
     """The causal-LM loss of an HF model from its last hidden state, without materialising logits.
@@ -293,7 +293,7 @@ def fused_causal_lm_loss(
     shift_labels=..., num_items_in_batch=..., logits_bias=lm_head.bias)``: the
     same value as ``model(..., labels=labels).loss`` up to float rounding (the
     logits are computed chunk by chunk), with O(chunk_size x vocab) extra
-    memory, and inside a ``capture()`` scope the per-token losses of this very
+    memory (None: ``chunk_cross_entropy``'s default rule), and inside a ``capture()`` scope the per-token losses of this very
     pass are recorded (no second LM-head projection).
 
     Valid for models whose logits are exactly ``lm_head(last_hidden_state)``
