@@ -25,6 +25,11 @@ ROOT = str(Path(__file__).resolve().parent.parent)
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+# The bitwise tests enable deterministic algorithms; on CUDA, cuBLAS then
+# refuses to run unless its workspace is pinned. Set before any CUDA context
+# exists (rank processes inherit it).
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+
 _SLOW_OK = [HealthCheck.too_slow, HealthCheck.data_too_large]
 settings.register_profile("ci", max_examples=60, deadline=None, derandomize=True,
                           database=None, print_blob=True, suppress_health_check=_SLOW_OK)
