@@ -211,9 +211,10 @@ class _Stop:
 
     A signal is recorded and passed on to the running pytest as SIGINT (as a
     terminal's Ctrl-C would be: pytest stops its workers and ranks and writes
-    its reports); with no pytest running it ends the phase in progress (the
-    in-process inventory) with ``KeyboardInterrupt``. A second signal while
-    pytest winds down stops its process tree at once. pytest runs in its own
+    its reports); with no pytest running it is acted on when the phase in
+    progress (the in-process inventory) ends, or at once, with
+    ``KeyboardInterrupt``, on a second signal. A second signal while pytest
+    winds down stops its process tree at once. pytest runs in its own
     process group, so a Ctrl-C to the harness's group reaches it once, through here.
     """
 
@@ -223,7 +224,7 @@ class _Stop:
         #: Exists once the running pytest's session has started (``selection.started_marker``).
         self.started: Path | None = None
         self.tree: dict[int, psutil.Process] = {}
-        #: While planning (the in-process inventory) a signal raises; later it is only recorded.
+        #: While planning (the in-process inventory) a second signal raises.
         self.planning = True
         self._previous: dict[int, Any] = {}
 
@@ -241,9 +242,9 @@ class _Stop:
         again = self.signum is not None
         self.signum = self.signum or signum
         if self.child is None:
-            if self.planning:
-                raise KeyboardInterrupt
-            return
+            if self.planning and again:
+                raise KeyboardInterrupt  # a second signal: stop the inventory now
+            return  # acted on between phases: a raise could land in any import (and be swallowed)
         self.snapshot()
         if again:
             _stop_tree(list(self.tree.values()))
@@ -578,16 +579,20 @@ def run_suite(root: Path, opts: RunOptions) -> int:
     are stopped and reaped, and the summary of what ran is written.
     """
     with _Stop() as stop:
+        run: _Run | None = None
         try:
             run = _plan_run(root.resolve(), opts, time.monotonic())
         except _Refused as e:
-            if str(e):
-                print(e, file=sys.stderr)
-            return EXIT_USAGE
+            if stop.signum is None:
+                if str(e):
+                    print(e, file=sys.stderr)
+                return EXIT_USAGE
         except KeyboardInterrupt:
+            pass
+        stop.planning = False
+        if run is None or stop.signum is not None:
             _print(f"{stop.name}: stopped before any case ran")
             return stop.exit_code
-        stop.planning = False
         _prepare_out(run)
         if not run.cases:
             _print(f"{run.title}: nothing to run")

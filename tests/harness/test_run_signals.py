@@ -144,3 +144,45 @@ def test_signal_during_pytest_startup_stops_it_without_a_traceback(pytester, tmp
     assert "Traceback" not in out + err
     assert not alive(pid)
     assert "**FAILED**: interrupted by SIGTERM" in (root / "out/summary.md").read_text()
+
+
+SWALLOWING_CONFTEST = """
+    import os
+    import sys
+    import time
+    from pathlib import Path
+
+    # Only in the in-process inventory (not in the pytest `harness run` starts):
+    # code that swallows what interrupts it, as some libraries' lazy imports do.
+    if not any(a.startswith("--harness-select") for a in sys.argv):
+        Path(os.environ["PIDS_DIR"], "planning").write_text(str(os.getpid()))
+        try:
+            time.sleep(5)
+        except BaseException:
+            pass
+"""
+
+
+def test_signal_during_planning_is_never_lost(pytester, tmp_path_factory):
+    # A KeyboardInterrupt raised into the in-process inventory could be swallowed
+    # (the run then went on) or leave the interpreter to exit by SIGINT (-2).
+    root = make_project(pytester.path, {"tests/plain/test_p.py": "def test_p():\n    pass\n",
+                                        "tests/conftest.py": SWALLOWING_CONFTEST},
+                        {"cpu": manifest("cpu", "cpu", [{"id": "plain", "paths": ["tests/plain"]}])})
+    pids_dir = tmp_path_factory.mktemp("pids")
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTEST_ADDOPTS", "GITHUB_STEP_SUMMARY")}
+    env["PIDS_DIR"] = str(pids_dir)
+    proc = subprocess.Popen([sys.executable, "-m", "harness", "run", "cpu", "--out", "out"], cwd=root, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        wait_for(lambda: (pids_dir / "planning").exists(), 120, "the inventory to start")
+        os.kill(proc.pid, signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)  # a bound against a hang, not a timing claim
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 143, out + err
+    assert "harness: SIGTERM: stopped before any case ran" in out
+    assert "Traceback" not in out + err
+    assert not (root / "out").exists()  # no pytest was started
