@@ -100,28 +100,24 @@ def test_missing_wheel_folder_is_a_setup_error(tmp_path):
 
 
 def test_phases_out_of_budget_are_cut_and_fail_the_run(tmp_path):
-    """Every phase runs under a limit carved from the budget: a budget too small
-    for the install cuts it (timeout), leaves no time for the rest, and the
-    verdict says so; nothing hangs."""
+    """Every phase runs under a limit carved from the budget: a budget that
+    leaves no phase its minimum runs none of them, the verdict names each, and
+    the run fails without hanging. (A budget that lets a phase start would make
+    the outcome depend on this machine's speed: a tiny phase may finish in it.)"""
     wheels = tmp_path / "wheels"
     wheels.mkdir()
     out = tmp_path / "out"
     done = subprocess.run(
         ["bash", str(SCRIPT), str(out)], capture_output=True, text=True, timeout=120,
-        env=_env(tmp_path, DEVICE_CHECK_DRY="1", DEVICE_WHEELS=str(wheels), DEVICE_CHECK_BUDGET_S="20"),
+        env=_env(tmp_path, DEVICE_CHECK_DRY="1", DEVICE_WHEELS=str(wheels), DEVICE_CHECK_BUDGET_S="10"),
     )
     assert done.returncode == 1, done.stdout[-3000:]
     phases = cuda_qualify.read_phases(out / "phases.tsv")
     assert [p["phase"] for p in phases] == ["install", "inventory", "suite", "claims", "bench"]
-    assert all(p["rc"] == 124 for p in phases), phases
-    assert all(p["limit_s"] <= 20 for p in phases)
+    assert all(p["rc"] == 124 and p["limit_s"] < 5 for p in phases), phases
     reasons = json.loads((out / "device_check.json").read_text())["reasons"]
-    # Each phase either ran and was cut at its limit or found no time left.
-    assert len(reasons) == 8
-    for p, reason in zip(phases, reasons, strict=False):
-        assert reason in (f"phase {p['phase']} timed out after {p['limit_s']:.0f}s",
-                          f"phase {p['phase']} not run: no time left in the budget")
-    assert reasons[5:] == ["suite summary missing", "claims.json missing", "bench.json missing"]
+    assert reasons == [f"phase {p['phase']} not run: no time left in the budget" for p in phases] + [
+        "suite summary missing", "claims.json missing", "bench.json missing"]
     assert (out / "device_check.md").read_text().startswith("# device check: FAILED")
     assert not list(tmp_path.glob("device-check-venv.*"))
 
