@@ -251,6 +251,16 @@ concurrency:
 """
 
 
+# The first steps of a job on a GitHub-hosted runner: the checkout and a pip-cached Python.
+_HOSTED_SETUP = """\
+      - uses: actions/checkout@v4
+      - uses: actions/setup-python@v5
+        with:
+          python-version: "3.11"
+          cache: pip
+"""
+
+
 def _install_lines(root: Path) -> list[str]:
     lines = ["python -m pip install pytest-accel-harness"]
     if (root / "pyproject.toml").exists() or (root / "setup.py").exists():
@@ -281,12 +291,7 @@ jobs:
     # and still writes its summary.
     timeout-minutes: {CPU_RUNNER['timeout_minutes'] + 10}
     steps:
-      - uses: actions/checkout@v4
-      - uses: actions/setup-python@v5
-        with:
-          python-version: "3.11"
-          cache: pip
-      - name: Install
+{_HOSTED_SETUP}      - name: Install
         run: |
           # CPU torch: a plain `torch` requirement would pull a multi-GB CUDA build.
           python -m pip install torch --index-url https://download.pytorch.org/whl/cpu
@@ -328,12 +333,7 @@ jobs:
       matrix: ${{{{ steps.matrix.outputs.matrix }}}}
       trusted: ${{{{ github.event_name != 'pull_request' || github.event.pull_request.head.repo.full_name == github.repository || (github.event.action == 'labeled' && github.event.label.name == '{OPT_IN_LABEL}') }}}}
     steps:
-      - uses: actions/checkout@v4
-      - uses: actions/setup-python@v5
-        with:
-          python-version: "3.11"
-          cache: pip
-      - name: Install (CPU torch is enough to plan)
+{_HOSTED_SETUP}      - name: Install (CPU torch is enough to plan)
         run: |
           python -m pip install torch --index-url https://download.pytorch.org/whl/cpu
 {steps}

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import re
 import xml.etree.ElementTree as ET
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -57,6 +57,16 @@ def _suites(root: ET.Element) -> list[ET.Element]:
     return [root] if root.tag == "testsuite" else list(root.iter("testsuite"))
 
 
+def _readable_suites(paths: Iterable[Path]) -> Iterator[ET.Element]:
+    """Every ``<testsuite>`` of the JUnit files in ``paths``; unreadable or absent files are skipped."""
+    for p in paths:
+        try:
+            root = ET.parse(p).getroot()
+        except (OSError, ET.ParseError):
+            continue
+        yield from _suites(root)
+
+
 def read_junit(paths: Iterable[Path]) -> dict[tuple[str, str], CaseRow]:
     """Outcome per ``(classname, name)`` from JUnit files; unreadable or absent files are skipped.
 
@@ -64,27 +74,22 @@ def read_junit(paths: Iterable[Path]) -> dict[tuple[str, str], CaseRow]:
     failed; otherwise ``skipped`` makes it skipped (xfail included).
     """
     out: dict[tuple[str, str], CaseRow] = {}
-    for p in paths:
-        try:
-            root = ET.parse(p).getroot()
-        except (OSError, ET.ParseError):
-            continue
-        for suite in _suites(root):
-            for tc in suite.iter("testcase"):
-                key = (tc.get("classname", ""), tc.get("name", ""))
-                bad = tc.find("failure") if tc.find("failure") is not None else tc.find("error")
-                skip = tc.find("skipped")
-                if bad is not None:
-                    outcome, msg = "failed", bad.get("message", "")
-                elif skip is not None:
-                    outcome, msg = "skipped", skip.get("message", "")
-                else:
-                    outcome, msg = "passed", ""
-                prev = out.get(key)
-                seconds = float(tc.get("time", 0) or 0) + (prev.seconds if prev else 0.0)
-                if prev is not None and prev.outcome == "failed":
-                    outcome, msg = prev.outcome, prev.message
-                out[key] = CaseRow("", outcome, seconds, (msg or "").splitlines()[0][:200] if msg else "")
+    for suite in _readable_suites(paths):
+        for tc in suite.iter("testcase"):
+            key = (tc.get("classname", ""), tc.get("name", ""))
+            bad = tc.find("failure") if tc.find("failure") is not None else tc.find("error")
+            skip = tc.find("skipped")
+            if bad is not None:
+                outcome, msg = "failed", bad.get("message", "")
+            elif skip is not None:
+                outcome, msg = "skipped", skip.get("message", "")
+            else:
+                outcome, msg = "passed", ""
+            prev = out.get(key)
+            seconds = float(tc.get("time", 0) or 0) + (prev.seconds if prev else 0.0)
+            if prev is not None and prev.outcome == "failed":
+                outcome, msg = prev.outcome, prev.message
+            out[key] = CaseRow("", outcome, seconds, (msg or "").splitlines()[0][:200] if msg else "")
     return out
 
 
@@ -101,15 +106,10 @@ def merge_junit(paths: Sequence[Path], target: Path) -> None:
     """Write one ``<testsuites>`` file holding every ``<testsuite>`` of ``paths`` (unreadable ones skipped)."""
     merged = ET.Element("testsuites")
     totals = dict.fromkeys(("tests", "failures", "errors", "skipped"), 0)
-    for p in paths:
-        try:
-            root = ET.parse(p).getroot()
-        except (OSError, ET.ParseError):
-            continue
-        for s in _suites(root):
-            merged.append(s)
-            for k in totals:
-                totals[k] += int(s.get(k, 0) or 0)
+    for s in _readable_suites(paths):
+        merged.append(s)
+        for k in totals:
+            totals[k] += int(s.get(k, 0) or 0)
     for k, v in totals.items():
         merged.set(k, str(v))
     target.parent.mkdir(parents=True, exist_ok=True)
