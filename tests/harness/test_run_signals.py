@@ -59,6 +59,18 @@ def alive(pid: int) -> bool:
         return False
 
 
+def start_run(root, pids_dir, *args: str) -> subprocess.Popen:
+    """``harness run cpu --out out`` in ``root``, reporting pids under ``pids_dir``.
+
+    Its own session and process group, as a shell job would be: "the group" is the harness's.
+    """
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTEST_ADDOPTS", "GITHUB_STEP_SUMMARY")}
+    env["PIDS_DIR"] = str(pids_dir)
+    return subprocess.Popen([sys.executable, "-m", "harness", "run", "cpu", "--out", "out", *args],
+                            cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+
+
 def wait_for(predicate, timeout: float, what: str) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
@@ -77,12 +89,7 @@ def test_signal_stops_the_whole_run(pytester, tmp_path_factory, how, signum, cod
                         {"cpu": manifest("cpu", "cpu", [{"id": "plain", "paths": ["tests/plain"]},
                                                        {"id": "dist", "paths": ["tests/dist"]}])})
     pids_dir = tmp_path_factory.mktemp("pids")
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTEST_ADDOPTS", "GITHUB_STEP_SUMMARY")}
-    env["PIDS_DIR"] = str(pids_dir)
-    # Its own session and process group, as a shell job would be: "the group" is the harness's.
-    proc = subprocess.Popen([sys.executable, "-m", "harness", "run", "cpu", "--out", "out", "--workers", "2"],
-                            cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    proc = start_run(root, pids_dir, "--workers", "2")
     try:
         wait_for(lambda: {p.name for p in pids_dir.iterdir()} >= EXPECTED, 240, "every case to start")
         pids = {p.name: int(p.read_text()) for p in pids_dir.iterdir()}
@@ -127,10 +134,7 @@ def test_signal_during_pytest_startup_stops_it_without_a_traceback(pytester, tmp
                                         "tests/conftest.py": SLOW_START_CONFTEST},
                         {"cpu": manifest("cpu", "cpu", [{"id": "plain", "paths": ["tests/plain"]}])})
     pids_dir = tmp_path_factory.mktemp("pids")
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTEST_ADDOPTS", "GITHUB_STEP_SUMMARY")}
-    env["PIDS_DIR"] = str(pids_dir)
-    proc = subprocess.Popen([sys.executable, "-m", "harness", "run", "cpu", "--out", "out"], cwd=root, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    proc = start_run(root, pids_dir)
     try:
         wait_for(lambda: (pids_dir / "pytest").exists(), 240, "pytest to start")
         pid = int((pids_dir / "pytest").read_text())
@@ -170,10 +174,7 @@ def test_signal_during_planning_is_never_lost(pytester, tmp_path_factory):
                                         "tests/conftest.py": SWALLOWING_CONFTEST},
                         {"cpu": manifest("cpu", "cpu", [{"id": "plain", "paths": ["tests/plain"]}])})
     pids_dir = tmp_path_factory.mktemp("pids")
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTEST_ADDOPTS", "GITHUB_STEP_SUMMARY")}
-    env["PIDS_DIR"] = str(pids_dir)
-    proc = subprocess.Popen([sys.executable, "-m", "harness", "run", "cpu", "--out", "out"], cwd=root, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    proc = start_run(root, pids_dir)
     try:
         wait_for(lambda: (pids_dir / "planning").exists(), 120, "the inventory to start")
         os.kill(proc.pid, signal.SIGTERM)
