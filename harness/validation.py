@@ -1,0 +1,53 @@
+"""Checks of user-supplied values, written once for both rooms of the harness.
+
+Each check returns the value when it is acceptable and raises ``ValueError`` (or the error
+class the caller passes) with a message naming ``what`` and the bad value otherwise. Booleans
+are never integers here, numpy / torch integer scalars are (anything ``numbers.Integral``).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Any
+
+__all__ = ["is_int", "is_real", "check_int", "check_seconds"]
+
+
+def is_int(value: Any) -> bool:
+    """True for integers of any kind (``numbers.Integral``), False for bools."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def is_real(value: Any) -> bool:
+    """True for real numbers of any kind (``numbers.Real``), False for bools."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def check_int(value: Any, what: str, *, minimum: int | None = None,
+              maximum: int | None = None, error: type[Exception] = ValueError) -> int:
+    """``value`` as an ``int`` when it is an integer (not a bool) within the bounds; else
+    ``error`` naming ``what``, the bounds and the value."""
+    bounds = []
+    if minimum is not None:
+        bounds.append(f">= {minimum}")
+    if maximum is not None:
+        bounds.append(f"<= {maximum}")
+    expected = "an int" + (f" {' and '.join(bounds)}" if bounds else "")
+    if not is_int(value):
+        raise error(f"{what} must be {expected}; got {value!r}")
+    if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
+        raise error(f"{what} must be {expected}; got {value!r}")
+    return int(value)
+
+
+def check_seconds(value: Any, what: str, *, allow_none: bool = False,
+                  error: type[Exception] = ValueError) -> float | None:
+    """``value`` as a float when it is a positive, finite number of seconds (``None`` passes
+    when ``allow_none``); else ``error`` naming ``what`` and the value."""
+    if value is None and allow_none:
+        return None
+    if not is_real(value) or not (value > 0 and math.isfinite(value)):
+        tail = " or None" if allow_none else ""
+        raise error(f"{what} must be a positive, finite number of seconds{tail}; got {value!r}")
+    return float(value)
