@@ -9,7 +9,7 @@ from __future__ import annotations
 import numbers
 from typing import Any
 
-__all__ = ["is_int", "is_real", "check_int"]
+__all__ = ["check_int", "is_int", "is_real"]
 
 
 def is_int(value: Any) -> bool:

@@ -11,7 +11,7 @@ import math
 import numbers
 from typing import Any
 
-__all__ = ["is_int", "is_real", "check_int", "check_seconds"]
+__all__ = ["check_int", "check_seconds", "is_int", "is_real"]
 
 
 def is_int(value: Any) -> bool:
