@@ -4,21 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields
-from numbers import Integral
 
 import torch
 import torch.distributed as dist
 
 from channel_loss.errors import ChannelLossMetadataError
-from channel_loss.exchange import (
-    SourceId,
-    all_reduce_rows,
-    decode_entries,
-    encode_entries,
-    gather_headers,
-    group_size,
-)
+from channel_loss.exchange import KeyedExchange, SourceId, group_size
 from channel_loss.layout import PackedLayout, Shard, copy_to
+from channel_loss.validation import is_int
 
 __all__ = ["COLUMNS", "Column", "SourceId", "SourceTotals", "check_text", "source_keys", "source_totals"]
 
@@ -125,17 +118,10 @@ class SourceTotals:
             group = dist.group.WORLD
         if group_size(group) == 1:
             return self
-        words = encode_entries([(key, "") for key in self.keys])
-        headers = gather_headers([len(self.keys), len(words)], group)
-        known = torch.zeros(0, 3, dtype=torch.float64)
-        _, arrivals = all_reduce_rows(
-            known, self.rows(), words, [(h[0], h[1]) for h in headers], group
-        )
-        total = SourceTotals.empty()
-        for (n, _), (rows, their_words) in zip(headers, arrivals, strict=True):
-            keys = [key for key, _ in decode_entries(their_words, n)]
-            total = total + SourceTotals.from_rows(keys, rows)
-        return total.to(self.loss_sum.device)
+        exchange = KeyedExchange([(key, "") for key in self.keys], [], group)
+        known = torch.zeros(0, len(COLUMNS), dtype=torch.float64)
+        reduced = exchange.reduce(known, self.rows())
+        return SourceTotals.from_rows(reduced.new_keys, reduced.rows).to(self.loss_sum.device)
 
     def as_dict(self) -> dict[SourceId, tuple]:
         """``{source_id: (loss_sum, tokens, samples)}`` (``COLUMNS`` order) as Python numbers."""
@@ -165,11 +151,6 @@ def check_text(text: str, what: str) -> str:
     return text
 
 
-def _is_id(key) -> bool:
-    # bool is an int and 1.0 == 1 hashes like 1: both would silently merge into source 1.
-    return isinstance(key, str) or (isinstance(key, Integral) and not isinstance(key, bool))
-
-
 def _normalise_key(key, ids: list) -> SourceId:
     if isinstance(key, str):
         return check_text(str(key), f"source_ids[{ids.index(key)}]")
@@ -178,9 +159,9 @@ def _normalise_key(key, ids: list) -> SourceId:
 
 def _check_types(ids: list) -> None:
     """Every id is an int or a str: checked per distinct type, before equal values merge."""
-    for kind in set(map(type, ids)):
-        if not (issubclass(kind, str) or (issubclass(kind, Integral) and not issubclass(kind, bool))):
-            bad = next(i for i, key in enumerate(ids) if type(key) is kind)
+    first_of_type = {type(key): i for i, key in reversed(list(enumerate(ids)))}
+    for kind, bad in sorted(first_of_type.items(), key=lambda item: item[1]):
+        if not (issubclass(kind, str) or is_int(ids[bad])):
             raise ChannelLossMetadataError(
                 f"source_ids[{bad}] is {ids[bad]!r} of type {kind.__name__}; source ids must be "
                 "int or str (bool and float ids are refused: they would merge with the int "
@@ -296,4 +277,5 @@ def source_totals(
     counts = torch.zeros(2, bucket + 1, dtype=torch.int64, device=device)
     counts[0].index_add_(0, scored, torch.ones_like(scored))
     counts[1].index_add_(0, first, torch.ones_like(first))
-    return SourceTotals(keys, loss_sum[:bucket], counts[0, :bucket], counts[1, :bucket])
+    return SourceTotals(keys, loss_sum=loss_sum[:bucket], tokens=counts[0, :bucket],
+                        samples=counts[1, :bucket])

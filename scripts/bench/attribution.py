@@ -20,8 +20,6 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -29,35 +27,7 @@ import torch.multiprocessing as mp
 
 from channel_loss import ChannelLossMeter, PackedLayout, source_totals
 from channel_loss.capture import record
-
-#: Every torch.distributed entry point that communicates.
-COLLECTIVES = (
-    "all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single", "all_gather_object",
-    "broadcast", "broadcast_object_list", "reduce", "reduce_scatter", "reduce_scatter_tensor",
-    "all_to_all", "all_to_all_single", "barrier", "monitored_barrier", "gather", "gather_object",
-    "scatter", "scatter_object_list", "send", "recv", "isend", "irecv", "batch_isend_irecv",
-)
-
-
-@contextmanager
-def count_collectives() -> Iterator[list[str]]:
-    """Record the name of every ``torch.distributed`` collective called inside the block."""
-    calls: list[str] = []
-    originals = {name: getattr(dist, name) for name in COLLECTIVES if hasattr(dist, name)}
-
-    def counted(name, fn):
-        def wrapper(*args, **kwargs):
-            calls.append(name)
-            return fn(*args, **kwargs)
-        return wrapper
-
-    for name, fn in originals.items():
-        setattr(dist, name, counted(name, fn))
-    try:
-        yield calls
-    finally:
-        for name, fn in originals.items():
-            setattr(dist, name, fn)
+from channel_loss.exchange import count_collectives
 
 
 def _sync(device: torch.device) -> None:

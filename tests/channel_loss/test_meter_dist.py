@@ -18,8 +18,7 @@ import torch.distributed as dist
 import harness
 from channel_loss import ChannelLossMetadataError, ChannelLossMeter, PackedLayout, source_totals
 from channel_loss.capture import record
-from channel_loss.exchange import BACKEND_DEVICES, comm_device
-from scripts.bench.attribution import count_collectives
+from channel_loss.exchange import BACKEND_DEVICES, comm_device, count_collectives
 from tests.channel_loss.reference import add_totals, reference_metrics, reference_totals
 from tests.strategies import IGNORE_INDEX, make_case
 
