@@ -24,7 +24,7 @@ With ``--sp W`` the step runs on W ranks over Gloo, started with torch's own
 launcher (``torch.distributed.launcher.elastic_launch``, what ``torchrun``
 runs), as sequence parallelism of the loss: every rank runs the
 (tiny) model on the whole packed row, takes its ``Shard`` (``--sp-mode``:
-zigzag by default, or contiguous) of the hidden states and of the globally
+zigzag by default, or any other mode of ``SHARD_MODES``) of the hidden states and of the globally
 pre-shifted labels, computes the loss of its tokens
 only, and the ranks sum their gradients. The meter attributes each rank's
 partial per-token losses and reduces them over the SP group, so the metrics
@@ -59,7 +59,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from channel_loss.attribution import COLUMNS
-from channel_loss.layout import PackedLayout
+from channel_loss.layout import SHARD_MODES, PackedLayout
 from channel_loss.meter import MEAN, WEIGHTED, ChannelLossMeter, columns_from_metrics, metric_key
 from channel_loss.ops import chunk_cross_entropy
 
@@ -424,7 +424,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--sp", type=int, default=None,
                    help=f"sequence-parallel ranks over Gloo, started with torch's elastic launcher "
                         f"(default {defaults.sp}; under torchrun: its ranks)")
-    p.add_argument("--sp-mode", choices=("zigzag", "contiguous"), default=defaults.sp_mode,
+    p.add_argument("--sp-mode", choices=tuple(SHARD_MODES), default=defaults.sp_mode,
                    help="how the packed row is sharded under --sp (default %(default)s)")
     p.add_argument("--interval", type=int, default=defaults.interval,
                    help="measure and log every K-th step (default %(default)s)")

@@ -4,7 +4,9 @@ A ``PackedLayout`` describes one packed batch: ``[T]`` or ``[B, T]`` token
 positions (rows laid out row-major), each row holding whole samples back to
 back followed by ``tail_padding_length`` padding positions that belong to no
 sample. A ``Shard`` is one sequence-parallel rank's slice of that batch, in
-Ulysses ("contiguous") or load-balanced context-parallel ("zigzag") order.
+one of the orders in ``SHARD_MODES``: Ulysses ("contiguous"), per-sample
+load-balanced context parallelism ("zigzag") or torch's whole-row head-tail
+context-parallel balancer ("headtail").
 
 Everything is built with tensor ops over all samples and tokens at once.
 Building a layout or a shard reads a few sizes back to the host (the number of
@@ -13,16 +15,14 @@ samples, the local length); attribution, which runs every micro-batch, does not.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from numbers import Integral
+from collections.abc import Callable, Sequence
 
 import torch
 
 from channel_loss.errors import ChannelLossMetadataError
+from channel_loss.validation import is_int
 
 __all__ = ["SHARD_MODES", "PackedLayout", "Shard", "copy_to"]
-
-SHARD_MODES: tuple[str, ...] = ("contiguous", "zigzag")
 
 
 def copy_to(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -53,7 +53,7 @@ def _row_tails(tail_padding_length, rows: int, row_length: int) -> tuple[int, ..
     """Per-row tail padding lengths from an int (every row) or one value per row."""
     if isinstance(tail_padding_length, torch.Tensor):
         tail_padding_length = tail_padding_length.tolist()
-    if isinstance(tail_padding_length, Integral) and not isinstance(tail_padding_length, bool):
+    if is_int(tail_padding_length):
         tails = (tail_padding_length,) * rows
     elif isinstance(tail_padding_length, Sequence) and not isinstance(tail_padding_length, str):
         tails = tuple(tail_padding_length)
@@ -66,7 +66,7 @@ def _row_tails(tail_padding_length, rows: int, row_length: int) -> tuple[int, ..
             f"tail_padding_length must be an int or one int per row; got {tail_padding_length!r}"
         )
     for row, tail in enumerate(tails):
-        if isinstance(tail, bool) or not isinstance(tail, Integral) or not 0 <= tail <= row_length:
+        if not is_int(tail) or not 0 <= tail <= row_length:
             raise ChannelLossMetadataError(
                 f"tail_padding_length of row {row} must be an int in [0, {row_length}] "
                 f"(the row length); got {tail!r}"
@@ -182,7 +182,7 @@ class PackedLayout:
                 f"cu_seqlens must be a non-empty 1-D integer tensor; got shape {tuple(cu.shape)}, "
                 f"dtype {cu.dtype}"
             )
-        if isinstance(total_length, bool) or not isinstance(total_length, int) or total_length < 1:
+        if not is_int(total_length) or total_length < 1:
             raise ChannelLossMetadataError(f"total_length must be a positive int; got {total_length!r}")
         (tail,) = _row_tails(tail_padding_length, 1, total_length)
         cu = cu.to(torch.int64)
@@ -243,12 +243,16 @@ class PackedLayout:
     def shard(self, world_size: int, rank: int, mode: str) -> Shard:
         """The slice of this batch that sequence-parallel ``rank`` of ``world_size`` holds.
 
-        ``mode`` is ``"contiguous"`` (Ulysses: each row right-padded to a
-        multiple of ``world_size``, rank ``r`` holds the ``r``-th equal part)
-        or ``"zigzag"`` (load-balanced context parallelism: each sample, and
-        the tail padding as one more block, padded to a multiple of
-        ``2 * world_size`` and cut in ``2 * world_size`` chunks; rank ``r``
-        holds chunks ``r`` and ``2 * world_size - 1 - r`` of every block).
+        ``mode`` is a name in ``SHARD_MODES``: ``"contiguous"`` (Ulysses: each
+        row right-padded to a multiple of ``world_size``, rank ``r`` holds the
+        ``r``-th equal part), ``"zigzag"`` (per-sample load-balanced context
+        parallelism: each sample, and the tail padding as one more block,
+        padded to a multiple of ``2 * world_size`` and cut in
+        ``2 * world_size`` chunks; rank ``r`` holds chunks ``r`` and
+        ``2 * world_size - 1 - r`` of every block) or ``"headtail"`` (torch's
+        whole-row head-tail context-parallel balancer, as ``context_parallel``
+        uses without document masking: the same two chunks, of each row
+        right-padded to a multiple of ``2 * world_size``).
         """
         return Shard(self, world_size, rank, mode)
 
@@ -274,16 +278,17 @@ class Shard:
     """
 
     def __init__(self, layout: PackedLayout, world_size: int, rank: int, mode: str):
-        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        if not is_int(world_size) or world_size < 1:
             raise ChannelLossMetadataError(f"world_size must be a positive int; got {world_size!r}")
-        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
+        if not is_int(rank) or not 0 <= rank < world_size:
             raise ChannelLossMetadataError(
                 f"rank must be an int in [0, {world_size}) for world_size {world_size}; got {rank!r}"
             )
-        if mode not in SHARD_MODES:
-            raise ChannelLossMetadataError(f"mode must be one of {SHARD_MODES}; got {mode!r}")
-        self.layout, self.world_size, self.rank, self.mode = layout, world_size, rank, mode
-        index = _contiguous_index(self) if mode == "contiguous" else _zigzag_index(self)
+        if not isinstance(mode, str) or mode not in SHARD_MODES:
+            raise ChannelLossMetadataError(f"mode must be one of {tuple(SHARD_MODES)}; got {mode!r}")
+        self.layout, self.mode = layout, mode
+        self.world_size, self.rank = int(world_size), int(rank)
+        index = SHARD_MODES[mode](self)
         self.local_shape = _shape(index.shape) if len(layout.shape) == 2 else (index.shape[1],)
         self.global_index = index.reshape(-1)
         self._on_device: dict[torch.device, torch.Tensor] = {}
@@ -361,3 +366,26 @@ def _zigzag_index(shard: Shard) -> torch.Tensor:
     out = torch.full((rows * width,), -1, dtype=torch.int64, device=device)
     out[block_rows[block] * width + local_begin[block] + q] = global_index
     return out.reshape(rows, width)
+
+
+def _headtail_index(shard: Shard) -> torch.Tensor:
+    """``[B, 2c]`` global indices: chunks ``r`` and ``2w-1-r`` of each row padded to ``2w * c``."""
+    layout, device = shard.layout, shard.layout.sample_index.device
+    w, r = shard.world_size, shard.rank
+    rows, row_length = layout.num_rows, layout.row_length
+    chunk = -(-row_length // (2 * w))
+    within = torch.arange(chunk, device=device)
+    column = torch.cat([r * chunk + within, (2 * w - 1 - r) * chunk + within])
+    row_base = torch.arange(rows, device=device)[:, None] * row_length
+    return torch.where(column[None, :] < row_length, row_base + column[None, :], -1)
+
+
+#: The shard modes, by name: each maps a ``Shard`` (its layout, ``world_size``
+#: and ``rank``) to its ``[B, L]`` int64 global indices, -1 for padding added by
+#: sharding. A new mode is one entry here (the tests' reference and the demo's
+#: ``--sp-mode`` read this registry).
+SHARD_MODES: dict[str, Callable[[Shard], torch.Tensor]] = {
+    "contiguous": _contiguous_index,
+    "zigzag": _zigzag_index,
+    "headtail": _headtail_index,
+}

@@ -165,4 +165,4 @@ def sp_world_sizes() -> st.SearchStrategy[int]:
 
 def sp_shardings() -> st.SearchStrategy[tuple[int, str]]:
     """``(world_size, mode)`` for every shard mode and world sizes 1..4."""
-    return st.tuples(sp_world_sizes(), st.sampled_from(SHARD_MODES))
+    return st.tuples(sp_world_sizes(), st.sampled_from(tuple(SHARD_MODES)))

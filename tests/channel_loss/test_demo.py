@@ -102,7 +102,7 @@ def test_sp2_metrics_equal_sp1(tmp_path, sp1_records):
 
 
 def test_torchrun_starts_the_ranks(tmp_path, sp1_records):
-    # Issue 10.6: the way PyTorch users start ranks. Each rank must join torchrun's group
+    # The way PyTorch users start ranks. Each rank must join torchrun's group
     # (before, each trained alone as sp=1 and both wrote the outputs).
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
@@ -125,7 +125,7 @@ def test_torchrun_with_a_different_sp_is_a_usage_error(tmp_path, monkeypatch, ca
 
 
 def test_channel_loss_never_imports_the_harness():
-    # Issue 10.6: the demo imported harness (inside run(), for --sp) to start its ranks; the
+    # Regression: the demo imported harness (inside run(), for --sp) to start its ranks; the
     # library must not depend on its own test tool, at import time or later.
     package = Path(demo.__file__).parent
     offenders = []
@@ -153,3 +153,13 @@ def test_bad_arguments_exit_with_usage(capsys):
         demo.main(["--steps", "0"])
     assert exc.value.code == 2
     assert "--steps" in capsys.readouterr().err
+
+
+def test_sp_mode_choices_are_the_shard_mode_registry():
+    from channel_loss.layout import SHARD_MODES
+
+    parser = demo._parser()
+    (action,) = [a for a in parser._actions if "--sp-mode" in a.option_strings]
+    assert tuple(action.choices) == tuple(SHARD_MODES)
+    for mode in SHARD_MODES:
+        assert parser.parse_args(["--sp-mode", mode]).sp_mode == mode

@@ -1,4 +1,4 @@
-"""PackedLayout and Shard against DESIGN.md's definitions, written out as plain loops."""
+"""PackedLayout and Shard against the documented definitions of layouts and shard modes, written out as plain loops."""
 
 from __future__ import annotations
 
@@ -7,13 +7,14 @@ import torch
 from hypothesis import given
 
 from channel_loss import ChannelLossMetadataError, PackedLayout
-from tests.channel_loss.reference import reference_global_index, samples_of
+from channel_loss.layout import SHARD_MODES
+from tests.channel_loss.reference import (
+    INDEX_FORMULAS,
+    layout_of,
+    reference_global_index,
+    samples_of,
+)
 from tests.strategies import packed_cases, sp_shardings
-
-
-def layout_of(case) -> PackedLayout:
-    tails = case.tails[0] if case.one_d else list(case.tails)
-    return PackedLayout.from_position_ids(case.position_ids(), tail_padding_length=tails)
 
 
 @given(packed_cases())
@@ -96,6 +97,62 @@ def test_zigzag_worked_example():
     rank1 = layout.shard(2, 1, "zigzag").global_index.tolist()
     assert rank0 == [0, 1, -1, -1, 5, -1, 7, -1]
     assert rank1 == [2, 3, 4, -1, 6, -1, 8, 9]
+
+
+def test_headtail_worked_example():
+    # Two 8-token documents in one row on 2 ranks: chunks of 4, rank r holds chunks r and 3 - r.
+    layout = PackedLayout.from_cu_seqlens([0, 8, 16], total_length=16)
+    assert layout.shard(2, 0, "headtail").global_index.tolist() == [0, 1, 2, 3, 12, 13, 14, 15]
+    assert layout.shard(2, 1, "headtail").global_index.tolist() == [4, 5, 6, 7, 8, 9, 10, 11]
+    # A row of 10 on 2 ranks is padded to 12 (chunks of 3); the padding lands on rank 0's tail.
+    odd = PackedLayout.from_cu_seqlens([0, 4, 10], total_length=10)
+    assert odd.shard(2, 0, "headtail").global_index.tolist() == [0, 1, 2, 9, -1, -1]
+    assert odd.shard(2, 1, "headtail").global_index.tolist() == [3, 4, 5, 6, 7, 8]
+
+
+def torch_head_tail_balancer():
+    attention = pytest.importorskip("torch.distributed.tensor.experimental._attention")
+    balancer = getattr(attention, "_HeadTailLoadBalancer", None)
+    if balancer is None:
+        pytest.skip("this torch has no _HeadTailLoadBalancer")
+    return balancer
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("row_length", [1, 7, 16, 24, 29])
+def test_headtail_matches_torch_context_parallel_balancer(world, row_length):
+    # torch reorders the row padded to a multiple of 2w, then gives rank r the r-th equal part.
+    balancer = torch_head_tail_balancer()
+    padded = -(-row_length // (2 * world)) * 2 * world
+    order = balancer(padded, world, "cpu")._generate_indices()[0].to(torch.int64)
+    layout = PackedLayout.from_cu_seqlens([0, row_length], total_length=row_length)
+    for rank, part in enumerate(order.chunk(world)):
+        expected = torch.where(part < row_length, part, -1)
+        assert torch.equal(layout.shard(world, rank, "headtail").global_index, expected)
+
+
+def test_every_registered_shard_mode_has_a_reference_formula():
+    assert set(INDEX_FORMULAS) == set(SHARD_MODES)
+
+
+def test_numpy_integers_are_integers_everywhere():
+    np = pytest.importorskip("numpy")
+    layout = PackedLayout.from_cu_seqlens([0, 3, 5], total_length=np.int64(7),
+                                          tail_padding_length=np.int32(2))
+    by_python = PackedLayout.from_cu_seqlens([0, 3, 5], total_length=7, tail_padding_length=2)
+    assert layout.same_as(by_python)
+    rows = PackedLayout.from_position_ids(torch.zeros(2, 3, dtype=torch.long),
+                                          tail_padding_length=[np.int64(1), 2])
+    assert rows.tail_padding == (1, 2)
+    for mode in SHARD_MODES:
+        shard = layout.shard(np.int64(2), np.int64(1), mode)
+        assert (shard.world_size, shard.rank) == (2, 1)
+        assert type(shard.world_size) is int
+        assert torch.equal(shard.global_index, by_python.shard(2, 1, mode).global_index)
+    with pytest.raises(ChannelLossMetadataError, match="world_size"):
+        layout.shard(np.float64(2.0), 0, "zigzag")
+    with pytest.raises(ChannelLossMetadataError, match="total_length"):
+        PackedLayout.from_cu_seqlens([0, 2], total_length=True)
 
 
 @given(packed_cases(), sp_shardings())

@@ -26,13 +26,8 @@ from channel_loss import (
 )
 from channel_loss.capture import active_capture, record
 from channel_loss.meter import columns_from_metrics, metrics_from_columns
-from tests.channel_loss.reference import add_totals, reference_metrics, reference_totals
+from tests.channel_loss.reference import add_totals, layout_of, reference_metrics, reference_totals
 from tests.strategies import IGNORE_INDEX, make_case, packed_cases
-
-
-def layout_of(case) -> PackedLayout:
-    tails = case.tails[0] if case.one_d else list(case.tails)
-    return PackedLayout.from_position_ids(case.position_ids(), tail_padding_length=tails)
 
 
 def fake_loss(case) -> None:
@@ -228,7 +223,7 @@ def test_real_loss_paths_match_a_float64_reference(device):
 
 
 def test_metrics_ignore_exactly_what_the_loss_ignored():
-    # Issue 14.3: chunk_cross_entropy(..., ignore_index=-1) in a default meter (ignore_index=-100)
+    # Regression: chunk_cross_entropy(..., ignore_index=-1) in a default meter (ignore_index=-100)
     # counted the -1 targets as scored: 8 tokens instead of 5, and weighted shares that did not
     # add up to the loss.
     g = torch.Generator().manual_seed(3)
@@ -278,7 +273,7 @@ def run_many(meter, cases, failed) -> dict:
 
 
 def test_a_failure_past_256_micro_batches_drops_only_that_one():
-    # Issue 14.4: failure bits were capped at 256 micro-batches; one failure at index 299 of 300
+    # Regression: failure bits were capped at 256 micro-batches; one failure at index 299 of 300
     # dropped 45 of them.
     cases = many_micro_batches(300)
     got = run_many(ChannelLossMeter(), cases, failed={299})
@@ -361,7 +356,7 @@ def test_load_state_dict_rejects_a_registry_that_would_merge_sources():
     good = {"version": 1, "next_step": 4, "sources": [["a", "a"], [1, "one"]]}
     meter.load_state_dict(good)
     for sources, needle in [
-        ([["a", "x"], ["b", "x"]], "'a' and 'b' the same metric name 'x'"),  # issue 14.8
+        ([["a", "x"], ["b", "x"]], "'a' and 'b' the same metric name 'x'"),
         ([["a", "x"], ["a", "y"]], "source 'a' twice"),
         ([[True, "x"]], "bad source entry"),
         ([["a", "x y"]], "not a metric name"),

@@ -214,7 +214,7 @@ def test_sp_by_dp_blocks_inside_a_larger_world():
 
 @pytest.mark.launch(nproc=2, timeout=120)
 def test_one_failure_among_300_micro_batches_drops_exactly_that_one():
-    # Issue 14.4: past 256 micro-batches the failure bits were shared: a failure at index 299
+    # Regression: past 256 micro-batches the failure bits were shared: a failure at index 299
     # of 300 dropped 45 micro-batches. Still two collectives (run_step checks).
     rank = dist.get_rank()
     cases = micro_batches(seed=8, count=300)
@@ -231,7 +231,7 @@ def test_one_failure_among_300_micro_batches_drops_exactly_that_one():
 @pytest.mark.parametrize("bad", ["\ud800", True, 1.0], ids=["lone surrogate", "bool", "float"])
 @pytest.mark.launch(nproc=2, timeout=90)
 def test_bad_source_ids_on_one_rank_are_metadata_errors_everywhere(bad):
-    # Issue 14.7: a lone surrogate raised UnicodeEncodeError in end_step on rank 1 (and a
+    # Regression: a lone surrogate raised UnicodeEncodeError in end_step on rank 1 (and a
     # peer-closed error on rank 0) even with strict=False; True / 1.0 merged into source 1.
     rank = dist.get_rank()
     cases = micro_batches(seed=9, sources=(1, 2, "web"))
@@ -248,7 +248,7 @@ def test_bad_source_ids_on_one_rank_are_metadata_errors_everywhere(bad):
 
 @pytest.mark.launch(nproc=2, timeout=90)
 def test_rank_inconsistent_names():
-    # Issue 14.10: rank 0's name silently won, even with strict=True.
+    # Regression: rank 0's name silently won, even with strict=True.
     rank = dist.get_rank()
     own = [micro_batches(seed=90 + r, sources=("web", 3)) for r in range(2)]
     names = {"web": ["Web", "WWW"][rank]}
@@ -272,7 +272,7 @@ def _gloo_under_another_name(store, rank, size, timeout):
 
 @pytest.mark.launch(nproc=2, timeout=60)
 def test_an_unknown_backend_raises_instead_of_guessing_the_device():
-    # Issue 14 / 10.2: an unknown backend silently got host tensors.
+    # Regression: an unknown backend silently got host tensors.
     if "channel_loss_test" not in dist.Backend.backend_list:  # kept ranks run this twice
         dist.Backend.register_backend("channel_loss_test", _gloo_under_another_name, devices=["cpu"])
     group = dist.new_group([0, 1], backend="channel_loss_test")
