@@ -17,9 +17,16 @@ import torch.distributed as dist
 
 import harness
 from channel_loss import ChannelLossMetadataError, ChannelLossMeter, PackedLayout, source_totals
+from channel_loss.attribution import COLUMNS
 from channel_loss.capture import record
 from channel_loss.exchange import BACKEND_DEVICES, comm_device, count_collectives
-from tests.channel_loss.reference import add_totals, reference_metrics, reference_totals
+from channel_loss.layout import SHARD_MODES
+from tests.channel_loss.reference import (
+    add_totals,
+    make_totals,
+    reference_metrics,
+    reference_totals,
+)
 from tests.strategies import IGNORE_INDEX, make_case
 
 #: Source sets of DP ranks 0..3: overlapping, never equal.
@@ -92,7 +99,7 @@ def expected(*case_lists, dropped: int = 0, names=None) -> dict:
 @pytest.mark.launch(nproc=2, timeout=120)
 def test_two_ranks_sp_only_and_dp_only(device):
     rank = dist.get_rank()
-    for mode in ("contiguous", "zigzag"):
+    for mode in SHARD_MODES:
         meter = ChannelLossMeter(sp_group=dist.group.WORLD)
         for step in range(2):  # the second step meets registered and new sources
             cases = micro_batches(seed=step * 10 + len(mode))
@@ -127,13 +134,49 @@ def test_four_ranks_sp_dp_and_sp_by_dp_subgroups(device):
     sp_rank, dp_rank = rank % 2, rank // 2
     meter = ChannelLossMeter(sp_group=sp_groups[dp_rank], dp_group=dp_groups[sp_rank])
     own = [micro_batches(seed=300 + d, sources=DP_SOURCES[d]) for d in range(2)]
-    for mode in ("contiguous", "zigzag"):
+    for mode in SHARD_MODES:
         got = run_step(meter, own[dp_rank], device, shard=(2, sp_rank, mode))
         assert got == expected(*own)
     # Rank 3's forward fails in micro-batch 1: only its SP group (ranks 2, 3) drops it.
     got = run_step(meter, own[dp_rank], device, shard=(2, sp_rank, "zigzag"),
                    fail={1} if rank == 3 else ())
     assert got == expected(own[0], [own[1][0], own[1][2]], dropped=1)
+
+
+def rank_columns(rank: int) -> tuple[tuple, dict]:
+    """Rank ``rank``'s keys (one shared, one its own) and a distinct value in every column."""
+    keys = ("shared", f"own{rank}")
+    return keys, {c.name: [(rank + 1) * 100 + 10 * i + k + (0.5 if c.dtype.is_floating_point else 0)
+                           for k in range(2)] for i, c in enumerate(COLUMNS)}
+
+
+@pytest.mark.launch(nproc=2, timeout=60)
+def test_the_two_rank_reduction_carries_every_column():
+    # Built from COLUMNS alone: a column added there is reduced, or this fails.
+    rank = dist.get_rank()
+    keys, values = rank_columns(rank)
+    with count_collectives() as calls:
+        summed = make_totals(keys, **values).all_reduce()
+    assert len(calls) == 2
+    want: dict = {}
+    for r in range(2):
+        their_keys, theirs = rank_columns(r)
+        for k, key in enumerate(their_keys):
+            entry = want.setdefault(key, [0] * len(COLUMNS))
+            for i, column in enumerate(COLUMNS):
+                entry[i] += theirs[column.name][k]
+    assert summed.keys == ("shared", "own0", "own1")
+    assert {key: list(v) for key, v in summed.as_dict().items()} == want
+    assert [t.dtype for t in summed.columns()] == [c.dtype for c in COLUMNS]
+
+    # The meter reports every column with a metric family, summed over both ranks.
+    cases = micro_batches(seed=12)
+    meter = ChannelLossMeter(sp_group=dist.group.WORLD)
+    got = run_step(meter, cases, "cpu", shard=(2, rank, "headtail"))
+    assert got == expected(cases)
+    for column in COLUMNS:
+        if column.metric is not None:
+            assert any(key.startswith(f"channel_loss_{column.metric}/") for key in got), column
 
 
 def short_ids(case) -> list:
