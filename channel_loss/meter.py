@@ -312,6 +312,7 @@ class ChannelLossMeter:
         layout: PackedLayout,
         shard: Shard | None = None,
         source_names: Mapping[SourceId, str] | None = None,
+        observe: int | None = None,
     ) -> Iterator[None]:
         """Measure one micro-batch: wrap its forward and loss.
 
@@ -320,12 +321,24 @@ class ChannelLossMeter:
         e.g. DPO's chosen and rejected, are two samples: give each the pair's
         id; for TRL's ``[chosen rows; rejected rows]`` batch that is
         ``pair_ids + pair_ids``); ``shard`` is this rank's slice when ``sp_group`` has more
-        than one rank; ``source_names`` maps ids to display names. The loss
-        inside must be computed with ``chunk_cross_entropy`` (or reported
-        with ``observe_logits``) exactly once. If the body raises, the
-        micro-batch is dropped on every SP rank and the exception propagates
-        unchanged.
+        than one rank; ``source_names`` maps ids to display names.
+
+        The loss inside must be computed with ``chunk_cross_entropy`` (or
+        reported with ``observe_logits``) exactly once, unless ``observe``
+        says which call to attribute: with an auxiliary or multi-token
+        prediction head computing a second cross-entropy, pass the index of
+        the main loss's call in call order (``0``: the first, ``-1``: the
+        last); the other calls are not measured. Any other number of calls
+        (or an ``observe`` index the forward did not reach) is a metadata
+        error: the micro-batch is dropped and counted in
+        ``{prefix}_dropped_micro_batches`` with a warning, or raised from
+        ``end_step`` with ``strict=True``; never silently measured wrong.
+
+        If the body raises, the micro-batch is dropped on every SP rank and
+        the exception propagates unchanged.
         """
+        if observe is not None:
+            observe = check_int(observe, "micro_batch(observe=...)")
         step = self._require_step("micro_batch")
         if not step.sampled:
             yield
@@ -345,7 +358,7 @@ class ChannelLossMeter:
         # Only a forward that returned gets here; a raised one leaves totals None.
         try:
             micro.totals, micro.names = self._attribute(
-                cap.observations, source_ids, layout, shard, source_names
+                cap.observations, source_ids, layout, shard, source_names, observe
             )
         except ChannelLossMetadataError as error:
             self._reject(step, len(step.micro_batches) - 1, error)
@@ -454,12 +467,19 @@ class ChannelLossMeter:
         return self._step
 
     def _attribute(
-        self, observations: list[TokenObservation], source_ids, layout, shard, source_names
+        self, observations: list[TokenObservation], source_ids, layout, shard, source_names,
+        observe: int | None,
     ) -> tuple[SourceTotals, dict[SourceId, str]]:
-        if len(observations) != 1:
+        count = len(observations)
+        if observe is None and count != 1:
             raise ChannelLossMetadataError(
-                f"expected 1 loss observation inside micro_batch(), got {len(observations)} "
-                "(compute the loss once with chunk_cross_entropy, or call observe_logits once)"
+                f"expected 1 loss observation inside micro_batch(), got {count} (compute the loss "
+                "once with chunk_cross_entropy, or call observe_logits once; with an auxiliary "
+                "head, pass micro_batch(observe=i) to attribute the i-th call)"
+            )
+        if observe is not None and not -count <= observe < count:
+            raise ChannelLossMetadataError(
+                f"micro_batch(observe={observe}) but the forward made {count} loss observations"
             )
         if shard is None and self._sp_size > 1:
             raise ChannelLossMetadataError(
@@ -474,7 +494,7 @@ class ChannelLossMeter:
             raise ChannelLossMetadataError(
                 f"source_names must map source ids to names; got {type(source_names).__name__}"
             )
-        observed = observations[0]
+        observed = observations[0 if observe is None else observe]
         totals = source_totals(
             observed.token_losses, observed.targets, layout=layout, source_ids=source_ids,
             shard=shard, ignore_index=observed.ignore_index,

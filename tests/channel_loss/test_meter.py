@@ -162,8 +162,33 @@ def test_exactly_one_loss_observation_is_expected(calls):
     with meter.micro_batch(source_ids=list(case.source_ids), layout=layout_of(case)):
         for _ in range(calls):
             fake_loss(case)
-    with pytest.raises(ChannelLossMetadataError, match=f"got {calls}"):
+    with pytest.raises(ChannelLossMetadataError, match=rf"got {calls} .*micro_batch\(observe=i\)"):
         meter.end_step()
+
+
+def test_observe_picks_one_of_several_loss_calls():
+    # A multi-token-prediction / auxiliary head computes a second cross-entropy in the same
+    # forward: without observe= the micro-batch is dropped (counted, never silently), with it
+    # the chosen call is attributed.
+    main, aux = simple_case(0), simple_case(1)  # one layout and sources, other losses
+    assert reference_totals(main) != reference_totals(aux)
+
+    def step(meter, **kwargs):
+        meter.begin_step()
+        with meter.micro_batch(source_ids=list(main.source_ids), layout=layout_of(main), **kwargs):
+            fake_loss(main)
+            fake_loss(aux)
+        return meter.end_step()
+
+    assert step(ChannelLossMeter()) == reference_metrics({}, dropped=1)
+    for observe, attributed in ((0, main), (-2, main), (1, aux), (-1, aux)):
+        assert step(ChannelLossMeter(), observe=observe) == reference_metrics(
+            reference_totals(attributed)), observe
+    with pytest.raises(ChannelLossMetadataError, match=r"observe=2\) but the forward made 2"):
+        step(ChannelLossMeter(strict=True), observe=2)
+    for bad in (True, 1.5, "0"):
+        with pytest.raises(ValueError, match="observe"):
+            step(ChannelLossMeter(), observe=bad)
 
 
 def test_lifecycle_misuse_raises():
@@ -390,3 +415,21 @@ def test_metric_columns_round_trip(cases):
     assert again.keys() == metrics.keys()
     for key, value in metrics.items():
         assert again[key] == pytest.approx(value, rel=1e-12), key
+
+
+def test_numpy_integers_are_integers_and_bools_and_floats_are_not():
+    np = pytest.importorskip("numpy")
+    meter = ChannelLossMeter(interval=np.int64(2), ignore_index=np.int32(-100))
+    assert (meter.interval, meter.ignore_index) == (2, -100)
+    assert type(meter.interval) is int
+    meter.begin_step(step=np.int64(4))
+    assert meter.sampled
+    meter.end_step()
+    meter.load_state_dict({"version": 1, "next_step": np.int64(3), "sources": [[np.int64(7), "seven"]]})
+    assert meter.state_dict() == {"version": 1, "next_step": 3, "sources": [[7, "seven"]]}
+    assert type(meter.state_dict()["sources"][0][0]) is int
+    for bad in (True, 2.0, 0.5):  # a Trainer's fractional logging_steps is the caller's to convert
+        with pytest.raises(ValueError, match="interval must be an int >= 1"):
+            ChannelLossMeter(interval=bad)
+    with pytest.raises(ValueError, match="ignore_index"):
+        ChannelLossMeter(ignore_index=False)
