@@ -13,7 +13,15 @@ from channel_loss.exchange import KeyedExchange, SourceId, group_size
 from channel_loss.layout import PackedLayout, Shard, copy_to
 from channel_loss.validation import is_int
 
-__all__ = ["COLUMNS", "Column", "SourceId", "SourceTotals", "check_text", "source_keys", "source_totals"]
+__all__ = [
+    "COLUMNS",
+    "Column",
+    "SourceId",
+    "SourceTotals",
+    "check_text",
+    "source_keys",
+    "source_totals",
+]
 
 
 @dataclass(frozen=True)
@@ -52,10 +60,16 @@ class SourceTotals:
 
     keys: tuple[SourceId, ...]
     loss_sum: torch.Tensor = field(
-        metadata=_column(torch.float64, None, "sum of the per-token losses of scored targets"))
+        metadata=_column(torch.float64, None, "sum of the per-token losses of scored targets")
+    )
     tokens: torch.Tensor = field(metadata=_column(torch.int64, "tokens", "scored targets"))
-    samples: torch.Tensor = field(metadata=_column(
-        torch.int64, "samples", "samples, each counted once (on the rank holding its first token)"))
+    samples: torch.Tensor = field(
+        metadata=_column(
+            torch.int64,
+            "samples",
+            "samples, each counted once (on the rank holding its first token)",
+        )
+    )
 
     def columns(self) -> tuple[torch.Tensor, ...]:
         """The column tensors, in ``COLUMNS`` order."""
@@ -69,11 +83,15 @@ class SourceTotals:
     @classmethod
     def from_rows(cls, keys: Iterable[SourceId], rows: torch.Tensor) -> SourceTotals:
         """Inverse of ``rows()``; integer columns are rounded back to int64."""
-        return cls(tuple(keys), *(
-            rows[:, i].to(torch.float64) if c.dtype.is_floating_point
-            else rows[:, i].round().to(c.dtype)
-            for i, c in enumerate(COLUMNS)
-        ))
+        return cls(
+            tuple(keys),
+            *(
+                rows[:, i].to(torch.float64)
+                if c.dtype.is_floating_point
+                else rows[:, i].round().to(c.dtype)
+                for i, c in enumerate(COLUMNS)
+            ),
+        )
 
     def rows(self) -> torch.Tensor:
         """float64 ``[len(keys), len(COLUMNS)]``, columns in ``COLUMNS`` order (counts exact below 2**53)."""
@@ -90,15 +108,21 @@ class SourceTotals:
         extra = [key for key in other.keys if key not in position]
         position.update((key, len(self.keys) + i) for i, key in enumerate(extra))
         device = self.loss_sum.device
-        into = copy_to(torch.tensor([position[key] for key in other.keys], dtype=torch.int64), device)
+        into = copy_to(
+            torch.tensor([position[key] for key in other.keys], dtype=torch.int64), device
+        )
 
         def merged(mine: torch.Tensor, theirs: torch.Tensor) -> torch.Tensor:
             grown = torch.nn.functional.pad(mine, (0, len(extra)))
             return grown.index_add_(0, into, theirs.to(device))
 
-        return SourceTotals(self.keys + tuple(extra), *(
-            merged(mine, theirs) for mine, theirs in zip(self.columns(), other.columns(), strict=True)
-        ))
+        return SourceTotals(
+            self.keys + tuple(extra),
+            *(
+                merged(mine, theirs)
+                for mine, theirs in zip(self.columns(), other.columns(), strict=True)
+            ),
+        )
 
     def __radd__(self, other) -> SourceTotals:
         # Lets sum(partials) start from its default 0.
@@ -125,8 +149,13 @@ class SourceTotals:
 
     def as_dict(self) -> dict[SourceId, tuple]:
         """``{source_id: (loss_sum, tokens, samples)}`` (``COLUMNS`` order) as Python numbers."""
-        return dict(zip(self.keys, zip(*(c.tolist() for c in self.columns()), strict=True),
-                        strict=True)) if self.keys else {}
+        return (
+            dict(
+                zip(self.keys, zip(*(c.tolist() for c in self.columns()), strict=True), strict=True)
+            )
+            if self.keys
+            else {}
+        )
 
 
 #: The per-source columns, in ``SourceTotals`` field (and ``rows()``) order.
@@ -180,7 +209,11 @@ def source_keys(source_ids, num_samples: int) -> tuple[tuple[SourceId, ...], tor
     host, or on the tensor's device.
     """
     if isinstance(source_ids, torch.Tensor):
-        if source_ids.dim() != 1 or source_ids.dtype.is_floating_point or source_ids.dtype == torch.bool:
+        if (
+            source_ids.dim() != 1
+            or source_ids.dtype.is_floating_point
+            or source_ids.dtype == torch.bool
+        ):
             raise ChannelLossMetadataError(
                 f"a source_ids tensor must be 1-D of integers; got shape {tuple(source_ids.shape)}, "
                 f"dtype {source_ids.dtype}"
@@ -210,7 +243,9 @@ def source_keys(source_ids, num_samples: int) -> tuple[tuple[SourceId, ...], tor
 
 def _check_inputs(token_losses, targets, layout, shard) -> None:
     if not isinstance(layout, PackedLayout):
-        raise ChannelLossMetadataError(f"layout must be a PackedLayout; got {type(layout).__name__}")
+        raise ChannelLossMetadataError(
+            f"layout must be a PackedLayout; got {type(layout).__name__}"
+        )
     if shard is None:
         expected, what = layout.shape, "the layout (position_ids) has shape"
     else:
@@ -277,5 +312,6 @@ def source_totals(
     counts = torch.zeros(2, bucket + 1, dtype=torch.int64, device=device)
     counts[0].index_add_(0, scored, torch.ones_like(scored))
     counts[1].index_add_(0, first, torch.ones_like(first))
-    return SourceTotals(keys, loss_sum=loss_sum[:bucket], tokens=counts[0, :bucket],
-                        samples=counts[1, :bucket])
+    return SourceTotals(
+        keys, loss_sum=loss_sum[:bucket], tokens=counts[0, :bucket], samples=counts[1, :bucket]
+    )

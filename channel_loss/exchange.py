@@ -147,8 +147,9 @@ def text_to_words(text: str, words: int) -> tuple[int, list[int]]:
     """
     data = text.encode("utf-8", errors="backslashreplace")[: 8 * words]
     padded = data.ljust(8 * words, b"\0")
-    return len(data), [int.from_bytes(padded[i : i + 8], "little", signed=True)
-                       for i in range(0, len(padded), 8)]
+    return len(data), [
+        int.from_bytes(padded[i : i + 8], "little", signed=True) for i in range(0, len(padded), 8)
+    ]
 
 
 def words_to_text(words: Sequence[int], length: int) -> str:
@@ -244,7 +245,9 @@ class KeyedExchange:
         names: dict[SourceId, list[tuple[int, str]]] = {}
         targets: list[int] = []
         parts: list[torch.Tensor] = []
-        for rank, ((_, count, _), (rows, words)) in enumerate(zip(self._sizes, arrivals, strict=True)):
+        for rank, ((_, count, _), (rows, words)) in enumerate(
+            zip(self._sizes, arrivals, strict=True)
+        ):
             entries = decode_entries(words, count)
             for key in _distinct_in_order(key for key, _ in entries):
                 targets.append(new_keys.setdefault(key, len(new_keys)))
@@ -287,7 +290,7 @@ def failure_runs(failed: Sequence[int]) -> list[tuple[int, int]]:
             runs.append([m, 1])
     if len(runs) > RUNS:
         start = runs[RUNS - 1][0]
-        runs[RUNS - 1:] = [[start, failed[-1] + 1 - start]]
+        runs[RUNS - 1 :] = [[start, failed[-1] + 1 - start]]
     return [(start, length) for start, length in runs]
 
 
@@ -312,8 +315,17 @@ class StepHeader:
         """The header as int64 words; ``unpack`` reads them back."""
         length, message = text_to_words(self.error, _MESSAGE_WORDS)
         runs = [v for run in self.failed for v in run] + [0, 0] * (RUNS - len(self.failed))
-        return [self.rank, self.sp_id, self.micro_batches, self.fingerprint, self.error_at,
-                length, len(self.failed), *runs, *message]
+        return [
+            self.rank,
+            self.sp_id,
+            self.micro_batches,
+            self.fingerprint,
+            self.error_at,
+            length,
+            len(self.failed),
+            *runs,
+            *message,
+        ]
 
     @classmethod
     def unpack(cls, row: Sequence[int]) -> StepHeader:
@@ -327,10 +339,29 @@ class StepHeader:
 
 #: Every torch.distributed entry point that communicates.
 COLLECTIVES: tuple[str, ...] = (
-    "all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single", "all_gather_object",
-    "broadcast", "broadcast_object_list", "reduce", "reduce_scatter", "reduce_scatter_tensor",
-    "all_to_all", "all_to_all_single", "barrier", "monitored_barrier", "gather", "gather_object",
-    "scatter", "scatter_object_list", "send", "recv", "isend", "irecv", "batch_isend_irecv",
+    "all_reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_gather_single",
+    "all_gather_object",
+    "broadcast",
+    "broadcast_object_list",
+    "reduce",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "all_to_all",
+    "all_to_all_single",
+    "barrier",
+    "monitored_barrier",
+    "gather",
+    "gather_object",
+    "scatter",
+    "scatter_object_list",
+    "send",
+    "recv",
+    "isend",
+    "irecv",
+    "batch_isend_irecv",
 )
 
 
@@ -350,6 +381,7 @@ def count_collectives() -> Iterator[list[str]]:
         def wrapper(*args, **kwargs):
             calls.append(name)
             return fn(*args, **kwargs)
+
         return wrapper
 
     for name, fn in originals.items():

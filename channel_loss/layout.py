@@ -167,7 +167,11 @@ class PackedLayout:
 
     @classmethod
     def from_cu_seqlens(
-        cls, cu_seqlens: torch.Tensor | Sequence[int], *, total_length: int, tail_padding_length: int = 0
+        cls,
+        cu_seqlens: torch.Tensor | Sequence[int],
+        *,
+        total_length: int,
+        tail_padding_length: int = 0,
     ) -> PackedLayout:
         """Layout of one row of ``total_length`` positions from cumulative sample lengths.
 
@@ -183,7 +187,9 @@ class PackedLayout:
                 f"dtype {cu.dtype}"
             )
         if not is_int(total_length) or total_length < 1:
-            raise ChannelLossMetadataError(f"total_length must be a positive int; got {total_length!r}")
+            raise ChannelLossMetadataError(
+                f"total_length must be a positive int; got {total_length!r}"
+            )
         (tail,) = _row_tails(tail_padding_length, 1, total_length)
         cu = cu.to(torch.int64)
         values = cu.tolist()
@@ -236,8 +242,10 @@ class PackedLayout:
     def on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """``(sample_index, sample_starts)`` on ``device``, copied once and cached."""
         if device not in self._on_device:
-            self._on_device[device] = (copy_to(self.sample_index, device),
-                                       copy_to(self.sample_starts, device))
+            self._on_device[device] = (
+                copy_to(self.sample_index, device),
+                copy_to(self.sample_starts, device),
+            )
         return self._on_device[device]
 
     def shard(self, world_size: int, rank: int, mode: str) -> Shard:
@@ -285,7 +293,9 @@ class Shard:
                 f"rank must be an int in [0, {world_size}) for world_size {world_size}; got {rank!r}"
             )
         if not isinstance(mode, str) or mode not in SHARD_MODES:
-            raise ChannelLossMetadataError(f"mode must be one of {tuple(SHARD_MODES)}; got {mode!r}")
+            raise ChannelLossMetadataError(
+                f"mode must be one of {tuple(SHARD_MODES)}; got {mode!r}"
+            )
         self.layout, self.mode = layout, mode
         self.world_size, self.rank = int(world_size), int(rank)
         index = SHARD_MODES[mode](self)
@@ -308,7 +318,10 @@ class Shard:
         labels).
         """
         lead = len(self.layout.shape)
-        if not isinstance(global_tensor, torch.Tensor) or _shape(global_tensor.shape[:lead]) != self.layout.shape:
+        if (
+            not isinstance(global_tensor, torch.Tensor)
+            or _shape(global_tensor.shape[:lead]) != self.layout.shape
+        ):
             raise ChannelLossMetadataError(
                 f"take() needs a tensor with the layout's leading shape {self.layout.shape}; got "
                 f"{tuple(getattr(global_tensor, 'shape', ())) or type(global_tensor).__name__}"
@@ -346,7 +359,9 @@ def _zigzag_index(shard: Shard) -> torch.Tensor:
     tails = torch.tensor(layout.tail_padding, dtype=torch.int64, device=device)
     has_tail = tails > 0
     tail_rows = torch.arange(rows, device=device)[has_tail]
-    starts = torch.cat([layout.sample_starts, tail_rows * row_length + row_length - tails[has_tail]])
+    starts = torch.cat(
+        [layout.sample_starts, tail_rows * row_length + row_length - tails[has_tail]]
+    )
     lengths = torch.cat([layout.seqlens, tails[has_tail]])
     order = torch.argsort(starts, stable=True)  # row-major: row by row, in position order
     starts, lengths = starts[order], lengths[order]
@@ -359,7 +374,9 @@ def _zigzag_index(shard: Shard) -> torch.Tensor:
     local_begin = _exclusive_cumsum(local) - _exclusive_cumsum(row_local)[block_rows]
 
     block = torch.repeat_interleave(torch.arange(starts.numel(), device=device), local)
-    q = torch.arange(block.numel(), device=device) - torch.repeat_interleave(_exclusive_cumsum(local), local)
+    q = torch.arange(block.numel(), device=device) - torch.repeat_interleave(
+        _exclusive_cumsum(local), local
+    )
     c = chunk[block]
     offset = torch.where(q < c, r * c + q, (2 * w - 1 - r) * c + (q - c))
     global_index = torch.where(offset < lengths[block], starts[block] + offset, -1)

@@ -120,7 +120,7 @@ def columns_from_metrics(
         start = metric_key(prefix, column.metric, "")
         for key, value in metrics.items():
             if key.startswith(start):
-                columns.setdefault(key[len(start):], [0.0] * len(COLUMNS))[column_index] = value
+                columns.setdefault(key[len(start) :], [0.0] * len(COLUMNS))[column_index] = value
     for name, values in columns.items():
         values[_LOSS] = metrics.get(metric_key(prefix, MEAN, name), 0.0) * values[_TOKENS]
     return columns, metrics.get(metric_key(prefix, DROPPED), 0.0)
@@ -166,8 +166,12 @@ def _plan(headers: list[StepHeader], sp_id: int) -> _Plan:
     for gid, members in groups.items():
         count = max(h.micro_batches for h in members)
         if len({(h.micro_batches, h.fingerprint) for h in members}) == 1:
-            failed = {m for h in members for start, length in h.failed
-                      for m in range(start, min(start + length, count))}
+            failed = {
+                m
+                for h in members
+                for start, length in h.failed
+                for m in range(start, min(start + length, count))
+            }
             kept = [m for m in range(count) if m not in failed]
             problem = None
         else:
@@ -182,7 +186,9 @@ def _plan(headers: list[StepHeader], sp_id: int) -> _Plan:
         if gid == sp_id:
             plan.kept, plan.mismatch_here = kept, problem
     first = next((h for h in headers if h.error_at >= 0), None)
-    plan.error = f"rank {first.rank}, micro-batch {first.error_at}: {first.error}" if first else mismatch
+    plan.error = (
+        f"rank {first.rank}, micro-batch {first.error_at}: {first.error}" if first else mismatch
+    )
     return plan
 
 
@@ -278,7 +284,9 @@ class ChannelLossMeter:
         self._group = _metrics_group(sp_group, dp_group)
         distributed = dist.is_available() and dist.is_initialized()
         self._rank = dist.get_rank() if distributed else 0
-        self._sp_id = min(dist.get_process_group_ranks(sp_group)) if self._sp_size > 1 else self._rank
+        self._sp_id = (
+            min(dist.get_process_group_ranks(sp_group)) if self._sp_size > 1 else self._rank
+        )
         self._slots: dict[SourceId, int] = {}
         self._names: list[str] = []
         self._taken: set[str] = set()
@@ -386,7 +394,10 @@ class ChannelLossMeter:
             logits.shape[:-1], labels, shift_labels, self.ignore_index, logits.shape[-1], "logits"
         )
         losses = per_token_cross_entropy(
-            logits=logits, shift_labels=targets, ignore_index=self.ignore_index, chunk_size=chunk_size
+            logits=logits,
+            shift_labels=targets,
+            ignore_index=self.ignore_index,
+            chunk_size=chunk_size,
         )
         record(losses, targets, self.ignore_index)
 
@@ -426,7 +437,9 @@ class ChannelLossMeter:
         slots: dict[SourceId, int] = {}
         names: list[str] = []
         for entry in state["sources"]:
-            key, name = entry if isinstance(entry, (list, tuple)) and len(entry) == 2 else (None, None)
+            key, name = (
+                entry if isinstance(entry, (list, tuple)) and len(entry) == 2 else (None, None)
+            )
             if not (is_int(key) or isinstance(key, str)) or not isinstance(name, str):
                 raise ValueError(f"bad source entry in ChannelLossMeter state: {entry!r}")
             key = key if isinstance(key, str) else int(key)
@@ -467,7 +480,12 @@ class ChannelLossMeter:
         return self._step
 
     def _attribute(
-        self, observations: list[TokenObservation], source_ids, layout, shard, source_names,
+        self,
+        observations: list[TokenObservation],
+        source_ids,
+        layout,
+        shard,
+        source_names,
         observe: int | None,
     ) -> tuple[SourceTotals, dict[SourceId, str]]:
         count = len(observations)
@@ -485,7 +503,10 @@ class ChannelLossMeter:
             raise ChannelLossMetadataError(
                 f"sp_group has {self._sp_size} ranks but micro_batch() got no shard"
             )
-        if isinstance(shard, Shard) and (shard.world_size, shard.rank) != (self._sp_size, self._sp_rank):
+        if isinstance(shard, Shard) and (shard.world_size, shard.rank) != (
+            self._sp_size,
+            self._sp_rank,
+        ):
             raise ChannelLossMetadataError(
                 f"the shard is rank {shard.rank} of {shard.world_size} but this is rank "
                 f"{self._sp_rank} of {self._sp_size} in sp_group"
@@ -496,8 +517,12 @@ class ChannelLossMeter:
             )
         observed = observations[0 if observe is None else observe]
         totals = source_totals(
-            observed.token_losses, observed.targets, layout=layout, source_ids=source_ids,
-            shard=shard, ignore_index=observed.ignore_index,
+            observed.token_losses,
+            observed.targets,
+            layout=layout,
+            source_ids=source_ids,
+            shard=shard,
+            ignore_index=observed.ignore_index,
         )
         names = {}
         for key in totals.keys:  # distinct sources, not samples
@@ -517,14 +542,24 @@ class ChannelLossMeter:
         if not self.strict:
             logger.warning(
                 "channel_loss: micro-batch %d of step %d dropped on every sequence-parallel "
-                "rank: %s", index, step.index, error,
+                "rank: %s",
+                index,
+                step.index,
+                error,
             )
 
     def _header(self, step: _Step) -> StepHeader:
         failed = [m for m, micro in enumerate(step.micro_batches) if micro.totals is None]
         fingerprint = zlib.crc32(repr([m.fingerprint for m in step.micro_batches]).encode())
-        return StepHeader(self._rank, self._sp_id, len(step.micro_batches), fingerprint,
-                          failure_runs(failed), step.error_at, step.error)
+        return StepHeader(
+            self._rank,
+            self._sp_id,
+            len(step.micro_batches),
+            fingerprint,
+            failure_runs(failed),
+            step.error_at,
+            step.error,
+        )
 
     def _reduce(self, step: _Step) -> dict[str, float]:
         # Sources this rank measured that no rank has registered yet, with every name given.
@@ -552,18 +587,25 @@ class ChannelLossMeter:
         device = kept[0].loss_sum.device if kept else torch.device("cpu")
         rows = torch.zeros(known + len(new), len(COLUMNS), dtype=torch.float64, device=device)
         for totals in kept:
-            into = torch.tensor([slot[key] for key in totals.keys], dtype=torch.int64, device=device)
+            into = torch.tensor(
+                [slot[key] for key in totals.keys], dtype=torch.int64, device=device
+            )
             rows.index_add_(0, into, totals.rows())
         reduced = exchange.reduce(rows[:known], rows[known:])
 
         # Every rank's new sources, first seen in rank order: the same registry everywhere.
-        announced = {key: [(headers[rank].rank, name) for rank, name in given]
-                     for key, given in reduced.names.items()}
+        announced = {
+            key: [(headers[rank].rank, name) for rank, name in given]
+            for key, given in reduced.names.items()
+        }
         self._check_names(announced, step)
         for key in reduced.new_keys:
             self._register(key, announced[key][0][1] if key in announced else "")
-        return metrics_from_columns(dict(zip(self._names, reduced.rows.tolist(), strict=True)),
-                                    prefix=self.prefix, dropped=plan.dropped)
+        return metrics_from_columns(
+            dict(zip(self._names, reduced.rows.tolist(), strict=True)),
+            prefix=self.prefix,
+            dropped=plan.dropped,
+        )
 
     def _check_names(self, announced: dict[SourceId, list[tuple[int, str]]], step: _Step) -> None:
         """Different names for one new source: every rank raises (strict) or warns alike."""

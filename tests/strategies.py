@@ -154,8 +154,9 @@ def packed_cases(
     zero = draw(st.sets(st.integers(0, max(n - 1, 0)), max_size=n)) if n else set()
     one_d = n_rows == 1 and draw(st.booleans())
     rng = draw(st.randoms(use_true_random=False))
-    return make_case(rows, source_ids=source_ids, rng=rng, tails=tails, one_d=one_d,
-                     zero_supervised=sorted(zero))
+    return make_case(
+        rows, source_ids=source_ids, rng=rng, tails=tails, one_d=one_d, zero_supervised=sorted(zero)
+    )
 
 
 def sp_world_sizes() -> st.SearchStrategy[int]:

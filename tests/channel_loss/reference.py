@@ -70,8 +70,12 @@ def reference_totals(case: PackedCase, token_losses=None) -> dict:
                 entry[_INDEX["tokens"]] += 1
     others = [c.name for c in COLUMNS if c.name not in LOOP_COLUMNS]
     if others and out:
-        unsharded = source_totals(torch.as_tensor(losses), case.targets, layout=layout_of(case),
-                                  source_ids=list(case.source_ids)).as_dict()
+        unsharded = source_totals(
+            torch.as_tensor(losses),
+            case.targets,
+            layout=layout_of(case),
+            source_ids=list(case.source_ids),
+        ).as_dict()
         for source, entry in out.items():
             for name in others:
                 entry[_INDEX[name]] = unsharded[source][_INDEX[name]]
@@ -95,9 +99,13 @@ def make_totals(keys, **columns):
 
     unknown = set(columns) - set(_INDEX)
     assert not unknown, f"no such columns: {unknown}"
-    return SourceTotals(tuple(keys), **{
-        c.name: torch.tensor(columns.get(c.name, [0] * len(keys)), dtype=c.dtype) for c in COLUMNS
-    })
+    return SourceTotals(
+        tuple(keys),
+        **{
+            c.name: torch.tensor(columns.get(c.name, [0] * len(keys)), dtype=c.dtype)
+            for c in COLUMNS
+        },
+    )
 
 
 def pick(totals_dict: dict, *names: str) -> dict:
@@ -152,8 +160,9 @@ def sanitised(name) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]", "_", str(name))
 
 
-def reference_metrics(totals: dict, *, names: dict | None = None, dropped: int = 0,
-                      prefix: str = "channel_loss") -> dict:
+def reference_metrics(
+    totals: dict, *, names: dict | None = None, dropped: int = 0, prefix: str = "channel_loss"
+) -> dict:
     """The meter's metrics for ``reference_totals``-shaped ``totals`` (no name collisions assumed).
 
     Per source present (any column but ``loss_sum`` non-zero): the mean CE

@@ -58,8 +58,13 @@ def examples(draw, world: int) -> dict:
     per_rank = []
     for _ in range(world):
         sources = draw(st.lists(st.sampled_from(SOURCES), min_size=1, max_size=3, unique=True))
-        per_rank.append(draw(st.lists(
-            packed_cases(max_rows=2, max_samples=4, sources=sources), min_size=1, max_size=3)))
+        per_rank.append(
+            draw(
+                st.lists(
+                    packed_cases(max_rows=2, max_samples=4, sources=sources), min_size=1, max_size=3
+                )
+            )
+        )
     return {"cases": per_rank, "seed": draw(st.integers(0, 2**16))}
 
 
@@ -78,11 +83,16 @@ def _groups(sp: int, dp: int):
             return None
         if len(blocks[0]) == world:
             return dist.group.WORLD
-        return next(group for ranks, group in [(ranks, dist.new_group(ranks)) for ranks in blocks]
-                    if rank in ranks)
+        return next(
+            group
+            for ranks, group in [(ranks, dist.new_group(ranks)) for ranks in blocks]
+            if rank in ranks
+        )
 
-    return (made([[d * sp + s for s in range(sp)] for d in range(dp)]),
-            made([[d * sp + s for d in range(dp)] for s in range(sp)]))
+    return (
+        made([[d * sp + s for s in range(sp)] for d in range(dp)]),
+        made([[d * sp + s for d in range(dp)] for s in range(sp)]),
+    )
 
 
 def _meter_step(example: dict, groups, mode: str, device: str) -> dict:
@@ -131,12 +141,17 @@ def _capture_parity(example: dict, mode: str, device: str) -> None:
         *plain, none = _loss_and_grads(local, weight, targets, observe=False)
         *observed, observations = _loss_and_grads(local, weight, targets, observe=True)
         assert none == []
-        for name, a, b in zip(("loss", "hidden grad", "weight grad", "all-reduced weight grad"),
-                              plain, observed, strict=True):
+        for name, a, b in zip(
+            ("loss", "hidden grad", "weight grad", "all-reduced weight grad"),
+            plain,
+            observed,
+            strict=True,
+        ):
             assert torch.equal(a, b), f"micro-batch {m}, {mode}: {name} differs under capture"
         (observation,) = observations
-        eager = per_token_cross_entropy(hidden_states=local, weight=weight, shift_labels=targets,
-                                        chunk_size=CHUNK)
+        eager = per_token_cross_entropy(
+            hidden_states=local, weight=weight, shift_labels=targets, chunk_size=CHUNK
+        )
         assert torch.equal(observation.token_losses, eager), f"micro-batch {m}, {mode}"
         assert torch.equal(observation.targets, targets)
 
@@ -168,8 +183,9 @@ def test_drawn_layouts_on_real_ranks_match_the_reference(device, nproc, data):
     if reason is not None:
         pytest.skip(f"{reason} (one held by this test, {nproc} for its ranks)")
     example = data.draw(examples(nproc), label="example")
-    results = harness.launch(run_example, LaunchSpec(device=device, nproc=nproc, timeout=240),
-                             example, device)
+    results = harness.launch(
+        run_example, LaunchSpec(device=device, nproc=nproc, timeout=240), example, device
+    )
     for sp, dp in splits(nproc):
         want = expected_metrics(example, dp)
         for mode in SHARD_MODES:
