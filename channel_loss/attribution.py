@@ -148,7 +148,7 @@ class SourceTotals:
         return SourceTotals.from_rows(reduced.new_keys, reduced.rows).to(self.loss_sum.device)
 
     def as_dict(self) -> dict[SourceId, tuple]:
-        """``{source_id: (loss_sum, tokens, samples)}`` (``COLUMNS`` order) as Python numbers."""
+        """``{source_id: (one value per column, in COLUMNS order: loss_sum, tokens, samples)}``, as Python numbers."""
         return (
             dict(
                 zip(self.keys, zip(*(c.tolist() for c in self.columns()), strict=True), strict=True)

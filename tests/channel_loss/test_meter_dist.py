@@ -16,13 +16,14 @@ import torch
 import torch.distributed as dist
 
 import harness
-from channel_loss import ChannelLossMetadataError, ChannelLossMeter, PackedLayout, source_totals
+from channel_loss import ChannelLossMetadataError, ChannelLossMeter, source_totals
 from channel_loss.attribution import COLUMNS
 from channel_loss.capture import record
 from channel_loss.exchange import BACKEND_DEVICES, comm_device, count_collectives
 from channel_loss.layout import SHARD_MODES
 from tests.channel_loss.reference import (
     add_totals,
+    layout_of,
     make_totals,
     reference_metrics,
     reference_totals,
@@ -54,10 +55,6 @@ def micro_batches(seed: int, sources=("web", "code/py", 3, "math"), count: int =
             )
         )
     return cases
-
-
-def layout_of(case) -> PackedLayout:
-    return PackedLayout.from_position_ids(case.position_ids(), tail_padding_length=list(case.tails))
 
 
 def run_step(
