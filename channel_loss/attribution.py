@@ -4,23 +4,24 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields
-from numbers import Integral
 
 import torch
 import torch.distributed as dist
 
 from channel_loss.errors import ChannelLossMetadataError
-from channel_loss.exchange import (
-    SourceId,
-    all_reduce_rows,
-    decode_entries,
-    encode_entries,
-    gather_headers,
-    group_size,
-)
+from channel_loss.exchange import KeyedExchange, SourceId, group_size
 from channel_loss.layout import PackedLayout, Shard, copy_to
+from channel_loss.validation import is_int
 
-__all__ = ["COLUMNS", "Column", "SourceId", "SourceTotals", "check_text", "source_keys", "source_totals"]
+__all__ = [
+    "COLUMNS",
+    "Column",
+    "SourceId",
+    "SourceTotals",
+    "check_text",
+    "source_keys",
+    "source_totals",
+]
 
 
 @dataclass(frozen=True)
@@ -59,10 +60,16 @@ class SourceTotals:
 
     keys: tuple[SourceId, ...]
     loss_sum: torch.Tensor = field(
-        metadata=_column(torch.float64, None, "sum of the per-token losses of scored targets"))
+        metadata=_column(torch.float64, None, "sum of the per-token losses of scored targets")
+    )
     tokens: torch.Tensor = field(metadata=_column(torch.int64, "tokens", "scored targets"))
-    samples: torch.Tensor = field(metadata=_column(
-        torch.int64, "samples", "samples, each counted once (on the rank holding its first token)"))
+    samples: torch.Tensor = field(
+        metadata=_column(
+            torch.int64,
+            "samples",
+            "samples, each counted once (on the rank holding its first token)",
+        )
+    )
 
     def columns(self) -> tuple[torch.Tensor, ...]:
         """The column tensors, in ``COLUMNS`` order."""
@@ -76,11 +83,15 @@ class SourceTotals:
     @classmethod
     def from_rows(cls, keys: Iterable[SourceId], rows: torch.Tensor) -> SourceTotals:
         """Inverse of ``rows()``; integer columns are rounded back to int64."""
-        return cls(tuple(keys), *(
-            rows[:, i].to(torch.float64) if c.dtype.is_floating_point
-            else rows[:, i].round().to(c.dtype)
-            for i, c in enumerate(COLUMNS)
-        ))
+        return cls(
+            tuple(keys),
+            *(
+                rows[:, i].to(torch.float64)
+                if c.dtype.is_floating_point
+                else rows[:, i].round().to(c.dtype)
+                for i, c in enumerate(COLUMNS)
+            ),
+        )
 
     def rows(self) -> torch.Tensor:
         """float64 ``[len(keys), len(COLUMNS)]``, columns in ``COLUMNS`` order (counts exact below 2**53)."""
@@ -97,15 +108,21 @@ class SourceTotals:
         extra = [key for key in other.keys if key not in position]
         position.update((key, len(self.keys) + i) for i, key in enumerate(extra))
         device = self.loss_sum.device
-        into = copy_to(torch.tensor([position[key] for key in other.keys], dtype=torch.int64), device)
+        into = copy_to(
+            torch.tensor([position[key] for key in other.keys], dtype=torch.int64), device
+        )
 
         def merged(mine: torch.Tensor, theirs: torch.Tensor) -> torch.Tensor:
             grown = torch.nn.functional.pad(mine, (0, len(extra)))
             return grown.index_add_(0, into, theirs.to(device))
 
-        return SourceTotals(self.keys + tuple(extra), *(
-            merged(mine, theirs) for mine, theirs in zip(self.columns(), other.columns(), strict=True)
-        ))
+        return SourceTotals(
+            self.keys + tuple(extra),
+            *(
+                merged(mine, theirs)
+                for mine, theirs in zip(self.columns(), other.columns(), strict=True)
+            ),
+        )
 
     def __radd__(self, other) -> SourceTotals:
         # Lets sum(partials) start from its default 0.
@@ -125,22 +142,20 @@ class SourceTotals:
             group = dist.group.WORLD
         if group_size(group) == 1:
             return self
-        words = encode_entries([(key, "") for key in self.keys])
-        headers = gather_headers([len(self.keys), len(words)], group)
-        known = torch.zeros(0, 3, dtype=torch.float64)
-        _, arrivals = all_reduce_rows(
-            known, self.rows(), words, [(h[0], h[1]) for h in headers], group
-        )
-        total = SourceTotals.empty()
-        for (n, _), (rows, their_words) in zip(headers, arrivals, strict=True):
-            keys = [key for key, _ in decode_entries(their_words, n)]
-            total = total + SourceTotals.from_rows(keys, rows)
-        return total.to(self.loss_sum.device)
+        exchange = KeyedExchange([(key, "") for key in self.keys], [], group)
+        known = torch.zeros(0, len(COLUMNS), dtype=torch.float64)
+        reduced = exchange.reduce(known, self.rows())
+        return SourceTotals.from_rows(reduced.new_keys, reduced.rows).to(self.loss_sum.device)
 
     def as_dict(self) -> dict[SourceId, tuple]:
-        """``{source_id: (loss_sum, tokens, samples)}`` (``COLUMNS`` order) as Python numbers."""
-        return dict(zip(self.keys, zip(*(c.tolist() for c in self.columns()), strict=True),
-                        strict=True)) if self.keys else {}
+        """``{source_id: (one value per column, in COLUMNS order: loss_sum, tokens, samples)}``, as Python numbers."""
+        return (
+            dict(
+                zip(self.keys, zip(*(c.tolist() for c in self.columns()), strict=True), strict=True)
+            )
+            if self.keys
+            else {}
+        )
 
 
 #: The per-source columns, in ``SourceTotals`` field (and ``rows()``) order.
@@ -165,11 +180,6 @@ def check_text(text: str, what: str) -> str:
     return text
 
 
-def _is_id(key) -> bool:
-    # bool is an int and 1.0 == 1 hashes like 1: both would silently merge into source 1.
-    return isinstance(key, str) or (isinstance(key, Integral) and not isinstance(key, bool))
-
-
 def _normalise_key(key, ids: list) -> SourceId:
     if isinstance(key, str):
         return check_text(str(key), f"source_ids[{ids.index(key)}]")
@@ -178,9 +188,9 @@ def _normalise_key(key, ids: list) -> SourceId:
 
 def _check_types(ids: list) -> None:
     """Every id is an int or a str: checked per distinct type, before equal values merge."""
-    for kind in set(map(type, ids)):
-        if not (issubclass(kind, str) or (issubclass(kind, Integral) and not issubclass(kind, bool))):
-            bad = next(i for i, key in enumerate(ids) if type(key) is kind)
+    first_of_type = {type(key): i for i, key in reversed(list(enumerate(ids)))}
+    for kind, bad in sorted(first_of_type.items(), key=lambda item: item[1]):
+        if not (issubclass(kind, str) or is_int(ids[bad])):
             raise ChannelLossMetadataError(
                 f"source_ids[{bad}] is {ids[bad]!r} of type {kind.__name__}; source ids must be "
                 "int or str (bool and float ids are refused: they would merge with the int "
@@ -199,7 +209,11 @@ def source_keys(source_ids, num_samples: int) -> tuple[tuple[SourceId, ...], tor
     host, or on the tensor's device.
     """
     if isinstance(source_ids, torch.Tensor):
-        if source_ids.dim() != 1 or source_ids.dtype.is_floating_point or source_ids.dtype == torch.bool:
+        if (
+            source_ids.dim() != 1
+            or source_ids.dtype.is_floating_point
+            or source_ids.dtype == torch.bool
+        ):
             raise ChannelLossMetadataError(
                 f"a source_ids tensor must be 1-D of integers; got shape {tuple(source_ids.shape)}, "
                 f"dtype {source_ids.dtype}"
@@ -229,7 +243,9 @@ def source_keys(source_ids, num_samples: int) -> tuple[tuple[SourceId, ...], tor
 
 def _check_inputs(token_losses, targets, layout, shard) -> None:
     if not isinstance(layout, PackedLayout):
-        raise ChannelLossMetadataError(f"layout must be a PackedLayout; got {type(layout).__name__}")
+        raise ChannelLossMetadataError(
+            f"layout must be a PackedLayout; got {type(layout).__name__}"
+        )
     if shard is None:
         expected, what = layout.shape, "the layout (position_ids) has shape"
     else:
@@ -296,4 +312,6 @@ def source_totals(
     counts = torch.zeros(2, bucket + 1, dtype=torch.int64, device=device)
     counts[0].index_add_(0, scored, torch.ones_like(scored))
     counts[1].index_add_(0, first, torch.ones_like(first))
-    return SourceTotals(keys, loss_sum[:bucket], counts[0, :bucket], counts[1, :bucket])
+    return SourceTotals(
+        keys, loss_sum=loss_sum[:bucket], tokens=counts[0, :bucket], samples=counts[1, :bucket]
+    )

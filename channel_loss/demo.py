@@ -24,7 +24,7 @@ With ``--sp W`` the step runs on W ranks over Gloo, started with torch's own
 launcher (``torch.distributed.launcher.elastic_launch``, what ``torchrun``
 runs), as sequence parallelism of the loss: every rank runs the
 (tiny) model on the whole packed row, takes its ``Shard`` (``--sp-mode``:
-zigzag by default, or contiguous) of the hidden states and of the globally
+zigzag by default, or any other mode of ``SHARD_MODES``) of the hidden states and of the globally
 pre-shifted labels, computes the loss of its tokens
 only, and the ranks sum their gradients. The meter attributes each rank's
 partial per-token losses and reduces them over the SP group, so the metrics
@@ -59,7 +59,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from channel_loss.attribution import COLUMNS
-from channel_loss.layout import PackedLayout
+from channel_loss.layout import SHARD_MODES, PackedLayout
 from channel_loss.meter import MEAN, WEIGHTED, ChannelLossMeter, columns_from_metrics, metric_key
 from channel_loss.ops import chunk_cross_entropy
 
@@ -124,8 +124,9 @@ def make_micro_batch(config: DemoConfig, step: int, micro: int) -> dict:
             tokens = (start + torch.arange(length)) % config.vocab
             if SOURCES[source] == "noisy":
                 swap = torch.rand(length, generator=g) < config.noise
-                tokens = torch.where(swap, torch.randint(0, config.vocab, (length,), generator=g),
-                                     tokens)
+                tokens = torch.where(
+                    swap, torch.randint(0, config.vocab, (length,), generator=g), tokens
+                )
         ids.append(tokens)
         pos.append(torch.arange(length))
         # The last token of a sample is never scored against the next sample's first.
@@ -156,7 +157,9 @@ class _Block(nn.Module):
         self.qkv = nn.Linear(hidden, 3 * hidden)
         self.proj = nn.Linear(hidden, hidden)
         self.norm2 = nn.LayerNorm(hidden)
-        self.mlp = nn.Sequential(nn.Linear(hidden, 4 * hidden), nn.GELU(), nn.Linear(4 * hidden, hidden))
+        self.mlp = nn.Sequential(
+            nn.Linear(hidden, 4 * hidden), nn.GELU(), nn.Linear(4 * hidden, hidden)
+        )
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         t, h = x.shape
@@ -202,14 +205,19 @@ def _print_table(step: int, metrics: dict[str, float], prefix: str = "channel_lo
     columns, _ = columns_from_metrics(metrics, prefix=prefix)
     shown = [(i, c.metric) for i, c in enumerate(COLUMNS) if c.metric is not None]
     print(f"  step {step}: per-source loss (mean CE over scored tokens)")
-    print(f"    {'source':<10}{'mean CE':>10}" + "".join(f"{m:>9}" for _, m in shown)
-          + f"{'weighted':>10}")
+    print(
+        f"    {'source':<10}{'mean CE':>10}"
+        + "".join(f"{m:>9}" for _, m in shown)
+        + f"{'weighted':>10}"
+    )
     for name in SOURCES.values():
         if name not in columns:
             continue
         mean = metrics.get(metric_key(prefix, MEAN, name), float("nan"))
         counts = "".join(f"{columns[name][i]:>9.0f}" for i, _ in shown)
-        print(f"    {name:<10}{mean:>10.4f}{counts}{metrics[metric_key(prefix, WEIGHTED, name)]:>10.4f}")
+        print(
+            f"    {name:<10}{mean:>10.4f}{counts}{metrics[metric_key(prefix, WEIGHTED, name)]:>10.4f}"
+        )
     sys.stdout.flush()
 
 
@@ -241,8 +249,9 @@ def _train(config: DemoConfig) -> list[dict[str, float]]:
     torch.manual_seed(config.seed)  # identical initial weights on every rank
     model = TinyCausalLM(config.vocab, config.hidden, config.layers, config.heads, config.seq_len)
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=0.0)
-    meter = ChannelLossMeter(sp_group=dist.group.WORLD if config.sp > 1 else None,
-                             interval=config.interval)
+    meter = ChannelLossMeter(
+        sp_group=dist.group.WORLD if config.sp > 1 else None, interval=config.interval
+    )
     records = []
     started = time.perf_counter()
     for step in range(config.steps):
@@ -254,19 +263,26 @@ def _train(config: DemoConfig) -> list[dict[str, float]]:
         meter.begin_step()
         step_loss = torch.zeros(())
         for batch in batches:
-            layout = PackedLayout.from_position_ids(batch["position_ids"],
-                                                    tail_padding_length=batch["tail"])
+            layout = PackedLayout.from_position_ids(
+                batch["position_ids"], tail_padding_length=batch["tail"]
+            )
             shard = layout.shard(world, rank, config.sp_mode) if config.sp > 1 else None
-            with meter.micro_batch(source_ids=batch["source_ids"], layout=layout, shard=shard,
-                                   source_names=SOURCES):
+            with meter.micro_batch(
+                source_ids=batch["source_ids"], layout=layout, shard=shard, source_names=SOURCES
+            ):
                 hidden = model(batch["input_ids"], batch["position_ids"])
                 targets = batch["shift_labels"]
                 if shard is not None:
                     # Labels were shifted globally above; slicing must not shift again.
                     hidden = shard.take(hidden, 0.0)
                     targets = shard.take(targets, IGNORE_INDEX)
-                loss = chunk_cross_entropy(hidden, model.lm_head.weight, shift_labels=targets,
-                                           num_items_in_batch=items, chunk_size=config.chunk_size)
+                loss = chunk_cross_entropy(
+                    hidden,
+                    model.lm_head.weight,
+                    shift_labels=targets,
+                    num_items_in_batch=items,
+                    chunk_size=config.chunk_size,
+                )
             loss.backward()
             step_loss += loss.detach()
         if config.sp > 1:
@@ -277,15 +293,21 @@ def _train(config: DemoConfig) -> list[dict[str, float]]:
         optimizer.zero_grad(set_to_none=True)
         metrics = meter.end_step()
         if talk:
-            print(f"[{step + 1:>4}/{config.steps}] loss {float(step_loss):.4f}  "
-                  f"{1000 * (time.perf_counter() - tick):5.0f} ms/step", flush=True)
+            print(
+                f"[{step + 1:>4}/{config.steps}] loss {float(step_loss):.4f}  "
+                f"{1000 * (time.perf_counter() - tick):5.0f} ms/step",
+                flush=True,
+            )
         if metrics:
             records.append({"step": step, "loss": float(step_loss), **metrics})
             if talk:
                 _print_table(step, metrics)
     if talk:
-        print(f"trained {config.steps} steps in {time.perf_counter() - started:.1f} s "
-              f"(sp={config.sp})", flush=True)
+        print(
+            f"trained {config.steps} steps in {time.perf_counter() - started:.1f} s "
+            f"(sp={config.sp})",
+            flush=True,
+        )
     return records
 
 
@@ -328,15 +350,22 @@ def _launch(config: DemoConfig) -> list[dict[str, float]]:
     # ``__main__``, which the spawned ranks could not import by that name.
     from channel_loss import demo
 
-    with tempfile.TemporaryDirectory(prefix="channel_loss_demo_") as logs, \
-            _launcher_side_effects_undone():
+    with (
+        tempfile.TemporaryDirectory(prefix="channel_loss_demo_") as logs,
+        _launcher_side_effects_undone(),
+    ):
         launch = LaunchConfig(
-            min_nodes=1, max_nodes=1, nproc_per_node=config.sp,
+            min_nodes=1,
+            max_nodes=1,
+            nproc_per_node=config.sp,
             run_id=f"channel_loss_demo_{uuid.uuid4().hex}",
             # torchrun --standalone: a rendezvous on a free local port held by this process.
-            rdzv_backend="c10d", rdzv_endpoint="localhost:0",
+            rdzv_backend="c10d",
+            rdzv_endpoint="localhost:0",
             rdzv_configs={"timeout": RENDEZVOUS_TIMEOUT_S},
-            max_restarts=0, start_method="spawn", logs_specs=DefaultLogsSpecs(log_dir=logs),
+            max_restarts=0,
+            start_method="spawn",
+            logs_specs=DefaultLogsSpecs(log_dir=logs),
         )
         results = elastic_launch(launch, demo._sp_rank)(asdict(config))
     return results[0]  # the meter gives every rank the same metrics
@@ -376,7 +405,9 @@ def write_metrics(records: Sequence[dict], out: Path) -> Path:
     return path
 
 
-def plot(records: Sequence[dict], out: Path, *, vocab: int, prefix: str = "channel_loss") -> Path | None:
+def plot(
+    records: Sequence[dict], out: Path, *, vocab: int, prefix: str = "channel_loss"
+) -> Path | None:
     """Plot per-source mean CE (and the training loss) against step into ``out/channel_loss.png``.
 
     Returns the path, or None when matplotlib is not installed.
@@ -395,10 +426,20 @@ def plot(records: Sequence[dict], out: Path, *, vocab: int, prefix: str = "chann
         points = [(r["step"], r[key]) for r in records if key in r]
         if points:
             ax.plot(*zip(*points, strict=True), marker="o", markersize=3, label=name)
-    ax.plot(steps, [r["loss"] for r in records], color="grey", linestyle="--",
-            label="training loss (all sources)")
-    ax.axhline(math.log(vocab), color="black", linestyle=":", linewidth=1,
-               label=f"uniform guess ln {vocab}")
+    ax.plot(
+        steps,
+        [r["loss"] for r in records],
+        color="grey",
+        linestyle="--",
+        label="training loss (all sources)",
+    )
+    ax.axhline(
+        math.log(vocab),
+        color="black",
+        linestyle=":",
+        linewidth=1,
+        label=f"uniform guess ln {vocab}",
+    )
     ax.set_xlabel("step")
     ax.set_ylabel("cross-entropy (nats / token)")
     ax.set_title("Per-source (channel) loss")
@@ -416,18 +457,36 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m channel_loss.demo",
         description="Train a tiny causal LM on packed data from three sources and plot the "
-                    "per-source (channel) loss.",
+        "per-source (channel) loss.",
     )
-    p.add_argument("--steps", type=int, default=defaults.steps, help="optimizer steps (default %(default)s)")
-    p.add_argument("--out", type=Path, default=Path("channel_loss_demo"),
-                   help="output directory (default %(default)s)")
-    p.add_argument("--sp", type=int, default=None,
-                   help=f"sequence-parallel ranks over Gloo, started with torch's elastic launcher "
-                        f"(default {defaults.sp}; under torchrun: its ranks)")
-    p.add_argument("--sp-mode", choices=("zigzag", "contiguous"), default=defaults.sp_mode,
-                   help="how the packed row is sharded under --sp (default %(default)s)")
-    p.add_argument("--interval", type=int, default=defaults.interval,
-                   help="measure and log every K-th step (default %(default)s)")
+    p.add_argument(
+        "--steps", type=int, default=defaults.steps, help="optimizer steps (default %(default)s)"
+    )
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=Path("channel_loss_demo"),
+        help="output directory (default %(default)s)",
+    )
+    p.add_argument(
+        "--sp",
+        type=int,
+        default=None,
+        help=f"sequence-parallel ranks over Gloo, started with torch's elastic launcher "
+        f"(default {defaults.sp}; under torchrun: its ranks)",
+    )
+    p.add_argument(
+        "--sp-mode",
+        choices=tuple(SHARD_MODES),
+        default=defaults.sp_mode,
+        help="how the packed row is sharded under --sp (default %(default)s)",
+    )
+    p.add_argument(
+        "--interval",
+        type=int,
+        default=defaults.interval,
+        help="measure and log every K-th step (default %(default)s)",
+    )
     p.add_argument("--seed", type=int, default=defaults.seed)
     p.add_argument("--quiet", action="store_true", help="no progress or tables")
     return p
@@ -447,16 +506,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     sp = world or args.sp or 1
     if args.steps < 1 or sp < 1 or args.interval < 1:
         parser.error("--steps, --sp and --interval must be >= 1")
-    config = replace(DemoConfig(), steps=args.steps, sp=sp, sp_mode=args.sp_mode,
-                     interval=args.interval, seed=args.seed, quiet=args.quiet)
+    config = replace(
+        DemoConfig(),
+        steps=args.steps,
+        sp=sp,
+        sp_mode=args.sp_mode,
+        interval=args.interval,
+        seed=args.seed,
+        quiet=args.quiet,
+    )
     joined = world is not None and world > 1
     if joined:
         dist.init_process_group("gloo", timeout=COLLECTIVE_TIMEOUT)
     try:
         lead = not joined or dist.get_rank() == 0
         if lead and not args.quiet:
-            print(f"channel_loss demo: {config.steps} steps, sources {', '.join(SOURCES.values())}, "
-                  f"sp={config.sp}, measuring every {config.interval} step(s)", flush=True)
+            print(
+                f"channel_loss demo: {config.steps} steps, sources {', '.join(SOURCES.values())}, "
+                f"sp={config.sp}, measuring every {config.interval} step(s)",
+                flush=True,
+            )
         records = run(config)
     finally:
         if joined:

@@ -4,7 +4,9 @@ A ``PackedLayout`` describes one packed batch: ``[T]`` or ``[B, T]`` token
 positions (rows laid out row-major), each row holding whole samples back to
 back followed by ``tail_padding_length`` padding positions that belong to no
 sample. A ``Shard`` is one sequence-parallel rank's slice of that batch, in
-Ulysses ("contiguous") or load-balanced context-parallel ("zigzag") order.
+one of the orders in ``SHARD_MODES``: Ulysses ("contiguous"), per-sample
+load-balanced context parallelism ("zigzag") or torch's whole-row head-tail
+context-parallel balancer ("headtail").
 
 Everything is built with tensor ops over all samples and tokens at once.
 Building a layout or a shard reads a few sizes back to the host (the number of
@@ -13,16 +15,14 @@ samples, the local length); attribution, which runs every micro-batch, does not.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from numbers import Integral
+from collections.abc import Callable, Sequence
 
 import torch
 
 from channel_loss.errors import ChannelLossMetadataError
+from channel_loss.validation import is_int
 
 __all__ = ["SHARD_MODES", "PackedLayout", "Shard", "copy_to"]
-
-SHARD_MODES: tuple[str, ...] = ("contiguous", "zigzag")
 
 
 def copy_to(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -53,7 +53,7 @@ def _row_tails(tail_padding_length, rows: int, row_length: int) -> tuple[int, ..
     """Per-row tail padding lengths from an int (every row) or one value per row."""
     if isinstance(tail_padding_length, torch.Tensor):
         tail_padding_length = tail_padding_length.tolist()
-    if isinstance(tail_padding_length, Integral) and not isinstance(tail_padding_length, bool):
+    if is_int(tail_padding_length):
         tails = (tail_padding_length,) * rows
     elif isinstance(tail_padding_length, Sequence) and not isinstance(tail_padding_length, str):
         tails = tuple(tail_padding_length)
@@ -66,7 +66,7 @@ def _row_tails(tail_padding_length, rows: int, row_length: int) -> tuple[int, ..
             f"tail_padding_length must be an int or one int per row; got {tail_padding_length!r}"
         )
     for row, tail in enumerate(tails):
-        if isinstance(tail, bool) or not isinstance(tail, Integral) or not 0 <= tail <= row_length:
+        if not is_int(tail) or not 0 <= tail <= row_length:
             raise ChannelLossMetadataError(
                 f"tail_padding_length of row {row} must be an int in [0, {row_length}] "
                 f"(the row length); got {tail!r}"
@@ -167,7 +167,11 @@ class PackedLayout:
 
     @classmethod
     def from_cu_seqlens(
-        cls, cu_seqlens: torch.Tensor | Sequence[int], *, total_length: int, tail_padding_length: int = 0
+        cls,
+        cu_seqlens: torch.Tensor | Sequence[int],
+        *,
+        total_length: int,
+        tail_padding_length: int = 0,
     ) -> PackedLayout:
         """Layout of one row of ``total_length`` positions from cumulative sample lengths.
 
@@ -182,8 +186,10 @@ class PackedLayout:
                 f"cu_seqlens must be a non-empty 1-D integer tensor; got shape {tuple(cu.shape)}, "
                 f"dtype {cu.dtype}"
             )
-        if isinstance(total_length, bool) or not isinstance(total_length, int) or total_length < 1:
-            raise ChannelLossMetadataError(f"total_length must be a positive int; got {total_length!r}")
+        if not is_int(total_length) or total_length < 1:
+            raise ChannelLossMetadataError(
+                f"total_length must be a positive int; got {total_length!r}"
+            )
         (tail,) = _row_tails(tail_padding_length, 1, total_length)
         cu = cu.to(torch.int64)
         values = cu.tolist()
@@ -236,19 +242,25 @@ class PackedLayout:
     def on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """``(sample_index, sample_starts)`` on ``device``, copied once and cached."""
         if device not in self._on_device:
-            self._on_device[device] = (copy_to(self.sample_index, device),
-                                       copy_to(self.sample_starts, device))
+            self._on_device[device] = (
+                copy_to(self.sample_index, device),
+                copy_to(self.sample_starts, device),
+            )
         return self._on_device[device]
 
     def shard(self, world_size: int, rank: int, mode: str) -> Shard:
         """The slice of this batch that sequence-parallel ``rank`` of ``world_size`` holds.
 
-        ``mode`` is ``"contiguous"`` (Ulysses: each row right-padded to a
-        multiple of ``world_size``, rank ``r`` holds the ``r``-th equal part)
-        or ``"zigzag"`` (load-balanced context parallelism: each sample, and
-        the tail padding as one more block, padded to a multiple of
-        ``2 * world_size`` and cut in ``2 * world_size`` chunks; rank ``r``
-        holds chunks ``r`` and ``2 * world_size - 1 - r`` of every block).
+        ``mode`` is a name in ``SHARD_MODES``: ``"contiguous"`` (Ulysses: each
+        row right-padded to a multiple of ``world_size``, rank ``r`` holds the
+        ``r``-th equal part), ``"zigzag"`` (per-sample load-balanced context
+        parallelism: each sample, and the tail padding as one more block,
+        padded to a multiple of ``2 * world_size`` and cut in
+        ``2 * world_size`` chunks; rank ``r`` holds chunks ``r`` and
+        ``2 * world_size - 1 - r`` of every block) or ``"headtail"`` (torch's
+        whole-row head-tail context-parallel balancer, as ``context_parallel``
+        uses without document masking: the same two chunks, of each row
+        right-padded to a multiple of ``2 * world_size``).
         """
         return Shard(self, world_size, rank, mode)
 
@@ -274,16 +286,19 @@ class Shard:
     """
 
     def __init__(self, layout: PackedLayout, world_size: int, rank: int, mode: str):
-        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        if not is_int(world_size) or world_size < 1:
             raise ChannelLossMetadataError(f"world_size must be a positive int; got {world_size!r}")
-        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
+        if not is_int(rank) or not 0 <= rank < world_size:
             raise ChannelLossMetadataError(
                 f"rank must be an int in [0, {world_size}) for world_size {world_size}; got {rank!r}"
             )
-        if mode not in SHARD_MODES:
-            raise ChannelLossMetadataError(f"mode must be one of {SHARD_MODES}; got {mode!r}")
-        self.layout, self.world_size, self.rank, self.mode = layout, world_size, rank, mode
-        index = _contiguous_index(self) if mode == "contiguous" else _zigzag_index(self)
+        if not isinstance(mode, str) or mode not in SHARD_MODES:
+            raise ChannelLossMetadataError(
+                f"mode must be one of {tuple(SHARD_MODES)}; got {mode!r}"
+            )
+        self.layout, self.mode = layout, mode
+        self.world_size, self.rank = int(world_size), int(rank)
+        index = SHARD_MODES[mode](self)
         self.local_shape = _shape(index.shape) if len(layout.shape) == 2 else (index.shape[1],)
         self.global_index = index.reshape(-1)
         self._on_device: dict[torch.device, torch.Tensor] = {}
@@ -303,7 +318,10 @@ class Shard:
         labels).
         """
         lead = len(self.layout.shape)
-        if not isinstance(global_tensor, torch.Tensor) or _shape(global_tensor.shape[:lead]) != self.layout.shape:
+        if (
+            not isinstance(global_tensor, torch.Tensor)
+            or _shape(global_tensor.shape[:lead]) != self.layout.shape
+        ):
             raise ChannelLossMetadataError(
                 f"take() needs a tensor with the layout's leading shape {self.layout.shape}; got "
                 f"{tuple(getattr(global_tensor, 'shape', ())) or type(global_tensor).__name__}"
@@ -341,7 +359,9 @@ def _zigzag_index(shard: Shard) -> torch.Tensor:
     tails = torch.tensor(layout.tail_padding, dtype=torch.int64, device=device)
     has_tail = tails > 0
     tail_rows = torch.arange(rows, device=device)[has_tail]
-    starts = torch.cat([layout.sample_starts, tail_rows * row_length + row_length - tails[has_tail]])
+    starts = torch.cat(
+        [layout.sample_starts, tail_rows * row_length + row_length - tails[has_tail]]
+    )
     lengths = torch.cat([layout.seqlens, tails[has_tail]])
     order = torch.argsort(starts, stable=True)  # row-major: row by row, in position order
     starts, lengths = starts[order], lengths[order]
@@ -354,10 +374,35 @@ def _zigzag_index(shard: Shard) -> torch.Tensor:
     local_begin = _exclusive_cumsum(local) - _exclusive_cumsum(row_local)[block_rows]
 
     block = torch.repeat_interleave(torch.arange(starts.numel(), device=device), local)
-    q = torch.arange(block.numel(), device=device) - torch.repeat_interleave(_exclusive_cumsum(local), local)
+    q = torch.arange(block.numel(), device=device) - torch.repeat_interleave(
+        _exclusive_cumsum(local), local
+    )
     c = chunk[block]
     offset = torch.where(q < c, r * c + q, (2 * w - 1 - r) * c + (q - c))
     global_index = torch.where(offset < lengths[block], starts[block] + offset, -1)
     out = torch.full((rows * width,), -1, dtype=torch.int64, device=device)
     out[block_rows[block] * width + local_begin[block] + q] = global_index
     return out.reshape(rows, width)
+
+
+def _headtail_index(shard: Shard) -> torch.Tensor:
+    """``[B, 2c]`` global indices: chunks ``r`` and ``2w-1-r`` of each row padded to ``2w * c``."""
+    layout, device = shard.layout, shard.layout.sample_index.device
+    w, r = shard.world_size, shard.rank
+    rows, row_length = layout.num_rows, layout.row_length
+    chunk = -(-row_length // (2 * w))
+    within = torch.arange(chunk, device=device)
+    column = torch.cat([r * chunk + within, (2 * w - 1 - r) * chunk + within])
+    row_base = torch.arange(rows, device=device)[:, None] * row_length
+    return torch.where(column[None, :] < row_length, row_base + column[None, :], -1)
+
+
+#: The shard modes, by name: each maps a ``Shard`` (its layout, ``world_size``
+#: and ``rank``) to its ``[B, L]`` int64 global indices, -1 for padding added by
+#: sharding. A new mode is one entry here (the tests' reference and the demo's
+#: ``--sp-mode`` read this registry).
+SHARD_MODES: dict[str, Callable[[Shard], torch.Tensor]] = {
+    "contiguous": _contiguous_index,
+    "zigzag": _zigzag_index,
+    "headtail": _headtail_index,
+}

@@ -6,10 +6,10 @@ and turns the observed per-token losses into this rank's partial
 reduces the whole step over the sequence-parallel (SP) and data-parallel (DP)
 ranks together in two collectives (see ``channel_loss.exchange``):
 
-1. a fixed-size int64 header per rank: its SP group, how many micro-batches it
-   ran and which of them failed (forward raised, or bad metadata) as up to
-   ``_RUNS`` runs of consecutive indices, the first metadata error message,
-   and the sizes of its never-seen-before sources;
+1. a fixed-size int64 header per rank (``exchange.StepHeader``): its SP group,
+   how many micro-batches it ran and which of them failed (forward raised, or
+   bad metadata) as up to ``exchange.RUNS`` runs of consecutive indices, the
+   first metadata error message, and the sizes of its never-seen-before sources;
 2. one float64 vector: rows for every registered source, plus each rank's new
    sources (ids and the names it was given, as numbers) with their rows.
 
@@ -41,14 +41,15 @@ from channel_loss.attribution import COLUMNS, SourceId, SourceTotals, check_text
 from channel_loss.capture import TokenObservation, capture, record
 from channel_loss.errors import ChannelLossMetadataError
 from channel_loss.exchange import (
-    all_reduce_rows,
-    decode_entries,
-    encode_entries,
+    KeyedExchange,
+    StepHeader,
+    failure_runs,
     gather_headers,
     group_size,
 )
 from channel_loss.layout import PackedLayout, Shard
 from channel_loss.ops import per_token_cross_entropy, resolve_targets
+from channel_loss.validation import check_int, is_int
 
 __all__ = [
     "DROPPED",
@@ -62,11 +63,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-# A rank's failed micro-batches travel as up to _RUNS runs [start, start + length).
-# Any number of micro-batches works; a rank whose failures form more runs sends
-# its last run from the start of its _RUNS-th to its last failure (see _runs).
-_RUNS = 16
-_MESSAGE_WORDS = 32  # an error message travels truncated to 8 * 32 bytes
 _NAME = re.compile(r"[^A-Za-z0-9_.-]")
 _LOSS = next(i for i, c in enumerate(COLUMNS) if c.name == "loss_sum")
 _TOKENS = next(i for i, c in enumerate(COLUMNS) if c.name == "tokens")
@@ -124,7 +120,7 @@ def columns_from_metrics(
         start = metric_key(prefix, column.metric, "")
         for key, value in metrics.items():
             if key.startswith(start):
-                columns.setdefault(key[len(start):], [0.0] * len(COLUMNS))[column_index] = value
+                columns.setdefault(key[len(start) :], [0.0] * len(COLUMNS))[column_index] = value
     for name, values in columns.items():
         values[_LOSS] = metrics.get(metric_key(prefix, MEAN, name), 0.0) * values[_TOKENS]
     return columns, metrics.get(metric_key(prefix, DROPPED), 0.0)
@@ -133,69 +129,6 @@ def columns_from_metrics(
 def sanitise_name(name: str) -> str:
     """``name`` with every character outside ``[A-Za-z0-9_.-]`` replaced by ``_`` (``"_"`` if empty)."""
     return _NAME.sub("_", name) or "_"
-
-
-@dataclass
-class _Header:
-    """What one rank tells every other rank at the end of a step (collective 1)."""
-
-    rank: int
-    sp_id: int  # lowest global rank of the rank's SP group: equal headers = same SP group
-    micro_batches: int
-    fingerprint: int  # the micro-batches' (num_samples, shape): SP peers must agree
-    new_keys: int  # new sources (rows)
-    new_entries: int  # their (id, name) entries: one per distinct name given, at least one per id
-    new_words: int
-    failed: list[tuple[int, int]]  # runs (start, length) of failed micro-batches, at most _RUNS
-    error_at: int = -1  # micro-batch of the first metadata error, -1 for none
-    error: str = ""
-
-    def pack(self) -> list[int]:
-        # backslashreplace: a message quoting unencodable text must still travel.
-        message = self.error.encode("utf-8", errors="backslashreplace")[: 8 * _MESSAGE_WORDS]
-        runs = [v for run in self.failed for v in run] + [0, 0] * (_RUNS - len(self.failed))
-        return [
-            self.rank, self.sp_id, self.micro_batches, self.fingerprint, self.new_keys,
-            self.new_entries, self.new_words, self.error_at, len(message), len(self.failed),
-            *runs, *_to_words(message.ljust(8 * _MESSAGE_WORDS, b"\0")),
-        ]
-
-    @classmethod
-    def unpack(cls, row: list[int]) -> _Header:
-        (rank, sp_id, micro_batches, fingerprint, new_keys, new_entries, new_words, error_at,
-         length, count) = row[:10]
-        runs = row[10 : 10 + 2 * _RUNS]
-        failed = [(runs[2 * i], runs[2 * i + 1]) for i in range(count)]
-        message = _from_words(row[10 + 2 * _RUNS :])[:length].decode("utf-8", errors="replace")
-        return cls(rank, sp_id, micro_batches, fingerprint, new_keys, new_entries, new_words,
-                   failed, error_at, message)
-
-
-def _runs(failed: list[int]) -> list[tuple[int, int]]:
-    """Sorted failed indices as at most ``_RUNS`` runs ``(start, length)``.
-
-    Past ``_RUNS`` runs the last one stretches from the start of the
-    ``_RUNS``-th to the last failure: its micro-batches in between are
-    dropped too (and counted as dropped), so every rank still agrees.
-    """
-    runs: list[list[int]] = []
-    for m in failed:
-        if runs and runs[-1][0] + runs[-1][1] == m:
-            runs[-1][1] += 1
-        else:
-            runs.append([m, 1])
-    if len(runs) > _RUNS:
-        start = runs[_RUNS - 1][0]
-        runs[_RUNS - 1:] = [[start, failed[-1] + 1 - start]]
-    return [(start, length) for start, length in runs]
-
-
-def _to_words(data: bytes) -> list[int]:
-    return [int.from_bytes(data[i : i + 8], "little", signed=True) for i in range(0, len(data), 8)]
-
-
-def _from_words(words: list[int]) -> bytes:
-    return b"".join(w.to_bytes(8, "little", signed=True) for w in words)
 
 
 @dataclass
@@ -224,8 +157,8 @@ class _Plan:
     mismatch_here: str | None  # this rank's SP group ran different micro-batches
 
 
-def _plan(headers: list[_Header], sp_id: int) -> _Plan:
-    groups: dict[int, list[_Header]] = {}
+def _plan(headers: list[StepHeader], sp_id: int) -> _Plan:
+    groups: dict[int, list[StepHeader]] = {}
     for header in headers:
         groups.setdefault(header.sp_id, []).append(header)
     plan = _Plan([], 0, None, None)
@@ -233,8 +166,12 @@ def _plan(headers: list[_Header], sp_id: int) -> _Plan:
     for gid, members in groups.items():
         count = max(h.micro_batches for h in members)
         if len({(h.micro_batches, h.fingerprint) for h in members}) == 1:
-            failed = {m for h in members for start, length in h.failed
-                      for m in range(start, min(start + length, count))}
+            failed = {
+                m
+                for h in members
+                for start, length in h.failed
+                for m in range(start, min(start + length, count))
+            }
             kept = [m for m in range(count) if m not in failed]
             problem = None
         else:
@@ -249,7 +186,9 @@ def _plan(headers: list[_Header], sp_id: int) -> _Plan:
         if gid == sp_id:
             plan.kept, plan.mismatch_here = kept, problem
     first = next((h for h in headers if h.error_at >= 0), None)
-    plan.error = f"rank {first.rank}, micro-batch {first.error_at}: {first.error}" if first else mismatch
+    plan.error = (
+        f"rank {first.rank}, micro-batch {first.error_at}: {first.error}" if first else mismatch
+    )
     return plan
 
 
@@ -306,7 +245,7 @@ class ChannelLossMeter:
     (``ignore_index`` here is only what ``observe_logits`` scores with).
 
     A micro-batch whose forward raised on any SP rank is dropped on all of
-    them, whatever the number of micro-batches in the step (see ``_runs``
+    them, whatever the number of micro-batches in the step (see ``exchange.failure_runs``
     for the one approximation: a rank whose failures in one step form more
     than 16 separate runs also drops the micro-batches between its last
     ones). Bad metadata (``ChannelLossMetadataError``: a bad layout, shard,
@@ -335,20 +274,19 @@ class ChannelLossMeter:
         prefix: str = "channel_loss",
         ignore_index: int = -100,
     ):
-        if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
-            raise ValueError(f"ignore_index must be an int; got {ignore_index!r}")
-        if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
-            raise ValueError(f"interval must be a positive int; got {interval!r}")
         self.strict = strict
-        self.interval = interval
+        # A fractional interval (the Trainer's logging_steps < 1 form) is the caller's to convert.
+        self.interval = check_int(interval, "interval", minimum=1)
         self.prefix = prefix
-        self.ignore_index = ignore_index
+        self.ignore_index = check_int(ignore_index, "ignore_index")
         self._sp_size = group_size(sp_group)
         self._sp_rank = dist.get_rank(sp_group) if self._sp_size > 1 else 0
         self._group = _metrics_group(sp_group, dp_group)
         distributed = dist.is_available() and dist.is_initialized()
         self._rank = dist.get_rank() if distributed else 0
-        self._sp_id = min(dist.get_process_group_ranks(sp_group)) if self._sp_size > 1 else self._rank
+        self._sp_id = (
+            min(dist.get_process_group_ranks(sp_group)) if self._sp_size > 1 else self._rank
+        )
         self._slots: dict[SourceId, int] = {}
         self._names: list[str] = []
         self._taken: set[str] = set()
@@ -371,7 +309,7 @@ class ChannelLossMeter:
         """
         if self._step is not None:
             raise RuntimeError("begin_step() called again before end_step()")
-        index = self._next_step if step is None else int(step)
+        index = self._next_step if step is None else check_int(step, "begin_step(step=...)")
         self._step = _Step(index, sampled=index % self.interval == 0)
 
     @contextmanager
@@ -382,6 +320,7 @@ class ChannelLossMeter:
         layout: PackedLayout,
         shard: Shard | None = None,
         source_names: Mapping[SourceId, str] | None = None,
+        observe: int | None = None,
     ) -> Iterator[None]:
         """Measure one micro-batch: wrap its forward and loss.
 
@@ -390,12 +329,24 @@ class ChannelLossMeter:
         e.g. DPO's chosen and rejected, are two samples: give each the pair's
         id; for TRL's ``[chosen rows; rejected rows]`` batch that is
         ``pair_ids + pair_ids``); ``shard`` is this rank's slice when ``sp_group`` has more
-        than one rank; ``source_names`` maps ids to display names. The loss
-        inside must be computed with ``chunk_cross_entropy`` (or reported
-        with ``observe_logits``) exactly once. If the body raises, the
-        micro-batch is dropped on every SP rank and the exception propagates
-        unchanged.
+        than one rank; ``source_names`` maps ids to display names.
+
+        The loss inside must be computed with ``chunk_cross_entropy`` (or
+        reported with ``observe_logits``) exactly once, unless ``observe``
+        says which call to attribute: with an auxiliary or multi-token
+        prediction head computing a second cross-entropy, pass the index of
+        the main loss's call in call order (``0``: the first, ``-1``: the
+        last); the other calls are not measured. Any other number of calls
+        (or an ``observe`` index the forward did not reach) is a metadata
+        error: the micro-batch is dropped and counted in
+        ``{prefix}_dropped_micro_batches`` with a warning, or raised from
+        ``end_step`` with ``strict=True``; never silently measured wrong.
+
+        If the body raises, the micro-batch is dropped on every SP rank and
+        the exception propagates unchanged.
         """
+        if observe is not None:
+            observe = check_int(observe, "micro_batch(observe=...)")
         step = self._require_step("micro_batch")
         if not step.sampled:
             yield
@@ -415,7 +366,7 @@ class ChannelLossMeter:
         # Only a forward that returned gets here; a raised one leaves totals None.
         try:
             micro.totals, micro.names = self._attribute(
-                cap.observations, source_ids, layout, shard, source_names
+                cap.observations, source_ids, layout, shard, source_names, observe
             )
         except ChannelLossMetadataError as error:
             self._reject(step, len(step.micro_batches) - 1, error)
@@ -443,7 +394,10 @@ class ChannelLossMeter:
             logits.shape[:-1], labels, shift_labels, self.ignore_index, logits.shape[-1], "logits"
         )
         losses = per_token_cross_entropy(
-            logits=logits, shift_labels=targets, ignore_index=self.ignore_index, chunk_size=chunk_size
+            logits=logits,
+            shift_labels=targets,
+            ignore_index=self.ignore_index,
+            chunk_size=chunk_size,
         )
         record(losses, targets, self.ignore_index)
 
@@ -483,9 +437,12 @@ class ChannelLossMeter:
         slots: dict[SourceId, int] = {}
         names: list[str] = []
         for entry in state["sources"]:
-            key, name = entry if isinstance(entry, (list, tuple)) and len(entry) == 2 else (None, None)
-            if isinstance(key, bool) or not isinstance(key, (int, str)) or not isinstance(name, str):
+            key, name = (
+                entry if isinstance(entry, (list, tuple)) and len(entry) == 2 else (None, None)
+            )
+            if not (is_int(key) or isinstance(key, str)) or not isinstance(name, str):
                 raise ValueError(f"bad source entry in ChannelLossMeter state: {entry!r}")
+            key = key if isinstance(key, str) else int(key)
             if key in slots:
                 raise ValueError(f"ChannelLossMeter state lists source {key!r} twice")
             if name in names:
@@ -501,8 +458,9 @@ class ChannelLossMeter:
                 )
             slots[key] = len(names)
             names.append(name)
+        next_step = check_int(state["next_step"], "ChannelLossMeter state next_step")
         self._slots, self._names, self._taken = slots, names, set(names)
-        self._next_step = int(state["next_step"])
+        self._next_step = next_step
 
     def _register(self, key: SourceId, name: str) -> int:
         base = sanitise_name(name or str(key))
@@ -522,18 +480,33 @@ class ChannelLossMeter:
         return self._step
 
     def _attribute(
-        self, observations: list[TokenObservation], source_ids, layout, shard, source_names
+        self,
+        observations: list[TokenObservation],
+        source_ids,
+        layout,
+        shard,
+        source_names,
+        observe: int | None,
     ) -> tuple[SourceTotals, dict[SourceId, str]]:
-        if len(observations) != 1:
+        count = len(observations)
+        if observe is None and count != 1:
             raise ChannelLossMetadataError(
-                f"expected 1 loss observation inside micro_batch(), got {len(observations)} "
-                "(compute the loss once with chunk_cross_entropy, or call observe_logits once)"
+                f"expected 1 loss observation inside micro_batch(), got {count} (compute the loss "
+                "once with chunk_cross_entropy, or call observe_logits once; with an auxiliary "
+                "head, pass micro_batch(observe=i) to attribute the i-th call)"
+            )
+        if observe is not None and not -count <= observe < count:
+            raise ChannelLossMetadataError(
+                f"micro_batch(observe={observe}) but the forward made {count} loss observations"
             )
         if shard is None and self._sp_size > 1:
             raise ChannelLossMetadataError(
                 f"sp_group has {self._sp_size} ranks but micro_batch() got no shard"
             )
-        if isinstance(shard, Shard) and (shard.world_size, shard.rank) != (self._sp_size, self._sp_rank):
+        if isinstance(shard, Shard) and (shard.world_size, shard.rank) != (
+            self._sp_size,
+            self._sp_rank,
+        ):
             raise ChannelLossMetadataError(
                 f"the shard is rank {shard.rank} of {shard.world_size} but this is rank "
                 f"{self._sp_rank} of {self._sp_size} in sp_group"
@@ -542,10 +515,14 @@ class ChannelLossMeter:
             raise ChannelLossMetadataError(
                 f"source_names must map source ids to names; got {type(source_names).__name__}"
             )
-        observed = observations[0]
+        observed = observations[0 if observe is None else observe]
         totals = source_totals(
-            observed.token_losses, observed.targets, layout=layout, source_ids=source_ids,
-            shard=shard, ignore_index=observed.ignore_index,
+            observed.token_losses,
+            observed.targets,
+            layout=layout,
+            source_ids=source_ids,
+            shard=shard,
+            ignore_index=observed.ignore_index,
         )
         names = {}
         for key in totals.keys:  # distinct sources, not samples
@@ -565,14 +542,24 @@ class ChannelLossMeter:
         if not self.strict:
             logger.warning(
                 "channel_loss: micro-batch %d of step %d dropped on every sequence-parallel "
-                "rank: %s", index, step.index, error,
+                "rank: %s",
+                index,
+                step.index,
+                error,
             )
 
-    def _header(self, step: _Step, new_keys: int, new_entries: int, new_words: int) -> _Header:
+    def _header(self, step: _Step) -> StepHeader:
         failed = [m for m, micro in enumerate(step.micro_batches) if micro.totals is None]
         fingerprint = zlib.crc32(repr([m.fingerprint for m in step.micro_batches]).encode())
-        return _Header(self._rank, self._sp_id, len(step.micro_batches), fingerprint, new_keys,
-                       new_entries, new_words, _runs(failed), step.error_at, step.error)
+        return StepHeader(
+            self._rank,
+            self._sp_id,
+            len(step.micro_batches),
+            fingerprint,
+            failure_runs(failed),
+            step.error_at,
+            step.error,
+        )
 
     def _reduce(self, step: _Step) -> dict[str, float]:
         # Sources this rank measured that no rank has registered yet, with every name given.
@@ -585,9 +572,8 @@ class ChannelLossMeter:
                     if name and name not in given:
                         given.append(name)
         entries = [(key, name) for key, given in new.items() for name in given or [""]]
-        words = encode_entries(entries)
-        header = self._header(step, len(new), len(entries), len(words))
-        headers = [_Header.unpack(row) for row in gather_headers(header.pack(), self._group)]
+        exchange = KeyedExchange(entries, self._header(step).pack(), self._group)
+        headers = [StepHeader.unpack(row) for row in exchange.headers]
         plan = _plan(headers, self._sp_id)
         if self.strict and plan.error is not None:
             raise ChannelLossMetadataError(plan.error)
@@ -601,38 +587,25 @@ class ChannelLossMeter:
         device = kept[0].loss_sum.device if kept else torch.device("cpu")
         rows = torch.zeros(known + len(new), len(COLUMNS), dtype=torch.float64, device=device)
         for totals in kept:
-            into = torch.tensor([slot[key] for key in totals.keys], dtype=torch.int64, device=device)
+            into = torch.tensor(
+                [slot[key] for key in totals.keys], dtype=torch.int64, device=device
+            )
             rows.index_add_(0, into, totals.rows())
-        summed, arrivals = all_reduce_rows(
-            rows[:known], rows[known:], words, [(h.new_keys, h.new_words) for h in headers], self._group
-        )
+        reduced = exchange.reduce(rows[:known], rows[known:])
 
-        # Every rank's announcements, in rank order: the same registry everywhere.
-        announced: dict[SourceId, list[tuple[int, str]]] = {}
-        order: list[list[SourceId]] = []
-        for header, (_, their_words) in zip(headers, arrivals, strict=True):
-            keys: list[SourceId] = []
-            for key, name in decode_entries(their_words, header.new_entries):
-                if not keys or keys[-1] != key:
-                    keys.append(key)
-                if name:
-                    announced.setdefault(key, []).append((header.rank, name))
-            order.append(keys)
+        # Every rank's new sources, first seen in rank order: the same registry everywhere.
+        announced = {
+            key: [(headers[rank].rank, name) for rank, name in given]
+            for key, given in reduced.names.items()
+        }
         self._check_names(announced, step)
-        slots, parts = [], [summed]
-        for keys, (their_rows, _) in zip(order, arrivals, strict=True):
-            for key in keys:
-                if key in self._slots:
-                    slots.append(self._slots[key])
-                else:
-                    slots.append(self._register(key, announced[key][0][1] if key in announced else ""))
-            parts.append(their_rows)
-        totals = torch.zeros(len(self._names), len(COLUMNS), dtype=torch.float64)
-        totals.index_add_(0, torch.arange(known), summed)
-        if slots:
-            totals.index_add_(0, torch.tensor(slots, dtype=torch.int64), torch.cat(parts[1:]))
-        return metrics_from_columns(dict(zip(self._names, totals.tolist(), strict=True)),
-                                    prefix=self.prefix, dropped=plan.dropped)
+        for key in reduced.new_keys:
+            self._register(key, announced[key][0][1] if key in announced else "")
+        return metrics_from_columns(
+            dict(zip(self._names, reduced.rows.tolist(), strict=True)),
+            prefix=self.prefix,
+            dropped=plan.dropped,
+        )
 
     def _check_names(self, announced: dict[SourceId, list[tuple[int, str]]], step: _Step) -> None:
         """Different names for one new source: every rank raises (strict) or warns alike."""

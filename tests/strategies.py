@@ -154,8 +154,9 @@ def packed_cases(
     zero = draw(st.sets(st.integers(0, max(n - 1, 0)), max_size=n)) if n else set()
     one_d = n_rows == 1 and draw(st.booleans())
     rng = draw(st.randoms(use_true_random=False))
-    return make_case(rows, source_ids=source_ids, rng=rng, tails=tails, one_d=one_d,
-                     zero_supervised=sorted(zero))
+    return make_case(
+        rows, source_ids=source_ids, rng=rng, tails=tails, one_d=one_d, zero_supervised=sorted(zero)
+    )
 
 
 def sp_world_sizes() -> st.SearchStrategy[int]:
@@ -165,4 +166,4 @@ def sp_world_sizes() -> st.SearchStrategy[int]:
 
 def sp_shardings() -> st.SearchStrategy[tuple[int, str]]:
     """``(world_size, mode)`` for every shard mode and world sizes 1..4."""
-    return st.tuples(sp_world_sizes(), st.sampled_from(SHARD_MODES))
+    return st.tuples(sp_world_sizes(), st.sampled_from(tuple(SHARD_MODES)))

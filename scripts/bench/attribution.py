@@ -20,8 +20,6 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -29,35 +27,7 @@ import torch.multiprocessing as mp
 
 from channel_loss import ChannelLossMeter, PackedLayout, source_totals
 from channel_loss.capture import record
-
-#: Every torch.distributed entry point that communicates.
-COLLECTIVES = (
-    "all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single", "all_gather_object",
-    "broadcast", "broadcast_object_list", "reduce", "reduce_scatter", "reduce_scatter_tensor",
-    "all_to_all", "all_to_all_single", "barrier", "monitored_barrier", "gather", "gather_object",
-    "scatter", "scatter_object_list", "send", "recv", "isend", "irecv", "batch_isend_irecv",
-)
-
-
-@contextmanager
-def count_collectives() -> Iterator[list[str]]:
-    """Record the name of every ``torch.distributed`` collective called inside the block."""
-    calls: list[str] = []
-    originals = {name: getattr(dist, name) for name in COLLECTIVES if hasattr(dist, name)}
-
-    def counted(name, fn):
-        def wrapper(*args, **kwargs):
-            calls.append(name)
-            return fn(*args, **kwargs)
-        return wrapper
-
-    for name, fn in originals.items():
-        setattr(dist, name, counted(name, fn))
-    try:
-        yield calls
-    finally:
-        for name, fn in originals.items():
-            setattr(dist, name, fn)
+from channel_loss.exchange import count_collectives
 
 
 def _sync(device: torch.device) -> None:
@@ -65,7 +35,9 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_source_totals(tokens: int, samples: int, repeats: int, device: torch.device) -> tuple[float, float]:
+def time_source_totals(
+    tokens: int, samples: int, repeats: int, device: torch.device
+) -> tuple[float, float]:
     """Median seconds of building the layout, and of ``source_totals``, for one batch."""
     g = torch.Generator().manual_seed(0)
     cu = torch.linspace(0, tokens, samples + 1).round().to(torch.int64)
@@ -88,26 +60,37 @@ def time_source_totals(tokens: int, samples: int, repeats: int, device: torch.de
 
 
 #: name: (sp, dp, micro-batches per step, the micro-batch that fails on rank 0 or -1)
-SCENARIOS = {"SP=2": (2, 1, 2, -1), "DP=2": (1, 2, 2, -1), "SP=2 x DP=2": (2, 2, 2, -1),
-             "300 mb, 1 fail": (2, 2, 300, 299)}
+SCENARIOS = {
+    "SP=2": (2, 1, 2, -1),
+    "DP=2": (1, 2, 2, -1),
+    "SP=2 x DP=2": (2, 2, 2, -1),
+    "300 mb, 1 fail": (2, 2, 300, 299),
+}
 
 
 class _Failed(RuntimeError):
     pass
 
 
-def _meter_rank(rank: int, world: int, store: str, sp: int, dp: int, micro: int, fail: int,
-                results) -> None:
+def _meter_rank(
+    rank: int, world: int, store: str, sp: int, dp: int, micro: int, fail: int, results
+) -> None:
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     # Rank r is SP rank r % sp of DP rank r // sp; every rank creates every group, in order.
     sp_groups = [dist.new_group([d * sp + s for s in range(sp)]) for d in range(dp)]
     dp_groups = [dist.new_group([d * sp + s for d in range(dp)]) for s in range(sp)]
     sp_rank, dp_rank = rank % sp, rank // sp
-    meter = ChannelLossMeter(sp_group=sp_groups[dp_rank] if sp > 1 else None,
-                             dp_group=dp_groups[sp_rank] if dp > 1 else None, interval=2)
+    meter = ChannelLossMeter(
+        sp_group=sp_groups[dp_rank] if sp > 1 else None,
+        dp_group=dp_groups[sp_rank] if dp > 1 else None,
+        interval=2,
+    )
     layout = PackedLayout.from_cu_seqlens([0, 100, 250, 256], total_length=256)
     shard = layout.shard(sp, sp_rank, "zigzag")
-    losses, targets = shard.take(torch.rand(256), 0.0), shard.take(torch.randint(0, 9, (256,)), -100)
+    losses, targets = (
+        shard.take(torch.rand(256), 0.0),
+        shard.take(torch.randint(0, 9, (256,)), -100),
+    )
     counts = {"step": [], "micro_batch": [], "unsampled": [], "dropped": []}
     for _ in range(4):
         meter.begin_step()
@@ -115,8 +98,10 @@ def _meter_rank(rank: int, world: int, store: str, sp: int, dp: int, micro: int,
             # Step 0 meets every source for the first time; step 2 only known ones.
             sources = [f"dp{dp_rank}-{m % 2}", "shared", m % 2]
             try:
-                with count_collectives() as calls, meter.micro_batch(
-                        source_ids=sources, layout=layout, shard=shard):
+                with (
+                    count_collectives() as calls,
+                    meter.micro_batch(source_ids=sources, layout=layout, shard=shard),
+                ):
                     record(losses, targets)
                     if rank == 0 and m == fail:
                         raise _Failed
@@ -134,7 +119,9 @@ def _meter_rank(rank: int, world: int, store: str, sp: int, dp: int, micro: int,
     dist.destroy_process_group()
 
 
-def count_meter_collectives(sp: int, dp: int, micro: int = 2, fail: int = -1) -> dict[str, list[int]]:
+def count_meter_collectives(
+    sp: int, dp: int, micro: int = 2, fail: int = -1
+) -> dict[str, list[int]]:
     """Collective calls per end_step / micro_batch / unsampled step on an ``sp x dp`` Gloo run.
 
     Also the dropped micro-batches of each logged step (``fail``: the index
@@ -143,9 +130,12 @@ def count_meter_collectives(sp: int, dp: int, micro: int = 2, fail: int = -1) ->
     ctx = mp.get_context("spawn")
     results = ctx.SimpleQueue()
     with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(_meter_rank,
-                           args=(sp * dp, os.path.join(tmp, "store"), sp, dp, micro, fail, results),
-                           nprocs=sp * dp, start_method="spawn")
+        mp.start_processes(
+            _meter_rank,
+            args=(sp * dp, os.path.join(tmp, "store"), sp, dp, micro, fail, results),
+            nprocs=sp * dp,
+            start_method="spawn",
+        )
         return results.get()
 
 
@@ -168,18 +158,24 @@ def main(argv: list[str] | None = None) -> int:
     print(f"ratio 10,000 / 10 samples: {ratio:.2f} (target <= 2)\n")
 
     print("collectives per call (Gloo; step 0 registers new sources, step 2 is steady)")
-    print(f"{'scenario':>14} | {'ranks':>5} | {'logged step':>11} | {'micro-batch':>11} | "
-          f"{'unsampled step':>14} | {'dropped':>7}")
+    print(
+        f"{'scenario':>14} | {'ranks':>5} | {'logged step':>11} | {'micro-batch':>11} | "
+        f"{'unsampled step':>14} | {'dropped':>7}"
+    )
     worst, exact = 0, True
     for name, (sp, dp, micro, fail) in SCENARIOS.items():
         counts = count_meter_collectives(sp, dp, micro, fail)
         worst = max(worst, *counts["step"])
         exact &= counts["dropped"] == [int(fail >= 0)] * len(counts["dropped"])
-        print(f"{name:>14} | {sp * dp:>5} | {'/'.join(map(str, counts['step'])):>11} | "
-              f"{max(counts['micro_batch']):>11} | {max(counts['unsampled']):>14} | "
-              f"{'/'.join(map(str, counts['dropped'])):>7}")
-    print(f"most collectives in a logged step: {worst} (target <= 2); "
-          f"dropped exactly the failed micro-batch: {exact}")
+        print(
+            f"{name:>14} | {sp * dp:>5} | {'/'.join(map(str, counts['step'])):>11} | "
+            f"{max(counts['micro_batch']):>11} | {max(counts['unsampled']):>14} | "
+            f"{'/'.join(map(str, counts['dropped'])):>7}"
+        )
+    print(
+        f"most collectives in a logged step: {worst} (target <= 2); "
+        f"dropped exactly the failed micro-batch: {exact}"
+    )
     return 0 if ratio <= 2 and worst <= 2 and exact else 1
 
 

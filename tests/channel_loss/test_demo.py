@@ -34,8 +34,12 @@ def check_structure(records: list[dict], steps: list[int]) -> None:
     assert [r["step"] for r in records] == steps
     for record in records:
         for name in NAMES:
-            for kind in ("channel_loss", "channel_loss_tokens", "channel_loss_samples",
-                         "channel_loss_weighted"):
+            for kind in (
+                "channel_loss",
+                "channel_loss_tokens",
+                "channel_loss_samples",
+                "channel_loss_weighted",
+            ):
                 assert f"{kind}/{name}" in record, (kind, name)
         assert record["channel_loss_dropped_micro_batches"] == 0.0
         assert all(math.isfinite(v) for v in record.values())
@@ -102,12 +106,29 @@ def test_sp2_metrics_equal_sp1(tmp_path, sp1_records):
 
 
 def test_torchrun_starts_the_ranks(tmp_path, sp1_records):
-    # Issue 10.6: the way PyTorch users start ranks. Each rank must join torchrun's group
+    # The way PyTorch users start ranks. Each rank must join torchrun's group
     # (before, each trained alone as sp=1 and both wrote the outputs).
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         "-m", "channel_loss.demo", "--steps", "2", "--interval", "1", "--out", str(tmp_path)],
-        capture_output=True, text=True, timeout=240, check=False,
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "-m",
+            "channel_loss.demo",
+            "--steps",
+            "2",
+            "--interval",
+            "1",
+            "--out",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count("(sp=2)") == 1, proc.stdout  # rank 0 alone reports, on 2 ranks
@@ -125,23 +146,43 @@ def test_torchrun_with_a_different_sp_is_a_usage_error(tmp_path, monkeypatch, ca
 
 
 def test_channel_loss_never_imports_the_harness():
-    # Issue 10.6: the demo imported harness (inside run(), for --sp) to start its ranks; the
+    # Regression: the demo imported harness (inside run(), for --sp) to start its ranks; the
     # library must not depend on its own test tool, at import time or later.
     package = Path(demo.__file__).parent
     offenders = []
     for path in sorted(package.rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            names = ([alias.name for alias in node.names] if isinstance(node, ast.Import)
-                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
-            offenders += [f"{path.name}:{node.lineno} {name}" for name in names
-                          if name.split(".")[0] == "harness"]
+            names = (
+                [alias.name for alias in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                if isinstance(node, ast.ImportFrom)
+                else []
+            )
+            offenders += [
+                f"{path.name}:{node.lineno} {name}"
+                for name in names
+                if name.split(".")[0] == "harness"
+            ]
     assert offenders == []
 
 
 def test_cli_entry_point(tmp_path):
     proc = subprocess.run(
-        [sys.executable, "-m", "channel_loss.demo", "--steps", "2", "--quiet", "--out", str(tmp_path)],
-        capture_output=True, text=True, timeout=120, check=False,
+        [
+            sys.executable,
+            "-m",
+            "channel_loss.demo",
+            "--steps",
+            "2",
+            "--quiet",
+            "--out",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
     )
     assert proc.returncode == 0, proc.stderr
     assert "metrics.jsonl" in proc.stdout
@@ -153,3 +194,13 @@ def test_bad_arguments_exit_with_usage(capsys):
         demo.main(["--steps", "0"])
     assert exc.value.code == 2
     assert "--steps" in capsys.readouterr().err
+
+
+def test_sp_mode_choices_are_the_shard_mode_registry():
+    from channel_loss.layout import SHARD_MODES
+
+    parser = demo._parser()
+    (action,) = [a for a in parser._actions if "--sp-mode" in a.option_strings]
+    assert tuple(action.choices) == tuple(SHARD_MODES)
+    for mode in SHARD_MODES:
+        assert parser.parse_args(["--sp-mode", mode]).sp_mode == mode

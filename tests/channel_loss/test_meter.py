@@ -26,13 +26,8 @@ from channel_loss import (
 )
 from channel_loss.capture import active_capture, record
 from channel_loss.meter import columns_from_metrics, metrics_from_columns
-from tests.channel_loss.reference import add_totals, reference_metrics, reference_totals
+from tests.channel_loss.reference import add_totals, layout_of, reference_metrics, reference_totals
 from tests.strategies import IGNORE_INDEX, make_case, packed_cases
-
-
-def layout_of(case) -> PackedLayout:
-    tails = case.tails[0] if case.one_d else list(case.tails)
-    return PackedLayout.from_position_ids(case.position_ids(), tail_padding_length=tails)
 
 
 def fake_loss(case) -> None:
@@ -47,8 +42,13 @@ def run_micro_batch(meter, case, **kwargs) -> None:
 
 def simple_case(seed=0, sources=("web", "code")):
     rng = random.Random(seed)
-    return make_case([[3, 1, 4]], source_ids=[sources[0], sources[1], sources[0]], rng=rng,
-                     tails=[2], scored_fraction=1.0)
+    return make_case(
+        [[3, 1, 4]],
+        source_ids=[sources[0], sources[1], sources[0]],
+        rng=rng,
+        tails=[2],
+        scored_fraction=1.0,
+    )
 
 
 @given(st.lists(packed_cases(), min_size=1, max_size=3))
@@ -62,8 +62,13 @@ def test_step_metrics_match_the_reference(cases):
 
 
 def test_zero_supervision_source_reports_samples_but_no_mean():
-    case = make_case([[2, 3]], source_ids=["seen", "silent"], rng=random.Random(1),
-                     zero_supervised=[1], scored_fraction=1.0)
+    case = make_case(
+        [[2, 3]],
+        source_ids=["seen", "silent"],
+        rng=random.Random(1),
+        zero_supervised=[1],
+        scored_fraction=1.0,
+    )
     meter = ChannelLossMeter()
     meter.begin_step()
     run_micro_batch(meter, case)
@@ -77,8 +82,9 @@ def test_zero_supervision_source_reports_samples_but_no_mean():
 
 def test_names_are_sanitised_and_collisions_get_stable_suffixes():
     meter = ChannelLossMeter(prefix="cl")
-    case = make_case([[1, 1, 1, 1]], source_ids=["a/b", "a_b", 7, "x"], rng=random.Random(2),
-                     scored_fraction=1.0)
+    case = make_case(
+        [[1, 1, 1, 1]], source_ids=["a/b", "a_b", 7, "x"], rng=random.Random(2), scored_fraction=1.0
+    )
     meter.begin_step()
     run_micro_batch(meter, case, source_names={7: "a b", "x": "x y"})
     first = meter.end_step()
@@ -91,12 +97,14 @@ def test_names_are_sanitised_and_collisions_get_stable_suffixes():
     # and a name given later does not rename a registered source.
     restored = ChannelLossMeter(prefix="cl")
     restored.load_state_dict(state)
-    shuffled = make_case([[1, 1, 1, 1]], source_ids=["x", 7, "a_b", "a/b"], rng=random.Random(2),
-                         scored_fraction=1.0)
+    shuffled = make_case(
+        [[1, 1, 1, 1]], source_ids=["x", 7, "a_b", "a/b"], rng=random.Random(2), scored_fraction=1.0
+    )
     restored.begin_step()
     run_micro_batch(restored, shuffled, source_names={"a/b": "renamed"})
     assert {k for k in restored.end_step() if k.startswith("cl_samples/")} == {
-        f"cl_samples/{n}" for n in names}
+        f"cl_samples/{n}" for n in names
+    }
     assert restored.state_dict()["sources"] == state["sources"]
 
 
@@ -121,8 +129,10 @@ def test_bad_metadata_drops_the_micro_batch_when_lenient(caplog):
     meter = ChannelLossMeter()
     meter.begin_step()
     run_micro_batch(meter, good)
-    with caplog.at_level(logging.WARNING, logger="channel_loss.meter"), \
-            meter.micro_batch(source_ids=["web", "code"], layout=layout_of(bad)):
+    with (
+        caplog.at_level(logging.WARNING, logger="channel_loss.meter"),
+        meter.micro_batch(source_ids=["web", "code"], layout=layout_of(bad)),
+    ):
         fake_loss(bad)
     assert "3 samples but source_ids has 2 entries" in caplog.text
     assert meter.end_step() == reference_metrics(reference_totals(good), dropped=1)
@@ -167,8 +177,34 @@ def test_exactly_one_loss_observation_is_expected(calls):
     with meter.micro_batch(source_ids=list(case.source_ids), layout=layout_of(case)):
         for _ in range(calls):
             fake_loss(case)
-    with pytest.raises(ChannelLossMetadataError, match=f"got {calls}"):
+    with pytest.raises(ChannelLossMetadataError, match=rf"got {calls} .*micro_batch\(observe=i\)"):
         meter.end_step()
+
+
+def test_observe_picks_one_of_several_loss_calls():
+    # A multi-token-prediction / auxiliary head computes a second cross-entropy in the same
+    # forward: without observe= the micro-batch is dropped (counted, never silently), with it
+    # the chosen call is attributed.
+    main, aux = simple_case(0), simple_case(1)  # one layout and sources, other losses
+    assert reference_totals(main) != reference_totals(aux)
+
+    def step(meter, **kwargs):
+        meter.begin_step()
+        with meter.micro_batch(source_ids=list(main.source_ids), layout=layout_of(main), **kwargs):
+            fake_loss(main)
+            fake_loss(aux)
+        return meter.end_step()
+
+    assert step(ChannelLossMeter()) == reference_metrics({}, dropped=1)
+    for observe, attributed in ((0, main), (-2, main), (1, aux), (-1, aux)):
+        assert step(ChannelLossMeter(), observe=observe) == reference_metrics(
+            reference_totals(attributed)
+        ), observe
+    with pytest.raises(ChannelLossMetadataError, match=r"observe=2\) but the forward made 2"):
+        step(ChannelLossMeter(strict=True), observe=2)
+    for bad in (True, 1.5, "0"):
+        with pytest.raises(ValueError, match="observe"):
+            step(ChannelLossMeter(), observe=bad)
 
 
 def test_lifecycle_misuse_raises():
@@ -179,8 +215,10 @@ def test_lifecycle_misuse_raises():
     meter.begin_step()
     with pytest.raises(RuntimeError, match="begin_step"):
         meter.begin_step()
-    with pytest.raises(RuntimeError, match="inside micro_batch"), \
-            meter.micro_batch(source_ids=list(case.source_ids), layout=layout_of(case)):
+    with (
+        pytest.raises(RuntimeError, match="inside micro_batch"),
+        meter.micro_batch(source_ids=list(case.source_ids), layout=layout_of(case)),
+    ):
         meter.end_step()
     with pytest.raises(RuntimeError, match="inside micro_batch"):
         meter.observe_logits(torch.zeros(2, 3), shift_labels=torch.zeros(2, dtype=torch.long))
@@ -191,12 +229,22 @@ def test_lifecycle_misuse_raises():
 def real_batch(device, seed=0):
     """A packed row with hidden states and an LM head, plus a float64 per-token reference."""
     g = torch.Generator().manual_seed(seed)
-    case = make_case([[5, 1, 7, 3]], source_ids=["web", 3, "web", "code"], rng=random.Random(seed),
-                     tails=[4], zero_supervised=[3], one_d=True)
+    case = make_case(
+        [[5, 1, 7, 3]],
+        source_ids=["web", 3, "web", "code"],
+        rng=random.Random(seed),
+        tails=[4],
+        zero_supervised=[3],
+        one_d=True,
+    )
     hidden = torch.randn(case.row_length, 16, generator=g)
     weight = torch.randn(64, 16, generator=g)
-    reference = F.cross_entropy(hidden.double() @ weight.double().T, case.targets,
-                                ignore_index=IGNORE_INDEX, reduction="none")
+    reference = F.cross_entropy(
+        hidden.double() @ weight.double().T,
+        case.targets,
+        ignore_index=IGNORE_INDEX,
+        reduction="none",
+    )
     return case, hidden.to(device), weight.to(device), reference
 
 
@@ -219,7 +267,9 @@ def test_real_loss_paths_match_a_float64_reference(device):
     assert_metrics_close(meter.end_step(), expected)
 
     # Observing never changes the loss, bit for bit.
-    assert torch.equal(loss, chunk_cross_entropy(hidden, weight, shift_labels=targets, chunk_size=8))
+    assert torch.equal(
+        loss, chunk_cross_entropy(hidden, weight, shift_labels=targets, chunk_size=8)
+    )
 
     meter.begin_step()
     with meter.micro_batch(source_ids=list(case.source_ids), layout=layout_of(case)):
@@ -228,15 +278,16 @@ def test_real_loss_paths_match_a_float64_reference(device):
 
 
 def test_metrics_ignore_exactly_what_the_loss_ignored():
-    # Issue 14.3: chunk_cross_entropy(..., ignore_index=-1) in a default meter (ignore_index=-100)
+    # Regression: chunk_cross_entropy(..., ignore_index=-1) in a default meter (ignore_index=-100)
     # counted the -1 targets as scored: 8 tokens instead of 5, and weighted shares that did not
     # add up to the loss.
     g = torch.Generator().manual_seed(3)
     hidden, weight = torch.randn(8, 16, generator=g), torch.randn(32, 16, generator=g)
     targets = torch.tensor([5, -1, 7, 9, -1, 2, 31, -1])
     scored = targets != -1
-    reference = F.cross_entropy(hidden.double() @ weight.double().T, targets, ignore_index=-1,
-                                reduction="none")
+    reference = F.cross_entropy(
+        hidden.double() @ weight.double().T, targets, ignore_index=-1, reduction="none"
+    )
     layout = PackedLayout.from_cu_seqlens([0, 3, 8], total_length=8)
     meter = ChannelLossMeter()
     meter.begin_step()
@@ -260,8 +311,15 @@ def test_metrics_ignore_exactly_what_the_loss_ignored():
 
 def many_micro_batches(count: int, seed: int = 0) -> list:
     rng = random.Random(seed)
-    return [make_case([[rng.randint(1, 4), rng.randint(1, 4)]], source_ids=[rng.choice("abc"), "d"],
-                      rng=rng, scored_fraction=1.0) for _ in range(count)]
+    return [
+        make_case(
+            [[rng.randint(1, 4), rng.randint(1, 4)]],
+            source_ids=[rng.choice("abc"), "d"],
+            rng=rng,
+            scored_fraction=1.0,
+        )
+        for _ in range(count)
+    ]
 
 
 def run_many(meter, cases, failed) -> dict:
@@ -278,7 +336,7 @@ def run_many(meter, cases, failed) -> dict:
 
 
 def test_a_failure_past_256_micro_batches_drops_only_that_one():
-    # Issue 14.4: failure bits were capped at 256 micro-batches; one failure at index 299 of 300
+    # Regression: failure bits were capped at 256 micro-batches; one failure at index 299 of 300
     # dropped 45 of them.
     cases = many_micro_batches(300)
     got = run_many(ChannelLossMeter(), cases, failed={299})
@@ -311,8 +369,10 @@ def test_bad_source_ids_are_metadata_errors_at_micro_batch_time(ids, needles, ca
     case, good = simple_case(0, sources=(3, 4)), simple_case(1)
     meter = ChannelLossMeter()
     meter.begin_step()
-    with caplog.at_level(logging.WARNING, logger="channel_loss.meter"), \
-            meter.micro_batch(source_ids=ids, layout=layout_of(case)):
+    with (
+        caplog.at_level(logging.WARNING, logger="channel_loss.meter"),
+        meter.micro_batch(source_ids=ids, layout=layout_of(case)),
+    ):
         fake_loss(case)
     assert all(needle in caplog.text for needle in needles)
     run_micro_batch(meter, good)
@@ -341,8 +401,11 @@ def test_different_names_for_one_new_source():
     strict.begin_step()
     run_micro_batch(strict, case, source_names={"web": "Web"})
     run_micro_batch(strict, case, source_names={"web": "WWW"})
-    with pytest.raises(ChannelLossMetadataError, match=r"source 'web' was given different names: "
-                                                       r"rank 0 'Web', rank 0 'WWW'"):
+    with pytest.raises(
+        ChannelLossMetadataError,
+        match=r"source 'web' was given different names: "
+        r"rank 0 'Web', rank 0 'WWW'",
+    ):
         strict.end_step()
     assert strict.state_dict()["sources"] == []  # nothing registered by the failed step
 
@@ -361,7 +424,7 @@ def test_load_state_dict_rejects_a_registry_that_would_merge_sources():
     good = {"version": 1, "next_step": 4, "sources": [["a", "a"], [1, "one"]]}
     meter.load_state_dict(good)
     for sources, needle in [
-        ([["a", "x"], ["b", "x"]], "'a' and 'b' the same metric name 'x'"),  # issue 14.8
+        ([["a", "x"], ["b", "x"]], "'a' and 'b' the same metric name 'x'"),
         ([["a", "x"], ["a", "y"]], "source 'a' twice"),
         ([[True, "x"]], "bad source entry"),
         ([["a", "x y"]], "not a metric name"),
@@ -376,8 +439,13 @@ def test_paired_samples_repeat_the_pair_id():
     # each pair is two samples of its source, so the ids are the pairs' ids twice.
     pair_ids = ["math", "code"]
     rng = random.Random(5)
-    case = make_case([[4], [3], [5], [2]], source_ids=pair_ids + pair_ids, rng=rng, tails=[1, 1, 0, 2],
-                     scored_fraction=1.0)
+    case = make_case(
+        [[4], [3], [5], [2]],
+        source_ids=pair_ids + pair_ids,
+        rng=rng,
+        tails=[1, 1, 0, 2],
+        scored_fraction=1.0,
+    )
     meter = ChannelLossMeter()
     meter.begin_step()
     with meter.micro_batch(source_ids=pair_ids + pair_ids, layout=layout_of(case)):
@@ -395,3 +463,23 @@ def test_metric_columns_round_trip(cases):
     assert again.keys() == metrics.keys()
     for key, value in metrics.items():
         assert again[key] == pytest.approx(value, rel=1e-12), key
+
+
+def test_numpy_integers_are_integers_and_bools_and_floats_are_not():
+    np = pytest.importorskip("numpy")
+    meter = ChannelLossMeter(interval=np.int64(2), ignore_index=np.int32(-100))
+    assert (meter.interval, meter.ignore_index) == (2, -100)
+    assert type(meter.interval) is int
+    meter.begin_step(step=np.int64(4))
+    assert meter.sampled
+    meter.end_step()
+    meter.load_state_dict(
+        {"version": 1, "next_step": np.int64(3), "sources": [[np.int64(7), "seven"]]}
+    )
+    assert meter.state_dict() == {"version": 1, "next_step": 3, "sources": [[7, "seven"]]}
+    assert type(meter.state_dict()["sources"][0][0]) is int
+    for bad in (True, 2.0, 0.5):  # a Trainer's fractional logging_steps is the caller's to convert
+        with pytest.raises(ValueError, match="interval must be an int >= 1"):
+            ChannelLossMeter(interval=bad)
+    with pytest.raises(ValueError, match="ignore_index"):
+        ChannelLossMeter(ignore_index=False)

@@ -16,11 +16,18 @@ import torch
 import torch.distributed as dist
 
 import harness
-from channel_loss import ChannelLossMetadataError, ChannelLossMeter, PackedLayout, source_totals
+from channel_loss import ChannelLossMetadataError, ChannelLossMeter, source_totals
+from channel_loss.attribution import COLUMNS
 from channel_loss.capture import record
-from channel_loss.exchange import BACKEND_DEVICES, comm_device
-from scripts.bench.attribution import count_collectives
-from tests.channel_loss.reference import add_totals, reference_metrics, reference_totals
+from channel_loss.exchange import BACKEND_DEVICES, comm_device, count_collectives
+from channel_loss.layout import SHARD_MODES
+from tests.channel_loss.reference import (
+    add_totals,
+    layout_of,
+    make_totals,
+    reference_metrics,
+    reference_totals,
+)
 from tests.strategies import IGNORE_INDEX, make_case
 
 #: Source sets of DP ranks 0..3: overlapping, never equal.
@@ -38,17 +45,21 @@ def micro_batches(seed: int, sources=("web", "code/py", 3, "math"), count: int =
     for _ in range(count):
         rows = [[rng.randint(1, 12) for _ in range(rng.randint(1, 4))] for _ in range(2)]
         n = sum(len(row) for row in rows)
-        cases.append(make_case(rows, source_ids=[rng.choice(sources) for _ in range(n)], rng=rng,
-                               tails=[rng.randint(0, 3), 0], zero_supervised=[0]))
+        cases.append(
+            make_case(
+                rows,
+                source_ids=[rng.choice(sources) for _ in range(n)],
+                rng=rng,
+                tails=[rng.randint(0, 3), 0],
+                zero_supervised=[0],
+            )
+        )
     return cases
 
 
-def layout_of(case) -> PackedLayout:
-    return PackedLayout.from_position_ids(case.position_ids(), tail_padding_length=list(case.tails))
-
-
-def run_step(meter, cases, device, *, shard=None, source_ids=None, names=None, fail=(),
-             skip=()) -> dict:
+def run_step(
+    meter, cases, device, *, shard=None, source_ids=None, names=None, fail=(), skip=()
+) -> dict:
     """One training step over ``cases``: this rank's slice (``shard=(world, rank, mode)``).
 
     ``source_ids`` overrides micro-batch ``m``'s ids on this rank; ``names``
@@ -68,8 +79,9 @@ def run_step(meter, cases, device, *, shard=None, source_ids=None, names=None, f
                 losses, targets = piece.take(losses, 0.0), piece.take(targets, IGNORE_INDEX)
             ids = (source_ids or {}).get(m, list(case.source_ids))
             try:
-                with meter.micro_batch(source_ids=ids, layout=layout, shard=piece,
-                                       source_names=names):
+                with meter.micro_batch(
+                    source_ids=ids, layout=layout, shard=piece, source_names=names
+                ):
                     record(losses.to(device), targets.to(device))  # what the loss op does
                     if m in fail:
                         raise SimulatedOOM(f"micro-batch {m}")
@@ -93,7 +105,7 @@ def expected(*case_lists, dropped: int = 0, names=None) -> dict:
 @pytest.mark.launch(nproc=2, timeout=120)
 def test_two_ranks_sp_only_and_dp_only(device):
     rank = dist.get_rank()
-    for mode in ("contiguous", "zigzag"):
+    for mode in SHARD_MODES:
         meter = ChannelLossMeter(sp_group=dist.group.WORLD)
         for step in range(2):  # the second step meets registered and new sources
             cases = micro_batches(seed=step * 10 + len(mode))
@@ -104,8 +116,12 @@ def test_two_ranks_sp_only_and_dp_only(device):
     assert run_step(meter, own[rank], device) == expected(*own)  # the union of both source sets
 
     first = [own[r][0] for r in range(2)]
-    partial = source_totals(first[rank].token_losses.to(device), first[rank].targets.to(device),
-                            layout=layout_of(first[rank]), source_ids=list(first[rank].source_ids))
+    partial = source_totals(
+        first[rank].token_losses.to(device),
+        first[rank].targets.to(device),
+        layout=layout_of(first[rank]),
+        source_ids=list(first[rank].source_ids),
+    )
     summed = {key: list(value) for key, value in partial.all_reduce().as_dict().items()}
     assert summed == add_totals(*(reference_totals(case) for case in first))
 
@@ -128,13 +144,55 @@ def test_four_ranks_sp_dp_and_sp_by_dp_subgroups(device):
     sp_rank, dp_rank = rank % 2, rank // 2
     meter = ChannelLossMeter(sp_group=sp_groups[dp_rank], dp_group=dp_groups[sp_rank])
     own = [micro_batches(seed=300 + d, sources=DP_SOURCES[d]) for d in range(2)]
-    for mode in ("contiguous", "zigzag"):
+    for mode in SHARD_MODES:
         got = run_step(meter, own[dp_rank], device, shard=(2, sp_rank, mode))
         assert got == expected(*own)
     # Rank 3's forward fails in micro-batch 1: only its SP group (ranks 2, 3) drops it.
-    got = run_step(meter, own[dp_rank], device, shard=(2, sp_rank, "zigzag"),
-                   fail={1} if rank == 3 else ())
+    got = run_step(
+        meter, own[dp_rank], device, shard=(2, sp_rank, "zigzag"), fail={1} if rank == 3 else ()
+    )
     assert got == expected(own[0], [own[1][0], own[1][2]], dropped=1)
+
+
+def rank_columns(rank: int) -> tuple[tuple, dict]:
+    """Rank ``rank``'s keys (one shared, one its own) and a distinct value in every column."""
+    keys = ("shared", f"own{rank}")
+    return keys, {
+        c.name: [
+            (rank + 1) * 100 + 10 * i + k + (0.5 if c.dtype.is_floating_point else 0)
+            for k in range(2)
+        ]
+        for i, c in enumerate(COLUMNS)
+    }
+
+
+@pytest.mark.launch(nproc=2, timeout=60)
+def test_the_two_rank_reduction_carries_every_column():
+    # Built from COLUMNS alone: a column added there is reduced, or this fails.
+    rank = dist.get_rank()
+    keys, values = rank_columns(rank)
+    with count_collectives() as calls:
+        summed = make_totals(keys, **values).all_reduce()
+    assert len(calls) == 2
+    want: dict = {}
+    for r in range(2):
+        their_keys, theirs = rank_columns(r)
+        for k, key in enumerate(their_keys):
+            entry = want.setdefault(key, [0] * len(COLUMNS))
+            for i, column in enumerate(COLUMNS):
+                entry[i] += theirs[column.name][k]
+    assert summed.keys == ("shared", "own0", "own1")
+    assert {key: list(v) for key, v in summed.as_dict().items()} == want
+    assert [t.dtype for t in summed.columns()] == [c.dtype for c in COLUMNS]
+
+    # The meter reports every column with a metric family, summed over both ranks.
+    cases = micro_batches(seed=12)
+    meter = ChannelLossMeter(sp_group=dist.group.WORLD)
+    got = run_step(meter, cases, "cpu", shard=(2, rank, "headtail"))
+    assert got == expected(cases)
+    for column in COLUMNS:
+        if column.metric is not None:
+            assert any(key.startswith(f"channel_loss_{column.metric}/") for key in got), column
 
 
 def short_ids(case) -> list:
@@ -147,11 +205,18 @@ def test_strict_bad_metadata_raises_on_every_rank():
     cases = micro_batches(seed=5)
     n = cases[1].num_samples
     meter = ChannelLossMeter(sp_group=dist.group.WORLD, strict=True)
-    with pytest.raises(ChannelLossMetadataError,
-                       match=rf"rank 1, micro-batch 1: the layout has {n} samples but source_ids "
-                             rf"has {n - 1} entries"):
-        run_step(meter, cases, "cpu", shard=(2, rank, "zigzag"),
-                 source_ids={1: short_ids(cases[1])} if rank == 1 else None)
+    with pytest.raises(
+        ChannelLossMetadataError,
+        match=rf"rank 1, micro-batch 1: the layout has {n} samples but source_ids "
+        rf"has {n - 1} entries",
+    ):
+        run_step(
+            meter,
+            cases,
+            "cpu",
+            shard=(2, rank, "zigzag"),
+            source_ids={1: short_ids(cases[1])} if rank == 1 else None,
+        )
     # Both raised from the same collective step: the next step runs normally.
     assert run_step(meter, cases, "cpu", shard=(2, rank, "zigzag")) == expected(cases)
 
@@ -159,7 +224,9 @@ def test_strict_bad_metadata_raises_on_every_rank():
     own = [micro_batches(seed=50 + r, sources=DP_SOURCES[r]) for r in range(2)]
     meter = ChannelLossMeter(dp_group=dist.group.WORLD, strict=True)
     with pytest.raises(ChannelLossMetadataError, match=r"rank 0, micro-batch 2: "):
-        run_step(meter, own[rank], "cpu", source_ids={2: short_ids(own[0][2])} if rank == 0 else None)
+        run_step(
+            meter, own[rank], "cpu", source_ids={2: short_ids(own[0][2])} if rank == 0 else None
+        )
 
 
 @pytest.mark.launch(nproc=2, timeout=60)
@@ -167,12 +234,19 @@ def test_lenient_bad_metadata_drops_the_same_micro_batch_everywhere():
     rank = dist.get_rank()
     cases = micro_batches(seed=6)
     meter = ChannelLossMeter(sp_group=dist.group.WORLD)
-    got = run_step(meter, cases, "cpu", shard=(2, rank, "contiguous"),
-                   source_ids={1: short_ids(cases[1])} if rank == 1 else None)
+    got = run_step(
+        meter,
+        cases,
+        "cpu",
+        shard=(2, rank, "contiguous"),
+        source_ids={1: short_ids(cases[1])} if rank == 1 else None,
+    )
     assert got == expected([cases[0], cases[2]], dropped=1)
 
     # SP ranks that ran different micro-batches cannot be paired: the step is dropped.
-    got = run_step(meter, cases, "cpu", shard=(2, rank, "contiguous"), skip={2} if rank == 1 else ())
+    got = run_step(
+        meter, cases, "cpu", shard=(2, rank, "contiguous"), skip={2} if rank == 1 else ()
+    )
     assert got == {"channel_loss_dropped_micro_batches": 3.0}
     assert run_step(meter, cases, "cpu", shard=(2, rank, "contiguous")) == expected(cases)
 
@@ -199,14 +273,23 @@ def test_sp_by_dp_blocks_inside_a_larger_world():
     # TP slice is its own SP x DP block: the meter derives a group per block, not the world.
     rank = dist.get_rank()
     dp_rank, sp_rank, tp_rank = rank // 4, rank // 2 % 2, rank % 2
-    sp_groups = {(d, t): dist.new_group([4 * d + 2 * s + t for s in range(2)])
-                 for d in range(2) for t in range(2)}
-    dp_groups = {(s, t): dist.new_group([4 * d + 2 * s + t for d in range(2)])
-                 for s in range(2) for t in range(2)}
-    meter = ChannelLossMeter(sp_group=sp_groups[dp_rank, tp_rank], dp_group=dp_groups[sp_rank, tp_rank])
+    sp_groups = {
+        (d, t): dist.new_group([4 * d + 2 * s + t for s in range(2)])
+        for d in range(2)
+        for t in range(2)
+    }
+    dp_groups = {
+        (s, t): dist.new_group([4 * d + 2 * s + t for d in range(2)])
+        for s in range(2)
+        for t in range(2)
+    }
+    meter = ChannelLossMeter(
+        sp_group=sp_groups[dp_rank, tp_rank], dp_group=dp_groups[sp_rank, tp_rank]
+    )
     own = [micro_batches(seed=400 + d, sources=DP_SOURCES[d]) for d in range(2)]
-    got = run_step(meter, own[dp_rank], "cpu", shard=(2, sp_rank, "zigzag"),
-                   fail={2} if rank == 5 else ())  # dp 1, sp 0, tp 1: only its block drops it
+    got = run_step(
+        meter, own[dp_rank], "cpu", shard=(2, sp_rank, "zigzag"), fail={2} if rank == 5 else ()
+    )  # dp 1, sp 0, tp 1: only its block drops it
     if tp_rank == 1:
         assert got == expected(own[0], own[1][:2], dropped=1)
     else:
@@ -215,7 +298,7 @@ def test_sp_by_dp_blocks_inside_a_larger_world():
 
 @pytest.mark.launch(nproc=2, timeout=120)
 def test_one_failure_among_300_micro_batches_drops_exactly_that_one():
-    # Issue 14.4: past 256 micro-batches the failure bits were shared: a failure at index 299
+    # Regression: past 256 micro-batches the failure bits were shared: a failure at index 299
     # of 300 dropped 45 micro-batches. Still two collectives (run_step checks).
     rank = dist.get_rank()
     cases = micro_batches(seed=8, count=300)
@@ -232,7 +315,7 @@ def test_one_failure_among_300_micro_batches_drops_exactly_that_one():
 @pytest.mark.parametrize("bad", ["\ud800", True, 1.0], ids=["lone surrogate", "bool", "float"])
 @pytest.mark.launch(nproc=2, timeout=90)
 def test_bad_source_ids_on_one_rank_are_metadata_errors_everywhere(bad):
-    # Issue 14.7: a lone surrogate raised UnicodeEncodeError in end_step on rank 1 (and a
+    # Regression: a lone surrogate raised UnicodeEncodeError in end_step on rank 1 (and a
     # peer-closed error on rank 0) even with strict=False; True / 1.0 merged into source 1.
     rank = dist.get_rank()
     cases = micro_batches(seed=9, sources=(1, 2, "web"))
@@ -249,13 +332,15 @@ def test_bad_source_ids_on_one_rank_are_metadata_errors_everywhere(bad):
 
 @pytest.mark.launch(nproc=2, timeout=90)
 def test_rank_inconsistent_names():
-    # Issue 14.10: rank 0's name silently won, even with strict=True.
+    # Regression: rank 0's name silently won, even with strict=True.
     rank = dist.get_rank()
     own = [micro_batches(seed=90 + r, sources=("web", 3)) for r in range(2)]
     names = {"web": ["Web", "WWW"][rank]}
     strict = ChannelLossMeter(dp_group=dist.group.WORLD, strict=True)
-    with pytest.raises(ChannelLossMetadataError,
-                       match=r"source 'web' was given different names: rank 0 'Web', rank 1 'WWW'"):
+    with pytest.raises(
+        ChannelLossMetadataError,
+        match=r"source 'web' was given different names: rank 0 'Web', rank 1 'WWW'",
+    ):
         run_step(strict, own[rank], "cpu", names=names)
     assert strict.state_dict()["sources"] == []  # every rank left its registry unchanged
     # Lenient: the lowest rank's name, on every rank alike.
@@ -273,14 +358,18 @@ def _gloo_under_another_name(store, rank, size, timeout):
 
 @pytest.mark.launch(nproc=2, timeout=60)
 def test_an_unknown_backend_raises_instead_of_guessing_the_device():
-    # Issue 14 / 10.2: an unknown backend silently got host tensors.
+    # Regression: an unknown backend silently got host tensors.
     if "channel_loss_test" not in dist.Backend.backend_list:  # kept ranks run this twice
-        dist.Backend.register_backend("channel_loss_test", _gloo_under_another_name, devices=["cpu"])
+        dist.Backend.register_backend(
+            "channel_loss_test", _gloo_under_another_name, devices=["cpu"]
+        )
     group = dist.new_group([0, 1], backend="channel_loss_test")
     assert comm_device(dist.group.WORLD) == torch.device("cpu")
     assert comm_device(dist.new_group([0, 1], backend="cpu:gloo")) == torch.device("cpu")
     meter = ChannelLossMeter(dp_group=group)
     cases = micro_batches(seed=11)
-    with pytest.raises(ValueError, match=r"'channel_loss_test' process-group backend.*BACKEND_DEVICES"):
+    with pytest.raises(
+        ValueError, match=r"'channel_loss_test' process-group backend.*BACKEND_DEVICES"
+    ):
         run_step(meter, cases, "cpu")  # on every rank, before any collective: no hang
     assert BACKEND_DEVICES["gloo"] == "cpu"
