@@ -12,8 +12,9 @@
 # dependencies for Python 3.10-3.14 on x86_64/aarch64, the test tools,
 # setuptools, the Liger-Kernel wheel; ~19 MiB). The machine's own torch,
 # numpy and triton are used as they are. The install goes into a throwaway
-# venv that sees the interpreter's packages (--system-site-packages), so only
-# what is missing comes from the folder and the image is left untouched.
+# venv that sees $PYTHON's packages (a .pth listing its site-packages, written
+# by scripts/_common.py; $PYTHON may itself be a virtualenv), so only what is
+# missing comes from the folder and the image is left untouched.
 # DEVICE_CHECK_INSTALL=0 skips the install and uses $PYTHON as it is.
 #
 # Phases, each under `timeout`, the whole within $DEVICE_CHECK_BUDGET_S
@@ -125,8 +126,12 @@ trap cleanup EXIT
 vpy="$py"
 if [ "${DEVICE_CHECK_INSTALL:-1}" != 0 ]; then
     # A throwaway venv over the interpreter's packages: pip adds only what is missing.
+    # Not --system-site-packages: that reaches the *base* interpreter's packages, not those
+    # of a virtualenv $py may be (no torch there); a .pth lists $py's own instead.
     venv="$(mktemp -d "${TMPDIR:-/tmp}/device-check-venv.XXXXXX")" || exit 2
-    if "$py" -m venv --clear --without-pip --system-site-packages "$venv" >"$out/install.log" 2>&1 \
+    if "$py" -m venv --clear --without-pip "$venv" >"$out/install.log" 2>&1 \
+        && purelib="$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" \
+        && "$py" "$repo/scripts/_common.py" outer-site-pth "$purelib" >>"$out/install.log" 2>&1 \
         && "$venv/bin/python" -m pip --version >>"$out/install.log" 2>&1; then
         vpy="$venv/bin/python"
     else
