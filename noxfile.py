@@ -20,10 +20,7 @@ import nox
 
 # nox imports this file by path; the shared script helpers live beside it.
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from packaging.requirements import Requirement  # nox depends on packaging
-from packaging.utils import canonicalize_name
-
-from scripts._common import write_outer_site_pth
+from scripts._common import requirements, write_outer_site_pth
 
 nox.options.default_venv_backend = "venv"
 nox.options.reuse_existing_virtualenvs = True
@@ -47,32 +44,6 @@ def require_outer_torch(session: nox.Session) -> None:
         session.error(NO_TORCH.format(python=sys.executable))
 
 
-def requirements(*extras: str, optional: bool = True) -> list[str]:
-    """The run-time requirements of both distributions except torch, plus the root
-    pyproject's optional-dependency groups ``extras``: what the sessions install next to the
-    two distributions, which go in with ``--no-deps`` so that pip never replaces nox's torch.
-
-    The groups' self-references (``channel-loss[hf,plot]``: the optional integrations, whose
-    tests skip without them) are expanded when ``optional``, else left out."""
-    root = nox.project.load_toml("pyproject.toml")["project"]
-    harness = nox.project.load_toml("harness/pyproject.toml")["project"]
-    own = canonicalize_name(root["name"])
-    out: list[str] = []
-    pending = [*root.get("dependencies", []), *harness.get("dependencies", [])]
-    pending += [r for extra in extras for r in root["optional-dependencies"][extra]]
-    while pending:
-        req = Requirement(pending.pop(0))
-        if canonicalize_name(req.name) == own:
-            if not optional:
-                continue
-            pending += [
-                r for extra in sorted(req.extras) for r in root["optional-dependencies"][extra]
-            ]
-        elif canonicalize_name(req.name) != "torch" and str(req) not in out:
-            out.append(str(req))
-    return out
-
-
 def reuse_outer_site(session: nox.Session) -> None:
     """Make nox's own packages (torch) importable in the session venv, after the venv's own."""
     if not isinstance(session.virtualenv, nox.virtualenv.VirtualEnv):
@@ -84,10 +55,13 @@ def reuse_outer_site(session: nox.Session) -> None:
 
 
 def _install(session: nox.Session, *extras: str, optional: bool = True) -> None:
+    """Install both distributions with ``--no-deps`` (pip never replaces nox's torch), then
+    their requirements and the root project's ``extras`` less torch (see
+    ``scripts._common.requirements`` for ``optional``)."""
     require_outer_torch(session)
     reuse_outer_site(session)
     session.install("--no-deps", "-e", "./harness", "-e", ".")
-    session.install(*requirements(*extras, optional=optional))
+    session.install(*requirements(extras=extras, optional=optional, exclude=["torch"]))
 
 
 @nox.session

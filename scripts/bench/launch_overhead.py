@@ -7,7 +7,7 @@ call + teardown, from its JUnit XML) and the sessions' wall times::
 
     python scripts/bench/launch_overhead.py [--cases 20]
 
-Target (issue 6): a pooled case at least 10x cheaper than a fresh one. The
+Target: a pooled case at least 10x cheaper than a fresh one. The
 mean includes the pool's first case, which pays for spawning its ranks; the
 median is the steady state.
 """
@@ -22,8 +22,9 @@ import sys
 import tempfile
 import textwrap
 import time
-import xml.etree.ElementTree as ET
 from pathlib import Path
+
+from harness.suites.report import read_junit
 
 TARGET = 10.0
 
@@ -59,8 +60,7 @@ def run(root: Path, *args: str, timeout: float) -> tuple[float, list[float]]:
     if proc.returncode != 0:
         raise SystemExit(f"inner session failed ({' '.join(args) or 'kept ranks'}):\n"
                          f"{proc.stdout}{proc.stderr}")
-    times = [float(tc.get("time", 0)) for tc in ET.parse(junit).getroot().iter("testcase")]
-    return wall, times
+    return wall, [row.seconds for row in read_junit([junit]).values()]
 
 
 def main(argv: list[str] | None = None) -> int:
