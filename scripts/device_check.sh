@@ -144,35 +144,6 @@ fi
 export PIP_NO_INDEX=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_CONFIG_FILE=/dev/null
 export DC_VPY="$vpy" DC_REPO="$repo" DC_WHEELS="$wheels" DC_DRY="$dry" DC_OUT="$out"
 
-# Exit 0 when the interpreter meets every build-system requirement of the checkout's
-# pyproject files (then it builds them itself, --no-build-isolation).
-DC_BUILD_CHECK="$(cat <<'PY'
-import sys
-from importlib.metadata import PackageNotFoundError, version
-from pathlib import Path
-
-try:
-    import tomllib
-except ImportError:  # Python 3.10
-    from pip._vendor import tomli as tomllib
-from pip._vendor.packaging.requirements import Requirement
-
-for path in map(Path, sys.argv[1:]):
-    if path.is_file():
-        for text in tomllib.loads(path.read_text())["build-system"]["requires"]:
-            req = Requirement(text)
-            try:
-                ok = req.specifier.contains(version(req.name), prereleases=True)
-            except PackageNotFoundError:
-                ok = False
-            if not ok:
-                print(f"build: {text} is not installed; isolated build with the wheel folder's")
-                sys.exit(1)
-print("build: the interpreter's setuptools (--no-build-isolation)")
-PY
-)"
-export DC_BUILD_CHECK
-
 install_checkout() {
     set -o pipefail
     local projects=(-e "$DC_REPO")
@@ -180,7 +151,7 @@ install_checkout() {
     # The interpreter's setuptools builds the checkout when it meets every
     # build-system requirement; else pip's isolated build takes it from the folder.
     local build=()
-    if "$DC_VPY" -c "$DC_BUILD_CHECK" "$DC_REPO/pyproject.toml" "$DC_REPO/harness/pyproject.toml"
+    if "$DC_VPY" "$DC_REPO/scripts/_common.py" build-ready "$DC_REPO/pyproject.toml" "$DC_REPO/harness/pyproject.toml"
     then
         build=(--no-build-isolation)
     fi
