@@ -32,8 +32,7 @@ NO_TORCH = (
     "that interpreter's torch instead of letting pip pull a multi-GB CUDA build. Install it "
     "there and run nox from it: `{python} -m pip install torch==2.13.0 nox` (add "
     "`--index-url https://download.pytorch.org/whl/cpu` for the CPU build), then "
-    "`{python} -m nox -s SESSION`. After installing, `nox -R` reuses the session venvs "
-    "and skips their installs."
+    "`{python} -m nox -s SESSION`."
 )
 
 

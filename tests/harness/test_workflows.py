@@ -669,7 +669,6 @@ def test_nox_from_an_interpreter_without_torch_says_so_once(tmp_path):
     assert done.returncode != 0, out
     assert "torch is not importable from the interpreter nox runs on" in out
     assert f"{python} -m pip install torch==2.13.0 nox" in out
-    assert "nox -R" in out
     # Stopped before installing anything or starting pytest.
     assert "Session tests aborted" in out
     assert "-m pytest" not in out, out
