@@ -69,29 +69,24 @@ def project_requirements(root: Path = REPO) -> list[str]:
     return list(dict.fromkeys(r for r in reqs if not _provided(r)))
 
 
+def _pip_download(dest: Path, *args: str) -> None:
+    """``pip download`` binary wheels into ``dest`` (``args``: options, then requirements)."""
+    cmd = [sys.executable, "-m", "pip", "download", "--quiet", "--dest", str(dest)]
+    subprocess.run([*cmd, "--only-binary=:all:", *args], check=True)
+
+
 def _download(dest: Path, reqs: list[str], python: str, arch: str) -> None:
     platforms = [arg for tag in GLIBC for arg in ("--platform", f"{tag}_{arch}")]
-    abi = "cp" + python.replace(".", "")
-    cmd = [
-        sys.executable,
-        "-m",
-        "pip",
-        "download",
-        "--quiet",
-        "--dest",
-        str(dest),
-        "--only-binary=:all:",
+    target = [
         "--implementation",
         "cp",
         "--python-version",
         python,
         "--abi",
-        abi,
-        *platforms,
-        *reqs,
+        "cp" + python.replace(".", ""),
     ]
     print(f"device_wheels: python {python} {arch}: {' '.join(reqs)}", flush=True)
-    subprocess.run(cmd, check=True)
+    _pip_download(dest, *target, *platforms, *reqs)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -120,21 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     for python in args.python:
         for arch in args.arch:
             _download(dest, reqs, python, arch)
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "download",
-            "--quiet",
-            "--dest",
-            str(dest),
-            "--no-deps",
-            "--only-binary=:all:",
-            *NO_DEPS,
-        ],
-        check=True,
-    )
+    _pip_download(dest, "--no-deps", *NO_DEPS)
 
     files = sorted(p for p in dest.iterdir() if p.suffix == ".whl")
     total = sum(p.stat().st_size for p in files)
