@@ -672,3 +672,32 @@ def test_nox_from_an_interpreter_without_torch_says_so_once(tmp_path):
     # Stopped before installing anything or starting pytest.
     assert "Session tests aborted" in out
     assert "-m pytest" not in out, out
+
+
+QUICKSTART = [
+    'pip install torch==2.13.0 -e ".[test]" -e ./harness && python -m harness run cpu',
+    'pip install torch==2.13.0 -e ".[test]" -e ./harness && python -m pytest -q',
+]
+
+
+def test_ci_runs_the_readme_quickstart_verbatim_in_a_fresh_venv():
+    """`.ci/run` is what a new user does: a fresh venv (not one over this machine's
+    packages), torch first, then the README's two commands as written; nothing else is
+    installed by hand, so a test dependency missing from the `test` extra turns CI red."""
+    readme = (REPO / "README.md").read_text()
+    script = (REPO / ".ci" / "run").read_text()
+    lines = [
+        line.strip()
+        for line in script.splitlines()
+        if line.strip() and not line.strip().startswith("#")
+    ]
+    for command in QUICKSTART:
+        assert command in readme, "the README's quickstart changed: .ci/run must run it as written"
+        assert command in lines, f".ci/run does not run {command!r} verbatim"
+    venvs = [line for line in lines if re.search(r"-m venv\b", line)]
+    assert venvs
+    assert all("--system-site-packages" not in line for line in venvs)
+    by_hand = [line for line in lines if "pip install" in line and line not in QUICKSTART]
+    assert by_hand == ["python -m pip install -q torch==2.13.0"], by_hand
+    assert lines.index(by_hand[0]) < lines.index(QUICKSTART[0])
+    assert "no test ran" in script  # a run where nothing executed is not green
