@@ -72,9 +72,11 @@ def tests(session: nox.Session) -> None:
 
 @nox.session
 def lint(session: nox.Session) -> None:
-    """ruff check (the rules in pyproject.toml)."""
-    session.install("ruff")
+    """ruff check (the rules in pyproject.toml), and zizmor on the GitHub workflows (no
+    high-severity finding)."""
+    session.install("ruff", "zizmor")
     session.run("ruff", "check", ".")
+    session.run("zizmor", "--offline", "--min-severity", "high", ".github/workflows")
 
 
 @nox.session
