@@ -1,37 +1,46 @@
 """nox sessions. Every session reuses the torch of the interpreter nox runs on (accelerator
-images ship their own), whether that is the system interpreter or a virtualenv.
+images ship their own), whether that is the system interpreter or a virtualenv: run nox from
+an interpreter that has torch (``python -m pip install torch==2.13.0 nox``, then
+``python -m nox``); from one without it, the sessions that need torch stop at once and say so.
 
 Session venvs are created without ``--system-site-packages`` (that would inherit the *base*
 interpreter's site-packages, not those of a virtualenv nox runs from); instead each session
-venv gets a ``.pth`` file listing nox's own site-packages directories. They come after the
-venv's own, so what a session installs wins and everything else (torch above all) is found
-where nox's interpreter has it.
+venv gets a ``.pth`` file listing nox's own site-packages directories
+(``scripts/_common.py``). They come after the venv's own, so what a session installs wins and
+everything else (torch above all) is found where nox's interpreter has it.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 from pathlib import Path
 
 import nox
 
+# nox imports this file by path; the shared script helpers live beside it.
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from scripts._common import requirements, write_outer_site_pth
+
 nox.options.default_venv_backend = "venv"
 nox.options.reuse_existing_virtualenvs = True
 nox.options.sessions = ["lint", "inventory", "tests"]
 
-#: The file every session venv gets (see the module docstring).
-OUTER_PTH = "_nox_outer_site.pth"
+#: What the sessions' torch check tells a user whose nox runs on an interpreter without torch.
+NO_TORCH = (
+    "torch is not importable from the interpreter nox runs on ({python}); every session reuses "
+    "that interpreter's torch instead of letting pip pull a multi-GB CUDA build. Install it "
+    "there and run nox from it: `{python} -m pip install torch==2.13.0 nox` (add "
+    "`--index-url https://download.pytorch.org/whl/cpu` for the CPU build), then "
+    "`{python} -m nox -s SESSION`."
+)
 
-# Test-time dependencies of this repository besides the two distributions (the `test` extra
-# minus the tools that sessions of their own install). None of them depends on torch.
-TEST_DEPS = ["pytest>=8", "pytest-xdist>=3.5", "hypothesis>=6.100", "numpy", "pyyaml>=6"]
-# The optional extras (`hf`, `plot`) whose tests skip without them; test runs install them
-# so those tests run.
-OPTIONAL_TEST_DEPS = ["transformers>=4.46", "accelerate>=0.26", "matplotlib>=3.7"]
 
-def outer_site_dirs() -> list[str]:
-    """The site-packages directories of the interpreter running nox, in its own order."""
-    return [p for p in sys.path if Path(p).name in ("site-packages", "dist-packages") and Path(p).is_dir()]
+def require_outer_torch(session: nox.Session) -> None:
+    """Stop the session with :data:`NO_TORCH` when nox's own interpreter lacks torch (its
+    venv would see no torch, and pytest would report one cryptic collection error per file)."""
+    if importlib.util.find_spec("torch") is None:
+        session.error(NO_TORCH.format(python=sys.executable))
 
 
 def reuse_outer_site(session: nox.Session) -> None:
@@ -41,50 +50,55 @@ def reuse_outer_site(session: nox.Session) -> None:
     purelib = session.run(
         "python", "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])", silent=True
     )
-    site = Path(str(purelib).strip().splitlines()[-1])
-    site.joinpath(OUTER_PTH).write_text("".join(f"{d}\n" for d in outer_site_dirs()), encoding="utf-8")
+    write_outer_site_pth(Path(str(purelib).strip().splitlines()[-1]))
 
 
-def _install(session: nox.Session, *, optional: bool = False) -> None:
+def _install(session: nox.Session, *extras: str, optional: bool = True) -> None:
+    """Install both distributions with ``--no-deps`` (pip never replaces nox's torch), then
+    their requirements and the root project's ``extras`` less torch (see
+    ``scripts._common.requirements`` for ``optional``)."""
+    require_outer_torch(session)
     reuse_outer_site(session)
-    # --no-deps for the two distributions keeps pip from replacing the interpreter's torch;
-    # their other run-time dependencies are listed here instead.
     session.install("--no-deps", "-e", "./harness", "-e", ".")
-    session.install(*TEST_DEPS, "jsonschema>=4.18", "psutil>=5.9")
-    if optional:
-        session.install(*OPTIONAL_TEST_DEPS)
+    session.install(*requirements(extras=extras, optional=optional, exclude=["torch"]))
 
 
 @nox.session
 def tests(session: nox.Session) -> None:
     """Run the test suite."""
-    _install(session, optional=True)
+    _install(session, "test")
     session.run("python", "-m", "pytest", "-q", *session.posargs)
 
 
 @nox.session
 def lint(session: nox.Session) -> None:
-    """ruff check (the rules in pyproject.toml)."""
-    session.install("ruff")
+    """ruff check (the rules in pyproject.toml), and zizmor on the GitHub workflows (no
+    high-severity finding)."""
+    session.install("ruff", "zizmor")
     session.run("ruff", "check", ".")
+    session.run("zizmor", "--offline", "--min-severity", "high", ".github/workflows")
 
 
 @nox.session
 def inventory(session: nox.Session) -> None:
     """Check that every test is owned by a suite and fits its runner (`harness inventory`)."""
-    _install(session)
+    # Collecting imports the tests' modules; those of the optional integrations skip whole
+    # (their entries still own them), so the inventory does without the big packages.
+    _install(session, "test", optional=False)
     session.run("python", "-m", "harness", "inventory", *session.posargs)
 
 
 def _suite(session: nox.Session, suite: str) -> None:
     # posargs go to `harness run`: `nox -s suite-gpu -- --shard 1/2 -- -x`.
-    _install(session, optional=True)
+    _install(session, "test")
     session.run("python", "-m", "harness", "run", suite, *session.posargs)
 
 
 def _suite_names() -> list[str]:
     # One session per manifest: suites/<name>.json -> suite-<name>.
-    return sorted(p.stem for p in (Path(__file__).parent / "suites").glob("*.json") if p.stem != "schema")
+    return sorted(
+        p.stem for p in (Path(__file__).parent / "suites").glob("*.json") if p.stem != "schema"
+    )
 
 
 for _name in _suite_names():
@@ -104,7 +118,9 @@ def durations(session: nox.Session) -> None:
     output: plan.json and JUnit XML); see scripts/refresh_durations.py.
     """
     if not session.posargs:
-        session.error("give the folders of the downloaded CI artifacts: nox -s durations -- DIR ...")
+        session.error(
+            "give the folders of the downloaded CI artifacts: nox -s durations -- DIR ..."
+        )
     _install(session)
     session.run("python", "scripts/refresh_durations.py", *session.posargs)
 
@@ -113,12 +129,15 @@ def durations(session: nox.Session) -> None:
 def bench(session: nox.Session) -> None:
     """The chunked-loss benchmark (posargs replace the default sizes)."""
     _install(session)
-    session.run("python", "scripts/bench/chunk_loss.py", *(session.posargs or ["--tokens", "1024", "--vocab", "8000"]))
+    session.run(
+        "python",
+        "scripts/bench/chunk_loss.py",
+        *(session.posargs or ["--tokens", "1024", "--vocab", "8000"]),
+    )
 
 
 @nox.session
 def demo(session: nox.Session) -> None:
     """The per-source loss training demo; posargs go to `python -m channel_loss.demo` (`nox -s demo -- --sp 2`)."""
-    _install(session)
-    session.install("matplotlib")  # the `plot` extra: the demo writes channel_loss.png with it
+    _install(session, "plot")  # the demo writes channel_loss.png with matplotlib
     session.run("python", "-m", "channel_loss.demo", *session.posargs)

@@ -12,8 +12,9 @@
 # dependencies for Python 3.10-3.14 on x86_64/aarch64, the test tools,
 # setuptools, the Liger-Kernel wheel; ~19 MiB). The machine's own torch,
 # numpy and triton are used as they are. The install goes into a throwaway
-# venv that sees the interpreter's packages (--system-site-packages), so only
-# what is missing comes from the folder and the image is left untouched.
+# venv that sees $PYTHON's packages (a .pth listing its site-packages, written
+# by scripts/_common.py; $PYTHON may itself be a virtualenv), so only what is
+# missing comes from the folder and the image is left untouched.
 # DEVICE_CHECK_INSTALL=0 skips the install and uses $PYTHON as it is.
 #
 # Phases, each under `timeout`, the whole within $DEVICE_CHECK_BUDGET_S
@@ -125,8 +126,12 @@ trap cleanup EXIT
 vpy="$py"
 if [ "${DEVICE_CHECK_INSTALL:-1}" != 0 ]; then
     # A throwaway venv over the interpreter's packages: pip adds only what is missing.
+    # Not --system-site-packages: that reaches the *base* interpreter's packages, not those
+    # of a virtualenv $py may be (no torch there); a .pth lists $py's own instead.
     venv="$(mktemp -d "${TMPDIR:-/tmp}/device-check-venv.XXXXXX")" || exit 2
-    if "$py" -m venv --clear --without-pip --system-site-packages "$venv" >"$out/install.log" 2>&1 \
+    if "$py" -m venv --clear --without-pip "$venv" >"$out/install.log" 2>&1 \
+        && purelib="$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" \
+        && "$py" "$repo/scripts/_common.py" outer-site-pth "$purelib" >>"$out/install.log" 2>&1 \
         && "$venv/bin/python" -m pip --version >>"$out/install.log" 2>&1; then
         vpy="$venv/bin/python"
     else
@@ -139,35 +144,6 @@ fi
 export PIP_NO_INDEX=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_CONFIG_FILE=/dev/null
 export DC_VPY="$vpy" DC_REPO="$repo" DC_WHEELS="$wheels" DC_DRY="$dry" DC_OUT="$out"
 
-# Exit 0 when the interpreter meets every build-system requirement of the checkout's
-# pyproject files (then it builds them itself, --no-build-isolation).
-DC_BUILD_CHECK="$(cat <<'PY'
-import sys
-from importlib.metadata import PackageNotFoundError, version
-from pathlib import Path
-
-try:
-    import tomllib
-except ImportError:  # Python 3.10
-    from pip._vendor import tomli as tomllib
-from pip._vendor.packaging.requirements import Requirement
-
-for path in map(Path, sys.argv[1:]):
-    if path.is_file():
-        for text in tomllib.loads(path.read_text())["build-system"]["requires"]:
-            req = Requirement(text)
-            try:
-                ok = req.specifier.contains(version(req.name), prereleases=True)
-            except PackageNotFoundError:
-                ok = False
-            if not ok:
-                print(f"build: {text} is not installed; isolated build with the wheel folder's")
-                sys.exit(1)
-print("build: the interpreter's setuptools (--no-build-isolation)")
-PY
-)"
-export DC_BUILD_CHECK
-
 install_checkout() {
     set -o pipefail
     local projects=(-e "$DC_REPO")
@@ -175,7 +151,7 @@ install_checkout() {
     # The interpreter's setuptools builds the checkout when it meets every
     # build-system requirement; else pip's isolated build takes it from the folder.
     local build=()
-    if "$DC_VPY" -c "$DC_BUILD_CHECK" "$DC_REPO/pyproject.toml" "$DC_REPO/harness/pyproject.toml"
+    if "$DC_VPY" "$DC_REPO/scripts/_common.py" build-ready "$DC_REPO/pyproject.toml" "$DC_REPO/harness/pyproject.toml"
     then
         build=(--no-build-isolation)
     fi

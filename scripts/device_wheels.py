@@ -27,12 +27,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+if __package__ in (None, ""):  # run as a script: the repository root holds `scripts`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from scripts._common import REPO, Requirement, canonicalize_name, requirements
 
 #: Provided by the card machine's image; never downloaded (the image's torch
 #: is what the check qualifies, and these are large).
@@ -51,7 +52,7 @@ GLIBC = ("manylinux_2_28", "manylinux_2_17", "manylinux2014")
 
 
 def _name(req: str) -> str:
-    return re.split(r"[\s<>=!~;\[]", req, maxsplit=1)[0].lower().replace("_", "-")
+    return canonicalize_name(Requirement(req).name)
 
 
 def _provided(req: str) -> bool:
@@ -64,36 +65,44 @@ def project_requirements(root: Path = REPO) -> list[str]:
     its own ``pyproject.toml``) offline needs: their run-time requirements less what
     the image provides, the test tools, and their build-system requirements (pip's
     isolated build takes setuptools from the folder when the image's is too old)."""
-    import tomllib
-
-    reqs: list[str] = []
-    for pyproject in (root / "pyproject.toml", root / "harness" / "pyproject.toml"):
-        if pyproject.is_file():
-            doc = tomllib.loads(pyproject.read_text(encoding="utf-8"))
-            reqs += doc.get("project", {}).get("dependencies", [])
-            reqs += doc.get("build-system", {}).get("requires", [])
-    reqs += [*TEST_TOOLS, *BUILD_EXTRA]
+    reqs = [*requirements(root, build_system=True), *TEST_TOOLS, *BUILD_EXTRA]
     return list(dict.fromkeys(r for r in reqs if not _provided(r)))
+
+
+def _pip_download(dest: Path, *args: str) -> None:
+    """``pip download`` binary wheels into ``dest`` (``args``: options, then requirements)."""
+    cmd = [sys.executable, "-m", "pip", "download", "--quiet", "--dest", str(dest)]
+    subprocess.run([*cmd, "--only-binary=:all:", *args], check=True)
 
 
 def _download(dest: Path, reqs: list[str], python: str, arch: str) -> None:
     platforms = [arg for tag in GLIBC for arg in ("--platform", f"{tag}_{arch}")]
-    abi = "cp" + python.replace(".", "")
-    cmd = [
-        sys.executable, "-m", "pip", "download", "--quiet", "--dest", str(dest),
-        "--only-binary=:all:", "--implementation", "cp", "--python-version", python,
-        "--abi", abi, *platforms, *reqs,
+    target = [
+        "--implementation",
+        "cp",
+        "--python-version",
+        python,
+        "--abi",
+        "cp" + python.replace(".", ""),
     ]
     print(f"device_wheels: python {python} {arch}: {' '.join(reqs)}", flush=True)
-    subprocess.run(cmd, check=True)
+    _pip_download(dest, *target, *platforms, *reqs)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("dest", nargs="?", default=str(REPO / ".whl" / "device"),
-                        help="wheel folder (default: .whl/device, git-ignored)")
-    parser.add_argument("--python", nargs="+", default=list(PYTHONS),
-                        help=f"interpreter versions of the card image (default: {' '.join(PYTHONS)})")
+    parser.add_argument(
+        "dest",
+        nargs="?",
+        default=str(REPO / ".whl" / "device"),
+        help="wheel folder (default: .whl/device, git-ignored)",
+    )
+    parser.add_argument(
+        "--python",
+        nargs="+",
+        default=list(PYTHONS),
+        help=f"interpreter versions of the card image (default: {' '.join(PYTHONS)})",
+    )
     parser.add_argument("--arch", nargs="+", default=list(ARCHS), choices=ARCHS)
     parser.add_argument("--max-mib", type=float, default=60.0)
     args = parser.parse_args(argv)
@@ -106,20 +115,26 @@ def main(argv: list[str] | None = None) -> int:
     for python in args.python:
         for arch in args.arch:
             _download(dest, reqs, python, arch)
-    subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--dest", str(dest),
-                    "--no-deps", "--only-binary=:all:", *NO_DEPS], check=True)
+    _pip_download(dest, "--no-deps", *NO_DEPS)
 
     files = sorted(p for p in dest.iterdir() if p.suffix == ".whl")
     total = sum(p.stat().st_size for p in files)
     manifest = {
-        "requirements": reqs, "no_deps": list(NO_DEPS), "python": args.python, "arch": args.arch,
-        "files": {p.name: p.stat().st_size for p in files}, "total_bytes": total,
+        "requirements": reqs,
+        "no_deps": list(NO_DEPS),
+        "python": args.python,
+        "arch": args.arch,
+        "files": {p.name: p.stat().st_size for p in files},
+        "total_bytes": total,
     }
     (dest / "MANIFEST.json").write_text(json.dumps(manifest, indent=1) + "\n", encoding="utf-8")
     print(f"device_wheels: {len(files)} wheel(s), {total / 2**20:.1f} MiB in {dest}")
     if total > args.max_mib * 2**20:
-        print(f"device_wheels: {total / 2**20:.1f} MiB exceeds --max-mib {args.max_mib:g}; "
-              "the run tool carries at most 64 MiB", file=sys.stderr)
+        print(
+            f"device_wheels: {total / 2**20:.1f} MiB exceeds --max-mib {args.max_mib:g}; "
+            "the run tool carries at most 64 MiB",
+            file=sys.stderr,
+        )
         return 1
     return 0
 

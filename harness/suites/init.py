@@ -28,13 +28,14 @@ import json
 import os
 import re
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from harness.suites.inventory import collect
 from harness.suites.manifest import SCHEMA_FILE, SUITES_DIR, load_schema, rel, validate
+from harness.suites.workflows import init_workflows
 
 #: Exit codes (the CLI's convention): 0 written or unchanged, 1 nothing to own, 2 usage error.
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
@@ -45,8 +46,6 @@ SHARED_CASES = "cases/accelerator.json"
 
 CPU_RUNNER = {"name": "linux-cpu", "labels": ["ubuntu-latest"], "cards": 0, "timeout_minutes": 30}
 ACCELERATOR_TIMEOUT_MINUTES = 60
-#: The label a maintainer sets on a pull request from a fork to run its accelerator shards.
-OPT_IN_LABEL = "ci:accelerators"
 
 
 class InitError(Exception):
@@ -202,11 +201,8 @@ def render(root: Path, layout: PytestLayout, accelerators: Sequence[str], workfl
         if problems:  # a bug here, never the user's: say so plainly
             raise InitError("harness init produced an invalid manifest: " + "; ".join(map(str, problems)))
     if workflows:
-        install = _install_lines(root)
-        files[".github/workflows/harness-cpu.yml"] = _cpu_workflow(install)
-        for device in accelerators:
-            suite = SUITE_FOR_DEVICE.get(device, device)
-            files[f".github/workflows/harness-{suite}.yml"] = _accelerator_workflow(suite, device, install)
+        suites = [(SUITE_FOR_DEVICE.get(d, d), d) for d in accelerators]
+        files.update(init_workflows(root, suites, cpu_timeout_minutes=CPU_RUNNER["timeout_minutes"]))
     return files
 
 
@@ -239,132 +235,6 @@ def write(root: Path, files: dict[str, str], force: bool) -> list[tuple[str, str
             target.parent.mkdir(parents=True, exist_ok=True)
             target.write_text(files[path], encoding="utf-8")
     return actions
-
-
-# --------------------------------------------------------------------------- workflows
-
-_CONCURRENCY = """\
-# One run per pull request (a new push cancels the old one); pushes to main never cancel.
-concurrency:
-  group: ${{ github.workflow }}-${{ github.event_name == 'pull_request' && github.event.pull_request.number || github.run_id }}
-  cancel-in-progress: ${{ github.event_name == 'pull_request' }}
-"""
-
-
-# The first steps of a job on a GitHub-hosted runner: the checkout and a pip-cached Python.
-_HOSTED_SETUP = """\
-      - uses: actions/checkout@v4
-      - uses: actions/setup-python@v5
-        with:
-          python-version: "3.11"
-          cache: pip
-"""
-
-
-def _install_lines(root: Path) -> list[str]:
-    lines = ["python -m pip install pytest-accel-harness"]
-    if (root / "pyproject.toml").exists() or (root / "setup.py").exists():
-        lines.append("python -m pip install -e .  # this project (add its test extra, e.g. -e \".[test]\")")
-    return lines
-
-
-def _cpu_workflow(install: Iterable[str]) -> str:
-    steps = "\n".join(f"          {line}" for line in install)
-    return f"""\
-# Written by `harness init`: the inventory and the CPU suite on every pull request and push.
-name: harness-cpu
-
-on:
-  pull_request:
-  push:
-    branches: [main]
-  workflow_dispatch:
-
-{_CONCURRENCY}
-permissions:
-  contents: read
-
-jobs:
-  cpu:
-    runs-on: ubuntu-latest
-    # Above the suite's runner timeout_minutes ({CPU_RUNNER['timeout_minutes']}), where `harness run` stops pytest
-    # and still writes its summary.
-    timeout-minutes: {CPU_RUNNER['timeout_minutes'] + 10}
-    steps:
-{_HOSTED_SETUP}      - name: Install
-        run: |
-          # CPU torch: a plain `torch` requirement would pull a multi-GB CUDA build.
-          python -m pip install torch --index-url https://download.pytorch.org/whl/cpu
-{steps}
-      - run: harness inventory
-      - run: harness run cpu --out out/harness/cpu
-      - uses: actions/upload-artifact@v4
-        if: always()
-        with:
-          name: harness-cpu
-          path: out/harness/cpu
-"""
-
-
-def _accelerator_workflow(suite: str, device: str, install: Iterable[str]) -> str:
-    steps = "\n".join(f"          {line}" for line in install)
-    return f"""\
-# Written by `harness init`: plan the {suite} suite into shards, run each on its self-hosted runner.
-# Pull requests from forks never reach the self-hosted runners unless a maintainer adds the
-# label `{OPT_IN_LABEL}` (which opts in the commit labelled, not later pushes).
-name: harness-{suite}
-
-on:
-  pull_request:
-    types: [opened, synchronize, reopened, labeled]
-  push:
-    branches: [main]
-  workflow_dispatch:
-
-{_CONCURRENCY}
-permissions:
-  contents: read
-
-jobs:
-  plan:
-    runs-on: ubuntu-latest
-    timeout-minutes: 15
-    outputs:
-      matrix: ${{{{ steps.matrix.outputs.matrix }}}}
-      trusted: ${{{{ github.event_name != 'pull_request' || github.event.pull_request.head.repo.full_name == github.repository || (github.event.action == 'labeled' && github.event.label.name == '{OPT_IN_LABEL}') }}}}
-    steps:
-{_HOSTED_SETUP}      - name: Install (CPU torch is enough to plan)
-        run: |
-          python -m pip install torch --index-url https://download.pytorch.org/whl/cpu
-{steps}
-      - id: matrix
-        run: echo "matrix=$(harness matrix {suite})" >> "$GITHUB_OUTPUT"
-
-  suite:
-    needs: plan
-    if: needs.plan.outputs.trusted == 'true'
-    name: {suite} ${{{{ matrix.shard }}}}
-    strategy:
-      fail-fast: false
-      matrix: ${{{{ fromJSON(needs.plan.outputs.matrix) }}}}
-    runs-on: ${{{{ matrix.runner }}}}
-    # `harness run` stops pytest at matrix.timeout_minutes and writes its summary;
-    # the job's limit adds time for checkout and install.
-    timeout-minutes: ${{{{ matrix.job_timeout_minutes }}}}
-    steps:
-      - uses: actions/checkout@v4
-      # The runner image ships python with its own torch for {device}.
-      - run: |
-{steps}
-      - env:
-          SHARD: ${{{{ matrix.shard }}}}
-        run: harness run {suite} --shard "$SHARD" --out "out/harness/{suite}-${{SHARD/\\//of}}"
-      - uses: actions/upload-artifact@v4
-        if: always()
-        with:
-          name: harness-{suite}-${{{{ strategy.job-index }}}}
-          path: out/harness/
-"""
 
 
 # --------------------------------------------------------------------------- CLI

