@@ -158,8 +158,15 @@ def _check_causal(model, original) -> None:
 # --------------------------------------------------------------------------- patch_model
 
 
-def _hf_loss_signature(logits, labels=None, vocab_size=None, num_items_in_batch=None,
-                       ignore_index=-100, shift_labels=None, **kwargs):
+def _hf_loss_signature(
+    logits,
+    labels=None,
+    vocab_size=None,
+    num_items_in_batch=None,
+    ignore_index=-100,
+    shift_labels=None,
+    **kwargs,
+):
     """HF's ``loss_function`` signature (``ForCausalLMLoss``), used to read a call's arguments."""
 
 
@@ -210,11 +217,18 @@ class ObservingLoss:
             try:
                 call = _read_loss_call(args, kwargs)
             except TypeError as error:
-                logger.warning("channel_loss: cannot read the loss call's arguments (%s); this "
-                               "micro-batch is not observed", error)
+                logger.warning(
+                    "channel_loss: cannot read the loss call's arguments (%s); this "
+                    "micro-batch is not observed",
+                    error,
+                )
                 return loss
-            self._observe(call.arguments["logits"], call.arguments["labels"],
-                          call.arguments["shift_labels"], call.arguments["ignore_index"])
+            self._observe(
+                call.arguments["logits"],
+                call.arguments["labels"],
+                call.arguments["shift_labels"],
+                call.arguments["ignore_index"],
+            )
         return loss
 
     def _observe(self, logits, labels, shift_labels, ignore_index: int) -> None:
@@ -222,10 +236,13 @@ class ObservingLoss:
             return  # nothing is scored: the original loss saw no targets either
         lead = logits.shape[:-1]
         labels, shift_labels = _targets_like(lead, logits.device, labels, shift_labels)
-        targets = resolve_targets(lead, labels, shift_labels, ignore_index, logits.shape[-1],
-                                  "logits")
+        targets = resolve_targets(
+            lead, labels, shift_labels, ignore_index, logits.shape[-1], "logits"
+        )
         losses = per_token_cross_entropy(
-            logits=logits.detach(), shift_labels=targets, ignore_index=ignore_index,
+            logits=logits.detach(),
+            shift_labels=targets,
+            ignore_index=ignore_index,
             chunk_size=self.chunk_size,
         )
         record(losses, targets, ignore_index)
@@ -321,8 +338,10 @@ class LogitTransform:
 # logits and the chunked op: rounding of one fp32 (or 16-bit) logit pass, far
 # below what a missed cap, scale or head layer produces (a factor of 2 or more).
 _VERIFY_TOLERANCE = {
-    torch.float64: (1e-4, 1e-4), torch.float32: (1e-4, 1e-4),
-    torch.bfloat16: (5e-2, 5e-2), torch.float16: (1e-2, 1e-2),
+    torch.float64: (1e-4, 1e-4),
+    torch.float32: (1e-4, 1e-4),
+    torch.bfloat16: (5e-2, 5e-2),
+    torch.float16: (1e-2, 1e-2),
 }
 # Models verified once (per head and transform) stay verified for later patches.
 _VERIFIED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -349,8 +368,16 @@ class FusedLoss(ObservingLoss):
     other forward it is an ``ObservingLoss``.
     """
 
-    def __init__(self, original, *, model, head, transform: LogitTransform,
-                 chunk_size: int | None = None, verified: bool = False):
+    def __init__(
+        self,
+        original,
+        *,
+        model,
+        head,
+        transform: LogitTransform,
+        chunk_size: int | None = None,
+        verified: bool = False,
+    ):
         super().__init__(original, chunk_size=chunk_size)
         self.model_class = type(model).__name__
         self.head = head
@@ -368,8 +395,11 @@ class FusedLoss(ObservingLoss):
     def model_forward(self, *args: Any, **kwargs: Any):
         """The model's forward; fused when training (or forced) with ``labels`` given."""
         model = self._model()
-        fuse = self.active and kwargs.get("labels") is not None and (
-            _FORCE_FUSED.get() or (model is not None and model.training))
+        fuse = (
+            self.active
+            and kwargs.get("labels") is not None
+            and (_FORCE_FUSED.get() or (model is not None and model.training))
+        )
         if not fuse:
             return self._model_forward(*args, **kwargs)
         if self.refusal is not None:
@@ -423,16 +453,22 @@ class FusedLoss(ObservingLoss):
                 f"output embeddings ({type(self.head).__name__}), or calls it twice per forward; "
                 "the fused path cannot compute them from hidden states"
             )
-        labels, shift_labels = _targets_like(hidden.shape[:-1], hidden.device, call["labels"],
-                                             call["shift_labels"])
+        labels, shift_labels = _targets_like(
+            hidden.shape[:-1], hidden.device, call["labels"], call["shift_labels"]
+        )
         features = self.transform.kwargs()
         if self.label_smoothing:
             features["label_smoothing"] = self.label_smoothing
         with capture() as own:
             loss = chunk_cross_entropy(
-                hidden, self.head.weight, labels, shift_labels=shift_labels,
-                logits_bias=self.head.bias, ignore_index=call["ignore_index"],
-                num_items_in_batch=call["num_items_in_batch"], chunk_size=self.chunk_size,
+                hidden,
+                self.head.weight,
+                labels,
+                shift_labels=shift_labels,
+                logits_bias=self.head.bias,
+                ignore_index=call["ignore_index"],
+                num_items_in_batch=call["num_items_in_batch"],
+                chunk_size=self.chunk_size,
                 **features,
             )
         observed = own.observations[0] if own.observations else None  # none during a recompute
@@ -452,11 +488,14 @@ class FusedLoss(ObservingLoss):
         rtol, atol = _VERIFY_TOLERANCE.get(logits.dtype, (1e-4, 1e-4))
         with torch.no_grad():
             try:
-                own = per_token_cross_entropy(logits=logits.detach(), shift_labels=observed.targets,
-                                              ignore_index=observed.ignore_index)
+                own = per_token_cross_entropy(
+                    logits=logits.detach(),
+                    shift_labels=observed.targets,
+                    ignore_index=observed.ignore_index,
+                )
             except ValueError as error:
                 self._refuse(f"its logits {tuple(logits.shape)} do not fit {formula}: {error}")
-            excess = ((own - observed.token_losses).abs() - atol - rtol * own.abs())
+            excess = (own - observed.token_losses).abs() - atol - rtol * own.abs()
             excess = excess.masked_fill(~observed.scored, -1.0).reshape(-1)
             worst = int(excess.argmax())
             if float(excess[worst]) > 0:
@@ -468,8 +507,9 @@ class FusedLoss(ObservingLoss):
                 )
             if not self.label_smoothing:
                 reference = self.original(*args, **kwargs)
-                if not torch.allclose(loss.detach().float(), reference.detach().float(),
-                                      rtol=rtol, atol=atol):
+                if not torch.allclose(
+                    loss.detach().float(), reference.detach().float(), rtol=rtol, atol=atol
+                ):
                     name = getattr(self.original, "__name__", type(self.original).__name__)
                     self._refuse(
                         f"its loss_function {name} gives {float(reference):.6g} on its own logits, "
@@ -500,8 +540,14 @@ class LossPatch:
     Also a context manager: ``with patch_model(model): ...``.
     """
 
-    def __init__(self, model, loss: ObservingLoss, saved: dict[str, object],
-                 head=None, head_saved: object = _MISSING):
+    def __init__(
+        self,
+        model,
+        loss: ObservingLoss,
+        saved: dict[str, object],
+        head=None,
+        head_saved: object = _MISSING,
+    ):
         self.model = model
         self.loss = loss
         self._saved = saved
@@ -663,8 +709,7 @@ def patch_model(model, *, fused: bool = False, chunk_size: int | None = None) ->
             f"({', '.join(transform.fields)}) and this chunk_cross_entropy has no "
             f"{', '.join(missing)}= keyword; use fused=False"
         )
-    loss = FusedLoss(original, model=target, head=head, transform=transform,
-                     chunk_size=chunk_size)
+    loss = FusedLoss(original, model=target, head=head, transform=transform, chunk_size=chunk_size)
     loss.verified = loss.verify_key in _VERIFIED.get(target, ())
     head_saved = vars(head).get("forward", _MISSING)
     target.loss_function = loss
@@ -707,13 +752,19 @@ def fused_causal_lm_loss(
     (it is also passed as ``labels``, which HF needs to compute a loss).
     """
     target, wrappers = _unwrap(model, fused=True)
-    if (not wrappers and dist.is_available() and dist.is_initialized()
-            and dist.get_world_size() > 1 and not _is_fsdp2(target)):
+    if (
+        not wrappers
+        and dist.is_available()
+        and dist.is_initialized()
+        and dist.get_world_size() > 1
+        and not _is_fsdp2(target)
+    ):
         warnings.warn(
             f"fused_causal_lm_loss({type(target).__name__}) in a world of "
             f"{dist.get_world_size()} ranks: a bare module's gradients are not all-reduced; "
             "pass the DistributedDataParallel wrapper (or use patch_model(ddp_model, fused=True))",
-            UserWarning, stacklevel=2,
+            UserWarning,
+            stacklevel=2,
         )
     if labels is None and shift_labels is None:
         raise ValueError("fused_causal_lm_loss needs labels or shift_labels")
