@@ -67,6 +67,7 @@ __all__ = [
     "LogitTransform",
     "LossPatch",
     "ObservingLoss",
+    "ObservingOutputsLoss",
     "UnsupportedModelError",
     "fused_causal_lm_loss",
     "merge_step_metrics",
@@ -824,6 +825,41 @@ def merge_step_metrics(
     return metrics_from_columns(total, prefix=prefix, dropped=dropped)
 
 
+class ObservingOutputsLoss:
+    """Wraps a Trainer-side loss ``fn(outputs, labels, ...)``; observes ``outputs.logits`` per token.
+
+    Returns ``fn``'s result untouched (called with exactly its arguments).
+    Inside an open ``capture()`` scope it then records the per-token NLL of
+    the detached logits against ``labels`` shifted by one (the HF causal
+    convention: always with ``always_shift``, else when the call passes
+    ``shift_labels=True`` as the Trainer does for causal LMs; otherwise
+    ``labels`` are the targets as they are).
+    """
+
+    def __init__(self, original, *, ignore_index: int = -100, always_shift: bool = False):
+        self.original = original
+        self.ignore_index = ignore_index
+        self.always_shift = always_shift
+        self._observer = ObservingLoss(original)
+
+    def __getattr__(self, name: str):
+        if name == "original":  # not set yet (copy / unpickling): no recursion
+            raise AttributeError(name)
+        return getattr(self.original, name)  # e.g. LabelSmoother.epsilon
+
+    def __call__(self, outputs, labels, *args: Any, **kwargs: Any):
+        """Return ``original(outputs, labels, ...)``; record the per-token losses of its logits."""
+        loss = self.original(outputs, labels, *args, **kwargs)
+        if labels is None or active_capture() is None:
+            return loss
+        logits = outputs["logits"] if isinstance(outputs, Mapping) else outputs[0]
+        if self.always_shift or kwargs.get("shift_labels") is True:
+            self._observer._observe(logits, labels, None, self.ignore_index)
+        else:
+            self._observer._observe(logits, None, labels, self.ignore_index)
+        return loss
+
+
 class ChannelLossCallback(TrainerCallback):
     """Runs a ``ChannelLossMeter``'s steps alongside the Trainer and logs its metrics.
 
@@ -852,22 +888,60 @@ class ChannelLossCallback(TrainerCallback):
     Callbacks see ``on_log`` in list order, and a Trainer puts the reporting
     callbacks (TensorBoard, W&B, ...) before the ones passed in ``callbacks=``.
     Use ``ChannelLossCallback(meter).attach(trainer)`` so that every reporter
-    sees the metrics; passed in ``callbacks=``, only ``state.log_history``,
-    the console and callbacks after it do.
+    sees the metrics; passed in ``callbacks=`` without ``attach``, only
+    ``state.log_history``, the console and callbacks after it do, and
+    ``on_train_begin`` warns when ``args.report_to`` names reporters.
+
+    ``attach`` also covers the Trainer recipes that compute the loss outside
+    the model (the model's ``loss_function`` never runs, so nothing would be
+    observed): with ``label_smoothing_factor > 0`` the Trainer's label
+    smoother, and a ``compute_loss_func``, are wrapped to observe the
+    per-token cross-entropy (NLL) of ``outputs.logits`` against the labels
+    shifted by one (the causal-LM convention; the loss itself is unchanged).
+    When the model carries ``patch_model(model, fused=True)`` and
+    ``chunk_cross_entropy`` has ``label_smoothing=``, the label smoother is
+    switched off instead and the fused loss applies the smoothing (the
+    Trainer then normalises it by ``num_items_in_batch`` as its smoother
+    does), so label smoothing keeps the memory saving. Attach after
+    patching and before ``train()``.
+
+    ``interval_from_logging_steps=True`` sets ``meter.interval`` at train
+    begin to the Trainer's resolved ``state.logging_steps`` (an int also
+    when ``args.logging_steps`` is the fractional form, a ratio of
+    ``max_steps``), so exactly the logged steps are measured.
     """
 
-    def __init__(self, meter: ChannelLossMeter):
+    def __init__(self, meter: ChannelLossMeter, *, interval_from_logging_steps: bool = False):
         self.meter = meter
+        self.interval_from_logging_steps = interval_from_logging_steps
         self._in_step = False
+        self._attached = False
         self._pending: list[dict[str, float]] = []
 
     def attach(self, trainer) -> ChannelLossCallback:
-        """Put this callback right after the Trainer's flow callback, before every reporter."""
+        """Put this callback right after the Trainer's flow callback, before every reporter.
+
+        Also makes the Trainer's own loss paths observable (label smoothing,
+        ``compute_loss_func``): see the class docstring.
+        """
         callbacks = trainer.callback_handler.callbacks
         if self in callbacks:
             callbacks.remove(self)
         flow = [i for i, cb in enumerate(callbacks) if type(cb).__name__ == "DefaultFlowCallback"]
         callbacks.insert(flow[-1] + 1 if flow else 0, self)
+        self._attached = True
+        smoother = getattr(trainer, "label_smoother", None)
+        if smoother is not None and not isinstance(smoother, ObservingOutputsLoss):
+            fused = _fused_patch_of(_unwrap(trainer.model, fused=False)[0])
+            if fused is not None and not _op_accepts(["label_smoothing"]):
+                fused.label_smoothing = float(smoother.epsilon)
+                trainer.label_smoother = None
+            else:
+                ignore_index = getattr(smoother, "ignore_index", -100)
+                trainer.label_smoother = ObservingOutputsLoss(smoother, ignore_index=ignore_index)
+        compute = getattr(trainer, "compute_loss_func", None)
+        if compute is not None and not isinstance(compute, ObservingOutputsLoss):
+            trainer.compute_loss_func = ObservingOutputsLoss(compute, always_shift=True)
         return self
 
     def _close_step(self) -> None:
@@ -877,8 +951,34 @@ class ChannelLossCallback(TrainerCallback):
             self._pending.append(metrics)
 
     def on_train_begin(self, args, state, control, **kwargs):
-        """Start clean: no step open, nothing pending."""
+        """Start clean; align the interval; warn about set-ups whose metrics reporters would miss."""
         self._pending.clear()
+        if self.interval_from_logging_steps:
+            steps = getattr(state, "logging_steps", None)
+            if isinstance(steps, int) and not isinstance(steps, bool) and steps >= 1:
+                self.meter.interval = steps
+        if self._attached:
+            return
+        reporters = [r for r in (getattr(args, "report_to", None) or []) if r != "none"]
+        problems = []
+        if reporters:
+            problems.append(
+                f"the reporters {reporters} run before a callback passed in callbacks= and "
+                "never see the channel metrics"
+            )
+        if (getattr(args, "label_smoothing_factor", 0) or 0) > 0:
+            problems.append(
+                "with label_smoothing_factor > 0 the Trainer computes the loss itself and "
+                "nothing is observed"
+            )
+        if problems:
+            message = (
+                "ChannelLossCallback was not attached: "
+                + "; ".join(problems)
+                + ". Use ChannelLossCallback(meter).attach(trainer) before train()"
+            )
+            logger.warning("channel_loss: %s", message)
+            warnings.warn(message, UserWarning, stacklevel=2)
 
     def on_step_begin(self, args, state, control, **kwargs):
         """Open the meter step for the optimizer step that follows."""
