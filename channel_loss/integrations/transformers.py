@@ -263,7 +263,7 @@ def _configs_to_check(config) -> list[tuple[str, object]]:
 
     def add(path: str, value) -> None:
         if value is not None and all(value is not seen for _, seen in found):
-            found.append((path, value))
+            found.append(("config" if value is config else path, value))
 
     get_text_config = getattr(config, "get_text_config", None)
     if callable(get_text_config):
