@@ -612,11 +612,6 @@ def _restore(module, name: str, ours, saved) -> None:
         state[name] = saved
 
 
-def _op_accepts(names) -> list[str]:
-    params = inspect.signature(chunk_cross_entropy).parameters
-    return [name for name in names if name not in params]
-
-
 def patch_model(model, *, fused: bool = False, chunk_size: int | None = None) -> LossPatch:
     """Install an observing (or, ``fused=True``, a fused) loss on an HF causal LM; return its handle.
 
@@ -703,13 +698,6 @@ def patch_model(model, *, fused: bool = False, chunk_size: int | None = None) ->
             "F.linear(hidden, weight, bias) chunk by chunk); use fused=False"
         )
     transform = LogitTransform.of(target)
-    missing = _op_accepts(transform.kwargs())
-    if missing:
-        raise UnsupportedModelError(
-            f"patch_model(fused=True) refuses {name}: it transforms its logits "
-            f"({', '.join(transform.fields)}) and this chunk_cross_entropy has no "
-            f"{', '.join(missing)}= keyword; use fused=False"
-        )
     loss = FusedLoss(original, model=target, head=head, transform=transform, chunk_size=chunk_size)
     loss.verified = loss.verify_key in _VERIFIED.get(target, ())
     head_saved = vars(head).get("forward", _MISSING)
@@ -898,9 +886,8 @@ class ChannelLossCallback(TrainerCallback):
     smoother, and a ``compute_loss_func``, are wrapped to observe the
     per-token cross-entropy (NLL) of ``outputs.logits`` against the labels
     shifted by one (the causal-LM convention; the loss itself is unchanged).
-    When the model carries ``patch_model(model, fused=True)`` and
-    ``chunk_cross_entropy`` has ``label_smoothing=``, the label smoother is
-    switched off instead and the fused loss applies the smoothing (the
+    When the model carries ``patch_model(model, fused=True)``, the label
+    smoother is switched off instead and the fused loss applies the smoothing (the
     Trainer then normalises it by ``num_items_in_batch`` as its smoother
     does), so label smoothing keeps the memory saving. Attach after
     patching and before ``train()``.
@@ -933,7 +920,7 @@ class ChannelLossCallback(TrainerCallback):
         smoother = getattr(trainer, "label_smoother", None)
         if smoother is not None and not isinstance(smoother, ObservingOutputsLoss):
             fused = _fused_patch_of(_unwrap(trainer.model, fused=False)[0])
-            if fused is not None and not _op_accepts(["label_smoothing"]):
+            if fused is not None:
                 fused.label_smoothing = float(smoother.epsilon)
                 trainer.label_smoother = None
             else:

@@ -14,7 +14,6 @@ Exactness claims and their tolerances:
 
 from __future__ import annotations
 
-import inspect
 import logging
 import math
 from types import SimpleNamespace
@@ -24,9 +23,10 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from channel_loss import ChannelLossMeter, PackedLayout, capture, chunk_cross_entropy  # noqa: E402
+from channel_loss import ChannelLossMeter, PackedLayout, capture  # noqa: E402
 from channel_loss.integrations.transformers import (  # noqa: E402
     ChannelLossCallback,
+    LogitTransform,
     ObservingLoss,
     UnsupportedModelError,
     fused_causal_lm_loss,
@@ -308,7 +308,8 @@ def test_fused_path_matches_the_unfused_loss():
 def test_fused_path_refuses_a_config_transform_the_model_does_not_apply():
     # Llama's forward never caps: whether the op could cap or not, the fused path refuses,
     # naming the field (when the op can, the verifying first forward finds the difference).
-    model = tiny_llama(final_logit_softcapping=30.0)
+    # (A cap of 0.5 changes the small logits of a random model a lot; 30 would hardly change them.)
+    model = tiny_llama(final_logit_softcapping=0.5)
     batch = packed_batch()
     with pytest.raises(UnsupportedModelError, match=r"LlamaForCausalLM.*final_logit_softcapping"):
         fused_causal_lm_loss(model, input_ids=batch.input_ids, labels=batch.labels)
@@ -535,19 +536,12 @@ def tiny_paligemma(final_logit_softcapping):
     return transformers.PaliGemmaForConditionalGeneration(config).eval()
 
 
-OP_KEYWORDS = set(inspect.signature(chunk_cross_entropy).parameters)
-
-
-def fused_or_refused(model, needs: str, field: str, **inputs) -> None:
-    """The fused loss equals the model's own when the op has ``needs``; else a refusal naming ``field``."""
-    if needs in OP_KEYWORDS:
-        with torch.no_grad():
-            want = model(**inputs).loss
-            got = fused_causal_lm_loss(model, chunk_size=4, **inputs)
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
-    else:
-        with pytest.raises(UnsupportedModelError, match=rf"{field}.*{needs}="):
-            fused_causal_lm_loss(model, **inputs)
+def assert_fused_matches(model, **inputs) -> None:
+    """The fused loss equals the model's own (the op applies the model's cap and scale)."""
+    with torch.no_grad():
+        want = model(**inputs).loss
+        got = fused_causal_lm_loss(model, chunk_size=4, **inputs)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
 def test_fused_path_reads_the_text_config_of_composite_models():
@@ -555,13 +549,10 @@ def test_fused_path_reads_the_text_config_of_composite_models():
     # loss of uncapped logits (29.96 where model(...).loss was 6.66).
     input_ids = torch.randint(0, VOCAB - 1, (1, 12), generator=torch.Generator().manual_seed(0))
     capped = tiny_paligemma(final_logit_softcapping=2.0)
-    fused_or_refused(
-        capped,
-        "softcap",
-        r"get_text_config\(decoder=True\)\.final_logit_softcapping=2\.0",
-        input_ids=input_ids,
-        labels=input_ids,
+    assert LogitTransform.of(capped).fields == (
+        "config.get_text_config(decoder=True).final_logit_softcapping=2.0",
     )
+    assert_fused_matches(capped, input_ids=input_ids, labels=input_ids)
 
     # Without soft-capping the same composite model is fine: its logits are lm_head(hidden).
     plain = tiny_paligemma(final_logit_softcapping=None)
@@ -572,14 +563,14 @@ def test_fused_path_reads_the_text_config_of_composite_models():
 
 
 @pytest.mark.parametrize(
-    ("config_class", "field", "value", "needs"),
+    ("config_class", "field", "value"),
     [
-        ("GraniteConfig", "logits_scaling", 8.0, "logit_scale"),
-        ("CohereConfig", "logit_scale", 0.0625, "logit_scale"),
-        ("Gemma2Config", "final_logit_softcapping", 30.0, "softcap"),
+        ("GraniteConfig", "logits_scaling", 8.0),
+        ("CohereConfig", "logit_scale", 0.0625),
+        ("Gemma2Config", "final_logit_softcapping", 2.0),
     ],
 )
-def test_fused_path_handles_every_logit_transform_field(config_class, field, value, needs):
+def test_fused_path_applies_every_logit_transform_field(config_class, field, value):
     config = getattr(transformers, config_class)(
         vocab_size=VOCAB,
         hidden_size=32,
@@ -591,4 +582,5 @@ def test_fused_path_handles_every_logit_transform_field(config_class, field, val
     )
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
     ids = torch.randint(0, VOCAB, (1, 6), generator=torch.Generator().manual_seed(0))
-    fused_or_refused(model, needs, rf"config\.{field}={value!r}", input_ids=ids, labels=ids)
+    assert LogitTransform.of(model).fields == (f"config.{field}={value!r}",)
+    assert_fused_matches(model, input_ids=ids, labels=ids)
