@@ -79,6 +79,20 @@ def assert_channel_metrics(logs: list[dict], steps: int) -> None:
         assert tokens == 2 * 12
 
 
+def test_real_trainer_logs_channel_loss_keys_before_every_reporter(tmp_path):
+    meter = ChannelLossMeter()
+    trainer, recorder = make_trainer(tmp_path, meter)
+    callback = ChannelLossCallback(meter).attach(trainer)
+    names = [type(cb).__name__ for cb in trainer.callback_handler.callbacks]
+    assert names.index("ChannelLossCallback") < names.index("Recorder")
+    with patch_model(trainer.model):
+        trainer.train()
+    assert_channel_metrics(train_logs(recorder), 2)
+    history = [h for h in trainer.state.log_history if "loss" in h]
+    assert all("channel_loss/web" in h for h in history)
+    assert not callback._pending
+
+
 @pytest.mark.parametrize("fused", [False, True], ids=["observer", "fused"])
 def test_label_smoothing_with_gradient_accumulation_logs_channel_metrics(tmp_path, fused):
     # label_smoothing_factor > 0: the Trainer pops the labels and smooths the logits itself, so

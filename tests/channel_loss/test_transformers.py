@@ -15,7 +15,6 @@ Exactness claims and their tolerances:
 from __future__ import annotations
 
 import logging
-import math
 from types import SimpleNamespace
 
 import pytest
@@ -450,61 +449,6 @@ def collate(items):
         "source_ids": item["source_ids"],
         "tail": [item["tail"]],
     }
-
-
-def test_real_trainer_logs_channel_loss_keys(tmp_path):
-    pytest.importorskip("accelerate", reason="transformers.Trainer needs accelerate")
-    model = tiny_llama(seed=8).train()
-    meter = ChannelLossMeter(interval=1)
-
-    class ChannelLossTrainer(transformers.Trainer):
-        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-            source_ids, tail = inputs.pop("source_ids"), inputs.pop("tail")
-            if not model.training:
-                return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
-            layout = PackedLayout.from_position_ids(
-                inputs["position_ids"], tail_padding_length=tail
-            )
-            with meter.micro_batch(source_ids=source_ids, layout=layout):
-                return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
-
-    args = transformers.TrainingArguments(
-        output_dir=str(tmp_path),
-        max_steps=2,
-        per_device_train_batch_size=1,
-        gradient_accumulation_steps=2,
-        logging_steps=1,
-        report_to=[],
-        use_cpu=True,
-        save_strategy="no",
-        disable_tqdm=True,
-        remove_unused_columns=False,
-        learning_rate=1e-3,
-    )
-    data = PackedDataset([packed_batch(seed=s, rows=((5, 7, 3),)) for s in range(4)])
-    recorder = Recorder()
-    trainer = ChannelLossTrainer(
-        model=model, args=args, train_dataset=data, data_collator=collate, callbacks=[recorder]
-    )
-    callback = ChannelLossCallback(meter).attach(trainer)
-    names = [type(cb).__name__ for cb in trainer.callback_handler.callbacks]
-    assert names.index("ChannelLossCallback") < names.index("Recorder")
-    with patch_model(model):
-        trainer.train()
-    train_logs = [log for log in recorder.logs if "loss" in log]
-    assert len(train_logs) == 2
-    for log in train_logs:
-        assert {
-            "channel_loss/web",
-            "channel_loss/code",
-            "channel_loss_tokens/web",
-            "channel_loss_dropped_micro_batches",
-        } <= log.keys()
-        assert all(math.isfinite(v) for k, v in log.items() if k.startswith("channel_loss"))
-        assert log["channel_loss_dropped_micro_batches"] == 0.0
-    history = [h for h in trainer.state.log_history if "loss" in h]
-    assert all("channel_loss/web" in h for h in history)
-    assert not callback._pending
 
 
 def tiny_paligemma(final_logit_softcapping):
