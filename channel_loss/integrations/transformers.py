@@ -865,7 +865,7 @@ class ChannelLossCallback(TrainerCallback):
     * wrap each micro-batch's forward + loss in ``meter.micro_batch(
       source_ids=..., layout=...)`` (in a ``Trainer`` subclass's
       ``compute_loss``, only while ``model.training``), with the loss observed
-      by ``patch_model(model)`` or computed by ``fused_causal_lm_loss``;
+      by ``patch_model(model)`` or computed by ``patch_model(model, fused=True)``;
     * keep the per-sample ``source_ids`` in the batch (``remove_unused_columns
       =False`` or a collator that adds them) and pop them before the forward;
     * under DDP, build the meter with ``dp_group`` (and ``sp_group`` under
