@@ -61,9 +61,10 @@ def check(grads: dict, want: dict) -> None:
 def train_step(model, batch, meter):
     meter.begin_step()
     with meter.micro_batch(source_ids=batch.sources, layout=batch.layout):
-        loss = model(**batch.inputs, labels=batch.labels).loss
-    loss.backward()
-    return loss.detach(), meter.end_step()
+        out = model(**batch.inputs, labels=batch.labels)
+    assert out.logits.shape[-1] == 0  # the fused path ran: no logits were materialised
+    out.loss.backward()
+    return out.loss.detach(), meter.end_step()
 
 
 @pytest.mark.launch(nproc=2, timeout=240)
@@ -122,3 +123,9 @@ def test_fsdp2_fused_path_matches_the_all_reduced_reference():
             torch.testing.assert_close(loss, losses[rank], rtol=1e-5, atol=1e-6)
             check({n: p.grad.full_tensor() for n, p in model.named_parameters()}, want)
             assert metrics["channel_loss_dropped_micro_batches"] == 0.0
+
+    # The one-call form on the FSDP2 root runs inside the root forward too.
+    model.zero_grad(set_to_none=True)
+    batch = batches[rank]
+    fused_causal_lm_loss(model, **batch.inputs, labels=batch.labels, chunk_size=8).backward()
+    check({n: p.grad.full_tensor() for n, p in model.named_parameters()}, want)

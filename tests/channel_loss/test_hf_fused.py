@@ -259,3 +259,16 @@ def test_observing_loss_forwards_exactly_the_arguments_it_was_given():
     assert calls == [(8, -100, {}), (8, 0, {"num_items_in_batch": 3})]
     assert len(cap.observations) == 2
     assert cap.observations[0].ignore_index == -100
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_models_pass_the_verifying_forward(dtype):
+    # The model caps its 16-bit logits in 16-bit; the op caps fp32 logits: the verification
+    # tolerance (5e-2 bf16, 1e-2 fp16 per token) must not refuse that rounding.
+    model = build("gemma2").to(dtype)
+    batch = packed_batch("gemma2")
+    want = model(**batch.inputs, labels=batch.labels).loss
+    with patch_model(model, fused=True) as handle:
+        got = model(**batch.inputs, labels=batch.labels).loss
+        assert handle.loss.verified
+    torch.testing.assert_close(got, want.float(), rtol=1e-2, atol=1e-2)
