@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 import math
-import numbers
+import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 from channel_loss.capture import record
+from channel_loss.validation import check_int, is_real
 
 __all__ = ["chunk_cross_entropy", "default_chunk_size", "per_token_cross_entropy"]
 
@@ -93,8 +94,10 @@ def resolve_targets(
                 f"ignore_index={ignore_index}"
             )
     else:
-        _require(~bad.any(), f"{name} holds a target outside [0, {vocab}) that is not "
-                             f"ignore_index={ignore_index}")
+        _require(
+            ~bad.any(),
+            f"{name} holds a target outside [0, {vocab}) that is not ignore_index={ignore_index}",
+        )
     return targets
 
 
@@ -186,6 +189,75 @@ def _resolve_bias(
     return _Bias(None, rows, logits_bias_weight, row_of_token)
 
 
+def _refuse_dtensor(**tensors: torch.Tensor | None) -> None:
+    """Refuse DTensor inputs with advice instead of torch's mixed-tensor error.
+
+    No DTensor can exist unless ``torch.distributed.tensor`` was imported, so
+    the check imports nothing.
+    """
+    module = sys.modules.get("torch.distributed.tensor")
+    dtensor = getattr(module, "DTensor", None)
+    if dtensor is None:
+        return
+    for name, t in tensors.items():
+        if isinstance(t, dtensor):
+            raise ValueError(
+                f"{name} is a DTensor (placements {tuple(t.placements)}): the chunked loss works "
+                "on local tensors. Call it inside the model's forward, where FSDP has "
+                f"unsharded the parameters, or pass {name}.full_tensor()"
+            )
+
+
+REDUCTIONS = ("mean", "sum")
+
+
+@dataclass(frozen=True)
+class _Features:
+    """Loss features on top of plain CE; each ``None`` / 0 when off."""
+
+    logit_scale: float | None = None
+    softcap: float | None = None
+    label_smoothing: float = 0.0
+    lse_square_scale: float = 0.0
+
+    @property
+    def changes_loss(self) -> bool:
+        """Whether the training loss differs from the per-token NLL summed."""
+        return self.label_smoothing != 0.0 or self.lse_square_scale != 0.0
+
+
+def _real(
+    value, what: str, *, low: float, high: float = math.inf, open_low: bool = False, hint: str = ""
+) -> float:
+    ok = is_real(value) and math.isfinite(float(value))
+    if ok:
+        value = float(value)
+        ok = (value > low if open_low else value >= low) and value <= high
+    if not ok:
+        bound = (f"> {low}" if open_low else f">= {low}") + (
+            f" and <= {high}" if high != math.inf else ""
+        )
+        raise ValueError(f"{what} must be a finite number {bound}{hint}; got {value!r}")
+    return value
+
+
+def _resolve_features(
+    logit_scale, softcap, label_smoothing, lse_square_scale, reduction
+) -> _Features:
+    """Checked loss features; ``ValueError`` names the argument and the allowed values."""
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {REDUCTIONS}; got {reduction!r}")
+    if logit_scale is not None:
+        logit_scale = _real(
+            logit_scale, "logit_scale", low=0.0, open_low=True, hint=" (None: no scaling)"
+        )
+    if softcap is not None:
+        softcap = _real(softcap, "softcap", low=0.0, open_low=True, hint=" (None: no cap)")
+    smoothing = _real(label_smoothing, "label_smoothing", low=0.0, high=1.0)
+    z_scale = _real(lse_square_scale, "lse_square_scale", low=0.0)
+    return _Features(logit_scale, softcap, smoothing, z_scale)
+
+
 # --------------------------------------------------------------------------- the chunk kernel
 
 
@@ -213,31 +285,78 @@ def _chunk_logits(
     return logits
 
 
-def _softmax_ce_(logits: torch.Tensor, targets: torch.Tensor, valid: torch.Tensor):
+def _final_logits_(
+    logits: torch.Tensor, features: _Features, keep_cap_slope: bool
+) -> torch.Tensor | None:
+    """Apply ``logit_scale`` then ``softcap`` to fp32 ``logits`` in place.
+
+    Returns, when ``keep_cap_slope`` and a cap is set, ``d softcap / d input``
+    (``1 - tanh**2``, a second chunk-sized buffer) for backward; else None.
+    """
+    if features.logit_scale is not None:
+        logits.mul_(features.logit_scale)
+    if features.softcap is None:
+        return None
+    logits.div_(features.softcap).tanh_()
+    slope = torch.square(logits).neg_().add_(1.0) if keep_cap_slope else None
+    logits.mul_(features.softcap)
+    return slope
+
+
+def _softmax_ce_(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    valid: torch.Tensor,
+    features: _Features = _Features(),
+):
     """Per-token CE of fp32 ``logits`` (0.0 where not ``valid``); turns ``logits`` into softmax.
 
-    Returns ``(token_loss, sumexp)``; afterwards ``logits`` holds
-    ``exp(logits - rowmax)``, the unnormalised softmax.
+    Returns ``(token_nll, sumexp, lse, train_loss)``; afterwards ``logits``
+    holds ``exp(logits - rowmax)``, the unnormalised softmax. ``train_loss`` is
+    the per-token loss with label smoothing and z-loss (``token_nll`` itself
+    when neither is on).
     """
     safe = torch.where(valid, targets, 0).unsqueeze(1)
     target_logit = logits.gather(1, safe).squeeze(1)
     rowmax = logits.amax(dim=1)
+    smoothing = features.label_smoothing
+    logit_sum = logits.sum(dim=1) if smoothing else None
     logits.sub_(rowmax.unsqueeze(1)).exp_()
     sumexp = logits.sum(dim=1)
-    token_loss = torch.where(valid, sumexp.log() + rowmax - target_logit, 0.0)
-    return token_loss, sumexp
+    lse = sumexp.log() + rowmax
+    token_loss = torch.where(valid, lse - target_logit, 0.0)
+    if not features.changes_loss:
+        return token_loss, sumexp, lse, token_loss
+    train = token_loss
+    if smoothing:
+        # F.cross_entropy's definition: (1 - e) * nll + e * mean_j(-log softmax_j).
+        smooth = lse - logit_sum / logits.shape[1]
+        train = (1.0 - smoothing) * train + smoothing * smooth
+    if features.lse_square_scale:
+        train = train + features.lse_square_scale * lse.square()
+    return token_loss, sumexp, lse, torch.where(valid, train, 0.0)
 
 
 def _chunked_pass(
-    h: torch.Tensor, weight: torch.Tensor, bias: _Bias, targets: torch.Tensor,
-    valid: torch.Tensor, scale: torch.Tensor | None, chunk_size: int,
+    h: torch.Tensor,
+    weight: torch.Tensor,
+    bias: _Bias,
+    targets: torch.Tensor,
+    valid: torch.Tensor,
+    scale: torch.Tensor | None,
+    chunk_size: int,
     needs: tuple[bool, bool, bool, bool, bool],
-) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
-    """One walk over the chunks: per-token CE [N] and the gradients ``needs`` asks for.
+    features: _Features = _Features(),
+) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor | None]]:
+    """One walk over the chunks: per-token NLL [N], per-token training loss [N] and the
+    gradients ``needs`` asks for.
 
-    Gradients are those of ``sum(token CE) * scale`` for (hidden rows, weight,
-    full bias rows, bias factor rows, bias factor weight), in fp32 except the
-    hidden one, which has the hidden dtype.
+    The NLL is the CE of the final logits (after ``logit_scale`` and
+    ``softcap``); the training loss adds label smoothing and z-loss (it is the
+    NLL tensor itself when neither is on). Gradients are those of
+    ``sum(training loss) * scale`` for (hidden rows, weight, full bias rows,
+    bias factor rows, bias factor weight), in fp32 except the hidden one,
+    which has the hidden dtype.
     """
     n = targets.shape[0]
     need_h, need_w, need_full, need_factor, need_factor_w = needs
@@ -246,23 +365,45 @@ def _chunked_pass(
         return torch.zeros(t.shape, dtype=torch.float32, device=h.device) if need else None
 
     token_losses = torch.empty(n, dtype=torch.float32, device=h.device)
+    train_losses = (
+        torch.empty(n, dtype=torch.float32, device=h.device)
+        if features.changes_loss
+        else token_losses
+    )
     grad_h = torch.empty_like(h) if need_h else None
     grad_w = zeros(weight, need_w)
     grad_full = zeros(bias.full, need_full)
     grad_factor = zeros(bias.factor, need_factor)
     grad_factor_w = zeros(bias.factor_weight, need_factor_w)
     any_grad = any(needs)
+    smoothing, z_scale = features.label_smoothing, features.lse_square_scale
     for s, e in _chunks(n, chunk_size):
         logits = _chunk_logits(h, weight, bias, s, e)
+        cap_slope = _final_logits_(logits, features, keep_cap_slope=any_grad)
         t, v = targets[s:e], valid[s:e]
-        token_losses[s:e], sumexp = _softmax_ce_(logits, t, v)
+        nll, sumexp, lse, train = _softmax_ce_(logits, t, v, features)
+        token_losses[s:e] = nll
+        if train is not nll:
+            train_losses[s:e] = train
         if not any_grad:
             del logits
             continue
-        # dCE/dlogits = softmax - onehot on valid rows, times the loss scale.
+        # d(training loss)/d(final logits) on valid rows, times the loss scale:
+        # softmax * (1 + 2 s lse) - (1 - e) onehot - e / V.
         row_scale = torch.where(v, scale, 0.0)
-        dlogits = logits.mul_((row_scale / sumexp).unsqueeze(1))
-        dlogits.scatter_add_(1, torch.where(v, t, 0).unsqueeze(1), -row_scale.unsqueeze(1))
+        coef = row_scale / sumexp
+        if z_scale:
+            coef = coef * (1.0 + 2.0 * z_scale * lse)
+        dlogits = logits.mul_(coef.unsqueeze(1))
+        if smoothing:
+            dlogits.sub_((row_scale * (smoothing / logits.shape[1])).unsqueeze(1))
+        hot = -row_scale if not smoothing else row_scale * -(1.0 - smoothing)
+        dlogits.scatter_add_(1, torch.where(v, t, 0).unsqueeze(1), hot.unsqueeze(1))
+        # Back through the cap and the scale to the logits of the LM head.
+        if cap_slope is not None:
+            dlogits.mul_(cap_slope)
+        if features.logit_scale is not None:
+            dlogits.mul_(features.logit_scale)
         if need_h:
             torch.mm(dlogits.to(weight.dtype), weight, out=grad_h[s:e])
         if need_w:
@@ -274,8 +415,8 @@ def _chunked_pass(
         if need_factor_w:
             grad_factor_w.addmm_(dlogits.t(), _bias_rows(bias, bias.factor, s, e).float())
         # Free this chunk's logits before the next chunk allocates its own.
-        del logits, dlogits
-    return token_losses, [grad_h, grad_w, grad_full, grad_factor, grad_factor_w]
+        del logits, dlogits, cap_slope
+    return token_losses, train_losses, [grad_h, grad_w, grad_full, grad_factor, grad_factor_w]
 
 
 # Rows of a gradient rescaled per step in backward: an fp32 temporary of at
@@ -289,8 +430,9 @@ def _keep_graph() -> bool:
     return True if probe is None else bool(probe())
 
 
-def _rescaled(g: torch.Tensor, factor: torch.Tensor, dtype: torch.dtype, reuse: bool,
-              in_fp32: bool) -> torch.Tensor:
+def _rescaled(
+    g: torch.Tensor, factor: torch.Tensor, dtype: torch.dtype, reuse: bool, in_fp32: bool
+) -> torch.Tensor:
     """``g * factor`` as ``dtype``, written into ``g`` itself when ``reuse``.
 
     ``in_fp32``: multiply in fp32 even though ``g`` is low precision (an
@@ -305,7 +447,7 @@ def _rescaled(g: torch.Tensor, factor: torch.Tensor, dtype: torch.dtype, reuse: 
     out = g if reuse and g.dtype == dtype else torch.empty(g.shape, dtype=dtype, device=g.device)
     rows = max(1, _RESCALE_BLOCK // max(1, math.prod(g.shape[1:])))
     for s in range(0, g.shape[0], rows):
-        out[s:s + rows] = g[s:s + rows].float() * factor
+        out[s : s + rows] = g[s : s + rows].float() * factor
     return out
 
 
@@ -337,15 +479,28 @@ class _ChunkedCE(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, h, weight, bias_full, bias_factor, bias_factor_weight, targets, valid,
-                denom, bias_map, chunk_size, needs):
+    def forward(
+        ctx,
+        h,
+        weight,
+        bias_full,
+        bias_factor,
+        bias_factor_weight,
+        targets,
+        valid,
+        denom,
+        bias_map,
+        chunk_size,
+        needs,
+        features,
+    ):
         bias = _Bias(bias_full, bias_factor, bias_factor_weight, bias_map)
         defer = h.dtype == torch.float16
         scale = torch.ones_like(denom) if defer else denom.reciprocal()
-        token_losses, grads = _chunked_pass(
-            h, weight, bias, targets, valid, scale, chunk_size, needs
+        token_losses, train_losses, grads = _chunked_pass(
+            h, weight, bias, targets, valid, scale, chunk_size, needs, features
         )
-        loss = token_losses.sum() / denom
+        loss = train_losses.sum() / denom
         ctx.set_materialize_grads(False)
         ctx.mark_non_differentiable(token_losses)
         inputs = (h, weight, bias_full, bias_factor, bias_factor_weight)
@@ -375,9 +530,10 @@ class _ChunkedCE(torch.autograd.Function):
             for i, dtype in enumerate(ctx.dtypes):
                 if dtype is not None:
                     g = next(saved_grads)
-                    grads[i] = _rescaled(g, factor, dtype, reuse,
-                                         in_fp32=ctx.defer and g.dtype != torch.float32)
-        return (*grads, None, None, None, None, None, None)
+                    grads[i] = _rescaled(
+                        g, factor, dtype, reuse, in_fp32=ctx.defer and g.dtype != torch.float32
+                    )
+        return (*grads, None, None, None, None, None, None, None)
 
 
 def _scatter_rows(grad_rows: torch.Tensor, bias: _Bias, d: torch.Tensor, s: int, e: int) -> None:
@@ -401,8 +557,9 @@ def _floor_pow2(x: float) -> int:
     return 1 << max(0, math.floor(math.log2(x))) if x >= 1 else 1
 
 
-def default_chunk_size(tokens: int, hidden: int, vocab: int, dtype: torch.dtype,
-                       device: torch.device | str = "cpu") -> int:
+def default_chunk_size(
+    tokens: int, hidden: int, vocab: int, dtype: torch.dtype, device: torch.device | str = "cpu"
+) -> int:
     """The ``chunk_size`` that ``chunk_cross_entropy(chunk_size=None)`` uses.
 
     The rule: the largest power of two ``c`` such that one chunk's fp32 logits
@@ -437,17 +594,14 @@ def default_chunk_size(tokens: int, hidden: int, vocab: int, dtype: torch.dtype,
 def _resolve_chunk_size(chunk_size, hidden_states: torch.Tensor, vocab: int) -> int:
     if chunk_size is None:
         tokens = hidden_states.numel() // max(hidden_states.shape[-1], 1)
-        return default_chunk_size(tokens, hidden_states.shape[-1], vocab, hidden_states.dtype,
-                                  hidden_states.device)
+        return default_chunk_size(
+            tokens, hidden_states.shape[-1], vocab, hidden_states.dtype, hidden_states.device
+        )
     return _check_chunk_size(chunk_size)
 
 
 def _check_chunk_size(chunk_size) -> int:
-    if isinstance(chunk_size, numbers.Integral) and not isinstance(chunk_size, bool):
-        value = int(chunk_size)
-        if value >= 1:
-            return value
-    raise ValueError(f"chunk_size must be an int >= 1; got {chunk_size!r} (None: the default)")
+    return check_int(chunk_size, "chunk_size", minimum=1)
 
 
 # --------------------------------------------------------------------------- num_items_in_batch
@@ -476,7 +630,7 @@ def _denominator(num_items_in_batch, valid: torch.Tensor) -> torch.Tensor:
         given = num_items_in_batch.detach().reshape(())
         # A CPU tensor's value is already on the host: reading it syncs nothing.
         host = float(given.item()) if given.device.type == "cpu" else None
-    elif isinstance(num_items_in_batch, numbers.Real) and not isinstance(num_items_in_batch, bool):
+    elif is_real(num_items_in_batch):
         given, host = None, float(num_items_in_batch)
     else:
         raise ValueError(
@@ -486,8 +640,10 @@ def _denominator(num_items_in_batch, valid: torch.Tensor) -> torch.Tensor:
     zero_msg = f"{what} is 0 while some targets are scored (the loss would be inf)"
     if host is None:
         denom = given.to(valid.device, torch.float32)
-        _require(torch.isfinite(denom) & (denom >= 0) & ((denom != 0) | ~valid.any()),
-                 f"{what} must be a finite number >= 0, and not 0 while targets are scored")
+        _require(
+            torch.isfinite(denom) & (denom >= 0) & ((denom != 0) | ~valid.any()),
+            f"{what} must be a finite number >= 0, and not 0 while targets are scored",
+        )
     else:
         if not math.isfinite(host) or host < 0:
             raise ValueError(f"{what} must be a finite number >= 0; got {num_items_in_batch!r}")
@@ -533,7 +689,30 @@ def _eager_under_compile(fn: Callable) -> Callable:
     return eager
 
 
+_FEATURES_DOC = """
+    Loss features (keyword-only, off by default), in the order applied:
+    ``logit_scale`` multiplies the fp32 logits (Cohere's ``logit_scale``,
+    Granite's ``1 / logits_scaling``); ``softcap`` then maps them to
+    ``softcap * tanh(logits / softcap)`` (Gemma 2/3). The result is the
+    *final logits*. ``label_smoothing`` mixes the NLL with the uniform
+    target as ``F.cross_entropy`` defines it; ``lse_square_scale`` adds the
+    z-loss ``lse_square_scale * logsumexp(final logits)**2`` per scored token,
+    reduced like the CE. ``reduction="sum"`` returns the sum over scored
+    tokens (no divisor; ``num_items_in_batch`` must then be None).
+
+    The observation (``capture()``, ``per_token_cross_entropy``) is always
+    the per-token NLL of the final logits, never the smoothing or z-loss
+    terms, so channel metrics stay comparable across recipes.
+"""
+
+
+def _loss_features_doc(fn: Callable) -> Callable:
+    fn.__doc__ = (fn.__doc__ or "") + _FEATURES_DOC
+    return fn
+
+
 @_eager_under_compile
+@_loss_features_doc
 def chunk_cross_entropy(
     hidden_states: torch.Tensor,
     weight: torch.Tensor,
@@ -545,6 +724,11 @@ def chunk_cross_entropy(
     ignore_index: int = -100,
     num_items_in_batch: int | float | torch.Tensor | None = None,
     chunk_size: int | None = None,
+    logit_scale: float | None = None,
+    softcap: float | None = None,
+    label_smoothing: float = 0.0,
+    lse_square_scale: float = 0.0,
+    reduction: str = "mean",
 ) -> torch.Tensor:
     """Mean token cross-entropy of ``F.linear(hidden_states, weight)`` logits, chunked.
 
@@ -573,9 +757,28 @@ def chunk_cross_entropy(
     and a failure surfaces as a device-side assertion at the next sync.
 
     Raises ``ValueError`` naming the argument for inconsistent shapes, dtypes,
-    targets outside ``[0, V)``, ``chunk_size < 1``, or a ``num_items_in_batch``
-    that is negative, not finite, or 0 while targets are scored.
+    targets outside ``[0, V)``, ``chunk_size < 1``, a ``num_items_in_batch``
+    that is negative, not finite, or 0 while targets are scored, a loss
+    feature out of range (``softcap`` or ``logit_scale`` <= 0,
+    ``label_smoothing`` outside [0, 1], ``lse_square_scale`` < 0, a
+    ``reduction`` other than "mean" / "sum"), or a DTensor input (call the
+    op where FSDP has unsharded the weight, inside the model's forward, or
+    pass ``.full_tensor()``).
     """
+    _refuse_dtensor(
+        hidden_states=hidden_states,
+        weight=weight,
+        logits_bias=logits_bias,
+        logits_bias_weight=logits_bias_weight,
+        labels=labels,
+        shift_labels=shift_labels,
+    )
+    features = _resolve_features(logit_scale, softcap, label_smoothing, lse_square_scale, reduction)
+    if reduction == "sum" and num_items_in_batch is not None:
+        raise ValueError(
+            "num_items_in_batch divides the summed loss: pass it with reduction='mean' "
+            f"(the default), not with reduction='sum'; got {num_items_in_batch!r}"
+        )
     _check_hidden_weight(hidden_states, weight)
     vocab = weight.shape[0]
     chunk_size = _resolve_chunk_size(chunk_size, hidden_states, vocab)
@@ -584,19 +787,23 @@ def chunk_cross_entropy(
     bias = _resolve_bias(logits_bias, logits_bias_weight, lead, vocab, hidden_states.device)
     flat_targets = targets.reshape(-1)
     valid = flat_targets != ignore_index
-    denom = _denominator(num_items_in_batch, valid)
+    if reduction == "sum":
+        denom = torch.ones((), dtype=torch.float32, device=valid.device)
+    else:
+        denom = _denominator(num_items_in_batch, valid)
     h = hidden_states.reshape(-1, hidden_states.shape[-1])
     inputs = (h, weight, bias.full, bias.factor, bias.factor_weight)
     grad_on = torch.is_grad_enabled()
     needs = tuple(grad_on and t is not None and t.requires_grad for t in inputs)
     loss, token_losses = _ChunkedCE.apply(
-        *inputs, flat_targets, valid, denom, bias.row_of_token, chunk_size, needs
+        *inputs, flat_targets, valid, denom, bias.row_of_token, chunk_size, needs, features
     )
     record(token_losses.reshape(lead), targets, ignore_index)
     return loss
 
 
 @_eager_under_compile
+@_loss_features_doc
 def per_token_cross_entropy(
     *,
     logits: torch.Tensor | None = None,
@@ -608,30 +815,57 @@ def per_token_cross_entropy(
     shift_labels: torch.Tensor | None = None,
     ignore_index: int = -100,
     chunk_size: int | None = None,
+    logit_scale: float | None = None,
+    softcap: float | None = None,
+    label_smoothing: float = 0.0,
+    lse_square_scale: float = 0.0,
+    reduction: str = "mean",
 ) -> torch.Tensor:
     """Detached fp32 per-token CE with the leading shape of the targets, 0.0 where ignored.
 
     Give either ``logits`` (``[..., V]``, as a logits-returning model produces)
     or ``hidden_states`` and ``weight`` (with optional bias, as for
     ``chunk_cross_entropy``). For the hidden path and the same ``chunk_size``
-    (also when both calls leave it None, since the default depends only on
-    the shapes, dtype and device), the result is bitwise equal to what
-    ``capture()`` records for ``chunk_cross_entropy``. For logits the default
-    chunk keeps each fp32 working copy at most ``LOGITS_CHUNK_ELEMENTS``
-    elements. Never builds an autograd graph.
+    and loss features (also when both calls leave the chunk None, since the
+    default depends only on the shapes, dtype and device), the result is
+    bitwise equal to what ``capture()`` records for ``chunk_cross_entropy``.
+    For logits the default chunk keeps each fp32 working copy at most
+    ``LOGITS_CHUNK_ELEMENTS`` elements; ``logit_scale`` / ``softcap`` are
+    applied to the given logits (pass them only if the model has not). Never
+    builds an autograd graph. ``label_smoothing``, ``lse_square_scale`` and
+    ``reduction`` are checked and accepted so a caller can pass the same
+    arguments as to ``chunk_cross_entropy``; they do not change the
+    per-token NLL returned here.
     """
+    _refuse_dtensor(
+        logits=logits,
+        hidden_states=hidden_states,
+        weight=weight,
+        logits_bias=logits_bias,
+        logits_bias_weight=logits_bias_weight,
+        labels=labels,
+        shift_labels=shift_labels,
+    )
+    checked = _resolve_features(logit_scale, softcap, label_smoothing, lse_square_scale, reduction)
+    # Only the terms that change the final logits matter to the NLL.
+    features = _Features(checked.logit_scale, checked.softcap)
     if logits is not None:
         if hidden_states is not None or weight is not None:
             raise ValueError("pass either logits or hidden_states + weight, not both")
         if logits_bias is not None or logits_bias_weight is not None:
             raise ValueError("logits_bias applies to the hidden_states path only; add it to logits")
         if not isinstance(logits, torch.Tensor) or logits.dim() < 2:
-            raise ValueError(f"logits must be a [..., V] tensor; got {getattr(logits, 'shape', logits)}")
+            raise ValueError(
+                f"logits must be a [..., V] tensor; got {getattr(logits, 'shape', logits)}"
+            )
         if not logits.dtype.is_floating_point:
             raise ValueError(f"logits must be floating point; got dtype {logits.dtype}")
         lead, vocab = logits.shape[:-1], logits.shape[-1]
-        chunk_size = (max(1, LOGITS_CHUNK_ELEMENTS // max(vocab, 1)) if chunk_size is None
-                      else _check_chunk_size(chunk_size))
+        chunk_size = (
+            max(1, LOGITS_CHUNK_ELEMENTS // max(vocab, 1))
+            if chunk_size is None
+            else _check_chunk_size(chunk_size)
+        )
         targets = resolve_targets(lead, labels, shift_labels, ignore_index, vocab, "logits")
         flat_logits = logits.detach().reshape(-1, vocab)
         flat_targets = targets.reshape(-1)
@@ -641,7 +875,8 @@ def per_token_cross_entropy(
             for s, e in _chunks(flat_targets.shape[0], chunk_size):
                 # .float() of fp32 logits is the caller's tensor: clone before the in-place softmax.
                 chunk = flat_logits[s:e].to(torch.float32, copy=True)
-                out[s:e], _ = _softmax_ce_(chunk, flat_targets[s:e], valid[s:e])
+                _final_logits_(chunk, features, keep_cap_slope=False)
+                out[s:e] = _softmax_ce_(chunk, flat_targets[s:e], valid[s:e])[0]
         return out.reshape(lead)
     if hidden_states is None or weight is None:
         raise ValueError("pass logits, or both hidden_states and weight")
@@ -654,6 +889,15 @@ def per_token_cross_entropy(
         bias = _resolve_bias(logits_bias, logits_bias_weight, lead, vocab, hidden_states.device)
         flat_targets = targets.reshape(-1)
         h = hidden_states.reshape(-1, hidden_states.shape[-1])
-        out, _ = _chunked_pass(h, weight, bias, flat_targets, flat_targets != ignore_index,
-                               None, chunk_size, (False,) * 5)
+        out, _, _ = _chunked_pass(
+            h,
+            weight,
+            bias,
+            flat_targets,
+            flat_targets != ignore_index,
+            None,
+            chunk_size,
+            (False,) * 5,
+            features,
+        )
     return out.reshape(lead)

@@ -15,7 +15,6 @@ Exactness claims and their tolerances:
 from __future__ import annotations
 
 import logging
-import math
 from types import SimpleNamespace
 
 import pytest
@@ -26,7 +25,9 @@ transformers = pytest.importorskip("transformers")
 from channel_loss import ChannelLossMeter, PackedLayout, capture  # noqa: E402
 from channel_loss.integrations.transformers import (  # noqa: E402
     ChannelLossCallback,
+    LogitTransform,
     ObservingLoss,
+    UnsupportedModelError,
     fused_causal_lm_loss,
     merge_step_metrics,
     patch_model,
@@ -38,8 +39,14 @@ IGNORE = -100
 
 def tiny_llama(seed: int = 0, **overrides) -> transformers.LlamaForCausalLM:
     config = transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, **overrides,
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        **overrides,
     )
     torch.manual_seed(seed)
     return transformers.LlamaForCausalLM(config).eval()  # eval: no dropout randomness
@@ -63,8 +70,13 @@ def packed_batch(seed: int = 0, rows=((5, 7, 3), (9, 4)), row_length: int = 16):
     input_ids = torch.randint(0, VOCAB, (len(rows), row_length), generator=g)
     labels = torch.where(torch.tensor(labels_mask), input_ids, IGNORE)
     sources = ["web", "code", "web", "math", "code"][: sum(len(r) for r in rows)]
-    return SimpleNamespace(input_ids=input_ids, position_ids=torch.tensor(position_ids),
-                           labels=labels, tails=tails, sources=sources)
+    return SimpleNamespace(
+        input_ids=input_ids,
+        position_ids=torch.tensor(position_ids),
+        labels=labels,
+        tails=tails,
+        sources=sources,
+    )
 
 
 def layout_of(batch) -> PackedLayout:
@@ -73,8 +85,12 @@ def layout_of(batch) -> PackedLayout:
 
 def forward_backward(model, batch, **loss_kwargs):
     model.zero_grad(set_to_none=True)
-    out = model(input_ids=batch.input_ids, position_ids=batch.position_ids, labels=batch.labels,
-                **loss_kwargs)
+    out = model(
+        input_ids=batch.input_ids,
+        position_ids=batch.position_ids,
+        labels=batch.labels,
+        **loss_kwargs,
+    )
     out.loss.backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     return out, grads
@@ -122,7 +138,11 @@ def test_patch_leaves_loss_and_grads_bitwise_unchanged(kwargs):
     finally:
         handle.remove()
 
-    for out, grads in ((outside, outside_grads), (inside, inside_grads), (in_meter, in_meter_grads)):
+    for out, grads in (
+        (outside, outside_grads),
+        (inside, inside_grads),
+        (in_meter, in_meter_grads),
+    ):
         assert torch.equal(out.loss, reference.loss)
         assert grads.keys() == reference_grads.keys()
         for name, grad in grads.items():
@@ -165,8 +185,12 @@ def test_meter_means_match_a_float64_reference_from_the_logits():
         meter.begin_step()
         for batch in batches:  # two micro-batches of one step, as under gradient accumulation
             with meter.micro_batch(source_ids=batch.sources, layout=layout_of(batch)):
-                out = model(input_ids=batch.input_ids, position_ids=batch.position_ids,
-                            labels=batch.labels, num_items_in_batch=total_items)
+                out = model(
+                    input_ids=batch.input_ids,
+                    position_ids=batch.position_ids,
+                    labels=batch.labels,
+                    num_items_in_batch=total_items,
+                )
             out.loss.backward()
             for source, (loss, tokens, samples) in reference_metrics(
                 out.logits.detach(), hf_targets(batch), batch
@@ -183,7 +207,8 @@ def test_meter_means_match_a_float64_reference_from_the_logits():
         assert metrics[f"channel_loss_tokens/{source}"] == tokens
         assert metrics[f"channel_loss_samples/{source}"] == samples
         assert metrics[f"channel_loss_weighted/{source}"] == pytest.approx(
-            loss / all_tokens, rel=1e-5, abs=1e-5)
+            loss / all_tokens, rel=1e-5, abs=1e-5
+        )
 
 
 def test_handle_removal_restores_the_original():
@@ -249,15 +274,24 @@ def test_fused_path_matches_the_unfused_loss():
     model.zero_grad(set_to_none=True)
     with meter.micro_batch(source_ids=batch.sources, layout=layout_of(batch)):
         fused = fused_causal_lm_loss(
-            model, input_ids=batch.input_ids, position_ids=batch.position_ids,
-            labels=batch.labels, num_items_in_batch=total, chunk_size=8,
+            model,
+            input_ids=batch.input_ids,
+            position_ids=batch.position_ids,
+            labels=batch.labels,
+            num_items_in_batch=total,
+            chunk_size=8,
         )
     fused.backward()
     fused_metrics = meter.end_step()
     torch.testing.assert_close(fused, reference.loss, rtol=1e-5, atol=1e-6)
     for name, param in model.named_parameters():
-        torch.testing.assert_close(param.grad, reference_grads[name], rtol=1e-4, atol=1e-6,
-                                   msg=lambda m, name=name: f"{name}: {m}")
+        torch.testing.assert_close(
+            param.grad,
+            reference_grads[name],
+            rtol=1e-4,
+            atol=1e-6,
+            msg=lambda m, name=name: f"{name}: {m}",
+        )
 
     # The fused path's own observation gives the metrics the logits path gives.
     with patch_model(model):
@@ -270,24 +304,48 @@ def test_fused_path_matches_the_unfused_loss():
         assert fused_metrics[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
 
 
-def test_fused_path_refuses_models_that_transform_logits():
-    model = tiny_llama(final_logit_softcapping=30.0)
+def test_fused_path_refuses_a_config_transform_the_model_does_not_apply():
+    # Llama's forward never caps: whether the op could cap or not, the fused path refuses,
+    # naming the field (when the op can, the verifying first forward finds the difference).
+    # (A cap of 0.5 changes the small logits of a random model a lot; 30 would hardly change them.)
+    model = tiny_llama(final_logit_softcapping=0.5)
     batch = packed_batch()
-    with pytest.raises(ValueError, match="final_logit_softcapping"):
+    with pytest.raises(UnsupportedModelError, match=r"LlamaForCausalLM.*final_logit_softcapping"):
         fused_causal_lm_loss(model, input_ids=batch.input_ids, labels=batch.labels)
 
 
 def test_merge_step_metrics_is_token_weighted():
-    a = {"cl/x": 2.0, "cl_tokens/x": 2.0, "cl_samples/x": 1.0, "cl_weighted/x": 1.0,
-         "cl_tokens/y": 0.0, "cl_samples/y": 1.0, "cl_weighted/y": 0.0,
-         "cl_dropped_micro_batches": 0.0}
-    b = {"cl/x": 5.0, "cl_tokens/x": 1.0, "cl_samples/x": 1.0, "cl_weighted/x": 5.0 / 4,
-         "cl/y": 1.0, "cl_tokens/y": 3.0, "cl_samples/y": 2.0, "cl_weighted/y": 3.0 / 4,
-         "cl_dropped_micro_batches": 1.0}
+    a = {
+        "cl/x": 2.0,
+        "cl_tokens/x": 2.0,
+        "cl_samples/x": 1.0,
+        "cl_weighted/x": 1.0,
+        "cl_tokens/y": 0.0,
+        "cl_samples/y": 1.0,
+        "cl_weighted/y": 0.0,
+        "cl_dropped_micro_batches": 0.0,
+    }
+    b = {
+        "cl/x": 5.0,
+        "cl_tokens/x": 1.0,
+        "cl_samples/x": 1.0,
+        "cl_weighted/x": 5.0 / 4,
+        "cl/y": 1.0,
+        "cl_tokens/y": 3.0,
+        "cl_samples/y": 2.0,
+        "cl_weighted/y": 3.0 / 4,
+        "cl_dropped_micro_batches": 1.0,
+    }
     merged = merge_step_metrics([a, b], prefix="cl")
     assert merged == {
-        "cl/x": 3.0, "cl_tokens/x": 3.0, "cl_samples/x": 2.0, "cl_weighted/x": 9.0 / 6,
-        "cl/y": 1.0, "cl_tokens/y": 3.0, "cl_samples/y": 3.0, "cl_weighted/y": 3.0 / 6,
+        "cl/x": 3.0,
+        "cl_tokens/x": 3.0,
+        "cl_samples/x": 2.0,
+        "cl_weighted/x": 9.0 / 6,
+        "cl/y": 1.0,
+        "cl_tokens/y": 3.0,
+        "cl_samples/y": 3.0,
+        "cl_weighted/y": 3.0 / 6,
         "cl_dropped_micro_batches": 1.0,
     }
     assert merge_step_metrics([a], prefix="cl") == a
@@ -311,8 +369,9 @@ def test_callback_lifecycle_with_real_trainer_state():
     meter = ChannelLossMeter(interval=1)
     callback = ChannelLossCallback(meter)
     recorder = Recorder()
-    handler = transformers.trainer_callback.CallbackHandler([callback, recorder], model, None,
-                                                            None, None)
+    handler = transformers.trainer_callback.CallbackHandler(
+        [callback, recorder], model, None, None, None
+    )
     args = SimpleNamespace()  # neither callback reads TrainingArguments
     state, control = transformers.TrainerState(), transformers.TrainerControl()
     per_step = []
@@ -323,8 +382,11 @@ def test_callback_lifecycle_with_real_trainer_state():
             assert meter.sampled
             for _ in range(2):  # gradient accumulation: two micro-batches per step
                 with meter.micro_batch(source_ids=batch.sources, layout=layout_of(batch)):
-                    loss = model(input_ids=batch.input_ids, position_ids=batch.position_ids,
-                                 labels=batch.labels).loss
+                    loss = model(
+                        input_ids=batch.input_ids,
+                        position_ids=batch.position_ids,
+                        labels=batch.labels,
+                    ).loss
                 loss.backward()
             # Keep each step's metrics as the callback will see them.
             state.global_step += 1
@@ -369,77 +431,72 @@ class PackedDataset(torch.utils.data.Dataset):
 
     def __getitem__(self, i):
         b = self.batches[i]  # one packed row
-        return {"input_ids": b.input_ids[0], "position_ids": b.position_ids[0],
-                "labels": b.labels[0], "source_ids": b.sources, "tail": b.tails[0]}
+        return {
+            "input_ids": b.input_ids[0],
+            "position_ids": b.position_ids[0],
+            "labels": b.labels[0],
+            "source_ids": b.sources,
+            "tail": b.tails[0],
+        }
 
 
 def collate(items):
     (item,) = items  # one packed row per micro-batch
-    return {"input_ids": item["input_ids"][None], "position_ids": item["position_ids"][None],
-            "labels": item["labels"][None], "source_ids": item["source_ids"],
-            "tail": [item["tail"]]}
-
-
-def test_real_trainer_logs_channel_loss_keys(tmp_path):
-    pytest.importorskip("accelerate", reason="transformers.Trainer needs accelerate")
-    model = tiny_llama(seed=8).train()
-    meter = ChannelLossMeter(interval=1)
-
-    class ChannelLossTrainer(transformers.Trainer):
-        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-            source_ids, tail = inputs.pop("source_ids"), inputs.pop("tail")
-            if not model.training:
-                return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
-            layout = PackedLayout.from_position_ids(inputs["position_ids"], tail_padding_length=tail)
-            with meter.micro_batch(source_ids=source_ids, layout=layout):
-                return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
-
-    args = transformers.TrainingArguments(
-        output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=1,
-        gradient_accumulation_steps=2, logging_steps=1, report_to=[], use_cpu=True,
-        save_strategy="no", disable_tqdm=True, remove_unused_columns=False, learning_rate=1e-3,
-    )
-    data = PackedDataset([packed_batch(seed=s, rows=((5, 7, 3),)) for s in range(4)])
-    recorder = Recorder()
-    trainer = ChannelLossTrainer(model=model, args=args, train_dataset=data, data_collator=collate,
-                                 callbacks=[recorder])
-    callback = ChannelLossCallback(meter).attach(trainer)
-    names = [type(cb).__name__ for cb in trainer.callback_handler.callbacks]
-    assert names.index("ChannelLossCallback") < names.index("Recorder")
-    with patch_model(model):
-        trainer.train()
-    train_logs = [log for log in recorder.logs if "loss" in log]
-    assert len(train_logs) == 2
-    for log in train_logs:
-        assert {"channel_loss/web", "channel_loss/code", "channel_loss_tokens/web",
-                "channel_loss_dropped_micro_batches"} <= log.keys()
-        assert all(math.isfinite(v) for k, v in log.items() if k.startswith("channel_loss"))
-        assert log["channel_loss_dropped_micro_batches"] == 0.0
-    history = [h for h in trainer.state.log_history if "loss" in h]
-    assert all("channel_loss/web" in h for h in history)
-    assert not callback._pending
+    return {
+        "input_ids": item["input_ids"][None],
+        "position_ids": item["position_ids"][None],
+        "labels": item["labels"][None],
+        "source_ids": item["source_ids"],
+        "tail": [item["tail"]],
+    }
 
 
 def tiny_paligemma(final_logit_softcapping):
     """A tiny PaliGemma whose Gemma 2 text model keeps its soft-capping in ``text_config``."""
-    text = dict(model_type="gemma2", vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
-                num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
-                final_logit_softcapping=final_logit_softcapping)
-    vision = dict(model_type="siglip_vision_model", hidden_size=16, intermediate_size=32,
-                  num_hidden_layers=1, num_attention_heads=2, image_size=8, patch_size=4)
-    config = transformers.PaliGemmaConfig(text_config=text, vision_config=vision,
-                                          image_token_index=VOCAB - 1, projection_dim=32)
+    text = dict(
+        model_type="gemma2",
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        final_logit_softcapping=final_logit_softcapping,
+    )
+    vision = dict(
+        model_type="siglip_vision_model",
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        image_size=8,
+        patch_size=4,
+    )
+    config = transformers.PaliGemmaConfig(
+        text_config=text, vision_config=vision, image_token_index=VOCAB - 1, projection_dim=32
+    )
     torch.manual_seed(0)
     return transformers.PaliGemmaForConditionalGeneration(config).eval()
 
 
-def test_fused_path_checks_the_text_config_of_composite_models():
-    # Issue 14.5: a PaliGemma with final_logit_softcapping=2.0 in text_config was accepted and
-    # returned the loss of uncapped logits (29.96 where model(...).loss was 6.66).
+def assert_fused_matches(model, **inputs) -> None:
+    """The fused loss equals the model's own (the op applies the model's cap and scale)."""
+    with torch.no_grad():
+        want = model(**inputs).loss
+        got = fused_causal_lm_loss(model, chunk_size=4, **inputs)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_fused_path_reads_the_text_config_of_composite_models():
+    # A PaliGemma with final_logit_softcapping=2.0 in text_config was accepted and returned the
+    # loss of uncapped logits (29.96 where model(...).loss was 6.66).
     input_ids = torch.randint(0, VOCAB - 1, (1, 12), generator=torch.Generator().manual_seed(0))
     capped = tiny_paligemma(final_logit_softcapping=2.0)
-    with pytest.raises(ValueError, match=r"get_text_config\(\)\.final_logit_softcapping=2\.0"):
-        fused_causal_lm_loss(capped, input_ids=input_ids, labels=input_ids)
+    assert LogitTransform.of(capped).fields == (
+        "config.get_text_config(decoder=True).final_logit_softcapping=2.0",
+    )
+    assert_fused_matches(capped, input_ids=input_ids, labels=input_ids)
 
     # Without soft-capping the same composite model is fine: its logits are lm_head(hidden).
     plain = tiny_paligemma(final_logit_softcapping=None)
@@ -454,14 +511,20 @@ def test_fused_path_checks_the_text_config_of_composite_models():
     [
         ("GraniteConfig", "logits_scaling", 8.0),
         ("CohereConfig", "logit_scale", 0.0625),
-        ("Gemma2Config", "final_logit_softcapping", 30.0),
+        ("Gemma2Config", "final_logit_softcapping", 2.0),
     ],
 )
-def test_fused_path_refuses_every_logit_transform_field(config_class, field, value):
+def test_fused_path_applies_every_logit_transform_field(config_class, field, value):
     config = getattr(transformers, config_class)(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-        num_attention_heads=2, num_key_value_heads=1, **{field: value})
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        **{field: value},
+    )
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
-    ids = torch.zeros(1, 4, dtype=torch.long)
-    with pytest.raises(ValueError, match=rf"config\.{field}={value!r}"):
-        fused_causal_lm_loss(model, input_ids=ids, labels=ids)
+    ids = torch.randint(0, VOCAB, (1, 6), generator=torch.Generator().manual_seed(0))
+    assert LogitTransform.of(model).fields == (f"config.{field}={value!r}",)
+    assert_fused_matches(model, input_ids=ids, labels=ids)

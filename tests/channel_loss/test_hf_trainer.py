@@ -1,0 +1,167 @@
+"""Trainer recipes that compute the loss outside the model, through ``ChannelLossCallback``.
+
+Real ``transformers.Trainer`` runs (CPU, tiny random Llama, two optimizer
+steps of two accumulated micro-batches). The training loss the Trainer logs
+with the observer attached is exactly (``==``) the loss of the same run
+without it; the fused run's within ``rel=1e-5``.
+"""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("accelerate", reason="transformers.Trainer needs accelerate")
+
+from channel_loss import ChannelLossMeter, PackedLayout  # noqa: E402
+from channel_loss.integrations.transformers import (  # noqa: E402
+    ChannelLossCallback,
+    ObservingOutputsLoss,
+    patch_model,
+)
+from tests.channel_loss.test_transformers import (  # noqa: E402
+    PackedDataset,
+    Recorder,
+    collate,
+    packed_batch,
+    tiny_llama,
+)
+
+
+def make_trainer(tmp_path, meter, *, max_steps=2, logging_steps=1, **args):
+    """A Trainer whose compute_loss wraps each training micro-batch in ``meter.micro_batch``."""
+    torch.manual_seed(0)
+    model = tiny_llama(seed=8).train()
+    compute_loss_func = args.pop("compute_loss_func", None)
+
+    class ChannelLossTrainer(transformers.Trainer):
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            source_ids, tail = inputs.pop("source_ids"), inputs.pop("tail")
+            if meter is None or not model.training:
+                return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+            layout = PackedLayout.from_position_ids(
+                inputs["position_ids"], tail_padding_length=tail
+            )
+            with meter.micro_batch(source_ids=source_ids, layout=layout):
+                return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+
+    training_args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), max_steps=max_steps, per_device_train_batch_size=1,
+        gradient_accumulation_steps=2, logging_steps=logging_steps, report_to=[], use_cpu=True,
+        save_strategy="no", disable_tqdm=True, remove_unused_columns=False, learning_rate=1e-3,
+        seed=0, **args,
+    )  # fmt: skip
+    data = PackedDataset([packed_batch(seed=s, rows=((5, 7, 3),)) for s in range(2 * max_steps)])
+    recorder = Recorder()
+    trainer = ChannelLossTrainer(
+        model=model, args=training_args, train_dataset=data, data_collator=collate,
+        callbacks=[recorder], compute_loss_func=compute_loss_func,
+    )  # fmt: skip
+    return trainer, recorder
+
+
+def train_logs(recorder) -> list[dict]:
+    return [log for log in recorder.logs if "loss" in log]
+
+
+def assert_channel_metrics(logs: list[dict], steps: int) -> None:
+    assert len(logs) == steps
+    for log in logs:
+        assert {"channel_loss/web", "channel_loss/code", "channel_loss_tokens/web"} <= log.keys()
+        assert log["channel_loss_dropped_micro_batches"] == 0.0
+        assert all(math.isfinite(v) for k, v in log.items() if k.startswith("channel_loss"))
+        # two micro-batches of one row each: 5 + 7 + 3 tokens, 3 targets ignored per row
+        tokens = sum(v for k, v in log.items() if k.startswith("channel_loss_tokens/"))
+        assert tokens == 2 * 12
+
+
+def test_real_trainer_logs_channel_loss_keys_before_every_reporter(tmp_path):
+    meter = ChannelLossMeter()
+    trainer, recorder = make_trainer(tmp_path, meter)
+    callback = ChannelLossCallback(meter).attach(trainer)
+    names = [type(cb).__name__ for cb in trainer.callback_handler.callbacks]
+    assert names.index("ChannelLossCallback") < names.index("Recorder")
+    with patch_model(trainer.model):
+        trainer.train()
+    assert_channel_metrics(train_logs(recorder), 2)
+    history = [h for h in trainer.state.log_history if "loss" in h]
+    assert all("channel_loss/web" in h for h in history)
+    assert not callback._pending
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["observer", "fused"])
+def test_label_smoothing_with_gradient_accumulation_logs_channel_metrics(tmp_path, fused):
+    # label_smoothing_factor > 0: the Trainer pops the labels and smooths the logits itself, so
+    # the model's loss_function never ran and every micro-batch was dropped.
+    plain, plain_recorder = make_trainer(tmp_path / "plain", None, label_smoothing_factor=0.1)
+    plain.train()
+    want = [log["loss"] for log in train_logs(plain_recorder)]
+
+    meter = ChannelLossMeter()
+    trainer, recorder = make_trainer(tmp_path / "run", meter, label_smoothing_factor=0.1)
+    with patch_model(trainer.model, fused=fused) as handle:
+        ChannelLossCallback(meter).attach(trainer)
+        if fused:  # the fused loss smooths: the memory saving stays
+            assert trainer.label_smoother is None
+            assert handle.loss.label_smoothing == 0.1
+        else:
+            assert isinstance(trainer.label_smoother, ObservingOutputsLoss)
+        trainer.train()
+    logs = train_logs(recorder)
+    assert_channel_metrics(logs, 2)
+    got = [log["loss"] for log in logs]
+    if fused:
+        assert got == pytest.approx(want, rel=1e-5)
+    else:
+        assert got == want
+
+
+def test_compute_loss_func_is_observed(tmp_path):
+    def compute_loss_func(outputs, labels, num_items_in_batch=None):
+        logits = outputs["logits"].float()
+        targets = torch.nn.functional.pad(labels, (0, 1), value=-100)[..., 1:]
+        return (
+            torch.nn.functional.cross_entropy(
+                logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="sum"
+            )
+            / num_items_in_batch
+        )
+
+    meter = ChannelLossMeter()
+    trainer, recorder = make_trainer(tmp_path, meter, compute_loss_func=compute_loss_func)
+    with patch_model(trainer.model):
+        ChannelLossCallback(meter).attach(trainer)
+        trainer.train()
+    assert_channel_metrics(train_logs(recorder), 2)
+
+
+def test_an_unattached_callback_warns_about_what_it_cannot_reach(tmp_path):
+    callback = ChannelLossCallback(ChannelLossMeter())
+    state, control = transformers.TrainerState(), transformers.TrainerControl()
+    args = SimpleNamespace(report_to=["tensorboard"], label_smoothing_factor=0.0)
+    with pytest.warns(UserWarning, match=r"reporters \['tensorboard'\].*attach\(trainer\)"):
+        callback.on_train_begin(args, state, control)
+
+    meter = ChannelLossMeter()
+    trainer, _ = make_trainer(tmp_path, meter, label_smoothing_factor=0.1)
+    trainer.add_callback(ChannelLossCallback(meter))
+    with patch_model(trainer.model), pytest.warns(UserWarning, match="label_smoothing_factor"):
+        trainer.train()
+
+
+def test_interval_follows_fractional_logging_steps(tmp_path):
+    # logging_steps=0.5 of max_steps=4 logs steps 2 and 4; ChannelLossMeter(interval=0.5) fails.
+    meter = ChannelLossMeter()
+    trainer, recorder = make_trainer(tmp_path, meter, max_steps=4, logging_steps=0.5)
+    callback = ChannelLossCallback(meter, interval_from_logging_steps=True).attach(trainer)
+    with patch_model(trainer.model):
+        trainer.train()
+    assert meter.interval == 2
+    logs = train_logs(recorder)
+    assert [log["step"] for log in trainer.state.log_history if "loss" in log] == [2, 4]
+    assert_channel_metrics(logs, 2)
+    assert not callback._pending

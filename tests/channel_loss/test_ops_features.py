@@ -1,0 +1,316 @@
+"""Loss features of chunk_cross_entropy / per_token_cross_entropy against float64 references.
+
+``logit_scale``, ``softcap``, ``label_smoothing``, ``lse_square_scale`` and
+``reduction`` are checked, loss and every gradient (hidden, weight, both bias
+forms), against a float64 reference built from full logits with
+``F.cross_entropy``, and against the standard path (``F.linear(h, W).float()``
+then the same features, autograd) in fp32 / bf16 / fp16: ours must be at least
+about as close to float64 as the standard path (``RATIO``), and within an
+absolute bound per dtype. Scenarios follow Liger-Kernel's softcap /
+label-smoothing / z-loss tests (input scales 0.1 / 1 / 10, smoothing 0.1 and
+0.9, z-loss 1e-4 / 1e-5, a cap of 30, ignore indices inside the vocabulary,
+sum reduction, the loss not being the last layer), at CPU-sized shapes.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import channel_loss as cl
+from tests.channel_loss.test_ops import BIAS_FORMS, hf_shift, make_inputs
+
+#: ours may be this much further from float64 than the standard path (rounding noise).
+RATIO = 1.25
+#: the low-precision hidden gradient is rounded to its dtype in forward, then rescaled by
+#: the upstream factor in backward: two roundings where the standard path has one.
+HIDDEN_RATIO = 1.5
+#: below this relative L2 error a comparison is at the dtype's noise floor.
+FLOOR = {torch.float32: 1e-6, torch.bfloat16: 1e-3, torch.float16: 1e-4}
+#: absolute bound on the relative L2 error against float64, per dtype.
+BOUND = {torch.float32: 2e-5, torch.bfloat16: 5e-2, torch.float16: 1e-2}
+
+# (id, input scale, chunk_cross_entropy keywords): Liger's scenarios at small shapes.
+SCENARIOS = [
+    ("plain", 1.0, {}),
+    ("smooth_0.1_x0.1", 0.1, {"label_smoothing": 0.1}),
+    ("smooth_0.9", 1.0, {"label_smoothing": 0.9}),
+    ("smooth_1.0_x10", 10.0, {"label_smoothing": 1.0}),
+    ("smooth_ignore_2", 1.0, {"label_smoothing": 0.1, "ignore_index": 2}),
+    ("softcap_30_x10", 10.0, {"softcap": 30.0}),
+    ("softcap_2", 1.0, {"softcap": 2.0}),
+    ("scale_3_softcap_4", 1.0, {"logit_scale": 3.0, "softcap": 4.0}),
+    ("zloss_1e-4_x10", 10.0, {"lse_square_scale": 1e-4}),
+    ("zloss_0.1", 1.0, {"lse_square_scale": 0.1}),
+    ("sum", 1.0, {"reduction": "sum"}),
+    (
+        "all_ignore_42_sum",
+        1.0,
+        {
+            "logit_scale": 0.5,
+            "softcap": 30.0,
+            "label_smoothing": 0.1,
+            "lse_square_scale": 1e-4,
+            "ignore_index": 42,
+            "reduction": "sum",
+        },
+    ),
+    (
+        "all_num_items",
+        10.0,
+        {
+            "softcap": 30.0,
+            "label_smoothing": 0.2,
+            "lse_square_scale": 1e-2,
+            "num_items_in_batch": 77,
+        },
+    ),
+]
+FEATURE_KEYS = ("logit_scale", "softcap", "label_smoothing", "lse_square_scale", "reduction")
+
+
+def feature_loss(inputs, targets, kw, *, float64: bool):
+    """The loss by its definition, from full logits: float64, or the standard path."""
+    if float64:
+        x = {k: v.detach().double().requires_grad_() for k, v in inputs.items()}
+    else:
+        x = {k: v.detach().clone().requires_grad_() for k, v in inputs.items()}
+    logits = F.linear(x["hidden_states"], x["weight"])
+    logits = logits if float64 else logits.float()
+    if "logits_bias_weight" in x:
+        extra = F.linear(x["logits_bias"], x["logits_bias_weight"])
+        logits = logits + (extra if float64 else extra.float())
+    elif "logits_bias" in x:
+        logits = logits + (x["logits_bias"] if float64 else x["logits_bias"].float())
+    if kw.get("logit_scale") is not None:
+        logits = logits * kw["logit_scale"]
+    if kw.get("softcap") is not None:
+        logits = kw["softcap"] * torch.tanh(logits / kw["softcap"])
+    ignore = kw.get("ignore_index", -100)
+    flat, t = logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)
+    ce = F.cross_entropy(
+        flat,
+        t,
+        ignore_index=ignore,
+        reduction="none",
+        label_smoothing=kw.get("label_smoothing", 0.0),
+    )
+    z = kw.get("lse_square_scale", 0.0) * torch.logsumexp(flat, dim=-1).square()
+    per_token = torch.where(t != ignore, ce + z, 0.0)
+    nll = torch.where(t != ignore, F.cross_entropy(flat, t.clamp(min=0), reduction="none"), 0.0)
+    total = per_token.sum()
+    if kw.get("reduction", "mean") == "mean":
+        total = total / kw.get("num_items_in_batch", max(int((t != ignore).sum()), 1))
+    return total, nll.reshape(targets.shape), x
+
+
+def rel_l2(got: torch.Tensor, ref: torch.Tensor) -> float:
+    got, ref = got.detach().double(), ref.detach().double()
+    scale = ref.norm()
+    return float((got - ref).norm() / scale) if scale > 0 else float(got.norm())
+
+
+def upstream(loss: torch.Tensor, dtype: torch.dtype, kw, scale: float) -> torch.Tensor:
+    """A non-trivial upstream gradient: a GradScaler-sized factor for fp16, else 3.7 + 2 loss.
+
+    The fp16 scale is 2**16 where no gradient overflows fp16 at it; a summed loss
+    (~40x a mean one) or inputs scaled by 10 get 2**10, as a GradScaler would back off.
+    """
+    if dtype == torch.float16:
+        small = kw.get("reduction") == "sum" or scale > 1
+        return loss * (2.0**10 if small else 2.0**16)
+    return loss * 3.7 + loss.pow(2)
+
+
+def shift(labels, kw):
+    """The HF shift with the scenario's ignore index appended."""
+    shifted = torch.full_like(labels, kw.get("ignore_index", -100))
+    shifted[..., :-1] = labels[..., 1:]
+    return shifted
+
+
+def make_problem(dtype, bias, scale, kw, seed=0):
+    inputs, labels = make_inputs(lead=(2, 24), H=16, V=48, bias=bias, dtype=dtype, seed=seed)
+    with torch.no_grad():
+        inputs["hidden_states"].mul_(scale)
+    ignore = kw.get("ignore_index", -100)
+    labels[0, 3:6] = ignore
+    if ignore >= 0:
+        labels[1, ::5] = ignore  # an ignore index inside the vocabulary: those are skipped too
+    return inputs, labels
+
+
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"]
+)
+@pytest.mark.parametrize("bias", ["none", "full", "factored"])
+@pytest.mark.parametrize(("scale", "kw"), [s[1:] for s in SCENARIOS], ids=[s[0] for s in SCENARIOS])
+def test_features_match_float64_and_the_standard_path(dtype, bias, scale, kw):
+    inputs, labels = make_problem(dtype, bias, scale, kw)
+    targets = shift(labels, kw)
+    loss = cl.chunk_cross_entropy(**inputs, labels=labels, chunk_size=7, **kw)
+    assert loss.dtype == torch.float32
+    assert loss.shape == ()
+    upstream(loss, dtype, kw, scale).backward()
+    ref, _, ref_x = feature_loss(inputs, targets, kw, float64=True)
+    upstream(ref, dtype, kw, scale).backward()
+    std, _, std_x = feature_loss(inputs, targets, kw, float64=False)
+    upstream(std, dtype, kw, scale).backward()
+    checks = [("loss", loss.detach(), std.detach(), ref.detach())]
+    checks += [(k, v.grad, std_x[k].grad, ref_x[k].grad) for k, v in inputs.items()]
+    for name, ours, standard, exact in checks:
+        if name != "loss":
+            assert ours.dtype == dtype, name
+        ours_err, std_err = rel_l2(ours, exact), rel_l2(standard, exact)
+        ratio = HIDDEN_RATIO if name == "hidden_states" and dtype != torch.float32 else RATIO
+        assert ours_err <= max(ratio * std_err, FLOOR[dtype]), (name, ours_err, std_err)
+        assert ours_err <= BOUND[dtype], (name, ours_err)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("bias", BIAS_FORMS)
+def test_features_keep_capture_bitwise_invisible(dtype, bias):
+    """Observed vs unobserved: the same bits; the observation is the NLL of the final logits."""
+    _, scale, kw = SCENARIOS[-1]
+    inputs, labels = make_problem(dtype, bias, scale, kw, seed=3)
+    runs = []
+    for observe in (False, True):
+        for x in inputs.values():
+            x.grad = None
+        with cl.capture() as cap:
+            if observe:
+                loss = cl.chunk_cross_entropy(**inputs, labels=labels, chunk_size=5, **kw)
+        if not observe:
+            loss = cl.chunk_cross_entropy(**inputs, labels=labels, chunk_size=5, **kw)
+        (loss * 1.3).backward()
+        runs.append(
+            (loss.detach(), {k: v.grad.clone() for k, v in inputs.items()}, cap.observations)
+        )
+    (plain_loss, plain_grads, none), (obs_loss, obs_grads, (obs,)) = runs
+    assert none == []
+    assert torch.equal(plain_loss, obs_loss)
+    for name, g in plain_grads.items():
+        assert torch.equal(g, obs_grads[name]), name
+    features = {k: kw[k] for k in FEATURE_KEYS if k in kw}
+    eager = cl.per_token_cross_entropy(**inputs, labels=labels, chunk_size=5, **features)
+    assert torch.equal(eager, obs.token_losses)
+    # The NLL of the capped logits: neither smoothing nor z-loss, unlike the loss itself.
+    _, nll, _ = feature_loss(inputs, shift(labels, kw), kw, float64=True)
+    bound = 1e-5 if dtype == torch.float32 else 5e-2
+    assert rel_l2(obs.token_losses, nll) <= bound
+    assert not torch.allclose(
+        obs.token_losses.sum() / kw["num_items_in_batch"], obs_loss, rtol=1e-2
+    )
+
+
+@pytest.mark.parametrize(
+    "kw", [{"softcap": 3.0}, {"logit_scale": 0.25, "softcap": 5.0}, {"logit_scale": 2.0}]
+)
+def test_per_token_from_logits_applies_scale_then_cap(kw):
+    g = torch.Generator().manual_seed(9)
+    logits = torch.randn(2, 9, 15, generator=g) * 6
+    labels = torch.randint(0, 15, (2, 9), generator=g)
+    before = logits.clone()
+    out = cl.per_token_cross_entropy(logits=logits, labels=labels, chunk_size=4, **kw)
+    assert torch.equal(logits, before), "the caller's logits must not be modified"
+    final = logits.double() * kw.get("logit_scale", 1.0)
+    if "softcap" in kw:
+        final = kw["softcap"] * torch.tanh(final / kw["softcap"])
+    ref = F.cross_entropy(
+        final.reshape(-1, 15), hf_shift(labels).reshape(-1), ignore_index=-100, reduction="none"
+    ).reshape(2, 9)
+    torch.testing.assert_close(out.double(), ref, rtol=1e-6, atol=1e-6)
+
+
+def test_sum_reduction_is_the_mean_times_the_count():
+    inputs, labels = make_problem(torch.float32, "none", 1.0, {})
+    count = int((hf_shift(labels) != -100).sum())
+    total = cl.chunk_cross_entropy(**inputs, labels=labels, reduction="sum", chunk_size=7)
+    mean = cl.chunk_cross_entropy(**inputs, labels=labels, chunk_size=7)
+    torch.testing.assert_close(total, mean * count, rtol=1e-6, atol=0)
+    labels[...] = -100
+    empty = cl.chunk_cross_entropy(**inputs, labels=labels, reduction="sum")
+    empty.backward()
+    assert empty.item() == 0.0
+    assert bool((inputs["weight"].grad == 0).all())
+
+
+@pytest.mark.parametrize(
+    ("kw", "match"),
+    [
+        ({"softcap": -1.0}, r"softcap must be a finite number > 0\.0 \(None: no cap\); got -1\.0"),
+        ({"softcap": 0}, r"softcap must be a finite number > 0\.0"),
+        ({"softcap": float("inf")}, r"softcap must be a finite number > 0\.0"),
+        ({"softcap": "30"}, r"softcap must be a finite number > 0\.0.*got '30'"),
+        ({"logit_scale": 0.0}, r"logit_scale must be a finite number > 0\.0"),
+        ({"logit_scale": True}, r"logit_scale must be a finite number > 0\.0.*got True"),
+        (
+            {"label_smoothing": 1.5},
+            r"label_smoothing must be a finite number >= 0\.0 and "
+            r"<= 1\.0; got 1\.5",
+        ),
+        ({"label_smoothing": -0.1}, r"label_smoothing must be a finite number >= 0\.0"),
+        ({"label_smoothing": None}, r"label_smoothing must be a finite number"),
+        ({"lse_square_scale": -1e-4}, r"lse_square_scale must be a finite number >= 0\.0"),
+        ({"lse_square_scale": float("nan")}, r"lse_square_scale must be a finite number"),
+        ({"reduction": "none"}, r"reduction must be one of \('mean', 'sum'\); got 'none'"),
+        (
+            {"reduction": "sum", "num_items_in_batch": 8},
+            r"num_items_in_batch divides the summed loss: pass it with reduction='mean'",
+        ),
+    ],
+)
+def test_bad_feature_values_name_the_argument(kw, match):
+    h, w, labels = torch.randn(2, 5, 4), torch.randn(7, 4), torch.randint(0, 7, (2, 5))
+    with pytest.raises(ValueError, match=match):
+        cl.chunk_cross_entropy(h, w, labels, **kw)
+    per_token_kw = {k: v for k, v in kw.items() if k != "num_items_in_batch"}
+    if per_token_kw == {"reduction": "sum"}:
+        return
+    with pytest.raises(ValueError, match=match):
+        cl.per_token_cross_entropy(hidden_states=h, weight=w, labels=labels, **per_token_kw)
+
+
+def test_features_are_keyword_only_and_off_by_default():
+    inputs, labels = make_problem(torch.float32, "full", 1.0, {})
+    plain = cl.chunk_cross_entropy(**inputs, labels=labels, chunk_size=7)
+    off = cl.chunk_cross_entropy(
+        **inputs,
+        labels=labels,
+        chunk_size=7,
+        logit_scale=None,
+        softcap=None,
+        label_smoothing=0.0,
+        lse_square_scale=0.0,
+        reduction="mean",
+    )
+    assert torch.equal(plain, off)
+    with pytest.raises(TypeError):
+        cl.chunk_cross_entropy(inputs["hidden_states"], inputs["weight"], labels, None)
+
+
+@pytest.mark.launch(nproc=1, timeout=120)
+def test_dtensor_inputs_get_our_error_and_full_tensor_works():
+    """A DTensor LM-head weight (FSDP2 outside the forward) is refused with advice, not with
+    torch's "mixed torch.Tensor and DTensor" error; its ``.full_tensor()`` gives the loss."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (1,))
+    inputs, labels = make_problem(torch.float32, "none", 1.0, {})
+    h, w = inputs["hidden_states"], inputs["weight"]
+    sharded = distribute_tensor(w.detach(), mesh, [Shard(0)]).requires_grad_()
+    replicated_h = distribute_tensor(h.detach(), mesh, [Replicate()])
+    with pytest.raises(
+        ValueError,
+        match=r"weight is a DTensor \(placements \(Shard\(dim=0\),\)\)"
+        r".*inside the model's forward.*weight\.full_tensor\(\)",
+    ):
+        cl.chunk_cross_entropy(h, sharded, labels)
+    with pytest.raises(ValueError, match=r"hidden_states is a DTensor.*full_tensor"):
+        cl.chunk_cross_entropy(replicated_h, w, labels)
+    with pytest.raises(ValueError, match=r"weight is a DTensor"):
+        cl.per_token_cross_entropy(hidden_states=h, weight=sharded, labels=labels)
+    got = cl.chunk_cross_entropy(h, sharded.full_tensor(), labels, chunk_size=7)
+    assert torch.equal(got, cl.chunk_cross_entropy(h, w, labels, chunk_size=7))
