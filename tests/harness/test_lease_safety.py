@@ -20,6 +20,8 @@ from harness.launcher import lease as leases
 from harness.launcher.lease import acquire, card_want, slot_want
 
 CARD = [Card("cuda", "0")]
+#: This user's lock file of a resource (each user leases through its own).
+UID = os.geteuid()
 VICTIM_TEXT = "someone's precious file\n"
 
 
@@ -54,8 +56,8 @@ def lease_and_catch(lease_dir, wants, timeout: float = 1.0):
 
 
 @pytest.mark.parametrize(("link", "wants"), [
-    ("cuda-0.lock", [card_want(CARD, 1)]),
-    ("slot-0.lock", [slot_want(1, 1)]),
+    (f"cuda-0.u{UID}.lock", [card_want(CARD, 1)]),
+    (f"slot-0.u{UID}.lock", [slot_want(1, 1)]),
 ], ids=["card", "slot"])
 def test_a_planted_symlink_leaves_its_target_alone(shared_dir, victim, link, wants):
     (shared_dir / link).symlink_to(victim)
@@ -67,7 +69,7 @@ def test_a_planted_symlink_leaves_its_target_alone(shared_dir, victim, link, wan
 
 
 def test_a_planted_hard_link_leaves_its_target_alone(shared_dir, victim):
-    os.link(victim, shared_dir / "cuda-0.lock")
+    os.link(victim, shared_dir / f"cuda-0.u{UID}.lock")
     error = lease_and_catch(shared_dir, [card_want(CARD, 1)])
     assert_untouched(victim)
     assert isinstance(error, leases.LeaseFileError), error
@@ -99,7 +101,7 @@ def test_planted_queue_files_leave_their_targets_alone(shared_dir, victim, tmp_p
 
 
 def test_a_file_the_harness_did_not_write_is_left_alone(shared_dir):
-    notes = shared_dir / "cuda-0.lock"
+    notes = shared_dir / f"cuda-0.u{UID}.lock"
     notes.write_text(VICTIM_TEXT)
     notes.chmod(0o600)
     error = lease_and_catch(shared_dir, [card_want(CARD, 1)])
@@ -108,13 +110,14 @@ def test_a_file_the_harness_did_not_write_is_left_alone(shared_dir):
     assert "holds something the harness never writes there" in str(error)
 
 
-def test_lock_files_the_harness_creates_are_leasable_by_every_user(shared_dir):
+def test_lock_files_the_harness_creates_can_be_looked_at_by_every_user(shared_dir):
     old = os.umask(0o077)
     try:
         acquire(str(shared_dir), [card_want(CARD, 1)], timeout=0, holder="x").release()
     finally:
         os.umask(old)
-    assert stat.S_IMODE((shared_dir / "cuda-0.lock").stat().st_mode) == 0o666
+    # Other users' sessions look whether it is locked and who holds it.
+    assert stat.S_IMODE((shared_dir / f"cuda-0.u{UID}.lock").stat().st_mode) == 0o644
 
 
 def test_a_symlinked_default_lease_dir_is_refused(tmp_path, monkeypatch):
