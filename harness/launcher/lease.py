@@ -528,8 +528,12 @@ def _write_record(fd: int, record: dict) -> None:
             short["ranks"] = record["ranks"][:64]
         data = json.dumps(short, sort_keys=True).encode()
     os.ftruncate(fd, 0)
-    if os.pwrite(fd, data, 0) != len(data):
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    done = 0
+    while done < len(data):  # a short write (a file size limit) errors on the next one
+        written = os.pwrite(fd, data[done:], done)
+        if written <= 0:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        done += written
 
 
 def _read_record(fd: int) -> dict | None:
