@@ -55,6 +55,7 @@ from harness.launcher.settings import (
     active,
     cpu_count,
 )
+from harness.launcher.supervisor import tie_to_controller
 from harness.launcher.target import FunctionRef
 from harness.spec import ACCELERATORS, LaunchSpec, is_launched, spec_for_item
 
@@ -95,6 +96,7 @@ def pytest_configure(config: pytest.Config) -> None:
         "launch(spec=None, *, device=None, nproc=1, timeout=None, backend=None, reuse=True): "
         "run the test body in LaunchSpec.nproc rank processes with torch.distributed initialised",
     )
+    tie_to_controller(worker=hasattr(config, "workerinput"))
     settings = _settings_from(config)
     config.stash[SETTINGS_KEY] = settings
     config.stash[ACTIVATION_KEY] = active.set(settings)

@@ -27,37 +27,43 @@ watching its parent from a thread.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import signal
-import sys
 import threading
 import time
 from collections.abc import Iterable
 from typing import NoReturn
 
-_PR_SET_PDEATHSIG = 1
-_PR_SET_CHILD_SUBREAPER = 36
+from harness import processes
+from harness.processes import die_with_parent, subreaper
+
 #: How long processes left behind by a rank get between SIGTERM and SIGKILL.
 LEFTOVER_GRACE_S = 1.0
 #: How often the supervisor checks its parent, besides being told.
 _POLL_S = 0.5
 
+#: The pid of the pytest controller, for its xdist workers (``tie_to_controller``).
+CONTROLLER_ENV = "HARNESS_CONTROLLER_PID"
+
 _FORWARDED = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGINT", "SIGUSR1", "SIGQUIT")
                    if hasattr(signal, name))
 
 
-def _prctl(option: int, value: int) -> bool:
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        return libc.prctl(option, value, 0, 0, 0) == 0
-    except (OSError, AttributeError):
-        return False
+def tie_to_controller(*, worker: bool) -> None:
+    """Tie an xdist worker's life to its pytest controller's (called as pytest
+    configures, in both).
 
-
-def subreaper() -> bool:
-    """Make this process a child subreaper (orphaned descendants come to it). False: unsupported."""
-    return sys.platform.startswith("linux") and _prctl(_PR_SET_CHILD_SUBREAPER, 1)
+    The controller records its pid for the workers it is about to start
+    (``$HARNESS_CONTROLLER_PID``); a worker has the kernel SIGKILL it when the
+    controller dies however it dies (the OOM killer included), and exits at
+    once when the controller is already gone. The ranks' supervisors die
+    with their worker in turn, so no level of a run outlives the one above.
+    """
+    if not worker:
+        os.environ[CONTROLLER_ENV] = str(os.getpid())
+        return
+    raw = os.environ.get(CONTROLLER_ENV, "")
+    _watch_parent(int(raw) if raw.isdigit() else os.getppid())
 
 
 def split(parent_pid: int, *, keep: Iterable[int] = (), rank_only: Iterable[int] = ()) -> None:
@@ -76,20 +82,23 @@ def split(parent_pid: int, *, keep: Iterable[int] = (), rank_only: Iterable[int]
     watched = {signal.SIGCHLD, signal.SIGHUP, *_FORWARDED}
     previous = signal.pthread_sigmask(signal.SIG_BLOCK, watched)
     # The launcher's death arrives as SIGHUP (taken by sigtimedwait below).
-    _prctl(_PR_SET_PDEATHSIG, int(signal.SIGHUP))
-    if os.getppid() != parent_pid:  # the launcher died before prctl
-        os._exit(1)
+    die_with_parent(parent_pid, signal.SIGHUP)
     supervisor = os.getpid()
     rank = os.fork()
     if rank == 0:
+        # A process group of its own: `kill 0` (or a signal to the group)
+        # from the rank or anything it starts stops the rank, never its
+        # supervisor, which then stops whatever is left.
+        with contextlib.suppress(OSError):
+            os.setpgid(0, 0)
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
-        _prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL))
-        if os.getppid() != supervisor:  # the supervisor died before prctl
-            os._exit(1)
+        die_with_parent(supervisor)
         for fd in keep:
             with contextlib.suppress(OSError):
                 os.close(fd)
         return
+    with contextlib.suppress(OSError):
+        os.setpgid(rank, rank)  # also from here: whichever runs first, the group exists
     for fd in rank_only:
         with contextlib.suppress(OSError):
             os.close(fd)
@@ -97,9 +106,7 @@ def split(parent_pid: int, *, keep: Iterable[int] = (), rank_only: Iterable[int]
 
 
 def _watch_parent(parent_pid: int) -> None:
-    if sys.platform.startswith("linux") and _prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL)):
-        if os.getppid() != parent_pid:
-            os._exit(1)
+    if die_with_parent(parent_pid):
         return
 
     def watch() -> None:
@@ -139,46 +146,12 @@ def _reap(rank: int, status: int | None) -> int | None:
             status = st
 
 
-def _descendants() -> list[int]:
-    """Every process below this one (orphans come to it: it is a subreaper)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        # The command name may hold spaces and parentheses: fields follow the last ')'.
-        fields = stat[stat.rfind(b")") + 2:].split()
-        children.setdefault(int(fields[1]), []).append(int(entry))
-    found, todo = [], [os.getpid()]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
-
-
 def _stop_all(*, grace: float) -> None:
     """SIGTERM (with ``grace`` > 0) then SIGKILL every descendant, reaping them."""
-    sigs = [signal.SIGTERM, signal.SIGKILL] if grace > 0 else [signal.SIGKILL]
-    for sig in sigs:
-        pids = _descendants()
-        if not pids:
-            return
-        for pid in pids:
-            with contextlib.suppress(OSError):
-                os.kill(pid, sig)
-                if sig == signal.SIGTERM:
-                    os.kill(pid, signal.SIGCONT)  # a stopped process acts on SIGTERM only once it runs
-        end = time.monotonic() + (grace if sig == signal.SIGTERM else 5.0)
-        while time.monotonic() < end:
-            _reap(-1, None)
-            if not _descendants():
-                return
-            time.sleep(0.02)
+    me = os.getpid()
+    processes.kill_trees([me], grace=grace, own_session=False, spare=[me],
+                         reap=lambda: _reap(-1, None))
+    _reap(-1, None)
 
 
 def _exit_like(status: int) -> NoReturn:

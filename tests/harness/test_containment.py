@@ -1,0 +1,117 @@
+"""Nothing a run starts outlives it: not a daemon of a rank that killed its own
+process group, not the xdist workers and ranks of a pytest killed by SIGKILL,
+not the pool directory of a crashed worker.
+
+Real ranks, real signals, real pytest sessions; leftovers are looked for by
+pid (``launch_project.survivors``).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+from launch_project import inner_env, pytest_command, read_pids, survivors, write_project
+
+import harness
+from harness import LaunchError, LaunchSpec
+
+
+def start_daemon_then_kill_my_group(pid_file: str) -> None:
+    import subprocess
+    import sys
+    import time
+
+    code = ("import os, sys, time; open(sys.argv[1] + '.tmp', 'w').write(str(os.getpid())); "
+            "os.rename(sys.argv[1] + '.tmp', sys.argv[1]); time.sleep(300)")
+    subprocess.Popen([sys.executable, "-c", code, pid_file], start_new_session=True,
+                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    end = time.monotonic() + 60
+    while not os.path.exists(pid_file) and time.monotonic() < end:
+        time.sleep(0.02)
+    subprocess.run(["sh", "-c", "kill -9 0"])
+    time.sleep(30)  # not reached: the group kill took this rank too
+
+
+@pytest.mark.parametrize("reuse", [False, True], ids=["fresh", "kept"])
+def test_a_rank_killing_its_process_group_leaves_no_daemon(tmp_path, reuse):
+    pid_file = tmp_path / "daemon.pid"
+    with pytest.raises(LaunchError, match="rank 0"):
+        harness.launch(start_daemon_then_kill_my_group, LaunchSpec(nproc=1, reuse=reuse),
+                       str(pid_file))
+    daemon = int(pid_file.read_text())
+    assert survivors([daemon], wait=10) == [], "the rank's setsid daemon outlived its case"
+
+
+# -- SIGKILL of the pytest controller ---------------------------------------------
+
+# Under `--dist load` the first two tests go to one worker, the last two to the
+# other: one worker runs a plain test, the other a launched one, both hanging.
+HANGING_CASES = '''
+    import os
+    import time
+
+    import psutil
+    import pytest
+
+    from recording import record_pid
+
+
+    def test_a_plain():
+        record_pid("plain-worker")
+        end = time.monotonic() + 120
+        while time.monotonic() < end:  # a test busy where an interrupt does not stop it
+            try:
+                time.sleep(0.5)
+            except KeyboardInterrupt:
+                pass
+
+
+    def test_b_plain():
+        time.sleep(120)
+
+
+    @pytest.mark.launch(nproc=1)
+    def test_c_launched():
+        supervisor = psutil.Process().parent()
+        record_pid("rank")
+        record_pid("supervisor", supervisor.pid)
+        record_pid("launching-worker", supervisor.parent().pid)
+        time.sleep(120)
+
+
+    @pytest.mark.launch(nproc=1)
+    def test_d_launched():
+        time.sleep(120)
+'''
+
+
+def wait_for_pids(out, names: set[str], proc: subprocess.Popen, timeout: float = 120) -> dict[str, int]:
+    end = time.monotonic() + timeout
+    while not names <= set(read_pids(out)):
+        assert proc.poll() is None, proc.communicate()[0]
+        assert time.monotonic() < end, f"pids {names - set(read_pids(out))} never written"
+        time.sleep(0.1)
+    return read_pids(out)
+
+
+def test_sigkill_of_the_pytest_controller_takes_its_workers_and_ranks(tmp_path):
+    root = write_project(tmp_path / "project", {"test_hang.py": HANGING_CASES})
+    env = inner_env(root / "out", root / "leases")
+    proc = subprocess.Popen(pytest_command(root, "-n", "2", "--dist", "load"), cwd=root, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        names = {"plain-worker", "rank", "supervisor", "launching-worker"}
+        pids = wait_for_pids(root / "out", names, proc)
+        proc.kill()  # what the OOM killer does
+        proc.wait(10)
+        assert survivors(list(pids.values()), wait=15) == [], pids
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+        for pid in survivors(list(read_pids(root / "out").values()), wait=0):
+            os.kill(pid, signal.SIGKILL)
