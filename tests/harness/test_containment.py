@@ -14,7 +14,14 @@ import subprocess
 import time
 
 import pytest
-from launch_project import inner_env, pytest_command, read_pids, survivors, write_project
+from launch_project import (
+    inner_env,
+    pytest_command,
+    read_pids,
+    run_session,
+    survivors,
+    write_project,
+)
 
 import harness
 from harness import LaunchError, LaunchSpec
@@ -115,3 +122,36 @@ def test_sigkill_of_the_pytest_controller_takes_its_workers_and_ranks(tmp_path):
         proc.wait()
         for pid in survivors(list(read_pids(root / "out").values()), wait=0):
             os.kill(pid, signal.SIGKILL)
+
+
+# -- a crashed xdist worker ----------------------------------------------------------
+
+CRASHING_CASES = '''
+    import os
+    import signal
+
+    import pytest
+
+
+    @pytest.mark.launch(nproc=1)
+    def test_a_kept_pool():
+        pass
+
+
+    def test_b_crash():
+        os.kill(os.getpid(), signal.SIGKILL)
+'''
+
+
+def test_a_crashed_xdist_worker_leaves_no_pool_directory(tmp_path):
+    root = write_project(tmp_path / "project", {"test_crash.py": CRASHING_CASES})
+    tmp = tmp_path / "session-tmp"
+    tmp.mkdir()
+    env = dict(inner_env(root / "out", root / "leases"), TMPDIR=str(tmp))
+    session = run_session(root, "-n", "1", env=env)
+    assert "crashed" in session.output, session.output
+    assert session.case("test_a_kept_pool").status == "passed", session.output
+    end = time.monotonic() + 15
+    while list(tmp.glob("harness-pool-*")) and time.monotonic() < end:
+        time.sleep(0.1)
+    assert list(tmp.glob("harness-pool-*")) == []
