@@ -2,7 +2,7 @@
 
 ``run_case(task, plan)`` is the one case lifecycle: it picks the rank
 strategy (kept pool or fresh ranks), which leases, runs and releases
-(``harness.launcher.case``, ``harness.launcher.pool``).
+(``harness.launcher.fresh``, ``harness.launcher.pool``).
 ``launch(fn, spec, *args)`` is the public entry for code that starts ranks
 itself; it leases what it starts unless it runs inside a case that already
 holds a lease (then it may not start more ranks than that case declared).
@@ -17,16 +17,10 @@ from collections.abc import Callable
 from typing import Any, NoReturn
 
 from harness.devices import Card
-from harness.launcher.case import (
-    FRESH,
-    CasePlan,
-    EnclosingCase,
-    RankStrategy,
-    choose_deadline,
-    conclude,
-    missing_cards,
-    pickle_args,
-)
+from harness.errors import HarnessError
+from harness.launcher.case import CasePlan, RankStrategy, conclude, missing_cards, prepare_case
+from harness.launcher.enclosing import EnclosingCase
+from harness.launcher.fresh import FRESH
 from harness.launcher.outcome import CaseOutcome
 from harness.launcher.pool import keeper
 from harness.launcher.rank import RankTask
@@ -35,7 +29,7 @@ from harness.launcher.target import FunctionRef
 from harness.spec import LaunchSpec
 
 
-class LaunchError(Exception):
+class LaunchError(HarnessError):
     """A launched case failed; the message is the case report (``rank N`` first)."""
 
     def __init__(self, message: str, result: CaseOutcome | None = None) -> None:
@@ -51,8 +45,9 @@ def run_case(task: RankTask, plan: CasePlan) -> CaseOutcome:
     """Run ``task`` as ``plan`` says: on the kept pool when ``plan.reuse`` (and
     this is the main thread, which outlives the pool), else on fresh ranks."""
     # Pools are kept by the main thread: Linux kills ranks whose spawning thread ends.
-    kept = (plan.reuse and plan.cards is None
-            and threading.current_thread() is threading.main_thread())
+    kept = (
+        plan.reuse and plan.cards is None and threading.current_thread() is threading.main_thread()
+    )
     strategy: RankStrategy = keeper if kept else FRESH
     return strategy.run(task, plan)
 
@@ -75,7 +70,6 @@ def launch(fn: Callable[..., Any], spec: LaunchSpec, *args: Any) -> list[Any]:
     __tracebackhide__ = True
     settings = current()
     ref = FunctionRef.of(fn)
-    task = RankTask(ref, pickle_args(args, {}))
     enclosing = EnclosingCase.from_env()
     cards: tuple[Card, ...] | None = None
     if enclosing is not None:
@@ -85,10 +79,22 @@ def launch(fn: Callable[..., Any], spec: LaunchSpec, *args: Any) -> list[Any]:
         reason = missing_cards(spec.device, spec.cards)
         if reason is not None:
             _missing_hardware(spec.device, reason)
-        what = os.environ.get("PYTEST_CURRENT_TEST") or f"harness.launch({ref.module}.{ref.qualname})"
-    deadline = choose_deadline(spec, settings, default_source="the session's default timeout",
-                               enclosing=enclosing)
-    result = run_case(task, CasePlan(spec, settings, what, deadline, reuse=False, cards=cards))
+        what = (
+            os.environ.get("PYTEST_CURRENT_TEST") or f"harness.launch({ref.module}.{ref.qualname})"
+        )
+    task, plan = prepare_case(
+        ref,
+        args,
+        {},
+        spec,
+        what=what,
+        settings=settings,
+        default_source="the session's default timeout",
+        reuse=False,
+        enclosing=enclosing,
+        cards=cards,
+    )
+    result = run_case(task, plan)
 
     def fail(message: str) -> NoReturn:
         raise LaunchError(message, result)
@@ -97,9 +103,13 @@ def launch(fn: Callable[..., Any], spec: LaunchSpec, *args: Any) -> list[Any]:
         raise LaunchError(f"ranks {result.status}: {reason}", result)
 
     pytest = sys.modules.get("pytest")
-    conclude(result, fail=fail, echo=settings.capture,
-             skip=pytest.skip if pytest is not None else not_passed,
-             xfail=pytest.xfail if pytest is not None else not_passed)
+    conclude(
+        result,
+        fail=fail,
+        echo=settings.capture,
+        skip=pytest.skip if pytest is not None else not_passed,
+        xfail=pytest.xfail if pytest is not None else not_passed,
+    )
     return result.values()
 
 

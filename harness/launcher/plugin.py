@@ -19,7 +19,6 @@ Per test:
 
 from __future__ import annotations
 
-import math
 import os
 import sys
 from typing import NoReturn
@@ -36,7 +35,7 @@ from harness.devices import (
     runtime_available,
     set_device,
 )
-from harness.launcher.case import CasePlan, choose_deadline, conclude, missing_cards, pickle_args
+from harness.launcher.case import conclude, missing_cards, prepare_case
 from harness.launcher.launch import run_case
 from harness.launcher.lease import (
     Lease,
@@ -47,7 +46,6 @@ from harness.launcher.lease import (
     resolve_lease_dir,
 )
 from harness.launcher.pool import keeper
-from harness.launcher.rank import RankTask
 from harness.launcher.settings import (
     DEFAULT_LEASE_TIMEOUT_S,
     DEFAULT_TIMEOUT_S,
@@ -57,6 +55,7 @@ from harness.launcher.settings import (
 )
 from harness.launcher.target import FunctionRef
 from harness.spec import ACCELERATORS, LaunchSpec, is_launched, spec_for_item
+from harness.validation import check_int, check_seconds
 
 SETTINGS_KEY = pytest.StashKey[Settings]()
 #: How to deactivate this config's settings (``harness.launcher.settings.active``).
@@ -67,26 +66,51 @@ CARD_LEASE_KEY = pytest.StashKey[tuple[Lease, "str | None"]]()
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("harness", "multi-process and accelerator test harness")
-    group.addoption("--harness-timeout", type=float, default=DEFAULT_TIMEOUT_S, metavar="SECONDS",
-                    help="deadline of a launched case without LaunchSpec.timeout "
-                         f"(default {DEFAULT_TIMEOUT_S:g})")
-    group.addoption("--harness-lease-dir", default=None, metavar="DIR",
-                    help="directory of the card / process-slot lock files shared by every "
-                         "pytest process on the host (default: $HARNESS_LEASE_DIR, else "
-                         "<system temp>/harness-leases)")
-    group.addoption("--harness-max-procs", type=int, default=None, metavar="N",
-                    help="rank processes allowed to run at once on this host "
-                         "(default: the CPU count)")
-    group.addoption("--harness-lease-timeout", type=float, default=DEFAULT_LEASE_TIMEOUT_S,
-                    metavar="SECONDS",
-                    help="how long a case waits for its cards and process slots before failing "
-                         f"(default {DEFAULT_LEASE_TIMEOUT_S:g})")
-    group.addoption("--harness-require", default="", metavar="DEVICES",
-                    help="comma-separated accelerators (cuda,npu): a case needing one this host "
-                         "lacks fails instead of being skipped")
-    group.addoption("--harness-no-reuse", action="store_true", default=False,
-                    help="start fresh rank processes for every launched case instead of "
-                         "running consecutive cases on a kept pool of ranks")
+    group.addoption(
+        "--harness-timeout",
+        type=float,
+        default=DEFAULT_TIMEOUT_S,
+        metavar="SECONDS",
+        help="deadline of a launched case without LaunchSpec.timeout "
+        f"(default {DEFAULT_TIMEOUT_S:g})",
+    )
+    group.addoption(
+        "--harness-lease-dir",
+        default=None,
+        metavar="DIR",
+        help="directory of the card / process-slot lock files shared by every "
+        "pytest process on the host (default: $HARNESS_LEASE_DIR, else "
+        "<system temp>/harness-leases)",
+    )
+    group.addoption(
+        "--harness-max-procs",
+        type=int,
+        default=None,
+        metavar="N",
+        help="rank processes allowed to run at once on this host (default: the CPU count)",
+    )
+    group.addoption(
+        "--harness-lease-timeout",
+        type=float,
+        default=DEFAULT_LEASE_TIMEOUT_S,
+        metavar="SECONDS",
+        help="how long a case waits for its cards and process slots before failing "
+        f"(default {DEFAULT_LEASE_TIMEOUT_S:g})",
+    )
+    group.addoption(
+        "--harness-require",
+        default="",
+        metavar="DEVICES",
+        help="comma-separated accelerators (cuda,npu): a case needing one this host "
+        "lacks fails instead of being skipped",
+    )
+    group.addoption(
+        "--harness-no-reuse",
+        action="store_true",
+        default=False,
+        help="start fresh rank processes for every launched case instead of "
+        "running consecutive cases on a kept pool of ranks",
+    )
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -109,12 +133,10 @@ def _settings_from(config: pytest.Config) -> Settings:
             f"--harness-require: unknown device(s) {', '.join(bad)}; choose from {', '.join(ACCELERATORS)}"
         )
     for name in ("harness_timeout", "harness_lease_timeout"):
-        if not (opt(name) > 0 and math.isfinite(opt(name))):
-            raise pytest.UsageError(f"--{name.replace('_', '-')} must be a positive, finite number "
-                                    f"of seconds; got {opt(name)}")
+        check_seconds(opt(name), f"--{name.replace('_', '-')}", error=pytest.UsageError)
     max_procs = opt("harness_max_procs")
-    if max_procs is not None and max_procs < 1:
-        raise pytest.UsageError(f"--harness-max-procs must be >= 1; got {max_procs}")
+    if max_procs is not None:
+        check_int(max_procs, "--harness-max-procs", minimum=1, error=pytest.UsageError)
     if is_simulated():
         try:
             parse_cards(os.environ["HARNESS_CARDS"])
@@ -154,8 +176,10 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 
 def pytest_report_header(config: pytest.Config) -> list[str]:
     settings = config.stash[SETTINGS_KEY]
-    line = (f"harness: cards {describe_inventory()}; {settings.max_procs} process slots; "
-            f"lease dir {settings.lease_dir}; {'kept' if settings.reuse else 'fresh'} ranks")
+    line = (
+        f"harness: cards {describe_inventory()}; {settings.max_procs} process slots; "
+        f"lease dir {settings.lease_dir}; {'kept' if settings.reuse else 'fresh'} ranks"
+    )
     if settings.require:
         line += f"; required: {','.join(sorted(settings.require))}"
     return [line]
@@ -183,8 +207,12 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 
 def _lease_card_in_process(item: pytest.Function, spec: LaunchSpec, settings: Settings) -> None:
     try:
-        lease = acquire(settings.lease_dir, [card_want(inventory(spec.device), 1)],
-                        timeout=settings.lease_timeout, holder=item.nodeid)
+        lease = acquire(
+            settings.lease_dir,
+            [card_want(inventory(spec.device), 1)],
+            timeout=settings.lease_timeout,
+            holder=item.nodeid,
+        )
     except LeaseError as exc:
         _fail(f"{item.nodeid}: could not lease a {spec.device} card\n{exc}")
     card = lease.cards()[0]
@@ -220,9 +248,7 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
         return None
     spec = pyfuncitem.stash.get(SPEC_KEY, None) or spec_for_item(pyfuncitem)
     settings = pyfuncitem.config.stash[SETTINGS_KEY]
-    task = _task_for(pyfuncitem)
-    deadline = choose_deadline(spec, settings, default_source="--harness-timeout")
-    plan = CasePlan(spec, settings, pyfuncitem.nodeid, deadline, reuse=spec.reuse and settings.reuse)
+    task, plan = _case_for(pyfuncitem, spec, settings)
     try:
         result = run_case(task, plan)
     except LeaseError as exc:
@@ -245,13 +271,23 @@ def _skip_at_test(reason: str) -> NoReturn:
     raise exc
 
 
-def _task_for(item: pytest.Function) -> RankTask:
+def _case_for(item: pytest.Function, spec: LaunchSpec, settings: Settings):
     names = item._fixtureinfo.argnames
     kwargs = {name: item.funcargs[name] for name in names}
     params = item.callspec.params if hasattr(item, "callspec") else {}
     kinds = {name: "parametrized argument" if name in params else "fixture" for name in names}
     try:
-        args = pickle_args((), kwargs, kinds=kinds)
+        return prepare_case(
+            FunctionRef.for_test(item),
+            (),
+            kwargs,
+            spec,
+            what=item.nodeid,
+            settings=settings,
+            default_source="--harness-timeout",
+            reuse=spec.reuse and settings.reuse,
+            kinds=kinds,
+            want_value=False,
+        )
     except TypeError as exc:
         _fail(f"{item.nodeid}: {exc}")
-    return RankTask(FunctionRef.for_test(item), args, want_value=False)
