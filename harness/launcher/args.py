@@ -18,6 +18,14 @@ def pickle_args(args: tuple, kwargs: dict, *, kinds: dict[str, str] | None = Non
     return pickle.dumps((args, kwargs))
 
 
+def pickle_state(state: dict[str, Any]) -> bytes:
+    """Pickle a test instance's attributes for the ranks; an unpicklable one
+    raises ``TypeError`` naming it (``self.<name>``)."""
+    for name, value in state.items():
+        _check_picklable(value, f"attribute self.{name} of the test's instance")
+    return pickle.dumps(state)
+
+
 def _check_picklable(value: Any, what: str) -> None:
     try:
         pickle.dumps(value)

@@ -22,7 +22,7 @@ from typing import NoReturn, Protocol
 
 from harness.devices import Card, inventory
 from harness.launcher import lease as leases
-from harness.launcher.args import pickle_args
+from harness.launcher.args import pickle_args, pickle_state
 from harness.launcher.deadline import Deadline, choose_deadline
 from harness.launcher.enclosing import EnclosingCase
 from harness.launcher.outcome import FAILED, SKIPPED, XFAILED, CaseOutcome
@@ -73,14 +73,21 @@ def prepare_case(
     want_value: bool = True,
     enclosing: EnclosingCase | None = None,
     cards: tuple[Card, ...] | None = None,
+    state: dict | None = None,
 ) -> tuple[RankTask, CasePlan]:
     """The task the ranks run (``ref`` called with the pickled ``args`` /
     ``kwargs``; ``TypeError`` names a value that cannot travel, ``kinds``
     saying what each keyword is) and the plan it runs under: its deadline
     (``spec.timeout``, else ``settings.timeout`` named ``default_source``,
     never past the ``enclosing`` case's), kept ranks when ``reuse``, and the
-    ``cards`` of an enclosing case it runs on without leasing."""
-    task = RankTask(ref, pickle_args(args, kwargs, kinds=kinds), want_value=want_value)
+    ``cards`` of an enclosing case it runs on without leasing. ``state``: the
+    attributes of the test method's instance, set on the rank's instance."""
+    task = RankTask(
+        ref,
+        pickle_args(args, kwargs, kinds=kinds),
+        want_value=want_value,
+        state=None if state is None else pickle_state(state),
+    )
     deadline = choose_deadline(spec, settings, default_source=default_source, enclosing=enclosing)
     return task, CasePlan(spec, settings, what, deadline, reuse=reuse, cards=cards)
 

@@ -81,6 +81,7 @@ class CaseRun:
             spec.device,
             tuple(str(c) for c in cards),
             time.time() + plan.deadline.seconds,
+            budget_dir=os.path.join(case_dir, "nested-slots"),
         )
         self.deadline = time.monotonic() + plan.deadline.seconds
 

@@ -24,6 +24,10 @@ class EnclosingCase:
     device: str
     cards: tuple[str, ...]
     deadline: float  # wall-clock time
+    #: lease directory of the case's own rank slots: nested launches from any
+    #: of its ranks and threads lease from it, so together they never run more
+    #: ranks at once than the case declared (None: no such bound)
+    budget_dir: str | None = None
 
     def to_env(self) -> str:
         """The value of ``CASE_ENV`` that ``from_env`` reads back."""
@@ -34,6 +38,7 @@ class EnclosingCase:
                 "device": self.device,
                 "cards": list(self.cards),
                 "deadline": self.deadline,
+                "budget_dir": self.budget_dir,
             }
         )
 
@@ -44,4 +49,11 @@ class EnclosingCase:
         if not raw:
             return None
         d = json.loads(raw)
-        return EnclosingCase(d["what"], d["nproc"], d["device"], tuple(d["cards"]), d["deadline"])
+        return EnclosingCase(
+            d["what"],
+            d["nproc"],
+            d["device"],
+            tuple(d["cards"]),
+            d["deadline"],
+            d.get("budget_dir"),
+        )

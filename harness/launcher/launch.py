@@ -10,14 +10,17 @@ holds a lease (then it may not start more ranks than that case declared).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
 from typing import Any, NoReturn
 
 from harness.devices import Card
 from harness.errors import HarnessError
+from harness.launcher import lease as leases
 from harness.launcher.case import CasePlan, RankStrategy, conclude, missing_cards, prepare_case
 from harness.launcher.enclosing import EnclosingCase
 from harness.launcher.fresh import FRESH
@@ -64,7 +67,11 @@ def launch(fn: Callable[..., Any], spec: LaunchSpec, *args: Any) -> list[Any]:
     Outside a case, the cards and process slots are leased first (bounded
     wait, ``LeaseTimeout``). Inside the ranks of a case, the case's lease is
     used, and asking for more ranks (or cards) than the case declared raises
-    ``LaunchBudgetError`` giving both numbers. A failing, crashing or
+    ``LaunchBudgetError`` giving both numbers; nested launches from all the
+    case's ranks and threads together never run more ranks at once than the
+    case declared (later ones wait, within the case's deadline, then raise
+    ``LaunchBudgetError``). A plain test holding a card (parametrized with an
+    accelerator ``device``) is such a case of one rank on its card. A failing, crashing or
     overdue rank raises ``LaunchError`` whose message names the rank.
     """
     __tracebackhide__ = True
@@ -94,7 +101,8 @@ def launch(fn: Callable[..., Any], spec: LaunchSpec, *args: Any) -> list[Any]:
         enclosing=enclosing,
         cards=cards,
     )
-    result = run_case(task, plan)
+    with _nested_slots(enclosing, spec, what):
+        result = run_case(task, plan)
 
     def fail(message: str) -> NoReturn:
         raise LaunchError(message, result)
@@ -111,6 +119,32 @@ def launch(fn: Callable[..., Any], spec: LaunchSpec, *args: Any) -> list[Any]:
         xfail=pytest.xfail if pytest is not None else not_passed,
     )
     return result.values()
+
+
+@contextlib.contextmanager
+def _nested_slots(case: EnclosingCase | None, spec: LaunchSpec, what: str) -> Iterator[None]:
+    """Hold ``spec.nproc`` of the enclosing case's ``case.nproc`` rank slots
+    while a nested launch runs (nothing outside a case)."""
+    if case is None or case.budget_dir is None:
+        yield
+        return
+    waited = max(0.1, case.deadline - time.time())
+    try:
+        lease = leases.acquire(
+            case.budget_dir,
+            [leases.slot_want(case.nproc, spec.nproc)],
+            timeout=waited,
+            holder=what,
+        )
+    except leases.LeaseTimeout:
+        raise LaunchBudgetError(
+            f"{what} waited {waited:.3g} s for {spec.nproc} of the {case.nproc} rank slot(s) of "
+            f"{case.what}: its other nested launches held them until its deadline"
+        ) from None
+    try:
+        yield
+    finally:
+        lease.release()
 
 
 def _within(case: EnclosingCase, spec: LaunchSpec) -> list[Card]:

@@ -19,8 +19,14 @@ Per test:
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import os
+import shutil
 import sys
+import tempfile
+import time
+from dataclasses import dataclass
 from typing import NoReturn
 
 import pytest
@@ -36,6 +42,7 @@ from harness.devices import (
     set_device,
 )
 from harness.launcher.case import conclude, missing_cards, prepare_case
+from harness.launcher.enclosing import CASE_ENV, EnclosingCase
 from harness.launcher.launch import run_case
 from harness.launcher.lease import (
     Lease,
@@ -61,7 +68,9 @@ SETTINGS_KEY = pytest.StashKey[Settings]()
 #: How to deactivate this config's settings (``harness.launcher.settings.active``).
 ACTIVATION_KEY = pytest.StashKey["contextvars.Token[Settings]"]()
 SPEC_KEY = pytest.StashKey[LaunchSpec]()
-CARD_LEASE_KEY = pytest.StashKey[tuple[Lease, "str | None"]]()
+CARD_LEASE_KEY = pytest.StashKey["_HeldCard"]()
+#: pytest-timeout's timeout of a launched test (its marker or ini), in seconds
+TIMEOUT_KEY = pytest.StashKey[float]()
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -195,6 +204,12 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     except ValueError as exc:
         _fail(f"{item.nodeid}: {exc}")
     item.stash[SPEC_KEY] = spec
+    if is_launched(item) and _is_unittest_method(item):
+        _fail(
+            f"{item.nodeid}: @pytest.mark.launch cannot run the unittest.TestCase method "
+            f"{item.cls.__qualname__}.{item.name} on ranks (unittest runs it itself, in this "
+            "process); write it as a pytest test function or a method of a plain class"
+        )
     settings = item.config.stash[SETTINGS_KEY]
     reason = missing_cards(spec.device, spec.cards)
     if reason is not None:
@@ -203,6 +218,15 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
         _skip_at_test(reason)
     if spec.cards and not is_launched(item):
         _lease_card_in_process(item, spec, settings)
+
+
+@dataclass(frozen=True)
+class _HeldCard:
+    """A plain test's card lease, the environment it replaced, its nested-launch slots."""
+
+    lease: Lease
+    environ: dict[str, str | None]
+    budget_dir: str
 
 
 def _lease_card_in_process(item: pytest.Function, spec: LaunchSpec, settings: Settings) -> None:
@@ -216,8 +240,15 @@ def _lease_card_in_process(item: pytest.Function, spec: LaunchSpec, settings: Se
     except LeaseError as exc:
         _fail(f"{item.nodeid}: could not lease a {spec.device} card\n{exc}")
     card = lease.cards()[0]
-    item.stash[CARD_LEASE_KEY] = (lease, os.environ.get(CARD_ENV))
-    os.environ[CARD_ENV] = str(card)
+    # The test is a case of one rank on its card: a harness.launch it makes on
+    # that device runs on the card it holds instead of waiting for it.
+    budget = tempfile.mkdtemp(prefix="harness-plain-")
+    enclosing = EnclosingCase(
+        item.nodeid, 1, spec.device, (str(card),), time.time() + settings.timeout, budget
+    )
+    updates = {CARD_ENV: str(card), CASE_ENV: enclosing.to_env()}
+    item.stash[CARD_LEASE_KEY] = _HeldCard(lease, {k: os.environ.get(k) for k in updates}, budget)
+    os.environ.update(updates)
     # A simulated inventory on a host whose tests never imported torch needs no
     # device selection (and should not pay for importing torch).
     if (not is_simulated() or "torch" in sys.modules) and runtime_available(card.device):
@@ -234,17 +265,24 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None):
         held = item.stash.get(CARD_LEASE_KEY, None)
         if held is not None:
             del item.stash[CARD_LEASE_KEY]
-            lease, previous = held
-            lease.release()
-            if previous is None:
-                os.environ.pop(CARD_ENV, None)
-            else:
-                os.environ[CARD_ENV] = previous
+            held.lease.release()
+            for name, previous in held.environ.items():
+                if previous is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = previous
+            shutil.rmtree(held.budget_dir, ignore_errors=True)
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
-    if not is_launched(pyfuncitem):
+    if (
+        not is_launched(pyfuncitem)
+        or inspect.iscoroutinefunction(pyfuncitem.obj)
+        or (inspect.isasyncgenfunction(pyfuncitem.obj))
+    ):
+        # An async test runs (or fails) as pytest and its async plugins decide,
+        # exactly as its in-process twin: nothing here would await it.
         return None
     spec = pyfuncitem.stash.get(SPEC_KEY, None) or spec_for_item(pyfuncitem)
     settings = pyfuncitem.config.stash[SETTINGS_KEY]
@@ -253,8 +291,49 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
         result = run_case(task, plan)
     except LeaseError as exc:
         _fail(f"{pyfuncitem.nodeid}: could not lease what the case needs\n{exc}")
-    conclude(result, fail=_fail, skip=_skip_at_test, xfail=pytest.xfail)
+
+    def fail(report: str) -> NoReturn:
+        _raise_for_xfail(pyfuncitem, result.failure_types(), report)
+        _fail(report)
+
+    conclude(result, fail=fail, skip=_skip_at_test, xfail=pytest.xfail)
     return True
+
+
+def _raise_for_xfail(item: pytest.Function, names: tuple[str, ...], report: str) -> None:
+    """When an ``xfail(raises=E)`` marker names a class the failing rank's
+    exception is (by ``module.qualname`` of its class and bases), raise an ``E``
+    carrying the report, so pytest's xfail matching sees what the rank raised."""
+    __tracebackhide__ = True
+    for mark in item.iter_markers("xfail"):
+        raises = mark.kwargs.get("raises")
+        for cls in raises if isinstance(raises, tuple) else (raises,):
+            if isinstance(cls, type) and f"{cls.__module__}.{cls.__qualname__}" in names:
+                exc = cls.__new__(cls)
+                exc.args = (report,)
+                raise exc
+
+
+def _is_unittest_method(item: pytest.Item) -> bool:
+    unittest = sys.modules.get("unittest")
+    cls = getattr(item, "cls", None)
+    return unittest is not None and isinstance(cls, type) and issubclass(cls, unittest.TestCase)
+
+
+@pytest.hookimpl(optionalhook=True, tryfirst=True)
+def pytest_timeout_set_timer(item: pytest.Item, settings) -> bool | None:
+    """pytest-timeout's timeout of a launched test becomes its case deadline:
+    the ranks are stopped at it and their stacks reported, instead of a timer
+    in this process interrupting the launcher (whose stack says nothing)."""
+    if not is_launched(item):
+        return None
+    item.stash[TIMEOUT_KEY] = float(settings.timeout)
+    return True
+
+
+@pytest.hookimpl(optionalhook=True, tryfirst=True)
+def pytest_timeout_cancel_timer(item: pytest.Item) -> bool | None:
+    return True if is_launched(item) else None
 
 
 def _fail(message: str) -> NoReturn:
@@ -276,6 +355,11 @@ def _case_for(item: pytest.Function, spec: LaunchSpec, settings: Settings):
     kwargs = {name: item.funcargs[name] for name in names}
     params = item.callspec.params if hasattr(item, "callspec") else {}
     kinds = {name: "parametrized argument" if name in params else "fixture" for name in names}
+    default_source = "--harness-timeout"
+    timeout = item.stash.get(TIMEOUT_KEY, None)
+    if timeout is not None:
+        settings = dataclasses.replace(settings, timeout=timeout)
+        default_source = f"pytest-timeout's timeout={timeout:g}"
     try:
         return prepare_case(
             FunctionRef.for_test(item),
@@ -284,10 +368,11 @@ def _case_for(item: pytest.Function, spec: LaunchSpec, settings: Settings):
             spec,
             what=item.nodeid,
             settings=settings,
-            default_source="--harness-timeout",
+            default_source=default_source,
             reuse=spec.reuse and settings.reuse,
             kinds=kinds,
             want_value=False,
+            state=None if item.instance is None else dict(vars(item.instance)),
         )
     except TypeError as exc:
         _fail(f"{item.nodeid}: {exc}")
