@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import faulthandler
 import gc
+import multiprocessing
 import os
 import pickle
 import signal
@@ -55,11 +56,15 @@ _keep: dict[str, Any] = {}
 
 @dataclass(frozen=True)
 class RankTask:
-    """The function a rank runs and its pickled ``(args, kwargs)``."""
+    """The function a rank runs, its pickled ``(args, kwargs)`` and, for a test
+    method, the pickled state of the instance it is bound to."""
 
     ref: FunctionRef
     args: bytes
     want_value: bool = True
+    #: pickled attributes of the test's instance (set by ``setup_method`` and
+    #: fixture methods in the launcher), given to the rank's own instance
+    state: bytes | None = None
 
 
 @dataclass(frozen=True)
@@ -190,7 +195,7 @@ def _serve(parent_pid: int, conn: Any, lease_fds: list[int]) -> NoReturn:
         conn.send(OutcomeWritten())
         if outcome.status == FAILED:
             _exit(outcome)
-        conn.send(Idle(_leftovers(baseline), os.getpid()))
+        conn.send(Idle(_leftovers(baseline) or _once_per_process(message.task), os.getpid()))
         # Free the case's garbage (device memory in reference cycles, too)
         # before the next case, off the launcher's critical path.
         gc.collect()
@@ -219,8 +224,9 @@ def _health_gate(conn: Any, ctx: RankContext, seq: int) -> None:
         _hard_exit(0)
 
 
-def _run_kept(ctx: RankContext, task: RankTask,
-              baseline: Baseline | None) -> tuple[RankOutcome, Baseline | None]:
+def _run_kept(
+    ctx: RankContext, task: RankTask, baseline: Baseline | None
+) -> tuple[RankOutcome, Baseline | None]:
     """Run a case on a kept rank. The first case joins the process group and
     records the baseline every later case starts from (before any test code
     has run); later ones get this case's process-group timeout."""
@@ -239,6 +245,10 @@ def _start_rank(parent_pid: int, lease_fds: list[int], rank_only: tuple[int, ...
     crash dump."""
     split(parent_pid, keep=lease_fds, rank_only=rank_only)
     faulthandler.enable(file=sys.stderr, all_threads=True)
+    # A spawned child starts with its start method set (to spawn); the test
+    # process it stands in for has none set, and a test module calling
+    # multiprocessing.set_start_method() at import must work here as there.
+    multiprocessing.set_start_method(None, force=True)
 
 
 def _enter_case(ctx: RankContext) -> None:
@@ -286,6 +296,8 @@ def _run(ctx: RankContext, task: RankTask, *, fresh_module: bool) -> RankOutcome
 
 def _call(ctx: RankContext, task: RankTask, fresh_module: bool) -> RankOutcome:
     fn = task.ref.load(fresh=fresh_module)
+    if task.state is not None:
+        vars(fn.__self__).update(pickle.loads(task.state))
     args, kwargs = pickle.loads(task.args)
     import torch.distributed as dist
 
@@ -386,6 +398,27 @@ def _leftovers(baseline: Baseline | None) -> str | None:
         return f"cleaning up after the case failed: {type(exc).__name__}: {exc}"
 
 
+def _once_per_process(task: RankTask) -> str | None:
+    """What the case's test module did that a process can do only once, so the
+    next case (which executes the module again) would fail on this rank: a
+    module-level ``torch.library.Library(ns, "DEF")`` (None: nothing)."""
+    library = sys.modules.get("torch.library")
+    module = sys.modules.get(task.ref.module)
+    if library is None or module is None:
+        return None
+    names = sorted(
+        name
+        for name, value in vars(module).items()
+        if isinstance(value, library.Library) and getattr(value, "kind", None) == "DEF"
+    )
+    if names:
+        return (
+            f"its module defines torch.library namespace(s) at import ({', '.join(names)}), "
+            "which a process can define only once"
+        )
+    return None
+
+
 def _select_card(ctx: RankContext) -> None:
     card = ctx.card
     assert card is not None
@@ -397,10 +430,14 @@ def _select_card(ctx: RankContext) -> None:
         # simulated (lease logic tested on a CPU machine); run without one.
         if not _keep.get("simulated_note"):
             _keep["simulated_note"] = True
-            print(f"harness: rank {ctx.rank} holds simulated card {card}; not selecting it",
-                  file=sys.stderr)
+            print(
+                f"harness: rank {ctx.rank} holds simulated card {card}; not selecting it",
+                file=sys.stderr,
+            )
     else:
-        raise RuntimeError(f"rank {ctx.rank} was leased {card}, but torch cannot use {card.device} here")
+        raise RuntimeError(
+            f"rank {ctx.rank} was leased {card}, but torch cannot use {card.device} here"
+        )
 
 
 def outcome_from_exception(rank: int, exc: BaseException) -> RankOutcome:
@@ -413,11 +450,29 @@ def outcome_from_exception(rank: int, exc: BaseException) -> RankOutcome:
         if isinstance(exc, outcomes.XFailed):
             return RankOutcome(rank, XFAILED, now, summary=exc.msg or "")
         if isinstance(exc, outcomes.Failed) and not exc.pytrace:
-            return RankOutcome(rank, FAILED, now, summary=(exc.msg or "").splitlines()[0] if exc.msg else "",
-                               traceback=exc.msg or "")
+            return RankOutcome(
+                rank,
+                FAILED,
+                now,
+                summary=(exc.msg or "").splitlines()[0] if exc.msg else "",
+                traceback=exc.msg or "",
+            )
     only = "".join(traceback.format_exception_only(type(exc), exc)).strip()
     summary = only.splitlines()[0] if only else type(exc).__name__
-    return RankOutcome(rank, FAILED, now, summary=summary, traceback=_user_traceback(exc))
+    return RankOutcome(
+        rank,
+        FAILED,
+        now,
+        summary=summary,
+        traceback=_user_traceback(exc),
+        exc_types=exception_names(type(exc)),
+    )
+
+
+def exception_names(cls: type) -> tuple[str, ...]:
+    """``module.qualname`` of an exception class and of each of its bases, so the
+    launcher can tell which classes (e.g. ``xfail(raises=)``) the error matches."""
+    return tuple(f"{c.__module__}.{c.__qualname__}" for c in cls.__mro__)
 
 
 def _user_traceback(exc: BaseException) -> str:
