@@ -156,7 +156,7 @@ class RankPool:
             ours, end = get_context("spawn").Pipe()
             theirs.append(end)
             self._channels.append(_Channel(ours))
-            return (os.getpid(), end, fds)
+            return (os.getpid(), end, fds, self._dir)
 
         try:
             spawn_ranks(spec.nproc, pool_rank_main, args_for, self._procs, lease=lease)

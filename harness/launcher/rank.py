@@ -156,7 +156,8 @@ def rank_main(ctx: RankContext, task: RankTask, lease_fds: list[int]) -> NoRetur
     _exit(outcome)
 
 
-def pool_rank_main(parent_pid: int, conn: Any, lease_fds: list[int]) -> NoReturn:
+def pool_rank_main(parent_pid: int, conn: Any, lease_fds: list[int],
+                   pool_dir: str | None = None) -> NoReturn:
     """Entry point of a pooled rank: runs the cases ``conn`` delivers until told to exit.
 
     Per case: the launcher's current environment, working directory and
@@ -172,13 +173,14 @@ def pool_rank_main(parent_pid: int, conn: Any, lease_fds: list[int]) -> NoReturn
     ``os._exit``, never through interpreter finalisation.
     """
     try:
-        _serve(parent_pid, conn, lease_fds)
+        _serve(parent_pid, conn, lease_fds, pool_dir)
     except BaseException:
         _fatal()
 
 
-def _serve(parent_pid: int, conn: Any, lease_fds: list[int]) -> NoReturn:
-    _start_rank(parent_pid, lease_fds, rank_only=(conn.fileno(),))
+def _serve(parent_pid: int, conn: Any, lease_fds: list[int], pool_dir: str | None) -> NoReturn:
+    # The pool's directory goes with a launcher that dies (its supervisor removes it).
+    _start_rank(parent_pid, lease_fds, rank_only=(conn.fileno(),), leftover_dir=pool_dir)
     baseline: Baseline | None = None
     while True:
         message = _receive_case(conn)
@@ -236,14 +238,15 @@ def _run_kept(
             return outcome, None
         baseline = Baseline.capture()
     else:
-        _set_pg_timeout(ctx.pg_timeout_s)
+        _set_pg_timeout(_pg_timeout(ctx))
     return _run(ctx, task, fresh_module=True), baseline
 
 
-def _start_rank(parent_pid: int, lease_fds: list[int], rank_only: tuple[int, ...] = ()) -> None:
+def _start_rank(parent_pid: int, lease_fds: list[int], rank_only: tuple[int, ...] = (),
+                leftover_dir: str | None = None) -> None:
     """Split into supervisor and rank (only the rank returns), then arm the
     crash dump."""
-    split(parent_pid, keep=lease_fds, rank_only=rank_only)
+    split(parent_pid, keep=lease_fds, rank_only=rank_only, leftover_dir=leftover_dir)
     faulthandler.enable(file=sys.stderr, all_threads=True)
     # A spawned child starts with its start method set (to spawn); the test
     # process it stands in for has none set, and a test module calling
@@ -338,8 +341,21 @@ def _init_distributed(ctx: RankContext) -> None:
         store=store,
         rank=ctx.rank,
         world_size=ctx.world_size,
-        timeout=timedelta(seconds=ctx.pg_timeout_s),
+        timeout=timedelta(seconds=_pg_timeout(ctx)),
     )
+
+
+def _pg_timeout(ctx: RankContext) -> float:
+    """The process-group timeout for this case, from the time it has left now
+    (its deadline minus what start-up took), so that a collective blocked
+    from here on raises in the rank before the deadline."""
+    from harness.launcher.deadline import pg_timeout_for
+    from harness.launcher.enclosing import EnclosingCase
+
+    case = EnclosingCase.from_env()
+    if case is None:
+        return ctx.pg_timeout_s
+    return min(ctx.pg_timeout_s, pg_timeout_for(max(0.1, case.deadline - time.time())))
 
 
 def _set_pg_timeout(seconds: float) -> None:

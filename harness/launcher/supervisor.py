@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import threading
 import time
@@ -66,10 +67,13 @@ def tie_to_controller(*, worker: bool) -> None:
     _watch_parent(int(raw) if raw.isdigit() else os.getppid())
 
 
-def split(parent_pid: int, *, keep: Iterable[int] = (), rank_only: Iterable[int] = ()) -> None:
+def split(parent_pid: int, *, keep: Iterable[int] = (), rank_only: Iterable[int] = (),
+          leftover_dir: str | None = None) -> None:
     """Split this freshly spawned rank process into supervisor and rank; only
     the rank returns. ``keep`` (the lease descriptors) stay in the supervisor
-    alone; ``rank_only`` (the pool's pipe) in the rank alone.
+    alone; ``rank_only`` (the pool's pipe) in the rank alone. When the
+    launcher dies, the supervisor also removes ``leftover_dir`` (a kept
+    pool's directory, which the dead launcher can no longer remove).
 
     Where subreapers are unsupported, returns at once in this process, which
     then leads its own session and dies with its parent.
@@ -102,7 +106,7 @@ def split(parent_pid: int, *, keep: Iterable[int] = (), rank_only: Iterable[int]
     for fd in rank_only:
         with contextlib.suppress(OSError):
             os.close(fd)
-    _supervise(rank, parent_pid, frozenset(watched))
+    _supervise(rank, parent_pid, frozenset(watched), leftover_dir)
 
 
 def _watch_parent(parent_pid: int) -> None:
@@ -117,12 +121,15 @@ def _watch_parent(parent_pid: int) -> None:
     threading.Thread(target=watch, name="harness-parent-watch", daemon=True).start()
 
 
-def _supervise(rank: int, parent_pid: int, watched: frozenset[int]) -> NoReturn:
+def _supervise(rank: int, parent_pid: int, watched: frozenset[int],
+               leftover_dir: str | None) -> NoReturn:
     status: int | None = None
     while True:
         info = signal.sigtimedwait(watched, _POLL_S)
         if os.getppid() != parent_pid:
             _stop_all(grace=0.0)
+            if leftover_dir is not None:
+                shutil.rmtree(leftover_dir, ignore_errors=True)
             os._exit(1)
         if info is not None and info.si_signo in _FORWARDED:
             with contextlib.suppress(OSError):

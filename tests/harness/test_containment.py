@@ -26,6 +26,12 @@ from launch_project import (
 import harness
 from harness import LaunchError, LaunchSpec
 
+#: Seconds a rank spends importing this module (a slow start-up: spawning,
+#: importing torch under load), when set.
+SLOW_START_ENV = "HARNESS_TEST_SLOW_START_S"
+if os.environ.get(SLOW_START_ENV) and os.environ.get("RANK") is not None:
+    time.sleep(float(os.environ[SLOW_START_ENV]))
+
 
 def start_daemon_then_kill_my_group(pid_file: str) -> None:
     import subprocess
@@ -155,3 +161,26 @@ def test_a_crashed_xdist_worker_leaves_no_pool_directory(tmp_path):
     while list(tmp.glob("harness-pool-*")) and time.monotonic() < end:
         time.sleep(0.1)
     assert list(tmp.glob("harness-pool-*")) == []
+
+
+# -- the process-group timeout against the deadline --------------------------------------
+
+def group_timeout_and_case_deadline() -> tuple[float, float, float]:
+    """This rank's process-group timeout, now, and its case's deadline (wall clock)."""
+    import torch
+    import torch.distributed as dist
+
+    from harness.launcher.enclosing import EnclosingCase
+
+    backend = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
+    return backend.options._timeout.total_seconds(), time.time(), EnclosingCase.from_env().deadline
+
+
+def test_a_collective_blocked_after_a_slow_start_times_out_before_the_deadline(monkeypatch):
+    # 10 s of the 40 s go to start-up (importing this module): a group timeout
+    # taken from the whole deadline (32 s) would end after it.
+    monkeypatch.setenv(SLOW_START_ENV, "10")
+    results = harness.launch(group_timeout_and_case_deadline, LaunchSpec(nproc=2, timeout=40, reuse=False))
+    for timeout, now, deadline in results:
+        # A collective started now, blocked, raises at now + timeout at the latest.
+        assert now + timeout < deadline, (timeout, deadline - now)
