@@ -131,8 +131,9 @@ def _signal(procs: Iterable[psutil.Process], sig: int) -> None:
             proc.send_signal(sig)
 
 
-def wait_gone(procs: list[psutil.Process], timeout: float, *,
-              reap: Callable[[], object] | None = None) -> list[psutil.Process]:
+def wait_gone(
+    procs: list[psutil.Process], timeout: float, *, reap: Callable[[], object] | None = None
+) -> list[psutil.Process]:
     """Wait until every process in ``procs`` is dead; return those still alive at ``timeout``.
 
     Polls rather than ``wait()``s (see the module docstring); ``reap`` is
@@ -149,9 +150,14 @@ def wait_gone(procs: list[psutil.Process], timeout: float, *,
     return alive
 
 
-def terminate(procs: Iterable[psutil.Process], *, grace: float, kill_wait: float = 5.0,
-              more: Callable[[], Iterable[psutil.Process]] = tuple,
-              reap: Callable[[], object] | None = None) -> list[psutil.Process]:
+def terminate(
+    procs: Iterable[psutil.Process],
+    *,
+    grace: float,
+    kill_wait: float = 5.0,
+    more: Callable[[], Iterable[psutil.Process]] = tuple,
+    reap: Callable[[], object] | None = None,
+) -> list[psutil.Process]:
     """Stop ``procs``: SIGTERM (and SIGCONT), then after ``grace`` seconds SIGKILL
     to whatever still runs, together with what ``more()`` finds then (processes
     forked meanwhile). ``grace`` 0 sends SIGKILL alone. Returns the processes
@@ -175,9 +181,15 @@ def terminate(procs: Iterable[psutil.Process], *, grace: float, kill_wait: float
     return wait_gone(alive, kill_wait, reap=reap)
 
 
-def kill_trees(roots: Iterable[int], *, grace: float, own_session: bool = True,
-               kill_wait: float = 5.0, spare: Iterable[int] = (),
-               reap: Callable[[], object] | None = None) -> list[psutil.Process]:
+def kill_trees(
+    roots: Iterable[int],
+    *,
+    grace: float,
+    own_session: bool = True,
+    kill_wait: float = 5.0,
+    spare: Iterable[int] = (),
+    reap: Callable[[], object] | None = None,
+) -> list[psutil.Process]:
     """Stop every process of the trees rooted at ``roots`` (``process_tree``),
     the way ``terminate`` does. Pids in ``spare`` are left alone (a kept rank
     whose leftover children are stopped; a supervisor stopping what is below
@@ -186,7 +198,11 @@ def kill_trees(roots: Iterable[int], *, grace: float, own_session: bool = True,
     spared = set(spare)
 
     def collect() -> list[psutil.Process]:
-        return [p for r in roots for p in process_tree(r, own_session=own_session)
-                if p.pid not in spared]
+        return [
+            p
+            for r in roots
+            for p in process_tree(r, own_session=own_session)
+            if p.pid not in spared
+        ]
 
     return terminate(collect(), grace=grace, kill_wait=kill_wait, more=collect, reap=reap)

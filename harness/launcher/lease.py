@@ -162,8 +162,11 @@ def resolve_lease_dir(option: str | None) -> tuple[str, str]:
     if env:
         return os.path.abspath(env), f"${LEASE_DIR_ENV}"
     shared = _shared_dir()
-    if (os.path.isdir(shared) and not os.path.islink(shared)
-            and not os.access(shared, os.W_OK | os.X_OK)):
+    if (
+        os.path.isdir(shared)
+        and not os.path.islink(shared)
+        and not os.access(shared, os.W_OK | os.X_OK)
+    ):
         return f"{shared}-{os.getuid()}", _default_source()
     return shared, _default_source()
 
@@ -203,8 +206,10 @@ class _Dir:
 def _open_dir(path: str, source: str) -> _Dir:
     """Open (creating if missing) and check lease directory ``path``; see ``check_lease_dir``."""
 
-    def fail(problem: str, fix: str = f"point {LEASE_DIR_OPTION} or ${LEASE_DIR_ENV} at a "
-                                          "writable directory") -> LeaseDirError:
+    def fail(
+        problem: str,
+        fix: str = f"point {LEASE_DIR_OPTION} or ${LEASE_DIR_ENV} at a writable directory",
+    ) -> LeaseDirError:
         return LeaseDirError(f"harness lease directory {path} (set by {source}) {problem}; {fix}")
 
     path = os.path.abspath(path)
@@ -233,8 +238,10 @@ def _open_dir(path: str, source: str) -> _Dir:
         parent = os.path.dirname(path)
         with contextlib.suppress(OSError):
             if os.stat(parent).st_mode & stat.S_IWOTH:
-                raise fail(f"is a symbolic link in the world-writable {parent}, which anyone "
-                           "could have planted; it is not followed")
+                raise fail(
+                    f"is a symbolic link in the world-writable {parent}, which anyone "
+                    "could have planted; it is not followed"
+                )
         target = os.path.realpath(path)
     elif not stat.S_ISDIR(st.st_mode):
         raise fail("is not a directory")
@@ -250,17 +257,22 @@ def _open_dir(path: str, source: str) -> _Dir:
         st = os.fstat(fd)
         mode = stat.S_IMODE(st.st_mode)
         me = os.geteuid()
-        if st.st_uid != me and not (st.st_uid == 0 and shared and mode & _SHARED_MODE == _SHARED_MODE):
+        if st.st_uid != me and not (
+            st.st_uid == 0 and shared and mode & _SHARED_MODE == _SHARED_MODE
+        ):
             raise fail(
                 f"is owned by {_user(st.st_uid)}, not by you ({_user(me)}): its owner can delete "
                 "the lock files your leases hold",
                 f"point {LEASE_DIR_OPTION} or ${LEASE_DIR_ENV} at a directory you own, or, for "
-                f"the host-wide default, have root create it: install -d -o root -m 1777 {_shared_dir()}")
+                f"the host-wide default, have root create it: install -d -o root -m 1777 {_shared_dir()}",
+            )
         if not os.access(".", os.W_OK | os.X_OK, dir_fd=fd):
             raise fail("is not writable")
         if mode & stat.S_IWOTH and not mode & stat.S_ISVTX:
-            raise fail("is world-writable without the sticky bit (any user could delete the lock "
-                       "files others hold: chmod +t it)")
+            raise fail(
+                "is world-writable without the sticky bit (any user could delete the lock "
+                "files others hold: chmod +t it)"
+            )
     except BaseException:
         os.close(fd)
         raise
@@ -285,8 +297,9 @@ def check_lease_dir(path: str, source: str) -> None:
 
 def _source_of(lease_dir: str) -> str:
     if lease_dir == os.environ.get(LEASE_DIR_ENV) or (
-            os.environ.get(LEASE_DIR_ENV)
-            and os.path.abspath(lease_dir) == os.path.abspath(os.environ[LEASE_DIR_ENV])):
+        os.environ.get(LEASE_DIR_ENV)
+        and os.path.abspath(lease_dir) == os.path.abspath(os.environ[LEASE_DIR_ENV])
+    ):
         return f"${LEASE_DIR_ENV}"
     if os.path.abspath(lease_dir) == resolve_lease_dir(None)[0]:
         return _default_source()
@@ -300,8 +313,9 @@ def ensure_lease_dir(lease_dir: str) -> str:
     return lease_dir
 
 
-def _open_lease_file(where: _Dir, name: str, *, create: bool = True, write: bool = True,
-                     mode: int = 0o666) -> int:
+def _open_lease_file(
+    where: _Dir, name: str, *, create: bool = True, write: bool = True, mode: int = 0o666
+) -> int:
     """Open file ``name`` of the lease directory without following links.
 
     Raises ``LeaseFileError`` (naming the file) for a symbolic link, a file
@@ -335,10 +349,13 @@ def _open_lease_file(where: _Dir, name: str, *, create: bool = True, write: bool
         if exc.errno == errno.ELOOP:
             raise LeaseFileError(
                 f"lease file {path} is a symbolic link, which the harness never follows (one "
-                "planted in a shared directory could point at anyone's file): remove it") from None
+                "planted in a shared directory could point at anyone's file): remove it"
+            ) from None
         if isinstance(exc, FileNotFoundError):
             raise
-        raise LeaseFileError(f"cannot open lease file {path}: {exc.strerror}{_owner(where, name)}") from None
+        raise LeaseFileError(
+            f"cannot open lease file {path}: {exc.strerror}{_owner(where, name)}"
+        ) from None
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
@@ -346,7 +363,8 @@ def _open_lease_file(where: _Dir, name: str, *, create: bool = True, write: bool
         if st.st_nlink != 1:
             raise LeaseFileError(
                 f"lease file {path} has {st.st_nlink} links (a hard link to another file, "
-                "which the harness never writes): remove it")
+                "which the harness never writes): remove it"
+            )
         if created:
             with contextlib.suppress(OSError):
                 # Lets other users' sessions use (queue files) or look at
@@ -387,8 +405,9 @@ def slot_want(max_procs: int, count: int) -> Want:
     A case with more ranks than there are slots takes all of them (it then
     runs alone) instead of never running.
     """
-    return Want("process slots", tuple(f"slot:{i}" for i in range(max_procs)),
-                min(count, max_procs))
+    return Want(
+        "process slots", tuple(f"slot:{i}" for i in range(max_procs)), min(count, max_procs)
+    )
 
 
 def _lock_base(name: str) -> str:
@@ -403,8 +422,9 @@ def _lock_file(name: str, uid: int) -> str:
 def _lock_files(where: _Dir, name: str) -> list[str]:
     """Every user's lock file of resource ``name`` present in ``where``."""
     base = _lock_base(name)
-    return sorted(n for n in where.names()
-                  if (m := _LOCK_RE.fullmatch(n)) is not None and m.group(1) == base)
+    return sorted(
+        n for n in where.names() if (m := _LOCK_RE.fullmatch(n)) is not None and m.group(1) == base
+    )
 
 
 def _locked_by_another(where: _Dir, name: str, *, besides: str | None = None) -> str | None:
@@ -454,7 +474,8 @@ class _Lock:
                 raise LeaseFileError(
                     f"lease file {self.path} is owned by {_user(st.st_uid)}, not by you "
                     f"({_user(os.geteuid())}), who alone write it: it was planted; have its owner "
-                    "or root remove it")
+                    "or root remove it"
+                )
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError as exc:
@@ -515,7 +536,8 @@ def _check_ours(fd: int, path: str) -> None:
     if len(data) > _HOLDER_RECORD_MAX or not isinstance(value, (dict, int)):
         raise LeaseFileError(
             f"lease file {path} holds something the harness never writes there (the harness "
-            "did not create it, so it leaves it alone): remove it or use another lease directory")
+            "did not create it, so it leaves it alone): remove it or use another lease directory"
+        )
 
 
 def _write_record(fd: int, record: dict) -> None:
@@ -626,8 +648,10 @@ def _waiters(where: _Dir, *, forged: list[str] | None = None) -> list[dict]:
                 holders = _flock_holders(os.fstat(fd))
                 if holders and record.get("pid") not in holders:
                     if forged is not None:
-                        forged.append(f"{where.join(entry)} (its record names pid "
-                                      f"{record.get('pid')}; pid {min(holders)} holds it)")
+                        forged.append(
+                            f"{where.join(entry)} (its record names pid "
+                            f"{record.get('pid')}; pid {min(holders)} holds it)"
+                        )
                     continue
                 found.append(dict(record, file=where.join(entry)))
             else:
@@ -685,15 +709,20 @@ class _Ticket:
             # the next ticket sees this one in the queue.
             waiter_fd = cls._claim_waiter_file(where)
             try:
-                _write_record(waiter_fd, {
-                    "ticket": ticket,
-                    "pid": os.getpid(),
-                    "host": socket.gethostname(),
-                    "holder": holder,
-                    "since": time.time(),
-                    "wants": [{"what": w.what, "names": list(w.names), "count": w.count}
-                              for w in wants],
-                })
+                _write_record(
+                    waiter_fd,
+                    {
+                        "ticket": ticket,
+                        "pid": os.getpid(),
+                        "host": socket.gethostname(),
+                        "holder": holder,
+                        "since": time.time(),
+                        "wants": [
+                            {"what": w.what, "names": list(w.names), "count": w.count}
+                            for w in wants
+                        ],
+                    },
+                )
             except BaseException:
                 with contextlib.suppress(OSError):
                     os.ftruncate(waiter_fd, 0)
@@ -933,8 +962,9 @@ def _acquire(where: _Dir, wants: list[Want], *, timeout: float, holder: str) -> 
     except LeaseError:
         raise
     except OSError as exc:
-        raise LeaseError(f"lease wait in {where.path} failed: {exc.strerror or exc}; nothing "
-                         "is left held") from exc
+        raise LeaseError(
+            f"lease wait in {where.path} failed: {exc.strerror or exc}; nothing is left held"
+        ) from exc
     finally:
         if ticket is not None:
             ticket.leave()
@@ -952,7 +982,8 @@ def _granted(where: _Dir, held: list[_Lock], holder: str) -> Lease:
             raise LeaseError(
                 f"cannot write the holder record into lease file {lock.path}: "
                 f"{exc.strerror or exc}; the lease of {', '.join(lk.name for lk in held)} is "
-                "given back") from exc
+                "given back"
+            ) from exc
     return lease
 
 
@@ -971,8 +1002,7 @@ def _promised_to_others(where: _Dir, ticket: _Ticket | None, wants: list[Want]) 
     return promised
 
 
-def _timeout_message(where: _Dir, short: list[Want], waited: float,
-                     ticket: _Ticket | None) -> str:
+def _timeout_message(where: _Dir, short: list[Want], waited: float, ticket: _Ticket | None) -> str:
     lines = [f"lease wait timed out after {waited:.1f} s (lease dir {where.path}):"]
     for want in short:
         lines.append(f"  waited for {want.count} of the {len(want.names)} {want.what}:")
@@ -982,14 +1012,19 @@ def _timeout_message(where: _Dir, short: list[Want], waited: float,
             lines.append(f"    {name}: {state}")
     wanted = {name for want in short for name in want.names}
     forged: list[str] = []
-    ahead = [w for w in _waiters(where, forged=forged)
-             if (ticket is None or w["ticket"] < ticket.ticket) and _wanted_names(w) & wanted]
+    ahead = [
+        w
+        for w in _waiters(where, forged=forged)
+        if (ticket is None or w["ticket"] < ticket.ticket) and _wanted_names(w) & wanted
+    ]
     if ahead:
         lines.append(f"  queued behind {len(ahead)} earlier waiter(s):")
         for w in ahead:
             since = w.get("since")
             waiting = f", waiting {max(0.0, time.time() - since):.1f} s" if since else ""
-            lines.append(f"    pid {w.get('pid')} ({w.get('holder')}{waiting}; waiter file {w['file']})")
+            lines.append(
+                f"    pid {w.get('pid')} ({w.get('holder')}{waiting}; waiter file {w['file']})"
+            )
     for entry in forged:
         lines.append(f"  ignored a forged waiter record: {entry}")
     return "\n".join(lines)

@@ -156,8 +156,9 @@ def rank_main(ctx: RankContext, task: RankTask, lease_fds: list[int]) -> NoRetur
     _exit(outcome)
 
 
-def pool_rank_main(parent_pid: int, conn: Any, lease_fds: list[int],
-                   pool_dir: str | None = None) -> NoReturn:
+def pool_rank_main(
+    parent_pid: int, conn: Any, lease_fds: list[int], pool_dir: str | None = None
+) -> NoReturn:
     """Entry point of a pooled rank: runs the cases ``conn`` delivers until told to exit.
 
     Per case: the launcher's current environment, working directory and
@@ -242,8 +243,12 @@ def _run_kept(
     return _run(ctx, task, fresh_module=True), baseline
 
 
-def _start_rank(parent_pid: int, lease_fds: list[int], rank_only: tuple[int, ...] = (),
-                leftover_dir: str | None = None) -> None:
+def _start_rank(
+    parent_pid: int,
+    lease_fds: list[int],
+    rank_only: tuple[int, ...] = (),
+    leftover_dir: str | None = None,
+) -> None:
     """Split into supervisor and rank (only the rank returns), then arm the
     crash dump."""
     split(parent_pid, keep=lease_fds, rank_only=rank_only, leftover_dir=leftover_dir)

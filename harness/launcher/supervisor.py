@@ -46,8 +46,11 @@ _POLL_S = 0.5
 #: The pid of the pytest controller, for its xdist workers (``tie_to_controller``).
 CONTROLLER_ENV = "HARNESS_CONTROLLER_PID"
 
-_FORWARDED = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGINT", "SIGUSR1", "SIGQUIT")
-                   if hasattr(signal, name))
+_FORWARDED = tuple(
+    getattr(signal, name)
+    for name in ("SIGTERM", "SIGINT", "SIGUSR1", "SIGQUIT")
+    if hasattr(signal, name)
+)
 
 
 def tie_to_controller(*, worker: bool) -> None:
@@ -67,8 +70,13 @@ def tie_to_controller(*, worker: bool) -> None:
     _watch_parent(int(raw) if raw.isdigit() else os.getppid())
 
 
-def split(parent_pid: int, *, keep: Iterable[int] = (), rank_only: Iterable[int] = (),
-          leftover_dir: str | None = None) -> None:
+def split(
+    parent_pid: int,
+    *,
+    keep: Iterable[int] = (),
+    rank_only: Iterable[int] = (),
+    leftover_dir: str | None = None,
+) -> None:
     """Split this freshly spawned rank process into supervisor and rank; only
     the rank returns. ``keep`` (the lease descriptors) stay in the supervisor
     alone; ``rank_only`` (the pool's pipe) in the rank alone. When the
@@ -121,8 +129,9 @@ def _watch_parent(parent_pid: int) -> None:
     threading.Thread(target=watch, name="harness-parent-watch", daemon=True).start()
 
 
-def _supervise(rank: int, parent_pid: int, watched: frozenset[int],
-               leftover_dir: str | None) -> NoReturn:
+def _supervise(
+    rank: int, parent_pid: int, watched: frozenset[int], leftover_dir: str | None
+) -> NoReturn:
     status: int | None = None
     while True:
         info = signal.sigtimedwait(watched, _POLL_S)
@@ -156,8 +165,9 @@ def _reap(rank: int, status: int | None) -> int | None:
 def _stop_all(*, grace: float) -> None:
     """SIGTERM (with ``grace`` > 0) then SIGKILL every descendant, reaping them."""
     me = os.getpid()
-    processes.kill_trees([me], grace=grace, own_session=False, spare=[me],
-                         reap=lambda: _reap(-1, None))
+    processes.kill_trees(
+        [me], grace=grace, own_session=False, spare=[me], reap=lambda: _reap(-1, None)
+    )
     _reap(-1, None)
 
 

@@ -38,10 +38,16 @@ def start_daemon_then_kill_my_group(pid_file: str) -> None:
     import sys
     import time
 
-    code = ("import os, sys, time; open(sys.argv[1] + '.tmp', 'w').write(str(os.getpid())); "
-            "os.rename(sys.argv[1] + '.tmp', sys.argv[1]); time.sleep(300)")
-    subprocess.Popen([sys.executable, "-c", code, pid_file], start_new_session=True,
-                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    code = (
+        "import os, sys, time; open(sys.argv[1] + '.tmp', 'w').write(str(os.getpid())); "
+        "os.rename(sys.argv[1] + '.tmp', sys.argv[1]); time.sleep(300)"
+    )
+    subprocess.Popen(
+        [sys.executable, "-c", code, pid_file],
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     end = time.monotonic() + 60
     while not os.path.exists(pid_file) and time.monotonic() < end:
         time.sleep(0.02)
@@ -53,8 +59,9 @@ def start_daemon_then_kill_my_group(pid_file: str) -> None:
 def test_a_rank_killing_its_process_group_leaves_no_daemon(tmp_path, reuse):
     pid_file = tmp_path / "daemon.pid"
     with pytest.raises(LaunchError, match="rank 0"):
-        harness.launch(start_daemon_then_kill_my_group, LaunchSpec(nproc=1, reuse=reuse),
-                       str(pid_file))
+        harness.launch(
+            start_daemon_then_kill_my_group, LaunchSpec(nproc=1, reuse=reuse), str(pid_file)
+        )
     daemon = int(pid_file.read_text())
     assert survivors([daemon], wait=10) == [], "the rank's setsid daemon outlived its case"
 
@@ -63,7 +70,7 @@ def test_a_rank_killing_its_process_group_leaves_no_daemon(tmp_path, reuse):
 
 # Under `--dist load` the first two tests go to one worker, the last two to the
 # other: one worker runs a plain test, the other a launched one, both hanging.
-HANGING_CASES = '''
+HANGING_CASES = """
     import os
     import time
 
@@ -99,10 +106,12 @@ HANGING_CASES = '''
     @pytest.mark.launch(nproc=1)
     def test_d_launched():
         time.sleep(120)
-'''
+"""
 
 
-def wait_for_pids(out, names: set[str], proc: subprocess.Popen, timeout: float = 120) -> dict[str, int]:
+def wait_for_pids(
+    out, names: set[str], proc: subprocess.Popen, timeout: float = 120
+) -> dict[str, int]:
     end = time.monotonic() + timeout
     while not names <= set(read_pids(out)):
         assert proc.poll() is None, proc.communicate()[0]
@@ -114,8 +123,14 @@ def wait_for_pids(out, names: set[str], proc: subprocess.Popen, timeout: float =
 def test_sigkill_of_the_pytest_controller_takes_its_workers_and_ranks(tmp_path):
     root = write_project(tmp_path / "project", {"test_hang.py": HANGING_CASES})
     env = inner_env(root / "out", root / "leases")
-    proc = subprocess.Popen(pytest_command(root, "-n", "2", "--dist", "load"), cwd=root, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        pytest_command(root, "-n", "2", "--dist", "load"),
+        cwd=root,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         names = {"plain-worker", "rank", "supervisor", "launching-worker"}
         pids = wait_for_pids(root / "out", names, proc)
@@ -132,7 +147,7 @@ def test_sigkill_of_the_pytest_controller_takes_its_workers_and_ranks(tmp_path):
 
 # -- a crashed xdist worker ----------------------------------------------------------
 
-CRASHING_CASES = '''
+CRASHING_CASES = """
     import os
     import signal
 
@@ -146,7 +161,7 @@ CRASHING_CASES = '''
 
     def test_b_crash():
         os.kill(os.getpid(), signal.SIGKILL)
-'''
+"""
 
 
 def test_a_crashed_xdist_worker_leaves_no_pool_directory(tmp_path):
@@ -165,6 +180,7 @@ def test_a_crashed_xdist_worker_leaves_no_pool_directory(tmp_path):
 
 # -- the process-group timeout against the deadline --------------------------------------
 
+
 def group_timeout_and_case_deadline() -> tuple[float, float, float]:
     """This rank's process-group timeout, now, and its case's deadline (wall clock)."""
     import torch
@@ -180,7 +196,9 @@ def test_a_collective_blocked_after_a_slow_start_times_out_before_the_deadline(m
     # 10 s of the 40 s go to start-up (importing this module): a group timeout
     # taken from the whole deadline (32 s) would end after it.
     monkeypatch.setenv(SLOW_START_ENV, "10")
-    results = harness.launch(group_timeout_and_case_deadline, LaunchSpec(nproc=2, timeout=40, reuse=False))
+    results = harness.launch(
+        group_timeout_and_case_deadline, LaunchSpec(nproc=2, timeout=40, reuse=False)
+    )
     for timeout, now, deadline in results:
         # A collective started now, blocked, raises at now + timeout at the latest.
         assert now + timeout < deadline, (timeout, deadline - now)

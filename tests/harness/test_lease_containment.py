@@ -25,10 +25,16 @@ import traceback
 from pathlib import Path
 
 import pytest
-from launch_project import assert_disjoint_per_card, inner_env, read_card_uses, run_session, write_project
+from launch_project import (
+    assert_disjoint_per_card,
+    inner_env,
+    read_card_uses,
+    run_session,
+    write_project,
+)
 
 from harness.launcher import lease as leases
-from harness.launcher.lease import LeaseDirError, LeaseError, LeaseTimeout, acquire, slot_want
+from harness.launcher.lease import LeaseDirError, LeaseTimeout, acquire, slot_want
 from harness.launcher.settings import Settings
 
 REPO = str(Path(__file__).resolve().parents[2])
@@ -45,8 +51,11 @@ def users():
         try:
             pwd.getpwnam(name)
         except KeyError:
-            subprocess.run(["useradd", "--no-create-home", "--shell", "/usr/sbin/nologin", name],
-                           check=True, capture_output=True)
+            subprocess.run(
+                ["useradd", "--no-create-home", "--shell", "/usr/sbin/nologin", name],
+                check=True,
+                capture_output=True,
+            )
             made.append(name)
     try:
         yield {name: pwd.getpwnam(name) for name in USERS}
@@ -64,8 +73,9 @@ def host_tmp():
     shutil.rmtree(path, ignore_errors=True)
 
 
-def run_as(user: pwd.struct_passwd, script: str, *args: object, tmp: Path,
-           timeout: float = 60) -> tuple[int, str]:
+def run_as(
+    user: pwd.struct_passwd, script: str, *args: object, tmp: Path, timeout: float = 60
+) -> tuple[int, str]:
     """Run ``script`` as ``user`` with ``tmp`` as its system temp directory, in a
     fork of this process (the interpreter lives where other users cannot
     enter); return its exit status and output."""
@@ -114,18 +124,19 @@ def _read_all(fd: int) -> bytes:
     return data
 
 
-HOLD_SLOT = textwrap.dedent('''
+HOLD_SLOT = textwrap.dedent("""
     import sys, time
     from harness.launcher.lease import acquire, slot_want
     lease = acquire(sys.argv[1], [slot_want(1, 1)], timeout=10, holder="slot holder")
     print("held", flush=True)
     time.sleep(60)
-''')
+""")
 
 
 def start_slot_holder(lease_dir: Path) -> subprocess.Popen:
-    proc = subprocess.Popen([sys.executable, "-c", HOLD_SLOT, str(lease_dir)],
-                            stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", HOLD_SLOT, str(lease_dir)], stdout=subprocess.PIPE, text=True
+    )
     assert proc.stdout.readline().strip() == "held"
     return proc
 
@@ -143,6 +154,7 @@ def wait_for_waiter(lease_dir: Path) -> None:
 
 
 # -- the directory is opened once ---------------------------------------------
+
 
 def test_a_directory_swapped_for_a_link_during_a_wait_redirects_nothing(tmp_path):
     lease_dir, elsewhere = tmp_path / "leases", tmp_path / "elsewhere"
@@ -169,18 +181,19 @@ def test_a_directory_swapped_for_a_link_during_a_wait_redirects_nothing(tmp_path
     finally:
         stop(holder)
     assert list(elsewhere.iterdir()) == []
-    assert len(got) == 1 and isinstance(got[0], LeaseTimeout), got  # the slot stayed held
+    assert len(got) == 1, got
+    assert isinstance(got[0], LeaseTimeout), got  # the slot stayed held
 
 
 # -- other users cannot break a lease -------------------------------------------
 
-PRIME = '''
+PRIME = """
     import sys
     from harness.launcher.lease import acquire, default_lease_dir, slot_want
     acquire(default_lease_dir(), [slot_want(1, 1)], timeout=10, holder="first user").release()
-'''
+"""
 
-UNLINK_AND_LEASE = '''
+UNLINK_AND_LEASE = """
     import os, sys
     from harness.launcher.lease import LeaseTimeout, acquire, default_lease_dir, slot_want
     lease_dir = default_lease_dir()
@@ -196,7 +209,7 @@ UNLINK_AND_LEASE = '''
         print("refused")
     else:
         print("leased")
-'''
+"""
 
 
 def shared_lease_dir(host_tmp: Path) -> Path:
@@ -227,12 +240,15 @@ def test_another_users_lease_dir_is_refused_naming_its_owner(users, tmp_path):
         acquire(str(theirs), [slot_want(1, 1)], timeout=0, holder="root")
     message = str(info.value)
     assert f"harness lease directory {theirs}" in message
-    assert f"is owned by harness-t1 (uid {users['harness-t1'].pw_uid}), not by you (root (uid 0))" in message
+    assert (
+        f"is owned by harness-t1 (uid {users['harness-t1'].pw_uid}), not by you (root (uid 0))"
+        in message
+    )
     assert "install -d -o root -m 1777" in message
     assert list(theirs.iterdir()) == []
 
 
-LEASE_DEFAULT = '''
+LEASE_DEFAULT = """
     from harness.launcher.lease import LeaseDirError, acquire, default_lease_dir, slot_want
     try:
         acquire(default_lease_dir(), [slot_want(1, 1)], timeout=1, holder="t1").release()
@@ -240,7 +256,7 @@ LEASE_DEFAULT = '''
         print(exc)
     else:
         print("leased in", default_lease_dir())
-'''
+"""
 
 
 def test_a_per_user_fallback_made_by_someone_else_is_refused(users, host_tmp):
@@ -266,30 +282,42 @@ def test_the_documented_shared_dir_of_root_is_used_by_everyone(users, host_tmp):
 
 # -- forged waiter records --------------------------------------------------------
 
-HOLD_FLOCK = '''
+HOLD_FLOCK = """
     import fcntl, os, sys, time
     fd = os.open(sys.argv[1], os.O_RDONLY)
     fcntl.flock(fd, fcntl.LOCK_EX)
     print("locked", flush=True)
     time.sleep(60)
-'''
+"""
 
 
 def forge_waiter(lease_dir: Path) -> tuple[Path, subprocess.Popen]:
     """A waiter record for every slot claiming pid 1, its file locked by some process."""
     lease_dir.mkdir(exist_ok=True)
     forged = lease_dir / "waiter-0.lock"
-    forged.write_text(json.dumps({"ticket": 0, "pid": 1, "holder": "x", "since": time.time(),
-                                  "wants": [{"what": "slots", "names": ["slot:0"], "count": 1}]}))
-    proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(HOLD_FLOCK), str(forged)],
-                            stdout=subprocess.PIPE, text=True)
+    forged.write_text(
+        json.dumps(
+            {
+                "ticket": 0,
+                "pid": 1,
+                "holder": "x",
+                "since": time.time(),
+                "wants": [{"what": "slots", "names": ["slot:0"], "count": 1}],
+            }
+        )
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(HOLD_FLOCK), str(forged)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     assert proc.stdout.readline().strip() == "locked"
     return forged, proc
 
 
 def test_a_forged_waiter_record_is_not_waited_for(tmp_path):
     lease_dir = tmp_path / "leases"
-    forged, locker = forge_waiter(lease_dir)
+    _, locker = forge_waiter(lease_dir)
     try:
         assert leases.waiters(str(lease_dir)) == []
         acquire(str(lease_dir), [slot_want(1, 1)], timeout=2, holder="a case").release()
@@ -308,13 +336,16 @@ def test_a_timed_out_wait_names_the_waiter_files(tmp_path):
         stop(holder)
         stop(locker)
     message = str(info.value)
-    assert f"ignored a forged waiter record: {forged} (its record names pid 1; pid {locker.pid}" in message
+    assert (
+        f"ignored a forged waiter record: {forged} (its record names pid 1; pid {locker.pid}"
+        in message
+    )
     assert "pid 1 (" not in message
 
 
 # -- a relative lease directory is resolved once -------------------------------------
 
-CHDIR_CASES = '''
+CHDIR_CASES = """
     import pytest
 
     from harness import LaunchSpec
@@ -346,15 +377,16 @@ CHDIR_CASES = '''
     @pytest.mark.launch(ON_THE_CARD)
     def test_d():
         record_card_use("d")
-'''
+"""
 
 
 def test_a_relative_lease_dir_is_one_place_for_the_whole_session(tmp_path):
     root = write_project(tmp_path / "project", {"test_chdir.py": CHDIR_CASES})
     env = inner_env(root / "out", root / "unused", cards="cuda:0")
     del env["HARNESS_LEASE_DIR"]
-    session = run_session(root, "-n", "2", "--harness-lease-dir=leases", "--harness-max-procs=8",
-                          env=env)
+    session = run_session(
+        root, "-n", "2", "--harness-lease-dir=leases", "--harness-max-procs=8", env=env
+    )
     assert session.returncode == 0, session.output
     uses = read_card_uses(root / "out")
     assert sorted(u["case"] for u in uses) == ["a", "b", "c", "d"]
@@ -372,7 +404,7 @@ def test_settings_hold_an_absolute_lease_dir(tmp_path, monkeypatch):
 
 # -- a failure after locking gives the locks back ----------------------------------------
 
-FULL_DISK = '''
+FULL_DISK = """
     import resource, signal, sys
     from harness.launcher.lease import LeaseError, LeaseTimeout, acquire, slot_want
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG
@@ -392,16 +424,22 @@ FULL_DISK = '''
         print("still held")
     else:
         print("free")
-'''
+"""
 
 
 def test_a_holder_record_that_cannot_be_written_gives_the_lease_back(tmp_path):
-    result = subprocess.run([sys.executable, "-c", textwrap.dedent(FULL_DISK), str(tmp_path / "leases")],
-                            capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(FULL_DISK), str(tmp_path / "leases")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 0, result.stderr
     error, after = result.stdout.splitlines()
-    assert error.startswith("error: LeaseError cannot write the holder record into lease file "
-                            f"{tmp_path / 'leases'}/slot-0.u{os.geteuid()}.lock: File too large"), error
+    assert error.startswith(
+        "error: LeaseError cannot write the holder record into lease file "
+        f"{tmp_path / 'leases'}/slot-0.u{os.geteuid()}.lock: File too large"
+    ), error
     assert "given back" in error
     assert after == "free"
 
