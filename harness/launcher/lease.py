@@ -120,6 +120,10 @@ class LeaseDirError(LeaseError):
     """The lease directory is unusable. The message names it and what set it."""
 
 
+class _Unreadable(LeaseFileError):
+    """A lease file we may not open (its owner's mode): what it holds is unknown."""
+
+
 def _default_source() -> str:
     return f"the default (neither {LEASE_DIR_OPTION} nor ${LEASE_DIR_ENV} is set)"
 
@@ -203,8 +207,9 @@ class _Dir:
         self.close()
 
 
-def _open_dir(path: str, source: str) -> _Dir:
-    """Open (creating if missing) and check lease directory ``path``; see ``check_lease_dir``."""
+def _open_dir(path: str, source: str, *, create: bool = True) -> _Dir:
+    """Open (creating if missing, with ``create``) and check lease directory
+    ``path``; see ``check_lease_dir``."""
 
     def fail(
         problem: str,
@@ -217,6 +222,8 @@ def _open_dir(path: str, source: str) -> _Dir:
     try:
         st = os.lstat(path)
     except (FileNotFoundError, NotADirectoryError):
+        if not create:
+            raise fail("does not exist") from None
         try:
             os.makedirs(path)
         except FileExistsError:
@@ -353,7 +360,7 @@ def _open_lease_file(
             ) from None
         if isinstance(exc, FileNotFoundError):
             raise
-        raise LeaseFileError(
+        raise _Unreadable(
             f"cannot open lease file {path}: {exc.strerror}{_owner(where, name)}"
         ) from None
     try:
@@ -374,6 +381,18 @@ def _open_lease_file(
         os.close(fd)
         raise
     return fd
+
+
+def _try_lock(fd: int, how: int) -> bool:
+    """``flock(fd, how)`` without waiting: False when someone else's lock is in
+    the way; other errors raise."""
+    try:
+        fcntl.flock(fd, how | fcntl.LOCK_NB)
+    except OSError as exc:
+        if exc.errno in _BUSY:
+            return False
+        raise
+    return True
 
 
 def _owner(where: _Dir, name: str) -> str:
@@ -437,17 +456,13 @@ def _locked_by_another(where: _Dir, name: str, *, besides: str | None = None) ->
             fd = _open_lease_file(where, file, create=False, write=False)
         except FileNotFoundError:
             continue
-        except LeaseFileError as exc:
-            if "cannot open" in str(exc):
-                return file
+        except _Unreadable:
+            return file
+        except LeaseFileError:
             continue  # a planted link or odd file: no harness holds a lease through it
         try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except OSError as exc:
-            if exc.errno in _BUSY:
+            if not _try_lock(fd, fcntl.LOCK_SH):
                 return file
-            raise
-        else:
             fcntl.flock(fd, fcntl.LOCK_UN)
         finally:
             os.close(fd)
@@ -476,12 +491,8 @@ class _Lock:
                     f"({_user(os.geteuid())}), who alone write it: it was planted; have its owner "
                     "or root remove it"
                 )
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError as exc:
-                if exc.errno in _BUSY:
-                    return False
-                raise
+            if not _try_lock(fd, fcntl.LOCK_EX):
+                return False
             _check_ours(fd, self.path)
             # Locked what the name still means? (Unlinked or replaced between
             # the open and the lock: a lock nobody else would see.)
@@ -634,11 +645,9 @@ def _waiters(where: _Dir, *, forged: list[str] | None = None) -> list[dict]:
         except (OSError, LeaseError):
             continue  # gone, or not ours to read: not a waiter of this harness
         try:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-            except OSError as exc:
-                if exc.errno not in _BUSY:
-                    continue
+            if _try_lock(fd, fcntl.LOCK_SH):
+                fcntl.flock(fd, fcntl.LOCK_UN)  # free slot: nobody waits there
+            else:
                 # Exclusively locked: a waiter is alive there, if its record
                 # names the process holding the lock (anyone can write a
                 # record; only the waiter itself holds the lock it names).
@@ -654,8 +663,6 @@ def _waiters(where: _Dir, *, forged: list[str] | None = None) -> list[dict]:
                         )
                     continue
                 found.append(dict(record, file=where.join(entry)))
-            else:
-                fcntl.flock(fd, fcntl.LOCK_UN)  # free slot: nobody waits there
         finally:
             os.close(fd)
     return sorted(found, key=lambda r: r["ticket"])
@@ -668,7 +675,7 @@ def waiters(lease_dir: str) -> list[dict]:
     died is not listed, nor a record naming a pid other than the one that
     holds its file's lock (forged)."""
     try:
-        where = _open_dir(lease_dir, _source_of(lease_dir))
+        where = _open_dir(lease_dir, _source_of(lease_dir), create=False)
     except LeaseError:
         return []
     with where:
@@ -688,12 +695,8 @@ class _Ticket:
         """Join the queue; None when the ticket counter is busy this instant."""
         fd = _open_lease_file(where, _TICKETS)
         try:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError as exc:
-                if exc.errno in _BUSY:
-                    return None  # someone takes a ticket this very moment: next round
-                raise
+            if not _try_lock(fd, fcntl.LOCK_EX):
+                return None  # someone takes a ticket this very moment: next round
             _check_ours(fd, where.join(_TICKETS))
             try:
                 last = int(os.pread(fd, 32, 0).decode() or 0)
@@ -741,18 +744,15 @@ class _Ticket:
             except LeaseFileError:
                 continue  # planted or foreign: never ours to use, try the next
             try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError as exc:
-                os.close(fd)
-                if exc.errno in _BUSY:
-                    continue  # another waiter's
-                raise
-            try:
-                _check_ours(fd, where.join(name))
+                if _try_lock(fd, fcntl.LOCK_EX):
+                    _check_ours(fd, where.join(name))
+                    return fd
             except LeaseFileError:
+                pass  # not what the harness writes: leave it alone
+            except BaseException:
                 os.close(fd)
-                continue
-            return fd
+                raise
+            os.close(fd)  # another waiter's, or not ours
         raise LeaseError(f"no usable waiter file in {where.path} (4096 tried)")
 
     def leave(self) -> None:
@@ -783,7 +783,7 @@ def _read_holder(where: _Dir, name: str) -> dict | None:
 def read_holder(lease_dir: str, name: str) -> dict | None:
     """The holder record of resource ``name`` (None when unreadable or empty)."""
     try:
-        where = _open_dir(lease_dir, _source_of(lease_dir))
+        where = _open_dir(lease_dir, _source_of(lease_dir), create=False)
     except LeaseError:
         return None
     with where:
