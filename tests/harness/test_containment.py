@@ -1,6 +1,7 @@
 """Nothing a run starts outlives it: not a daemon of a rank that killed its own
-process group, not the xdist workers and ranks of a pytest killed by SIGKILL,
-not the pool directory of a crashed worker.
+process group, not the pytest, xdist workers and ranks of a run or a pytest
+killed by SIGKILL, not the pool directory of a crashed worker; and a rank's
+process-group timeout ends before its case's deadline.
 
 Real ranks, real signals, real pytest sessions; leftovers are looked for by
 pid (``launch_project.survivors``).
@@ -11,6 +12,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 import time
 
 import pytest
@@ -22,6 +24,7 @@ from launch_project import (
     survivors,
     write_project,
 )
+from suite_project import make_project, manifest
 
 import harness
 from harness import LaunchError, LaunchSpec
@@ -202,3 +205,86 @@ def test_a_collective_blocked_after_a_slow_start_times_out_before_the_deadline(m
     for timeout, now, deadline in results:
         # A collective started now, blocked, raises at now + timeout at the latest.
         assert now + timeout < deadline, (timeout, deadline - now)
+
+
+# -- SIGKILL to the process group of `harness run` ----------------------------------------
+
+RUN_PLAIN = """
+    import os
+    import time
+    from pathlib import Path
+
+
+    def test_plain_waits():
+        pids = Path(os.environ["PIDS_DIR"])
+        (pids / "worker").write_text(str(os.getpid()))
+        (pids / "controller").write_text(str(os.getppid()))
+        end = time.monotonic() + 600
+        while time.monotonic() < end:  # busy where an interrupt does not stop it
+            try:
+                time.sleep(0.5)
+            except KeyboardInterrupt:
+                pass
+"""
+RUN_LAUNCHED = """
+    import os
+    import time
+    from pathlib import Path
+
+    import pytest
+
+
+    @pytest.mark.launch(nproc=1)
+    def test_rank_waits():
+        Path(os.environ["PIDS_DIR"], "rank").write_text(str(os.getpid()))
+        time.sleep(600)
+"""
+
+
+def test_sigkill_to_the_group_of_harness_run_takes_the_whole_run(tmp_path):
+    (tmp_path / "project").mkdir()
+    root = make_project(
+        tmp_path / "project",
+        {"tests/plain/test_p.py": RUN_PLAIN, "tests/dist/test_d.py": RUN_LAUNCHED},
+        {
+            "cpu": manifest(
+                "cpu",
+                "cpu",
+                [
+                    {"id": "plain", "paths": ["tests/plain"]},
+                    {"id": "dist", "paths": ["tests/dist"]},
+                ],
+            )
+        },
+    )
+    pids_dir = tmp_path / "pids"
+    pids_dir.mkdir()
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("PYTEST_ADDOPTS", "GITHUB_STEP_SUMMARY")
+    }
+    env["PIDS_DIR"] = str(pids_dir)
+    # A session and group of its own, as a shell job's: "the group" is the harness's.
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "harness", "run", "cpu", "--out", "out", "--workers", "2"],
+        cwd=root,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    try:
+        end = time.monotonic() + 240
+        while not {"worker", "controller", "rank"} <= {p.name for p in pids_dir.iterdir()}:
+            assert proc.poll() is None, "harness run ended before its cases started"
+            assert time.monotonic() < end, "the cases never started"
+            time.sleep(0.2)
+        pids = {p.name: int(p.read_text()) for p in pids_dir.iterdir()}
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(30)
+        assert survivors(list(pids.values()), wait=15) == [], pids
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        for pid in survivors([int(p.read_text()) for p in pids_dir.iterdir()], wait=0):
+            os.kill(pid, signal.SIGKILL)
