@@ -239,7 +239,8 @@ def _run_kept(
             return outcome, None
         baseline = Baseline.capture()
     else:
-        _set_pg_timeout(_pg_timeout(ctx))
+        # A kept rank starts the case at once: the whole deadline's timeout.
+        _set_pg_timeout(ctx.pg_timeout_s)
     return _run(ctx, task, fresh_module=True), baseline
 
 
@@ -351,9 +352,10 @@ def _init_distributed(ctx: RankContext) -> None:
 
 
 def _pg_timeout(ctx: RankContext) -> float:
-    """The process-group timeout for this case, from the time it has left now
-    (its deadline minus what start-up took), so that a collective blocked
-    from here on raises in the rank before the deadline."""
+    """The process-group timeout for a case whose ranks join their group now:
+    from the time the case has left (its deadline minus what spawning and
+    imports took), so that a collective blocked from here on raises in the
+    rank before the deadline."""
     from harness.launcher.deadline import pg_timeout_for
     from harness.launcher.enclosing import EnclosingCase
 
