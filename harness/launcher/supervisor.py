@@ -8,12 +8,15 @@ and knows by pid -- becomes its supervisor and runs no test code:
 * every process the case starts stays below the supervisor, whatever it
   does: an orphan (a double-forked ``setsid()`` daemon included) is
   re-parented to the supervisor, the nearest living subreaper, never to init;
+* the rank leads a process group of its own, so a signal to "its" group
+  (``kill -9 0`` in a helper script) stops the rank, never the supervisor;
 * when the rank exits, the supervisor stops everything left below it
   (SIGTERM, then SIGKILL after ``LEFTOVER_GRACE_S``), reaps it, and exits
   with the rank's status (the same exit code, or killed by the same signal);
 * when the launcher dies (even by SIGKILL) the kernel tells the supervisor
-  (``PR_SET_PDEATHSIG``), which kills the whole tree at once and exits; the
-  rank dies with its supervisor the same way;
+  (``PR_SET_PDEATHSIG``), which kills the whole tree at once, removes the
+  directory the dead launcher left (a kept pool's), and exits; the rank dies
+  with its supervisor the same way;
 * the lease descriptors stay in the supervisor alone: the rank closes its
   copies, so no process of the case can hold a lease past the supervisor,
   which is the last of the case to exit;
