@@ -876,8 +876,7 @@ class Lease:
             for lock in locks:
                 lock.release(unlock=holders_gone)
         finally:
-            if locks:
-                self._where.close()
+            self._where.close()
 
     def __enter__(self) -> Lease:
         return self
