@@ -1,8 +1,43 @@
-"""Declarative accelerator test matrix: launch specs, leasing, launching, suites."""
+"""Declarative accelerator test matrix: launch specs, leasing, launching, suites.
 
-from harness.devices import DEVICES
-from harness.launcher.launch import LaunchBudgetError, LaunchError, launch
-from harness.launcher.lease import LeaseTimeout
-from harness.spec import LaunchSpec
+The public names are resolved on first use (module ``__getattr__``): the
+suite side (``harness.suites``) imports only the spec and the device table,
+so ``harness inventory`` / ``run`` / ``matrix`` never load the launcher and
+its pool keeper (with its exit hook) unless something launches ranks.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from harness.devices import DEVICES
+    from harness.launcher.launch import LaunchBudgetError, LaunchError, launch
+    from harness.launcher.lease import LeaseTimeout
+    from harness.spec import LaunchSpec
+
+#: public name -> the module that defines it
+_HOMES = {
+    "DEVICES": "harness.devices",
+    "LaunchBudgetError": "harness.launcher.launch",
+    "LaunchError": "harness.launcher.launch",
+    "LaunchSpec": "harness.spec",
+    "LeaseTimeout": "harness.launcher.lease",
+    "launch": "harness.launcher.launch",
+}
 
 __all__ = ["DEVICES", "LaunchBudgetError", "LaunchError", "LaunchSpec", "LeaseTimeout", "launch"]
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module 'harness' has no attribute {name!r}")
+    value = getattr(importlib.import_module(home), name)
+    globals()[name] = value  # later look-ups skip this hook
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

@@ -162,8 +162,6 @@ DEVICE_NAMES: tuple[str, ...] = tuple(_BY_NAME)
 ACCELERATOR_NAMES: tuple[str, ...] = tuple(d.name for d in DEVICE_TABLE if d.is_accelerator)
 #: ``torch.distributed`` backend -> the device type its collectives take tensors on.
 BACKEND_DEVICES: dict[str, str] = {b: d.name for d in DEVICE_TABLE for b in d.backends}
-VISIBILITY_ENV: dict[str, str] = {d.name: d.visibility_env for d in DEVICE_TABLE
-                                  if d.visibility_env is not None}
 
 
 def device_type(name: str) -> DeviceType:

@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
 from harness.devices import ACCELERATOR_NAMES, BACKEND_DEVICES, DEVICE_NAMES, DEVICE_TABLE
+from harness.errors import HarnessError
+from harness.validation import check_int, check_seconds
 
 #: Derived from the device table (``harness.devices.DEVICE_TABLE``).
 DEVICE_TYPES: tuple[str, ...] = DEVICE_NAMES
 ACCELERATORS: tuple[str, ...] = ACCELERATOR_NAMES
 DEFAULT_BACKENDS: dict[str, str] = {d.name: d.backend for d in DEVICE_TABLE}
+
+
+class LaunchSpecError(HarnessError, ValueError):
+    """A ``LaunchSpec`` field or ``launch`` marker holds a value the harness cannot run."""
 
 
 @dataclass(frozen=True)
@@ -25,7 +30,7 @@ class LaunchSpec:
     knows; default gloo / nccl / hccl by device);
     ``reuse=False`` opts the case out of pooled rank processes.
 
-    Invalid values raise ``ValueError`` naming the field and the value.
+    Invalid values raise ``LaunchSpecError`` (a ``ValueError``) naming the field and the value.
     """
 
     device: str = "cpu"
@@ -36,28 +41,22 @@ class LaunchSpec:
 
     def __post_init__(self) -> None:
         if self.device not in DEVICE_TYPES:
-            raise ValueError(
+            raise LaunchSpecError(
                 f"LaunchSpec.device must be one of {', '.join(DEVICE_TYPES)}; got {self.device!r}"
             )
-        if isinstance(self.nproc, bool) or not isinstance(self.nproc, int) or self.nproc < 1:
-            raise ValueError(f"LaunchSpec.nproc must be an int >= 1; got {self.nproc!r}")
-        if self.timeout is not None:
-            if isinstance(self.timeout, bool) or not isinstance(self.timeout, (int, float)):
-                raise ValueError(
-                    f"LaunchSpec.timeout must be a positive number of seconds or None; "
-                    f"got {self.timeout!r}"
-                )
-            if not (self.timeout > 0 and math.isfinite(self.timeout)):
-                raise ValueError(
-                    f"LaunchSpec.timeout must be a positive, finite number of seconds; "
-                    f"got {self.timeout!r}"
-                )
+        # Integer-like values of any kind (numpy ints) are stored as plain ints,
+        # so equal specs compare, hash and pickle alike.
+        nproc = check_int(self.nproc, "LaunchSpec.nproc", minimum=1, error=LaunchSpecError)
+        object.__setattr__(self, "nproc", nproc)
+        timeout = check_seconds(self.timeout, "LaunchSpec.timeout", allow_none=True,
+                                error=LaunchSpecError)
+        object.__setattr__(self, "timeout", timeout)
         if self.backend is not None and (not isinstance(self.backend, str)
                                          or self.backend not in BACKEND_DEVICES):
-            raise ValueError(f"LaunchSpec.backend must be None or one of "
+            raise LaunchSpecError(f"LaunchSpec.backend must be None or one of "
                              f"{', '.join(BACKEND_DEVICES)}; got {self.backend!r}")
         if not isinstance(self.reuse, bool):
-            raise ValueError(f"LaunchSpec.reuse must be a bool; got {self.reuse!r}")
+            raise LaunchSpecError(f"LaunchSpec.reuse must be a bool; got {self.reuse!r}")
 
     @property
     def cards(self) -> int:
@@ -88,14 +87,14 @@ def spec_from_marker(args: tuple, kwargs: dict, device_param: str | None = None)
     """
     if args:
         if len(args) != 1 or not isinstance(args[0], LaunchSpec) or kwargs:
-            raise ValueError(
+            raise LaunchSpecError(
                 "@pytest.mark.launch takes one LaunchSpec or keyword arguments "
                 f"(device, nproc, timeout, backend, reuse); got args={args!r} kwargs={kwargs!r}"
             )
         return args[0]
     unknown = set(kwargs) - {"device", "nproc", "timeout", "backend", "reuse"}
     if unknown:
-        raise ValueError(f"@pytest.mark.launch got unknown keyword(s) {sorted(unknown)}")
+        raise LaunchSpecError(f"@pytest.mark.launch got unknown keyword(s) {sorted(unknown)}")
     kwargs = dict(kwargs)
     kwargs.setdefault("device", device_param or "cpu")
     return LaunchSpec(**kwargs)

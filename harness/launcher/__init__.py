@@ -1,11 +1,15 @@
 """The launch side: leasing cards and process slots, starting and supervising rank processes.
 
 Given a :class:`harness.LaunchSpec`, this room runs one case lifecycle
-(``launch.run_case`` leases, runs and releases, for the plugin and for
-``harness.launch`` alike; ``case`` decides the deadline, maps the outcome and
-holds the phases a run goes through) with one of two rank strategies: fresh
-ranks per case (``case.FreshRanks``) or kept ranks (``pool``). ``lease`` holds the host-wide
-card and process-slot locks; ``rank`` is the code inside a rank and its typed
+(``launch.run_case`` runs a case ``case.prepare_case`` assembled, for the
+plugin and for ``harness.launch`` alike) with one of two rank strategies:
+fresh ranks per case (``fresh``) or kept ranks (``pool``). A run on ranks goes
+through the phases of ``caserun.CaseRun``; ranks are started and stopped by
+``spawn`` only. The jobs around a case have a module each: ``deadline``,
+``enclosing`` (the case as its ranks see it), ``fds`` (inherited lease
+descriptors), ``signals``, ``output`` (bounded rank output) and ``args``
+(pickling what ranks receive). ``lease`` holds the host-wide card and
+process-slot locks; ``rank`` is the code inside a rank and its typed
 messages; ``supervisor`` keeps every process a case starts below the rank's
 supervisor, so none escapes; ``reset`` puts kept ranks back between cases;
 ``procs`` finds and kills process trees; ``outcome`` turns what the ranks did

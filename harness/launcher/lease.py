@@ -3,28 +3,36 @@ and CPU process slots.
 
 Every pytest process on the host (xdist workers, concurrent sessions, other
 projects, scripts calling ``harness.launcher.launch``) leases through one
-*lease directory*. Each resource is one lock file in it::
+*lease directory*. Each resource has one lock file per user in it::
 
-    <lease dir>/cuda-0.lock   card cuda:0
-    <lease dir>/npu-3.lock    card npu:3
-    <lease dir>/slot-0.lock   CPU process slot 0 (slot-0 .. slot-<max_procs-1>)
+    <lease dir>/cuda-0.u1000.lock   card cuda:0, as leased by uid 1000
+    <lease dir>/npu-3.u0.lock       card npu:3, as leased by root
+    <lease dir>/slot-0.u1000.lock   CPU process slot 0 (slot-0 .. slot-<max_procs-1>)
 
-A resource is held while a process holds an exclusive ``flock`` on its file.
-The OS drops the lock when the last process holding it exits, however it
-exits, so a crashed holder never leaves a stale lease. The holder writes who
-it is (pid, what it runs, since when, its rank pids) into the locked file so a
-waiter that gives up can say who holds what. Cards are a host-wide resource:
-the default directory is one per host, shared by every project and user.
+A resource is held while a process holds an exclusive ``flock`` on one of
+its files. A lease locks its own user's file, then looks at every other
+user's file of that resource: one locked means the resource is taken, and the
+lease lets its own go again. Both sides look only after locking their own,
+so two users can never both go on. The OS drops a lock when the last process
+holding it exits, however it exits, so a crashed holder never leaves a stale
+lease. The holder writes who it is (pid, what it runs, since when, its rank
+pids) into its locked file so a waiter that gives up can say who holds what.
+Cards are a host-wide resource: the default directory is one per host,
+shared by every project and user.
 
-Lock files are never deleted: deleting a lock file while someone waits on it
-would let two processes lock two different files of the same name.
+Lock files are never deleted: deleting a lock file while someone holds it
+would let a second process lock a new file of the same name. A user's lock
+files are its own: in a sticky directory nobody but their owner (and the
+directory's owner, which must be the user or root) can delete them, so no
+other user can break a lease.
 
 **Waiters are served in order.** A lease that cannot be had at once joins a
 queue: it takes the next number from ``<lease dir>/tickets`` and holds an
 exclusive ``flock`` on a *waiter file* (``waiter-<k>.lock``) holding its
 ticket and what it wants, until its wait ends (the OS drops that lock too
-when a waiter dies, so a dead waiter is never waited for). Every lease, a
-newcomer's or a queued one's, leaves alone what a waiter with an earlier
+when a waiter dies, so a dead waiter is never waited for; a record naming a
+pid other than the one holding its lock is forged and ignored). Every lease,
+a newcomer's or a queued one's, leaves alone what a waiter with an earlier
 ticket wants; so a holder that gives its resources back and leases again at
 once (a kept pool yielding between cases) lines up behind whoever was
 waiting. The one exception avoids a deadlock: a waiter that wants something
@@ -37,12 +45,16 @@ this very process holds idle.
 
 **Shared directories are hostile ground.** The default directory is in the
 world-writable system temp directory, so any user can plant entries in it.
-Files in a lease directory are opened with ``O_NOFOLLOW`` and must be plain
-files with one link: a planted symbolic or hard link to someone's file is
-refused with an error naming it, never followed, written, truncated or
-chmod'ed. Only a file this harness has just created (``O_EXCL``) is made
-world-writable, so that other users' sessions can lease the same cards. A
-default directory that is a symbolic link is refused too.
+A lease opens its directory once (``O_DIRECTORY | O_NOFOLLOW``) and does
+everything after relative to that descriptor, so swapping the directory for
+a link meanwhile redirects nothing. A directory owned by another user is
+refused (its owner could delete the lock files in it), except the host-wide
+default when root owns it with mode 1777. Files in a lease directory are
+opened with ``O_NOFOLLOW`` and must be plain files with one link: a planted
+symbolic or hard link to someone's file is refused with an error naming it,
+never followed, written, truncated or chmod'ed. Only a file this harness has
+just created (``O_EXCL``) is made world-writable (queue files) or
+world-readable (lock files, which other users' sessions look at).
 
 The locks are ``fcntl.flock`` rather than ``filelock.FileLock`` because
 filelock opens lock files with ``O_TRUNC`` (erasing the holder record on every
@@ -58,6 +70,7 @@ import errno
 import fcntl
 import json
 import os
+import pwd
 import random
 import re
 import socket
@@ -72,6 +85,7 @@ from dataclasses import dataclass
 import psutil
 
 from harness.devices import Card
+from harness.errors import HarnessError
 
 LEASE_DIR_ENV = "HARNESS_LEASE_DIR"
 #: Where a lease directory came from, as ``resolve_lease_dir`` names it.
@@ -79,13 +93,17 @@ LEASE_DIR_OPTION = "--harness-lease-dir"
 _HOLDER_RECORD_MAX = 4096
 _TICKETS = "tickets"
 _WAITER_RE = re.compile(r"waiter-(\d+)\.lock")
+_LOCK_RE = re.compile(r"(.+)\.u(\d+)\.lock")
 #: Longest pause between two looks of a waiting lease: also the longest a
 #: waiter lets a resource promised to it lie idle.
 _POLL_MAX_S = 0.2
 _BUSY = (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK)
+#: The mode of a host-wide lease directory: everyone may add files, only
+#: their owners (and root) may delete them.
+_SHARED_MODE = 0o1777
 
 
-class LeaseError(RuntimeError):
+class LeaseError(HarnessError, RuntimeError):
     """A lease could not be had. The message says what, where and why."""
 
 
@@ -102,59 +120,110 @@ class LeaseDirError(LeaseError):
     """The lease directory is unusable. The message names it and what set it."""
 
 
+class _Unreadable(LeaseFileError):
+    """A lease file we may not open (its owner's mode): what it holds is unknown."""
+
+
 def _default_source() -> str:
     return f"the default (neither {LEASE_DIR_OPTION} nor ${LEASE_DIR_ENV} is set)"
 
 
+def _shared_dir() -> str:
+    return os.path.join(os.path.abspath(tempfile.gettempdir()), "harness-leases")
+
+
+def _user(uid: int) -> str:
+    try:
+        return f"{pwd.getpwuid(uid).pw_name} (uid {uid})"
+    except KeyError:
+        return f"uid {uid}"
+
+
 def default_lease_dir() -> str:
-    """``$HARNESS_LEASE_DIR``, else ``<system temp>/harness-leases``.
+    """``$HARNESS_LEASE_DIR``, else ``<system temp>/harness-leases`` (absolute).
 
     The default is shared by every user and project on the host (cards are a
     host-wide resource); when another user created it without letting us
-    write, a per-user directory is used instead.
+    write, a per-user directory ``harness-leases-<uid>`` is used instead.
     """
     return resolve_lease_dir(None)[0]
 
 
 def resolve_lease_dir(option: str | None) -> tuple[str, str]:
-    """The lease directory to use and what chose it, for error messages.
+    """The lease directory to use, as an absolute path, and what chose it.
 
     ``option`` is ``--harness-lease-dir``'s value (None: not given); then
-    ``$HARNESS_LEASE_DIR``; then the host-wide default. The second item names
-    the source: ``"--harness-lease-dir"``, ``"$HARNESS_LEASE_DIR"`` or a phrase
-    saying it is the default.
+    ``$HARNESS_LEASE_DIR``; then the host-wide default. A relative path is
+    resolved against the current directory now, once: a session that
+    resolves it at start keeps leasing in the same place whatever directory
+    its tests change to. The second item names the source:
+    ``"--harness-lease-dir"``, ``"$HARNESS_LEASE_DIR"`` or a phrase saying it
+    is the default.
     """
     if option:
-        return option, LEASE_DIR_OPTION
+        return os.path.abspath(option), LEASE_DIR_OPTION
     env = os.environ.get(LEASE_DIR_ENV)
     if env:
-        return env, f"${LEASE_DIR_ENV}"
-    shared = os.path.join(tempfile.gettempdir(), "harness-leases")
-    if (os.path.isdir(shared) and not os.path.islink(shared)
-            and not os.access(shared, os.W_OK | os.X_OK)):
+        return os.path.abspath(env), f"${LEASE_DIR_ENV}"
+    shared = _shared_dir()
+    if (
+        os.path.isdir(shared)
+        and not os.path.islink(shared)
+        and not os.access(shared, os.W_OK | os.X_OK)
+    ):
         return f"{shared}-{os.getuid()}", _default_source()
     return shared, _default_source()
 
 
-def check_lease_dir(path: str, source: str) -> None:
-    """Make sure ``path`` is a usable lease directory, creating it if missing
-    (world-writable and sticky, so every user of the host can lease through it).
+class _Dir:
+    """An open lease directory: every file operation goes through ``fd``
+    (``dir_fd=``), never through the path again; ``path`` is for messages."""
 
-    Raises ``LeaseDirError`` naming ``path`` and ``source`` (what set it, e.g.
-    ``"--harness-lease-dir"``) when it is not a directory, cannot be created,
-    cannot be written, is world-writable without the sticky bit (anyone could
-    delete lock files others hold), or is a symbolic link inside a
-    world-writable directory (anyone could have planted it).
-    """
+    def __init__(self, path: str, fd: int) -> None:
+        self.path = path
+        self.fd = fd
 
-    def fail(problem: str) -> LeaseDirError:
-        return LeaseDirError(
-            f"harness lease directory {path} (set by {source}) {problem}; point "
-            f"{LEASE_DIR_OPTION} or ${LEASE_DIR_ENV} at a writable directory")
+    def join(self, name: str) -> str:
+        return os.path.join(self.path, name)
 
+    def names(self) -> list[str]:
+        try:
+            return os.listdir(self.fd)
+        except OSError:
+            return []
+
+    def dup(self) -> _Dir:
+        return _Dir(self.path, os.dup(self.fd))
+
+    def close(self) -> None:
+        fd, self.fd = self.fd, -1
+        if fd >= 0:
+            os.close(fd)
+
+    def __enter__(self) -> _Dir:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _open_dir(path: str, source: str, *, create: bool = True) -> _Dir:
+    """Open (creating if missing, with ``create``) and check lease directory
+    ``path``; see ``check_lease_dir``."""
+
+    def fail(
+        problem: str,
+        fix: str = f"point {LEASE_DIR_OPTION} or ${LEASE_DIR_ENV} at a writable directory",
+    ) -> LeaseDirError:
+        return LeaseDirError(f"harness lease directory {path} (set by {source}) {problem}; {fix}")
+
+    path = os.path.abspath(path)
+    shared = path == _shared_dir()
     try:
         st = os.lstat(path)
     except (FileNotFoundError, NotADirectoryError):
+        if not create:
+            raise fail("does not exist") from None
         try:
             os.makedirs(path)
         except FileExistsError:
@@ -162,67 +231,120 @@ def check_lease_dir(path: str, source: str) -> None:
         except OSError as exc:
             raise fail(f"cannot be created ({exc.strerror})") from None
         else:
-            with contextlib.suppress(OSError):
-                os.chmod(path, 0o777 | stat.S_ISVTX)
+            if shared:
+                with contextlib.suppress(OSError):
+                    os.chmod(path, _SHARED_MODE)
         try:
             st = os.lstat(path)
         except OSError as exc:
             raise fail(f"cannot be examined ({exc.strerror})") from None
     except OSError as exc:
         raise fail(f"cannot be examined ({exc.strerror})") from None
+    target = path
     if stat.S_ISLNK(st.st_mode):
-        parent = os.path.dirname(os.path.abspath(path))
+        parent = os.path.dirname(path)
         with contextlib.suppress(OSError):
             if os.stat(parent).st_mode & stat.S_IWOTH:
-                raise fail(f"is a symbolic link in the world-writable {parent}, which anyone "
-                           "could have planted; it is not followed")
-        try:
-            st = os.stat(path)
-        except OSError as exc:
-            raise fail(f"is a symbolic link to nothing usable ({exc.strerror})") from None
-    if not stat.S_ISDIR(st.st_mode):
+                raise fail(
+                    f"is a symbolic link in the world-writable {parent}, which anyone "
+                    "could have planted; it is not followed"
+                )
+        target = os.path.realpath(path)
+    elif not stat.S_ISDIR(st.st_mode):
         raise fail("is not a directory")
-    if not os.access(path, os.W_OK | os.X_OK):
-        raise fail("is not writable")
-    if st.st_mode & stat.S_IWOTH and not st.st_mode & stat.S_ISVTX:
-        raise fail("is world-writable without the sticky bit (any user could delete the lock "
-                   "files others hold: chmod +t it)")
+    try:
+        fd = os.open(target, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise fail("became a symbolic link while being opened; it is not followed") from None
+        if exc.errno == errno.ENOTDIR:
+            raise fail("is not a directory") from None
+        raise fail(f"cannot be opened ({exc.strerror})") from None
+    try:
+        st = os.fstat(fd)
+        mode = stat.S_IMODE(st.st_mode)
+        me = os.geteuid()
+        if st.st_uid != me and not (
+            st.st_uid == 0 and shared and mode & _SHARED_MODE == _SHARED_MODE
+        ):
+            raise fail(
+                f"is owned by {_user(st.st_uid)}, not by you ({_user(me)}): its owner can delete "
+                "the lock files your leases hold",
+                f"point {LEASE_DIR_OPTION} or ${LEASE_DIR_ENV} at a directory you own, or, for "
+                f"the host-wide default, have root create it: install -d -o root -m 1777 {_shared_dir()}",
+            )
+        if not os.access(".", os.W_OK | os.X_OK, dir_fd=fd):
+            raise fail("is not writable")
+        if mode & stat.S_IWOTH and not mode & stat.S_ISVTX:
+            raise fail(
+                "is world-writable without the sticky bit (any user could delete the lock "
+                "files others hold: chmod +t it)"
+            )
+    except BaseException:
+        os.close(fd)
+        raise
+    return _Dir(path, fd)
+
+
+def check_lease_dir(path: str, source: str) -> None:
+    """Make sure ``path`` is a usable lease directory, creating it if missing
+    (the host-wide default world-writable and sticky, so every user of the
+    host can lease through it).
+
+    Raises ``LeaseDirError`` naming ``path`` and ``source`` (what set it, e.g.
+    ``"--harness-lease-dir"``) when it is not a directory, cannot be created,
+    cannot be written, is world-writable without the sticky bit (anyone could
+    delete lock files others hold), is owned by another user (root included,
+    except for the host-wide default with mode 1777: the message names the
+    owner and the fix), or is a symbolic link inside a world-writable
+    directory (anyone could have planted it).
+    """
+    _open_dir(path, source).close()
+
+
+def _source_of(lease_dir: str) -> str:
+    if lease_dir == os.environ.get(LEASE_DIR_ENV) or (
+        os.environ.get(LEASE_DIR_ENV)
+        and os.path.abspath(lease_dir) == os.path.abspath(os.environ[LEASE_DIR_ENV])
+    ):
+        return f"${LEASE_DIR_ENV}"
+    if os.path.abspath(lease_dir) == resolve_lease_dir(None)[0]:
+        return _default_source()
+    return "the caller"
 
 
 def ensure_lease_dir(lease_dir: str) -> str:
-    """Create ``lease_dir`` if needed (world-writable, sticky), check it is
-    usable (``check_lease_dir``: ``LeaseDirError``) and return it."""
-    if lease_dir == os.environ.get(LEASE_DIR_ENV):
-        source = f"${LEASE_DIR_ENV}"
-    elif lease_dir == resolve_lease_dir(None)[0]:
-        source = _default_source()
-    else:
-        source = "the caller"
-    check_lease_dir(lease_dir, source)
+    """Create ``lease_dir`` if needed, check it is usable (``check_lease_dir``:
+    ``LeaseDirError``) and return it."""
+    check_lease_dir(lease_dir, _source_of(lease_dir))
     return lease_dir
 
 
-def _open_lease_file(path: str, *, create: bool = True, write: bool = True) -> int:
-    """Open a file of the lease directory without following links.
+def _open_lease_file(
+    where: _Dir, name: str, *, create: bool = True, write: bool = True, mode: int = 0o666
+) -> int:
+    """Open file ``name`` of the lease directory without following links.
 
-    Raises ``LeaseFileError`` (naming ``path``) for a symbolic link, a file
+    Raises ``LeaseFileError`` (naming the file) for a symbolic link, a file
     with other links (a planted hard link to someone's file), anything not a
     plain file, or one we may not open; ``FileNotFoundError`` when it is
-    missing and ``create`` is False. Only a file created here is chmod'ed.
+    missing and ``create`` is False. Only a file created here is chmod'ed
+    (to ``mode``).
     """
+    path = where.join(name)
     flags = (os.O_RDWR if write else os.O_RDONLY) | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
     created = False
     try:
         for _ in range(8):
             if create:
                 try:
-                    fd = os.open(path, flags | os.O_CREAT | os.O_EXCL, 0o666)
+                    fd = os.open(name, flags | os.O_CREAT | os.O_EXCL, mode, dir_fd=where.fd)
                     created = True
                     break
                 except FileExistsError:
                     pass
             try:
-                fd = os.open(path, flags)
+                fd = os.open(name, flags, dir_fd=where.fd)
                 break
             except FileNotFoundError:
                 if not create:
@@ -234,10 +356,13 @@ def _open_lease_file(path: str, *, create: bool = True, write: bool = True) -> i
         if exc.errno == errno.ELOOP:
             raise LeaseFileError(
                 f"lease file {path} is a symbolic link, which the harness never follows (one "
-                "planted in a shared directory could point at anyone's file): remove it") from None
+                "planted in a shared directory could point at anyone's file): remove it"
+            ) from None
         if isinstance(exc, FileNotFoundError):
             raise
-        raise LeaseFileError(f"cannot open lease file {path}: {exc.strerror}{_owner(path)}") from None
+        raise _Unreadable(
+            f"cannot open lease file {path}: {exc.strerror}{_owner(where, name)}"
+        ) from None
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
@@ -245,23 +370,37 @@ def _open_lease_file(path: str, *, create: bool = True, write: bool = True) -> i
         if st.st_nlink != 1:
             raise LeaseFileError(
                 f"lease file {path} has {st.st_nlink} links (a hard link to another file, "
-                "which the harness never writes): remove it")
+                "which the harness never writes): remove it"
+            )
         if created:
             with contextlib.suppress(OSError):
-                # Lets other users' sessions lease this resource too.
-                os.fchmod(fd, 0o666)
+                # Lets other users' sessions use (queue files) or look at
+                # (lock files) this file too, whatever our umask.
+                os.fchmod(fd, mode)
     except BaseException:
         os.close(fd)
         raise
     return fd
 
 
-def _owner(path: str) -> str:
+def _try_lock(fd: int, how: int) -> bool:
+    """``flock(fd, how)`` without waiting: False when someone else's lock is in
+    the way; other errors raise."""
     try:
-        st = os.lstat(path)
+        fcntl.flock(fd, how | fcntl.LOCK_NB)
+    except OSError as exc:
+        if exc.errno in _BUSY:
+            return False
+        raise
+    return True
+
+
+def _owner(where: _Dir, name: str) -> str:
+    try:
+        st = os.stat(name, dir_fd=where.fd, follow_symlinks=False)
     except OSError:
         return ""
-    return f" (owner uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):o}; its owner can chmod 666 it)"
+    return f" (owner {_user(st.st_uid)}, mode {stat.S_IMODE(st.st_mode):o}; its owner can chmod 666 it)"
 
 
 @dataclass(frozen=True)
@@ -285,33 +424,92 @@ def slot_want(max_procs: int, count: int) -> Want:
     A case with more ranks than there are slots takes all of them (it then
     runs alone) instead of never running.
     """
-    return Want("process slots", tuple(f"slot:{i}" for i in range(max_procs)),
-                min(count, max_procs))
+    return Want(
+        "process slots", tuple(f"slot:{i}" for i in range(max_procs)), min(count, max_procs)
+    )
+
+
+def _lock_base(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", name.replace(":", "-"))
+
+
+def _lock_file(name: str, uid: int) -> str:
+    """The lock file of resource ``name`` for user ``uid``."""
+    return f"{_lock_base(name)}.u{uid}.lock"
+
+
+def _lock_files(where: _Dir, name: str) -> list[str]:
+    """Every user's lock file of resource ``name`` present in ``where``."""
+    base = _lock_base(name)
+    return sorted(
+        n for n in where.names() if (m := _LOCK_RE.fullmatch(n)) is not None and m.group(1) == base
+    )
+
+
+def _locked_by_another(where: _Dir, name: str, *, besides: str | None = None) -> str | None:
+    """The first lock file of resource ``name`` (other than ``besides``) that some
+    process holds, or None. A file we may not look at counts as held: it may be."""
+    for file in _lock_files(where, name):
+        if file == besides:
+            continue
+        try:
+            fd = _open_lease_file(where, file, create=False, write=False)
+        except FileNotFoundError:
+            continue
+        except _Unreadable:
+            return file
+        except LeaseFileError:
+            continue  # a planted link or odd file: no harness holds a lease through it
+        try:
+            if not _try_lock(fd, fcntl.LOCK_SH):
+                return file
+            fcntl.flock(fd, fcntl.LOCK_UN)
+        finally:
+            os.close(fd)
+    return None
 
 
 class _Lock:
-    """One exclusively flock-ed lock file."""
+    """Resource ``name``, held through an exclusive flock on this user's lock file."""
 
-    def __init__(self, path: str, name: str) -> None:
-        self.path = path
+    def __init__(self, where: _Dir, name: str) -> None:
+        self.where = where
         self.name = name
+        self.file = _lock_file(name, os.geteuid())
+        self.path = where.join(self.file)
         self.fd: int | None = None
 
     def try_acquire(self) -> bool:
         # No O_TRUNC: the file carries the current holder's record.
-        fd = _open_lease_file(self.path)
+        fd = _open_lease_file(self.where, self.file, mode=0o644)
+        got = False
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as exc:
-            os.close(fd)
-            if exc.errno in _BUSY:
+            st = os.fstat(fd)
+            if st.st_uid != os.geteuid():
+                raise LeaseFileError(
+                    f"lease file {self.path} is owned by {_user(st.st_uid)}, not by you "
+                    f"({_user(os.geteuid())}), who alone write it: it was planted; have its owner "
+                    "or root remove it"
+                )
+            if not _try_lock(fd, fcntl.LOCK_EX):
                 return False
-            raise
-        try:
             _check_ours(fd, self.path)
-        except BaseException:
-            os.close(fd)
-            raise
+            # Locked what the name still means? (Unlinked or replaced between
+            # the open and the lock: a lock nobody else would see.)
+            try:
+                now = os.stat(self.file, dir_fd=self.where.fd, follow_symlinks=False)
+            except FileNotFoundError:
+                return False
+            if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
+                return False
+            # Only after locking ours: another user's session that looks at
+            # ours after locking its own sees ours held, so one of us backs off.
+            if _locked_by_another(self.where, self.name, besides=self.file) is not None:
+                return False
+            got = True
+        finally:
+            if not got:
+                os.close(fd)
         self.fd = fd
         return True
 
@@ -325,7 +523,8 @@ class _Lock:
         fd, self.fd = self.fd, None
         try:
             if unlock:
-                os.ftruncate(fd, 0)
+                with contextlib.suppress(OSError):
+                    os.ftruncate(fd, 0)
                 # Unlocking drops the lock for every process sharing this
                 # open file (the ranks it was passed to), so only when they
                 # are known to be gone.
@@ -348,7 +547,8 @@ def _check_ours(fd: int, path: str) -> None:
     if len(data) > _HOLDER_RECORD_MAX or not isinstance(value, (dict, int)):
         raise LeaseFileError(
             f"lease file {path} holds something the harness never writes there (the harness "
-            "did not create it, so it leaves it alone): remove it or use another lease directory")
+            "did not create it, so it leaves it alone): remove it or use another lease directory"
+        )
 
 
 def _write_record(fd: int, record: dict) -> None:
@@ -361,7 +561,12 @@ def _write_record(fd: int, record: dict) -> None:
             short["ranks"] = record["ranks"][:64]
         data = json.dumps(short, sort_keys=True).encode()
     os.ftruncate(fd, 0)
-    os.pwrite(fd, data, 0)
+    done = 0
+    while done < len(data):  # a short write (a file size limit) errors on the next one
+        written = os.pwrite(fd, data[done:], done)
+        if written <= 0:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        done += written
 
 
 def _read_record(fd: int) -> dict | None:
@@ -371,10 +576,6 @@ def _read_record(fd: int) -> dict | None:
     except (OSError, ValueError):
         return None
     return record if isinstance(record, dict) else None
-
-
-def _lock_file(lease_dir: str, name: str) -> str:
-    return os.path.join(lease_dir, re.sub(r"[^A-Za-z0-9_.-]", "_", name.replace(":", "-")) + ".lock")
 
 
 #: ``hook(lease_dir, busy_names) -> bool``: free what this process holds idle
@@ -416,40 +617,69 @@ def _wanted_names(record: dict) -> set[str]:
     return names
 
 
-def waiters(lease_dir: str) -> list[dict]:
-    """The lease waits in progress on ``lease_dir``, first come first: their
-    records (``ticket``, ``pid``, ``holder``, ``since``, ``wants``: each
-    ``{"what", "names", "count"}``). A waiter that died is not listed."""
+def _flock_holders(st: os.stat_result) -> set[int] | None:
+    """Pids holding a ``flock`` on the file ``st`` describes, from ``/proc/locks``
+    (None where the system does not tell)."""
+    key = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
     try:
-        entries = [e.name for e in os.scandir(lease_dir) if _WAITER_RE.fullmatch(e.name)]
+        with open("/proc/locks") as f:
+            lines = f.read().splitlines()
     except OSError:
-        return []
+        return None
+    pids = set()
+    for line in lines:
+        fields = line.split()
+        # "1: FLOCK  ADVISORY  WRITE 1234 fe:00:5678 0 EOF" (blocked ones start "1: ->")
+        if len(fields) >= 6 and fields[1] == "FLOCK" and fields[5] == key:
+            with contextlib.suppress(ValueError):
+                pids.add(int(fields[4]))
+    return pids
+
+
+def _waiters(where: _Dir, *, forged: list[str] | None = None) -> list[dict]:
+    entries = [n for n in where.names() if _WAITER_RE.fullmatch(n)]
     found = []
     for entry in entries:
         try:
-            fd = _open_lease_file(os.path.join(lease_dir, entry), create=False, write=False)
+            fd = _open_lease_file(where, entry, create=False, write=False)
         except (OSError, LeaseError):
             continue  # gone, or not ours to read: not a waiter of this harness
         try:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-            except OSError as exc:
-                if exc.errno not in _BUSY:
-                    continue
-                # Exclusively locked: a waiter is alive there.
-                record = _read_record(fd)
-                if record is not None and isinstance(record.get("ticket"), int):
-                    found.append(record)
-            else:
+            if _try_lock(fd, fcntl.LOCK_SH):
                 fcntl.flock(fd, fcntl.LOCK_UN)  # free slot: nobody waits there
+            else:
+                # Exclusively locked: a waiter is alive there, if its record
+                # names the process holding the lock (anyone can write a
+                # record; only the waiter itself holds the lock it names).
+                record = _read_record(fd)
+                if record is None or not isinstance(record.get("ticket"), int):
+                    continue
+                holders = _flock_holders(os.fstat(fd))
+                if holders and record.get("pid") not in holders:
+                    if forged is not None:
+                        forged.append(
+                            f"{where.join(entry)} (its record names pid "
+                            f"{record.get('pid')}; pid {min(holders)} holds it)"
+                        )
+                    continue
+                found.append(dict(record, file=where.join(entry)))
         finally:
             os.close(fd)
     return sorted(found, key=lambda r: r["ticket"])
 
 
-def has_waiters(lease_dir: str, name: str) -> bool:
-    """Whether some process is waiting for resource ``name``."""
-    return any(name in _wanted_names(w) for w in waiters(lease_dir))
+def waiters(lease_dir: str) -> list[dict]:
+    """The lease waits in progress on ``lease_dir``, first come first: their
+    records (``ticket``, ``pid``, ``holder``, ``since``, ``wants``: each
+    ``{"what", "names", "count"}``; ``file``: the waiter file). A waiter that
+    died is not listed, nor a record naming a pid other than the one that
+    holds its file's lock (forged)."""
+    try:
+        where = _open_dir(lease_dir, _source_of(lease_dir), create=False)
+    except LeaseError:
+        return []
+    with where:
+        return _waiters(where)
 
 
 class _Ticket:
@@ -461,41 +691,44 @@ class _Ticket:
         self._fd: int | None = fd
 
     @classmethod
-    def take(cls, lease_dir: str, wants: list[Want], holder: str) -> _Ticket | None:
+    def take(cls, where: _Dir, wants: list[Want], holder: str) -> _Ticket | None:
         """Join the queue; None when the ticket counter is busy this instant."""
-        fd = _open_lease_file(os.path.join(lease_dir, _TICKETS))
+        fd = _open_lease_file(where, _TICKETS)
         try:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError as exc:
-                if exc.errno in _BUSY:
-                    return None  # someone takes a ticket this very moment: next round
-                raise
-            _check_ours(fd, os.path.join(lease_dir, _TICKETS))
+            if not _try_lock(fd, fcntl.LOCK_EX):
+                return None  # someone takes a ticket this very moment: next round
+            _check_ours(fd, where.join(_TICKETS))
             try:
                 last = int(os.pread(fd, 32, 0).decode() or 0)
             except ValueError:
                 last = 0
             # A counter someone reset must not put us before live waiters.
-            last = max([last] + [w["ticket"] for w in waiters(lease_dir)])
+            last = max([last] + [w["ticket"] for w in _waiters(where)])
             ticket = last + 1
             data = str(ticket).encode()
             os.pwrite(fd, data, 0)
             os.ftruncate(fd, len(data))
             # Claimed and recorded before the counter is let go: whoever takes
             # the next ticket sees this one in the queue.
-            waiter_fd = cls._claim_waiter_file(lease_dir)
+            waiter_fd = cls._claim_waiter_file(where)
             try:
-                _write_record(waiter_fd, {
-                    "ticket": ticket,
-                    "pid": os.getpid(),
-                    "host": socket.gethostname(),
-                    "holder": holder,
-                    "since": time.time(),
-                    "wants": [{"what": w.what, "names": list(w.names), "count": w.count}
-                              for w in wants],
-                })
+                _write_record(
+                    waiter_fd,
+                    {
+                        "ticket": ticket,
+                        "pid": os.getpid(),
+                        "host": socket.gethostname(),
+                        "holder": holder,
+                        "since": time.time(),
+                        "wants": [
+                            {"what": w.what, "names": list(w.names), "count": w.count}
+                            for w in wants
+                        ],
+                    },
+                )
             except BaseException:
+                with contextlib.suppress(OSError):
+                    os.ftruncate(waiter_fd, 0)
                 os.close(waiter_fd)
                 raise
         finally:
@@ -503,26 +736,24 @@ class _Ticket:
         return cls(ticket, waiter_fd)
 
     @staticmethod
-    def _claim_waiter_file(lease_dir: str) -> int:
+    def _claim_waiter_file(where: _Dir) -> int:
         for k in range(4096):
+            name = f"waiter-{k}.lock"
             try:
-                fd = _open_lease_file(os.path.join(lease_dir, f"waiter-{k}.lock"))
+                fd = _open_lease_file(where, name)
             except LeaseFileError:
                 continue  # planted or foreign: never ours to use, try the next
             try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError as exc:
-                os.close(fd)
-                if exc.errno in _BUSY:
-                    continue  # another waiter's
-                raise
-            try:
-                _check_ours(fd, os.path.join(lease_dir, f"waiter-{k}.lock"))
+                if _try_lock(fd, fcntl.LOCK_EX):
+                    _check_ours(fd, where.join(name))
+                    return fd
             except LeaseFileError:
+                pass  # not what the harness writes: leave it alone
+            except BaseException:
                 os.close(fd)
-                continue
-            return fd
-        raise LeaseError(f"no usable waiter file in {lease_dir} (4096 tried)")
+                raise
+            os.close(fd)  # another waiter's, or not ours
+        raise LeaseError(f"no usable waiter file in {where.path} (4096 tried)")
 
     def leave(self) -> None:
         fd, self._fd = self._fd, None
@@ -532,32 +763,31 @@ class _Ticket:
             os.close(fd)
 
 
+def _read_holder(where: _Dir, name: str) -> dict | None:
+    files = _lock_files(where, name)
+    held = _locked_by_another(where, name)
+    for file in ([held] if held else []) + files:
+        try:
+            fd = _open_lease_file(where, file, create=False, write=False)
+        except (OSError, LeaseError):
+            continue
+        try:
+            record = _read_record(fd)
+        finally:
+            os.close(fd)
+        if record is not None:
+            return record
+    return None
+
+
 def read_holder(lease_dir: str, name: str) -> dict | None:
     """The holder record of resource ``name`` (None when unreadable or empty)."""
     try:
-        fd = _open_lease_file(_lock_file(lease_dir, name), create=False, write=False)
-    except (OSError, LeaseError):
+        where = _open_dir(lease_dir, _source_of(lease_dir), create=False)
+    except LeaseError:
         return None
-    try:
-        return _read_record(fd)
-    finally:
-        os.close(fd)
-
-
-def _is_held(lease_dir: str, name: str) -> bool:
-    try:
-        fd = _open_lease_file(_lock_file(lease_dir, name), create=False, write=False)
-    except (OSError, LeaseError):
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except OSError as exc:
-        return exc.errno in _BUSY
-    else:
-        fcntl.flock(fd, fcntl.LOCK_UN)
-        return False
-    finally:
-        os.close(fd)
+    with where:
+        return _read_holder(where, name)
 
 
 def describe_holder(record: dict | None) -> str:
@@ -583,8 +813,9 @@ def describe_holder(record: dict | None) -> str:
 class Lease:
     """Resources held exclusively until ``release()`` (or the holder's death)."""
 
-    def __init__(self, lease_dir: str, locks: list[_Lock], holder: str) -> None:
-        self.lease_dir = lease_dir
+    def __init__(self, where: _Dir, locks: list[_Lock], holder: str) -> None:
+        self.lease_dir = where.path
+        self._where = where
         self._locks = locks
         self._record = {
             "pid": os.getpid(),
@@ -592,10 +823,8 @@ class Lease:
             "holder": holder,
             "since": time.time(),
         }
-        for lock in locks:
-            lock.write_record(self._record)
         with _held_lock:
-            _held_here.update((lease_dir, lock.name) for lock in locks)
+            _held_here.update((self.lease_dir, lock.name) for lock in locks)
 
     @property
     def resources(self) -> tuple[str, ...]:
@@ -612,11 +841,15 @@ class Lease:
         return out
 
     def annotate(self, **info: object) -> None:
-        """Add facts (e.g. ``ranks=[pids]``) to the holder record waiters see."""
+        """Add facts (e.g. ``ranks=[pids]``) to the holder record waiters see.
+
+        The record only informs; a failure to write it (a full disk) leaves
+        the lease held and the record as it was."""
         self._record.update(info)
         for lock in self._locks:
             if lock.fd is not None:
-                lock.write_record(self._record)
+                with contextlib.suppress(OSError):
+                    lock.write_record(self._record)
 
     def fds(self) -> list[int]:
         """Descriptors holding the locks, for processes that must keep the lease alive."""
@@ -625,7 +858,9 @@ class Lease:
     def contended(self) -> bool:
         """Whether a lease wait in progress (any process) wants one of these resources."""
         mine = set(self.resources)
-        return any(_wanted_names(w) & mine for w in waiters(self.lease_dir))
+        if not mine or self._where.fd < 0:
+            return False
+        return any(_wanted_names(w) & mine for w in _waiters(self._where))
 
     def release(self, *, holders_gone: bool = True) -> None:
         """Give the resources back.
@@ -637,8 +872,11 @@ class Lease:
         locks, self._locks = self._locks, []
         with _held_lock:
             _held_here.subtract((self.lease_dir, lock.name) for lock in locks)
-        for lock in locks:
-            lock.release(unlock=holders_gone)
+        try:
+            for lock in locks:
+                lock.release(unlock=holders_gone)
+        finally:
+            self._where.close()
 
     def __enter__(self) -> Lease:
         return self
@@ -653,68 +891,108 @@ def acquire(lease_dir: str, wants: Iterable[Want], *, timeout: float, holder: st
     All-or-nothing: a partial grab is given back before waiting again, so two
     waiters can never deadlock holding halves of what each needs. First come,
     first served: what an earlier waiter wants is left to it (see the module
-    docstring). Raises ``LeaseTimeout`` naming what was wanted, who holds it
-    and who is queued ahead; ``LeaseDirError`` / ``LeaseFileError`` when the
-    lease directory or a file in it is unusable.
+    docstring). The directory is opened once, at the start: everything after
+    goes through that descriptor. Raises ``LeaseTimeout`` naming what was
+    wanted, who holds it and who is queued ahead; ``LeaseDirError`` /
+    ``LeaseFileError`` when the lease directory or a file in it is unusable;
+    ``LeaseError`` for any other failure (a full disk), with nothing left
+    held.
     """
     wants = [w for w in wants if w.count > 0]
-    ensure_lease_dir(lease_dir)
     for want in wants:
         if want.count > len(want.names):
             raise ValueError(
                 f"cannot lease {want.count} {want.what}: only {len(want.names)} exist "
                 f"({', '.join(want.names) or 'none'})"
             )
+    where = _open_dir(lease_dir, _source_of(lease_dir))
+    try:
+        lease = _acquire(where, wants, timeout=timeout, holder=holder)
+    except BaseException:
+        where.close()
+        raise
+    return lease
+
+
+def _acquire(where: _Dir, wants: list[Want], *, timeout: float, holder: str) -> Lease:
     start = time.monotonic()
     delay = 0.02
     ticket: _Ticket | None = None
     try:
         while True:
-            promised = _promised_to_others(lease_dir, ticket, wants)
+            promised = _promised_to_others(where, ticket, wants)
             held: list[_Lock] = []
             short: list[Want] = []
             busy: set[str] = set()
-            for want in wants:
-                got = 0
-                for name in want.names:
-                    if got == want.count:
-                        break
-                    if name in promised:
-                        continue
-                    lock = _Lock(_lock_file(lease_dir, name), name)
-                    if lock.try_acquire():
-                        held.append(lock)
-                        got += 1
-                    else:
-                        busy.add(name)
-                if got < want.count:
-                    short.append(want)
-            if not short:
-                return Lease(lease_dir, held, holder)
+            try:
+                for want in wants:
+                    got = 0
+                    for name in want.names:
+                        if got == want.count:
+                            break
+                        if name in promised:
+                            continue
+                        lock = _Lock(where, name)
+                        if lock.try_acquire():
+                            held.append(lock)
+                            got += 1
+                        else:
+                            busy.add(name)
+                    if got < want.count:
+                        short.append(want)
+                if not short:
+                    return _granted(where, held, holder)
+            except BaseException:
+                for lock in held:
+                    lock.release(unlock=True)
+                raise
             for lock in held:
                 lock.release(unlock=True)
-            if busy and _yield(lease_dir, busy):
+            if busy and _yield(where.path, busy):
                 continue  # this process freed some of it: try again at once
             waited = time.monotonic() - start
             if waited >= timeout:
-                raise LeaseTimeout(_timeout_message(lease_dir, short, waited, ticket))
+                raise LeaseTimeout(_timeout_message(where, short, waited, ticket))
             if ticket is None:
-                ticket = _Ticket.take(lease_dir, wants, holder)
+                ticket = _Ticket.take(where, wants, holder)
             # Jitter keeps two waiters from looking in lockstep forever.
             time.sleep(min(delay * random.uniform(0.5, 1.5), max(0.0, timeout - waited)))
             delay = min(delay * 1.5, _POLL_MAX_S)
+    except LeaseError:
+        raise
+    except OSError as exc:
+        raise LeaseError(
+            f"lease wait in {where.path} failed: {exc.strerror or exc}; nothing is left held"
+        ) from exc
     finally:
         if ticket is not None:
             ticket.leave()
 
 
-def _promised_to_others(lease_dir: str, ticket: _Ticket | None, wants: list[Want]) -> set[str]:
+def _granted(where: _Dir, held: list[_Lock], holder: str) -> Lease:
+    """The lease of ``held``, its holder record written; on any failure every
+    lock is given back and one ``LeaseError`` says what failed."""
+    lease = Lease(where, held, holder)
+    for lock in held:
+        try:
+            lock.write_record(lease._record)
+        except OSError as exc:
+            lease.release()
+            raise LeaseError(
+                f"cannot write the holder record into lease file {lock.path}: "
+                f"{exc.strerror or exc}; the lease of {', '.join(lk.name for lk in held)} is "
+                "given back"
+            ) from exc
+    return lease
+
+
+def _promised_to_others(where: _Dir, ticket: _Ticket | None, wants: list[Want]) -> set[str]:
     """What waiters ahead of ``ticket`` (all of them, without one) want among ``wants``,
     except waiters that want something this process holds (they wait for us)."""
     mine = {name for want in wants for name in want.names}
-    held_here = _held_names(lease_dir)
+    held_here = _held_names(where.path)
     promised: set[str] = set()
-    for waiter in waiters(lease_dir):
+    for waiter in _waiters(where):
         if ticket is not None and waiter["ticket"] >= ticket.ticket:
             break
         wanted = _wanted_names(waiter)
@@ -723,21 +1001,29 @@ def _promised_to_others(lease_dir: str, ticket: _Ticket | None, wants: list[Want
     return promised
 
 
-def _timeout_message(lease_dir: str, short: list[Want], waited: float,
-                     ticket: _Ticket | None) -> str:
-    lines = [f"lease wait timed out after {waited:.1f} s (lease dir {lease_dir}):"]
+def _timeout_message(where: _Dir, short: list[Want], waited: float, ticket: _Ticket | None) -> str:
+    lines = [f"lease wait timed out after {waited:.1f} s (lease dir {where.path}):"]
     for want in short:
         lines.append(f"  waited for {want.count} of the {len(want.names)} {want.what}:")
         for name in want.names:
-            state = describe_holder(read_holder(lease_dir, name)) if _is_held(lease_dir, name) else "free"
+            file = _locked_by_another(where, name)
+            state = describe_holder(_read_holder(where, name)) if file else "free"
             lines.append(f"    {name}: {state}")
     wanted = {name for want in short for name in want.names}
-    ahead = [w for w in waiters(lease_dir)
-             if (ticket is None or w["ticket"] < ticket.ticket) and _wanted_names(w) & wanted]
+    forged: list[str] = []
+    ahead = [
+        w
+        for w in _waiters(where, forged=forged)
+        if (ticket is None or w["ticket"] < ticket.ticket) and _wanted_names(w) & wanted
+    ]
     if ahead:
         lines.append(f"  queued behind {len(ahead)} earlier waiter(s):")
         for w in ahead:
             since = w.get("since")
             waiting = f", waiting {max(0.0, time.time() - since):.1f} s" if since else ""
-            lines.append(f"    pid {w.get('pid')} ({w.get('holder')}{waiting})")
+            lines.append(
+                f"    pid {w.get('pid')} ({w.get('holder')}{waiting}; waiter file {w['file']})"
+            )
+    for entry in forged:
+        lines.append(f"  ignored a forged waiter record: {entry}")
     return "\n".join(lines)

@@ -21,6 +21,19 @@ PASSED, FAILED, SKIPPED, XFAILED = "passed", "failed", "skipped", "xfailed"
 # this many seconds after its death was observed, as the likelier cause.
 _DEATH_PRECEDENCE_S = 1.0
 _OUTPUT_TAIL_LINES = 30
+#: What one rank's failure may put into the report (its one-line summary and
+#: its traceback): the head and the tail of each, this many characters each.
+SUMMARY_KEEP_CHARS = 500
+TRACEBACK_KEEP_CHARS = 32 * 1024
+
+
+def bounded(text: str, keep: int) -> str:
+    """``text`` when at most ``2 * keep`` characters long, else its first and
+    last ``keep`` characters around a note saying how many were dropped."""
+    if len(text) <= 2 * keep:
+        return text
+    dropped = len(text) - 2 * keep
+    return f"{text[:keep]}[harness: {dropped} characters dropped]{text[-keep:]}"
 
 
 @dataclass
@@ -28,7 +41,8 @@ class RankOutcome:
     """How one rank's function ended: ``status`` is passed / failed / skipped /
     xfailed; ``at`` is the wall-clock time it ended; ``summary`` one line (the
     exception or the skip reason); ``traceback`` the formatted failure;
-    ``value`` the pickled return value."""
+    ``value`` the pickled return value; ``exc_types`` names the class (and
+    bases) of the exception a failed rank raised."""
 
     rank: int
     status: str
@@ -36,6 +50,14 @@ class RankOutcome:
     summary: str = ""
     traceback: str = ""
     value: bytes | None = None
+    #: a failure's exception class and its bases, as ``module.qualname``
+    exc_types: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        # However big the exception's message, the outcome file, the report and
+        # the JUnit XML built from it stay small (as rank output is bounded).
+        self.summary = bounded(self.summary, SUMMARY_KEEP_CHARS)
+        self.traceback = bounded(self.traceback, TRACEBACK_KEEP_CHARS)
 
     def write(self, path: str) -> None:
         """Publish atomically: a reader sees the whole outcome or no file."""
@@ -73,6 +95,7 @@ class _Failure:
     rank: int
     headline: str
     detail: str
+    exc_types: tuple[str, ...] = ()
 
 
 def _ranks(n: int) -> str:
@@ -115,19 +138,34 @@ class CaseOutcome:
             outcome = self.outcomes.get(rank)
             exit_ = self.exits.get(rank)
             if outcome is not None and outcome.status == FAILED:
-                failures.append(_Failure(outcome.at, rank, f"rank {rank} failed: {outcome.summary}",
-                                         outcome.traceback))
+                failures.append(
+                    _Failure(
+                        outcome.at,
+                        rank,
+                        f"rank {rank} failed: {outcome.summary}",
+                        outcome.traceback,
+                        outcome.exc_types,
+                    )
+                )
             elif outcome is None and exit_ is not None:
                 at, code = exit_
-                failures.append(_Failure(
-                    at - _DEATH_PRECEDENCE_S, rank,
-                    f"rank {rank} {describe_exit(code)} before reporting an outcome",
-                    self._output_tail(rank)))
+                failures.append(
+                    _Failure(
+                        at - _DEATH_PRECEDENCE_S,
+                        rank,
+                        f"rank {rank} {describe_exit(code)} before reporting an outcome",
+                        self._output_tail(rank),
+                    )
+                )
             elif outcome is not None and exit_ is not None and exit_[1] != 0:
-                failures.append(_Failure(
-                    exit_[0], rank,
-                    f"rank {rank} {outcome.status}, then {describe_exit(exit_[1])} while shutting down",
-                    self._output_tail(rank)))
+                failures.append(
+                    _Failure(
+                        exit_[0],
+                        rank,
+                        f"rank {rank} {outcome.status}, then {describe_exit(exit_[1])} while shutting down",
+                        self._output_tail(rank),
+                    )
+                )
         return sorted(failures, key=lambda f: (f.at, f.rank))
 
     def _output_tail(self, rank: int) -> str:
@@ -151,6 +189,15 @@ class CaseOutcome:
                 return status
         return PASSED
 
+    def failure_types(self) -> tuple[str, ...]:
+        """The exception class names (``module.qualname``, with its bases) of
+        the failure heading the report; empty when that failure is no
+        exception (a timeout, a dead rank)."""
+        if self.timed_out:
+            return ()
+        failures = self._failures()
+        return failures[0].exc_types if failures else ()
+
     def reason(self) -> str:
         """The skip / xfail reason of the first rank that gave one."""
         for rank in sorted(self.outcomes):
@@ -161,8 +208,10 @@ class CaseOutcome:
 
     def values(self) -> list[Any]:
         """Each rank's return value, in rank order (only for a passed case)."""
-        return [pickle.loads(self.outcomes[r].value) if self.outcomes[r].value is not None else None
-                for r in range(self.nproc)]
+        return [
+            pickle.loads(self.outcomes[r].value) if self.outcomes[r].value is not None else None
+            for r in range(self.nproc)
+        ]
 
     def report(self) -> str:
         """The failure report: ranks that ran out of time first, then the first
@@ -186,13 +235,18 @@ class CaseOutcome:
         summary.extend(f.headline for f in failures)
         summary.extend(
             f"rank {r} was still running {self.abandon_grace_s:g} s after the first failure; "
-            "stopped (stack in the output below)" for r in self.abandoned
+            "stopped (stack in the output below)"
+            for r in self.abandoned
         )
         if summary:
             sections.append("other ranks:\n" + "\n".join(f"  {line}" for line in summary))
         sections.extend(self._stack_section(r, "when stopped") for r in self.abandoned)
-        if len(self.outcomes) + len(self.exits) < self.nproc and not (self.timed_out or self.abandoned):
-            missing = [r for r in range(self.nproc) if r not in self.outcomes and r not in self.exits]
+        if len(self.outcomes) + len(self.exits) < self.nproc and not (
+            self.timed_out or self.abandoned
+        ):
+            missing = [
+                r for r in range(self.nproc) if r not in self.outcomes and r not in self.exits
+            ]
             sections.append(f"ranks {missing} ended without an outcome")
         if self.survivors:
             sections.append(f"WARNING: pids {self.survivors} were still alive after SIGKILL")
@@ -201,8 +255,10 @@ class CaseOutcome:
     def _stack_section(self, rank: int, when: str) -> str:
         stack = self.stacks.get(rank, "").rstrip("\n")
         if rank in self.stopped:
-            stack = ("(no Python stack: the rank was stopped by a signal -- SIGSTOP, SIGTSTP "
-                     "or a debugger -- and could not answer)")
+            stack = (
+                "(no Python stack: the rank was stopped by a signal -- SIGSTOP, SIGTSTP "
+                "or a debugger -- and could not answer)"
+            )
         elif not stack:
             stack = "(no Python stack: the rank had not started running Python code yet)"
         return f"--- rank {rank} stack {when} ---\n{stack}"

@@ -19,9 +19,14 @@ Per test:
 
 from __future__ import annotations
 
-import math
+import dataclasses
+import inspect
 import os
+import shutil
 import sys
+import tempfile
+import time
+from dataclasses import dataclass
 from typing import NoReturn
 
 import pytest
@@ -36,7 +41,8 @@ from harness.devices import (
     runtime_available,
     set_device,
 )
-from harness.launcher.case import CasePlan, choose_deadline, conclude, missing_cards, pickle_args
+from harness.launcher.case import conclude, missing_cards, prepare_case
+from harness.launcher.enclosing import CASE_ENV, EnclosingCase
 from harness.launcher.launch import run_case
 from harness.launcher.lease import (
     Lease,
@@ -47,7 +53,6 @@ from harness.launcher.lease import (
     resolve_lease_dir,
 )
 from harness.launcher.pool import keeper
-from harness.launcher.rank import RankTask
 from harness.launcher.settings import (
     DEFAULT_LEASE_TIMEOUT_S,
     DEFAULT_TIMEOUT_S,
@@ -55,38 +60,67 @@ from harness.launcher.settings import (
     active,
     cpu_count,
 )
+from harness.launcher.supervisor import tie_to_controller
 from harness.launcher.target import FunctionRef
 from harness.spec import ACCELERATORS, LaunchSpec, is_launched, spec_for_item
+from harness.validation import check_int, check_seconds
 
 SETTINGS_KEY = pytest.StashKey[Settings]()
 #: How to deactivate this config's settings (``harness.launcher.settings.active``).
 ACTIVATION_KEY = pytest.StashKey["contextvars.Token[Settings]"]()
 SPEC_KEY = pytest.StashKey[LaunchSpec]()
-CARD_LEASE_KEY = pytest.StashKey[tuple[Lease, "str | None"]]()
+CARD_LEASE_KEY = pytest.StashKey["_HeldCard"]()
+#: pytest-timeout's timeout of a launched test (its marker or ini), in seconds
+TIMEOUT_KEY = pytest.StashKey[float]()
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("harness", "multi-process and accelerator test harness")
-    group.addoption("--harness-timeout", type=float, default=DEFAULT_TIMEOUT_S, metavar="SECONDS",
-                    help="deadline of a launched case without LaunchSpec.timeout "
-                         f"(default {DEFAULT_TIMEOUT_S:g})")
-    group.addoption("--harness-lease-dir", default=None, metavar="DIR",
-                    help="directory of the card / process-slot lock files shared by every "
-                         "pytest process on the host (default: $HARNESS_LEASE_DIR, else "
-                         "<system temp>/harness-leases)")
-    group.addoption("--harness-max-procs", type=int, default=None, metavar="N",
-                    help="rank processes allowed to run at once on this host "
-                         "(default: the CPU count)")
-    group.addoption("--harness-lease-timeout", type=float, default=DEFAULT_LEASE_TIMEOUT_S,
-                    metavar="SECONDS",
-                    help="how long a case waits for its cards and process slots before failing "
-                         f"(default {DEFAULT_LEASE_TIMEOUT_S:g})")
-    group.addoption("--harness-require", default="", metavar="DEVICES",
-                    help="comma-separated accelerators (cuda,npu): a case needing one this host "
-                         "lacks fails instead of being skipped")
-    group.addoption("--harness-no-reuse", action="store_true", default=False,
-                    help="start fresh rank processes for every launched case instead of "
-                         "running consecutive cases on a kept pool of ranks")
+    group.addoption(
+        "--harness-timeout",
+        type=float,
+        default=DEFAULT_TIMEOUT_S,
+        metavar="SECONDS",
+        help="deadline of a launched case without LaunchSpec.timeout "
+        f"(default {DEFAULT_TIMEOUT_S:g})",
+    )
+    group.addoption(
+        "--harness-lease-dir",
+        default=None,
+        metavar="DIR",
+        help="directory of the card / process-slot lock files shared by every "
+        "pytest process on the host (default: $HARNESS_LEASE_DIR, else "
+        "<system temp>/harness-leases)",
+    )
+    group.addoption(
+        "--harness-max-procs",
+        type=int,
+        default=None,
+        metavar="N",
+        help="rank processes allowed to run at once on this host (default: the CPU count)",
+    )
+    group.addoption(
+        "--harness-lease-timeout",
+        type=float,
+        default=DEFAULT_LEASE_TIMEOUT_S,
+        metavar="SECONDS",
+        help="how long a case waits for its cards and process slots before failing "
+        f"(default {DEFAULT_LEASE_TIMEOUT_S:g})",
+    )
+    group.addoption(
+        "--harness-require",
+        default="",
+        metavar="DEVICES",
+        help="comma-separated accelerators (cuda,npu): a case needing one this host "
+        "lacks fails instead of being skipped",
+    )
+    group.addoption(
+        "--harness-no-reuse",
+        action="store_true",
+        default=False,
+        help="start fresh rank processes for every launched case instead of "
+        "running consecutive cases on a kept pool of ranks",
+    )
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -95,6 +129,7 @@ def pytest_configure(config: pytest.Config) -> None:
         "launch(spec=None, *, device=None, nproc=1, timeout=None, backend=None, reuse=True): "
         "run the test body in LaunchSpec.nproc rank processes with torch.distributed initialised",
     )
+    tie_to_controller(worker=hasattr(config, "workerinput"))
     settings = _settings_from(config)
     config.stash[SETTINGS_KEY] = settings
     config.stash[ACTIVATION_KEY] = active.set(settings)
@@ -109,12 +144,10 @@ def _settings_from(config: pytest.Config) -> Settings:
             f"--harness-require: unknown device(s) {', '.join(bad)}; choose from {', '.join(ACCELERATORS)}"
         )
     for name in ("harness_timeout", "harness_lease_timeout"):
-        if not (opt(name) > 0 and math.isfinite(opt(name))):
-            raise pytest.UsageError(f"--{name.replace('_', '-')} must be a positive, finite number "
-                                    f"of seconds; got {opt(name)}")
+        check_seconds(opt(name), f"--{name.replace('_', '-')}", error=pytest.UsageError)
     max_procs = opt("harness_max_procs")
-    if max_procs is not None and max_procs < 1:
-        raise pytest.UsageError(f"--harness-max-procs must be >= 1; got {max_procs}")
+    if max_procs is not None:
+        check_int(max_procs, "--harness-max-procs", minimum=1, error=pytest.UsageError)
     if is_simulated():
         try:
             parse_cards(os.environ["HARNESS_CARDS"])
@@ -154,8 +187,10 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 
 def pytest_report_header(config: pytest.Config) -> list[str]:
     settings = config.stash[SETTINGS_KEY]
-    line = (f"harness: cards {describe_inventory()}; {settings.max_procs} process slots; "
-            f"lease dir {settings.lease_dir}; {'kept' if settings.reuse else 'fresh'} ranks")
+    line = (
+        f"harness: cards {describe_inventory()}; {settings.max_procs} process slots; "
+        f"lease dir {settings.lease_dir}; {'kept' if settings.reuse else 'fresh'} ranks"
+    )
     if settings.require:
         line += f"; required: {','.join(sorted(settings.require))}"
     return [line]
@@ -171,6 +206,12 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     except ValueError as exc:
         _fail(f"{item.nodeid}: {exc}")
     item.stash[SPEC_KEY] = spec
+    if is_launched(item) and _is_unittest_method(item):
+        _fail(
+            f"{item.nodeid}: @pytest.mark.launch cannot run the unittest.TestCase method "
+            f"{item.cls.__qualname__}.{item.name} on ranks (unittest runs it itself, in this "
+            "process); write it as a pytest test function or a method of a plain class"
+        )
     settings = item.config.stash[SETTINGS_KEY]
     reason = missing_cards(spec.device, spec.cards)
     if reason is not None:
@@ -181,15 +222,35 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
         _lease_card_in_process(item, spec, settings)
 
 
+@dataclass(frozen=True)
+class _HeldCard:
+    """A plain test's card lease, the environment it replaced, its nested-launch slots."""
+
+    lease: Lease
+    environ: dict[str, str | None]
+    budget_dir: str
+
+
 def _lease_card_in_process(item: pytest.Function, spec: LaunchSpec, settings: Settings) -> None:
     try:
-        lease = acquire(settings.lease_dir, [card_want(inventory(spec.device), 1)],
-                        timeout=settings.lease_timeout, holder=item.nodeid)
+        lease = acquire(
+            settings.lease_dir,
+            [card_want(inventory(spec.device), 1)],
+            timeout=settings.lease_timeout,
+            holder=item.nodeid,
+        )
     except LeaseError as exc:
         _fail(f"{item.nodeid}: could not lease a {spec.device} card\n{exc}")
     card = lease.cards()[0]
-    item.stash[CARD_LEASE_KEY] = (lease, os.environ.get(CARD_ENV))
-    os.environ[CARD_ENV] = str(card)
+    # The test is a case of one rank on its card: a harness.launch it makes on
+    # that device runs on the card it holds instead of waiting for it.
+    budget = tempfile.mkdtemp(prefix="harness-plain-")
+    enclosing = EnclosingCase(
+        item.nodeid, 1, spec.device, (str(card),), time.time() + settings.timeout, budget
+    )
+    updates = {CARD_ENV: str(card), CASE_ENV: enclosing.to_env()}
+    item.stash[CARD_LEASE_KEY] = _HeldCard(lease, {k: os.environ.get(k) for k in updates}, budget)
+    os.environ.update(updates)
     # A simulated inventory on a host whose tests never imported torch needs no
     # device selection (and should not pay for importing torch).
     if (not is_simulated() or "torch" in sys.modules) and runtime_available(card.device):
@@ -206,29 +267,75 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None):
         held = item.stash.get(CARD_LEASE_KEY, None)
         if held is not None:
             del item.stash[CARD_LEASE_KEY]
-            lease, previous = held
-            lease.release()
-            if previous is None:
-                os.environ.pop(CARD_ENV, None)
-            else:
-                os.environ[CARD_ENV] = previous
+            held.lease.release()
+            for name, previous in held.environ.items():
+                if previous is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = previous
+            shutil.rmtree(held.budget_dir, ignore_errors=True)
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
-    if not is_launched(pyfuncitem):
+    if (
+        not is_launched(pyfuncitem)
+        or inspect.iscoroutinefunction(pyfuncitem.obj)
+        or (inspect.isasyncgenfunction(pyfuncitem.obj))
+    ):
+        # An async test runs (or fails) as pytest and its async plugins decide,
+        # exactly as its in-process twin: nothing here would await it.
         return None
     spec = pyfuncitem.stash.get(SPEC_KEY, None) or spec_for_item(pyfuncitem)
     settings = pyfuncitem.config.stash[SETTINGS_KEY]
-    task = _task_for(pyfuncitem)
-    deadline = choose_deadline(spec, settings, default_source="--harness-timeout")
-    plan = CasePlan(spec, settings, pyfuncitem.nodeid, deadline, reuse=spec.reuse and settings.reuse)
+    task, plan = _case_for(pyfuncitem, spec, settings)
     try:
         result = run_case(task, plan)
     except LeaseError as exc:
         _fail(f"{pyfuncitem.nodeid}: could not lease what the case needs\n{exc}")
-    conclude(result, fail=_fail, skip=_skip_at_test, xfail=pytest.xfail)
+
+    def fail(report: str) -> NoReturn:
+        _raise_for_xfail(pyfuncitem, result.failure_types(), report)
+        _fail(report)
+
+    conclude(result, fail=fail, skip=_skip_at_test, xfail=pytest.xfail)
     return True
+
+
+def _raise_for_xfail(item: pytest.Function, names: tuple[str, ...], report: str) -> None:
+    """When an ``xfail(raises=E)`` marker names a class the failing rank's
+    exception is (by ``module.qualname`` of its class and bases), raise an ``E``
+    carrying the report, so pytest's xfail matching sees what the rank raised."""
+    __tracebackhide__ = True
+    for mark in item.iter_markers("xfail"):
+        raises = mark.kwargs.get("raises")
+        for cls in raises if isinstance(raises, tuple) else (raises,):
+            if isinstance(cls, type) and f"{cls.__module__}.{cls.__qualname__}" in names:
+                exc = cls.__new__(cls)
+                exc.args = (report,)
+                raise exc
+
+
+def _is_unittest_method(item: pytest.Item) -> bool:
+    unittest = sys.modules.get("unittest")
+    cls = getattr(item, "cls", None)
+    return unittest is not None and isinstance(cls, type) and issubclass(cls, unittest.TestCase)
+
+
+@pytest.hookimpl(optionalhook=True, tryfirst=True)
+def pytest_timeout_set_timer(item: pytest.Item, settings) -> bool | None:
+    """pytest-timeout's timeout of a launched test becomes its case deadline:
+    the ranks are stopped at it and their stacks reported, instead of a timer
+    in this process interrupting the launcher (whose stack says nothing)."""
+    if not is_launched(item):
+        return None
+    item.stash[TIMEOUT_KEY] = float(settings.timeout)
+    return True
+
+
+@pytest.hookimpl(optionalhook=True, tryfirst=True)
+def pytest_timeout_cancel_timer(item: pytest.Item) -> bool | None:
+    return True if is_launched(item) else None
 
 
 def _fail(message: str) -> NoReturn:
@@ -245,13 +352,29 @@ def _skip_at_test(reason: str) -> NoReturn:
     raise exc
 
 
-def _task_for(item: pytest.Function) -> RankTask:
+def _case_for(item: pytest.Function, spec: LaunchSpec, settings: Settings):
     names = item._fixtureinfo.argnames
     kwargs = {name: item.funcargs[name] for name in names}
     params = item.callspec.params if hasattr(item, "callspec") else {}
     kinds = {name: "parametrized argument" if name in params else "fixture" for name in names}
+    default_source = "--harness-timeout"
+    timeout = item.stash.get(TIMEOUT_KEY, None)
+    if timeout is not None:
+        settings = dataclasses.replace(settings, timeout=timeout)
+        default_source = f"pytest-timeout's timeout={timeout:g}"
     try:
-        args = pickle_args((), kwargs, kinds=kinds)
+        return prepare_case(
+            FunctionRef.for_test(item),
+            (),
+            kwargs,
+            spec,
+            what=item.nodeid,
+            settings=settings,
+            default_source=default_source,
+            reuse=spec.reuse and settings.reuse,
+            kinds=kinds,
+            want_value=False,
+            state=None if item.instance is None else dict(vars(item.instance)),
+        )
     except TypeError as exc:
         _fail(f"{item.nodeid}: {exc}")
-    return RankTask(FunctionRef.for_test(item), args, want_value=False)

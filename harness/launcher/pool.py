@@ -26,7 +26,8 @@ safe by construction:
   idle, every ``IDLE_CHECK_S``), at session end and at interpreter exit.
 
 The rank side is ``harness.launcher.rank.pool_rank_main``; outcomes, reports and the
-tree kill are the ones every case uses (``harness.launcher.case``).
+tree kill are the ones every case uses (``harness.launcher.caserun``,
+``harness.launcher.spawn``).
 """
 
 from __future__ import annotations
@@ -45,16 +46,8 @@ from multiprocessing.connection import wait as wait_any
 from typing import Any, TypeVar
 
 from harness.launcher import procs
-from harness.launcher.case import (
-    EXIT_WAIT_S,
-    KILL_GRACE_S,
-    CasePlan,
-    CaseRun,
-    lease_case,
-    lease_fds,
-    reap_on_sigterm,
-    signals_deferred,
-)
+from harness.launcher.case import CasePlan, lease_case
+from harness.launcher.caserun import EXIT_WAIT_S, CaseRun
 from harness.launcher.lease import Lease, add_yield_hook
 from harness.launcher.outcome import FAILED, CaseOutcome
 from harness.launcher.rank import (
@@ -69,6 +62,8 @@ from harness.launcher.rank import (
     pool_rank_main,
 )
 from harness.launcher.reset import Inherited
+from harness.launcher.signals import reap_on_sigterm, signals_deferred
+from harness.launcher.spawn import KILL_GRACE_S, spawn_ranks, stop_ranks
 from harness.spec import LaunchSpec
 
 #: How often an idle pool checks whether another process waits for its lease.
@@ -155,20 +150,22 @@ class RankPool:
         self._store = os.path.join(self._dir, "store")
         self._procs: list[Any] = []
         self._channels: list[_Channel] = []
+        theirs: list[Any] = []
+
+        def args_for(rank: int, fds: list[Any]) -> tuple:
+            ours, end = get_context("spawn").Pipe()
+            theirs.append(end)
+            self._channels.append(_Channel(ours))
+            return (os.getpid(), end, fds, self._dir)
+
         try:
-            mp = get_context("spawn")
-            fds = lease_fds(lease)
-            for rank in range(spec.nproc):
-                ours, theirs = mp.Pipe()
-                proc = mp.Process(target=pool_rank_main, args=(os.getpid(), theirs, fds),
-                                  name=f"harness-rank-{rank}")
-                proc.start()
-                theirs.close()  # so that the rank's death reads as EOF here
-                self._procs.append(proc)
-                self._channels.append(_Channel(ours))
+            spawn_ranks(spec.nproc, pool_rank_main, args_for, self._procs, lease=lease)
         except BaseException:
             self.close()
             raise
+        finally:
+            for end in theirs:
+                end.close()  # so that a rank's death reads as EOF here
 
     @property
     def pids(self) -> list[int]:
@@ -177,8 +174,11 @@ class RankPool:
 
     def alive(self) -> bool:
         """Every rank still runs and listens."""
-        return self.usable and all(p.is_alive() for p in self._procs) and not any(
-            c.closed for c in self._channels)
+        return (
+            self.usable
+            and all(p.is_alive() for p in self._procs)
+            and not any(c.closed for c in self._channels)
+        )
 
     def run(self, task: RankTask, plan: CasePlan) -> CaseOutcome | None:
         """Run one case on the pool, through the phases fresh ranks go through.
@@ -221,7 +221,9 @@ class RankPool:
             return False
         inherited = Inherited.now()  # what fresh ranks would start with, fixtures' doing included
         for rank, channel in enumerate(self._channels):
-            if not channel.send(RunCase(run.rank_context(rank), task, inherited, self.cases, check)):
+            if not channel.send(
+                RunCase(run.rank_context(rank), task, inherited, self.cases, check)
+            ):
                 self.problem = f"rank {rank} is not listening"
                 return False
         if not check:
@@ -234,8 +236,9 @@ class RankPool:
             return False
         return all(channel.send(Go()) for channel in self._channels)
 
-    def _collect(self, kind: type[Ready] | type[Idle], timeout: float, *,
-                 until_problem: bool = False) -> dict[int, Any]:
+    def _collect(
+        self, kind: type[Ready] | type[Idle], timeout: float, *, until_problem: bool = False
+    ) -> dict[int, Any]:
         """Each rank's next message of type ``kind``, waiting at most ``timeout``
         seconds (ranks that die or close their pipe are left out at once; with
         ``until_problem`` the wait ends at the first message naming a problem)."""
@@ -248,13 +251,18 @@ class RankPool:
                     message = channel.take(kind)
                     if message is not None:
                         got[rank] = message
-            waiting = [r for r in range(len(self._channels))
-                       if r not in got and not self._channels[r].closed and self._procs[r].is_alive()]
+            waiting = [
+                r
+                for r in range(len(self._channels))
+                if r not in got and not self._channels[r].closed and self._procs[r].is_alive()
+            ]
             left = end - time.monotonic()
             if not waiting or left <= 0 or (until_problem and any(m.problem for m in got.values())):
                 return got
-            wait_any([self._channels[r] for r in waiting] + [self._procs[r].sentinel for r in waiting],
-                     timeout=left)
+            wait_any(
+                [self._channels[r] for r in waiting] + [self._procs[r].sentinel for r in waiting],
+                timeout=left,
+            )
 
     def _settle(self, result: CaseOutcome) -> bool:
         """After a case: whether the pool can run another. It can when every rank
@@ -266,15 +274,19 @@ class RankPool:
             channel.take(OutcomeWritten)
         idle = self._collect(Idle, EXIT_WAIT_S)
         problems = [f"rank {r}: {idle[r].problem}" for r in sorted(idle) if idle[r].problem]
-        problems += [f"rank {r} did not report back after the case"
-                     for r in range(self.spec.nproc) if r not in idle]
+        problems += [
+            f"rank {r} did not report back after the case"
+            for r in range(self.spec.nproc)
+            if r not in idle
+        ]
         ranks = [*self.pids, *(message.pid for message in idle.values())]
         leftovers = procs.kill_trees(self.pids, grace=KILL_GRACE_S, spare=ranks)
         if leftovers:
             problems.append(f"pids {[p.pid for p in leftovers]} the case started would not die")
         if problems:
-            result.notes.append("the case passed, but its ranks are not reused: "
-                                + "; ".join(problems))
+            result.notes.append(
+                "the case passed, but its ranks are not reused: " + "; ".join(problems)
+            )
             return False
         return True
 
@@ -304,17 +316,10 @@ class RankPool:
         self._closed = True
         for channel in self._channels:
             channel.send(Exit())
-        end = time.monotonic() + CLOSE_WAIT_S
-        for proc in self._procs:
-            if proc.pid is not None:
-                proc.join(max(0.0, end - time.monotonic()))
-        survivors = procs.kill_trees(self.pids, grace=KILL_GRACE_S)
-        for proc in self._procs:
-            if proc.pid is not None:
-                proc.join(1.0)  # reaps it, now that it is dead
+        survivors = stop_ranks(self._procs, patience=CLOSE_WAIT_S)
         for channel in self._channels:
             channel.close()
-        self.survivors += [p.pid for p in survivors]
+        self.survivors += survivors
         if self.lease is not None:
             # Ranks the kernel would not kill keep their inherited lock: the
             # cards stay leased until they are really gone.
@@ -358,8 +363,10 @@ class PoolKeeper:
                     result.notes[:0] = notes
                     return result
                 # Only a reused pool is checked, so this loops at most once.
-                notes.append(f"the kept ranks failed their health check ({pool.problem}); "
-                             "the case ran on fresh ranks")
+                notes.append(
+                    f"the kept ranks failed their health check ({pool.problem}); "
+                    "the case ran on fresh ranks"
+                )
 
     def _drop_unfit(self, spec: LaunchSpec) -> None:
         """Close the kept pool unless ``spec`` can run on it now."""
@@ -420,8 +427,12 @@ class PoolKeeper:
                     continue  # a case is running (or starting) on it
                 try:
                     pool = self._pool
-                    if (pool is not None and not pool.busy and pool.lease is not None
-                            and pool.lease.contended()):
+                    if (
+                        pool is not None
+                        and not pool.busy
+                        and pool.lease is not None
+                        and pool.lease.contended()
+                    ):
                         self._close_locked()
                 except Exception:
                     pass  # the next case closes a pool that misbehaves

@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import faulthandler
 import gc
+import multiprocessing
 import os
 import pickle
 import signal
@@ -55,11 +56,15 @@ _keep: dict[str, Any] = {}
 
 @dataclass(frozen=True)
 class RankTask:
-    """The function a rank runs and its pickled ``(args, kwargs)``."""
+    """The function a rank runs, its pickled ``(args, kwargs)`` and, for a test
+    method, the pickled state of the instance it is bound to."""
 
     ref: FunctionRef
     args: bytes
     want_value: bool = True
+    #: pickled attributes of the test's instance (set by ``setup_method`` and
+    #: fixture methods in the launcher), given to the rank's own instance
+    state: bytes | None = None
 
 
 @dataclass(frozen=True)
@@ -151,7 +156,9 @@ def rank_main(ctx: RankContext, task: RankTask, lease_fds: list[int]) -> NoRetur
     _exit(outcome)
 
 
-def pool_rank_main(parent_pid: int, conn: Any, lease_fds: list[int]) -> NoReturn:
+def pool_rank_main(
+    parent_pid: int, conn: Any, lease_fds: list[int], pool_dir: str | None = None
+) -> NoReturn:
     """Entry point of a pooled rank: runs the cases ``conn`` delivers until told to exit.
 
     Per case: the launcher's current environment, working directory and
@@ -167,13 +174,14 @@ def pool_rank_main(parent_pid: int, conn: Any, lease_fds: list[int]) -> NoReturn
     ``os._exit``, never through interpreter finalisation.
     """
     try:
-        _serve(parent_pid, conn, lease_fds)
+        _serve(parent_pid, conn, lease_fds, pool_dir)
     except BaseException:
         _fatal()
 
 
-def _serve(parent_pid: int, conn: Any, lease_fds: list[int]) -> NoReturn:
-    _start_rank(parent_pid, lease_fds, rank_only=(conn.fileno(),))
+def _serve(parent_pid: int, conn: Any, lease_fds: list[int], pool_dir: str | None) -> NoReturn:
+    # The pool's directory goes with a launcher that dies (its supervisor removes it).
+    _start_rank(parent_pid, lease_fds, rank_only=(conn.fileno(),), leftover_dir=pool_dir)
     baseline: Baseline | None = None
     while True:
         message = _receive_case(conn)
@@ -190,7 +198,7 @@ def _serve(parent_pid: int, conn: Any, lease_fds: list[int]) -> NoReturn:
         conn.send(OutcomeWritten())
         if outcome.status == FAILED:
             _exit(outcome)
-        conn.send(Idle(_leftovers(baseline), os.getpid()))
+        conn.send(Idle(_leftovers(baseline) or _once_per_process(message.task), os.getpid()))
         # Free the case's garbage (device memory in reference cycles, too)
         # before the next case, off the launcher's critical path.
         gc.collect()
@@ -219,8 +227,9 @@ def _health_gate(conn: Any, ctx: RankContext, seq: int) -> None:
         _hard_exit(0)
 
 
-def _run_kept(ctx: RankContext, task: RankTask,
-              baseline: Baseline | None) -> tuple[RankOutcome, Baseline | None]:
+def _run_kept(
+    ctx: RankContext, task: RankTask, baseline: Baseline | None
+) -> tuple[RankOutcome, Baseline | None]:
     """Run a case on a kept rank. The first case joins the process group and
     records the baseline every later case starts from (before any test code
     has run); later ones get this case's process-group timeout."""
@@ -230,15 +239,25 @@ def _run_kept(ctx: RankContext, task: RankTask,
             return outcome, None
         baseline = Baseline.capture()
     else:
+        # A kept rank starts the case at once: the whole deadline's timeout.
         _set_pg_timeout(ctx.pg_timeout_s)
     return _run(ctx, task, fresh_module=True), baseline
 
 
-def _start_rank(parent_pid: int, lease_fds: list[int], rank_only: tuple[int, ...] = ()) -> None:
+def _start_rank(
+    parent_pid: int,
+    lease_fds: list[int],
+    rank_only: tuple[int, ...] = (),
+    leftover_dir: str | None = None,
+) -> None:
     """Split into supervisor and rank (only the rank returns), then arm the
     crash dump."""
-    split(parent_pid, keep=lease_fds, rank_only=rank_only)
+    split(parent_pid, keep=lease_fds, rank_only=rank_only, leftover_dir=leftover_dir)
     faulthandler.enable(file=sys.stderr, all_threads=True)
+    # A spawned child starts with its start method set (to spawn); the test
+    # process it stands in for has none set, and a test module calling
+    # multiprocessing.set_start_method() at import must work here as there.
+    multiprocessing.set_start_method(None, force=True)
 
 
 def _enter_case(ctx: RankContext) -> None:
@@ -286,6 +305,8 @@ def _run(ctx: RankContext, task: RankTask, *, fresh_module: bool) -> RankOutcome
 
 def _call(ctx: RankContext, task: RankTask, fresh_module: bool) -> RankOutcome:
     fn = task.ref.load(fresh=fresh_module)
+    if task.state is not None:
+        vars(fn.__self__).update(pickle.loads(task.state))
     args, kwargs = pickle.loads(task.args)
     import torch.distributed as dist
 
@@ -326,8 +347,22 @@ def _init_distributed(ctx: RankContext) -> None:
         store=store,
         rank=ctx.rank,
         world_size=ctx.world_size,
-        timeout=timedelta(seconds=ctx.pg_timeout_s),
+        timeout=timedelta(seconds=_pg_timeout(ctx)),
     )
+
+
+def _pg_timeout(ctx: RankContext) -> float:
+    """The process-group timeout for a case whose ranks join their group now:
+    from the time the case has left (its deadline minus what spawning and
+    imports took), so that a collective blocked from here on raises in the
+    rank before the deadline."""
+    from harness.launcher.deadline import pg_timeout_for
+    from harness.launcher.enclosing import EnclosingCase
+
+    case = EnclosingCase.from_env()
+    if case is None:
+        return ctx.pg_timeout_s
+    return min(ctx.pg_timeout_s, pg_timeout_for(max(0.1, case.deadline - time.time())))
 
 
 def _set_pg_timeout(seconds: float) -> None:
@@ -386,6 +421,27 @@ def _leftovers(baseline: Baseline | None) -> str | None:
         return f"cleaning up after the case failed: {type(exc).__name__}: {exc}"
 
 
+def _once_per_process(task: RankTask) -> str | None:
+    """What the case's test module did that a process can do only once, so the
+    next case (which executes the module again) would fail on this rank: a
+    module-level ``torch.library.Library(ns, "DEF")`` (None: nothing)."""
+    library = sys.modules.get("torch.library")
+    module = sys.modules.get(task.ref.module)
+    if library is None or module is None:
+        return None
+    names = sorted(
+        name
+        for name, value in vars(module).items()
+        if isinstance(value, library.Library) and getattr(value, "kind", None) == "DEF"
+    )
+    if names:
+        return (
+            f"its module defines torch.library namespace(s) at import ({', '.join(names)}), "
+            "which a process can define only once"
+        )
+    return None
+
+
 def _select_card(ctx: RankContext) -> None:
     card = ctx.card
     assert card is not None
@@ -397,10 +453,14 @@ def _select_card(ctx: RankContext) -> None:
         # simulated (lease logic tested on a CPU machine); run without one.
         if not _keep.get("simulated_note"):
             _keep["simulated_note"] = True
-            print(f"harness: rank {ctx.rank} holds simulated card {card}; not selecting it",
-                  file=sys.stderr)
+            print(
+                f"harness: rank {ctx.rank} holds simulated card {card}; not selecting it",
+                file=sys.stderr,
+            )
     else:
-        raise RuntimeError(f"rank {ctx.rank} was leased {card}, but torch cannot use {card.device} here")
+        raise RuntimeError(
+            f"rank {ctx.rank} was leased {card}, but torch cannot use {card.device} here"
+        )
 
 
 def outcome_from_exception(rank: int, exc: BaseException) -> RankOutcome:
@@ -413,11 +473,29 @@ def outcome_from_exception(rank: int, exc: BaseException) -> RankOutcome:
         if isinstance(exc, outcomes.XFailed):
             return RankOutcome(rank, XFAILED, now, summary=exc.msg or "")
         if isinstance(exc, outcomes.Failed) and not exc.pytrace:
-            return RankOutcome(rank, FAILED, now, summary=(exc.msg or "").splitlines()[0] if exc.msg else "",
-                               traceback=exc.msg or "")
+            return RankOutcome(
+                rank,
+                FAILED,
+                now,
+                summary=(exc.msg or "").splitlines()[0] if exc.msg else "",
+                traceback=exc.msg or "",
+            )
     only = "".join(traceback.format_exception_only(type(exc), exc)).strip()
     summary = only.splitlines()[0] if only else type(exc).__name__
-    return RankOutcome(rank, FAILED, now, summary=summary, traceback=_user_traceback(exc))
+    return RankOutcome(
+        rank,
+        FAILED,
+        now,
+        summary=summary,
+        traceback=_user_traceback(exc),
+        exc_types=exception_names(type(exc)),
+    )
+
+
+def exception_names(cls: type) -> tuple[str, ...]:
+    """``module.qualname`` of an exception class and of each of its bases, so the
+    launcher can tell which classes (e.g. ``xfail(raises=)``) the error matches."""
+    return tuple(f"{c.__module__}.{c.__qualname__}" for c in cls.__mro__)
 
 
 def _user_traceback(exc: BaseException) -> str:

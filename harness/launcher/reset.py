@@ -35,6 +35,7 @@ import contextlib
 import contextvars
 import gc
 import logging
+import multiprocessing
 import os
 import random
 import signal
@@ -48,9 +49,11 @@ from harness.devices import accelerators
 
 #: Signals whose handlers a case may have replaced (the stack-dump signal is
 #: the harness's own and stays).
-_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP", "SIGALRM",
-                                                      "SIGUSR2", "SIGCHLD", "SIGPIPE")
-                 if hasattr(signal, name))
+_SIGNALS = tuple(
+    getattr(signal, name)
+    for name in ("SIGINT", "SIGTERM", "SIGHUP", "SIGALRM", "SIGUSR2", "SIGCHLD", "SIGPIPE")
+    if hasattr(signal, name)
+)
 
 
 def set_environ(target: dict[str, str]) -> None:
@@ -174,8 +177,7 @@ class Baseline:
             changed = self.interpreter.unrestorable()
             if changed:
                 return changed
-        threads = [t for t in threading.enumerate()
-                   if t.ident not in self.threads and t.is_alive()]
+        threads = [t for t in threading.enumerate() if t.ident not in self.threads and t.is_alive()]
         if threads:
             names = ", ".join(sorted(t.name for t in threads))
             return f"the case left {len(threads)} thread(s) running ({names})"
@@ -202,8 +204,16 @@ def _limits() -> dict[int, tuple[int, int]]:
     if resource is None:
         return {}
     out = {}
-    for name in ("RLIMIT_NOFILE", "RLIMIT_CORE", "RLIMIT_STACK", "RLIMIT_AS", "RLIMIT_NPROC",
-                 "RLIMIT_DATA", "RLIMIT_FSIZE", "RLIMIT_CPU"):
+    for name in (
+        "RLIMIT_NOFILE",
+        "RLIMIT_CORE",
+        "RLIMIT_STACK",
+        "RLIMIT_AS",
+        "RLIMIT_NPROC",
+        "RLIMIT_DATA",
+        "RLIMIT_FSIZE",
+        "RLIMIT_CPU",
+    ):
         which = getattr(resource, name, None)
         if which is not None:
             with contextlib.suppress(OSError, ValueError):
@@ -225,8 +235,8 @@ class InterpreterState:
     would start with: the recursion limit, the garbage collector (enabled,
     thresholds), the file-mode creation mask, the thread switch interval,
     trace / profile functions, the exception / unraisable / display hooks,
-    the default socket timeout, ``sys.dont_write_bytecode`` and the resource
-    limits. ``restore`` puts them back; ``unrestorable`` names what could not
+    the default socket timeout, ``sys.dont_write_bytecode``, the resource
+    limits and the ``multiprocessing`` start method. ``restore`` puts them back; ``unrestorable`` names what could not
     be (a hard resource limit lowered for good): such a rank is not reused."""
 
     recursion_limit: int
@@ -242,6 +252,7 @@ class InterpreterState:
     socket_timeout: float | None
     dont_write_bytecode: bool
     limits: dict[int, tuple[int, int]]
+    start_method: str | None = None
 
     @classmethod
     def capture(cls) -> InterpreterState:
@@ -262,6 +273,7 @@ class InterpreterState:
             socket_timeout=socket.getdefaulttimeout(),
             dont_write_bytecode=sys.dont_write_bytecode,
             limits=_limits(),
+            start_method=multiprocessing.get_start_method(allow_none=True),
         )
 
     def restore(self) -> None:
@@ -282,6 +294,8 @@ class InterpreterState:
         threading.excepthook = self.threading_excepthook
         socket.setdefaulttimeout(self.socket_timeout)
         sys.dont_write_bytecode = self.dont_write_bytecode
+        if multiprocessing.get_start_method(allow_none=True) != self.start_method:
+            multiprocessing.set_start_method(self.start_method, force=True)
         resource = _resource()
         if resource is not None:
             for which, limit in self.limits.items():
@@ -293,7 +307,9 @@ class InterpreterState:
         """What a case changed that ``restore`` cannot put back (None: nothing):
         resource limits are put back now, and those the kernel keeps lowered named."""
         self.restore()
-        changed = sorted(which for which, limit in _limits().items() if self.limits.get(which) != limit)
+        changed = sorted(
+            which for which, limit in _limits().items() if self.limits.get(which) != limit
+        )
         if changed:
             return f"the case lowered resource limit(s) {changed} for good"
         return None
@@ -320,8 +336,11 @@ def _torch_state() -> dict[str, Any]:
     get_default_device = getattr(torch, "get_default_device", None)
     if get_default_device is not None:
         state["device"] = get_default_device()
-    state["device_rng"] = {kind.name: runtime.get_rng_state_all() for kind in accelerators()
-                           if (runtime := kind.initialised_runtime()) is not None}
+    state["device_rng"] = {
+        kind.name: runtime.get_rng_state_all()
+        for kind in accelerators()
+        if (runtime := kind.initialised_runtime()) is not None
+    }
     return state
 
 
@@ -340,11 +359,13 @@ def _restore_torch(state: dict[str, Any]) -> None:
         torch.set_default_device(None if state["device"].type == "cpu" else state["device"])
     if torch.get_default_dtype() != state["dtype"]:
         torch.set_default_dtype(state["dtype"])
-    if (torch.are_deterministic_algorithms_enabled(),
-            torch.is_deterministic_algorithms_warn_only_enabled()) != (
-            state["deterministic"], state["deterministic_warn_only"]):
-        torch.use_deterministic_algorithms(state["deterministic"],
-                                           warn_only=state["deterministic_warn_only"])
+    if (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+    ) != (state["deterministic"], state["deterministic_warn_only"]):
+        torch.use_deterministic_algorithms(
+            state["deterministic"], warn_only=state["deterministic_warn_only"]
+        )
     torch.set_grad_enabled(state["grad"])
     torch.set_anomaly_enabled(state["anomaly"])
     if torch.get_num_threads() != state["threads"]:

@@ -27,7 +27,8 @@ def cpu_count() -> int:
 
 @dataclass(frozen=True)
 class Settings:
-    """``timeout``: default case deadline (s); ``lease_dir``; ``max_procs``: CPU
+    """``timeout``: default case deadline (s); ``lease_dir`` (made absolute
+    against the current directory at construction); ``max_procs``: CPU
     process slots on the host; ``lease_timeout``: bound on a lease wait (s);
     ``require``: accelerator types whose absence fails instead of skipping;
     ``capture``: collect rank output into the report instead of streaming it;
@@ -40,6 +41,11 @@ class Settings:
     require: frozenset[str] = frozenset()
     capture: bool = False
     reuse: bool = True
+
+    def __post_init__(self) -> None:
+        # A relative lease directory means where the session started, not
+        # wherever a test has changed directory to when it leases.
+        object.__setattr__(self, "lease_dir", os.path.abspath(self.lease_dir))
 
 
 #: The settings of the pytest session this code runs in (unset: none). The

@@ -8,12 +8,15 @@ and knows by pid -- becomes its supervisor and runs no test code:
 * every process the case starts stays below the supervisor, whatever it
   does: an orphan (a double-forked ``setsid()`` daemon included) is
   re-parented to the supervisor, the nearest living subreaper, never to init;
+* the rank leads a process group of its own, so a signal to "its" group
+  (``kill -9 0`` in a helper script) stops the rank, never the supervisor;
 * when the rank exits, the supervisor stops everything left below it
   (SIGTERM, then SIGKILL after ``LEFTOVER_GRACE_S``), reaps it, and exits
   with the rank's status (the same exit code, or killed by the same signal);
 * when the launcher dies (even by SIGKILL) the kernel tells the supervisor
-  (``PR_SET_PDEATHSIG``), which kills the whole tree at once and exits; the
-  rank dies with its supervisor the same way;
+  (``PR_SET_PDEATHSIG``), which kills the whole tree at once, removes the
+  directory the dead launcher left (a kept pool's), and exits; the rank dies
+  with its supervisor the same way;
 * the lease descriptors stay in the supervisor alone: the rank closes its
   copies, so no process of the case can hold a lease past the supervisor,
   which is the last of the case to exit;
@@ -27,43 +30,61 @@ watching its parent from a thread.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
+import shutil
 import signal
-import sys
 import threading
 import time
 from collections.abc import Iterable
 from typing import NoReturn
 
-_PR_SET_PDEATHSIG = 1
-_PR_SET_CHILD_SUBREAPER = 36
+from harness import processes
+from harness.processes import die_with_parent, subreaper
+
 #: How long processes left behind by a rank get between SIGTERM and SIGKILL.
 LEFTOVER_GRACE_S = 1.0
 #: How often the supervisor checks its parent, besides being told.
 _POLL_S = 0.5
 
-_FORWARDED = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGINT", "SIGUSR1", "SIGQUIT")
-                   if hasattr(signal, name))
+#: The pid of the pytest controller, for its xdist workers (``tie_to_controller``).
+CONTROLLER_ENV = "HARNESS_CONTROLLER_PID"
+
+_FORWARDED = tuple(
+    getattr(signal, name)
+    for name in ("SIGTERM", "SIGINT", "SIGUSR1", "SIGQUIT")
+    if hasattr(signal, name)
+)
 
 
-def _prctl(option: int, value: int) -> bool:
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        return libc.prctl(option, value, 0, 0, 0) == 0
-    except (OSError, AttributeError):
-        return False
+def tie_to_controller(*, worker: bool) -> None:
+    """Tie an xdist worker's life to its pytest controller's (called as pytest
+    configures, in both).
+
+    The controller records its pid for the workers it is about to start
+    (``$HARNESS_CONTROLLER_PID``); a worker has the kernel SIGKILL it when the
+    controller dies however it dies (the OOM killer included), and exits at
+    once when the controller is already gone. The ranks' supervisors die
+    with their worker in turn, so no level of a run outlives the one above.
+    """
+    if not worker:
+        os.environ[CONTROLLER_ENV] = str(os.getpid())
+        return
+    raw = os.environ.get(CONTROLLER_ENV, "")
+    _watch_parent(int(raw) if raw.isdigit() else os.getppid())
 
 
-def subreaper() -> bool:
-    """Make this process a child subreaper (orphaned descendants come to it). False: unsupported."""
-    return sys.platform.startswith("linux") and _prctl(_PR_SET_CHILD_SUBREAPER, 1)
-
-
-def split(parent_pid: int, *, keep: Iterable[int] = (), rank_only: Iterable[int] = ()) -> None:
+def split(
+    parent_pid: int,
+    *,
+    keep: Iterable[int] = (),
+    rank_only: Iterable[int] = (),
+    leftover_dir: str | None = None,
+) -> None:
     """Split this freshly spawned rank process into supervisor and rank; only
     the rank returns. ``keep`` (the lease descriptors) stay in the supervisor
-    alone; ``rank_only`` (the pool's pipe) in the rank alone.
+    alone; ``rank_only`` (the pool's pipe) in the rank alone. When the
+    launcher dies, the supervisor also removes ``leftover_dir`` (a kept
+    pool's directory, which the dead launcher can no longer remove).
 
     Where subreapers are unsupported, returns at once in this process, which
     then leads its own session and dies with its parent.
@@ -76,30 +97,31 @@ def split(parent_pid: int, *, keep: Iterable[int] = (), rank_only: Iterable[int]
     watched = {signal.SIGCHLD, signal.SIGHUP, *_FORWARDED}
     previous = signal.pthread_sigmask(signal.SIG_BLOCK, watched)
     # The launcher's death arrives as SIGHUP (taken by sigtimedwait below).
-    _prctl(_PR_SET_PDEATHSIG, int(signal.SIGHUP))
-    if os.getppid() != parent_pid:  # the launcher died before prctl
-        os._exit(1)
+    die_with_parent(parent_pid, signal.SIGHUP)
     supervisor = os.getpid()
     rank = os.fork()
     if rank == 0:
+        # A process group of its own: `kill 0` (or a signal to the group)
+        # from the rank or anything it starts stops the rank, never its
+        # supervisor, which then stops whatever is left.
+        with contextlib.suppress(OSError):
+            os.setpgid(0, 0)
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
-        _prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL))
-        if os.getppid() != supervisor:  # the supervisor died before prctl
-            os._exit(1)
+        die_with_parent(supervisor)
         for fd in keep:
             with contextlib.suppress(OSError):
                 os.close(fd)
         return
+    with contextlib.suppress(OSError):
+        os.setpgid(rank, rank)  # also from here: whichever runs first, the group exists
     for fd in rank_only:
         with contextlib.suppress(OSError):
             os.close(fd)
-    _supervise(rank, parent_pid, frozenset(watched))
+    _supervise(rank, parent_pid, frozenset(watched), leftover_dir)
 
 
 def _watch_parent(parent_pid: int) -> None:
-    if sys.platform.startswith("linux") and _prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL)):
-        if os.getppid() != parent_pid:
-            os._exit(1)
+    if die_with_parent(parent_pid):
         return
 
     def watch() -> None:
@@ -110,12 +132,16 @@ def _watch_parent(parent_pid: int) -> None:
     threading.Thread(target=watch, name="harness-parent-watch", daemon=True).start()
 
 
-def _supervise(rank: int, parent_pid: int, watched: frozenset[int]) -> NoReturn:
+def _supervise(
+    rank: int, parent_pid: int, watched: frozenset[int], leftover_dir: str | None
+) -> NoReturn:
     status: int | None = None
     while True:
         info = signal.sigtimedwait(watched, _POLL_S)
         if os.getppid() != parent_pid:
             _stop_all(grace=0.0)
+            if leftover_dir is not None:
+                shutil.rmtree(leftover_dir, ignore_errors=True)
             os._exit(1)
         if info is not None and info.si_signo in _FORWARDED:
             with contextlib.suppress(OSError):
@@ -139,46 +165,13 @@ def _reap(rank: int, status: int | None) -> int | None:
             status = st
 
 
-def _descendants() -> list[int]:
-    """Every process below this one (orphans come to it: it is a subreaper)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        # The command name may hold spaces and parentheses: fields follow the last ')'.
-        fields = stat[stat.rfind(b")") + 2:].split()
-        children.setdefault(int(fields[1]), []).append(int(entry))
-    found, todo = [], [os.getpid()]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
-
-
 def _stop_all(*, grace: float) -> None:
     """SIGTERM (with ``grace`` > 0) then SIGKILL every descendant, reaping them."""
-    sigs = [signal.SIGTERM, signal.SIGKILL] if grace > 0 else [signal.SIGKILL]
-    for sig in sigs:
-        pids = _descendants()
-        if not pids:
-            return
-        for pid in pids:
-            with contextlib.suppress(OSError):
-                os.kill(pid, sig)
-                if sig == signal.SIGTERM:
-                    os.kill(pid, signal.SIGCONT)  # a stopped process acts on SIGTERM only once it runs
-        end = time.monotonic() + (grace if sig == signal.SIGTERM else 5.0)
-        while time.monotonic() < end:
-            _reap(-1, None)
-            if not _descendants():
-                return
-            time.sleep(0.02)
+    me = os.getpid()
+    processes.kill_trees(
+        [me], grace=grace, own_session=False, spare=[me], reap=lambda: _reap(-1, None)
+    )
+    _reap(-1, None)
 
 
 def _exit_like(status: int) -> NoReturn:

@@ -43,6 +43,7 @@ from typing import Any
 
 import psutil
 
+from harness import processes
 from harness.suites import changes, report, selection
 from harness.suites.inventory import CollectedCase, SuiteInventory, build_inventory, plugin_args
 from harness.suites.manifest import Entry, Manifest
@@ -279,27 +280,13 @@ class _Stop:
 
 
 def _tree(pid: int) -> list[psutil.Process]:
-    try:
-        root = psutil.Process(pid)
-        return [root, *root.children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return []
+    return processes.process_tree(pid, own_session=False)
 
 
 def _stop_tree(procs: Sequence[psutil.Process]) -> None:
     """SIGTERM every process of ``procs`` still alive, SIGKILL those left after
     :data:`KILL_AFTER_S`, and wait for them (bounded)."""
-    alive = []
-    for p in procs:
-        with contextlib.suppress(psutil.Error):
-            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
-                p.terminate()
-                alive.append(p)
-    _, alive = psutil.wait_procs(alive, timeout=KILL_AFTER_S)
-    for p in alive:
-        with contextlib.suppress(psutil.Error):
-            p.kill()
-    psutil.wait_procs(alive, timeout=KILL_AFTER_S)
+    processes.terminate(procs, grace=KILL_AFTER_S, kill_wait=KILL_AFTER_S)
 
 
 def _run_pytest(cmd: list[str], root: Path, limit_s: float, stop: _Stop, started: Path) -> int:
@@ -311,10 +298,16 @@ def _run_pytest(cmd: list[str], root: Path, limit_s: float, stop: _Stop, started
     then (or outlived it) is terminated, then killed. Returns pytest's exit code.
     """
     # Its own process group: a Ctrl-C to ours reaches it once, through _Stop.
-    group = {"process_group": 0} if sys.version_info >= (3, 11) else {"preexec_fn": os.setpgrp}
+    # And it dies with us, even when we are SIGKILLed (then nothing stops it).
+    me = os.getpid()
+
+    def in_child() -> None:
+        os.setpgrp()
+        processes.die_with_parent(me)
+
     started.unlink(missing_ok=True)
     stop.started = started
-    stop.child = subprocess.Popen(cmd, cwd=root, **group)  # type: ignore[call-overload]
+    stop.child = subprocess.Popen(cmd, cwd=root, preexec_fn=in_child)
     proc = stop.child
     if stop.signum is not None:  # the signal came between the groups' check and the start
         stop.interrupt()

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 import harness
 from harness import LaunchError, LaunchSpec
-from harness.launcher.case import pg_timeout_for
+from harness.launcher.deadline import pg_timeout_for
 
 
 def rank_facts(tag: str) -> tuple:
@@ -29,7 +29,9 @@ def held_lock_files() -> tuple[list[str], list[str]]:
     import psutil
 
     def locks(proc: psutil.Process) -> list[str]:
-        return sorted(os.path.basename(f.path) for f in proc.open_files() if f.path.endswith(".lock"))
+        return sorted(
+            os.path.basename(f.path) for f in proc.open_files() if f.path.endswith(".lock")
+        )
 
     return locks(psutil.Process()), locks(psutil.Process().parent())
 
@@ -64,7 +66,9 @@ def test_launch_failure_names_the_rank_and_shows_its_traceback():
     with pytest.raises(LaunchError) as info:
         harness.launch(divide_on_rank_1, LaunchSpec(nproc=2))
     message = str(info.value)
-    assert message.startswith("rank 1 failed: ZeroDivisionError: division by zero\n(2 ranks, cpu/gloo)")
+    assert message.startswith(
+        "rank 1 failed: ZeroDivisionError: division by zero\n(2 ranks, cpu/gloo)"
+    )
     assert "in divide_on_rank_1\n    1 / 0" in message
     assert info.value.result.status == "failed"
 
@@ -86,7 +90,7 @@ def test_process_group_timeout_is_below_the_case_deadline(deadline):
 
 
 def test_rank_output_is_kept_to_its_head_and_tail_on_disk(tmp_path):
-    from harness.launcher.case import (
+    from harness.launcher.output import (
         OUTPUT_HEAD_BYTES,
         OUTPUT_TAIL_BYTES,
         bound_output,
@@ -110,8 +114,9 @@ def test_rank_output_is_kept_to_its_head_and_tail_on_disk(tmp_path):
     note, _, tail = rest.partition("]\n")
     assert "".join(lines).startswith(head)
     assert "".join(lines).endswith(tail)
-    assert note.startswith(f"{size - OUTPUT_HEAD_BYTES - OUTPUT_TAIL_BYTES} bytes of this rank's "
-                           "output dropped")
+    assert note.startswith(
+        f"{size - OUTPUT_HEAD_BYTES - OUTPUT_TAIL_BYTES} bytes of this rank's output dropped"
+    )
     assert len(text) < OUTPUT_HEAD_BYTES + OUTPUT_TAIL_BYTES + 200
     short = tmp_path / "short.log"
     short.write_text("all of it\n")

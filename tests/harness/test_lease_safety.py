@@ -20,6 +20,8 @@ from harness.launcher import lease as leases
 from harness.launcher.lease import acquire, card_want, slot_want
 
 CARD = [Card("cuda", "0")]
+#: This user's lock file of a resource (each user leases through its own).
+UID = os.geteuid()
 VICTIM_TEXT = "someone's precious file\n"
 
 
@@ -53,10 +55,14 @@ def lease_and_catch(lease_dir, wants, timeout: float = 1.0):
     return None
 
 
-@pytest.mark.parametrize(("link", "wants"), [
-    ("cuda-0.lock", [card_want(CARD, 1)]),
-    ("slot-0.lock", [slot_want(1, 1)]),
-], ids=["card", "slot"])
+@pytest.mark.parametrize(
+    ("link", "wants"),
+    [
+        (f"cuda-0.u{UID}.lock", [card_want(CARD, 1)]),
+        (f"slot-0.u{UID}.lock", [slot_want(1, 1)]),
+    ],
+    ids=["card", "slot"],
+)
 def test_a_planted_symlink_leaves_its_target_alone(shared_dir, victim, link, wants):
     (shared_dir / link).symlink_to(victim)
     error = lease_and_catch(shared_dir, wants)
@@ -67,7 +73,7 @@ def test_a_planted_symlink_leaves_its_target_alone(shared_dir, victim, link, wan
 
 
 def test_a_planted_hard_link_leaves_its_target_alone(shared_dir, victim):
-    os.link(victim, shared_dir / "cuda-0.lock")
+    os.link(victim, shared_dir / f"cuda-0.u{UID}.lock")
     error = lease_and_catch(shared_dir, [card_want(CARD, 1)])
     assert_untouched(victim)
     assert isinstance(error, leases.LeaseFileError), error
@@ -79,8 +85,9 @@ def test_planted_queue_files_leave_their_targets_alone(shared_dir, victim, tmp_p
     (shared_dir / "waiter-0.lock").symlink_to(victim)
     with acquire(str(shared_dir), [card_want(CARD, 1)], timeout=0, holder="holder"):
         got: list = []
-        waiter = threading.Thread(target=lambda: got.append(lease_and_catch(
-            shared_dir, [card_want(CARD, 1)], timeout=30)))
+        waiter = threading.Thread(
+            target=lambda: got.append(lease_and_catch(shared_dir, [card_want(CARD, 1)], timeout=30))
+        )
         waiter.start()
         end = time.monotonic() + 10
         while not leases.waiters(str(shared_dir)) and time.monotonic() < end:
@@ -99,7 +106,7 @@ def test_planted_queue_files_leave_their_targets_alone(shared_dir, victim, tmp_p
 
 
 def test_a_file_the_harness_did_not_write_is_left_alone(shared_dir):
-    notes = shared_dir / "cuda-0.lock"
+    notes = shared_dir / f"cuda-0.u{UID}.lock"
     notes.write_text(VICTIM_TEXT)
     notes.chmod(0o600)
     error = lease_and_catch(shared_dir, [card_want(CARD, 1)])
@@ -108,13 +115,14 @@ def test_a_file_the_harness_did_not_write_is_left_alone(shared_dir):
     assert "holds something the harness never writes there" in str(error)
 
 
-def test_lock_files_the_harness_creates_are_leasable_by_every_user(shared_dir):
+def test_lock_files_the_harness_creates_can_be_looked_at_by_every_user(shared_dir):
     old = os.umask(0o077)
     try:
         acquire(str(shared_dir), [card_want(CARD, 1)], timeout=0, holder="x").release()
     finally:
         os.umask(old)
-    assert stat.S_IMODE((shared_dir / "cuda-0.lock").stat().st_mode) == 0o666
+    # Other users' sessions look whether it is locked and who holds it.
+    assert stat.S_IMODE((shared_dir / f"cuda-0.u{UID}.lock").stat().st_mode) == 0o644
 
 
 def test_a_symlinked_default_lease_dir_is_refused(tmp_path, monkeypatch):
@@ -136,7 +144,7 @@ def test_a_symlinked_default_lease_dir_is_refused(tmp_path, monkeypatch):
 
 # -- a bad lease directory is one usage error at session start ---------------
 
-NEEDS_A_CARD = '''
+NEEDS_A_CARD = """
     import pytest
 
 
@@ -148,7 +156,7 @@ NEEDS_A_CARD = '''
 
     def test_needs_nothing():
         pass
-'''
+"""
 
 
 @pytest.fixture
@@ -173,9 +181,12 @@ def assert_one_usage_error(result, *words: str) -> None:
 def test_a_lease_dir_that_is_a_file_is_one_usage_error(card_project, tmp_path):
     not_a_dir = tmp_path / "a-file"
     not_a_dir.write_text("")
-    result = card_project.runpytest_subprocess(f"--harness-lease-dir={not_a_dir}", "-p", "no:cacheprovider")
-    assert_one_usage_error(result, f"harness lease directory {not_a_dir}", "--harness-lease-dir",
-                           "is not a directory")
+    result = card_project.runpytest_subprocess(
+        f"--harness-lease-dir={not_a_dir}", "-p", "no:cacheprovider"
+    )
+    assert_one_usage_error(
+        result, f"harness lease directory {not_a_dir}", "--harness-lease-dir", "is not a directory"
+    )
 
 
 def test_a_lease_dir_that_cannot_be_created_is_one_usage_error(card_project, tmp_path, monkeypatch):
@@ -183,8 +194,12 @@ def test_a_lease_dir_that_cannot_be_created_is_one_usage_error(card_project, tmp
     (tmp_path / "a-file").write_text("")
     monkeypatch.setenv("HARNESS_LEASE_DIR", str(under_a_file))
     result = card_project.runpytest_subprocess("-p", "no:cacheprovider")
-    assert_one_usage_error(result, f"harness lease directory {under_a_file}",
-                           "(set by $HARNESS_LEASE_DIR)", "cannot be created")
+    assert_one_usage_error(
+        result,
+        f"harness lease directory {under_a_file}",
+        "(set by $HARNESS_LEASE_DIR)",
+        "cannot be created",
+    )
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root may write any directory")
@@ -192,14 +207,17 @@ def test_a_lease_dir_that_is_not_writable_is_one_usage_error(card_project, tmp_p
     locked = tmp_path / "locked"
     locked.mkdir()
     locked.chmod(0o555)
-    result = card_project.runpytest_subprocess(f"--harness-lease-dir={locked}", "-p", "no:cacheprovider")
-    assert_one_usage_error(result, f"harness lease directory {locked}", "--harness-lease-dir",
-                           "is not writable")
+    result = card_project.runpytest_subprocess(
+        f"--harness-lease-dir={locked}", "-p", "no:cacheprovider"
+    )
+    assert_one_usage_error(
+        result, f"harness lease directory {locked}", "--harness-lease-dir", "is not writable"
+    )
 
 
 # -- unrelated projects on one host exclude each other for cards ---------------
 
-HOLD_WITH_DEFAULTS = textwrap.dedent('''
+HOLD_WITH_DEFAULTS = textwrap.dedent("""
     import sys, time
     from harness.devices import Card
     from harness.launcher.lease import acquire, card_want, default_lease_dir
@@ -207,7 +225,7 @@ HOLD_WITH_DEFAULTS = textwrap.dedent('''
                     holder="project one")
     print("held", flush=True)
     time.sleep(60)
-''')
+""")
 
 
 def test_unrelated_projects_share_the_card_leases_of_the_host(card_project, tmp_path, monkeypatch):
@@ -217,14 +235,24 @@ def test_unrelated_projects_share_the_card_leases_of_the_host(card_project, tmp_
     monkeypatch.setenv("TMPDIR", str(tmp))
     project_one = tmp_path / "project-one"
     project_one.mkdir()
-    holder = subprocess.Popen([sys.executable, "-c", HOLD_WITH_DEFAULTS], cwd=project_one,
-                              stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD_WITH_DEFAULTS],
+        cwd=project_one,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert holder.stdout.readline().strip() == "held"
-        result = card_project.runpytest_subprocess("--harness-lease-timeout=0.5", "-p", "no:cacheprovider")
+        result = card_project.runpytest_subprocess(
+            "--harness-lease-timeout=0.5", "-p", "no:cacheprovider"
+        )
     finally:
         holder.kill()
         holder.wait()
     result.assert_outcomes(passed=1, errors=3)
-    result.stdout.fnmatch_lines([f"*lease wait timed out after * (lease dir {tmp}/harness-leases):",
-                                 f"*cuda:0: held by pid {holder.pid} (project one; for *"])
+    result.stdout.fnmatch_lines(
+        [
+            f"*lease wait timed out after * (lease dir {tmp}/harness-leases):",
+            f"*cuda:0: held by pid {holder.pid} (project one; for *",
+        ]
+    )

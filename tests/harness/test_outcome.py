@@ -88,3 +88,26 @@ def test_outcome_file_round_trip(tmp_path):
     assert RankOutcome.read(path) is None
     failed(0, 1.5, "E").write(path)
     assert RankOutcome.read(path) == failed(0, 1.5, "E")
+
+
+def test_one_failure_puts_a_bounded_amount_into_the_report(tmp_path):
+    from harness.launcher.outcome import SUMMARY_KEEP_CHARS, TRACEBACK_KEEP_CHARS
+    from harness.launcher.rank import outcome_from_exception
+
+    message = "m" * 100_000_000
+    try:
+        raise ValueError(message)
+    except ValueError as exc:
+        ranks = {r: outcome_from_exception(r, exc) for r in range(4)}
+    del message
+    # What travels from the rank (its outcome file) is bounded ...
+    ranks[0].write(str(tmp_path / "rank-0.outcome"))
+    assert (tmp_path / "rank-0.outcome").stat().st_size < 4 * TRACEBACK_KEEP_CHARS
+    for rank, outcome in ranks.items():
+        outcome.at = float(rank)
+    report = result(nproc=4, outcomes=ranks).report()
+    # ... and so is the report: the first failure's traceback, one summary per other rank.
+    assert len(report) < 2 * TRACEBACK_KEEP_CHARS + 4 * 2 * SUMMARY_KEEP_CHARS + 2000
+    assert report.startswith("rank 0 failed: ValueError: mmm")
+    assert "characters dropped]" in report
+    assert "  rank 3 failed: ValueError: mmm" in report

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -104,3 +107,41 @@ def test_spec_of_collected_items(pytester):
         "test_launched_spec": LaunchSpec("cuda", 3),
     }
     assert [s.cards for s in specs.values()] == [0, 0, 1, 0, 2, 3]
+
+
+def test_the_suite_side_never_imports_the_launcher():
+    # The launcher's pool keeper registers an exit hook at import: the suite
+    # commands (inventory, run, matrix) must not pay for or carry it.
+    code = (
+        "import sys, harness.suites.cli\n"
+        "loaded = sorted(m for m in sys.modules if m.startswith('harness.launcher'))\n"
+        "assert not loaded, loaded\n"
+        "from harness import LaunchSpec, DEVICES\n"
+        "assert not any(m.startswith('harness.launcher') for m in sys.modules)\n"
+        "from harness import launch, LaunchError, LeaseTimeout\n"
+        "assert 'harness.launcher.pool' in sys.modules\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                          timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_unknown_public_name_is_an_attribute_error():
+    import harness
+
+    with pytest.raises(AttributeError, match="no attribute 'lanch'"):
+        harness.lanch
+    assert set(harness.__all__) <= set(dir(harness))
+
+
+def test_integer_likes_of_any_kind_are_plain_ints_in_the_spec():
+    np = pytest.importorskip("numpy")
+    from harness.errors import HarnessError
+
+    spec = LaunchSpec(nproc=np.int64(2), timeout=np.float64(5))
+    assert type(spec.nproc) is int
+    assert spec == LaunchSpec(nproc=2, timeout=5)
+    assert hash(spec) == hash(LaunchSpec(nproc=2, timeout=5.0))
+    with pytest.raises(HarnessError, match=r"LaunchSpec\.nproc"):
+        LaunchSpec(nproc=np.bool_(True))

@@ -1,0 +1,269 @@
+"""One run of a case on a set of ranks, fresh or kept (``CaseRun``).
+
+Its phases:
+
+* ``rank_context``: what each rank is told (environment, card, files);
+* ``supervise``: wait until every rank reported or exited, the deadline
+  passed, or the others overstayed ``ABANDON_GRACE_S`` after a failure;
+* ``wind_down``: dump the stacks of ranks being stopped, stop every process
+  tree, reap, collect the (bounded) output.
+
+Ranks rendezvous through a ``FileStore`` in the case's (or pool's) directory,
+so there is no port to race for; each rank's process-group timeout is set
+below the case deadline, so a stuck collective raises inside the rank first;
+ranks still running at the deadline (or a few seconds after another rank
+failed) dump their Python stacks (faulthandler) before they are stopped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections.abc import Callable
+from multiprocessing.connection import wait as wait_any
+from typing import TYPE_CHECKING, Any
+
+from harness.devices import Card, is_simulated, visibility
+from harness.launcher import procs
+from harness.launcher.deadline import pg_timeout_for
+from harness.launcher.enclosing import CASE_ENV, EnclosingCase
+from harness.launcher.outcome import FAILED, CaseOutcome, RankOutcome
+from harness.launcher.output import bound_output, file_size, read_bounded
+from harness.launcher.rank import STACK_DUMP_SIGNAL, RankContext
+from harness.launcher.spawn import stop_ranks
+
+if TYPE_CHECKING:
+    from harness.launcher.case import CasePlan
+
+#: After one rank failed, the others get this long to finish before they are
+#: stopped (a peer blocked in a collective that never notices).
+ABANDON_GRACE_S = 5.0
+#: How long a rank that reported its outcome may take to exit by itself.
+EXIT_WAIT_S = 5.0
+STACK_DUMP_WAIT_S = 2.0
+#: Kept ranks that finished a case wait this long for their peers to finish
+#: too before they leave (as fresh ranks leave at once), see ``CaseRun.supervise``.
+STRAGGLER_GRACE_S = 1.0
+_HARNESS_RANK_FILE = os.path.join("harness", "launcher", "rank.py")
+
+
+class CaseRun:
+    """One run of a case on a set of ranks (fresh or kept): its directory, its
+    outcome so far, and the phases that fill it in."""
+
+    def __init__(
+        self, plan: CasePlan, cards: list[Card], case_dir: str, *, store_path: str | None = None
+    ) -> None:
+        spec = plan.spec
+        if len(cards) < spec.cards:
+            raise ValueError(
+                f"{spec.nproc} {spec.device} ranks need {spec.cards} cards; got {cards}"
+            )
+        label = f"{spec.device}/{spec.dist_backend}"
+        if cards:
+            label += " on " + ",".join(str(c) for c in cards[: spec.cards])
+        self.plan = plan
+        self.cards = cards
+        self.case_dir = case_dir
+        self.capture = plan.settings.capture
+        self.store_path = store_path or os.path.join(case_dir, "store")
+        self.result = CaseOutcome(
+            spec.nproc,
+            label,
+            plan.deadline.seconds,
+            plan.deadline.source,
+            abandon_grace_s=ABANDON_GRACE_S,
+        )
+        self.enclosing = EnclosingCase(
+            plan.what,
+            spec.nproc,
+            spec.device,
+            tuple(str(c) for c in cards),
+            time.time() + plan.deadline.seconds,
+            budget_dir=os.path.join(case_dir, "nested-slots"),
+        )
+        self.deadline = time.monotonic() + plan.deadline.seconds
+
+    def path(self, rank: int, kind: str) -> str:
+        """The case file ``rank-<rank>.<kind>`` (outcome, stacks, log)."""
+        return os.path.join(self.case_dir, f"rank-{rank}.{kind}")
+
+    def rank_context(self, rank: int) -> RankContext:
+        """What rank ``rank`` of the case needs to know: its environment, card,
+        the case's files and the rendezvous store."""
+        spec = self.plan.spec
+        env = {
+            "RANK": str(rank),
+            "WORLD_SIZE": str(spec.nproc),
+            "LOCAL_RANK": str(rank),
+            "LOCAL_WORLD_SIZE": str(spec.nproc),
+            CASE_ENV: self.enclosing.to_env(),
+        }
+        if "OMP_NUM_THREADS" not in os.environ:
+            # As torchrun does: N ranks each using every core oversubscribe the host.
+            env["OMP_NUM_THREADS"] = "1"
+        if "TORCH_DIST_INIT_BARRIER" not in os.environ:
+            # torch's store-based barrier at the end of init_process_group and
+            # new_group: a rank leaves (os._exit) as soon as its function returns,
+            # and must not close its connections while a peer is still joining the
+            # group (it would fail with "connectFullMesh failed ... closed by peer").
+            env["TORCH_DIST_INIT_BARRIER"] = "1"
+        card = self.cards[rank] if spec.cards else None
+        if card is not None:
+            env.update(visibility(card))
+        return RankContext(
+            rank=rank,
+            world_size=spec.nproc,
+            device=spec.device,
+            backend=spec.dist_backend,
+            card=card,
+            simulated=is_simulated(),
+            store_path=self.store_path,
+            outcome_path=self.path(rank, "outcome"),
+            stacks_path=self.path(rank, "stacks"),
+            log_path=self.path(rank, "log") if self.capture else None,
+            pg_timeout_s=pg_timeout_for(self.plan.deadline.seconds),
+            parent_pid=os.getpid(),
+            env=env,
+        )
+
+    def supervise(
+        self,
+        started: list[Any],
+        channels: list[Any] | None = None,
+        *,
+        release: Callable[[list[int]], None] | None = None,
+    ) -> None:
+        """Wait until every rank has reported or exited, the deadline passes, or the
+        others overstay ``ABANDON_GRACE_S`` after a failure; record which.
+
+        ``channels`` (kept ranks: one per rank, with ``fileno()``, ``closed``
+        and ``drain()``) wake the wait when a rank says its outcome is
+        written, instead of the outcome files being polled. Meanwhile each
+        rank's output file is kept to its head and tail (``bound_output``).
+
+        ``release`` (kept ranks, which outlive their case) is called once with
+        the ranks that finished when others are still running
+        ``STRAGGLER_GRACE_S`` after the first finished: it makes them leave as
+        fresh ranks would have at once, so a peer blocked in a collective with
+        them fails now instead of at the process-group timeout.
+        """
+        result = self.result
+        first_failure: float | None = None
+        first_done: float | None = None
+        while True:
+            pending = self._observe(started)
+            if not pending:
+                return
+            now = time.monotonic()
+            if first_failure is None and _has_failure(result):
+                first_failure = now
+            if release is not None and result.outcomes:
+                first_done = now if first_done is None else first_done
+                if now >= first_done + STRAGGLER_GRACE_S:
+                    release(sorted(r for r in result.outcomes if r not in result.exits))
+                    release = None
+            if now >= self.deadline:
+                result.timed_out = pending
+                return
+            if first_failure is not None and now >= first_failure + ABANDON_GRACE_S:
+                result.abandoned = pending
+                return
+            if self.capture:
+                for rank in pending:
+                    bound_output(self.path(rank, "log"))
+            # Exits wake us at once, and so do kept ranks' messages; outcomes of
+            # ranks still tearing down are polled.
+            waitables: list[Any] = [started[r].sentinel for r in pending]
+            if channels is not None:
+                waitables += [channels[r] for r in pending if not channels[r].closed]
+            for ready in wait_any(waitables, timeout=min(0.1, self.deadline - now)):
+                if not isinstance(ready, int):
+                    ready.drain()
+
+    def _observe(self, started: list[Any]) -> list[int]:
+        """Record new outcomes and exits; return the ranks neither reported nor exited."""
+        result = self.result
+        pending = []
+        for rank, proc in enumerate(started):
+            code = proc.exitcode  # before reading the outcome: it is written before exit
+            if rank not in result.outcomes:
+                outcome = RankOutcome.read(self.path(rank, "outcome"))
+                if outcome is not None:
+                    result.outcomes[rank] = outcome
+            if code is not None and rank not in result.exits:
+                result.exits[rank] = (time.time(), code)
+            if rank not in result.outcomes and rank not in result.exits:
+                pending.append(rank)
+        return pending
+
+    def wind_down(self, started: list[Any]) -> None:
+        """Dump stacks of ranks being stopped, stop every tree, reap, collect output."""
+        result = self.result
+        stopping = [r for r in (*result.timed_out, *result.abandoned) if r < len(started)]
+        if stopping and STACK_DUMP_SIGNAL is not None:
+            self._dump_stacks(started, stopping)
+        # Ranks that reported get a moment to tear down and exit by themselves;
+        # the others (interrupted launcher, overdue ranks) are stopped right away.
+        stop_at = time.monotonic() + EXIT_WAIT_S
+        for rank, proc in enumerate(started):
+            if rank not in result.outcomes or rank in result.exits:
+                continue
+            proc.join(max(0.0, stop_at - time.monotonic()))
+            if proc.exitcode is not None and rank not in result.exits:
+                result.exits[rank] = (time.time(), proc.exitcode)
+        result.survivors = stop_ranks(started)
+        self.collect_logs()
+
+    def collect_logs(self) -> None:
+        """Read each rank's captured output of the case (head and tail, with a
+        note of what was dropped) into ``result.logs``."""
+        if not self.capture:
+            return
+        for rank in range(self.plan.spec.nproc):
+            with contextlib.suppress(OSError):
+                self.result.logs[rank] = read_bounded(self.path(rank, "log"))
+
+    def _dump_stacks(self, started: list[Any], ranks: list[int]) -> None:
+        paths = {r: self.path(r, "stacks") for r in ranks}
+        for rank in ranks:
+            if procs.stopped(started[rank].pid):
+                self.result.stopped.append(rank)
+                continue
+            # Only ranks that registered the dump handler (it creates the file):
+            # the signal's default action would kill one that has not.
+            if os.path.exists(paths[rank]):
+                with contextlib.suppress(OSError):
+                    os.kill(started[rank].pid, STACK_DUMP_SIGNAL)
+        end = time.monotonic() + STACK_DUMP_WAIT_S
+        sizes: dict[int, int] = {}
+        while time.monotonic() < end:
+            time.sleep(0.1)
+            now = {r: file_size(p) for r, p in paths.items()}
+            if now == sizes and all(now.values()):
+                break
+            sizes = now
+        for rank, path in paths.items():
+            with contextlib.suppress(OSError), open(path, errors="replace") as f:
+                self.result.stacks[rank] = _trim_stack(f.read())
+
+
+def _has_failure(result: CaseOutcome) -> bool:
+    return any(o.status == FAILED for o in result.outcomes.values()) or any(
+        rank not in result.outcomes or code != 0 for rank, (_, code) in result.exits.items()
+    )
+
+
+def _trim_stack(text: str) -> str:
+    """Drop the frames below the rank's entry (multiprocessing bootstrap, the
+    harness): faulthandler lists most recent first, so they end each thread."""
+    out, skipping = [], False
+    for line in text.splitlines():
+        if not line.startswith(" "):  # a thread header or the blank line between threads
+            skipping = False
+        elif _HARNESS_RANK_FILE in line:
+            skipping = True
+        if not skipping:
+            out.append(line)
+    return "\n".join(out)

@@ -1,0 +1,208 @@
+"""Process trees: finding every process below another, stopping them all, and
+tying a process's life to its parent's.
+
+Shared ground of both rooms of the harness: the launcher stops a case's ranks
+and whatever they started (``harness.launcher``), a rank's supervisor stops
+what its rank left behind (``harness.launcher.supervisor``), ``harness run``
+stops the pytest it started (``harness.suites.run``). One way to stop a tree:
+SIGTERM (with SIGCONT, so a stopped process acts on it), a grace period,
+SIGKILL to whatever still runs, re-collected so that processes forked
+meanwhile are included, then a bounded wait. Waits poll rather than
+``wait()``, so they never reap a child behind the back of the
+``subprocess.Popen`` / ``multiprocessing.Process`` that owns it; a zombie
+counts as gone.
+
+Linux also lets a process be told when its parent dies (``die_with_parent``):
+each level of a run (``harness run``, pytest, its xdist workers, the ranks'
+supervisors) asks for it, so killing any level, even by SIGKILL, takes every
+level below with it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable, Iterable
+
+import psutil
+
+__all__ = [
+    "die_with_parent",
+    "kill_trees",
+    "process_tree",
+    "session_members",
+    "subreaper",
+    "terminate",
+    "wait_gone",
+]
+
+_PR_SET_PDEATHSIG = 1
+_PR_SET_CHILD_SUBREAPER = 36
+_LINUX = sys.platform.startswith("linux")
+# Loaded once, here: a ``preexec_fn`` runs between fork and exec, where
+# loading a library (allocating) is unsafe.
+_libc = None
+if _LINUX:
+    with contextlib.suppress(OSError):
+        _libc = ctypes.CDLL(None, use_errno=True)
+
+
+def _prctl(option: int, value: int) -> bool:
+    if _libc is None:
+        return False
+    try:
+        return _libc.prctl(option, value, 0, 0, 0) == 0
+    except AttributeError:
+        return False
+
+
+def subreaper() -> bool:
+    """Make this process a child subreaper: orphaned descendants are re-parented
+    to it, not to init. False where unsupported (not Linux)."""
+    return _prctl(_PR_SET_CHILD_SUBREAPER, 1)
+
+
+def die_with_parent(parent_pid: int, sig: int = signal.SIGKILL) -> bool:
+    """Have the kernel send ``sig`` to this process when its parent dies.
+
+    ``parent_pid`` is the parent it must have: when it is already gone (the
+    parent died before the request took effect), this process exits at once
+    with status 1. Returns False where unsupported (not Linux): the caller
+    then needs another way to notice. Note that the kernel acts on the death
+    of the parent *thread* that started this process, and that the request
+    is not inherited by children: each level asks for itself.
+    """
+    if not _prctl(_PR_SET_PDEATHSIG, int(sig)):
+        return False
+    if os.getppid() != parent_pid:
+        os._exit(1)
+    return True
+
+
+def _gone(proc: psutil.Process) -> bool:
+    try:
+        # A zombie is dead; only its parent's wait() is missing (the launcher
+        # reaps its own ranks, init reaps orphans).
+        return not proc.is_running() or proc.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def session_members(sid: int) -> list[psutil.Process]:
+    """Processes in session ``sid`` other than its leader.
+
+    Only meaningful for a session a rank created: the kernel keeps a pid out
+    of reuse while it names a live session, so members found here are that
+    rank's leftovers.
+    """
+    members = []
+    for proc in psutil.process_iter():
+        if proc.pid == sid:
+            continue
+        with contextlib.suppress(OSError):
+            if os.getsid(proc.pid) == sid:
+                members.append(proc)
+    return members
+
+
+def process_tree(root: int, *, own_session: bool) -> list[psutil.Process]:
+    """``root`` (if alive), its descendants, and, with ``own_session``, every
+    other process still in the session ``root`` leads. Never raises for
+    processes that vanish meanwhile."""
+    procs: dict[int, psutil.Process] = {}
+    with contextlib.suppress(psutil.Error):
+        proc = psutil.Process(root)
+        procs[root] = proc
+        for child in proc.children(recursive=True):
+            procs[child.pid] = child
+    if own_session:
+        for member in session_members(root):
+            procs.setdefault(member.pid, member)
+    return [p for p in procs.values() if not _gone(p)]
+
+
+def _signal(procs: Iterable[psutil.Process], sig: int) -> None:
+    for proc in procs:
+        with contextlib.suppress(psutil.Error, OSError):
+            proc.send_signal(sig)
+
+
+def wait_gone(
+    procs: list[psutil.Process], timeout: float, *, reap: Callable[[], object] | None = None
+) -> list[psutil.Process]:
+    """Wait until every process in ``procs`` is dead; return those still alive at ``timeout``.
+
+    Polls rather than ``wait()``s (see the module docstring); ``reap`` is
+    called on every poll by a caller that reaps its own children (a
+    subreaper).
+    """
+    deadline = time.monotonic() + timeout
+    alive = [p for p in procs if not _gone(p)]
+    while alive and time.monotonic() < deadline:
+        time.sleep(0.02)
+        if reap is not None:
+            reap()
+        alive = [p for p in alive if not _gone(p)]
+    return alive
+
+
+def terminate(
+    procs: Iterable[psutil.Process],
+    *,
+    grace: float,
+    kill_wait: float = 5.0,
+    more: Callable[[], Iterable[psutil.Process]] = tuple,
+    reap: Callable[[], object] | None = None,
+) -> list[psutil.Process]:
+    """Stop ``procs``: SIGTERM (and SIGCONT), then after ``grace`` seconds SIGKILL
+    to whatever still runs, together with what ``more()`` finds then (processes
+    forked meanwhile). ``grace`` 0 sends SIGKILL alone. Returns the processes
+    still alive ``kill_wait`` seconds after SIGKILL (stuck in the kernel),
+    normally none."""
+    found = {p.pid: p for p in procs if not _gone(p)}
+    if not found:
+        return []
+    if grace > 0:
+        _signal(found.values(), signal.SIGTERM)
+        if hasattr(signal, "SIGCONT"):
+            # A stopped process acts on SIGTERM only once it runs again.
+            _signal(found.values(), signal.SIGCONT)
+        wait_gone(list(found.values()), grace, reap=reap)
+    for p in more():
+        found.setdefault(p.pid, p)
+    alive = [p for p in found.values() if not _gone(p)]
+    if not alive:
+        return []
+    _signal(alive, signal.SIGKILL)
+    return wait_gone(alive, kill_wait, reap=reap)
+
+
+def kill_trees(
+    roots: Iterable[int],
+    *,
+    grace: float,
+    own_session: bool = True,
+    kill_wait: float = 5.0,
+    spare: Iterable[int] = (),
+    reap: Callable[[], object] | None = None,
+) -> list[psutil.Process]:
+    """Stop every process of the trees rooted at ``roots`` (``process_tree``),
+    the way ``terminate`` does. Pids in ``spare`` are left alone (a kept rank
+    whose leftover children are stopped; a supervisor stopping what is below
+    it). Returns processes still alive ``kill_wait`` seconds after SIGKILL."""
+    roots = list(roots)
+    spared = set(spare)
+
+    def collect() -> list[psutil.Process]:
+        return [
+            p
+            for r in roots
+            for p in process_tree(r, own_session=own_session)
+            if p.pid not in spared
+        ]
+
+    return terminate(collect(), grace=grace, kill_wait=kill_wait, more=collect, reap=reap)

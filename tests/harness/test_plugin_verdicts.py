@@ -1,0 +1,190 @@
+"""A launched case gets the verdict its in-process twin gets: each scenario is a
+pair (or trio: kept and fresh ranks) of tests in one real pytest session,
+compared by the session's JUnit report."""
+
+from __future__ import annotations
+
+import pytest
+from launch_project import inner_env, run_session, write_project
+
+TWINS = '''
+    import os
+    import time
+    import unittest
+
+    import pytest
+
+    from recording import out_dir
+
+
+    class Boom(Exception):
+        pass
+
+
+    @pytest.mark.xfail(raises=Boom, strict=True)
+    def test_xfail_raises_in_process():
+        raise Boom("expected")
+
+
+    @pytest.mark.xfail(raises=Boom, strict=True)
+    @pytest.mark.launch(nproc=2)
+    def test_xfail_raises_kept():
+        raise Boom("expected")
+
+
+    @pytest.mark.xfail(raises=(KeyError, Boom), strict=True)
+    @pytest.mark.launch(nproc=1, reuse=False)
+    def test_xfail_raises_fresh():
+        raise Boom("expected")
+
+
+    @pytest.mark.xfail(raises=KeyError, strict=True)
+    def test_xfail_other_error_in_process():
+        raise Boom("not a KeyError")
+
+
+    @pytest.mark.xfail(raises=KeyError, strict=True)
+    @pytest.mark.launch(nproc=1)
+    def test_xfail_other_error_launched():
+        raise Boom("not a KeyError")
+
+
+    async def test_async_in_process():
+        (out_dir() / "async-in-process.ran").write_text("")
+
+
+    @pytest.mark.launch(nproc=1)
+    async def test_async_launched():
+        (out_dir() / "async-launched.ran").write_text("")
+
+
+    class TestSelfState:
+        @pytest.fixture(autouse=True)
+        def prepare(self):
+            self.from_fixture = 3
+
+        def setup_method(self, method):
+            self.from_setup = 4
+
+        def check(self):
+            assert (self.from_fixture, self.from_setup) == (3, 4)
+
+        def test_in_process(self):
+            self.check()
+
+        @pytest.mark.launch(nproc=2)
+        def test_kept(self):
+            self.check()
+
+        @pytest.mark.launch(nproc=1, reuse=False)
+        def test_fresh(self):
+            self.check()
+
+
+    def hang_in_rank():
+        time.sleep(120)
+
+
+    @pytest.mark.timeout(15)
+    @pytest.mark.launch(nproc=1)
+    def test_timeout_marker():
+        hang_in_rank()
+
+
+    class TestUnit(unittest.TestCase):
+        def test_unit_in_process(self):
+            pass
+
+        @pytest.mark.launch(nproc=2)
+        def test_unit_launched(self):
+            (out_dir() / f"unit-{os.environ.get('RANK')}.ran").write_text("")
+'''
+
+
+#: Module-level statements a process can run once: the module is imported once
+#: in-process, and again (in a fresh module) for every case on a kept rank.
+IMPORT_ONCE = '''
+    import multiprocessing
+
+    import pytest
+    import torch
+
+    multiprocessing.set_start_method("spawn")
+    LIB = torch.library.Library("harness_twins", "DEF")
+
+
+    def test_once_in_process():
+        pass
+
+
+    @pytest.mark.launch(nproc=1)
+    def test_once_first_case():
+        pass
+
+
+    @pytest.mark.launch(nproc=1)
+    def test_once_second_case():
+        pass
+'''
+
+
+@pytest.fixture(scope="module")
+def twins(tmp_path_factory):
+    files = {"test_twins.py": TWINS, "test_import_once.py": IMPORT_ONCE}
+    root = write_project(tmp_path_factory.mktemp("twins"), files)
+    return root, run_session(root, env=inner_env(root / "out", root / "leases"), timeout=600)
+
+
+@pytest.mark.parametrize("launched", ["test_xfail_raises_kept", "test_xfail_raises_fresh"])
+def test_xfail_raises_matches_what_the_ranks_raised(twins, launched):
+    _, session = twins
+    assert session.case("test_xfail_raises_in_process").status == "skipped"  # JUnit's xfail
+    assert session.case(launched).status == "skipped", session.case(launched).text
+
+
+def test_xfail_raises_of_another_error_fails_as_in_process(twins):
+    _, session = twins
+    assert session.case("test_xfail_other_error_in_process").status == "failed"
+    case = session.case("test_xfail_other_error_launched")
+    assert case.status == "failed", session.output
+    assert "rank 0 failed: test_twins.Boom: not a KeyError" in case.text
+
+
+def test_async_test_fails_as_in_process_without_running_its_body(twins):
+    root, session = twins
+    twin = session.case("test_async_in_process")
+    launched = session.case("test_async_launched")
+    assert twin.status == launched.status == "failed"
+    assert "async def functions are not natively supported" in launched.text
+    assert not list((root / "out").glob("async-*.ran"))
+
+
+@pytest.mark.parametrize("launched", ["test_kept", "test_fresh"])
+def test_self_state_from_setup_method_and_autouse_fixtures_reaches_the_ranks(twins, launched):
+    _, session = twins
+    assert session.case("test_in_process").status == "passed"
+    assert session.case(launched).status == "passed", session.case(launched).text
+
+
+def test_launch_marker_on_a_unittest_method_is_refused_clearly(twins):
+    root, session = twins
+    assert session.case("test_unit_in_process").status == "passed"
+    case = session.case("test_unit_launched")
+    assert case.status in ("failed", "error"), session.output
+    assert "unittest.TestCase" in case.text + case.message
+    assert "TestUnit.test_unit_launched" in case.text + case.message
+    assert not list((root / "out").glob("unit-*.ran"))  # never run unlaunched
+
+
+def test_module_level_start_method_and_library_definition_work_on_ranks(twins):
+    _, session = twins
+    for name in ("test_once_in_process", "test_once_first_case", "test_once_second_case"):
+        assert session.case(name).status == "passed", session.case(name).text
+
+
+def test_pytest_timeout_marker_is_the_case_deadline(twins):
+    _, session = twins
+    case = session.case("test_timeout_marker")
+    assert case.status == "failed"
+    assert "still running at the 15 s deadline (pytest-timeout's timeout=15)" in case.text, case.text
+    assert "in hang_in_rank" in case.text  # the rank's stack, not the launcher's
