@@ -3,7 +3,8 @@
 - ``harness inventory [SUITE ...] [--json]``: every case with its device,
   ranks, cards and owning entries; exit 1 naming the rule, file and case of
   each problem.
-- ``harness run SUITE [--shard I/N] [--changed-from REF] [--durations-out FILE] [-- PYTEST_ARGS]``.
+- ``harness run SUITE [--shard I/N] [--changed-from REF] [--durations-out FILE] [PYTEST_ARGS]
+  [-- PYTEST_ARGS]``: what it does not know is pytest's.
 - ``harness matrix SUITE [--shards N | --target-minutes M]``: the GitHub
   Actions matrix JSON, on one line (ready for ``$GITHUB_OUTPUT``).
 """
@@ -18,11 +19,12 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from harness.names import EXIT_FAILED, EXIT_OK, EXIT_USAGE
 from harness.suites.init import add_parser as _add_init
 from harness.suites.inventory import SuiteInventory, build_inventory
 from harness.suites.manifest import find_root
-from harness.suites.plan import PlanError, default_durations_path, estimate, load_durations, plan
-from harness.suites.run import EXIT_FAILED, EXIT_OK, EXIT_USAGE, RunOptions, load_suite, run_suite
+from harness.suites.plan import PlanError, plan_suite
+from harness.suites.run import RunOptions, load_suite, run_suite
 
 #: The import package whose distribution ``harness --version`` reports.
 PACKAGE = "harness"
@@ -77,16 +79,21 @@ def _add_inventory(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_run(sub: argparse._SubParsersAction) -> None:
-    run = sub.add_parser("run", help="run a suite (or one shard of it) through pytest",
-                         usage="harness run SUITE [options] [-- PYTEST_ARGS]")
+    # allow_abbrev=False: pytest's options (`--durations 5`, `-vx`) pass through unchanged,
+    # never taken for an abbreviation of one of ours.
+    run = sub.add_parser("run", help="run a suite (or one shard of it) through pytest", allow_abbrev=False,
+                         usage="harness run SUITE [options] [PYTEST_ARGS] [-- PYTEST_ARGS]",
+                         description="Options harness run does not know are pytest's: they go to pytest "
+                                     "as they are, and so does everything after --.")
     run.add_argument("suite", metavar="SUITE")
     run.add_argument("--shard", metavar="I/N", help="run shard I of N (the partition `harness matrix` plans)")
     run.add_argument("--changed-from", metavar="REF",
                      help="run only the entries the change since git REF's merge base affects")
     run.add_argument("--durations-out", type=Path, metavar="FILE",
                      help="record each passed case's seconds into FILE (merged), for the planner")
-    run.add_argument("--durations", type=Path, metavar="FILE",
-                     help="recorded durations to plan with (default: suites/durations/SUITE.json)")
+    run.add_argument("--durations-file", dest="durations", type=Path, metavar="FILE",
+                     help="recorded durations to plan with (default: suites/durations/SUITE.json); "
+                          "`--durations N` is pytest's")
     run.add_argument("--out", type=Path, metavar="DIR",
                      help="where junit.xml and the summary go (default: out/harness/SUITE[-IofN])")
     run.add_argument("--workers", type=number(int, minimum=1), metavar="N",
@@ -104,7 +111,7 @@ def _add_matrix(sub: argparse._SubParsersAction) -> None:
     size.add_argument("--shards", type=number(int, minimum=1), metavar="N", help="exactly N shards")
     size.add_argument("--target-minutes", type=number(float, minimum=0, above=True), metavar="M",
                       help="the fewest shards of at most M planned minutes each")
-    mx.add_argument("--durations", type=Path, metavar="FILE",
+    mx.add_argument("--durations-file", "--durations", dest="durations", type=Path, metavar="FILE",
                     help="recorded durations (default: suites/durations/SUITE.json when present)")
     mx.add_argument("--indent", type=number(int, minimum=0), default=None, help="pretty-print the JSON")
     mx.set_defaults(handler=_cmd_matrix)
@@ -162,9 +169,9 @@ def _cmd_matrix(root: Path, args: argparse.Namespace) -> int:
     suite, inv = loaded
     m = inv.manifests[suite]
     try:
-        durations = load_durations(args.durations or default_durations_path(root, suite))
-        cases = estimate([(c.nodeid, e.id, c.cards, e.estimated_s) for c, e in inv.suite_cases(suite)], durations)
-        result = plan(suite, m.runners, cases, shards=args.shards, target_minutes=args.target_minutes)
+        owned = inv.suite_cases(suite)
+        result = plan_suite(root, m, owned, durations=args.durations, shards=args.shards,
+                            target_minutes=args.target_minutes)
         # allow_nan=False: a value that is not a number is an error here, never invalid JSON for CI.
         text = json.dumps(result.matrix(), indent=args.indent, separators=None if args.indent else (",", ":"),
                           allow_nan=False)
@@ -173,7 +180,7 @@ def _cmd_matrix(root: Path, args: argparse.Namespace) -> int:
         return EXIT_USAGE
     print(text)
     loads = ", ".join(f"{s.label} {s.load / 60:.1f} min" for s in result.shards)
-    print(f"harness matrix: {suite}: {len(cases)} case(s) in {len(result.shards)} shard(s): {loads}; "
+    print(f"harness matrix: {suite}: {len(owned)} case(s) in {len(result.shards)} shard(s): {loads}; "
           f"longest/mean {result.balance():.3f}", file=sys.stderr)
     return EXIT_OK
 
@@ -198,8 +205,9 @@ def _cmd_run(root: Path, args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``harness`` console script; returns the exit code.
 
-    Everything after the first ``--`` goes to pytest (``harness run`` only).
-    Usage errors exit 2 (argparse's convention) for every subcommand.
+    ``harness run`` passes the options it does not know, and everything after the first
+    ``--``, to pytest, which parses them itself. Usage errors exit 2 (argparse's
+    convention) for every subcommand.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     extra: list[str] = []
@@ -207,10 +215,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         i = argv.index("--")
         argv, extra = argv[:i], argv[i + 1 :]
     parser = _parser()
-    args = parser.parse_args(argv)
-    if extra and args.command != "run":
-        parser.error("only `harness run` takes pytest arguments after --")
-    args.pytest_args = extra
+    args, unknown = parser.parse_known_args(argv)
+    if args.command != "run":
+        if unknown:
+            parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+        if extra:
+            parser.error("only `harness run` takes pytest arguments after --")
+    args.pytest_args = [*unknown, *extra]
     # init writes suites/, so it starts where it is asked to, not at an existing suites/ above.
     root = (args.root or (Path.cwd() if args.command == "init" else find_root())).resolve()
     try:

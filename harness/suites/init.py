@@ -33,11 +33,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from harness.errors import HarnessError
+from harness.names import EXIT_FAILED, EXIT_OK, EXIT_USAGE
 from harness.suites.inventory import collect
+from harness.suites.jsonio import write_text
 from harness.suites.manifest import SCHEMA_FILE, SUITES_DIR, load_schema, rel, validate
-
-#: Exit codes (the CLI's convention): 0 written or unchanged, 1 nothing to own, 2 usage error.
-EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
 #: Suite file name per accelerator device (the device otherwise names its suite).
 SUITE_FOR_DEVICE = {"cuda": "gpu"}
@@ -49,7 +49,7 @@ ACCELERATOR_TIMEOUT_MINUTES = 60
 OPT_IN_LABEL = "ci:accelerators"
 
 
-class InitError(Exception):
+class InitError(HarnessError):
     """``harness init`` cannot proceed; ``code`` is the exit status (1 or 2)."""
 
     def __init__(self, message: str, code: int = EXIT_FAILED):
@@ -235,9 +235,7 @@ def write(root: Path, files: dict[str, str], force: bool) -> list[tuple[str, str
         )
     for path, action in actions:
         if action != "unchanged":
-            target = root / path
-            target.parent.mkdir(parents=True, exist_ok=True)
-            target.write_text(files[path], encoding="utf-8")
+            write_text(root / path, files[path])
     return actions
 
 

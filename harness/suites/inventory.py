@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from harness import names
 from harness.spec import LaunchSpec, is_launched, spec_for_item
 from harness.suites.manifest import (
     SUITES_DIR,
@@ -168,7 +169,7 @@ def _collection_error(report: Any, root: Path) -> Problem:
         where = f"line {own[-1]}, raised at {deepest}"
     else:
         where = f"raised at {deepest}" if deepest else ""
-    return Problem("collection-error", file, where, message)
+    return Problem(names.COLLECTION_ERROR, file, where, message)
 
 
 class _Recorder:
@@ -355,7 +356,7 @@ def collect(root: Path, targets: Sequence[str] | None) -> Collection:
     # 0: collected, 1: some collection error (recorded above), 5: nothing collected.
     if int(code) not in (0, 1, 5):
         tail = "\n".join(out.getvalue().strip().splitlines()[-15:])
-        rec.problems.append(Problem("collection-error", ".", "", f"pytest exited with {int(code)}:\n{tail}"))
+        rec.problems.append(Problem(names.COLLECTION_ERROR, ".", "", f"pytest exited with {int(code)}:\n{tail}"))
     return Collection(rec.cases, rec.problems, rec.files, rec.scope, rec.inipath)
 
 
@@ -538,25 +539,23 @@ def _fit_problems(m: Manifest, entry: Entry, case: CollectedCase) -> list[Proble
         out.append(Problem(rule, m.path, where, message, m.suite))
 
     if spec.cards > 0 and "cpu" in (spec.device, m.device):
-        add("cpu-case-needs-cards", f"case on {spec.device} asks for {spec.cards} card(s) in cpu suite {m.suite!r}")
+        add(names.CPU_CASE_NEEDS_CARDS, f"case on {spec.device} asks for {spec.cards} card(s) in cpu suite {m.suite!r}")
     elif m.device != "cpu" and spec.cards < 1:
         add(
-            "accelerator-case-without-cards",
+            names.ACCELERATOR_CASE_WITHOUT_CARDS,
             f"{spec.device} case needs no card, but {m.device} suite {m.suite!r} runs on accelerator runners",
         )
     elif m.device != spec.device:
-        add("wrong-device", f"{spec.device} case in {m.device} suite {m.suite!r}")
+        add(names.WRONG_DEVICE, f"{spec.device} case in {m.device} suite {m.suite!r}")
     if spec.cards > m.max_cards:
         add(
-            "case-exceeds-runner-cards",
+            names.CASE_EXCEEDS_RUNNER_CARDS,
             f"case needs {spec.cards} card(s); the largest runner of suite {m.suite!r} has {m.max_cards}",
         )
     return out
 
 
 # --------------------------------------------------------------------------- building
-
-_MANIFEST_RULES = ("schema", "json", "path", "include")
 
 
 @dataclass
@@ -580,21 +579,21 @@ def _load_scope(root: Path, suites: Iterable[str] | None) -> _Scope:
     if not all_manifests and not problems:
         # Never "0 case(s), 0 problem(s)": a repository without suites checks nothing.
         why = "has no suite manifests" if (root / SUITES_DIR).is_dir() else f"does not exist in {root}"
-        problems = [Problem("no-suites", f"{SUITES_DIR}/", "", f"{why}: write one (`harness init`) or pass --root")]
-    ok = not any(p.rule in _MANIFEST_RULES for p in problems)
+        problems = [Problem(names.NO_SUITES, f"{SUITES_DIR}/", "", f"{why}: write one (`harness init`) or pass --root")]
+    ok = not any(p.rule in names.MANIFEST_RULES for p in problems)
     if not suites:
         return _Scope(all_manifests, list(all_manifests), problems, ok)
     # Unknown names are problems; a suite named by path (suites/x.json) is its stem.
-    problems += [p for p in load_suites(root, suites)[1] if p.rule == "unknown-suite"]
+    problems += [p for p in load_suites(root, suites)[1] if p.rule == names.UNKNOWN_SUITE]
     wanted = {Path(s).stem if s.endswith(".json") else s for s in suites}
-    problems = [p for p in problems if p.suite in wanted or p.rule == "unknown-suite"]
+    problems = [p for p in problems if p.suite in wanted or p.rule == names.UNKNOWN_SUITE]
     return _Scope(all_manifests, [m for m in all_manifests if m.suite in wanted], problems, ok)
 
 
 def _spec_problems(cases: Iterable[CollectedCase]) -> list[Problem]:
     """Phase 3: one ``bad-launch-spec`` problem per case whose launch marker is invalid."""
     return [
-        Problem("bad-launch-spec", c.file, c.nodeid, c.spec_error or "invalid launch marker")
+        Problem(names.BAD_LAUNCH_SPEC, c.file, c.nodeid, c.spec_error or "invalid launch marker")
         for c in cases
         if c.spec is None
     ]
@@ -644,7 +643,7 @@ def _idle_entries(
                 f" with markers {e.markers!r}" if e.markers else ""
             )
         out.append(
-            Problem("entry-matches-nothing", e.source, f"{e.pointer} (entry {e.id!r})", f"suite {m.suite!r}: {why}", m.suite)
+            Problem(names.ENTRY_MATCHES_NOTHING, e.source, f"{e.pointer} (entry {e.id!r})", f"suite {m.suite!r}: {why}", m.suite)
         )
     return out
 
@@ -663,10 +662,10 @@ def _ownership_problems(inv: SuiteInventory, manifests: Sequence[Manifest], file
             continue
         if not fcases and covered.covers_file(f):
             continue  # collects nothing here (e.g. a module-level skip); its entry covers it
-        out.append(Problem("unowned-file", f, "", "test file owned by no suite entry: add it to a suite in suites/"))
+        out.append(Problem(names.UNOWNED_FILE, f, "", "test file owned by no suite entry: add it to a suite in suites/"))
     unowned_files = {p.file for p in out}
     out += [
-        Problem("unowned-case", c.file, c.nodeid, f"{c.device} case owned by no suite entry")
+        Problem(names.UNOWNED_CASE, c.file, c.nodeid, f"{c.device} case owned by no suite entry")
         for c in inv.cases
         if c.spec is not None and c.nodeid not in inv.owners and c.file not in unowned_files
     ]
@@ -682,7 +681,7 @@ def _outside_problems(root: Path, files: Iterable[str]) -> list[Problem]:
         target = (root / f).resolve()
         if not os.path.isabs(f) and not target.is_relative_to(real_root):
             out.append(Problem(
-                "symlink-outside-repository", f, "",
+                names.SYMLINK_OUTSIDE_REPOSITORY, f, "",
                 f"is a symlink to {target}, outside the repository: a checkout elsewhere (CI) will not have "
                 "it and --changed-from cannot see its changes; move the test into the repository",
             ))

@@ -16,17 +16,21 @@ its own shard.
 
 from __future__ import annotations
 
-import json
 import math
-import os
 import statistics
-import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from harness.suites.manifest import SUITES_DIR, Runner
+from harness.errors import HarnessError
+from harness.suites.jsonio import write_json
+from harness.suites.manifest import SUITES_DIR, Manifest, ManifestError, Runner, read_json
+from harness.validation import is_real
+
+if TYPE_CHECKING:
+    from harness.suites.inventory import CollectedCase
+    from harness.suites.manifest import Entry
 
 DURATIONS_DIR = "durations"
 #: Minutes a CI job gets beyond its runner's ``timeout_minutes``, where ``harness run``
@@ -34,7 +38,7 @@ DURATIONS_DIR = "durations"
 JOB_SETUP_MINUTES = 10
 
 
-class PlanError(ValueError):
+class PlanError(HarnessError, ValueError):
     """The suite cannot be planned as asked (the message says what to change)."""
 
 
@@ -132,19 +136,21 @@ def default_durations_path(root: Path, suite: str) -> Path:
     return root / SUITES_DIR / DURATIONS_DIR / f"{suite}.json"
 
 
-def load_durations(path: Path | None) -> dict[str, float]:
+def load_durations(path: Path | None, *, required: bool = False) -> dict[str, float]:
     """Recorded seconds per node id from ``{"durations": {nodeid: s}}`` (or a bare
-    mapping). A missing file is empty; a malformed one raises ``PlanError`` naming it."""
+    mapping). A missing file is empty unless ``required`` (a file the user named), then a
+    ``PlanError``; a malformed one raises ``PlanError`` naming it."""
     if path is None or not path.is_file():
+        if required and path is not None:
+            raise PlanError(f"{path}: no such durations file")
         return {}
     try:
-        doc = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as e:
+        doc = read_json(path, path.parent)
+    except ManifestError as e:
         raise PlanError(f"{path}: cannot read durations: {e}") from e
     data = doc.get("durations", doc) if isinstance(doc, dict) else None
     if not isinstance(data, dict) or not all(
-        isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < math.inf
-        for k, v in data.items()
+        isinstance(k, str) and is_real(v) and 0 <= v < math.inf for k, v in data.items()
     ):
         raise PlanError(f'{path}: expected {{"durations": {{"<nodeid>": <finite seconds >= 0>, ...}}}}')
     return {k: float(v) for k, v in data.items()}
@@ -161,13 +167,7 @@ def write_durations(path: Path, suite: str, durations: Mapping[str, float]) -> N
     except PlanError:
         merged = {}  # a corrupt file is replaced by fresh measurements
     merged.update({k: round(float(v), 3) for k, v in durations.items()})
-    path.parent.mkdir(parents=True, exist_ok=True)
-    doc = {"suite": suite, "durations": dict(sorted(merged.items()))}
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        json.dump(doc, f, indent=1)
-        f.write("\n")
-    os.replace(tmp, path)
+    write_json(path, {"suite": suite, "durations": dict(sorted(merged.items()))})
 
 
 def estimate(
@@ -337,3 +337,32 @@ def plan(
     if shards is not None:
         return Plan(suite, _exactly(runners, cases, shards, enforce_budget))
     return Plan(suite, _fewest(suite, runners, cases, target_minutes, enforce_budget))
+
+
+def plan_suite(
+    root: Path,
+    manifest: Manifest,
+    owned: Sequence[tuple[CollectedCase, Entry]],
+    *,
+    durations: Path | None = None,
+    shards: int | None = None,
+    target_minutes: float | None = None,
+) -> Plan:
+    """The plan of one suite: ``owned`` (its cases with their entries, as the inventory
+    found them) estimated from the recorded ``durations`` (default: the checked-in
+    :func:`default_durations_path`, empty when absent; a file named here must exist) and
+    partitioned by :func:`plan`.
+
+    ``harness matrix`` prints this plan and ``harness run --shard I/N`` runs shard ``I`` of
+    the plan for ``shards=N``: both call this one function, so the shard a job runs is the
+    shard that was planned. More shards than cases (at least one shard) would only add empty
+    jobs, and an unbounded count costs memory in proportion. Raises ``PlanError``.
+    """
+    if shards is not None and shards > max(1, len(owned)):
+        raise PlanError(
+            f"{shards} shards for suite {manifest.suite!r} of {len(owned)} case(s): "
+            f"at most {max(1, len(owned))} (one case per shard)"
+        )
+    recorded = load_durations(durations or default_durations_path(root, manifest.suite), required=durations is not None)
+    planned = estimate([(c.nodeid, e.id, c.cards, e.estimated_s) for c, e in owned], recorded)
+    return plan(manifest.suite, manifest.runners, planned, shards=shards, target_minutes=target_minutes)

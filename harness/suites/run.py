@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
-import json
 import os
 import shlex
 import shutil
@@ -43,37 +42,20 @@ from typing import Any
 
 import psutil
 
+from harness import names
+from harness.names import EXIT_FAILED, EXIT_OK, EXIT_USAGE
 from harness.suites import changes, report, selection
 from harness.suites.inventory import CollectedCase, SuiteInventory, build_inventory, plugin_args
+from harness.suites.jsonio import write_json, write_text
 from harness.suites.manifest import Entry, Manifest
-from harness.suites.plan import (
-    PlanError,
-    default_durations_path,
-    estimate,
-    load_durations,
-    parse_shard,
-    plan,
-    write_durations,
-)
+from harness.suites.plan import PlanError, parse_shard, plan_suite, write_durations
 
 #: Deadline of a plain (in-process) case whose entry sets no ``timeout_s``;
 #: the watchdog fires this long plus a grace after the case starts.
 PLAIN_CASE_DEADLINE_S = 600.0
 
-# pytest options that narrow or stop a run: with these, planned cases that did
-# not run are expected, not missing.
-_NARROWING = ("-k", "-m", "-x", "--exitfirst", "--maxfail", "--lf", "--last-failed", "--sw",
-              "--stepwise", "--deselect")
 _XDIST = ("-n", "--numprocesses", "--dist", "-d")
 _XDIST_INSTALLED = importlib.util.find_spec("xdist") is not None
-
-
-#: Exit codes of ``harness run`` and ``harness matrix``.
-EXIT_OK = 0
-#: A case failed or went missing, nothing passed, or pytest itself failed.
-EXIT_FAILED = 1
-#: Bad arguments, or a suite that cannot be planned (the same from ``run`` and ``matrix``).
-EXIT_USAGE = 2
 
 
 @dataclass
@@ -122,10 +104,8 @@ def leasable_cards(device: str) -> int:
     """Cards of ``device`` this host offers (``HARNESS_CARDS`` or the runtime); 0 for cpu."""
     if device == "cpu":
         return 0
-    try:
-        from harness import devices
-    except ImportError:
-        return 0
+    from harness import devices
+
     return len(devices.inventory(device))
 
 
@@ -140,7 +120,7 @@ def worker_count(
     if requested:
         return max(1, requested)
     slots = _cpu_slots()
-    given = option_values(pytest_args, ["--harness-max-procs"])
+    given = option_values(pytest_args, [names.OPT_MAX_PROCS])
     if given and given[-1] and given[-1].isdigit():
         slots = max(1, int(given[-1]))
     # Two workers each running a 2-rank case on 2 slots: one of them waits out
@@ -165,10 +145,7 @@ def load_suite(root: Path, suite: str, command: str) -> tuple[str, SuiteInventor
     """
     name = Path(suite).stem if suite.endswith(".json") else suite
     inv = build_inventory(root, [suite], check_ownership=False)
-    problems = [
-        p for p in inv.problems
-        if p.suite in (name, None) and p.rule not in ("unowned-file", "unowned-case")
-    ]
+    problems = [p for p in inv.problems if p.suite in (name, None) and p.rule in names.BLOCKING_RULES]
     if problems or name not in inv.manifests:
         for p in problems:
             print(f"error: {p}", file=sys.stderr)
@@ -184,13 +161,11 @@ def plan_cases(
 ) -> list[tuple[CollectedCase, Entry]]:
     """The cases of one shard (all of ``owned`` when ``shard`` is None), in collection order.
 
-    The suite is planned exactly as ``harness matrix`` plans it (``--shards N``
-    for a shard ``I/N``), so a suite the matrix refuses (a case or a shard over
-    its runner's budget) is refused here too: ``PlanError``.
+    The suite is planned by :func:`harness.suites.plan.plan_suite`, the function ``harness
+    matrix`` plans with (``--shards N`` for a shard ``I/N``), so a suite the matrix refuses (a
+    case or a shard over its runner's budget) is refused here too: ``PlanError``.
     """
-    recorded = load_durations(durations or default_durations_path(root, m.suite))
-    planned = estimate([(c.nodeid, e.id, c.cards, e.estimated_s) for c, e in owned], recorded)
-    result = plan(m.suite, m.runners, planned, shards=shard[1] if shard else None)
+    result = plan_suite(root, m, owned, durations=durations, shards=shard[1] if shard else None)
     if shard is None:
         return list(owned)
     mine = {p.nodeid for p in result.shard(shard[0]).cases}
@@ -417,10 +392,10 @@ def _plan_run(root: Path, opts: RunOptions, started: float) -> _Run:
 def _prepare_out(run: _Run) -> None:
     """Phase 2: the output folder, cleared of a previous run's watchdog logs, with ``plan.json``."""
     run.out.mkdir(parents=True, exist_ok=True)
-    for stale in run.out.glob("watchdog-*.log"):
+    for stale in [*run.out.glob("watchdog-*.log"), *run.out.glob("select-*.jsonl")]:
         stale.unlink()  # a previous run's; this run reports its own
     doc = {"suite": run.manifest.suite, "shard": run.opts.shard, "cases": [[c.nodeid, e.id] for c, e in run.cases]}
-    (run.out / "plan.json").write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
+    write_json(run.out / "plan.json", doc)
 
 
 def _timeout_groups(cases: Sequence[Pair]) -> list[tuple[float | None, list[Pair]]]:
@@ -444,16 +419,14 @@ def _pytest_command(run: _Run, k: int, timeout: float | None, group: Sequence[Pa
     """The pytest command line for timeout group ``k``; writes its selection file."""
     select_file = _select_file(run, k)
     deadline = timeout or PLAIN_CASE_DEADLINE_S
-    select_file.write_text(
-        json.dumps({"root": str(run.root), "cases": {c.nodeid: deadline for c, _ in group}}), encoding="utf-8"
-    )
+    write_json(select_file, {"root": str(run.root), "cases": {c.nodeid: deadline for c, _ in group}}, indent=None)
     junit = run.out / f"junit-{k}.xml"
     junit.unlink(missing_ok=True)
     # The caller's pytest arguments first: where they clash with ours
     # (--junitxml), ours come later and win, so the run can be read back.
     cmd = [sys.executable, "-m", "pytest", *sorted({c.file for c, _ in group}), *run.opts.pytest_args]
     cmd += _config_args(run)
-    cmd += ["-p", "harness.suites.selection", f"--harness-select={select_file}"]
+    cmd += ["-p", "harness.suites.selection", f"{names.OPT_SELECT}={select_file}"]
     cmd += [f"--junitxml={junit}", "-o", "junit_duration_report=total"]
     if not _user_xdist(run.opts.pytest_args) and _XDIST_INSTALLED:
         # One case gains nothing from a worker process; more keep the
@@ -461,9 +434,9 @@ def _pytest_command(run: _Run, k: int, timeout: float | None, group: Sequence[Pa
         # fails alone.
         cmd += ["-n", str(min(workers, len(group)) if len(group) > 1 else 0)]
     if timeout is not None:
-        cmd.append(f"--harness-timeout={timeout:g}")
+        cmd.append(f"{names.OPT_TIMEOUT}={timeout:g}")
     if run.manifest.device != "cpu":
-        cmd.append(f"--harness-require={run.manifest.device}")
+        cmd.append(f"{names.OPT_REQUIRE}={run.manifest.device}")
     return cmd
 
 
@@ -513,13 +486,14 @@ def _execute(run: _Run, stop: _Stop) -> tuple[list[int], list[Path]]:
     return codes, junits
 
 
-def _verdict(total: report.EntryRow, codes: Sequence[int], pytest_args: Sequence[str], stop: _Stop) -> list[str]:
-    """Why the run is red (empty: green)."""
-    narrowed = bool(option_values(pytest_args, _NARROWING))
+def _verdict(total: report.EntryRow, codes: Sequence[int], stop: _Stop) -> list[str]:
+    """Why the run is red (empty: green). Cases pytest's own options deselected or left
+    unrun (``-k``, ``--lf``, ``-x``, ``--collect-only``) are the caller's choice, not a failure."""
+    narrowed = bool(total.deselected or total.not_run)
     verdict = [f"interrupted by {stop.name}"] if stop.signum is not None else []
     if total.failed:
         verdict.append(f"{total.failed} failed")
-    if total.missing and not narrowed:
+    if total.missing:
         verdict.append(f"{total.missing} planned case(s) never ran")
     if not total.passed and not narrowed:
         verdict.append(f"no case passed ({total.skipped} skipped)")
@@ -531,7 +505,7 @@ def _verdict(total: report.EntryRow, codes: Sequence[int], pytest_args: Sequence
 
 def _write_summary(run: _Run, text: str) -> None:
     print("\n" + text, flush=True)
-    (run.out / "summary.md").write_text(text, encoding="utf-8")
+    write_text(run.out / "summary.md", text)
     _step_summary(text)
 
 
@@ -545,10 +519,13 @@ def _report(run: _Run, codes: Sequence[int], junits: Sequence[Path], stop: _Stop
         # Our own --junitxml overrode the caller's; give them the merged file too.
         asked.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(junit_all, asked)
-    results = report.results_for([c.nodeid for c, _ in run.cases], report.read_junit(junits))
+    results: dict[str, report.CaseRow] = {}
+    for k, (_, group) in enumerate(_timeout_groups(run.cases), 1):
+        records = selection.read_records(_select_file(run, k))
+        results.update(report.results_from_records([c.nodeid for c, _ in group], records))
     rows = report.summarize([(c.nodeid, e.id, c.cards) for c, e in run.cases], results)
     table = report.render(rows, run.title, time.monotonic() - run.started)
-    verdict = _verdict(report.totals(rows), codes, run.opts.pytest_args, stop)
+    verdict = _verdict(report.totals(rows), codes, stop)
     detail = report.failures(results)
     for headline, log in selection.fired(run.out):
         detail += f"- watchdog: {headline}; stacks in {log}\n"
@@ -598,7 +575,7 @@ def run_suite(root: Path, opts: RunOptions) -> int:
             _print(f"{run.title}: nothing to run")
             not_here = run.not_here
             text = f"### {run.title}\n\nnothing to run\n" + (f"\n{not_here}" if not_here else "")
-            (run.out / "summary.md").write_text(text, encoding="utf-8")
+            write_text(run.out / "summary.md", text)
             _step_summary(text)
             return EXIT_OK
         codes, junits = _execute(run, stop)
