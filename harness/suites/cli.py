@@ -5,8 +5,9 @@
   each problem.
 - ``harness run SUITE [--shard I/N] [--changed-from REF] [--durations-out FILE] [PYTEST_ARGS]
   [-- PYTEST_ARGS]``: what it does not know is pytest's.
-- ``harness matrix SUITE [--shards N | --target-minutes M]``: the GitHub
-  Actions matrix JSON, on one line (ready for ``$GITHUB_OUTPUT``).
+- ``harness matrix SUITE [--shards N | --target-minutes M] [--changed-from REF]``: the
+  GitHub Actions matrix JSON, on one line (ready for ``$GITHUB_OUTPUT``); with
+  ``--changed-from``, only the shards the change affects (``{"include": []}`` when none).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from harness.names import EXIT_FAILED, EXIT_OK, EXIT_USAGE
+from harness.suites import changes
 from harness.suites.init import add_parser as _add_init
 from harness.suites.inventory import SuiteInventory, build_inventory
 from harness.suites.manifest import find_root
@@ -113,6 +115,9 @@ def _add_matrix(sub: argparse._SubParsersAction) -> None:
                       help="the fewest shards of at most M planned minutes each")
     mx.add_argument("--durations-file", "--durations", dest="durations", type=Path, metavar="FILE",
                     help="recorded durations (default: suites/durations/SUITE.json when present)")
+    mx.add_argument("--changed-from", metavar="REF",
+                    help="only the shards holding a case of an entry the change since git REF's merge base "
+                         'affects (shard labels stay those of the whole suite); none: {"include": []}')
     mx.add_argument("--indent", type=number(int, minimum=0), default=None, help="pretty-print the JSON")
     mx.set_defaults(handler=_cmd_matrix)
 
@@ -172,9 +177,14 @@ def _cmd_matrix(root: Path, args: argparse.Namespace) -> int:
         owned = inv.suite_cases(suite)
         result = plan_suite(root, m, owned, durations=args.durations, shards=args.shards,
                             target_minutes=args.target_minutes)
+        selected = None
+        if args.changed_from:
+            sel = changes.select(m.entries, changes.changed_files(root, args.changed_from))
+            print(f"harness matrix: --changed-from {args.changed_from}: {sel.reason}", file=sys.stderr)
+            selected = sel.entries
         # allow_nan=False: a value that is not a number is an error here, never invalid JSON for CI.
-        text = json.dumps(result.matrix(), indent=args.indent, separators=None if args.indent else (",", ":"),
-                          allow_nan=False)
+        text = json.dumps(result.matrix(selected), indent=args.indent,
+                          separators=None if args.indent else (",", ":"), allow_nan=False)
     except (PlanError, ValueError) as e:
         print(f"harness matrix: {e}", file=sys.stderr)
         return EXIT_USAGE

@@ -104,9 +104,14 @@ class SuiteInventory:
     problems: list[Problem] = field(default_factory=list)
     #: The pytest configuration file the collection used (``None``: none found).
     inipath: Path | None = None
+    #: Test files that yield no case: repository-relative file -> why (an import error, or a
+    #: module-level skip).
+    unloadable: dict[str, str] = field(default_factory=dict)
 
     def suite_cases(self, suite: str) -> list[tuple[CollectedCase, Entry]]:
-        """The cases ``suite`` owns, each with its owning entry, in collection order."""
+        """The cases ``suite`` owns, each with its owning entry, in collection order; then one
+        case per :attr:`unloadable` file an entry of the suite names, whose node id is the
+        file itself, so that a run reports that entry (failed, or skipped) and runs the rest."""
         by_id: dict[str, Entry] = {}
         for e in self.manifests[suite].entries:
             by_id.setdefault(e.id, e)  # the first entry of an id, as Manifest.entry()
@@ -115,6 +120,11 @@ class SuiteInventory:
             for s, eid in self.owners.get(c.nodeid, ()):
                 if s == suite:
                     out.append((c, by_id[eid]))
+        entries = self.manifests[suite].entries
+        for f in sorted(self.unloadable):
+            owner = next((e for e in entries if EntryIndex([e]).covers_file(f)), None)
+            if owner is not None:
+                out.append((CollectedCase(f, f, LaunchSpec(), False, None), owner))
         return out
 
     def as_dict(self, suites: Iterable[str] | None = None) -> dict[str, Any]:
@@ -184,6 +194,8 @@ class _Recorder:
         self.scope: list[str] = []
         self.inipath: Path | None = None
         self.interrupted = False
+        #: Test files skipped as a whole at collection (a module-level ``importorskip``): why.
+        self.skipped: dict[str, str] = {}
 
     def pytest_configure(self, config: Any) -> None:
         self.inipath = config.inipath
@@ -202,11 +214,20 @@ class _Recorder:
             problem = _collection_error(report, self.root)
             if problem not in self.problems:  # a failing conftest is reported for each node it spoils
                 self.problems.append(problem)
+        elif report.skipped and is_test_module(report.nodeid):
+            longrepr = report.longrepr
+            reason = longrepr[2] if isinstance(longrepr, tuple) and len(longrepr) == 3 else str(longrepr)
+            self.skipped[report.nodeid] = str(reason).removeprefix("Skipped: ")
 
     def pytest_collection_finish(self, session: Any) -> None:
         self.scope = [rel(Path(a.split("::", 1)[0]), self.root) for a in session.config.args]
         for item in session.items:
             self.cases.append(_case(item, self.root))
+
+
+def is_test_module(nodeid: str) -> bool:
+    """True when a collector's node id is a test module (a ``.py`` file, not a conftest)."""
+    return "::" not in nodeid and nodeid.endswith(".py") and not nodeid.endswith("conftest.py")
 
 
 def case_id(item: Any, root: Path) -> str:
@@ -301,12 +322,15 @@ class Collection:
     files: list[str] = field(default_factory=list)
     scope: list[str] = field(default_factory=list)
     inipath: Path | None = None
+    #: Test files skipped as a whole at collection: why.
+    skipped: dict[str, str] = field(default_factory=dict)
 
     def extend(self, other: Collection) -> None:
         """Add another run's findings (cases already seen are not repeated)."""
         seen = {c.nodeid for c in self.cases}
         self.cases += [c for c in other.cases if c.nodeid not in seen]
         self.problems += other.problems
+        self.skipped.update(other.skipped)
         self.files = list(dict.fromkeys([*self.files, *other.files]))
         self.inipath = self.inipath or other.inipath
 
@@ -357,7 +381,7 @@ def collect(root: Path, targets: Sequence[str] | None) -> Collection:
     if int(code) not in (0, 1, 5):
         tail = "\n".join(out.getvalue().strip().splitlines()[-15:])
         rec.problems.append(Problem(names.COLLECTION_ERROR, ".", "", f"pytest exited with {int(code)}:\n{tail}"))
-    return Collection(rec.cases, rec.problems, rec.files, rec.scope, rec.inipath)
+    return Collection(rec.cases, rec.problems, rec.files, rec.scope, rec.inipath, rec.skipped)
 
 
 def _under(path: str, roots: set[str]) -> bool:
@@ -622,6 +646,11 @@ def _assign_owners(inv: SuiteInventory, m: Manifest, judged: bool) -> None:
         if judged:
             inv.problems.extend(_fit_problems(m, owner, c))
     if judged:
+        # An entry naming a file that fails to import or skips as a whole is not idle: a run
+        # reports it (failed or skipped) through that file.
+        for e in m.entries:
+            if not owned_by[e.id] and any(EntryIndex([e]).covers_file(f) for f in inv.unloadable):
+                owned_by[e.id] = 1
         inv.problems.extend(_idle_entries(m, owned_by, matched, first_owner))
 
 
@@ -729,6 +758,11 @@ def build_inventory(
         cases=found.cases,
         problems=[*scope.problems, *found.problems, *_spec_problems(found.cases)],
         inipath=found.inipath,
+        unloadable={
+            **found.skipped,
+            **{p.file: p.message for p in found.problems
+               if p.rule == names.COLLECTION_ERROR and is_test_module(p.file)},
+        },
     )
     inv.problems.extend(_outside_problems(root, {*found.files, *(c.file for c in found.cases)}))
     judged = scope.selected_names

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -96,24 +96,31 @@ class Plan:
         mean = sum(loads) / len(loads) if loads else 0.0
         return max(loads) / mean if mean > 0 else 1.0
 
-    def matrix(self) -> dict[str, Any]:
-        """The GitHub Actions matrix: ``{"include": [{"suite", "shard", "runner", ...}]}``."""
-        return {
-            "include": [
-                {
-                    "suite": self.suite,
-                    "shard": s.label,
-                    "runner": list(s.runner.labels),
-                    "runner_name": s.runner.name,
-                    "cards": s.runner.cards,
-                    "timeout_minutes": s.runner.timeout_minutes,
-                    "job_timeout_minutes": s.runner.timeout_minutes + JOB_SETUP_MINUTES,
-                    "cases": len(s.cases),
-                    "estimated_minutes": round(s.load / 60.0, 1),
-                }
-                for s in self.shards
-            ]
-        }
+    def matrix(self, entries: Collection[str] | None = None) -> dict[str, Any]:
+        """The GitHub Actions matrix: ``{"include": [{"suite", "shard", "runner", ...}]}``.
+
+        With ``entries`` (the ids a change selects), only the shards holding a case of one of
+        them, each counting those cases; their labels stay ``I/N`` of the whole plan, as
+        ``harness run --shard I/N --changed-from REF`` cuts them. ``{"include": []}`` when no
+        shard is left: a matrix job guarded by ``if:`` on it is skipped.
+        """
+        rows = []
+        for s in self.shards:
+            mine = s.cases if entries is None else [c for c in s.cases if c.entry in entries]
+            if entries is not None and not mine:
+                continue
+            rows.append({
+                "suite": self.suite,
+                "shard": s.label,
+                "runner": list(s.runner.labels),
+                "runner_name": s.runner.name,
+                "cards": s.runner.cards,
+                "timeout_minutes": s.runner.timeout_minutes,
+                "job_timeout_minutes": s.runner.timeout_minutes + JOB_SETUP_MINUTES,
+                "cases": len(mine),
+                "estimated_minutes": round(sum(c.seconds for c in mine) / 60.0, 1),
+            })
+        return {"include": rows}
 
 
 def parse_shard(text: str) -> tuple[int, int]:

@@ -145,7 +145,13 @@ def load_suite(root: Path, suite: str, command: str) -> tuple[str, SuiteInventor
     """
     name = Path(suite).stem if suite.endswith(".json") else suite
     inv = build_inventory(root, [suite], check_ownership=False)
-    problems = [p for p in inv.problems if p.suite in (name, None) and p.rule in names.BLOCKING_RULES]
+    # A test file that fails to import is reported by the run, as that entry's failure; a
+    # conftest (or pytest itself) that fails spoils every case.
+    problems = [
+        p for p in inv.problems
+        if p.suite in (name, None) and p.rule in names.BLOCKING_RULES
+        and not (p.rule == names.COLLECTION_ERROR and p.file in inv.unloadable)
+    ]
     if problems or name not in inv.manifests:
         for p in problems:
             print(f"error: {p}", file=sys.stderr)
@@ -427,7 +433,7 @@ def _pytest_command(run: _Run, k: int, timeout: float | None, group: Sequence[Pa
     cmd = [sys.executable, "-m", "pytest", *sorted({c.file for c, _ in group}), *run.opts.pytest_args]
     cmd += _config_args(run)
     cmd += ["-p", "harness.suites.selection", f"{names.OPT_SELECT}={select_file}"]
-    cmd += [f"--junitxml={junit}", "-o", "junit_duration_report=total"]
+    cmd += [f"--junitxml={junit}", "-o", "junit_duration_report=total", "--continue-on-collection-errors"]
     if not _user_xdist(run.opts.pytest_args) and _XDIST_INSTALLED:
         # One case gains nothing from a worker process; more keep the
         # worker boundary even at -n 1, so a case that kills its process

@@ -168,6 +168,37 @@ def test_run_changed_from_and_shards(pytester):
     assert summary_rows((root / "out/s1/summary.md").read_text())["total"][:2] == ["2", "2"]
 
 
+def test_matrix_changed_from_keeps_only_the_affected_shards(pytester, capsys):
+    tests = {
+        "tests/a/test_a.py": "def test_a1():\n    pass\n\ndef test_a2():\n    pass\n",
+        "tests/b/test_b.py": "def test_b1():\n    pass\n\ndef test_b2():\n    pass\n",
+    }
+    entries = [
+        {"id": "a", "paths": ["tests/a"], "depends_on": ["src/a.py"], "estimated_s": 10},
+        {"id": "b", "paths": ["tests/b"], "depends_on": ["src/b.py"], "estimated_s": 20},
+    ]
+    root = make_project(pytester.path, tests, {"cpu": manifest("cpu", "cpu", entries)},
+                        {"src/a.py": "", "src/b.py": "", "README.md": ""})
+    git(root, "init", "-q", "-b", "main")
+    git(root, "-c", "user.email=t@e", "-c", "user.name=t", "add", ".")
+    git(root, "-c", "user.email=t@e", "-c", "user.name=t", "commit", "-qm", "base")
+
+    def matrix() -> dict:
+        assert main(["--root", str(root), "matrix", "cpu", "--shards", "2", "--changed-from", "main"]) == 0
+        return json.loads(capsys.readouterr().out)
+
+    (root / "README.md").write_text("docs only\n")
+    # Nothing selected: an empty matrix, for a job `if:` to skip (the required check still reports).
+    assert matrix() == {"include": []}
+    (root / "src/b.py").write_text("changed = True\n")
+    rows = matrix()["include"]
+    whole = {r["shard"]: r for r in json.loads(
+        (main(["--root", str(root), "matrix", "cpu", "--shards", "2"]), capsys.readouterr().out)[1])["include"]}
+    # LPT puts one case of each entry on each shard: both shards hold one of b's cases.
+    assert [(r["shard"], r["cases"]) for r in rows] == [("1/2", 1), ("2/2", 1)]
+    assert all(whole[r["shard"]]["cases"] == 2 for r in rows)
+
+
 STRICT_CONFIG = """[tool.pytest.ini_options]
 testpaths = ["tests"]
 markers = ["mine: a registered marker"]

@@ -286,3 +286,25 @@ def test_runner_classes_are_sorted_and_budget_defaults_to_three_quarters(tmp_pat
     assert [r.cards for r in m.runners] == [1, 8]
     assert [r.budget_minutes for r in m.runners] == [20, 45]
     assert m.max_cards == 8
+
+
+@pytest.mark.parametrize("depth", [65, 100_000])
+def test_deeply_nested_json_is_named_not_a_recursion_error(tmp_path, depth):
+    write(tmp_path, "suites/cpu.json", '{"suite": "cpu", "x": ' + "[" * depth + "]" * depth + "}")
+    assert problems_of(tmp_path) == ["suites/cpu.json: [json] nested deeper than 64 levels of arrays / objects"]
+
+
+def test_deeply_nested_included_case_list_is_named(tmp_path):
+    write(tmp_path, "suites/cpu.json", manifest("cpu", "cpu", [{"include": "suites/cases/c.json"}]))
+    write(tmp_path, "suites/cases/c.json", '{"entries": ' + "[" * 5000 + "]" * 5000 + "}")
+    assert problems_of(tmp_path) == ["suites/cases/c.json: [json] nested deeper than 64 levels of arrays / objects"]
+
+
+def test_deeply_nested_manifest_fails_every_command_clearly(tmp_path, capsys):
+    from harness.suites.cli import main
+
+    write(tmp_path, "suites/cpu.json", "[" * 100_000 + "]" * 100_000)
+    assert main(["--root", str(tmp_path), "inventory"]) == 1
+    assert main(["--root", str(tmp_path), "matrix", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("suites/cpu.json: [json] nested deeper than 64 levels") == 2

@@ -279,3 +279,80 @@ def test_harness_change_in_git_runs_everything(repo):
 def test_unknown_ref_runs_everything(repo):
     assert changed_files(repo, "no-such-ref") is None
     assert select(ENTRIES, changed_files(repo, "no-such-ref")).everything
+
+
+# --------------------------------------------------------------------------- one planner
+
+
+def test_the_shard_run_is_the_shard_planned(pytester, capsys):
+    from suite_project import make_project, manifest
+
+    from harness.suites.cli import main
+    from harness.suites.inventory import build_inventory
+    from harness.suites.plan import plan_suite
+    from harness.suites.run import plan_cases
+
+    tests = {"tests/t/test_t.py": "import pytest\n\n@pytest.mark.parametrize('i', range(7))\ndef test_t(i):\n    pass\n"}
+    seconds = [40, 5, 30, 10, 25, 15, 20]
+    durations = {"durations": {f"tests/t/test_t.py::test_t[{i}]": s for i, s in enumerate(seconds)}}
+    root = make_project(pytester.path, tests, {"cpu": manifest("cpu", "cpu", [{"id": "t", "paths": ["tests/t"]}])},
+                        {"suites/durations/cpu.json": durations})
+    inv = build_inventory(root, ["cpu"], check_ownership=False)
+    m, owned = inv.manifests["cpu"], inv.suite_cases("cpu")
+    for n in (1, 2, 3):
+        assert main(["--root", str(root), "matrix", "cpu", "--shards", str(n)]) == 0
+        matrix = json.loads(capsys.readouterr().out)["include"]
+        planned = plan_suite(root, m, owned, shards=n)
+        ran = [{c.nodeid for c, _ in plan_cases(root, m, owned, None, (i, n))} for i in range(1, n + 1)]
+        assert ran == [{c.nodeid for c in s.cases} for s in planned.shards]
+        assert [len(r) for r in ran] == [row["cases"] for row in matrix]
+        assert set().union(*ran) == {c.nodeid for c, _ in owned}
+
+
+def test_more_shards_than_cases_is_a_usage_error(pytester, capsys):
+    from suite_project import make_project, manifest
+
+    from harness.suites.cli import main
+
+    tests = {"tests/t/test_t.py": "def test_a():\n    pass\n\ndef test_b():\n    pass\n"}
+    root = make_project(pytester.path, tests, {"cpu": manifest("cpu", "cpu", [{"id": "t", "paths": ["tests/t"]}])})
+    assert main(["--root", str(root), "matrix", "cpu", "--shards", "2"]) == 0
+    capsys.readouterr()
+    assert main(["--root", str(root), "matrix", "cpu", "--shards", "3000000"]) == 2
+    assert "3000000 shards for suite 'cpu' of 2 case(s): at most 2" in capsys.readouterr().err
+    assert main(["--root", str(root), "run", "cpu", "--shard", "1/3"]) == 2
+    assert "3 shards for suite 'cpu' of 2 case(s): at most 2" in capsys.readouterr().err
+    assert not (root / "out").exists()
+
+
+def test_suite_errors_derive_from_the_harness_error_base():
+    from harness.errors import HarnessError
+    from harness.suites.init import InitError
+    from harness.suites.manifest import ManifestError
+
+    assert issubclass(PlanError, HarnessError) and issubclass(PlanError, ValueError)
+    assert issubclass(ManifestError, HarnessError)
+    assert issubclass(InitError, HarnessError)
+
+
+# --------------------------------------------------------------------------- the JSON writer
+
+
+def test_write_json_replaces_atomically_and_refuses_what_is_not_json(tmp_path):
+    from harness.suites.jsonio import write_json
+
+    target = tmp_path / "deep/dir/doc.json"
+    write_json(target, {"a": 1})
+    write_json(target, {"a": 2})
+    assert json.loads(target.read_text()) == {"a": 2}
+    with pytest.raises(ValueError):
+        write_json(target, {"a": float("nan")})
+    assert json.loads(target.read_text()) == {"a": 2}  # the old file is whole
+    assert sorted(p.name for p in target.parent.iterdir()) == ["doc.json"]  # no temporary left
+
+
+def test_deeply_nested_durations_file_is_named(tmp_path):
+    path = tmp_path / "d.json"
+    path.write_text('{"durations": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    with pytest.raises(PlanError, match="d.json.*nested deeper than 64 levels"):
+        load_durations(path)

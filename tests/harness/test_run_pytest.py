@@ -91,3 +91,41 @@ def test_a_named_durations_file_that_is_missing_is_a_usage_error(pytester, capsy
     assert "nope.json: no such durations file" in capsys.readouterr().err
     assert main(["--root", str(root), "matrix", "cpu", "--durations", "nope.json"]) == 2
     assert "nope.json: no such durations file" in capsys.readouterr().err
+
+
+BROKEN = {
+    "tests/a/test_a.py": "def test_ok():\n    pass\n",
+    "tests/broken/test_broken.py": "import module_that_does_not_exist\n\ndef test_never():\n    pass\n",
+    "tests/gone/test_gone.py": """
+        import pytest
+
+        pytest.importorskip("module_that_does_not_exist")
+
+        def test_never():
+            pass
+    """,
+}
+
+
+def test_a_file_that_fails_to_collect_fails_its_entry_and_the_rest_runs(pytester, capsys):
+    entries = [{"id": k, "paths": [f"tests/{k}"]} for k in ("a", "broken", "gone")]
+    root = make_project(pytester.path, BROKEN, {"cpu": manifest("cpu", "cpu", entries)})
+    # The inventory names the broken file; a module-level skip is no idle entry.
+    assert main(["--root", str(root), "inventory", "cpu"]) == 1
+    err = capsys.readouterr().err
+    assert "tests/broken/test_broken.py line 1: [collection-error]" in err
+    assert "entry-matches-nothing" not in err
+
+    done = harness(root, "run", "cpu", "--out", "out")
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert outcomes(root / "out") == {
+        "tests/a/test_a.py::test_ok": "passed",
+        "tests/broken/test_broken.py": "failed",
+        "tests/gone/test_gone.py": "skipped",
+    }
+    assert "failed: `tests/broken/test_broken.py` — " in done.stdout
+    assert "module_that_does_not_exist" in done.stdout
+    assert "**FAILED**: 1 failed" in done.stdout
+    # harness matrix plans the same cases.
+    assert main(["--root", str(root), "matrix", "cpu"]) == 0
+    assert json.loads(capsys.readouterr().out)["include"][0]["cases"] == 3
