@@ -163,3 +163,29 @@ def test_written_cpu_workflow_caches_and_outlasts_the_harness_deadline(tmp_path)
     assert job["timeout-minutes"] > manifest(root, "cpu.json")["runner"]["timeout_minutes"]
     setup = next(s for s in job["steps"] if str(s.get("uses", "")).startswith("actions/setup-python"))
     assert setup["with"]["cache"] == "pip"
+
+
+def test_writes_only_entries_the_inventory_accepts(tmp_path):
+    # No testpaths: one entry per test directory. tests/unit holds only cpu cases, so an
+    # accelerator suite entry owning it would match nothing; tests/gone skips as a whole.
+    root = write(tmp_path, {
+        "pyproject.toml": "[tool.pytest.ini_options]\n",
+        "tests/unit/test_u.py": "def test_u():\n    pass\n",
+        "tests/dev/test_d.py": LAUNCHED_DEVICE_TEST,
+        "tests/gone/test_g.py": "import pytest\n\npytest.importorskip('module_that_does_not_exist')\n",
+    })
+    done = harness(root, "init", "--accelerators", "cuda,npu")
+    assert done.returncode == 0, done.stderr
+    assert [e["paths"] for e in manifest(root, "cases/accelerator.json")["entries"]] == [["tests/dev"], ["tests/gone"]]
+    assert [e["paths"] for e in manifest(root, "cpu.json")["entries"]] == [["tests/dev"], ["tests/gone"], ["tests/unit"]]
+    inv = harness(root, "inventory")
+    assert inv.returncode == 0, inv.stdout + inv.stderr
+
+
+def test_no_accelerator_case_writes_no_accelerator_suite(tmp_path):
+    root = write(tmp_path, {"pyproject.toml": "[tool.pytest.ini_options]\n", "tests/test_u.py": "def test_u():\n    pass\n"})
+    done = harness(root, "init", "--accelerators", "cuda")
+    assert done.returncode == 0, done.stderr
+    assert "no collected case runs on cuda" in done.stderr
+    assert sorted(p.name for p in (root / "suites").iterdir()) == ["cpu.json"]
+    assert harness(root, "inventory").returncode == 0
