@@ -1,8 +1,9 @@
 """The ``harness`` command (also ``python -m harness``).
 
-- ``harness inventory [SUITE ...] [--json]``: every case with its device,
-  ranks, cards and owning entries; exit 1 naming the rule, file and case of
-  each problem.
+- ``harness inventory [SUITE ...] [--cases] [--json]``: one line per suite entry (its
+  cases, devices, most ranks and cards; ``--cases``: every case with its device, ranks,
+  cards and owning entries); exit 1 naming the rule, file and case of each problem
+  (warnings are printed and do not fail it).
 - ``harness run SUITE [--shard I/N] [--changed-from REF] [--durations-out FILE] [PYTEST_ARGS]
   [-- PYTEST_ARGS]``: what it does not know is pytest's.
 - ``harness matrix SUITE [--shards N | --target-minutes M] [--changed-from REF]``: the
@@ -20,7 +21,7 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from harness.names import EXIT_FAILED, EXIT_OK, EXIT_USAGE
+from harness.names import EXIT_FAILED, EXIT_OK, EXIT_USAGE, WARNING_RULES
 from harness.suites import changes
 from harness.suites.init import add_parser as _add_init
 from harness.suites.inventory import SuiteInventory, build_inventory
@@ -76,6 +77,7 @@ def _add_inventory(sub: argparse._SubParsersAction) -> None:
     inv = sub.add_parser("inventory", help="list every case and check suite ownership and fit")
     inv.add_argument("suites", nargs="*", metavar="SUITE", help="suite names or manifest paths (default: all)")
     inv.add_argument("--json", action="store_true", help='print {"cases": [...], "errors": [...]}')
+    inv.add_argument("--cases", action="store_true", help="list every case, not one line per suite entry")
     inv.add_argument("-q", "--quiet", action="store_true", help="print only problems and the count line")
     inv.set_defaults(handler=_cmd_inventory)
 
@@ -137,24 +139,46 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _print_inventory(inv: SuiteInventory, suites: Sequence[str], quiet: bool) -> None:
+def _print_cases(cases: Sequence[dict]) -> None:
+    w = min(max(len(c["nodeid"]) for c in cases), 110)
+    print(f"{'CASE':<{w}}  DEVICE NPROC CARDS  ENTRIES")
+    for c in cases:
+        entries = ",".join(c["entries"]) or "-"
+        print(f"{c['nodeid']:<{w}}  {c['device']:<6} {c['nproc']:>5} {c['cards']:>5}  {entries}")
+
+
+def _print_entries(cases: Sequence[dict]) -> None:
+    """One line per owning suite entry: its cases, their devices and the most ranks / cards one needs."""
+    rows: dict[str, dict] = {}
+    for c in cases:
+        for e in c["entries"] or ["-"]:
+            r = rows.setdefault(e, {"cases": 0, "devices": set(), "nproc": 0, "cards": 0})
+            r["cases"] += 1
+            r["devices"].add(c["device"])
+            r["nproc"] = max(r["nproc"], c["nproc"])
+            r["cards"] = max(r["cards"], c["cards"])
+    w = max(len("ENTRY"), *(len(e) for e in rows))
+    print(f"{'ENTRY':<{w}}  CASES  DEVICES     NPROC CARDS")
+    for e, r in rows.items():
+        print(f"{e:<{w}}  {r['cases']:>5}  {','.join(sorted(r['devices'])):<11} {r['nproc']:>5} {r['cards']:>5}")
+
+
+def _print_inventory(inv: SuiteInventory, suites: Sequence[str], quiet: bool, every_case: bool) -> None:
     doc = inv.as_dict(suites or None)
     cases = doc["cases"]
     if not quiet and cases:
-        w = min(max(len(c["nodeid"]) for c in cases), 110)
-        print(f"{'CASE':<{w}}  DEVICE NPROC CARDS  ENTRIES")
-        for c in cases:
-            entries = ",".join(c["entries"]) or "-"
-            print(f"{c['nodeid']:<{w}}  {c['device']:<6} {c['nproc']:>5} {c['cards']:>5}  {entries}")
+        (_print_cases if every_case else _print_entries)(cases)
     per_suite: dict[str, int] = {}
     for c in cases:
         for s in {e.split(":", 1)[0] for e in c["entries"]}:
             per_suite[s] = per_suite.get(s, 0) + 1
     counts = ", ".join(f"{s} {n}" for s, n in sorted(per_suite.items())) or "none"
+    errors = [p for p in inv.problems if p.rule not in WARNING_RULES]
     for p in inv.problems:
-        print(f"error: {p}", file=sys.stderr)
-    n = len(inv.problems)
-    print(f"{len(cases)} case(s); per suite: {counts}; {n} problem(s)")
+        print(f"{'warning' if p.rule in WARNING_RULES else 'error'}: {p}", file=sys.stderr)
+    warned = len(inv.problems) - len(errors)
+    print(f"{len(cases)} case(s); per suite: {counts}; {len(errors)} problem(s)"
+          + (f", {warned} warning(s)" if warned else ""))
 
 
 def _cmd_inventory(root: Path, args: argparse.Namespace) -> int:
@@ -163,8 +187,8 @@ def _cmd_inventory(root: Path, args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(inv.as_dict(names or None), indent=1))
     else:
-        _print_inventory(inv, names, args.quiet)
-    return EXIT_FAILED if inv.problems else EXIT_OK
+        _print_inventory(inv, names, args.quiet, args.cases)
+    return EXIT_FAILED if any(p.rule not in WARNING_RULES for p in inv.problems) else EXIT_OK
 
 
 def _cmd_matrix(root: Path, args: argparse.Namespace) -> int:

@@ -24,11 +24,16 @@ default owned by no entry), ``unowned-case``, ``entry-matches-nothing``,
 (manifest problems), ``no-suites`` (no manifest at all),
 ``symlink-outside-repository`` (a collected test file that is a link to a
 file outside the repository), ``collection-error`` (with the file and line)
-and ``bad-launch-spec``.
+and ``bad-launch-spec``; and one warning, which does not fail the inventory,
+``tests-under-norecursedirs`` (a test file inside ``testpaths`` that
+``norecursedirs`` hides from pytest and no entry names). The names live in
+``harness.names``; ``harness run`` and ``harness matrix`` refuse a suite only
+for the rules in ``harness.names.BLOCKING_RULES``.
 """
 from __future__ import annotations
 
 import contextlib
+import fnmatch
 import gc
 import importlib.util
 import io
@@ -196,9 +201,12 @@ class _Recorder:
         self.interrupted = False
         #: Test files skipped as a whole at collection (a module-level ``importorskip``): why.
         self.skipped: dict[str, str] = {}
+        #: The ``testpaths``, ``norecursedirs`` and ``python_files`` of the configuration.
+        self.layout: dict[str, list[str]] = {}
 
     def pytest_configure(self, config: Any) -> None:
         self.inipath = config.inipath
+        self.layout = {k: list(config.getini(k)) for k in ("testpaths", "norecursedirs", "python_files")}
 
     def pytest_keyboard_interrupt(self, excinfo: Any) -> None:
         self.interrupted = True
@@ -324,6 +332,8 @@ class Collection:
     inipath: Path | None = None
     #: Test files skipped as a whole at collection: why.
     skipped: dict[str, str] = field(default_factory=dict)
+    #: The ``testpaths``, ``norecursedirs`` and ``python_files`` of the configuration.
+    layout: dict[str, list[str]] = field(default_factory=dict)
 
     def extend(self, other: Collection) -> None:
         """Add another run's findings (cases already seen are not repeated)."""
@@ -331,6 +341,7 @@ class Collection:
         self.cases += [c for c in other.cases if c.nodeid not in seen]
         self.problems += other.problems
         self.skipped.update(other.skipped)
+        self.layout = self.layout or other.layout
         self.files = list(dict.fromkeys([*self.files, *other.files]))
         self.inipath = self.inipath or other.inipath
 
@@ -381,7 +392,7 @@ def collect(root: Path, targets: Sequence[str] | None) -> Collection:
     if int(code) not in (0, 1, 5):
         tail = "\n".join(out.getvalue().strip().splitlines()[-15:])
         rec.problems.append(Problem(names.COLLECTION_ERROR, ".", "", f"pytest exited with {int(code)}:\n{tail}"))
-    return Collection(rec.cases, rec.problems, rec.files, rec.scope, rec.inipath, rec.skipped)
+    return Collection(rec.cases, rec.problems, rec.files, rec.scope, rec.inipath, rec.skipped, rec.layout)
 
 
 def _under(path: str, roots: set[str]) -> bool:
@@ -424,9 +435,9 @@ def _glob_all(root: Path, patterns: Iterable[str]) -> set[str]:
     return found
 
 
-def _entry_targets(root: Path, manifests: Iterable[Manifest]) -> list[str]:
-    """Minimal collection arguments covering every entry path of ``manifests``
-    (each glob expanded once, covered paths dropped in one pass)."""
+def _entry_targets(root: Path, manifests: Iterable[Manifest], *, skip: set[str] | None = None) -> list[str]:
+    """Minimal collection arguments covering every entry path of ``manifests`` but those in
+    ``skip`` (each glob expanded once, covered paths dropped in one pass)."""
     paths: set[str] = set()
     patterns: set[str] = set()
     for m in manifests:
@@ -438,6 +449,7 @@ def _entry_targets(root: Path, manifests: Iterable[Manifest]) -> list[str]:
                 elif os.path.lexists(root / file_part):
                     paths.add(file_part)
     paths.update(_glob_all(root, patterns))
+    paths -= skip or set()
     kept: set[str] = set()
     for p in sorted(paths, key=lambda p: (p.count("/"), p)):
         if not _under(p, kept):
@@ -694,11 +706,59 @@ def _ownership_problems(inv: SuiteInventory, manifests: Sequence[Manifest], file
         out.append(Problem(names.UNOWNED_FILE, f, "", "test file owned by no suite entry: add it to a suite in suites/"))
     unowned_files = {p.file for p in out}
     out += [
-        Problem(names.UNOWNED_CASE, c.file, c.nodeid, f"{c.device} case owned by no suite entry")
+        Problem(names.UNOWNED_CASE, c.file, c.nodeid, f"{c.device} case owned by no suite entry: {_edit_hint(manifests, c)}")
         for c in inv.cases
         if c.spec is not None and c.nodeid not in inv.owners and c.file not in unowned_files
     ]
     return out
+
+
+def _edit_hint(manifests: Sequence[Manifest], case: CollectedCase) -> str:
+    """Where an unowned case belongs: the manifests of suites on its device, or how to add one."""
+    mine = [m.path for m in manifests if m.device == case.device]
+    if mine:
+        return f"add its file or node id to an entry of {' or '.join(mine)}"
+    return f"no suite runs {case.device} cases: add one (`harness init --accelerators {case.device}`)"
+
+
+def _hidden_test_files(root: Path, layout: dict[str, list[str]]) -> Iterator[tuple[str, str]]:
+    """``(file, pattern)`` for each test file (``python_files``) under a directory inside
+    ``testpaths`` that a ``norecursedirs`` pattern keeps pytest out of. Hidden directories
+    (``.*``) and virtual environments are not looked into."""
+    patterns = [p for p in layout.get("norecursedirs", ()) if p != ".*"]
+    python_files = layout.get("python_files", ())
+    for top in layout.get("testpaths", ()):
+        if not (root / top).is_dir():
+            continue
+        for dirpath, dirnames, _ in os.walk(root / top):
+            keep = []
+            for d in dirnames:
+                pat = next((p for p in patterns if fnmatch.fnmatch(d, p)), None)
+                if d.startswith(".") or (Path(dirpath, d) / "pyvenv.cfg").exists():
+                    continue
+                if pat is None:
+                    keep.append(d)
+                    continue
+                for sub, subdirs, files in os.walk(Path(dirpath, d)):
+                    subdirs[:] = [s for s in subdirs if not s.startswith(".")]
+                    for name in files:
+                        if any(fnmatch.fnmatch(name, g) for g in python_files):
+                            yield rel(Path(sub, name), root), pat
+            dirnames[:] = keep
+
+
+def _hidden_problems(root: Path, layout: dict[str, list[str]], collected: Iterable[str]) -> list[Problem]:
+    """A ``tests-under-norecursedirs`` warning for each hidden test file (see
+    :func:`_hidden_test_files`) that was not collected (no entry names it or a directory
+    below the hiding one): it never runs."""
+    seen = set(collected)
+    return [
+        Problem(names.HIDDEN_TESTS, f, "", f"lies under a directory that norecursedirs pattern {pat!r} hides from "
+                "pytest inside testpaths: it never runs; name it in a suite entry (harness run collects entry "
+                "paths by name) or change norecursedirs")
+        for f, pat in sorted(set(_hidden_test_files(root, layout)))
+        if f not in seen
+    ]
 
 
 def _outside_problems(root: Path, files: Iterable[str]) -> list[Problem]:
@@ -727,8 +787,10 @@ def _collect_for(root: Path, scope: _Scope, check_ownership: bool) -> Collection
     # An entry may name what pytest does not collect by default (outside
     # testpaths, under norecursedirs such as dist/): collect those paths as
     # `harness run` will, by naming them.
+    # Paths already collected are skipped before the covered ones are dropped: an entry
+    # naming tests/dist (hidden by norecursedirs) under another's tests is collected too.
     seen = {a for f in found.files for a in _ancestors(f)}
-    extra = [t for t in _entry_targets(root, scope.all) if t not in seen]
+    extra = _entry_targets(root, scope.all, skip=seen)
     if extra:
         found.extend(collect(root, extra))
     return found
@@ -770,4 +832,5 @@ def build_inventory(
         _assign_owners(inv, m, m.suite in judged)
     if check_ownership and scope.manifests_ok:
         inv.problems.extend(_ownership_problems(inv, scope.all, found.files))
+        inv.problems.extend(_hidden_problems(root, found.layout, found.files))
     return inv

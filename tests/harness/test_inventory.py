@@ -387,3 +387,55 @@ def test_glob_entries_collect_what_they_match_for_a_run(pytester):
         "tests/b/c/test_two.py::test_2": ("cpu", "deep"),
         "tests/b/c/check_three.py::test_3": ("cpu", "deep"),
     }
+
+
+def test_unowned_case_names_the_manifest_to_edit(pytester):
+    slow = "import pytest\n\ndef test_fast():\n    pass\n\n@pytest.mark.slow\ndef test_slow():\n    pass\n"
+    tests = {"tests/test_a.py": DEVICE_TESTS, "tests/test_m.py": slow}
+    inv = build_inventory(project(pytester, tests, cpu_entries=[
+        {"id": "all", "paths": ["tests/test_a.py"]}, {"id": "fast", "paths": ["tests/test_m.py"], "markers": "not slow"},
+    ]))
+    (p,) = only(inv, "unowned-case")
+    assert p.message == "cpu case owned by no suite entry: add its file or node id to an entry of suites/cpu.json"
+
+
+def test_tests_hidden_by_norecursedirs_inside_testpaths_are_a_warning(pytester, capsys):
+    root = project(pytester, {"tests/test_a.py": DEVICE_TESTS, "tests/dist/test_hidden.py": "def test_h():\n    pass\n",
+                              "tests/build/helper.py": "", "tests/.cache/test_x.py": ""})
+    inv = build_inventory(root)
+    (p,) = only(inv, "tests-under-norecursedirs")
+    assert p.file == "tests/dist/test_hidden.py"
+    assert "norecursedirs pattern 'dist'" in p.message
+    assert rules(inv) == ["tests-under-norecursedirs"]
+    # A warning: the inventory passes, and run / matrix do not see it.
+    assert main(["--root", str(root), "inventory"]) == 0
+    out, err = capsys.readouterr()
+    assert "warning: tests/dist/test_hidden.py: [tests-under-norecursedirs]" in err
+    assert out.strip().endswith("0 problem(s), 1 warning(s)")
+    assert main(["--root", str(root), "matrix", "cpu"]) == 0
+    # Named by an entry, it is collected by name and owned: no warning.
+    doc = manifest("cpu", "cpu", [{"id": "a", "paths": ["tests/test_a.py"]}, {"id": "dist", "paths": ["tests/dist"]}])
+    (root / "suites/cpu.json").write_text(json.dumps(doc))
+    inv = build_inventory(root)
+    assert inv.problems == []
+    assert inv.owners["tests/dist/test_hidden.py::test_h"] == [("cpu", "dist")]
+
+
+def test_only_the_blocking_rules_stop_run_and_matrix():
+    from harness import names
+
+    assert names.BLOCKING_RULES <= names.RULES
+    assert not names.BLOCKING_RULES & (names.WARNING_RULES | names.OWNERSHIP_RULES)
+
+
+def test_default_output_is_one_line_per_entry(pytester, capsys):
+    root = project(pytester)
+    assert main(["--root", str(root), "inventory"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].split() == ["ENTRY", "CASES", "DEVICES", "NPROC", "CARDS"]
+    assert out[1].split() == ["cpu:all", "2", "cpu", "1", "0"]
+    assert sorted(line.split()[0] for line in out[1:-1]) == ["cpu:all", "gpu:dev", "npu:dev"]
+    assert main(["--root", str(root), "inventory", "--cases"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].split()[:2] == ["CASE", "DEVICE"]
+    assert len(out) == 1 + 4 + 1  # header, every case, the count line
