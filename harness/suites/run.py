@@ -3,9 +3,10 @@
 The suite is inventoried in-process (collect only), planned and cut to the
 requested shard, narrowed by ``--changed-from``, then run in a
 pytest subprocess per distinct entry ``timeout_s`` (passed as
-``--harness-timeout``), with xdist workers sized to the cards (accelerator
-suites) or process slots (cpu) this host can lease, and ``-p
-harness.suites.selection`` so that exactly the planned cases run. Accelerator suites
+``--harness-timeout``) and size class (the widest cases apart), with xdist
+workers sized per process to the cards (accelerator suites) or process slots
+(cpu) this host can lease, and ``-p harness.suites.selection`` so that exactly
+the planned cases run and their outcomes are recorded by node id. Accelerator suites
 pass ``--harness-require DEVICE``: a runner without cards goes red, not green.
 
 The suite is planned as ``harness matrix`` plans it: a shard ``I/N`` is cut
@@ -109,6 +110,14 @@ def leasable_cards(device: str) -> int:
     return len(devices.inventory(device))
 
 
+def _slots(pytest_args: Sequence[str]) -> int:
+    """Process slots the launch plugin will lease: ``--harness-max-procs``, else the CPUs."""
+    given = option_values(pytest_args, [names.OPT_MAX_PROCS])
+    if given and given[-1] and given[-1].isdigit():
+        return max(1, int(given[-1]))
+    return _cpu_slots()
+
+
 def worker_count(
     device: str, cases: Sequence[CollectedCase], pytest_args: Sequence[str], requested: int | None = None
 ) -> int:
@@ -119,16 +128,47 @@ def worker_count(
     there are cases, never fewer than one. ``requested`` (``--workers``) wins."""
     if requested:
         return max(1, requested)
-    slots = _cpu_slots()
-    given = option_values(pytest_args, [names.OPT_MAX_PROCS])
-    if given and given[-1] and given[-1].isdigit():
-        slots = max(1, int(given[-1]))
+    slots = _slots(pytest_args)
     # Two workers each running a 2-rank case on 2 slots: one of them waits out
     # its lease timeout. Size for the largest case instead.
     n = slots // max((c.nproc for c in cases if c.launched), default=1)
     if device != "cpu":
         n = min(n, leasable_cards(device) // max((c.cards for c in cases), default=1))
     return max(1, min(n, len(cases)))
+
+
+@dataclass(frozen=True)
+class Group:
+    """The cases one pytest process runs: one entry ``timeout_s``, one size class, its workers."""
+
+    timeout: float | None
+    wide: bool
+    cases: list[tuple[CollectedCase, Entry]]
+    workers: int
+
+
+def run_groups(
+    device: str, cases: Sequence[tuple[CollectedCase, Entry]], pytest_args: Sequence[str] = (),
+    requested: int | None = None,
+) -> list[Group]:
+    """The planned cases in pytest processes, shortest timeout first: one per entry
+    ``timeout_s`` and, within it, the *wide* cases (more than half the process slots, or
+    on accelerators more than half the cards) apart from the rest, so that one 8-rank
+    case does not size a whole 4-slot run to one worker; each group sized by
+    :func:`worker_count`."""
+    slots = _slots(pytest_args)
+    cards = leasable_cards(device)
+
+    def wide(c: CollectedCase) -> bool:
+        return (c.launched and 2 * c.nproc > slots) or (device != "cpu" and 2 * c.cards > cards)
+
+    keyed: dict[tuple[float | None, bool], list[tuple[CollectedCase, Entry]]] = {}
+    for c, e in cases:
+        keyed.setdefault((e.timeout_s, wide(c)), []).append((c, e))
+    return [
+        Group(timeout, w, group, worker_count(device, [c for c, _ in group], pytest_args, requested))
+        for (timeout, w), group in sorted(keyed.items(), key=lambda kv: (kv[0][0] or 0, kv[0][1]))
+    ]
 
 
 def _default_out(root: Path, suite: str, shard: tuple[int, int] | None) -> Path:
@@ -347,6 +387,8 @@ class _Run:
     started: float
     #: The pytest configuration file the inventory found (``None``: none).
     inipath: Path | None = None
+    #: The pytest processes the cases run in (:func:`run_groups`), in order.
+    groups: list[Group] = field(default_factory=list)
 
     @property
     def title(self) -> str:
@@ -392,7 +434,8 @@ def _plan_run(root: Path, opts: RunOptions, started: float) -> _Run:
         too_big = [c for c, _ in cases if c.cards > opts.max_cards]
         cases = [(c, e) for c, e in cases if c.cards <= opts.max_cards]
     out = (opts.out or _default_out(root, m.suite, shard)).resolve()
-    return _Run(root, opts, m, shard, cases, too_big, out, started, inv.inipath)
+    groups = run_groups(m.device, cases, opts.pytest_args, opts.workers)
+    return _Run(root, opts, m, shard, cases, too_big, out, started, inv.inipath, groups)
 
 
 def _prepare_out(run: _Run) -> None:
@@ -404,25 +447,17 @@ def _prepare_out(run: _Run) -> None:
     write_json(run.out / "plan.json", doc)
 
 
-def _timeout_groups(cases: Sequence[Pair]) -> list[tuple[float | None, list[Pair]]]:
-    """The planned cases grouped by their entry's ``timeout_s`` (one pytest process each), shortest first."""
-    groups: dict[float | None, list[Pair]] = {}
-    for c, e in cases:
-        groups.setdefault(e.timeout_s, []).append((c, e))
-    return sorted(groups.items(), key=lambda kv: kv[0] or 0)
-
-
 def _user_xdist(pytest_args: Sequence[str]) -> bool:
     return bool(option_values(pytest_args, _XDIST)) or "no:xdist" in pytest_args
 
 
 def _select_file(run: _Run, k: int) -> Path:
-    """The planned cases of timeout group ``k`` (read by ``harness.suites.selection``)."""
+    """The planned cases of group ``k`` (read by ``harness.suites.selection``)."""
     return run.out / f"select-{k}.json"
 
 
 def _pytest_command(run: _Run, k: int, timeout: float | None, group: Sequence[Pair], workers: int) -> list[str]:
-    """The pytest command line for timeout group ``k``; writes its selection file."""
+    """The pytest command line for group ``k``; writes its selection file."""
     select_file = _select_file(run, k)
     deadline = timeout or PLAIN_CASE_DEADLINE_S
     write_json(select_file, {"root": str(run.root), "cases": {c.nodeid: deadline for c, _ in group}}, indent=None)
@@ -466,10 +501,11 @@ def _config_args(run: _Run) -> list[str]:
 
 
 def _execute(run: _Run, stop: _Stop) -> tuple[list[int], list[Path]]:
-    """Phase 3: one pytest process per timeout group, until a stop signal; their exit codes and JUnit files."""
+    """Phase 3: one pytest process per group (:func:`run_groups`), until a stop signal; their exit
+    codes and JUnit files."""
     m = run.manifest
-    groups = _timeout_groups(run.cases)
-    sizes = [worker_count(m.device, [c for c, _ in g], run.opts.pytest_args, run.opts.workers) for _, g in groups]
+    groups = run.groups
+    sizes = [g.workers for g in groups]
     entries = list(dict.fromkeys(e.id for _, e in run.cases))
     xdist = "xdist as given" if _user_xdist(run.opts.pytest_args) else f"{max(sizes)} xdist worker(s)"
     _print(
@@ -479,14 +515,15 @@ def _execute(run: _Run, stop: _Stop) -> tuple[list[int], list[Path]]:
     limit_s = max(r.timeout_minutes for r in m.runners) * 60.0
     codes: list[int] = []
     junits: list[Path] = []
-    for k, ((timeout, group), workers) in enumerate(zip(groups, sizes, strict=True), 1):
+    for k, g in enumerate(groups, 1):
         if stop.signum is not None:
             _print(f"{stop.name}: {len(groups) - k + 1} group(s) of cases not started")
             break
-        cmd = _pytest_command(run, k, timeout, group, workers)
+        cmd = _pytest_command(run, k, g.timeout, g.cases, g.workers)
         if len(groups) > 1:
-            _print(f"group {k}/{len(groups)}: {len(group)} case(s), timeout {timeout or 'default'}, "
-                   f"{workers} worker(s)")
+            wide = ", the widest cases" if g.wide else ""
+            _print(f"group {k}/{len(groups)}: {len(g.cases)} case(s){wide}, timeout {g.timeout or 'default'}, "
+                   f"{g.workers} worker(s)")
         codes.append(_run_pytest(cmd, run.root, limit_s, stop, selection.started_marker(_select_file(run, k))))
         junits.append(run.out / f"junit-{k}.xml")
     return codes, junits
@@ -526,9 +563,9 @@ def _report(run: _Run, codes: Sequence[int], junits: Sequence[Path], stop: _Stop
         asked.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(junit_all, asked)
     results: dict[str, report.CaseRow] = {}
-    for k, (_, group) in enumerate(_timeout_groups(run.cases), 1):
+    for k, g in enumerate(run.groups, 1):
         records = selection.read_records(_select_file(run, k))
-        results.update(report.results_from_records([c.nodeid for c, _ in group], records))
+        results.update(report.results_from_records([c.nodeid for c, _ in g.cases], records))
     rows = report.summarize([(c.nodeid, e.id, c.cards) for c, e in run.cases], results)
     table = report.render(rows, run.title, time.monotonic() - run.started)
     verdict = _verdict(report.totals(rows), codes, stop)

@@ -17,7 +17,8 @@ from harness.spec import LaunchSpec
 from harness.suites import report
 from harness.suites.cli import main
 from harness.suites.inventory import CollectedCase
-from harness.suites.run import worker_count
+from harness.suites.manifest import Entry
+from harness.suites.run import run_groups, worker_count
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -456,6 +457,21 @@ def test_workers_sized_to_leasable_cards(monkeypatch):
     cpu = [CollectedCase(f"t::c{i}", "t", LaunchSpec(), False, None) for i in range(10)]
     assert worker_count("cpu", cpu, ["--harness-max-procs", "3"]) == 3
     assert worker_count("cpu", cpu, [], requested=5) == 5
+
+
+def test_one_wide_case_does_not_make_the_whole_run_serial(monkeypatch):
+    # An 8-rank case on a 4-slot runner: alone in its group; the 2-rank cases keep 2 workers.
+    entry = Entry("e", ("t",), None, None, 5.0, None, "suites/cpu.json", "/entries/0")
+    narrow = [(CollectedCase(f"t::r{i}", "t", LaunchSpec(nproc=2), True, None), entry) for i in range(6)]
+    plain = [(CollectedCase(f"t::p{i}", "t", LaunchSpec(), False, None), entry) for i in range(3)]
+    wide = [(CollectedCase("t::big", "t", LaunchSpec(nproc=8), True, None), entry)]
+    groups = run_groups("cpu", [*narrow, *wide, *plain], ["--harness-max-procs", "4"])
+    assert [(g.wide, len(g.cases), g.workers) for g in groups] == [(False, 9, 2), (True, 1, 1)]
+    # On accelerators, a case needing more than half the cards likewise.
+    monkeypatch.setenv("HARNESS_CARDS", "cuda:0,1,2,3")
+    groups = run_groups("cuda", [*((c, entry) for c in cases_needing(1, 5)), *((c, entry) for c in cases_needing(4, 1))],
+                        ["--harness-max-procs", "16"])
+    assert [(g.wide, len(g.cases), g.workers) for g in groups] == [(False, 5, 4), (True, 1, 1)]
 
 
 def test_workers_never_let_the_runs_own_cases_starve_each_other(monkeypatch):
