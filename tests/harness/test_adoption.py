@@ -1,4 +1,4 @@
-"""Adopting the harness in another repository, as a new user would (issue 11, "done when").
+"""Adopting the harness in another repository, as a new user would.
 
 One fresh virtualenv per test session, without system site-packages, made from an
 interpreter that has no torch of its own where this machine has one (so nothing leaks in

@@ -226,7 +226,7 @@ STRICT_TESTS = {
 
 @pytest.mark.parametrize("form", ["space", "equals"])
 def test_option_value_after_double_dash_keeps_the_project_configuration(pytester, tmp_path_factory, form):
-    # Issue 12.10: `--harness-lease-dir DIR` (space-separated) made pytest take DIR
+    # `--harness-lease-dir DIR` (space-separated) made pytest take DIR
     # for a path while looking for its configuration: --strict-markers and
     # xfail_strict were silently dropped; `--harness-lease-dir=DIR` worked.
     root = make_project(pytester.path, STRICT_TESTS, {"cpu": manifest("cpu", "cpu", [{"id": "s", "paths": ["tests/s"]}])},
@@ -241,7 +241,7 @@ def test_option_value_after_double_dash_keeps_the_project_configuration(pytester
 
 
 def test_run_and_inventory_with_plugin_autoload_disabled(pytester):
-    # Issue 11.4: with PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 the harness loads what it
+    # With PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 the harness loads what it
     # needs itself (-p xdist, -p harness); before: "unrecognized arguments: -n".
     tests = {"tests/fast/test_f.py": "def test_one():\n    pass\n\ndef test_two():\n    pass\n", **LAUNCHED}
     root = make_project(pytester.path, tests, {"cpu": manifest("cpu", "cpu", [
@@ -259,7 +259,7 @@ def test_run_and_inventory_with_plugin_autoload_disabled(pytester):
 
 
 def test_changed_from_keeps_the_shards_of_the_whole_suite(pytester, capsys):
-    # Issue 11.6: a shard job narrowed by --changed-from runs its share of the
+    # A shard job narrowed by --changed-from runs its share of the
     # matrix's partition of the whole suite, not a re-partition of the narrowed cases.
     tests = {"tests/a/test_a.py": "def test_a1():\n    pass\n",
              "tests/b/test_b.py": "def test_b1():\n    pass\n\ndef test_b2():\n    pass\n\ndef test_b3():\n    pass\n"}
@@ -316,7 +316,7 @@ def test_run_refuses_a_suite_with_problems(pytester):
     ids=["inventory-problem", "case-over-budget", "case-over-budget-shard"],
 )
 def test_unplannable_suite_gives_the_same_code_from_run_and_matrix(pytester, capsys, entries, shard):
-    # Issue 11.10: `run` said 2 and `matrix` 1 for a suite with inventory problems;
+    # `run` said 2 and `matrix` 1 for a suite with inventory problems;
     # a case over its runner's budget stopped the matrix but ran under `run`.
     root = make_project(pytester.path, RUN_TESTS, {"cpu": manifest("cpu", "cpu", entries)})
     codes = {"run": main(["--root", str(root), "run", "cpu", *shard]),
@@ -344,7 +344,7 @@ def test_matrix_uses_checked_in_durations(pytester, capsys):
 
 @pytest.mark.parametrize("command", ["matrix", "run"])
 def test_numbers_that_are_not_numbers_stop_before_planning(pytester, capsys, command):
-    # Issue 12.6: NaN / Infinity used to print invalid matrix JSON or fail every launched case.
+    # NaN / Infinity used to print invalid matrix JSON or fail every launched case.
     doc = json.dumps(manifest("cpu", "cpu", [{"id": "t", "paths": ["tests/t"], "estimated_s": 1, "timeout_s": 60}]))
     doc = doc.replace('"estimated_s": 1', '"estimated_s": NaN').replace('"timeout_s": 60', '"timeout_s": Infinity')
     root = make_project(pytester.path, {"tests/t/test_t.py": "def test_t():\n    pass\n"}, {"cpu": doc})
@@ -378,7 +378,7 @@ def test_matrix_refuses_non_finite_recorded_durations(pytester, capsys):
      (["matrix", "cpu", "--", "-x"], "only `harness run` takes pytest arguments")],
 )
 def test_usage_errors_exit_2_everywhere(pytester, capsys, args, message):
-    # Issue 11.10: usage errors exit 2 whatever the subcommand, naming the option and the value.
+    # Usage errors exit 2 whatever the subcommand, naming the option and the value.
     root = make_project(pytester.path, {"tests/t/test_t.py": "def test_t():\n    pass\n"},
                         {"cpu": manifest("cpu", "cpu", [{"id": "t", "paths": ["tests/t"]}])})
     try:
@@ -475,7 +475,7 @@ def test_one_wide_case_does_not_make_the_whole_run_serial(monkeypatch):
 
 
 def test_workers_never_let_the_runs_own_cases_starve_each_other(monkeypatch):
-    # Issue 12.2: workers <= slots / most ranks of a case, cards / most cards of a case.
+    # Workers <= slots / most ranks of a case, cards / most cards of a case.
     two_ranks = [CollectedCase(f"t::r{i}", "t", LaunchSpec(nproc=2), True, None) for i in range(10)]
     plain = [CollectedCase(f"t::p{i}", "t", LaunchSpec(), False, None) for i in range(10)]
     assert worker_count("cpu", two_ranks, ["--harness-max-procs", "2"]) == 1
@@ -488,7 +488,7 @@ def test_workers_never_let_the_runs_own_cases_starve_each_other(monkeypatch):
 
 
 def test_run_sizes_workers_to_its_largest_case(pytester, tmp_path_factory):
-    # Issue 12.2: `harness run cpu` on 2 slots used -n 2 with 2-rank cases, so one
+    # `harness run cpu` on 2 slots used -n 2 with 2-rank cases, so one
     # worker waited for the other's slots until its lease timed out.
     body = "".join(
         f"\n\n@pytest.mark.launch(nproc=2)\ndef test_r{i}():\n    import torch.distributed as dist\n"

@@ -256,7 +256,7 @@ def test_cli_inventory_json_and_exit_codes(pytester, capsys):
     assert [c["nodeid"] for c in doc["cases"]] == ["tests/test_a.py::test_dev[cuda]"]
 
     (pytester.path / "suites/cpu.json").write_text(json.dumps(manifest("cpu", "cpu", [{"id": "a", "paths": ["tests"]}])))
-    assert main(["--root", str(pytester.path), "inventory"]) == 0
+    assert main(["--root", str(pytester.path), "inventory", "--cases"]) == 0
     out = capsys.readouterr().out
     assert "tests/test_a.py::test_dev[npu]" in out
     assert "npu:dev" in out
@@ -289,7 +289,7 @@ def test_broken_other_manifest_does_not_flood_a_named_inventory(pytester):
 
 
 def test_ownership_follows_pytests_collection_rules(pytester):
-    # Issue 11.3: which files are tests is pytest's call (python_files, testpaths,
+    # Which files are tests is pytest's call (python_files, testpaths,
     # norecursedirs, --ignore from the configuration), not a hard-coded tests/**/test_*.py.
     config = """
         [tool.pytest.ini_options]
@@ -326,7 +326,7 @@ def test_entry_outside_testpaths_is_still_collected(pytester):
 
 @pytest.mark.parametrize("with_dir", [False, True])
 def test_repository_without_suites_is_an_error(pytester, capsys, with_dir):
-    # Issue 11.3: never "0 case(s), 0 problem(s)" and exit 0.
+    # Never "0 case(s), 0 problem(s)" and exit 0.
     pytester.makepyfile(test_a="def test_a():\n    pass\n")
     if with_dir:
         (pytester.path / "suites").mkdir()
@@ -340,7 +340,7 @@ def test_repository_without_suites_is_an_error(pytester, capsys, with_dir):
 
 
 def test_symlink_leaving_the_repository_is_named_as_such(pytester, tmp_path_factory):
-    # Issue 12.9: it was "[unowned-file] ... add it to a suite" although tests/ is owned.
+    # It was "[unowned-file] ... add it to a suite" although tests/ is owned.
     elsewhere = tmp_path_factory.mktemp("elsewhere") / "test_far.py"
     elsewhere.write_text("def test_far():\n    pass\n")
     root = project(pytester)
@@ -363,7 +363,7 @@ def test_symlink_leaving_the_repository_is_named_as_such(pytester, tmp_path_fact
     ],
 )
 def test_collection_error_keeps_file_and_line(pytester, source, where, message):
-    # Issue 12.9: only the last line ("E   SyntaxError: invalid syntax") was kept.
+    # Only the last line ("E   SyntaxError: invalid syntax") was kept.
     tests = {"tests/test_a.py": DEVICE_TESTS, "tests/test_broken.py": source,
              "tests/helper_that_raises.py": "def f():\n    raise ValueError('boom')\n\nf()\n"}
     inv = build_inventory(project(pytester, tests))

@@ -112,7 +112,7 @@ def test_every_schema_error_is_reported_not_just_the_first(tmp_path):
      ("timeout_s", "1e999", "inf"), ("estimated_s", "NaN", "nan")],
 )
 def test_numbers_that_are_not_finite_are_rejected_with_pointer(tmp_path, field, literal, shown):
-    # Issue 12.6: Python's JSON reader takes these; the schema alone let them through.
+    # Python's JSON reader takes these; the schema alone let them through.
     text = json.dumps(cpu_doc(**{field: 7}), indent=2).replace(f'"{field}": 7', f'"{field}": {literal}')
     write(tmp_path, "suites/cpu.json", text)
     assert problems_of(tmp_path) == [f"suites/cpu.json /entries/0/{field}: [schema] {shown} is not a finite number"]

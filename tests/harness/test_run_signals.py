@@ -1,4 +1,4 @@
-"""``harness run`` under SIGTERM / SIGINT / Ctrl-C (issue 12.4): real signals to a real run.
+"""``harness run`` under SIGTERM / SIGINT / Ctrl-C: real signals to a real run.
 
 The run holds a plain case in an xdist worker (which has started a process
 that ignores SIGINT and SIGTERM in a session of its own) and a launched
