@@ -237,7 +237,7 @@ def test_option_value_after_double_dash_keeps_the_project_configuration(pytester
     assert done.returncode == 1, done.stdout + done.stderr
     assert "configfile: pyproject.toml" in done.stdout
     results = {c["nodeid"].split("::")[1]: c["outcome"] for c in json.loads((root / "out/summary.json").read_text())["cases"]}
-    assert results == {"test_marked": "passed", "test_xpass": "failed", "test_other": "missing"}
+    assert results == {"test_marked": "passed", "test_xpass": "failed", "test_other": "deselected"}
 
 
 def test_run_and_inventory_with_plugin_autoload_disabled(pytester):
