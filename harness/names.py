@@ -63,11 +63,28 @@ BAD_LAUNCH_SPEC = "bad-launch-spec"
 HIDDEN_TESTS = "tests-under-norecursedirs"
 
 #: Every rule name the inventory reports.
-RULES = frozenset({
-    SCHEMA, JSON, PATH, INCLUDE, UNKNOWN_SUITE, NO_SUITES, DUPLICATE_ENTRY_ID, CPU_CASE_NEEDS_CARDS,
-    ACCELERATOR_CASE_WITHOUT_CARDS, WRONG_DEVICE, CASE_EXCEEDS_RUNNER_CARDS, ENTRY_MATCHES_NOTHING,
-    UNOWNED_FILE, UNOWNED_CASE, SYMLINK_OUTSIDE_REPOSITORY, COLLECTION_ERROR, BAD_LAUNCH_SPEC, HIDDEN_TESTS,
-})
+RULES = frozenset(
+    {
+        SCHEMA,
+        JSON,
+        PATH,
+        INCLUDE,
+        UNKNOWN_SUITE,
+        NO_SUITES,
+        DUPLICATE_ENTRY_ID,
+        CPU_CASE_NEEDS_CARDS,
+        ACCELERATOR_CASE_WITHOUT_CARDS,
+        WRONG_DEVICE,
+        CASE_EXCEEDS_RUNNER_CARDS,
+        ENTRY_MATCHES_NOTHING,
+        UNOWNED_FILE,
+        UNOWNED_CASE,
+        SYMLINK_OUTSIDE_REPOSITORY,
+        COLLECTION_ERROR,
+        BAD_LAUNCH_SPEC,
+        HIDDEN_TESTS,
+    }
+)
 #: Problems in a manifest itself: while any is found, ownership cannot be judged.
 MANIFEST_RULES = frozenset({SCHEMA, JSON, PATH, INCLUDE})
 #: Problems of the repository as a whole (which files some suite owns), not of one suite.
@@ -77,8 +94,22 @@ WARNING_RULES = frozenset({HIDDEN_TESTS})
 #: The rules that make a suite impossible to plan or run as written: ``harness run`` and
 #: ``harness matrix`` refuse a suite with one of these; any other rule (a new one included)
 #: is the inventory's business only.
-BLOCKING_RULES = frozenset({
-    SCHEMA, JSON, PATH, INCLUDE, UNKNOWN_SUITE, NO_SUITES, DUPLICATE_ENTRY_ID, CPU_CASE_NEEDS_CARDS,
-    ACCELERATOR_CASE_WITHOUT_CARDS, WRONG_DEVICE, CASE_EXCEEDS_RUNNER_CARDS, ENTRY_MATCHES_NOTHING,
-    SYMLINK_OUTSIDE_REPOSITORY, COLLECTION_ERROR, BAD_LAUNCH_SPEC,
-})
+BLOCKING_RULES = frozenset(
+    {
+        SCHEMA,
+        JSON,
+        PATH,
+        INCLUDE,
+        UNKNOWN_SUITE,
+        NO_SUITES,
+        DUPLICATE_ENTRY_ID,
+        CPU_CASE_NEEDS_CARDS,
+        ACCELERATOR_CASE_WITHOUT_CARDS,
+        WRONG_DEVICE,
+        CASE_EXCEEDS_RUNNER_CARDS,
+        ENTRY_MATCHES_NOTHING,
+        SYMLINK_OUTSIDE_REPOSITORY,
+        COLLECTION_ERROR,
+        BAD_LAUNCH_SPEC,
+    }
+)

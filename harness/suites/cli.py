@@ -33,7 +33,9 @@ from harness.suites.run import RunOptions, load_suite, run_suite
 PACKAGE = "harness"
 
 
-def number(kind: type[int] | type[float], *, minimum: float, above: bool = False) -> Callable[[str], float]:
+def number(
+    kind: type[int] | type[float], *, minimum: float, above: bool = False
+) -> Callable[[str], float]:
     """An argparse ``type=`` for a finite ``kind`` (int or float) ``>= minimum``
     (``> minimum`` when ``above``): anything else is a usage error (exit 2)
     naming the value and the bound, never a traceback or a NaN downstream."""
@@ -75,36 +77,72 @@ class _VersionAction(argparse.Action):
 
 def _add_inventory(sub: argparse._SubParsersAction) -> None:
     inv = sub.add_parser("inventory", help="list every case and check suite ownership and fit")
-    inv.add_argument("suites", nargs="*", metavar="SUITE", help="suite names or manifest paths (default: all)")
+    inv.add_argument(
+        "suites", nargs="*", metavar="SUITE", help="suite names or manifest paths (default: all)"
+    )
     inv.add_argument("--json", action="store_true", help='print {"cases": [...], "errors": [...]}')
-    inv.add_argument("--cases", action="store_true", help="list every case, not one line per suite entry")
-    inv.add_argument("-q", "--quiet", action="store_true", help="print only problems and the count line")
+    inv.add_argument(
+        "--cases", action="store_true", help="list every case, not one line per suite entry"
+    )
+    inv.add_argument(
+        "-q", "--quiet", action="store_true", help="print only problems and the count line"
+    )
     inv.set_defaults(handler=_cmd_inventory)
 
 
 def _add_run(sub: argparse._SubParsersAction) -> None:
     # allow_abbrev=False: pytest's options (`--durations 5`, `-vx`) pass through unchanged,
     # never taken for an abbreviation of one of ours.
-    run = sub.add_parser("run", help="run a suite (or one shard of it) through pytest", allow_abbrev=False,
-                         usage="harness run SUITE [options] [PYTEST_ARGS] [-- PYTEST_ARGS]",
-                         description="Options harness run does not know are pytest's: they go to pytest "
-                                     "as they are, and so does everything after --.")
+    run = sub.add_parser(
+        "run",
+        help="run a suite (or one shard of it) through pytest",
+        allow_abbrev=False,
+        usage="harness run SUITE [options] [PYTEST_ARGS] [-- PYTEST_ARGS]",
+        description="Options harness run does not know are pytest's: they go to pytest "
+        "as they are, and so does everything after --.",
+    )
     run.add_argument("suite", metavar="SUITE")
-    run.add_argument("--shard", metavar="I/N", help="run shard I of N (the partition `harness matrix` plans)")
-    run.add_argument("--changed-from", metavar="REF",
-                     help="run only the entries the change since git REF's merge base affects")
-    run.add_argument("--durations-out", type=Path, metavar="FILE",
-                     help="record each passed case's seconds into FILE (merged), for the planner")
-    run.add_argument("--durations-file", dest="durations", type=Path, metavar="FILE",
-                     help="recorded durations to plan with (default: suites/durations/SUITE.json); "
-                          "`--durations N` is pytest's")
-    run.add_argument("--out", type=Path, metavar="DIR",
-                     help="where junit.xml and the summary go (default: out/harness/SUITE[-IofN])")
-    run.add_argument("--workers", type=number(int, minimum=1), metavar="N",
-                     help="xdist workers (default: sized to cards / slots)")
-    run.add_argument("--max-cards", type=number(int, minimum=0), metavar="N",
-                     help="run only cases needing at most N cards (a machine smaller than the suite's runners); "
-                          "the others are listed as not run")
+    run.add_argument(
+        "--shard", metavar="I/N", help="run shard I of N (the partition `harness matrix` plans)"
+    )
+    run.add_argument(
+        "--changed-from",
+        metavar="REF",
+        help="run only the entries the change since git REF's merge base affects",
+    )
+    run.add_argument(
+        "--durations-out",
+        type=Path,
+        metavar="FILE",
+        help="record each passed case's seconds into FILE (merged), for the planner",
+    )
+    run.add_argument(
+        "--durations-file",
+        dest="durations",
+        type=Path,
+        metavar="FILE",
+        help="recorded durations to plan with (default: suites/durations/SUITE.json); "
+        "`--durations N` is pytest's",
+    )
+    run.add_argument(
+        "--out",
+        type=Path,
+        metavar="DIR",
+        help="where junit.xml and the summary go (default: out/harness/SUITE[-IofN])",
+    )
+    run.add_argument(
+        "--workers",
+        type=number(int, minimum=1),
+        metavar="N",
+        help="xdist workers (default: sized to cards / slots)",
+    )
+    run.add_argument(
+        "--max-cards",
+        type=number(int, minimum=0),
+        metavar="N",
+        help="run only cases needing at most N cards (a machine smaller than the suite's runners); "
+        "the others are listed as not run",
+    )
     run.set_defaults(handler=_cmd_run)
 
 
@@ -113,26 +151,52 @@ def _add_matrix(sub: argparse._SubParsersAction) -> None:
     mx.add_argument("suite", metavar="SUITE")
     size = mx.add_mutually_exclusive_group()
     size.add_argument("--shards", type=number(int, minimum=1), metavar="N", help="exactly N shards")
-    size.add_argument("--target-minutes", type=number(float, minimum=0, above=True), metavar="M",
-                      help="the fewest shards of at most M planned minutes each")
-    mx.add_argument("--durations-file", "--durations", dest="durations", type=Path, metavar="FILE",
-                    help="recorded durations (default: suites/durations/SUITE.json when present)")
-    mx.add_argument("--changed-from", metavar="REF",
-                    help="only the shards holding a case of an entry the change since git REF's merge base "
-                         'affects (shard labels stay those of the whole suite); none: {"include": []}')
-    mx.add_argument("--indent", type=number(int, minimum=0), default=None, help="pretty-print the JSON")
+    size.add_argument(
+        "--target-minutes",
+        type=number(float, minimum=0, above=True),
+        metavar="M",
+        help="the fewest shards of at most M planned minutes each",
+    )
+    mx.add_argument(
+        "--durations-file",
+        "--durations",
+        dest="durations",
+        type=Path,
+        metavar="FILE",
+        help="recorded durations (default: suites/durations/SUITE.json when present)",
+    )
+    mx.add_argument(
+        "--changed-from",
+        metavar="REF",
+        help="only the shards holding a case of an entry the change since git REF's merge base "
+        'affects (shard labels stay those of the whole suite); none: {"include": []}',
+    )
+    mx.add_argument(
+        "--indent", type=number(int, minimum=0), default=None, help="pretty-print the JSON"
+    )
     mx.set_defaults(handler=_cmd_matrix)
 
 
 #: One function per subcommand, adding its parser (and its handler as ``handler``); in help order.
-SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_inventory, _add_run, _add_matrix, _add_init]
+SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
+    _add_inventory,
+    _add_run,
+    _add_matrix,
+    _add_init,
+]
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="harness", description="Declarative accelerator test matrix.")
-    p.add_argument("--version", action=_VersionAction, nargs=0, help="print the harness version and exit")
-    p.add_argument("--root", type=Path, default=None,
-                   help="repository root (default: the nearest directory above the working one with suites/)")
+    p.add_argument(
+        "--version", action=_VersionAction, nargs=0, help="print the harness version and exit"
+    )
+    p.add_argument(
+        "--root",
+        type=Path,
+        default=None,
+        help="repository root (default: the nearest directory above the working one with suites/)",
+    )
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for add in SUBCOMMANDS:
         add(sub)
@@ -160,10 +224,14 @@ def _print_entries(cases: Sequence[dict]) -> None:
     w = max(len("ENTRY"), *(len(e) for e in rows))
     print(f"{'ENTRY':<{w}}  CASES  DEVICES     NPROC CARDS")
     for e, r in rows.items():
-        print(f"{e:<{w}}  {r['cases']:>5}  {','.join(sorted(r['devices'])):<11} {r['nproc']:>5} {r['cards']:>5}")
+        print(
+            f"{e:<{w}}  {r['cases']:>5}  {','.join(sorted(r['devices'])):<11} {r['nproc']:>5} {r['cards']:>5}"
+        )
 
 
-def _print_inventory(inv: SuiteInventory, suites: Sequence[str], quiet: bool, every_case: bool) -> None:
+def _print_inventory(
+    inv: SuiteInventory, suites: Sequence[str], quiet: bool, every_case: bool
+) -> None:
     doc = inv.as_dict(suites or None)
     cases = doc["cases"]
     if not quiet and cases:
@@ -177,8 +245,10 @@ def _print_inventory(inv: SuiteInventory, suites: Sequence[str], quiet: bool, ev
     for p in inv.problems:
         print(f"{'warning' if p.rule in WARNING_RULES else 'error'}: {p}", file=sys.stderr)
     warned = len(inv.problems) - len(errors)
-    print(f"{len(cases)} case(s); per suite: {counts}; {len(errors)} problem(s)"
-          + (f", {warned} warning(s)" if warned else ""))
+    print(
+        f"{len(cases)} case(s); per suite: {counts}; {len(errors)} problem(s)"
+        + (f", {warned} warning(s)" if warned else "")
+    )
 
 
 def _cmd_inventory(root: Path, args: argparse.Namespace) -> int:
@@ -199,23 +269,38 @@ def _cmd_matrix(root: Path, args: argparse.Namespace) -> int:
     m = inv.manifests[suite]
     try:
         owned = inv.suite_cases(suite)
-        result = plan_suite(root, m, owned, durations=args.durations, shards=args.shards,
-                            target_minutes=args.target_minutes)
+        result = plan_suite(
+            root,
+            m,
+            owned,
+            durations=args.durations,
+            shards=args.shards,
+            target_minutes=args.target_minutes,
+        )
         selected = None
         if args.changed_from:
             sel = changes.select(m.entries, changes.changed_files(root, args.changed_from))
-            print(f"harness matrix: --changed-from {args.changed_from}: {sel.reason}", file=sys.stderr)
+            print(
+                f"harness matrix: --changed-from {args.changed_from}: {sel.reason}", file=sys.stderr
+            )
             selected = sel.entries
         # allow_nan=False: a value that is not a number is an error here, never invalid JSON for CI.
-        text = json.dumps(result.matrix(selected), indent=args.indent,
-                          separators=None if args.indent else (",", ":"), allow_nan=False)
+        text = json.dumps(
+            result.matrix(selected),
+            indent=args.indent,
+            separators=None if args.indent else (",", ":"),
+            allow_nan=False,
+        )
     except (PlanError, ValueError) as e:
         print(f"harness matrix: {e}", file=sys.stderr)
         return EXIT_USAGE
     print(text)
     loads = ", ".join(f"{s.label} {s.load / 60:.1f} min" for s in result.shards)
-    print(f"harness matrix: {suite}: {len(owned)} case(s) in {len(result.shards)} shard(s): {loads}; "
-          f"longest/mean {result.balance():.3f}", file=sys.stderr)
+    print(
+        f"harness matrix: {suite}: {len(owned)} case(s) in {len(result.shards)} shard(s): {loads}; "
+        f"longest/mean {result.balance():.3f}",
+        file=sys.stderr,
+    )
     return EXIT_OK
 
 

@@ -30,6 +30,7 @@ and ``bad-launch-spec``; and one warning, which does not fail the inventory,
 ``harness.names``; ``harness run`` and ``harness matrix`` refuse a suite only
 for the rules in ``harness.names.BLOCKING_RULES``.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -157,7 +158,10 @@ class SuiteInventory:
 
 # A frame of a collection error's traceback: ``path:LINE: in ...`` (pytest's own
 # form) or ``File "path", line LINE`` (a SyntaxError's).
-_FRAME = re.compile(r'^(?:E\s+)?File "(?P<f1>[^"]+)", line (?P<l1>\d+)|^(?P<f2>[^\s<][^:\n]*):(?P<l2>\d+): in ', re.M)
+_FRAME = re.compile(
+    r'^(?:E\s+)?File "(?P<f1>[^"]+)", line (?P<l1>\d+)|^(?P<f2>[^\s<][^:\n]*):(?P<l2>\d+): in ',
+    re.M,
+)
 
 
 def _collection_error(report: Any, root: Path) -> Problem:
@@ -206,7 +210,9 @@ class _Recorder:
 
     def pytest_configure(self, config: Any) -> None:
         self.inipath = config.inipath
-        self.layout = {k: list(config.getini(k)) for k in ("testpaths", "norecursedirs", "python_files")}
+        self.layout = {
+            k: list(config.getini(k)) for k in ("testpaths", "norecursedirs", "python_files")
+        }
 
     def pytest_keyboard_interrupt(self, excinfo: Any) -> None:
         self.interrupted = True
@@ -220,11 +226,15 @@ class _Recorder:
     def pytest_collectreport(self, report: Any) -> None:
         if report.failed:
             problem = _collection_error(report, self.root)
-            if problem not in self.problems:  # a failing conftest is reported for each node it spoils
+            if (
+                problem not in self.problems
+            ):  # a failing conftest is reported for each node it spoils
                 self.problems.append(problem)
         elif report.skipped and is_test_module(report.nodeid):
             longrepr = report.longrepr
-            reason = longrepr[2] if isinstance(longrepr, tuple) and len(longrepr) == 3 else str(longrepr)
+            reason = (
+                longrepr[2] if isinstance(longrepr, tuple) and len(longrepr) == 3 else str(longrepr)
+            )
             self.skipped[report.nodeid] = str(reason).removeprefix("Skipped: ")
 
     def pytest_collection_finish(self, session: Any) -> None:
@@ -249,7 +259,16 @@ def _case(item: Any, root: Path) -> CollectedCase:
     callspec = getattr(item, "callspec", None)
     param = callspec.params.get("device") if callspec is not None else None
     marks = tuple(
-        (m.name, tuple(sorted((k, v) for k, v in m.kwargs.items() if isinstance(v, (str, int, bool)) or v is None)))
+        (
+            m.name,
+            tuple(
+                sorted(
+                    (k, v)
+                    for k, v in m.kwargs.items()
+                    if isinstance(v, (str, int, bool)) or v is None
+                )
+            ),
+        )
         for m in item.iter_markers()
     )
     nodeid = case_id(item, root)
@@ -284,7 +303,10 @@ def _quiet_in(root: Path) -> Iterator[io.StringIO]:
 def autoload_disabled(args: Sequence[str] = ()) -> bool:
     """True when pytest will not load plugins from entry points
     (``PYTEST_DISABLE_PLUGIN_AUTOLOAD``, or ``--disable-plugin-autoload`` in ``args``)."""
-    return bool(os.environ.get("PYTEST_DISABLE_PLUGIN_AUTOLOAD")) or "--disable-plugin-autoload" in args
+    return (
+        bool(os.environ.get("PYTEST_DISABLE_PLUGIN_AUTOLOAD"))
+        or "--disable-plugin-autoload" in args
+    )
 
 
 def _plugin_name(module: str) -> str:
@@ -362,8 +384,16 @@ def collect(root: Path, targets: Sequence[str] | None) -> Collection:
     rec = _Recorder(root)
     # No test code runs here, so nothing can raise an unraisable exception; that
     # plugin's forced garbage collections at exit cost seconds on a large tree.
-    args = ["--collect-only", "-q", "-p", "no:cacheprovider", "-p", "no:unraisableexception",
-            "--continue-on-collection-errors", f"--rootdir={root}"]
+    args = [
+        "--collect-only",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "-p",
+        "no:unraisableexception",
+        "--continue-on-collection-errors",
+        f"--rootdir={root}",
+    ]
     args += plugin_args()
     # This process imported the harness before pytest could mark it for assertion
     # rewriting; a project's `filterwarnings = error` must not turn that notice into a failure.
@@ -391,8 +421,12 @@ def collect(root: Path, targets: Sequence[str] | None) -> Collection:
     # 0: collected, 1: some collection error (recorded above), 5: nothing collected.
     if int(code) not in (0, 1, 5):
         tail = "\n".join(out.getvalue().strip().splitlines()[-15:])
-        rec.problems.append(Problem(names.COLLECTION_ERROR, ".", "", f"pytest exited with {int(code)}:\n{tail}"))
-    return Collection(rec.cases, rec.problems, rec.files, rec.scope, rec.inipath, rec.skipped, rec.layout)
+        rec.problems.append(
+            Problem(names.COLLECTION_ERROR, ".", "", f"pytest exited with {int(code)}:\n{tail}")
+        )
+    return Collection(
+        rec.cases, rec.problems, rec.files, rec.scope, rec.inipath, rec.skipped, rec.layout
+    )
 
 
 def _under(path: str, roots: set[str]) -> bool:
@@ -426,7 +460,10 @@ def _glob_all(root: Path, patterns: Iterable[str]) -> set[str]:
         for dirpath, dirnames, filenames in os.walk(root / top):
             dirnames[:] = [d for d in dirnames if not d.startswith(".")]
             base = rel(Path(dirpath), root)
-            names = [*dirnames, *(f for f in filenames if f.endswith(".py") and not f.startswith("."))]
+            names = [
+                *dirnames,
+                *(f for f in filenames if f.endswith(".py") and not f.startswith(".")),
+            ]
             for name in names:
                 path = name if base == "." else f"{base}/{name}"
                 segments = {None, *path.split("/")}
@@ -435,7 +472,9 @@ def _glob_all(root: Path, patterns: Iterable[str]) -> set[str]:
     return found
 
 
-def _entry_targets(root: Path, manifests: Iterable[Manifest], *, skip: set[str] | None = None) -> list[str]:
+def _entry_targets(
+    root: Path, manifests: Iterable[Manifest], *, skip: set[str] | None = None
+) -> list[str]:
     """Minimal collection arguments covering every entry path of ``manifests`` but those in
     ``skip`` (each glob expanded once, covered paths dropped in one pass)."""
     paths: set[str] = set()
@@ -469,7 +508,10 @@ class _Markers:
             self.by_name.setdefault(name, []).append(dict(kwargs))
 
     def __call__(self, name: str, /, **kwargs: Any) -> bool:
-        return any(all(m.get(k, object()) == v for k, v in kwargs.items()) for m in self.by_name.get(name, ()))
+        return any(
+            all(m.get(k, object()) == v for k, v in kwargs.items())
+            for m in self.by_name.get(name, ())
+        )
 
 
 def _literal_segment(pattern: str) -> str | None:
@@ -575,7 +617,10 @@ def _fit_problems(m: Manifest, entry: Entry, case: CollectedCase) -> list[Proble
         out.append(Problem(rule, m.path, where, message, m.suite))
 
     if spec.cards > 0 and "cpu" in (spec.device, m.device):
-        add(names.CPU_CASE_NEEDS_CARDS, f"case on {spec.device} asks for {spec.cards} card(s) in cpu suite {m.suite!r}")
+        add(
+            names.CPU_CASE_NEEDS_CARDS,
+            f"case on {spec.device} asks for {spec.cards} card(s) in cpu suite {m.suite!r}",
+        )
     elif m.device != "cpu" and spec.cards < 1:
         add(
             names.ACCELERATOR_CASE_WITHOUT_CARDS,
@@ -614,8 +659,19 @@ def _load_scope(root: Path, suites: Iterable[str] | None) -> _Scope:
     all_manifests, problems = load_suites(root)
     if not all_manifests and not problems:
         # Never "0 case(s), 0 problem(s)": a repository without suites checks nothing.
-        why = "has no suite manifests" if (root / SUITES_DIR).is_dir() else f"does not exist in {root}"
-        problems = [Problem(names.NO_SUITES, f"{SUITES_DIR}/", "", f"{why}: write one (`harness init`) or pass --root")]
+        why = (
+            "has no suite manifests"
+            if (root / SUITES_DIR).is_dir()
+            else f"does not exist in {root}"
+        )
+        problems = [
+            Problem(
+                names.NO_SUITES,
+                f"{SUITES_DIR}/",
+                "",
+                f"{why}: write one (`harness init`) or pass --root",
+            )
+        ]
     ok = not any(p.rule in names.MANIFEST_RULES for p in problems)
     if not suites:
         return _Scope(all_manifests, list(all_manifests), problems, ok)
@@ -684,12 +740,20 @@ def _idle_entries(
                 f" with markers {e.markers!r}" if e.markers else ""
             )
         out.append(
-            Problem(names.ENTRY_MATCHES_NOTHING, e.source, f"{e.pointer} (entry {e.id!r})", f"suite {m.suite!r}: {why}", m.suite)
+            Problem(
+                names.ENTRY_MATCHES_NOTHING,
+                e.source,
+                f"{e.pointer} (entry {e.id!r})",
+                f"suite {m.suite!r}: {why}",
+                m.suite,
+            )
         )
     return out
 
 
-def _ownership_problems(inv: SuiteInventory, manifests: Sequence[Manifest], files: Sequence[str]) -> list[Problem]:
+def _ownership_problems(
+    inv: SuiteInventory, manifests: Sequence[Manifest], files: Sequence[str]
+) -> list[Problem]:
     """Phase 5: ``unowned-file`` for each test file pytest collects by default none of
     whose cases any suite owns, ``unowned-case`` for each other case no suite owns."""
     by_file: dict[str, list[CollectedCase]] = {}
@@ -703,10 +767,22 @@ def _ownership_problems(inv: SuiteInventory, manifests: Sequence[Manifest], file
             continue
         if not fcases and covered.covers_file(f):
             continue  # collects nothing here (e.g. a module-level skip); its entry covers it
-        out.append(Problem(names.UNOWNED_FILE, f, "", "test file owned by no suite entry: add it to a suite in suites/"))
+        out.append(
+            Problem(
+                names.UNOWNED_FILE,
+                f,
+                "",
+                "test file owned by no suite entry: add it to a suite in suites/",
+            )
+        )
     unowned_files = {p.file for p in out}
     out += [
-        Problem(names.UNOWNED_CASE, c.file, c.nodeid, f"{c.device} case owned by no suite entry: {_edit_hint(manifests, c)}")
+        Problem(
+            names.UNOWNED_CASE,
+            c.file,
+            c.nodeid,
+            f"{c.device} case owned by no suite entry: {_edit_hint(manifests, c)}",
+        )
         for c in inv.cases
         if c.spec is not None and c.nodeid not in inv.owners and c.file not in unowned_files
     ]
@@ -718,7 +794,9 @@ def _edit_hint(manifests: Sequence[Manifest], case: CollectedCase) -> str:
     mine = [m.path for m in manifests if m.device == case.device]
     if mine:
         return f"add its file or node id to an entry of {' or '.join(mine)}"
-    return f"no suite runs {case.device} cases: add one (`harness init --accelerators {case.device}`)"
+    return (
+        f"no suite runs {case.device} cases: add one (`harness init --accelerators {case.device}`)"
+    )
 
 
 def _hidden_test_files(root: Path, layout: dict[str, list[str]]) -> Iterator[tuple[str, str]]:
@@ -747,15 +825,22 @@ def _hidden_test_files(root: Path, layout: dict[str, list[str]]) -> Iterator[tup
             dirnames[:] = keep
 
 
-def _hidden_problems(root: Path, layout: dict[str, list[str]], collected: Iterable[str]) -> list[Problem]:
+def _hidden_problems(
+    root: Path, layout: dict[str, list[str]], collected: Iterable[str]
+) -> list[Problem]:
     """A ``tests-under-norecursedirs`` warning for each hidden test file (see
     :func:`_hidden_test_files`) that was not collected (no entry names it or a directory
     below the hiding one): it never runs."""
     seen = set(collected)
     return [
-        Problem(names.HIDDEN_TESTS, f, "", f"lies under a directory that norecursedirs pattern {pat!r} hides from "
-                "pytest inside testpaths: it never runs; name it in a suite entry (harness run collects entry "
-                "paths by name) or change norecursedirs")
+        Problem(
+            names.HIDDEN_TESTS,
+            f,
+            "",
+            f"lies under a directory that norecursedirs pattern {pat!r} hides from "
+            "pytest inside testpaths: it never runs; name it in a suite entry (harness run collects entry "
+            "paths by name) or change norecursedirs",
+        )
         for f, pat in sorted(set(_hidden_test_files(root, layout)))
         if f not in seen
     ]
@@ -769,11 +854,15 @@ def _outside_problems(root: Path, files: Iterable[str]) -> list[Problem]:
     for f in sorted(set(files)):
         target = (root / f).resolve()
         if not os.path.isabs(f) and not target.is_relative_to(real_root):
-            out.append(Problem(
-                names.SYMLINK_OUTSIDE_REPOSITORY, f, "",
-                f"is a symlink to {target}, outside the repository: a checkout elsewhere (CI) will not have "
-                "it and --changed-from cannot see its changes; move the test into the repository",
-            ))
+            out.append(
+                Problem(
+                    names.SYMLINK_OUTSIDE_REPOSITORY,
+                    f,
+                    "",
+                    f"is a symlink to {target}, outside the repository: a checkout elsewhere (CI) will not have "
+                    "it and --changed-from cannot see its changes; move the test into the repository",
+                )
+            )
     return out
 
 
@@ -822,8 +911,11 @@ def build_inventory(
         inipath=found.inipath,
         unloadable={
             **found.skipped,
-            **{p.file: p.message for p in found.problems
-               if p.rule == names.COLLECTION_ERROR and is_test_module(p.file)},
+            **{
+                p.file: p.message
+                for p in found.problems
+                if p.rule == names.COLLECTION_ERROR and is_test_module(p.file)
+            },
         },
     )
     inv.problems.extend(_outside_problems(root, {*found.files, *(c.file for c in found.cases)}))

@@ -195,7 +195,14 @@ def resolve_suite(root: Path, name_or_path: str) -> Path:
             return c
     known = ", ".join(f.stem for f in suite_files(root)) or "none"
     raise ManifestError(
-        [Problem(names.UNKNOWN_SUITE, f"{SUITES_DIR}/", name_or_path, f"no such suite (known: {known})")]
+        [
+            Problem(
+                names.UNKNOWN_SUITE,
+                f"{SUITES_DIR}/",
+                name_or_path,
+                f"no such suite (known: {known})",
+            )
+        ]
     )
 
 
@@ -306,7 +313,9 @@ def _depth_over(doc: Any, limit: int) -> bool:
         if isinstance(node, (dict, list)):
             if depth > limit:
                 return True
-            stack.extend((v, depth + 1) for v in (node.values() if isinstance(node, dict) else node))
+            stack.extend(
+                (v, depth + 1) for v in (node.values() if isinstance(node, dict) else node)
+            )
     return False
 
 
@@ -321,10 +330,14 @@ def read_json(path: Path, root: Path) -> Any:
     try:
         text = path.read_text(encoding="utf-8")
     except OSError as e:
-        raise ManifestError([Problem(names.JSON, name, "", f"cannot read: {e.strerror or e}")]) from e
+        raise ManifestError(
+            [Problem(names.JSON, name, "", f"cannot read: {e.strerror or e}")]
+        ) from e
     except UnicodeDecodeError as e:
         raise ManifestError([Problem(names.JSON, name, "", f"not UTF-8 text: {e}")]) from e
-    too_deep = Problem(names.JSON, name, "", f"nested deeper than {MAX_JSON_DEPTH} levels of arrays / objects")
+    too_deep = Problem(
+        names.JSON, name, "", f"nested deeper than {MAX_JSON_DEPTH} levels of arrays / objects"
+    )
     try:
         doc = json.loads(text, object_pairs_hook=_no_duplicate_keys)
     except json.JSONDecodeError as e:
@@ -364,7 +377,9 @@ def load_schema(root: Path | None = None) -> dict[str, Any]:
     try:
         return _schema_at(str(path))
     except FileNotFoundError as e:
-        raise ManifestError([Problem(names.SCHEMA, str(path), "", "schema missing from the harness package")]) from e
+        raise ManifestError(
+            [Problem(names.SCHEMA, str(path), "", "schema missing from the harness package")]
+        ) from e
 
 
 def _inline_refs(node: Any, defs: dict[str, Any]) -> Any:
@@ -467,7 +482,12 @@ def _runners(doc: dict[str, Any]) -> tuple[Runner, ...]:
 
 
 def _included(
-    raw: dict[str, Any], name: str, ptr: str, root: Path, chain: tuple[str, ...], problems: list[Problem],
+    raw: dict[str, Any],
+    name: str,
+    ptr: str,
+    root: Path,
+    chain: tuple[str, ...],
+    problems: list[Problem],
     included: list[str],
 ) -> list[Entry]:
     """The entries an ``{"include": FILE}`` entry splices in (none, with problems, when it cannot)."""
@@ -483,7 +503,9 @@ def _included(
         problems.append(Problem(names.INCLUDE, name, ptr + "/include", f"include cycle: {cycle}"))
         return []
     if not target.is_file():
-        problems.append(Problem(names.INCLUDE, name, ptr + "/include", f"{target_rel!r} does not exist"))
+        problems.append(
+            Problem(names.INCLUDE, name, ptr + "/include", f"{target_rel!r} does not exist")
+        )
         return []
     try:
         doc = read_json(target, root)
@@ -499,7 +521,9 @@ def _included(
     return _expand(doc["entries"], target, root, (*chain, tname), problems, included)
 
 
-def _case_entry(raw: dict[str, Any], name: str, ptr: str, root: Path, problems: list[Problem]) -> Entry:
+def _case_entry(
+    raw: dict[str, Any], name: str, ptr: str, root: Path, problems: list[Problem]
+) -> Entry:
     """A case entry, with a problem for each path that leaves the repository and a bad ``markers``."""
     for j, p in enumerate(raw["paths"]):
         why = _outside(root, p.split("::", 1)[0])
@@ -560,7 +584,12 @@ def load_manifest(path: Path, root: Path) -> Manifest:
         raise ManifestError(problems)
     if doc["suite"] != path.stem:
         problems.append(
-            Problem(names.SCHEMA, name, "/suite", f"suite {doc['suite']!r} must match the file name {path.stem!r}")
+            Problem(
+                names.SCHEMA,
+                name,
+                "/suite",
+                f"suite {doc['suite']!r} must match the file name {path.stem!r}",
+            )
         )
     included: list[str] = []
     entries = _expand(doc["entries"], path, root, (name,), problems, included)
@@ -597,7 +626,9 @@ def duplicate_entries(manifest: Manifest) -> list[Problem]:
     return out
 
 
-def load_suites(root: Path, names: Iterable[str] | None = None) -> tuple[list[Manifest], list[Problem]]:
+def load_suites(
+    root: Path, names: Iterable[str] | None = None
+) -> tuple[list[Manifest], list[Problem]]:
     """Load the named suites (default: every ``suites/*.json``) of the repository at ``root``.
 
     Returns the manifests that loaded and the problems of those that did not

@@ -109,17 +109,19 @@ class Plan:
             mine = s.cases if entries is None else [c for c in s.cases if c.entry in entries]
             if entries is not None and not mine:
                 continue
-            rows.append({
-                "suite": self.suite,
-                "shard": s.label,
-                "runner": list(s.runner.labels),
-                "runner_name": s.runner.name,
-                "cards": s.runner.cards,
-                "timeout_minutes": s.runner.timeout_minutes,
-                "job_timeout_minutes": s.runner.timeout_minutes + JOB_SETUP_MINUTES,
-                "cases": len(mine),
-                "estimated_minutes": round(sum(c.seconds for c in mine) / 60.0, 1),
-            })
+            rows.append(
+                {
+                    "suite": self.suite,
+                    "shard": s.label,
+                    "runner": list(s.runner.labels),
+                    "runner_name": s.runner.name,
+                    "cards": s.runner.cards,
+                    "timeout_minutes": s.runner.timeout_minutes,
+                    "job_timeout_minutes": s.runner.timeout_minutes + JOB_SETUP_MINUTES,
+                    "cases": len(mine),
+                    "estimated_minutes": round(sum(c.seconds for c in mine) / 60.0, 1),
+                }
+            )
         return {"include": rows}
 
 
@@ -159,7 +161,9 @@ def load_durations(path: Path | None, *, required: bool = False) -> dict[str, fl
     if not isinstance(data, dict) or not all(
         isinstance(k, str) and is_real(v) and 0 <= v < math.inf for k, v in data.items()
     ):
-        raise PlanError(f'{path}: expected {{"durations": {{"<nodeid>": <finite seconds >= 0>, ...}}}}')
+        raise PlanError(
+            f'{path}: expected {{"durations": {{"<nodeid>": <finite seconds >= 0>, ...}}}}'
+        )
     return {k: float(v) for k, v in data.items()}
 
 
@@ -195,7 +199,11 @@ def estimate(
         if nodeid in durations:
             out.append(PlannedCase(nodeid, entry, cards, durations[nodeid], "recorded"))
         elif per_entry.get(entry):
-            out.append(PlannedCase(nodeid, entry, cards, statistics.median(per_entry[entry]), "entry-median"))
+            out.append(
+                PlannedCase(
+                    nodeid, entry, cards, statistics.median(per_entry[entry]), "entry-median"
+                )
+            )
         else:
             out.append(PlannedCase(nodeid, entry, cards, float(estimated), "estimated"))
     return out
@@ -232,7 +240,9 @@ def _allocate(work: list[float], shards: int) -> list[int]:
     return counts
 
 
-def partition(cases: Sequence[PlannedCase], runners: Sequence[Runner], shards: int) -> list[PlannedShard]:
+def partition(
+    cases: Sequence[PlannedCase], runners: Sequence[Runner], shards: int
+) -> list[PlannedShard]:
     """Split ``cases`` into ``shards`` shards over the runner classes (ascending cards).
 
     Longest case first, each onto the least-loaded shard whose runner has
@@ -262,7 +272,9 @@ def partition(cases: Sequence[PlannedCase], runners: Sequence[Runner], shards: i
     return out
 
 
-def _over_budget(shards: Sequence[PlannedShard], limit_s: float | None = None) -> list[PlannedShard]:
+def _over_budget(
+    shards: Sequence[PlannedShard], limit_s: float | None = None
+) -> list[PlannedShard]:
     return [s for s in shards if s.load > min(s.runner.budget_s, limit_s or math.inf)]
 
 
@@ -277,7 +289,9 @@ def _check_case_budgets(runners: Sequence[Runner], cases: Sequence[PlannedCase])
             )
 
 
-def _exactly(runners: Sequence[Runner], cases: Sequence[PlannedCase], shards: int, enforce: bool) -> list[PlannedShard]:
+def _exactly(
+    runners: Sequence[Runner], cases: Sequence[PlannedCase], shards: int, enforce: bool
+) -> list[PlannedShard]:
     """``shards`` shards; with ``enforce``, ``PlanError`` naming every shard over its runner's budget."""
     result = partition(cases, runners, shards)
     over = _over_budget(result)
@@ -294,7 +308,11 @@ def _exactly(runners: Sequence[Runner], cases: Sequence[PlannedCase], shards: in
 
 
 def _fewest(
-    suite: str, runners: Sequence[Runner], cases: Sequence[PlannedCase], target_minutes: float | None, enforce: bool
+    suite: str,
+    runners: Sequence[Runner],
+    cases: Sequence[PlannedCase],
+    target_minutes: float | None,
+    enforce: bool,
 ) -> list[PlannedShard]:
     """The fewest shards each within its runner's budget and ``target_minutes``."""
     limit = target_minutes * 60.0 if target_minutes is not None else None
@@ -303,7 +321,9 @@ def _fewest(
     if limit is not None:
         for c in cases:
             if c.seconds > limit:
-                raise PlanError(f"{c.nodeid} alone takes {c.seconds / 60:.1f} min, over --target-minutes {target_minutes}")
+                raise PlanError(
+                    f"{c.nodeid} alone takes {c.seconds / 60:.1f} min, over --target-minutes {target_minutes}"
+                )
     total = sum(c.seconds for c in cases)
     cap = min(limit or math.inf, max(r.budget_s for r in runners))
     n = max(1, math.ceil(total / cap) if cap > 0 else 1)
@@ -370,6 +390,10 @@ def plan_suite(
             f"{shards} shards for suite {manifest.suite!r} of {len(owned)} case(s): "
             f"at most {max(1, len(owned))} (one case per shard)"
         )
-    recorded = load_durations(durations or default_durations_path(root, manifest.suite), required=durations is not None)
+    recorded = load_durations(
+        durations or default_durations_path(root, manifest.suite), required=durations is not None
+    )
     planned = estimate([(c.nodeid, e.id, c.cards, e.estimated_s) for c, e in owned], recorded)
-    return plan(manifest.suite, manifest.runners, planned, shards=shards, target_minutes=target_minutes)
+    return plan(
+        manifest.suite, manifest.runners, planned, shards=shards, target_minutes=target_minutes
+    )

@@ -98,11 +98,15 @@ def read_junit(paths: Iterable[Path]) -> dict[tuple[str, str], CaseRow]:
             seconds = float(tc.get("time", 0) or 0) + (prev.seconds if prev else 0.0)
             if prev is not None and prev.outcome == "failed":
                 outcome, msg = prev.outcome, prev.message
-            out[key] = CaseRow("", outcome, seconds, (msg or "").splitlines()[0][:200] if msg else "")
+            out[key] = CaseRow(
+                "", outcome, seconds, (msg or "").splitlines()[0][:200] if msg else ""
+            )
     return out
 
 
-def results_for(nodeids: Iterable[str], junit: Mapping[tuple[str, str], CaseRow]) -> dict[str, CaseRow]:
+def results_for(
+    nodeids: Iterable[str], junit: Mapping[tuple[str, str], CaseRow]
+) -> dict[str, CaseRow]:
     """Each planned node id's result; ``missing`` when the JUnit has no such case."""
     out = {}
     for n in nodeids:
@@ -124,7 +128,10 @@ def _phases(phases: Sequence[tuple[str, str, float, str]]) -> tuple[str, float, 
 
 def _collect_problem(nodeid: str, collect: Mapping[str, tuple[str, str]]) -> tuple[str, str] | None:
     """The failed or skipped collection of ``nodeid``'s file (or a class above it), if any."""
-    for prefix in [nodeid.split("::", 1)[0], *(nodeid[:i] for i in range(len(nodeid)) if nodeid.startswith("::", i))]:
+    for prefix in [
+        nodeid.split("::", 1)[0],
+        *(nodeid[:i] for i in range(len(nodeid)) if nodeid.startswith("::", i)),
+    ]:
         if prefix in collect:
             return collect[prefix]
     return None
@@ -135,8 +142,11 @@ def results_from_records(nodeids: Iterable[str], records: Records) -> dict[str, 
     opts = records.options
     failures = sum(1 for phases in records.reports.values() if _phases(phases)[0] == "failed")
     maxfail = int(opts.get("maxfail", 0) or 0)
-    stopped = bool(records.stopped) or bool(opts.get("collectonly")) or (0 < maxfail <= failures) or (
-        records.finish is not None and records.finish == 2
+    stopped = (
+        bool(records.stopped)
+        or bool(opts.get("collectonly"))
+        or (0 < maxfail <= failures)
+        or (records.finish is not None and records.finish == 2)
     )
     out = {}
     for n in nodeids:
@@ -148,7 +158,9 @@ def results_from_records(nodeids: Iterable[str], records: Records) -> dict[str, 
         elif (broken := _collect_problem(n, records.collect)) is not None:
             out[n] = CaseRow(n, broken[0], 0.0, broken[1])
         elif opts.get("last_failed") and n not in records.collected:
-            out[n] = CaseRow(n, "deselected", 0.0, "--last-failed: its file had no failure to rerun")
+            out[n] = CaseRow(
+                n, "deselected", 0.0, "--last-failed: its file had no failure to rerun"
+            )
         elif stopped and (n in records.collected or not records.collected):
             out[n] = CaseRow(n, "not run", 0.0, records.stopped or "")
         else:
@@ -177,15 +189,27 @@ def summarize(
     """Per-entry rows, in first-seen entry order, from ``(nodeid, entry id, cards)`` and results."""
     rows: dict[str, dict[str, float]] = {}
     for nodeid, entry, cards in planned:
-        r = rows.setdefault(entry, {"cases": 0, "cards": 0, "seconds": 0.0, **dict.fromkeys(OUTCOMES, 0)})
+        r = rows.setdefault(
+            entry, {"cases": 0, "cards": 0, "seconds": 0.0, **dict.fromkeys(OUTCOMES, 0)}
+        )
         res = results.get(nodeid, CaseRow(nodeid, "missing"))
         r["cases"] += 1
         r[res.outcome] += 1
         r["cards"] = max(r["cards"], cards)
         r["seconds"] += res.seconds
     return [
-        EntryRow(e, int(r["cases"]), int(r["passed"]), int(r["failed"]), int(r["skipped"]), int(r["missing"]),
-                 int(r["cards"]), round(r["seconds"], 2), int(r["deselected"]), int(r["not run"]))
+        EntryRow(
+            e,
+            int(r["cases"]),
+            int(r["passed"]),
+            int(r["failed"]),
+            int(r["skipped"]),
+            int(r["missing"]),
+            int(r["cards"]),
+            round(r["seconds"], 2),
+            int(r["deselected"]),
+            int(r["not run"]),
+        )
         for e, r in rows.items()
     ]
 
@@ -208,20 +232,53 @@ def totals(rows: Sequence[EntryRow]) -> EntryRow:
 
 def render(rows: Sequence[EntryRow], title: str, wall_s: float | None = None) -> str:
     """A Markdown table (readable as plain text too) with a total line."""
-    head = ("entry", "cases", "passed", "failed", "skipped", "missing", "cards", "time (s)", "deselected",
-            "not run")
+    head = (
+        "entry",
+        "cases",
+        "passed",
+        "failed",
+        "skipped",
+        "missing",
+        "cards",
+        "time (s)",
+        "deselected",
+        "not run",
+    )
     body = [
-        (r.entry, r.cases, r.passed, r.failed, r.skipped, r.missing, r.cards, f"{r.seconds:.1f}", r.deselected,
-         r.not_run)
+        (
+            r.entry,
+            r.cases,
+            r.passed,
+            r.failed,
+            r.skipped,
+            r.missing,
+            r.cards,
+            f"{r.seconds:.1f}",
+            r.deselected,
+            r.not_run,
+        )
         for r in (*rows, totals(rows))
     ]
     cells = [tuple(map(str, head)), *[tuple(map(str, b)) for b in body]]
     widths = [max(len(c[i]) for c in cells) for i in range(len(head))]
 
     def line(c: Sequence[str]) -> str:
-        return "| " + " | ".join(x.ljust(w) if i == 0 else x.rjust(w) for i, (x, w) in enumerate(zip(c, widths, strict=True))) + " |"
+        return (
+            "| "
+            + " | ".join(
+                x.ljust(w) if i == 0 else x.rjust(w)
+                for i, (x, w) in enumerate(zip(c, widths, strict=True))
+            )
+            + " |"
+        )
 
-    sep = "|" + "|".join(("-" * (w + 2)) if i == 0 else ("-" * (w + 1) + ":") for i, w in enumerate(widths)) + "|"
+    sep = (
+        "|"
+        + "|".join(
+            ("-" * (w + 2)) if i == 0 else ("-" * (w + 1) + ":") for i, w in enumerate(widths)
+        )
+        + "|"
+    )
     out = [f"### {title}", "", line(cells[0]), sep, *(line(c) for c in cells[1:])]
     if wall_s is not None:
         out += ["", f"wall time {wall_s:.1f} s; time (s) is the sum of the cases' own durations."]
@@ -231,13 +288,18 @@ def render(rows: Sequence[EntryRow], title: str, wall_s: float | None = None) ->
 def failures(results: Mapping[str, CaseRow], limit: int = 30) -> str:
     """The failed and missing cases, one per line (at most ``limit``), for the log."""
     bad = [r for r in results.values() if r.outcome in ("failed", "missing")]
-    lines = [f"- {r.outcome}: `{r.nodeid}`" + (f" — {r.message}" if r.message else "") for r in bad[:limit]]
+    lines = [
+        f"- {r.outcome}: `{r.nodeid}`" + (f" — {r.message}" if r.message else "")
+        for r in bad[:limit]
+    ]
     if len(bad) > limit:
         lines.append(f"- ... and {len(bad) - limit} more")
     return "\n".join(lines) + ("\n" if lines else "")
 
 
-def write_summary_json(path: Path, title: str, rows: Sequence[EntryRow], results: Mapping[str, CaseRow]) -> None:
+def write_summary_json(
+    path: Path, title: str, rows: Sequence[EntryRow], results: Mapping[str, CaseRow]
+) -> None:
     """Machine-readable summary: the table rows and every case's result."""
     doc = {
         "title": title,

@@ -119,7 +119,10 @@ def _slots(pytest_args: Sequence[str]) -> int:
 
 
 def worker_count(
-    device: str, cases: Sequence[CollectedCase], pytest_args: Sequence[str], requested: int | None = None
+    device: str,
+    cases: Sequence[CollectedCase],
+    pytest_args: Sequence[str],
+    requested: int | None = None,
 ) -> int:
     """xdist workers for running ``cases``, sized so that the run's own cases never
     wait for each other's leases: at most ``slots // (most ranks of a case)``
@@ -148,7 +151,9 @@ class Group:
 
 
 def run_groups(
-    device: str, cases: Sequence[tuple[CollectedCase, Entry]], pytest_args: Sequence[str] = (),
+    device: str,
+    cases: Sequence[tuple[CollectedCase, Entry]],
+    pytest_args: Sequence[str] = (),
     requested: int | None = None,
 ) -> list[Group]:
     """The planned cases in pytest processes, shortest timeout first: one per entry
@@ -166,7 +171,9 @@ def run_groups(
     for c, e in cases:
         keyed.setdefault((e.timeout_s, wide(c)), []).append((c, e))
     return [
-        Group(timeout, w, group, worker_count(device, [c for c, _ in group], pytest_args, requested))
+        Group(
+            timeout, w, group, worker_count(device, [c for c, _ in group], pytest_args, requested)
+        )
         for (timeout, w), group in sorted(keyed.items(), key=lambda kv: (kv[0][0] or 0, kv[0][1]))
     ]
 
@@ -188,21 +195,28 @@ def load_suite(root: Path, suite: str, command: str) -> tuple[str, SuiteInventor
     # A test file that fails to import is reported by the run, as that entry's failure; a
     # conftest (or pytest itself) that fails spoils every case.
     problems = [
-        p for p in inv.problems
-        if p.suite in (name, None) and p.rule in names.BLOCKING_RULES
+        p
+        for p in inv.problems
+        if p.suite in (name, None)
+        and p.rule in names.BLOCKING_RULES
         and not (p.rule == names.COLLECTION_ERROR and p.file in inv.unloadable)
     ]
     if problems or name not in inv.manifests:
         for p in problems:
             print(f"error: {p}", file=sys.stderr)
-        print(f"harness {command}: suite {suite!r} cannot be planned; see `harness inventory {name}`",
-              file=sys.stderr)
+        print(
+            f"harness {command}: suite {suite!r} cannot be planned; see `harness inventory {name}`",
+            file=sys.stderr,
+        )
         return None
     return name, inv
 
 
 def plan_cases(
-    root: Path, m: Manifest, owned: Sequence[tuple[CollectedCase, Entry]], durations: Path | None,
+    root: Path,
+    m: Manifest,
+    owned: Sequence[tuple[CollectedCase, Entry]],
+    durations: Path | None,
     shard: tuple[int, int] | None,
 ) -> list[tuple[CollectedCase, Entry]]:
     """The cases of one shard (all of ``owned`` when ``shard`` is None), in collection order.
@@ -250,7 +264,9 @@ class _Stop:
         self._previous: dict[int, Any] = {}
 
     def __enter__(self) -> _Stop:
-        if threading.current_thread() is threading.main_thread():  # only there can Python handle signals
+        if (
+            threading.current_thread() is threading.main_thread()
+        ):  # only there can Python handle signals
             for s in STOP_SIGNALS:
                 self._previous[s] = signal.signal(s, self._handle)
         return self
@@ -351,7 +367,9 @@ def _run_pytest(cmd: list[str], root: Path, limit_s: float, stop: _Stop, started
                 if time.monotonic() < deadline:
                     continue
                 if stop.signum is None:
-                    _print(f"pytest ran past {limit_s / 60:.0f} min (the runner's timeout); stopping it")
+                    _print(
+                        f"pytest ran past {limit_s / 60:.0f} min (the runner's timeout); stopping it"
+                    )
                 stop.snapshot()
                 _stop_tree(list(stop.tree.values()))
                 proc.wait()
@@ -443,7 +461,11 @@ def _prepare_out(run: _Run) -> None:
     run.out.mkdir(parents=True, exist_ok=True)
     for stale in [*run.out.glob("watchdog-*.log"), *run.out.glob("select-*.jsonl")]:
         stale.unlink()  # a previous run's; this run reports its own
-    doc = {"suite": run.manifest.suite, "shard": run.opts.shard, "cases": [[c.nodeid, e.id] for c, e in run.cases]}
+    doc = {
+        "suite": run.manifest.suite,
+        "shard": run.opts.shard,
+        "cases": [[c.nodeid, e.id] for c, e in run.cases],
+    }
     write_json(run.out / "plan.json", doc)
 
 
@@ -456,19 +478,36 @@ def _select_file(run: _Run, k: int) -> Path:
     return run.out / f"select-{k}.json"
 
 
-def _pytest_command(run: _Run, k: int, timeout: float | None, group: Sequence[Pair], workers: int) -> list[str]:
+def _pytest_command(
+    run: _Run, k: int, timeout: float | None, group: Sequence[Pair], workers: int
+) -> list[str]:
     """The pytest command line for group ``k``; writes its selection file."""
     select_file = _select_file(run, k)
     deadline = timeout or PLAIN_CASE_DEADLINE_S
-    write_json(select_file, {"root": str(run.root), "cases": {c.nodeid: deadline for c, _ in group}}, indent=None)
+    write_json(
+        select_file,
+        {"root": str(run.root), "cases": {c.nodeid: deadline for c, _ in group}},
+        indent=None,
+    )
     junit = run.out / f"junit-{k}.xml"
     junit.unlink(missing_ok=True)
     # The caller's pytest arguments first: where they clash with ours
     # (--junitxml), ours come later and win, so the run can be read back.
-    cmd = [sys.executable, "-m", "pytest", *sorted({c.file for c, _ in group}), *run.opts.pytest_args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        *sorted({c.file for c, _ in group}),
+        *run.opts.pytest_args,
+    ]
     cmd += _config_args(run)
     cmd += ["-p", "harness.suites.selection", f"{names.OPT_SELECT}={select_file}"]
-    cmd += [f"--junitxml={junit}", "-o", "junit_duration_report=total", "--continue-on-collection-errors"]
+    cmd += [
+        f"--junitxml={junit}",
+        "-o",
+        "junit_duration_report=total",
+        "--continue-on-collection-errors",
+    ]
     if not _user_xdist(run.opts.pytest_args) and _XDIST_INSTALLED:
         # One case gains nothing from a worker process; more keep the
         # worker boundary even at -n 1, so a case that kills its process
@@ -507,7 +546,9 @@ def _execute(run: _Run, stop: _Stop) -> tuple[list[int], list[Path]]:
     groups = run.groups
     sizes = [g.workers for g in groups]
     entries = list(dict.fromkeys(e.id for _, e in run.cases))
-    xdist = "xdist as given" if _user_xdist(run.opts.pytest_args) else f"{max(sizes)} xdist worker(s)"
+    xdist = (
+        "xdist as given" if _user_xdist(run.opts.pytest_args) else f"{max(sizes)} xdist worker(s)"
+    )
     _print(
         f"{run.title}: {len(run.cases)} case(s) in {len(entries)} entr{'y' if len(entries) == 1 else 'ies'} "
         f"on {m.device}; {xdist}; output in {run.out}"
@@ -522,9 +563,15 @@ def _execute(run: _Run, stop: _Stop) -> tuple[list[int], list[Path]]:
         cmd = _pytest_command(run, k, g.timeout, g.cases, g.workers)
         if len(groups) > 1:
             wide = ", the widest cases" if g.wide else ""
-            _print(f"group {k}/{len(groups)}: {len(g.cases)} case(s){wide}, timeout {g.timeout or 'default'}, "
-                   f"{g.workers} worker(s)")
-        codes.append(_run_pytest(cmd, run.root, limit_s, stop, selection.started_marker(_select_file(run, k))))
+            _print(
+                f"group {k}/{len(groups)}: {len(g.cases)} case(s){wide}, timeout {g.timeout or 'default'}, "
+                f"{g.workers} worker(s)"
+            )
+        codes.append(
+            _run_pytest(
+                cmd, run.root, limit_s, stop, selection.started_marker(_select_file(run, k))
+            )
+        )
         junits.append(run.out / f"junit-{k}.xml")
     return codes, junits
 
@@ -573,8 +620,11 @@ def _report(run: _Run, codes: Sequence[int], junits: Sequence[Path], stop: _Stop
     for headline, log in selection.fired(run.out):
         detail += f"- watchdog: {headline}; stacks in {log}\n"
     not_here = run.not_here
-    text = table + ("\n" + detail if detail else "") + ("\n" + not_here if not_here else "") + (
-        f"\n**FAILED**: {'; '.join(verdict)}\n" if verdict else "\n**PASSED**\n"
+    text = (
+        table
+        + ("\n" + detail if detail else "")
+        + ("\n" + not_here if not_here else "")
+        + (f"\n**FAILED**: {'; '.join(verdict)}\n" if verdict else "\n**PASSED**\n")
     )
     _write_summary(run, text)
     report.write_summary_json(run.out / "summary.json", run.title, rows, results)

@@ -115,11 +115,13 @@ class _Outcomes:
         """What pytest's own options (command line, ``addopts``, ``PYTEST_ADDOPTS``, as
         pytest parsed them) mean for the run's verdict."""
         opt = self.config.getoption
-        self.record(options={
-            "collectonly": bool(opt("collectonly", False)),
-            "last_failed": bool(opt("lf", False)),
-            "maxfail": int(opt("maxfail", 0) or 0),
-        })
+        self.record(
+            options={
+                "collectonly": bool(opt("collectonly", False)),
+                "last_failed": bool(opt("lf", False)),
+                "maxfail": int(opt("maxfail", 0) or 0),
+            }
+        )
 
     def pytest_deselected(self, items: Sequence[pytest.Item]) -> None:
         ids = [cid for cid in (_case_id(i, self.root) for i in items) if cid in self.planned]
@@ -209,7 +211,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if missing and not _is_worker(config):  # report once, on the controller
         shown = "\n  ".join(missing[:20])
         more = f"\n  ... and {len(missing) - 20} more" if len(missing) > 20 else ""
-        print(f"\nharness: {len(missing)} planned case(s) were not collected:\n  {shown}{more}", file=sys.stderr)
+        print(
+            f"\nharness: {len(missing)} planned case(s) were not collected:\n  {shown}{more}",
+            file=sys.stderr,
+        )
 
 
 def _message(report: pytest.CollectReport | pytest.TestReport) -> str:
@@ -246,7 +251,9 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
         log = _watchdog_log(item.config)
         log.seek(0)
         log.truncate()
-        log.write(f"{WATCHDOG_MARK} {item.nodeid} ran past {seconds:g} s (deadline {float(deadline):g} s)\n")
+        log.write(
+            f"{WATCHDOG_MARK} {item.nodeid} ran past {seconds:g} s (deadline {float(deadline):g} s)\n"
+        )
         log.flush()
         # exit=True: the process dies with the stacks in the log; under xdist
         # the controller reports the case as failed ("worker crashed").

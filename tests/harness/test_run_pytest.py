@@ -41,14 +41,27 @@ def project(root: Path) -> Path:
 
 
 def outcomes(out: Path) -> dict[str, str]:
-    return {c["nodeid"]: c["outcome"] for c in json.loads((out / "summary.json").read_text())["cases"]}
+    return {
+        c["nodeid"]: c["outcome"] for c in json.loads((out / "summary.json").read_text())["cases"]
+    }
 
 
 def test_deselection_ignore_and_pytest_options_under_xdist(pytester):
     root = project(pytester.path)
     # -k and --durations N before `--` are pytest's; --ignore after it applies to the named files.
-    done = harness(root, "run", "cpu", "-k", "not bad", "--durations", "5", "--out", "out", "--",
-                   "--ignore=tests/b")
+    done = harness(
+        root,
+        "run",
+        "cpu",
+        "-k",
+        "not bad",
+        "--durations",
+        "5",
+        "--out",
+        "out",
+        "--",
+        "--ignore=tests/b",
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     assert "slowest 5 durations" in done.stdout  # pytest's --durations, not a durations file
     assert outcomes(root / "out") == {
@@ -71,8 +84,14 @@ def test_exitfirst_in_a_combined_flag_leaves_the_rest_not_run(pytester):
     got = outcomes(root / "out")
     assert got["tests/a/test_a.py::test_ok"] == "passed"
     assert got["tests/a/test_a.py::test_bad"] == "failed"
-    assert sorted(v for k, v in got.items() if k not in ("tests/a/test_a.py::test_ok", "tests/a/test_a.py::test_bad")) \
+    assert (
+        sorted(
+            v
+            for k, v in got.items()
+            if k not in ("tests/a/test_a.py::test_ok", "tests/a/test_a.py::test_bad")
+        )
         == ["not run"] * 3
+    )
     assert "**FAILED**: 1 failed" in done.stdout
     assert "never ran" not in done.stdout
 
