@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 from harness.errors import HarnessError
 from harness.suites.jsonio import write_json
 from harness.suites.manifest import SUITES_DIR, Manifest, ManifestError, Runner, read_json
-from harness.validation import is_real
+from harness.validation import check_int, is_real
 
 if TYPE_CHECKING:
     from harness.suites.inventory import CollectedCase
@@ -249,8 +249,7 @@ def partition(
     enough cards (ties: the smaller runner, then the lower index). Raises
     ``PlanError`` when a case fits no runner.
     """
-    if shards < 1:
-        raise PlanError(f"need at least one shard; got {shards}")
+    shards = check_int(shards, "the number of shards", minimum=1, error=PlanError)
     runners = sorted(runners, key=lambda r: r.cards)
     work = [0.0] * len(runners)
     for c in cases:
@@ -315,9 +314,13 @@ def _fewest(
     enforce: bool,
 ) -> list[PlannedShard]:
     """The fewest shards each within its runner's budget and ``target_minutes``."""
+    if target_minutes is not None and not (
+        is_real(target_minutes) and 0 < target_minutes < math.inf
+    ):
+        raise PlanError(
+            f"--target-minutes must be a positive, finite number of minutes; got {target_minutes!r}"
+        )
     limit = target_minutes * 60.0 if target_minutes is not None else None
-    if limit is not None and limit <= 0:
-        raise PlanError(f"--target-minutes must be positive; got {target_minutes}")
     if limit is not None:
         for c in cases:
             if c.seconds > limit:
