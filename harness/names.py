@@ -12,10 +12,12 @@ __all__ = [
     "EXIT_OK",
     "EXIT_USAGE",
     "MANIFEST_RULES",
+    "OPT_JUNIT",
     "OPT_MAX_PROCS",
     "OPT_REQUIRE",
     "OPT_SELECT",
     "OPT_TIMEOUT",
+    "OPT_WORKERS",
     "OWNERSHIP_RULES",
     "RULES",
     "WARNING_RULES",
@@ -40,6 +42,10 @@ OPT_MAX_PROCS = "--harness-max-procs"
 OPT_REQUIRE = "--harness-require"
 #: The selection plugin's file of planned cases (``harness.suites.selection``).
 OPT_SELECT = "--harness-select"
+#: The selection plugin's xdist worker count, used unless pytest's own ``-n`` is given.
+OPT_WORKERS = "--harness-workers"
+#: The selection plugin's JUnit path for the run (a caller's ``--junitxml`` is recorded instead).
+OPT_JUNIT = "--harness-junit"
 
 # --------------------------------------------------------------------------- inventory rules
 

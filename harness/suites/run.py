@@ -55,7 +55,6 @@ from harness.suites.plan import PlanError, parse_shard, plan_suite, write_durati
 #: the watchdog fires this long plus a grace after the case starts.
 PLAIN_CASE_DEADLINE_S = 600.0
 
-_XDIST = ("-n", "--numprocesses", "--dist", "-d")
 _XDIST_INSTALLED = importlib.util.find_spec("xdist") is not None
 
 
@@ -469,10 +468,6 @@ def _prepare_out(run: _Run) -> None:
     write_json(run.out / "plan.json", doc)
 
 
-def _user_xdist(pytest_args: Sequence[str]) -> bool:
-    return bool(option_values(pytest_args, _XDIST)) or "no:xdist" in pytest_args
-
-
 def _select_file(run: _Run, k: int) -> Path:
     """The planned cases of group ``k`` (read by ``harness.suites.selection``)."""
     return run.out / f"select-{k}.json"
@@ -491,8 +486,9 @@ def _pytest_command(
     )
     junit = run.out / f"junit-{k}.xml"
     junit.unlink(missing_ok=True)
-    # The caller's pytest arguments first: where they clash with ours
-    # (--junitxml), ours come later and win, so the run can be read back.
+    # The caller's pytest arguments as they are: pytest parses them. The run's own choices
+    # (JUnit path, xdist workers) go through the selection plugin, which applies them only
+    # where the caller made none (-n) or records the caller's (--junitxml).
     cmd = [
         sys.executable,
         "-m",
@@ -503,16 +499,16 @@ def _pytest_command(
     cmd += _config_args(run)
     cmd += ["-p", "harness.suites.selection", f"{names.OPT_SELECT}={select_file}"]
     cmd += [
-        f"--junitxml={junit}",
+        f"{names.OPT_JUNIT}={junit}",
         "-o",
         "junit_duration_report=total",
         "--continue-on-collection-errors",
     ]
-    if not _user_xdist(run.opts.pytest_args) and _XDIST_INSTALLED:
+    if _XDIST_INSTALLED:
         # One case gains nothing from a worker process; more keep the
         # worker boundary even at -n 1, so a case that kills its process
         # fails alone.
-        cmd += ["-n", str(min(workers, len(group)) if len(group) > 1 else 0)]
+        cmd.append(f"{names.OPT_WORKERS}={min(workers, len(group)) if len(group) > 1 else 0}")
     if timeout is not None:
         cmd.append(f"{names.OPT_TIMEOUT}={timeout:g}")
     if run.manifest.device != "cpu":
@@ -546,9 +542,7 @@ def _execute(run: _Run, stop: _Stop) -> tuple[list[int], list[Path]]:
     groups = run.groups
     sizes = [g.workers for g in groups]
     entries = list(dict.fromkeys(e.id for _, e in run.cases))
-    xdist = (
-        "xdist as given" if _user_xdist(run.opts.pytest_args) else f"{max(sizes)} xdist worker(s)"
-    )
+    xdist = f"up to {max(sizes)} xdist worker(s) unless pytest's -n says otherwise"
     _print(
         f"{run.title}: {len(run.cases)} case(s) in {len(entries)} entr{'y' if len(entries) == 1 else 'ies'} "
         f"on {m.device}; {xdist}; output in {run.out}"
@@ -604,15 +598,16 @@ def _report(run: _Run, codes: Sequence[int], junits: Sequence[Path], stop: _Stop
     signal: the cases that did not run are missing) and durations; the exit code."""
     junit_all = run.out / "junit.xml"
     report.merge_junit(junits, junit_all)
-    asked = _requested_junit(run.opts.pytest_args)
-    if asked is not None:
-        # Our own --junitxml overrode the caller's; give them the merged file too.
-        asked.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(junit_all, asked)
     results: dict[str, report.CaseRow] = {}
+    asked: str | None = None
     for k, g in enumerate(run.groups, 1):
         records = selection.read_records(_select_file(run, k))
         results.update(report.results_from_records([c.nodeid for c, _ in g.cases], records))
+        asked = records.options.get("junitxml") or asked
+    if asked:
+        # The run's own JUnit path replaced the caller's --junitxml: they get the merged file.
+        Path(asked).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(junit_all, asked)
     rows = report.summarize([(c.nodeid, e.id, c.cards) for c, e in run.cases], results)
     table = report.render(rows, run.title, time.monotonic() - run.started)
     verdict = _verdict(report.totals(rows), codes, stop)
@@ -673,14 +668,6 @@ def run_suite(root: Path, opts: RunOptions) -> int:
             return EXIT_OK
         codes, junits = _execute(run, stop)
         return _report(run, codes, junits, stop)
-
-
-def _requested_junit(pytest_args: Sequence[str]) -> Path | None:
-    """The JUnit path the caller asked pytest for (``-- --junitxml=X`` or in
-    ``$PYTEST_ADDOPTS``), the last one winning as in pytest; ``None`` if none."""
-    args = [*shlex.split(os.environ.get("PYTEST_ADDOPTS", "")), *pytest_args]
-    found = [v for v in option_values(args, ("--junitxml", "--junit-xml")) if v]
-    return Path(found[-1]).resolve() if found else None
 
 
 def _step_summary(text: str) -> None:

@@ -25,7 +25,7 @@ from typing import IO, Any
 
 import pytest
 
-from harness.names import OPT_SELECT
+from harness.names import OPT_JUNIT, OPT_SELECT, OPT_WORKERS
 from harness.spec import is_launched
 
 # Extra time the watchdog allows past a case's deadline (setup, teardown and
@@ -40,6 +40,8 @@ _DEADLINE = pytest.StashKey[Any]()
 _SELECTION = pytest.StashKey[dict[str, Any]]()
 #: This process's open watchdog log.
 _WATCHDOG = pytest.StashKey[IO[str]]()
+#: The ``--junitxml`` the caller gave pytest (``None``: none), replaced by the run's own.
+_CALLER_JUNIT = pytest.StashKey[Any]()
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -50,6 +52,39 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         default=None,
         help="JSON file of the planned cases (written by `harness run`); other items are deselected",
     )
+    group.addoption(
+        OPT_WORKERS,
+        type=int,
+        metavar="N",
+        default=None,
+        help="xdist workers (0: none) unless pytest's own -n / --numprocesses is given",
+    )
+    group.addoption(
+        OPT_JUNIT,
+        metavar="FILE",
+        default=None,
+        help="where the run's JUnit XML goes; a --junitxml of the caller's is recorded, to be written after the run",
+    )
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_cmdline_main(config: pytest.Config) -> Any:
+    # Before xdist and junitxml read their options (as pytest parsed them from the command
+    # line, addopts and PYTEST_ADDOPTS): the run's own choices apply only where the caller
+    # made none.
+    if not _is_worker(config):
+        workers = config.getoption("harness_workers")
+        xdist = config.pluginmanager.hasplugin("xdist")
+        if workers is not None and xdist and getattr(config.option, "numprocesses", None) is None:
+            config.option.numprocesses = workers
+        junit = config.getoption("harness_junit")
+        if junit:
+            asked = getattr(config.option, "xmlpath", None)
+            config.stash[_CALLER_JUNIT] = (
+                os.path.abspath(os.path.expanduser(asked)) if asked else None
+            )
+            config.option.xmlpath = junit
+    return (yield)
 
 
 def _load(config: pytest.Config) -> dict[str, Any] | None:
@@ -120,6 +155,7 @@ class _Outcomes:
                 "collectonly": bool(opt("collectonly", False)),
                 "last_failed": bool(opt("lf", False)),
                 "maxfail": int(opt("maxfail", 0) or 0),
+                "junitxml": self.config.stash.get(_CALLER_JUNIT, None),
             }
         )
 
