@@ -157,24 +157,34 @@ def run_groups(
 ) -> list[Group]:
     """The planned cases in pytest processes, shortest timeout first: one per entry
     ``timeout_s`` and, within it, the *wide* cases (more than half the process slots, or
-    on accelerators more than half the cards) apart from the rest, so that one 8-rank
-    case does not size a whole 4-slot run to one worker; each group sized by
-    :func:`worker_count`."""
+    on accelerators more than half the cards) apart from the rest when that gives the
+    rest more workers, so that one 8-rank case does not size a whole 4-slot run to one
+    worker; each group sized by :func:`worker_count`. With ``requested`` (``--workers``)
+    the caller sized the run: no split."""
     slots = _slots(pytest_args)
     cards = leasable_cards(device)
 
     def wide(c: CollectedCase) -> bool:
         return (c.launched and 2 * c.nproc > slots) or (device != "cpu" and 2 * c.cards > cards)
 
-    keyed: dict[tuple[float | None, bool], list[tuple[CollectedCase, Entry]]] = {}
+    def size(group: Sequence[tuple[CollectedCase, Entry]]) -> int:
+        return worker_count(device, [c for c, _ in group], pytest_args, requested)
+
+    by_timeout: dict[float | None, list[tuple[CollectedCase, Entry]]] = {}
     for c, e in cases:
-        keyed.setdefault((e.timeout_s, wide(c)), []).append((c, e))
-    return [
-        Group(
-            timeout, w, group, worker_count(device, [c for c, _ in group], pytest_args, requested)
-        )
-        for (timeout, w), group in sorted(keyed.items(), key=lambda kv: (kv[0][0] or 0, kv[0][1]))
-    ]
+        by_timeout.setdefault(e.timeout_s, []).append((c, e))
+    out: list[Group] = []
+    for timeout, group in sorted(by_timeout.items(), key=lambda kv: kv[0] or 0):
+        narrow = [(c, e) for c, e in group if not wide(c)]
+        broad = [(c, e) for c, e in group if wide(c)]
+        if requested or not narrow or not broad or size(narrow) <= size(group):
+            out.append(Group(timeout, False, group, size(group)))
+        else:
+            out += [
+                Group(timeout, False, narrow, size(narrow)),
+                Group(timeout, True, broad, size(broad)),
+            ]
+    return out
 
 
 def _default_out(root: Path, suite: str, shard: tuple[int, int] | None) -> Path:

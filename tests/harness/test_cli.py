@@ -656,6 +656,10 @@ def test_one_wide_case_does_not_make_the_whole_run_serial(monkeypatch):
         ["--harness-max-procs", "16"],
     )
     assert [(g.wide, len(g.cases), g.workers) for g in groups] == [(False, 5, 4), (True, 1, 1)]
+    # No split where it would not give the rest more workers, nor when --workers sized the run.
+    two = [(CollectedCase("t::two", "t", LaunchSpec(nproc=2), True, None), entry)]
+    assert len(run_groups("cpu", [*plain[:1], *two], ["--harness-max-procs", "2"])) == 1
+    assert len(run_groups("cpu", [*narrow, *wide], ["--harness-max-procs", "4"], requested=2)) == 1
 
 
 def test_workers_never_let_the_runs_own_cases_starve_each_other(monkeypatch):
