@@ -68,29 +68,6 @@ COLLECTION_ERROR = "collection-error"
 BAD_LAUNCH_SPEC = "bad-launch-spec"
 HIDDEN_TESTS = "tests-under-norecursedirs"
 
-#: Every rule name the inventory reports.
-RULES = frozenset(
-    {
-        SCHEMA,
-        JSON,
-        PATH,
-        INCLUDE,
-        UNKNOWN_SUITE,
-        NO_SUITES,
-        DUPLICATE_ENTRY_ID,
-        CPU_CASE_NEEDS_CARDS,
-        ACCELERATOR_CASE_WITHOUT_CARDS,
-        WRONG_DEVICE,
-        CASE_EXCEEDS_RUNNER_CARDS,
-        ENTRY_MATCHES_NOTHING,
-        UNOWNED_FILE,
-        UNOWNED_CASE,
-        SYMLINK_OUTSIDE_REPOSITORY,
-        COLLECTION_ERROR,
-        BAD_LAUNCH_SPEC,
-        HIDDEN_TESTS,
-    }
-)
 #: Problems in a manifest itself: while any is found, ownership cannot be judged.
 MANIFEST_RULES = frozenset({SCHEMA, JSON, PATH, INCLUDE})
 #: Problems of the repository as a whole (which files some suite owns), not of one suite.
@@ -119,3 +96,5 @@ BLOCKING_RULES = frozenset(
         BAD_LAUNCH_SPEC,
     }
 )
+#: Every rule name the inventory reports.
+RULES = BLOCKING_RULES | OWNERSHIP_RULES | WARNING_RULES

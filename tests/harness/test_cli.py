@@ -164,6 +164,13 @@ def git(root: Path, *args: str) -> None:
     subprocess.run(["git", "-C", str(root), *args], check=True, capture_output=True)
 
 
+def commit_all(root: Path) -> None:
+    """A git repository at ``root`` whose branch ``main`` holds everything there."""
+    git(root, "init", "-q", "-b", "main")
+    git(root, "-c", "user.email=t@e", "-c", "user.name=t", "add", ".")
+    git(root, "-c", "user.email=t@e", "-c", "user.name=t", "commit", "-qm", "base")
+
+
 def test_run_changed_from_and_shards(pytester):
     tests = {
         "tests/a/test_a.py": "def test_a1():\n    pass\n\ndef test_a2():\n    pass\n",
@@ -179,9 +186,7 @@ def test_run_changed_from_and_shards(pytester):
         {"cpu": manifest("cpu", "cpu", entries)},
         {"src/a.py": "", "src/b.py": "", ".gitignore": "out/\n"},
     )
-    git(root, "init", "-q", "-b", "main")
-    git(root, "-c", "user.email=t@e", "-c", "user.name=t", "add", ".")
-    git(root, "-c", "user.email=t@e", "-c", "user.name=t", "commit", "-qm", "base")
+    commit_all(root)
     (root / "src/b.py").write_text("changed = True\n")
 
     # Without xdist (-p no:xdist is passed through to pytest): selection is what is tested here.
@@ -218,9 +223,7 @@ def test_matrix_changed_from_keeps_only_the_affected_shards(pytester, capsys):
         {"cpu": manifest("cpu", "cpu", entries)},
         {"src/a.py": "", "src/b.py": "", "README.md": ""},
     )
-    git(root, "init", "-q", "-b", "main")
-    git(root, "-c", "user.email=t@e", "-c", "user.name=t", "add", ".")
-    git(root, "-c", "user.email=t@e", "-c", "user.name=t", "commit", "-qm", "base")
+    commit_all(root)
 
     def matrix() -> dict:
         assert (
@@ -373,9 +376,7 @@ def test_changed_from_keeps_the_shards_of_the_whole_suite(pytester, capsys):
             "suites/durations/cpu.json": durations,
         },
     )
-    git(root, "init", "-q", "-b", "main")
-    git(root, "-c", "user.email=t@e", "-c", "user.name=t", "add", ".")
-    git(root, "-c", "user.email=t@e", "-c", "user.name=t", "commit", "-qm", "base")
+    commit_all(root)
     (root / "src/b.py").write_text("changed = True\n")
 
     # The matrix: a1 alone on shard 1 (10 s), b1-b3 on shard 2 (9 s).

@@ -196,6 +196,10 @@ def test_rule_unowned_case_excluded_by_markers(pytester):
     )
     (p,) = only(inv, "unowned-case")
     assert p.where == "tests/test_m.py::test_slow"
+    # It names the manifest to edit: the suites on the case's device.
+    assert p.message == (
+        "cpu case owned by no suite entry: add its file or node id to an entry of suites/cpu.json"
+    )
     assert rules(inv) == ["unowned-case"]
 
 
@@ -514,26 +518,6 @@ def test_glob_entries_collect_what_they_match_for_a_run(pytester):
         "tests/b/c/test_two.py::test_2": ("cpu", "deep"),
         "tests/b/c/check_three.py::test_3": ("cpu", "deep"),
     }
-
-
-def test_unowned_case_names_the_manifest_to_edit(pytester):
-    slow = "import pytest\n\ndef test_fast():\n    pass\n\n@pytest.mark.slow\ndef test_slow():\n    pass\n"
-    tests = {"tests/test_a.py": DEVICE_TESTS, "tests/test_m.py": slow}
-    inv = build_inventory(
-        project(
-            pytester,
-            tests,
-            cpu_entries=[
-                {"id": "all", "paths": ["tests/test_a.py"]},
-                {"id": "fast", "paths": ["tests/test_m.py"], "markers": "not slow"},
-            ],
-        )
-    )
-    (p,) = only(inv, "unowned-case")
-    assert (
-        p.message
-        == "cpu case owned by no suite entry: add its file or node id to an entry of suites/cpu.json"
-    )
 
 
 def test_tests_hidden_by_norecursedirs_inside_testpaths_are_a_warning(pytester, capsys):
