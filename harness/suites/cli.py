@@ -1,11 +1,14 @@
 """The ``harness`` command (also ``python -m harness``).
 
-- ``harness inventory [SUITE ...] [--json]``: every case with its device,
-  ranks, cards and owning entries; exit 1 naming the rule, file and case of
-  each problem.
-- ``harness run SUITE [--shard I/N] [--changed-from REF] [--durations-out FILE] [-- PYTEST_ARGS]``.
-- ``harness matrix SUITE [--shards N | --target-minutes M]``: the GitHub
-  Actions matrix JSON, on one line (ready for ``$GITHUB_OUTPUT``).
+- ``harness inventory [SUITE ...] [--cases] [--json]``: one line per suite entry (its
+  cases, devices, most ranks and cards; ``--cases``: every case with its device, ranks,
+  cards and owning entries); exit 1 naming the rule, file and case of each problem
+  (warnings are printed and do not fail it).
+- ``harness run SUITE [--shard I/N] [--changed-from REF] [--durations-out FILE] [PYTEST_ARGS]
+  [-- PYTEST_ARGS]``: what it does not know is pytest's.
+- ``harness matrix SUITE [--shards N | --target-minutes M] [--changed-from REF]``: the
+  GitHub Actions matrix JSON, on one line (ready for ``$GITHUB_OUTPUT``); with
+  ``--changed-from``, only the shards the change affects (``{"include": []}`` when none).
 """
 
 from __future__ import annotations
@@ -18,17 +21,21 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from harness.names import EXIT_FAILED, EXIT_OK, EXIT_USAGE, WARNING_RULES
+from harness.suites import changes
 from harness.suites.init import add_parser as _add_init
 from harness.suites.inventory import SuiteInventory, build_inventory
 from harness.suites.manifest import find_root
-from harness.suites.plan import PlanError, default_durations_path, estimate, load_durations, plan
-from harness.suites.run import EXIT_FAILED, EXIT_OK, EXIT_USAGE, RunOptions, load_suite, run_suite
+from harness.suites.plan import PlanError, plan_suite
+from harness.suites.run import RunOptions, load_suite, run_suite
 
 #: The import package whose distribution ``harness --version`` reports.
 PACKAGE = "harness"
 
 
-def number(kind: type[int] | type[float], *, minimum: float, above: bool = False) -> Callable[[str], float]:
+def number(
+    kind: type[int] | type[float], *, minimum: float, above: bool = False
+) -> Callable[[str], float]:
     """An argparse ``type=`` for a finite ``kind`` (int or float) ``>= minimum``
     (``> minimum`` when ``above``): anything else is a usage error (exit 2)
     naming the value and the bound, never a traceback or a NaN downstream."""
@@ -70,30 +77,72 @@ class _VersionAction(argparse.Action):
 
 def _add_inventory(sub: argparse._SubParsersAction) -> None:
     inv = sub.add_parser("inventory", help="list every case and check suite ownership and fit")
-    inv.add_argument("suites", nargs="*", metavar="SUITE", help="suite names or manifest paths (default: all)")
+    inv.add_argument(
+        "suites", nargs="*", metavar="SUITE", help="suite names or manifest paths (default: all)"
+    )
     inv.add_argument("--json", action="store_true", help='print {"cases": [...], "errors": [...]}')
-    inv.add_argument("-q", "--quiet", action="store_true", help="print only problems and the count line")
+    inv.add_argument(
+        "--cases", action="store_true", help="list every case, not one line per suite entry"
+    )
+    inv.add_argument(
+        "-q", "--quiet", action="store_true", help="print only problems and the count line"
+    )
     inv.set_defaults(handler=_cmd_inventory)
 
 
 def _add_run(sub: argparse._SubParsersAction) -> None:
-    run = sub.add_parser("run", help="run a suite (or one shard of it) through pytest",
-                         usage="harness run SUITE [options] [-- PYTEST_ARGS]")
+    # allow_abbrev=False: pytest's options (`--durations 5`, `-vx`) pass through unchanged,
+    # never taken for an abbreviation of one of ours.
+    run = sub.add_parser(
+        "run",
+        help="run a suite (or one shard of it) through pytest",
+        allow_abbrev=False,
+        usage="harness run SUITE [options] [PYTEST_ARGS] [-- PYTEST_ARGS]",
+        description="Options harness run does not know are pytest's: they go to pytest "
+        "as they are, and so does everything after --.",
+    )
     run.add_argument("suite", metavar="SUITE")
-    run.add_argument("--shard", metavar="I/N", help="run shard I of N (the partition `harness matrix` plans)")
-    run.add_argument("--changed-from", metavar="REF",
-                     help="run only the entries the change since git REF's merge base affects")
-    run.add_argument("--durations-out", type=Path, metavar="FILE",
-                     help="record each passed case's seconds into FILE (merged), for the planner")
-    run.add_argument("--durations", type=Path, metavar="FILE",
-                     help="recorded durations to plan with (default: suites/durations/SUITE.json)")
-    run.add_argument("--out", type=Path, metavar="DIR",
-                     help="where junit.xml and the summary go (default: out/harness/SUITE[-IofN])")
-    run.add_argument("--workers", type=number(int, minimum=1), metavar="N",
-                     help="xdist workers (default: sized to cards / slots)")
-    run.add_argument("--max-cards", type=number(int, minimum=0), metavar="N",
-                     help="run only cases needing at most N cards (a machine smaller than the suite's runners); "
-                          "the others are listed as not run")
+    run.add_argument(
+        "--shard", metavar="I/N", help="run shard I of N (the partition `harness matrix` plans)"
+    )
+    run.add_argument(
+        "--changed-from",
+        metavar="REF",
+        help="run only the entries the change since git REF's merge base affects",
+    )
+    run.add_argument(
+        "--durations-out",
+        type=Path,
+        metavar="FILE",
+        help="record each passed case's seconds into FILE (merged), for the planner",
+    )
+    run.add_argument(
+        "--durations-file",
+        dest="durations",
+        type=Path,
+        metavar="FILE",
+        help="recorded durations to plan with (default: suites/durations/SUITE.json); "
+        "`--durations N` is pytest's",
+    )
+    run.add_argument(
+        "--out",
+        type=Path,
+        metavar="DIR",
+        help="where junit.xml and the summary go (default: out/harness/SUITE[-IofN])",
+    )
+    run.add_argument(
+        "--workers",
+        type=number(int, minimum=1),
+        metavar="N",
+        help="xdist workers (default: sized to cards / slots)",
+    )
+    run.add_argument(
+        "--max-cards",
+        type=number(int, minimum=0),
+        metavar="N",
+        help="run only cases needing at most N cards (a machine smaller than the suite's runners); "
+        "the others are listed as not run",
+    )
     run.set_defaults(handler=_cmd_run)
 
 
@@ -102,47 +151,104 @@ def _add_matrix(sub: argparse._SubParsersAction) -> None:
     mx.add_argument("suite", metavar="SUITE")
     size = mx.add_mutually_exclusive_group()
     size.add_argument("--shards", type=number(int, minimum=1), metavar="N", help="exactly N shards")
-    size.add_argument("--target-minutes", type=number(float, minimum=0, above=True), metavar="M",
-                      help="the fewest shards of at most M planned minutes each")
-    mx.add_argument("--durations", type=Path, metavar="FILE",
-                    help="recorded durations (default: suites/durations/SUITE.json when present)")
-    mx.add_argument("--indent", type=number(int, minimum=0), default=None, help="pretty-print the JSON")
+    size.add_argument(
+        "--target-minutes",
+        type=number(float, minimum=0, above=True),
+        metavar="M",
+        help="the fewest shards of at most M planned minutes each",
+    )
+    mx.add_argument(
+        "--durations-file",
+        "--durations",
+        dest="durations",
+        type=Path,
+        metavar="FILE",
+        help="recorded durations (default: suites/durations/SUITE.json when present)",
+    )
+    mx.add_argument(
+        "--changed-from",
+        metavar="REF",
+        help="only the shards holding a case of an entry the change since git REF's merge base "
+        'affects (shard labels stay those of the whole suite); none: {"include": []}',
+    )
+    mx.add_argument(
+        "--indent", type=number(int, minimum=0), default=None, help="pretty-print the JSON"
+    )
     mx.set_defaults(handler=_cmd_matrix)
 
 
 #: One function per subcommand, adding its parser (and its handler as ``handler``); in help order.
-SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_inventory, _add_run, _add_matrix, _add_init]
+SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
+    _add_inventory,
+    _add_run,
+    _add_matrix,
+    _add_init,
+]
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="harness", description="Declarative accelerator test matrix.")
-    p.add_argument("--version", action=_VersionAction, nargs=0, help="print the harness version and exit")
-    p.add_argument("--root", type=Path, default=None,
-                   help="repository root (default: the nearest directory above the working one with suites/)")
+    p.add_argument(
+        "--version", action=_VersionAction, nargs=0, help="print the harness version and exit"
+    )
+    p.add_argument(
+        "--root",
+        type=Path,
+        default=None,
+        help="repository root (default: the nearest directory above the working one with suites/)",
+    )
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for add in SUBCOMMANDS:
         add(sub)
     return p
 
 
-def _print_inventory(inv: SuiteInventory, suites: Sequence[str], quiet: bool) -> None:
+def _print_cases(cases: Sequence[dict]) -> None:
+    w = min(max(len(c["nodeid"]) for c in cases), 110)
+    print(f"{'CASE':<{w}}  DEVICE NPROC CARDS  ENTRIES")
+    for c in cases:
+        entries = ",".join(c["entries"]) or "-"
+        print(f"{c['nodeid']:<{w}}  {c['device']:<6} {c['nproc']:>5} {c['cards']:>5}  {entries}")
+
+
+def _print_entries(cases: Sequence[dict]) -> None:
+    """One line per owning suite entry: its cases, their devices and the most ranks / cards one needs."""
+    rows: dict[str, dict] = {}
+    for c in cases:
+        for e in c["entries"] or ["-"]:
+            r = rows.setdefault(e, {"cases": 0, "devices": set(), "nproc": 0, "cards": 0})
+            r["cases"] += 1
+            r["devices"].add(c["device"])
+            r["nproc"] = max(r["nproc"], c["nproc"])
+            r["cards"] = max(r["cards"], c["cards"])
+    w = max(len("ENTRY"), *(len(e) for e in rows))
+    print(f"{'ENTRY':<{w}}  CASES  DEVICES     NPROC CARDS")
+    for e, r in rows.items():
+        print(
+            f"{e:<{w}}  {r['cases']:>5}  {','.join(sorted(r['devices'])):<11} {r['nproc']:>5} {r['cards']:>5}"
+        )
+
+
+def _print_inventory(
+    inv: SuiteInventory, suites: Sequence[str], quiet: bool, every_case: bool
+) -> None:
     doc = inv.as_dict(suites or None)
     cases = doc["cases"]
     if not quiet and cases:
-        w = min(max(len(c["nodeid"]) for c in cases), 110)
-        print(f"{'CASE':<{w}}  DEVICE NPROC CARDS  ENTRIES")
-        for c in cases:
-            entries = ",".join(c["entries"]) or "-"
-            print(f"{c['nodeid']:<{w}}  {c['device']:<6} {c['nproc']:>5} {c['cards']:>5}  {entries}")
+        (_print_cases if every_case else _print_entries)(cases)
     per_suite: dict[str, int] = {}
     for c in cases:
         for s in {e.split(":", 1)[0] for e in c["entries"]}:
             per_suite[s] = per_suite.get(s, 0) + 1
     counts = ", ".join(f"{s} {n}" for s, n in sorted(per_suite.items())) or "none"
+    errors = [p for p in inv.problems if p.rule not in WARNING_RULES]
     for p in inv.problems:
-        print(f"error: {p}", file=sys.stderr)
-    n = len(inv.problems)
-    print(f"{len(cases)} case(s); per suite: {counts}; {n} problem(s)")
+        print(f"{'warning' if p.rule in WARNING_RULES else 'error'}: {p}", file=sys.stderr)
+    warned = len(inv.problems) - len(errors)
+    print(
+        f"{len(cases)} case(s); per suite: {counts}; {len(errors)} problem(s)"
+        + (f", {warned} warning(s)" if warned else "")
+    )
 
 
 def _cmd_inventory(root: Path, args: argparse.Namespace) -> int:
@@ -151,8 +257,8 @@ def _cmd_inventory(root: Path, args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(inv.as_dict(names or None), indent=1))
     else:
-        _print_inventory(inv, names, args.quiet)
-    return EXIT_FAILED if inv.problems else EXIT_OK
+        _print_inventory(inv, names, args.quiet, args.cases)
+    return EXIT_FAILED if any(p.rule not in WARNING_RULES for p in inv.problems) else EXIT_OK
 
 
 def _cmd_matrix(root: Path, args: argparse.Namespace) -> int:
@@ -162,19 +268,39 @@ def _cmd_matrix(root: Path, args: argparse.Namespace) -> int:
     suite, inv = loaded
     m = inv.manifests[suite]
     try:
-        durations = load_durations(args.durations or default_durations_path(root, suite))
-        cases = estimate([(c.nodeid, e.id, c.cards, e.estimated_s) for c, e in inv.suite_cases(suite)], durations)
-        result = plan(suite, m.runners, cases, shards=args.shards, target_minutes=args.target_minutes)
+        owned = inv.suite_cases(suite)
+        result = plan_suite(
+            root,
+            m,
+            owned,
+            durations=args.durations,
+            shards=args.shards,
+            target_minutes=args.target_minutes,
+        )
+        selected = None
+        if args.changed_from:
+            sel = changes.select(m.entries, changes.changed_files(root, args.changed_from))
+            print(
+                f"harness matrix: --changed-from {args.changed_from}: {sel.reason}", file=sys.stderr
+            )
+            selected = sel.entries
         # allow_nan=False: a value that is not a number is an error here, never invalid JSON for CI.
-        text = json.dumps(result.matrix(), indent=args.indent, separators=None if args.indent else (",", ":"),
-                          allow_nan=False)
+        text = json.dumps(
+            result.matrix(selected),
+            indent=args.indent,
+            separators=None if args.indent else (",", ":"),
+            allow_nan=False,
+        )
     except (PlanError, ValueError) as e:
         print(f"harness matrix: {e}", file=sys.stderr)
         return EXIT_USAGE
     print(text)
     loads = ", ".join(f"{s.label} {s.load / 60:.1f} min" for s in result.shards)
-    print(f"harness matrix: {suite}: {len(cases)} case(s) in {len(result.shards)} shard(s): {loads}; "
-          f"longest/mean {result.balance():.3f}", file=sys.stderr)
+    print(
+        f"harness matrix: {suite}: {len(owned)} case(s) in {len(result.shards)} shard(s): {loads}; "
+        f"longest/mean {result.balance():.3f}",
+        file=sys.stderr,
+    )
     return EXIT_OK
 
 
@@ -198,8 +324,9 @@ def _cmd_run(root: Path, args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``harness`` console script; returns the exit code.
 
-    Everything after the first ``--`` goes to pytest (``harness run`` only).
-    Usage errors exit 2 (argparse's convention) for every subcommand.
+    ``harness run`` passes the options it does not know, and everything after the first
+    ``--``, to pytest, which parses them itself. Usage errors exit 2 (argparse's
+    convention) for every subcommand.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     extra: list[str] = []
@@ -207,10 +334,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         i = argv.index("--")
         argv, extra = argv[:i], argv[i + 1 :]
     parser = _parser()
-    args = parser.parse_args(argv)
-    if extra and args.command != "run":
-        parser.error("only `harness run` takes pytest arguments after --")
-    args.pytest_args = extra
+    args, unknown = parser.parse_known_args(argv)
+    if args.command != "run":
+        if unknown:
+            parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+        if extra:
+            parser.error("only `harness run` takes pytest arguments after --")
+    args.pytest_args = [*unknown, *extra]
     # init writes suites/, so it starts where it is asked to, not at an existing suites/ above.
     root = (args.root or (Path.cwd() if args.command == "init" else find_root())).resolve()
     try:

@@ -33,12 +33,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from harness.suites.inventory import collect
+from harness.errors import HarnessError
+from harness.names import EXIT_FAILED, EXIT_OK, EXIT_USAGE
+from harness.suites.inventory import collect, is_test_module
+from harness.suites.jsonio import write_text
 from harness.suites.manifest import SCHEMA_FILE, SUITES_DIR, load_schema, rel, validate
 from harness.suites.workflows import init_workflows
-
-#: Exit codes (the CLI's convention): 0 written or unchanged, 1 nothing to own, 2 usage error.
-EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
 #: Suite file name per accelerator device (the device otherwise names its suite).
 SUITE_FOR_DEVICE = {"cuda": "gpu"}
@@ -48,7 +48,7 @@ CPU_RUNNER = {"name": "linux-cpu", "labels": ["ubuntu-latest"], "cards": 0, "tim
 ACCELERATOR_TIMEOUT_MINUTES = 60
 
 
-class InitError(Exception):
+class InitError(HarnessError):
     """``harness init`` cannot proceed; ``code`` is the exit status (1 or 2)."""
 
     def __init__(self, message: str, code: int = EXIT_FAILED):
@@ -74,6 +74,10 @@ class PytestLayout:
     files: tuple[str, ...]
     launched_cards: int = 0
     errors: tuple[str, ...] = field(default=())
+    #: ``(file, device)`` of every collected case.
+    cases: tuple[tuple[str, str], ...] = field(default=())
+    #: Test files that yield no case (an import error, a module-level skip).
+    unloadable: tuple[str, ...] = field(default=())
 
 
 def read_pytest_layout(root: Path) -> PytestLayout:
@@ -91,6 +95,8 @@ def read_pytest_layout(root: Path) -> PytestLayout:
         files=tuple(sorted({f for f in found.files if not f.startswith(("/", "../"))})),
         launched_cards=max((c.cards for c in found.cases if c.device != "cpu"), default=0),
         errors=tuple(str(p) for p in found.problems),
+        cases=tuple(dict.fromkeys((c.file, c.device) for c in found.cases)),
+        unloadable=tuple(sorted({*found.skipped, *(p.file for p in found.problems if is_test_module(p.file))})),
     )
 
 
@@ -110,6 +116,15 @@ def owned_paths(layout: PytestLayout) -> list[str]:
         if not any(_under(c, k) for k in kept):
             kept.append(c)
     return sorted(kept)
+
+
+def runs_on(layout: PytestLayout, path: str, device: str) -> bool:
+    """True when a suite on ``device`` would own something under ``path``: a case of that
+    device, or a file that yields no case (the run reports it); ``harness inventory`` calls
+    an entry owning neither ``entry-matches-nothing``."""
+    return any(d == device and _under(f, path) for f, d in layout.cases) or any(
+        _under(f, path) for f in layout.unloadable
+    )
 
 
 def _under(path: str, top: str) -> bool:
@@ -152,12 +167,18 @@ def _source(layout: PytestLayout, root: Path) -> str:
     return rel(layout.inifile, root) if layout.inifile else f"rootdir {rel(layout.rootdir, root)}"
 
 
-def render(root: Path, layout: PytestLayout, accelerators: Sequence[str], workflows: bool) -> dict[str, str]:
+def render(
+    root: Path, layout: PytestLayout, accelerators: Sequence[str], workflows: bool, notes: list[str] | None = None
+) -> dict[str, str]:
     """Every file ``harness init`` would write: repository-relative path -> content.
 
-    Raises ``InitError`` when pytest found no test file to own.
+    Each suite gets only the entries ``harness inventory`` accepts (:func:`runs_on`); an
+    accelerator suite with none is not written, and why goes to ``notes``. Raises
+    ``InitError`` when pytest found no test file to own.
     """
-    paths = owned_paths(layout)
+    notes = [] if notes is None else notes
+    all_paths = owned_paths(layout)
+    paths = [p for p in all_paths if runs_on(layout, p, "cpu")] or all_paths
     if not paths:
         raise InitError(
             f"pytest collects no test file from {root} (see its python_files and testpaths); "
@@ -176,12 +197,17 @@ def render(root: Path, layout: PytestLayout, accelerators: Sequence[str], workfl
         "entries": _entries(paths),
     }
     files[f"{SUITES_DIR}/cpu.json"] = _dump(cpu)
+    shared = [p for p in all_paths if all(runs_on(layout, p, d) for d in accelerators)]
+    if accelerators and not shared:
+        notes.append(f"no collected case runs on {', '.join(accelerators)} (parametrize tests with "
+                     "harness.DEVICES or mark them launch(device=...)): no accelerator suite written")
+        accelerators = []
     if accelerators:
         files[f"{SUITES_DIR}/{SHARED_CASES}"] = _dump({
             "$schema": schema_ref(root, (suites_dir / SHARED_CASES).parent),
             "description": "Device-sensitive cases shared by the accelerator suites: each suite keeps "
                            "the variants for its own device.",
-            "entries": _entries(paths),
+            "entries": _entries(shared),
         })
         cards = max(1, layout.launched_cards)
         for device in accelerators:
@@ -231,9 +257,7 @@ def write(root: Path, files: dict[str, str], force: bool) -> list[tuple[str, str
         )
     for path, action in actions:
         if action != "unchanged":
-            target = root / path
-            target.parent.mkdir(parents=True, exist_ok=True)
-            target.write_text(files[path], encoding="utf-8")
+            write_text(root / path, files[path])
     return actions
 
 
@@ -275,7 +299,8 @@ def cmd_init(root: Path, args: argparse.Namespace) -> int:
     """``harness init``: print what was written; the exit code (0, 1, or 2 on a refused overwrite)."""
     try:
         layout = read_pytest_layout(root)
-        files = render(root, layout, args.accelerators, args.workflows)
+        notes: list[str] = []
+        files = render(root, layout, args.accelerators, args.workflows, notes)
         actions = write(root, files, args.force)
     except InitError as e:
         print(f"harness init: {e}", file=sys.stderr)
@@ -285,6 +310,8 @@ def cmd_init(root: Path, args: argparse.Namespace) -> int:
           f"{len(layout.files)} test file(s)")
     for err in layout.errors:
         print(f"harness init: warning: collection error (the file is still owned): {err}", file=sys.stderr)
+    for note in notes:
+        print(f"harness init: note: {note}", file=sys.stderr)
     for path, action in actions:
         print(f"  {action:<11} {path}")
     print("next: harness inventory && harness run cpu")

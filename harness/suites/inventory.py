@@ -24,11 +24,17 @@ default owned by no entry), ``unowned-case``, ``entry-matches-nothing``,
 (manifest problems), ``no-suites`` (no manifest at all),
 ``symlink-outside-repository`` (a collected test file that is a link to a
 file outside the repository), ``collection-error`` (with the file and line)
-and ``bad-launch-spec``.
+and ``bad-launch-spec``; and one warning, which does not fail the inventory,
+``tests-under-norecursedirs`` (a test file inside ``testpaths`` that
+``norecursedirs`` hides from pytest and no entry names). The names live in
+``harness.names``; ``harness run`` and ``harness matrix`` refuse a suite only
+for the rules in ``harness.names.BLOCKING_RULES``.
 """
+
 from __future__ import annotations
 
 import contextlib
+import fnmatch
 import gc
 import importlib.util
 import io
@@ -39,6 +45,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from harness import names
 from harness.spec import LaunchSpec, is_launched, spec_for_item
 from harness.suites.manifest import (
     SUITES_DIR,
@@ -103,9 +110,14 @@ class SuiteInventory:
     problems: list[Problem] = field(default_factory=list)
     #: The pytest configuration file the collection used (``None``: none found).
     inipath: Path | None = None
+    #: Test files that yield no case: repository-relative file -> why (an import error, or a
+    #: module-level skip).
+    unloadable: dict[str, str] = field(default_factory=dict)
 
     def suite_cases(self, suite: str) -> list[tuple[CollectedCase, Entry]]:
-        """The cases ``suite`` owns, each with its owning entry, in collection order."""
+        """The cases ``suite`` owns, each with its owning entry, in collection order; then one
+        case per :attr:`unloadable` file an entry of the suite names, whose node id is the
+        file itself, so that a run reports that entry (failed, or skipped) and runs the rest."""
         by_id: dict[str, Entry] = {}
         for e in self.manifests[suite].entries:
             by_id.setdefault(e.id, e)  # the first entry of an id, as Manifest.entry()
@@ -114,6 +126,11 @@ class SuiteInventory:
             for s, eid in self.owners.get(c.nodeid, ()):
                 if s == suite:
                     out.append((c, by_id[eid]))
+        entries = self.manifests[suite].entries
+        for f in sorted(self.unloadable):
+            owner = next((e for e in entries if EntryIndex([e]).covers_file(f)), None)
+            if owner is not None:
+                out.append((CollectedCase(f, f, LaunchSpec(), False, None), owner))
         return out
 
     def as_dict(self, suites: Iterable[str] | None = None) -> dict[str, Any]:
@@ -141,7 +158,10 @@ class SuiteInventory:
 
 # A frame of a collection error's traceback: ``path:LINE: in ...`` (pytest's own
 # form) or ``File "path", line LINE`` (a SyntaxError's).
-_FRAME = re.compile(r'^(?:E\s+)?File "(?P<f1>[^"]+)", line (?P<l1>\d+)|^(?P<f2>[^\s<][^:\n]*):(?P<l2>\d+): in ', re.M)
+_FRAME = re.compile(
+    r'^(?:E\s+)?File "(?P<f1>[^"]+)", line (?P<l1>\d+)|^(?P<f2>[^\s<][^:\n]*):(?P<l2>\d+): in ',
+    re.M,
+)
 
 
 def _collection_error(report: Any, root: Path) -> Problem:
@@ -168,7 +188,7 @@ def _collection_error(report: Any, root: Path) -> Problem:
         where = f"line {own[-1]}, raised at {deepest}"
     else:
         where = f"raised at {deepest}" if deepest else ""
-    return Problem("collection-error", file, where, message)
+    return Problem(names.COLLECTION_ERROR, file, where, message)
 
 
 class _Recorder:
@@ -183,9 +203,16 @@ class _Recorder:
         self.scope: list[str] = []
         self.inipath: Path | None = None
         self.interrupted = False
+        #: Test files skipped as a whole at collection (a module-level ``importorskip``): why.
+        self.skipped: dict[str, str] = {}
+        #: The ``testpaths``, ``norecursedirs`` and ``python_files`` of the configuration.
+        self.layout: dict[str, list[str]] = {}
 
     def pytest_configure(self, config: Any) -> None:
         self.inipath = config.inipath
+        self.layout = {
+            k: list(config.getini(k)) for k in ("testpaths", "norecursedirs", "python_files")
+        }
 
     def pytest_keyboard_interrupt(self, excinfo: Any) -> None:
         self.interrupted = True
@@ -199,13 +226,26 @@ class _Recorder:
     def pytest_collectreport(self, report: Any) -> None:
         if report.failed:
             problem = _collection_error(report, self.root)
-            if problem not in self.problems:  # a failing conftest is reported for each node it spoils
+            if (
+                problem not in self.problems
+            ):  # a failing conftest is reported for each node it spoils
                 self.problems.append(problem)
+        elif report.skipped and is_test_module(report.nodeid):
+            longrepr = report.longrepr
+            reason = (
+                longrepr[2] if isinstance(longrepr, tuple) and len(longrepr) == 3 else str(longrepr)
+            )
+            self.skipped[report.nodeid] = str(reason).removeprefix("Skipped: ")
 
     def pytest_collection_finish(self, session: Any) -> None:
         self.scope = [rel(Path(a.split("::", 1)[0]), self.root) for a in session.config.args]
         for item in session.items:
             self.cases.append(_case(item, self.root))
+
+
+def is_test_module(nodeid: str) -> bool:
+    """True when a collector's node id is a test module (a ``.py`` file, not a conftest)."""
+    return "::" not in nodeid and nodeid.endswith(".py") and not nodeid.endswith("conftest.py")
 
 
 def case_id(item: Any, root: Path) -> str:
@@ -219,7 +259,16 @@ def _case(item: Any, root: Path) -> CollectedCase:
     callspec = getattr(item, "callspec", None)
     param = callspec.params.get("device") if callspec is not None else None
     marks = tuple(
-        (m.name, tuple(sorted((k, v) for k, v in m.kwargs.items() if isinstance(v, (str, int, bool)) or v is None)))
+        (
+            m.name,
+            tuple(
+                sorted(
+                    (k, v)
+                    for k, v in m.kwargs.items()
+                    if isinstance(v, (str, int, bool)) or v is None
+                )
+            ),
+        )
         for m in item.iter_markers()
     )
     nodeid = case_id(item, root)
@@ -254,7 +303,10 @@ def _quiet_in(root: Path) -> Iterator[io.StringIO]:
 def autoload_disabled(args: Sequence[str] = ()) -> bool:
     """True when pytest will not load plugins from entry points
     (``PYTEST_DISABLE_PLUGIN_AUTOLOAD``, or ``--disable-plugin-autoload`` in ``args``)."""
-    return bool(os.environ.get("PYTEST_DISABLE_PLUGIN_AUTOLOAD")) or "--disable-plugin-autoload" in args
+    return (
+        bool(os.environ.get("PYTEST_DISABLE_PLUGIN_AUTOLOAD"))
+        or "--disable-plugin-autoload" in args
+    )
 
 
 def _plugin_name(module: str) -> str:
@@ -300,12 +352,18 @@ class Collection:
     files: list[str] = field(default_factory=list)
     scope: list[str] = field(default_factory=list)
     inipath: Path | None = None
+    #: Test files skipped as a whole at collection: why.
+    skipped: dict[str, str] = field(default_factory=dict)
+    #: The ``testpaths``, ``norecursedirs`` and ``python_files`` of the configuration.
+    layout: dict[str, list[str]] = field(default_factory=dict)
 
     def extend(self, other: Collection) -> None:
         """Add another run's findings (cases already seen are not repeated)."""
         seen = {c.nodeid for c in self.cases}
         self.cases += [c for c in other.cases if c.nodeid not in seen]
         self.problems += other.problems
+        self.skipped.update(other.skipped)
+        self.layout = self.layout or other.layout
         self.files = list(dict.fromkeys([*self.files, *other.files]))
         self.inipath = self.inipath or other.inipath
 
@@ -326,8 +384,16 @@ def collect(root: Path, targets: Sequence[str] | None) -> Collection:
     rec = _Recorder(root)
     # No test code runs here, so nothing can raise an unraisable exception; that
     # plugin's forced garbage collections at exit cost seconds on a large tree.
-    args = ["--collect-only", "-q", "-p", "no:cacheprovider", "-p", "no:unraisableexception",
-            "--continue-on-collection-errors", f"--rootdir={root}"]
+    args = [
+        "--collect-only",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "-p",
+        "no:unraisableexception",
+        "--continue-on-collection-errors",
+        f"--rootdir={root}",
+    ]
     args += plugin_args()
     # This process imported the harness before pytest could mark it for assertion
     # rewriting; a project's `filterwarnings = error` must not turn that notice into a failure.
@@ -355,8 +421,12 @@ def collect(root: Path, targets: Sequence[str] | None) -> Collection:
     # 0: collected, 1: some collection error (recorded above), 5: nothing collected.
     if int(code) not in (0, 1, 5):
         tail = "\n".join(out.getvalue().strip().splitlines()[-15:])
-        rec.problems.append(Problem("collection-error", ".", "", f"pytest exited with {int(code)}:\n{tail}"))
-    return Collection(rec.cases, rec.problems, rec.files, rec.scope, rec.inipath)
+        rec.problems.append(
+            Problem(names.COLLECTION_ERROR, ".", "", f"pytest exited with {int(code)}:\n{tail}")
+        )
+    return Collection(
+        rec.cases, rec.problems, rec.files, rec.scope, rec.inipath, rec.skipped, rec.layout
+    )
 
 
 def _under(path: str, roots: set[str]) -> bool:
@@ -390,7 +460,10 @@ def _glob_all(root: Path, patterns: Iterable[str]) -> set[str]:
         for dirpath, dirnames, filenames in os.walk(root / top):
             dirnames[:] = [d for d in dirnames if not d.startswith(".")]
             base = rel(Path(dirpath), root)
-            names = [*dirnames, *(f for f in filenames if f.endswith(".py") and not f.startswith("."))]
+            names = [
+                *dirnames,
+                *(f for f in filenames if f.endswith(".py") and not f.startswith(".")),
+            ]
             for name in names:
                 path = name if base == "." else f"{base}/{name}"
                 segments = {None, *path.split("/")}
@@ -399,9 +472,11 @@ def _glob_all(root: Path, patterns: Iterable[str]) -> set[str]:
     return found
 
 
-def _entry_targets(root: Path, manifests: Iterable[Manifest]) -> list[str]:
-    """Minimal collection arguments covering every entry path of ``manifests``
-    (each glob expanded once, covered paths dropped in one pass)."""
+def _entry_targets(
+    root: Path, manifests: Iterable[Manifest], *, skip: set[str] | None = None
+) -> list[str]:
+    """Minimal collection arguments covering every entry path of ``manifests`` but those in
+    ``skip`` (each glob expanded once, covered paths dropped in one pass)."""
     paths: set[str] = set()
     patterns: set[str] = set()
     for m in manifests:
@@ -413,6 +488,7 @@ def _entry_targets(root: Path, manifests: Iterable[Manifest]) -> list[str]:
                 elif os.path.lexists(root / file_part):
                     paths.add(file_part)
     paths.update(_glob_all(root, patterns))
+    paths -= skip or set()
     kept: set[str] = set()
     for p in sorted(paths, key=lambda p: (p.count("/"), p)):
         if not _under(p, kept):
@@ -432,7 +508,10 @@ class _Markers:
             self.by_name.setdefault(name, []).append(dict(kwargs))
 
     def __call__(self, name: str, /, **kwargs: Any) -> bool:
-        return any(all(m.get(k, object()) == v for k, v in kwargs.items()) for m in self.by_name.get(name, ()))
+        return any(
+            all(m.get(k, object()) == v for k, v in kwargs.items())
+            for m in self.by_name.get(name, ())
+        )
 
 
 def _literal_segment(pattern: str) -> str | None:
@@ -538,25 +617,26 @@ def _fit_problems(m: Manifest, entry: Entry, case: CollectedCase) -> list[Proble
         out.append(Problem(rule, m.path, where, message, m.suite))
 
     if spec.cards > 0 and "cpu" in (spec.device, m.device):
-        add("cpu-case-needs-cards", f"case on {spec.device} asks for {spec.cards} card(s) in cpu suite {m.suite!r}")
+        add(
+            names.CPU_CASE_NEEDS_CARDS,
+            f"case on {spec.device} asks for {spec.cards} card(s) in cpu suite {m.suite!r}",
+        )
     elif m.device != "cpu" and spec.cards < 1:
         add(
-            "accelerator-case-without-cards",
+            names.ACCELERATOR_CASE_WITHOUT_CARDS,
             f"{spec.device} case needs no card, but {m.device} suite {m.suite!r} runs on accelerator runners",
         )
     elif m.device != spec.device:
-        add("wrong-device", f"{spec.device} case in {m.device} suite {m.suite!r}")
+        add(names.WRONG_DEVICE, f"{spec.device} case in {m.device} suite {m.suite!r}")
     if spec.cards > m.max_cards:
         add(
-            "case-exceeds-runner-cards",
+            names.CASE_EXCEEDS_RUNNER_CARDS,
             f"case needs {spec.cards} card(s); the largest runner of suite {m.suite!r} has {m.max_cards}",
         )
     return out
 
 
 # --------------------------------------------------------------------------- building
-
-_MANIFEST_RULES = ("schema", "json", "path", "include")
 
 
 @dataclass
@@ -579,22 +659,33 @@ def _load_scope(root: Path, suites: Iterable[str] | None) -> _Scope:
     all_manifests, problems = load_suites(root)
     if not all_manifests and not problems:
         # Never "0 case(s), 0 problem(s)": a repository without suites checks nothing.
-        why = "has no suite manifests" if (root / SUITES_DIR).is_dir() else f"does not exist in {root}"
-        problems = [Problem("no-suites", f"{SUITES_DIR}/", "", f"{why}: write one (`harness init`) or pass --root")]
-    ok = not any(p.rule in _MANIFEST_RULES for p in problems)
+        why = (
+            "has no suite manifests"
+            if (root / SUITES_DIR).is_dir()
+            else f"does not exist in {root}"
+        )
+        problems = [
+            Problem(
+                names.NO_SUITES,
+                f"{SUITES_DIR}/",
+                "",
+                f"{why}: write one (`harness init`) or pass --root",
+            )
+        ]
+    ok = not any(p.rule in names.MANIFEST_RULES for p in problems)
     if not suites:
         return _Scope(all_manifests, list(all_manifests), problems, ok)
     # Unknown names are problems; a suite named by path (suites/x.json) is its stem.
-    problems += [p for p in load_suites(root, suites)[1] if p.rule == "unknown-suite"]
+    problems += [p for p in load_suites(root, suites)[1] if p.rule == names.UNKNOWN_SUITE]
     wanted = {Path(s).stem if s.endswith(".json") else s for s in suites}
-    problems = [p for p in problems if p.suite in wanted or p.rule == "unknown-suite"]
+    problems = [p for p in problems if p.suite in wanted or p.rule == names.UNKNOWN_SUITE]
     return _Scope(all_manifests, [m for m in all_manifests if m.suite in wanted], problems, ok)
 
 
 def _spec_problems(cases: Iterable[CollectedCase]) -> list[Problem]:
     """Phase 3: one ``bad-launch-spec`` problem per case whose launch marker is invalid."""
     return [
-        Problem("bad-launch-spec", c.file, c.nodeid, c.spec_error or "invalid launch marker")
+        Problem(names.BAD_LAUNCH_SPEC, c.file, c.nodeid, c.spec_error or "invalid launch marker")
         for c in cases
         if c.spec is None
     ]
@@ -623,6 +714,11 @@ def _assign_owners(inv: SuiteInventory, m: Manifest, judged: bool) -> None:
         if judged:
             inv.problems.extend(_fit_problems(m, owner, c))
     if judged:
+        # An entry naming a file that fails to import or skips as a whole is not idle: a run
+        # reports it (failed or skipped) through that file.
+        for e in m.entries:
+            if not owned_by[e.id] and any(EntryIndex([e]).covers_file(f) for f in inv.unloadable):
+                owned_by[e.id] = 1
         inv.problems.extend(_idle_entries(m, owned_by, matched, first_owner))
 
 
@@ -644,12 +740,20 @@ def _idle_entries(
                 f" with markers {e.markers!r}" if e.markers else ""
             )
         out.append(
-            Problem("entry-matches-nothing", e.source, f"{e.pointer} (entry {e.id!r})", f"suite {m.suite!r}: {why}", m.suite)
+            Problem(
+                names.ENTRY_MATCHES_NOTHING,
+                e.source,
+                f"{e.pointer} (entry {e.id!r})",
+                f"suite {m.suite!r}: {why}",
+                m.suite,
+            )
         )
     return out
 
 
-def _ownership_problems(inv: SuiteInventory, manifests: Sequence[Manifest], files: Sequence[str]) -> list[Problem]:
+def _ownership_problems(
+    inv: SuiteInventory, manifests: Sequence[Manifest], files: Sequence[str]
+) -> list[Problem]:
     """Phase 5: ``unowned-file`` for each test file pytest collects by default none of
     whose cases any suite owns, ``unowned-case`` for each other case no suite owns."""
     by_file: dict[str, list[CollectedCase]] = {}
@@ -663,14 +767,83 @@ def _ownership_problems(inv: SuiteInventory, manifests: Sequence[Manifest], file
             continue
         if not fcases and covered.covers_file(f):
             continue  # collects nothing here (e.g. a module-level skip); its entry covers it
-        out.append(Problem("unowned-file", f, "", "test file owned by no suite entry: add it to a suite in suites/"))
+        out.append(
+            Problem(
+                names.UNOWNED_FILE,
+                f,
+                "",
+                "test file owned by no suite entry: add it to a suite in suites/",
+            )
+        )
     unowned_files = {p.file for p in out}
     out += [
-        Problem("unowned-case", c.file, c.nodeid, f"{c.device} case owned by no suite entry")
+        Problem(
+            names.UNOWNED_CASE,
+            c.file,
+            c.nodeid,
+            f"{c.device} case owned by no suite entry: {_edit_hint(manifests, c)}",
+        )
         for c in inv.cases
         if c.spec is not None and c.nodeid not in inv.owners and c.file not in unowned_files
     ]
     return out
+
+
+def _edit_hint(manifests: Sequence[Manifest], case: CollectedCase) -> str:
+    """Where an unowned case belongs: the manifests of suites on its device, or how to add one."""
+    mine = [m.path for m in manifests if m.device == case.device]
+    if mine:
+        return f"add its file or node id to an entry of {' or '.join(mine)}"
+    return (
+        f"no suite runs {case.device} cases: add one (`harness init --accelerators {case.device}`)"
+    )
+
+
+def _hidden_test_files(root: Path, layout: dict[str, list[str]]) -> Iterator[tuple[str, str]]:
+    """``(file, pattern)`` for each test file (``python_files``) under a directory inside
+    ``testpaths`` that a ``norecursedirs`` pattern keeps pytest out of. Hidden directories
+    (``.*``) and virtual environments are not looked into."""
+    patterns = [p for p in layout.get("norecursedirs", ()) if p != ".*"]
+    python_files = layout.get("python_files", ())
+    for top in layout.get("testpaths", ()):
+        if not (root / top).is_dir():
+            continue
+        for dirpath, dirnames, _ in os.walk(root / top):
+            keep = []
+            for d in dirnames:
+                pat = next((p for p in patterns if fnmatch.fnmatch(d, p)), None)
+                if d.startswith(".") or (Path(dirpath, d) / "pyvenv.cfg").exists():
+                    continue
+                if pat is None:
+                    keep.append(d)
+                    continue
+                for sub, subdirs, files in os.walk(Path(dirpath, d)):
+                    subdirs[:] = [s for s in subdirs if not s.startswith(".")]
+                    for name in files:
+                        if any(fnmatch.fnmatch(name, g) for g in python_files):
+                            yield rel(Path(sub, name), root), pat
+            dirnames[:] = keep
+
+
+def _hidden_problems(
+    root: Path, layout: dict[str, list[str]], collected: Iterable[str]
+) -> list[Problem]:
+    """A ``tests-under-norecursedirs`` warning for each hidden test file (see
+    :func:`_hidden_test_files`) that was not collected (no entry names it or a directory
+    below the hiding one): it never runs."""
+    seen = set(collected)
+    return [
+        Problem(
+            names.HIDDEN_TESTS,
+            f,
+            "",
+            f"lies under a directory that norecursedirs pattern {pat!r} hides from "
+            "pytest inside testpaths: it never runs; name it in a suite entry (harness run collects entry "
+            "paths by name) or change norecursedirs",
+        )
+        for f, pat in sorted(set(_hidden_test_files(root, layout)))
+        if f not in seen
+    ]
 
 
 def _outside_problems(root: Path, files: Iterable[str]) -> list[Problem]:
@@ -681,11 +854,15 @@ def _outside_problems(root: Path, files: Iterable[str]) -> list[Problem]:
     for f in sorted(set(files)):
         target = (root / f).resolve()
         if not os.path.isabs(f) and not target.is_relative_to(real_root):
-            out.append(Problem(
-                "symlink-outside-repository", f, "",
-                f"is a symlink to {target}, outside the repository: a checkout elsewhere (CI) will not have "
-                "it and --changed-from cannot see its changes; move the test into the repository",
-            ))
+            out.append(
+                Problem(
+                    names.SYMLINK_OUTSIDE_REPOSITORY,
+                    f,
+                    "",
+                    f"is a symlink to {target}, outside the repository: a checkout elsewhere (CI) will not have "
+                    "it and --changed-from cannot see its changes; move the test into the repository",
+                )
+            )
     return out
 
 
@@ -699,8 +876,10 @@ def _collect_for(root: Path, scope: _Scope, check_ownership: bool) -> Collection
     # An entry may name what pytest does not collect by default (outside
     # testpaths, under norecursedirs such as dist/): collect those paths as
     # `harness run` will, by naming them.
+    # Paths already collected are skipped before the covered ones are dropped: an entry
+    # naming tests/dist (hidden by norecursedirs) under another's tests is collected too.
     seen = {a for f in found.files for a in _ancestors(f)}
-    extra = [t for t in _entry_targets(root, scope.all) if t not in seen]
+    extra = _entry_targets(root, scope.all, skip=seen)
     if extra:
         found.extend(collect(root, extra))
     return found
@@ -730,6 +909,14 @@ def build_inventory(
         cases=found.cases,
         problems=[*scope.problems, *found.problems, *_spec_problems(found.cases)],
         inipath=found.inipath,
+        unloadable={
+            **found.skipped,
+            **{
+                p.file: p.message
+                for p in found.problems
+                if p.rule == names.COLLECTION_ERROR and is_test_module(p.file)
+            },
+        },
     )
     inv.problems.extend(_outside_problems(root, {*found.files, *(c.file for c in found.cases)}))
     judged = scope.selected_names
@@ -737,4 +924,5 @@ def build_inventory(
         _assign_owners(inv, m, m.suite in judged)
     if check_ownership and scope.manifests_ok:
         inv.problems.extend(_ownership_problems(inv, scope.all, found.files))
+        inv.problems.extend(_hidden_problems(root, found.layout, found.files))
     return inv

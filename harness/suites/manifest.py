@@ -37,6 +37,9 @@ from typing import Any
 
 import jsonschema
 
+from harness import names
+from harness.errors import HarnessError
+
 SUITES_DIR = "suites"
 SCHEMA_FILE = "schema.json"
 DEFAULT_ESTIMATED_S = 5.0
@@ -77,7 +80,7 @@ class Problem:
         }
 
 
-class ManifestError(Exception):
+class ManifestError(HarnessError):
     """A manifest could not be loaded; ``problems`` says why and where."""
 
     def __init__(self, problems: list[Problem]):
@@ -174,9 +177,8 @@ def rel(path: Path, root: Path) -> str:
 
 
 def suite_files(root: Path) -> list[Path]:
-    """The suite manifests of a repository: ``suites/*.json`` except the schema, sorted."""
-    d = root / SUITES_DIR
-    return sorted(p for p in d.glob("*.json") if p.name != SCHEMA_FILE)
+    """The suite manifests of a repository: ``suites/*.json``, sorted."""
+    return sorted((root / SUITES_DIR).glob("*.json"))
 
 
 def resolve_suite(root: Path, name_or_path: str) -> Path:
@@ -193,7 +195,14 @@ def resolve_suite(root: Path, name_or_path: str) -> Path:
             return c
     known = ", ".join(f.stem for f in suite_files(root)) or "none"
     raise ManifestError(
-        [Problem("unknown-suite", f"{SUITES_DIR}/", name_or_path, f"no such suite (known: {known})")]
+        [
+            Problem(
+                names.UNKNOWN_SUITE,
+                f"{SUITES_DIR}/",
+                name_or_path,
+                f"no such suite (known: {known})",
+            )
+        ]
     )
 
 
@@ -289,8 +298,30 @@ class _DuplicateKey(Exception):
     pass
 
 
+#: The deepest nesting of arrays and objects a suite file may have. Manifests need a few
+#: levels; a document nested past Python's recursion limit would crash the JSON reader, the
+#: schema validator and every walk of the document with a ``RecursionError``.
+MAX_JSON_DEPTH = 64
+
+
+def _depth_over(doc: Any, limit: int) -> bool:
+    """True when ``doc`` nests arrays / objects deeper than ``limit`` (an explicit stack:
+    no recursion, whatever the depth)."""
+    stack = [(doc, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, (dict, list)):
+            if depth > limit:
+                return True
+            stack.extend(
+                (v, depth + 1) for v in (node.values() if isinstance(node, dict) else node)
+            )
+    return False
+
+
 def read_json(path: Path, root: Path) -> Any:
-    """Parse a JSON file, rejecting duplicate keys (JSON would keep the last silently).
+    """Parse a JSON file, rejecting duplicate keys (JSON would keep the last silently) and
+    nesting deeper than :data:`MAX_JSON_DEPTH`.
 
     Raises ``ManifestError`` with rule ``json`` naming the file, and the line and
     column of a syntax error.
@@ -299,17 +330,29 @@ def read_json(path: Path, root: Path) -> Any:
     try:
         text = path.read_text(encoding="utf-8")
     except OSError as e:
-        raise ManifestError([Problem("json", name, "", f"cannot read: {e.strerror or e}")]) from e
+        raise ManifestError(
+            [Problem(names.JSON, name, "", f"cannot read: {e.strerror or e}")]
+        ) from e
+    except UnicodeDecodeError as e:
+        raise ManifestError([Problem(names.JSON, name, "", f"not UTF-8 text: {e}")]) from e
+    too_deep = Problem(
+        names.JSON, name, "", f"nested deeper than {MAX_JSON_DEPTH} levels of arrays / objects"
+    )
     try:
-        return json.loads(text, object_pairs_hook=_no_duplicate_keys)
+        doc = json.loads(text, object_pairs_hook=_no_duplicate_keys)
     except json.JSONDecodeError as e:
         raise ManifestError(
-            [Problem("json", f"{name}:{e.lineno}:{e.colno}", "", f"not valid JSON: {e.msg}")]
+            [Problem(names.JSON, f"{name}:{e.lineno}:{e.colno}", "", f"not valid JSON: {e.msg}")]
         ) from e
     except _DuplicateKey as e:
         raise ManifestError(
-            [Problem("json", name, "", f"duplicate key {e.args[0]!r} in an object")]
+            [Problem(names.JSON, name, "", f"duplicate key {e.args[0]!r} in an object")]
         ) from e
+    except RecursionError:
+        raise ManifestError([too_deep]) from None
+    if _depth_over(doc, MAX_JSON_DEPTH):
+        raise ManifestError([too_deep])
+    return doc
 
 
 def pointer(parts: Iterable[Any]) -> str:
@@ -334,7 +377,9 @@ def load_schema(root: Path | None = None) -> dict[str, Any]:
     try:
         return _schema_at(str(path))
     except FileNotFoundError as e:
-        raise ManifestError([Problem("schema", str(path), "", "schema missing from the harness package")]) from e
+        raise ManifestError(
+            [Problem(names.SCHEMA, str(path), "", "schema missing from the harness package")]
+        ) from e
 
 
 def _inline_refs(node: Any, defs: dict[str, Any]) -> Any:
@@ -394,7 +439,7 @@ def validate(doc: Any, root: Path, name: str, definition: str = "manifest") -> l
         if list(e.absolute_path) not in bad_numbers
     ]
     found.sort(key=lambda f: list(map(str, f[0])))
-    return [Problem("schema", name, pointer(at), message) for at, message in found]
+    return [Problem(names.SCHEMA, name, pointer(at), message) for at, message in found]
 
 
 # --------------------------------------------------------------------------- loading
@@ -437,23 +482,30 @@ def _runners(doc: dict[str, Any]) -> tuple[Runner, ...]:
 
 
 def _included(
-    raw: dict[str, Any], name: str, ptr: str, root: Path, chain: tuple[str, ...], problems: list[Problem],
+    raw: dict[str, Any],
+    name: str,
+    ptr: str,
+    root: Path,
+    chain: tuple[str, ...],
+    problems: list[Problem],
     included: list[str],
 ) -> list[Entry]:
     """The entries an ``{"include": FILE}`` entry splices in (none, with problems, when it cannot)."""
     target_rel = raw["include"]
     why = _outside(root, target_rel)
     if why:
-        problems.append(Problem("path", name, ptr + "/include", f"{target_rel!r} {why}"))
+        problems.append(Problem(names.PATH, name, ptr + "/include", f"{target_rel!r} {why}"))
         return []
     target = root / posixpath.normpath(target_rel)
     tname = rel(target, root)
     if tname in chain:
         cycle = " -> ".join((*chain, tname))
-        problems.append(Problem("include", name, ptr + "/include", f"include cycle: {cycle}"))
+        problems.append(Problem(names.INCLUDE, name, ptr + "/include", f"include cycle: {cycle}"))
         return []
     if not target.is_file():
-        problems.append(Problem("include", name, ptr + "/include", f"{target_rel!r} does not exist"))
+        problems.append(
+            Problem(names.INCLUDE, name, ptr + "/include", f"{target_rel!r} does not exist")
+        )
         return []
     try:
         doc = read_json(target, root)
@@ -469,19 +521,21 @@ def _included(
     return _expand(doc["entries"], target, root, (*chain, tname), problems, included)
 
 
-def _case_entry(raw: dict[str, Any], name: str, ptr: str, root: Path, problems: list[Problem]) -> Entry:
+def _case_entry(
+    raw: dict[str, Any], name: str, ptr: str, root: Path, problems: list[Problem]
+) -> Entry:
     """A case entry, with a problem for each path that leaves the repository and a bad ``markers``."""
     for j, p in enumerate(raw["paths"]):
         why = _outside(root, p.split("::", 1)[0])
         if why:
-            problems.append(Problem("path", name, f"{ptr}/paths/{j}", f"{p!r} {why}"))
+            problems.append(Problem(names.PATH, name, f"{ptr}/paths/{j}", f"{p!r} {why}"))
     if "markers" in raw and (why := _compile_markers(raw["markers"])):
-        problems.append(Problem("schema", name, f"{ptr}/markers", why))
+        problems.append(Problem(names.SCHEMA, name, f"{ptr}/markers", why))
     deps = raw.get("depends_on")
     for j, g in enumerate(deps or ()):
         why = _outside(root, g)
         if why:
-            problems.append(Problem("path", name, f"{ptr}/depends_on/{j}", f"{g!r} {why}"))
+            problems.append(Problem(names.PATH, name, f"{ptr}/depends_on/{j}", f"{g!r} {why}"))
     return Entry(
         id=raw["id"],
         paths=tuple(p.rstrip("/") or "." for p in raw["paths"]),
@@ -530,7 +584,12 @@ def load_manifest(path: Path, root: Path) -> Manifest:
         raise ManifestError(problems)
     if doc["suite"] != path.stem:
         problems.append(
-            Problem("schema", name, "/suite", f"suite {doc['suite']!r} must match the file name {path.stem!r}")
+            Problem(
+                names.SCHEMA,
+                name,
+                "/suite",
+                f"suite {doc['suite']!r} must match the file name {path.stem!r}",
+            )
         )
     included: list[str] = []
     entries = _expand(doc["entries"], path, root, (name,), problems, included)
@@ -555,7 +614,7 @@ def duplicate_entries(manifest: Manifest) -> list[Problem]:
             f = first[e.id]
             out.append(
                 Problem(
-                    "duplicate-entry-id",
+                    names.DUPLICATE_ENTRY_ID,
                     e.source,
                     e.pointer + "/id",
                     f"entry id {e.id!r} of suite {manifest.suite!r} is already used at {f.source} {f.pointer}",
@@ -567,7 +626,9 @@ def duplicate_entries(manifest: Manifest) -> list[Problem]:
     return out
 
 
-def load_suites(root: Path, names: Iterable[str] | None = None) -> tuple[list[Manifest], list[Problem]]:
+def load_suites(
+    root: Path, names: Iterable[str] | None = None
+) -> tuple[list[Manifest], list[Problem]]:
     """Load the named suites (default: every ``suites/*.json``) of the repository at ``root``.
 
     Returns the manifests that loaded and the problems of those that did not

@@ -16,17 +16,21 @@ its own shard.
 
 from __future__ import annotations
 
-import json
 import math
-import os
 import statistics
-import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from harness.suites.manifest import SUITES_DIR, Runner
+from harness.errors import HarnessError
+from harness.suites.jsonio import write_json
+from harness.suites.manifest import SUITES_DIR, Manifest, ManifestError, Runner, read_json
+from harness.validation import check_int, is_real
+
+if TYPE_CHECKING:
+    from harness.suites.inventory import CollectedCase
+    from harness.suites.manifest import Entry
 
 DURATIONS_DIR = "durations"
 #: Minutes a CI job gets beyond its runner's ``timeout_minutes``, where ``harness run``
@@ -34,7 +38,7 @@ DURATIONS_DIR = "durations"
 JOB_SETUP_MINUTES = 10
 
 
-class PlanError(ValueError):
+class PlanError(HarnessError, ValueError):
     """The suite cannot be planned as asked (the message says what to change)."""
 
 
@@ -92,10 +96,20 @@ class Plan:
         mean = sum(loads) / len(loads) if loads else 0.0
         return max(loads) / mean if mean > 0 else 1.0
 
-    def matrix(self) -> dict[str, Any]:
-        """The GitHub Actions matrix: ``{"include": [{"suite", "shard", "runner", ...}]}``."""
-        return {
-            "include": [
+    def matrix(self, entries: Collection[str] | None = None) -> dict[str, Any]:
+        """The GitHub Actions matrix: ``{"include": [{"suite", "shard", "runner", ...}]}``.
+
+        With ``entries`` (the ids a change selects), only the shards holding a case of one of
+        them, each counting those cases; their labels stay ``I/N`` of the whole plan, as
+        ``harness run --shard I/N --changed-from REF`` cuts them. ``{"include": []}`` when no
+        shard is left: a matrix job guarded by ``if:`` on it is skipped.
+        """
+        rows = []
+        for s in self.shards:
+            mine = s.cases if entries is None else [c for c in s.cases if c.entry in entries]
+            if entries is not None and not mine:
+                continue
+            rows.append(
                 {
                     "suite": self.suite,
                     "shard": s.label,
@@ -104,12 +118,11 @@ class Plan:
                     "cards": s.runner.cards,
                     "timeout_minutes": s.runner.timeout_minutes,
                     "job_timeout_minutes": s.runner.timeout_minutes + JOB_SETUP_MINUTES,
-                    "cases": len(s.cases),
-                    "estimated_minutes": round(s.load / 60.0, 1),
+                    "cases": len(mine),
+                    "estimated_minutes": round(sum(c.seconds for c in mine) / 60.0, 1),
                 }
-                for s in self.shards
-            ]
-        }
+            )
+        return {"include": rows}
 
 
 def parse_shard(text: str) -> tuple[int, int]:
@@ -132,21 +145,25 @@ def default_durations_path(root: Path, suite: str) -> Path:
     return root / SUITES_DIR / DURATIONS_DIR / f"{suite}.json"
 
 
-def load_durations(path: Path | None) -> dict[str, float]:
+def load_durations(path: Path | None, *, required: bool = False) -> dict[str, float]:
     """Recorded seconds per node id from ``{"durations": {nodeid: s}}`` (or a bare
-    mapping). A missing file is empty; a malformed one raises ``PlanError`` naming it."""
+    mapping). A missing file is empty unless ``required`` (a file the user named), then a
+    ``PlanError``; a malformed one raises ``PlanError`` naming it."""
     if path is None or not path.is_file():
+        if required and path is not None:
+            raise PlanError(f"{path}: no such durations file")
         return {}
     try:
-        doc = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as e:
+        doc = read_json(path, path.parent)
+    except ManifestError as e:
         raise PlanError(f"{path}: cannot read durations: {e}") from e
     data = doc.get("durations", doc) if isinstance(doc, dict) else None
     if not isinstance(data, dict) or not all(
-        isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < math.inf
-        for k, v in data.items()
+        isinstance(k, str) and is_real(v) and 0 <= v < math.inf for k, v in data.items()
     ):
-        raise PlanError(f'{path}: expected {{"durations": {{"<nodeid>": <finite seconds >= 0>, ...}}}}')
+        raise PlanError(
+            f'{path}: expected {{"durations": {{"<nodeid>": <finite seconds >= 0>, ...}}}}'
+        )
     return {k: float(v) for k, v in data.items()}
 
 
@@ -161,13 +178,7 @@ def write_durations(path: Path, suite: str, durations: Mapping[str, float]) -> N
     except PlanError:
         merged = {}  # a corrupt file is replaced by fresh measurements
     merged.update({k: round(float(v), 3) for k, v in durations.items()})
-    path.parent.mkdir(parents=True, exist_ok=True)
-    doc = {"suite": suite, "durations": dict(sorted(merged.items()))}
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        json.dump(doc, f, indent=1)
-        f.write("\n")
-    os.replace(tmp, path)
+    write_json(path, {"suite": suite, "durations": dict(sorted(merged.items()))})
 
 
 def estimate(
@@ -188,7 +199,11 @@ def estimate(
         if nodeid in durations:
             out.append(PlannedCase(nodeid, entry, cards, durations[nodeid], "recorded"))
         elif per_entry.get(entry):
-            out.append(PlannedCase(nodeid, entry, cards, statistics.median(per_entry[entry]), "entry-median"))
+            out.append(
+                PlannedCase(
+                    nodeid, entry, cards, statistics.median(per_entry[entry]), "entry-median"
+                )
+            )
         else:
             out.append(PlannedCase(nodeid, entry, cards, float(estimated), "estimated"))
     return out
@@ -225,15 +240,16 @@ def _allocate(work: list[float], shards: int) -> list[int]:
     return counts
 
 
-def partition(cases: Sequence[PlannedCase], runners: Sequence[Runner], shards: int) -> list[PlannedShard]:
+def partition(
+    cases: Sequence[PlannedCase], runners: Sequence[Runner], shards: int
+) -> list[PlannedShard]:
     """Split ``cases`` into ``shards`` shards over the runner classes (ascending cards).
 
     Longest case first, each onto the least-loaded shard whose runner has
     enough cards (ties: the smaller runner, then the lower index). Raises
     ``PlanError`` when a case fits no runner.
     """
-    if shards < 1:
-        raise PlanError(f"need at least one shard; got {shards}")
+    shards = check_int(shards, "the number of shards", minimum=1, error=PlanError)
     runners = sorted(runners, key=lambda r: r.cards)
     work = [0.0] * len(runners)
     for c in cases:
@@ -255,7 +271,9 @@ def partition(cases: Sequence[PlannedCase], runners: Sequence[Runner], shards: i
     return out
 
 
-def _over_budget(shards: Sequence[PlannedShard], limit_s: float | None = None) -> list[PlannedShard]:
+def _over_budget(
+    shards: Sequence[PlannedShard], limit_s: float | None = None
+) -> list[PlannedShard]:
     return [s for s in shards if s.load > min(s.runner.budget_s, limit_s or math.inf)]
 
 
@@ -270,7 +288,9 @@ def _check_case_budgets(runners: Sequence[Runner], cases: Sequence[PlannedCase])
             )
 
 
-def _exactly(runners: Sequence[Runner], cases: Sequence[PlannedCase], shards: int, enforce: bool) -> list[PlannedShard]:
+def _exactly(
+    runners: Sequence[Runner], cases: Sequence[PlannedCase], shards: int, enforce: bool
+) -> list[PlannedShard]:
     """``shards`` shards; with ``enforce``, ``PlanError`` naming every shard over its runner's budget."""
     result = partition(cases, runners, shards)
     over = _over_budget(result)
@@ -287,16 +307,26 @@ def _exactly(runners: Sequence[Runner], cases: Sequence[PlannedCase], shards: in
 
 
 def _fewest(
-    suite: str, runners: Sequence[Runner], cases: Sequence[PlannedCase], target_minutes: float | None, enforce: bool
+    suite: str,
+    runners: Sequence[Runner],
+    cases: Sequence[PlannedCase],
+    target_minutes: float | None,
+    enforce: bool,
 ) -> list[PlannedShard]:
     """The fewest shards each within its runner's budget and ``target_minutes``."""
+    if target_minutes is not None and not (
+        is_real(target_minutes) and 0 < target_minutes < math.inf
+    ):
+        raise PlanError(
+            f"--target-minutes must be a positive, finite number of minutes; got {target_minutes!r}"
+        )
     limit = target_minutes * 60.0 if target_minutes is not None else None
-    if limit is not None and limit <= 0:
-        raise PlanError(f"--target-minutes must be positive; got {target_minutes}")
     if limit is not None:
         for c in cases:
             if c.seconds > limit:
-                raise PlanError(f"{c.nodeid} alone takes {c.seconds / 60:.1f} min, over --target-minutes {target_minutes}")
+                raise PlanError(
+                    f"{c.nodeid} alone takes {c.seconds / 60:.1f} min, over --target-minutes {target_minutes}"
+                )
     total = sum(c.seconds for c in cases)
     cap = min(limit or math.inf, max(r.budget_s for r in runners))
     n = max(1, math.ceil(total / cap) if cap > 0 else 1)
@@ -337,3 +367,36 @@ def plan(
     if shards is not None:
         return Plan(suite, _exactly(runners, cases, shards, enforce_budget))
     return Plan(suite, _fewest(suite, runners, cases, target_minutes, enforce_budget))
+
+
+def plan_suite(
+    root: Path,
+    manifest: Manifest,
+    owned: Sequence[tuple[CollectedCase, Entry]],
+    *,
+    durations: Path | None = None,
+    shards: int | None = None,
+    target_minutes: float | None = None,
+) -> Plan:
+    """The plan of one suite: ``owned`` (its cases with their entries, as the inventory
+    found them) estimated from the recorded ``durations`` (default: the checked-in
+    :func:`default_durations_path`, empty when absent; a file named here must exist) and
+    partitioned by :func:`plan`.
+
+    ``harness matrix`` prints this plan and ``harness run --shard I/N`` runs shard ``I`` of
+    the plan for ``shards=N``: both call this one function, so the shard a job runs is the
+    shard that was planned. More shards than cases (at least one shard) would only add empty
+    jobs, and an unbounded count costs memory in proportion. Raises ``PlanError``.
+    """
+    if shards is not None and shards > max(1, len(owned)):
+        raise PlanError(
+            f"{shards} shards for suite {manifest.suite!r} of {len(owned)} case(s): "
+            f"at most {max(1, len(owned))} (one case per shard)"
+        )
+    recorded = load_durations(
+        durations or default_durations_path(root, manifest.suite), required=durations is not None
+    )
+    planned = estimate([(c.nodeid, e.id, c.cards, e.estimated_s) for c, e in owned], recorded)
+    return plan(
+        manifest.suite, manifest.runners, planned, shards=shards, target_minutes=target_minutes
+    )

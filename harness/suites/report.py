@@ -1,23 +1,30 @@
-"""Results of ``harness run``: read pytest's JUnit XML back per case and summarise per entry.
+"""Results of ``harness run``: each planned case's outcome, summarised per entry.
 
-pytest names a JUnit ``testcase`` by ``classname`` (the node id's path with
-``/`` -> ``.`` and no ``.py``, plus any classes) and ``name`` (the function
-with its parameters); :func:`junit_key` derives the same pair from a node id,
-so each planned case is found in the XML exactly, with or without xdist.
-A planned case absent from the XML is ``missing`` (it never ran) and counts
-as a failure.
+Outcomes come from what the selection plugin recorded inside the pytest run, by node id
+(:func:`results_from_records`): ``passed``, ``failed``, ``skipped`` (xfail included),
+``deselected`` (by pytest's own ``-k`` / ``-m`` / ``--lf`` / ``--deselect`` / ``--ignore``),
+``not run`` (collected, but the run stopped first: ``-x``, ``--maxfail``, ``--collect-only``,
+an interrupt) and ``missing`` (never collected, or collected and never reported by a run that
+did not stop: a failure). A file that fails to import fails each planned case in it.
+
+JUnit XML is an output (merged for CI); :func:`read_junit` and :func:`junit_key` read it
+back for tools that only have the XML (``scripts/refresh_durations.py``): pytest names a
+``testcase`` by ``classname`` (the node id's path with ``/`` -> ``.`` and no ``.py``, plus
+any classes) and ``name`` (the function with its parameters).
 """
 
 from __future__ import annotations
 
-import json
 import re
 import xml.etree.ElementTree as ET
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-OUTCOMES = ("passed", "failed", "skipped", "missing")
+from harness.suites.jsonio import write_json
+from harness.suites.selection import Records
+
+OUTCOMES = ("passed", "failed", "skipped", "deselected", "not run", "missing")
 
 
 @dataclass(frozen=True)
@@ -42,6 +49,8 @@ class EntryRow:
     missing: int
     cards: int
     seconds: float
+    deselected: int = 0
+    not_run: int = 0
 
 
 def junit_key(nodeid: str) -> tuple[str, str]:
@@ -89,16 +98,74 @@ def read_junit(paths: Iterable[Path]) -> dict[tuple[str, str], CaseRow]:
             seconds = float(tc.get("time", 0) or 0) + (prev.seconds if prev else 0.0)
             if prev is not None and prev.outcome == "failed":
                 outcome, msg = prev.outcome, prev.message
-            out[key] = CaseRow("", outcome, seconds, (msg or "").splitlines()[0][:200] if msg else "")
+            out[key] = CaseRow(
+                "", outcome, seconds, (msg or "").splitlines()[0][:200] if msg else ""
+            )
     return out
 
 
-def results_for(nodeids: Iterable[str], junit: Mapping[tuple[str, str], CaseRow]) -> dict[str, CaseRow]:
+def results_for(
+    nodeids: Iterable[str], junit: Mapping[tuple[str, str], CaseRow]
+) -> dict[str, CaseRow]:
     """Each planned node id's result; ``missing`` when the JUnit has no such case."""
     out = {}
     for n in nodeids:
         r = junit.get(junit_key(n))
         out[n] = CaseRow(n, r.outcome, r.seconds, r.message) if r else CaseRow(n, "missing")
+    return out
+
+
+def _phases(phases: Sequence[tuple[str, str, float, str]]) -> tuple[str, float, str]:
+    """One case's outcome, seconds and message from its phases' reports: failed when any
+    phase failed (teardown included), else skipped when any was skipped, else passed."""
+    seconds = sum(s for _, _, s, _ in phases)
+    for wanted in ("failed", "skipped"):
+        for _, outcome, _, message in phases:
+            if outcome == wanted:
+                return wanted, seconds, message
+    return "passed", seconds, ""
+
+
+def _collect_problem(nodeid: str, collect: Mapping[str, tuple[str, str]]) -> tuple[str, str] | None:
+    """The failed or skipped collection of ``nodeid``'s file (or a class above it), if any."""
+    for prefix in [
+        nodeid.split("::", 1)[0],
+        *(nodeid[:i] for i in range(len(nodeid)) if nodeid.startswith("::", i)),
+    ]:
+        if prefix in collect:
+            return collect[prefix]
+    return None
+
+
+def results_from_records(nodeids: Iterable[str], records: Records) -> dict[str, CaseRow]:
+    """Each planned node id's result (see the module docstring) from one pytest run's records."""
+    opts = records.options
+    failures = sum(1 for phases in records.reports.values() if _phases(phases)[0] == "failed")
+    maxfail = int(opts.get("maxfail", 0) or 0)
+    stopped = (
+        bool(records.stopped)
+        or bool(opts.get("collectonly"))
+        or (0 < maxfail <= failures)
+        or (records.finish is not None and records.finish == 2)
+    )
+    out = {}
+    for n in nodeids:
+        if n in records.reports:
+            outcome, seconds, message = _phases(records.reports[n])
+            out[n] = CaseRow(n, outcome, seconds, message)
+        elif n in records.deselected:
+            out[n] = CaseRow(n, "deselected")
+        elif (broken := _collect_problem(n, records.collect)) is not None:
+            out[n] = CaseRow(n, broken[0], 0.0, broken[1])
+        elif opts.get("last_failed") and n not in records.collected:
+            out[n] = CaseRow(
+                n, "deselected", 0.0, "--last-failed: its file had no failure to rerun"
+            )
+        elif stopped and (n in records.collected or not records.collected):
+            out[n] = CaseRow(n, "not run", 0.0, records.stopped or "")
+        else:
+            why = "collected, never reported" if n in records.collected else "never collected"
+            out[n] = CaseRow(n, "missing", 0.0, why)
     return out
 
 
@@ -122,15 +189,27 @@ def summarize(
     """Per-entry rows, in first-seen entry order, from ``(nodeid, entry id, cards)`` and results."""
     rows: dict[str, dict[str, float]] = {}
     for nodeid, entry, cards in planned:
-        r = rows.setdefault(entry, {"cases": 0, "cards": 0, "seconds": 0.0, **dict.fromkeys(OUTCOMES, 0)})
+        r = rows.setdefault(
+            entry, {"cases": 0, "cards": 0, "seconds": 0.0, **dict.fromkeys(OUTCOMES, 0)}
+        )
         res = results.get(nodeid, CaseRow(nodeid, "missing"))
         r["cases"] += 1
         r[res.outcome] += 1
         r["cards"] = max(r["cards"], cards)
         r["seconds"] += res.seconds
     return [
-        EntryRow(e, int(r["cases"]), int(r["passed"]), int(r["failed"]), int(r["skipped"]), int(r["missing"]),
-                 int(r["cards"]), round(r["seconds"], 2))
+        EntryRow(
+            e,
+            int(r["cases"]),
+            int(r["passed"]),
+            int(r["failed"]),
+            int(r["skipped"]),
+            int(r["missing"]),
+            int(r["cards"]),
+            round(r["seconds"], 2),
+            int(r["deselected"]),
+            int(r["not run"]),
+        )
         for e, r in rows.items()
     ]
 
@@ -146,23 +225,60 @@ def totals(rows: Sequence[EntryRow]) -> EntryRow:
         sum(r.missing for r in rows),
         max((r.cards for r in rows), default=0),
         round(sum(r.seconds for r in rows), 2),
+        sum(r.deselected for r in rows),
+        sum(r.not_run for r in rows),
     )
 
 
 def render(rows: Sequence[EntryRow], title: str, wall_s: float | None = None) -> str:
     """A Markdown table (readable as plain text too) with a total line."""
-    head = ("entry", "cases", "passed", "failed", "skipped", "missing", "cards", "time (s)")
+    head = (
+        "entry",
+        "cases",
+        "passed",
+        "failed",
+        "skipped",
+        "missing",
+        "cards",
+        "time (s)",
+        "deselected",
+        "not run",
+    )
     body = [
-        (r.entry, r.cases, r.passed, r.failed, r.skipped, r.missing, r.cards, f"{r.seconds:.1f}")
+        (
+            r.entry,
+            r.cases,
+            r.passed,
+            r.failed,
+            r.skipped,
+            r.missing,
+            r.cards,
+            f"{r.seconds:.1f}",
+            r.deselected,
+            r.not_run,
+        )
         for r in (*rows, totals(rows))
     ]
     cells = [tuple(map(str, head)), *[tuple(map(str, b)) for b in body]]
     widths = [max(len(c[i]) for c in cells) for i in range(len(head))]
 
     def line(c: Sequence[str]) -> str:
-        return "| " + " | ".join(x.ljust(w) if i == 0 else x.rjust(w) for i, (x, w) in enumerate(zip(c, widths, strict=True))) + " |"
+        return (
+            "| "
+            + " | ".join(
+                x.ljust(w) if i == 0 else x.rjust(w)
+                for i, (x, w) in enumerate(zip(c, widths, strict=True))
+            )
+            + " |"
+        )
 
-    sep = "|" + "|".join(("-" * (w + 2)) if i == 0 else ("-" * (w + 1) + ":") for i, w in enumerate(widths)) + "|"
+    sep = (
+        "|"
+        + "|".join(
+            ("-" * (w + 2)) if i == 0 else ("-" * (w + 1) + ":") for i, w in enumerate(widths)
+        )
+        + "|"
+    )
     out = [f"### {title}", "", line(cells[0]), sep, *(line(c) for c in cells[1:])]
     if wall_s is not None:
         out += ["", f"wall time {wall_s:.1f} s; time (s) is the sum of the cases' own durations."]
@@ -172,13 +288,18 @@ def render(rows: Sequence[EntryRow], title: str, wall_s: float | None = None) ->
 def failures(results: Mapping[str, CaseRow], limit: int = 30) -> str:
     """The failed and missing cases, one per line (at most ``limit``), for the log."""
     bad = [r for r in results.values() if r.outcome in ("failed", "missing")]
-    lines = [f"- {r.outcome}: `{r.nodeid}`" + (f" — {r.message}" if r.message else "") for r in bad[:limit]]
+    lines = [
+        f"- {r.outcome}: `{r.nodeid}`" + (f" — {r.message}" if r.message else "")
+        for r in bad[:limit]
+    ]
     if len(bad) > limit:
         lines.append(f"- ... and {len(bad) - limit} more")
     return "\n".join(lines) + ("\n" if lines else "")
 
 
-def write_summary_json(path: Path, title: str, rows: Sequence[EntryRow], results: Mapping[str, CaseRow]) -> None:
+def write_summary_json(
+    path: Path, title: str, rows: Sequence[EntryRow], results: Mapping[str, CaseRow]
+) -> None:
     """Machine-readable summary: the table rows and every case's result."""
     doc = {
         "title": title,
@@ -186,4 +307,4 @@ def write_summary_json(path: Path, title: str, rows: Sequence[EntryRow], results
         "total": asdict(totals(rows)),
         "cases": [asdict(r) for r in results.values()],
     }
-    path.write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
+    write_json(path, doc)

@@ -3,9 +3,10 @@
 The suite is inventoried in-process (collect only), planned and cut to the
 requested shard, narrowed by ``--changed-from``, then run in a
 pytest subprocess per distinct entry ``timeout_s`` (passed as
-``--harness-timeout``), with xdist workers sized to the cards (accelerator
-suites) or process slots (cpu) this host can lease, and ``-p
-harness.suites.selection`` so that exactly the planned cases run. Accelerator suites
+``--harness-timeout``) and size class (the widest cases apart), with xdist
+workers sized per process to the cards (accelerator suites) or process slots
+(cpu) this host can lease, and ``-p harness.suites.selection`` so that exactly
+the planned cases run and their outcomes are recorded by node id. Accelerator suites
 pass ``--harness-require DEVICE``: a runner without cards goes red, not green.
 
 The suite is planned as ``harness matrix`` plans it: a shard ``I/N`` is cut
@@ -27,7 +28,6 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
-import json
 import os
 import shlex
 import shutil
@@ -43,38 +43,19 @@ from typing import Any
 
 import psutil
 
-from harness import processes
+from harness import names, processes
+from harness.names import EXIT_FAILED, EXIT_OK, EXIT_USAGE
 from harness.suites import changes, report, selection
 from harness.suites.inventory import CollectedCase, SuiteInventory, build_inventory, plugin_args
+from harness.suites.jsonio import write_json, write_text
 from harness.suites.manifest import Entry, Manifest
-from harness.suites.plan import (
-    PlanError,
-    default_durations_path,
-    estimate,
-    load_durations,
-    parse_shard,
-    plan,
-    write_durations,
-)
+from harness.suites.plan import PlanError, parse_shard, plan_suite, write_durations
 
 #: Deadline of a plain (in-process) case whose entry sets no ``timeout_s``;
 #: the watchdog fires this long plus a grace after the case starts.
 PLAIN_CASE_DEADLINE_S = 600.0
 
-# pytest options that narrow or stop a run: with these, planned cases that did
-# not run are expected, not missing.
-_NARROWING = ("-k", "-m", "-x", "--exitfirst", "--maxfail", "--lf", "--last-failed", "--sw",
-              "--stepwise", "--deselect")
-_XDIST = ("-n", "--numprocesses", "--dist", "-d")
 _XDIST_INSTALLED = importlib.util.find_spec("xdist") is not None
-
-
-#: Exit codes of ``harness run`` and ``harness matrix``.
-EXIT_OK = 0
-#: A case failed or went missing, nothing passed, or pytest itself failed.
-EXIT_FAILED = 1
-#: Bad arguments, or a suite that cannot be planned (the same from ``run`` and ``matrix``).
-EXIT_USAGE = 2
 
 
 @dataclass
@@ -123,15 +104,24 @@ def leasable_cards(device: str) -> int:
     """Cards of ``device`` this host offers (``HARNESS_CARDS`` or the runtime); 0 for cpu."""
     if device == "cpu":
         return 0
-    try:
-        from harness import devices
-    except ImportError:
-        return 0
+    from harness import devices
+
     return len(devices.inventory(device))
 
 
+def _slots(pytest_args: Sequence[str]) -> int:
+    """Process slots the launch plugin will lease: ``--harness-max-procs``, else the CPUs."""
+    given = option_values(pytest_args, [names.OPT_MAX_PROCS])
+    if given and given[-1] and given[-1].isdigit():
+        return max(1, int(given[-1]))
+    return _cpu_slots()
+
+
 def worker_count(
-    device: str, cases: Sequence[CollectedCase], pytest_args: Sequence[str], requested: int | None = None
+    device: str,
+    cases: Sequence[CollectedCase],
+    pytest_args: Sequence[str],
+    requested: int | None = None,
 ) -> int:
     """xdist workers for running ``cases``, sized so that the run's own cases never
     wait for each other's leases: at most ``slots // (most ranks of a case)``
@@ -140,16 +130,61 @@ def worker_count(
     there are cases, never fewer than one. ``requested`` (``--workers``) wins."""
     if requested:
         return max(1, requested)
-    slots = _cpu_slots()
-    given = option_values(pytest_args, ["--harness-max-procs"])
-    if given and given[-1] and given[-1].isdigit():
-        slots = max(1, int(given[-1]))
+    slots = _slots(pytest_args)
     # Two workers each running a 2-rank case on 2 slots: one of them waits out
     # its lease timeout. Size for the largest case instead.
     n = slots // max((c.nproc for c in cases if c.launched), default=1)
     if device != "cpu":
         n = min(n, leasable_cards(device) // max((c.cards for c in cases), default=1))
     return max(1, min(n, len(cases)))
+
+
+@dataclass(frozen=True)
+class Group:
+    """The cases one pytest process runs: one entry ``timeout_s``, one size class, its workers."""
+
+    timeout: float | None
+    wide: bool
+    cases: list[tuple[CollectedCase, Entry]]
+    workers: int
+
+
+def run_groups(
+    device: str,
+    cases: Sequence[tuple[CollectedCase, Entry]],
+    pytest_args: Sequence[str] = (),
+    requested: int | None = None,
+) -> list[Group]:
+    """The planned cases in pytest processes, shortest timeout first: one per entry
+    ``timeout_s`` and, within it, the *wide* cases (more than half the process slots, or
+    on accelerators more than half the cards) apart from the rest when that gives the
+    rest more workers, so that one 8-rank case does not size a whole 4-slot run to one
+    worker; each group sized by :func:`worker_count`. With ``requested`` (``--workers``)
+    the caller sized the run: no split."""
+    slots = _slots(pytest_args)
+    cards = leasable_cards(device)
+
+    def wide(c: CollectedCase) -> bool:
+        return (c.launched and 2 * c.nproc > slots) or (device != "cpu" and 2 * c.cards > cards)
+
+    def size(group: Sequence[tuple[CollectedCase, Entry]]) -> int:
+        return worker_count(device, [c for c, _ in group], pytest_args, requested)
+
+    by_timeout: dict[float | None, list[tuple[CollectedCase, Entry]]] = {}
+    for c, e in cases:
+        by_timeout.setdefault(e.timeout_s, []).append((c, e))
+    out: list[Group] = []
+    for timeout, group in sorted(by_timeout.items(), key=lambda kv: kv[0] or 0):
+        narrow = [(c, e) for c, e in group if not wide(c)]
+        broad = [(c, e) for c, e in group if wide(c)]
+        if requested or not narrow or not broad or size(narrow) <= size(group):
+            out.append(Group(timeout, False, group, size(group)))
+        else:
+            out += [
+                Group(timeout, False, narrow, size(narrow)),
+                Group(timeout, True, broad, size(broad)),
+            ]
+    return out
 
 
 def _default_out(root: Path, suite: str, shard: tuple[int, int] | None) -> Path:
@@ -166,32 +201,40 @@ def load_suite(root: Path, suite: str, command: str) -> tuple[str, SuiteInventor
     """
     name = Path(suite).stem if suite.endswith(".json") else suite
     inv = build_inventory(root, [suite], check_ownership=False)
+    # A test file that fails to import is reported by the run, as that entry's failure; a
+    # conftest (or pytest itself) that fails spoils every case.
     problems = [
-        p for p in inv.problems
-        if p.suite in (name, None) and p.rule not in ("unowned-file", "unowned-case")
+        p
+        for p in inv.problems
+        if p.suite in (name, None)
+        and p.rule in names.BLOCKING_RULES
+        and not (p.rule == names.COLLECTION_ERROR and p.file in inv.unloadable)
     ]
     if problems or name not in inv.manifests:
         for p in problems:
             print(f"error: {p}", file=sys.stderr)
-        print(f"harness {command}: suite {suite!r} cannot be planned; see `harness inventory {name}`",
-              file=sys.stderr)
+        print(
+            f"harness {command}: suite {suite!r} cannot be planned; see `harness inventory {name}`",
+            file=sys.stderr,
+        )
         return None
     return name, inv
 
 
 def plan_cases(
-    root: Path, m: Manifest, owned: Sequence[tuple[CollectedCase, Entry]], durations: Path | None,
+    root: Path,
+    m: Manifest,
+    owned: Sequence[tuple[CollectedCase, Entry]],
+    durations: Path | None,
     shard: tuple[int, int] | None,
 ) -> list[tuple[CollectedCase, Entry]]:
     """The cases of one shard (all of ``owned`` when ``shard`` is None), in collection order.
 
-    The suite is planned exactly as ``harness matrix`` plans it (``--shards N``
-    for a shard ``I/N``), so a suite the matrix refuses (a case or a shard over
-    its runner's budget) is refused here too: ``PlanError``.
+    The suite is planned by :func:`harness.suites.plan.plan_suite`, the function ``harness
+    matrix`` plans with (``--shards N`` for a shard ``I/N``), so a suite the matrix refuses (a
+    case or a shard over its runner's budget) is refused here too: ``PlanError``.
     """
-    recorded = load_durations(durations or default_durations_path(root, m.suite))
-    planned = estimate([(c.nodeid, e.id, c.cards, e.estimated_s) for c, e in owned], recorded)
-    result = plan(m.suite, m.runners, planned, shards=shard[1] if shard else None)
+    result = plan_suite(root, m, owned, durations=durations, shards=shard[1] if shard else None)
     if shard is None:
         return list(owned)
     mine = {p.nodeid for p in result.shard(shard[0]).cases}
@@ -230,7 +273,9 @@ class _Stop:
         self._previous: dict[int, Any] = {}
 
     def __enter__(self) -> _Stop:
-        if threading.current_thread() is threading.main_thread():  # only there can Python handle signals
+        if (
+            threading.current_thread() is threading.main_thread()
+        ):  # only there can Python handle signals
             for s in STOP_SIGNALS:
                 self._previous[s] = signal.signal(s, self._handle)
         return self
@@ -323,7 +368,9 @@ def _run_pytest(cmd: list[str], root: Path, limit_s: float, stop: _Stop, started
                 if time.monotonic() < deadline:
                     continue
                 if stop.signum is None:
-                    _print(f"pytest ran past {limit_s / 60:.0f} min (the runner's timeout); stopping it")
+                    _print(
+                        f"pytest ran past {limit_s / 60:.0f} min (the runner's timeout); stopping it"
+                    )
                 stop.snapshot()
                 _stop_tree(list(stop.tree.values()))
                 proc.wait()
@@ -359,6 +406,8 @@ class _Run:
     started: float
     #: The pytest configuration file the inventory found (``None``: none).
     inipath: Path | None = None
+    #: The pytest processes the cases run in (:func:`run_groups`), in order.
+    groups: list[Group] = field(default_factory=list)
 
     @property
     def title(self) -> str:
@@ -404,59 +453,68 @@ def _plan_run(root: Path, opts: RunOptions, started: float) -> _Run:
         too_big = [c for c, _ in cases if c.cards > opts.max_cards]
         cases = [(c, e) for c, e in cases if c.cards <= opts.max_cards]
     out = (opts.out or _default_out(root, m.suite, shard)).resolve()
-    return _Run(root, opts, m, shard, cases, too_big, out, started, inv.inipath)
+    groups = run_groups(m.device, cases, opts.pytest_args, opts.workers)
+    return _Run(root, opts, m, shard, cases, too_big, out, started, inv.inipath, groups)
 
 
 def _prepare_out(run: _Run) -> None:
     """Phase 2: the output folder, cleared of a previous run's watchdog logs, with ``plan.json``."""
     run.out.mkdir(parents=True, exist_ok=True)
-    for stale in run.out.glob("watchdog-*.log"):
+    for stale in [*run.out.glob("watchdog-*.log"), *run.out.glob("select-*.jsonl")]:
         stale.unlink()  # a previous run's; this run reports its own
-    doc = {"suite": run.manifest.suite, "shard": run.opts.shard, "cases": [[c.nodeid, e.id] for c, e in run.cases]}
-    (run.out / "plan.json").write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
-
-
-def _timeout_groups(cases: Sequence[Pair]) -> list[tuple[float | None, list[Pair]]]:
-    """The planned cases grouped by their entry's ``timeout_s`` (one pytest process each), shortest first."""
-    groups: dict[float | None, list[Pair]] = {}
-    for c, e in cases:
-        groups.setdefault(e.timeout_s, []).append((c, e))
-    return sorted(groups.items(), key=lambda kv: kv[0] or 0)
-
-
-def _user_xdist(pytest_args: Sequence[str]) -> bool:
-    return bool(option_values(pytest_args, _XDIST)) or "no:xdist" in pytest_args
+    doc = {
+        "suite": run.manifest.suite,
+        "shard": run.opts.shard,
+        "cases": [[c.nodeid, e.id] for c, e in run.cases],
+    }
+    write_json(run.out / "plan.json", doc)
 
 
 def _select_file(run: _Run, k: int) -> Path:
-    """The planned cases of timeout group ``k`` (read by ``harness.suites.selection``)."""
+    """The planned cases of group ``k`` (read by ``harness.suites.selection``)."""
     return run.out / f"select-{k}.json"
 
 
-def _pytest_command(run: _Run, k: int, timeout: float | None, group: Sequence[Pair], workers: int) -> list[str]:
-    """The pytest command line for timeout group ``k``; writes its selection file."""
+def _pytest_command(
+    run: _Run, k: int, timeout: float | None, group: Sequence[Pair], workers: int
+) -> list[str]:
+    """The pytest command line for group ``k``; writes its selection file."""
     select_file = _select_file(run, k)
     deadline = timeout or PLAIN_CASE_DEADLINE_S
-    select_file.write_text(
-        json.dumps({"root": str(run.root), "cases": {c.nodeid: deadline for c, _ in group}}), encoding="utf-8"
+    write_json(
+        select_file,
+        {"root": str(run.root), "cases": {c.nodeid: deadline for c, _ in group}},
+        indent=None,
     )
     junit = run.out / f"junit-{k}.xml"
     junit.unlink(missing_ok=True)
-    # The caller's pytest arguments first: where they clash with ours
-    # (--junitxml), ours come later and win, so the run can be read back.
-    cmd = [sys.executable, "-m", "pytest", *sorted({c.file for c, _ in group}), *run.opts.pytest_args]
+    # The caller's pytest arguments as they are: pytest parses them. The run's own choices
+    # (JUnit path, xdist workers) go through the selection plugin, which applies them only
+    # where the caller made none (-n) or records the caller's (--junitxml).
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        *sorted({c.file for c, _ in group}),
+        *run.opts.pytest_args,
+    ]
     cmd += _config_args(run)
-    cmd += ["-p", "harness.suites.selection", f"--harness-select={select_file}"]
-    cmd += [f"--junitxml={junit}", "-o", "junit_duration_report=total"]
-    if not _user_xdist(run.opts.pytest_args) and _XDIST_INSTALLED:
+    cmd += ["-p", "harness.suites.selection", f"{names.OPT_SELECT}={select_file}"]
+    cmd += [
+        f"{names.OPT_JUNIT}={junit}",
+        "-o",
+        "junit_duration_report=total",
+        "--continue-on-collection-errors",
+    ]
+    if _XDIST_INSTALLED:
         # One case gains nothing from a worker process; more keep the
         # worker boundary even at -n 1, so a case that kills its process
         # fails alone.
-        cmd += ["-n", str(min(workers, len(group)) if len(group) > 1 else 0)]
+        cmd.append(f"{names.OPT_WORKERS}={min(workers, len(group)) if len(group) > 1 else 0}")
     if timeout is not None:
-        cmd.append(f"--harness-timeout={timeout:g}")
+        cmd.append(f"{names.OPT_TIMEOUT}={timeout:g}")
     if run.manifest.device != "cpu":
-        cmd.append(f"--harness-require={run.manifest.device}")
+        cmd.append(f"{names.OPT_REQUIRE}={run.manifest.device}")
     return cmd
 
 
@@ -480,12 +538,13 @@ def _config_args(run: _Run) -> list[str]:
 
 
 def _execute(run: _Run, stop: _Stop) -> tuple[list[int], list[Path]]:
-    """Phase 3: one pytest process per timeout group, until a stop signal; their exit codes and JUnit files."""
+    """Phase 3: one pytest process per group (:func:`run_groups`), until a stop signal; their exit
+    codes and JUnit files."""
     m = run.manifest
-    groups = _timeout_groups(run.cases)
-    sizes = [worker_count(m.device, [c for c, _ in g], run.opts.pytest_args, run.opts.workers) for _, g in groups]
+    groups = run.groups
+    sizes = [g.workers for g in groups]
     entries = list(dict.fromkeys(e.id for _, e in run.cases))
-    xdist = "xdist as given" if _user_xdist(run.opts.pytest_args) else f"{max(sizes)} xdist worker(s)"
+    xdist = f"up to {max(sizes)} xdist worker(s) unless pytest's -n says otherwise"
     _print(
         f"{run.title}: {len(run.cases)} case(s) in {len(entries)} entr{'y' if len(entries) == 1 else 'ies'} "
         f"on {m.device}; {xdist}; output in {run.out}"
@@ -493,26 +552,34 @@ def _execute(run: _Run, stop: _Stop) -> tuple[list[int], list[Path]]:
     limit_s = max(r.timeout_minutes for r in m.runners) * 60.0
     codes: list[int] = []
     junits: list[Path] = []
-    for k, ((timeout, group), workers) in enumerate(zip(groups, sizes, strict=True), 1):
+    for k, g in enumerate(groups, 1):
         if stop.signum is not None:
             _print(f"{stop.name}: {len(groups) - k + 1} group(s) of cases not started")
             break
-        cmd = _pytest_command(run, k, timeout, group, workers)
+        cmd = _pytest_command(run, k, g.timeout, g.cases, g.workers)
         if len(groups) > 1:
-            _print(f"group {k}/{len(groups)}: {len(group)} case(s), timeout {timeout or 'default'}, "
-                   f"{workers} worker(s)")
-        codes.append(_run_pytest(cmd, run.root, limit_s, stop, selection.started_marker(_select_file(run, k))))
+            wide = ", the widest cases" if g.wide else ""
+            _print(
+                f"group {k}/{len(groups)}: {len(g.cases)} case(s){wide}, timeout {g.timeout or 'default'}, "
+                f"{g.workers} worker(s)"
+            )
+        codes.append(
+            _run_pytest(
+                cmd, run.root, limit_s, stop, selection.started_marker(_select_file(run, k))
+            )
+        )
         junits.append(run.out / f"junit-{k}.xml")
     return codes, junits
 
 
-def _verdict(total: report.EntryRow, codes: Sequence[int], pytest_args: Sequence[str], stop: _Stop) -> list[str]:
-    """Why the run is red (empty: green)."""
-    narrowed = bool(option_values(pytest_args, _NARROWING))
+def _verdict(total: report.EntryRow, codes: Sequence[int], stop: _Stop) -> list[str]:
+    """Why the run is red (empty: green). Cases pytest's own options deselected or left
+    unrun (``-k``, ``--lf``, ``-x``, ``--collect-only``) are the caller's choice, not a failure."""
+    narrowed = bool(total.deselected or total.not_run)
     verdict = [f"interrupted by {stop.name}"] if stop.signum is not None else []
     if total.failed:
         verdict.append(f"{total.failed} failed")
-    if total.missing and not narrowed:
+    if total.missing:
         verdict.append(f"{total.missing} planned case(s) never ran")
     if not total.passed and not narrowed:
         verdict.append(f"no case passed ({total.skipped} skipped)")
@@ -524,7 +591,7 @@ def _verdict(total: report.EntryRow, codes: Sequence[int], pytest_args: Sequence
 
 def _write_summary(run: _Run, text: str) -> None:
     print("\n" + text, flush=True)
-    (run.out / "summary.md").write_text(text, encoding="utf-8")
+    write_text(run.out / "summary.md", text)
     _step_summary(text)
 
 
@@ -533,21 +600,28 @@ def _report(run: _Run, codes: Sequence[int], junits: Sequence[Path], stop: _Stop
     signal: the cases that did not run are missing) and durations; the exit code."""
     junit_all = run.out / "junit.xml"
     report.merge_junit(junits, junit_all)
-    asked = _requested_junit(run.opts.pytest_args)
-    if asked is not None:
-        # Our own --junitxml overrode the caller's; give them the merged file too.
-        asked.parent.mkdir(parents=True, exist_ok=True)
+    results: dict[str, report.CaseRow] = {}
+    asked: str | None = None
+    for k, g in enumerate(run.groups, 1):
+        records = selection.read_records(_select_file(run, k))
+        results.update(report.results_from_records([c.nodeid for c, _ in g.cases], records))
+        asked = records.options.get("junitxml") or asked
+    if asked:
+        # The run's own JUnit path replaced the caller's --junitxml: they get the merged file.
+        Path(asked).parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(junit_all, asked)
-    results = report.results_for([c.nodeid for c, _ in run.cases], report.read_junit(junits))
     rows = report.summarize([(c.nodeid, e.id, c.cards) for c, e in run.cases], results)
     table = report.render(rows, run.title, time.monotonic() - run.started)
-    verdict = _verdict(report.totals(rows), codes, run.opts.pytest_args, stop)
+    verdict = _verdict(report.totals(rows), codes, stop)
     detail = report.failures(results)
     for headline, log in selection.fired(run.out):
         detail += f"- watchdog: {headline}; stacks in {log}\n"
     not_here = run.not_here
-    text = table + ("\n" + detail if detail else "") + ("\n" + not_here if not_here else "") + (
-        f"\n**FAILED**: {'; '.join(verdict)}\n" if verdict else "\n**PASSED**\n"
+    text = (
+        table
+        + ("\n" + detail if detail else "")
+        + ("\n" + not_here if not_here else "")
+        + (f"\n**FAILED**: {'; '.join(verdict)}\n" if verdict else "\n**PASSED**\n")
     )
     _write_summary(run, text)
     report.write_summary_json(run.out / "summary.json", run.title, rows, results)
@@ -591,19 +665,11 @@ def run_suite(root: Path, opts: RunOptions) -> int:
             _print(f"{run.title}: nothing to run")
             not_here = run.not_here
             text = f"### {run.title}\n\nnothing to run\n" + (f"\n{not_here}" if not_here else "")
-            (run.out / "summary.md").write_text(text, encoding="utf-8")
+            write_text(run.out / "summary.md", text)
             _step_summary(text)
             return EXIT_OK
         codes, junits = _execute(run, stop)
         return _report(run, codes, junits, stop)
-
-
-def _requested_junit(pytest_args: Sequence[str]) -> Path | None:
-    """The JUnit path the caller asked pytest for (``-- --junitxml=X`` or in
-    ``$PYTEST_ADDOPTS``), the last one winning as in pytest; ``None`` if none."""
-    args = [*shlex.split(os.environ.get("PYTEST_ADDOPTS", "")), *pytest_args]
-    found = [v for v in option_values(args, ("--junitxml", "--junit-xml")) if v]
-    return Path(found[-1]).resolve() if found else None
 
 
 def _step_summary(text: str) -> None:

@@ -14,15 +14,18 @@ launch plugin, which enforces their deadline and reaps their ranks.
 from __future__ import annotations
 
 import faulthandler
+import fnmatch
 import json
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import pytest
 
+from harness.names import OPT_JUNIT, OPT_SELECT, OPT_WORKERS
 from harness.spec import is_launched
 
 # Extra time the watchdog allows past a case's deadline (setup, teardown and
@@ -33,30 +36,67 @@ WATCHDOG_MARK = "harness watchdog:"
 
 #: A selected item's deadline in seconds (``None``: no watchdog).
 _DEADLINE = pytest.StashKey[Any]()
+#: The parsed selection file, read once per process.
+_SELECTION = pytest.StashKey[dict[str, Any]]()
+#: This process's open watchdog log.
+_WATCHDOG = pytest.StashKey[IO[str]]()
+#: The ``--junitxml`` the caller gave pytest (``None``: none), replaced by the run's own.
+_CALLER_JUNIT = pytest.StashKey[Any]()
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("harness-run", "harness run (case selection)")
     group.addoption(
-        "--harness-select",
+        OPT_SELECT,
         metavar="FILE",
         default=None,
         help="JSON file of the planned cases (written by `harness run`); other items are deselected",
     )
+    group.addoption(
+        OPT_WORKERS,
+        type=int,
+        metavar="N",
+        default=None,
+        help="xdist workers (0: none) unless pytest's own -n / --numprocesses is given",
+    )
+    group.addoption(
+        OPT_JUNIT,
+        metavar="FILE",
+        default=None,
+        help="where the run's JUnit XML goes; a --junitxml of the caller's is recorded, to be written after the run",
+    )
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_cmdline_main(config: pytest.Config) -> Any:
+    # Before xdist and junitxml read their options (as pytest parsed them from the command
+    # line, addopts and PYTEST_ADDOPTS): the run's own choices apply only where the caller
+    # made none.
+    if not _is_worker(config):
+        workers = config.getoption("harness_workers")
+        xdist = config.pluginmanager.hasplugin("xdist")
+        if workers is not None and xdist and getattr(config.option, "numprocesses", None) is None:
+            config.option.numprocesses = workers
+        junit = config.getoption("harness_junit")
+        if junit:
+            asked = getattr(config.option, "xmlpath", None)
+            config.stash[_CALLER_JUNIT] = (
+                os.path.abspath(os.path.expanduser(asked)) if asked else None
+            )
+            config.option.xmlpath = junit
+    return (yield)
 
 
 def _load(config: pytest.Config) -> dict[str, Any] | None:
     path = config.getoption("harness_select")
     if not path:
         return None
-    cached = getattr(config, "_harness_selection", None)
-    if cached is None:
+    if _SELECTION not in config.stash:
         try:
-            cached = json.loads(Path(path).read_text(encoding="utf-8"))
+            config.stash[_SELECTION] = json.loads(Path(path).read_text(encoding="utf-8"))
         except (OSError, json.JSONDecodeError) as e:
-            raise pytest.UsageError(f"--harness-select {path}: {e}") from e
-        config._harness_selection = cached  # type: ignore[attr-defined]
-    return cached
+            raise pytest.UsageError(f"{OPT_SELECT} {path}: {e}") from e
+    return config.stash[_SELECTION]
 
 
 def _case_id(item: pytest.Item, root: Path) -> str:
@@ -77,40 +117,165 @@ def pytest_sessionstart(session: pytest.Session) -> None:
         started_marker(Path(path)).touch()
 
 
+def _is_worker(config: pytest.Config) -> bool:
+    return hasattr(config, "workerinput")
+
+
+def records_glob(select_file: Path) -> str:
+    """The glob, in ``select_file``'s folder, of the outcome records its pytest run wrote
+    (one JSON-lines file per process: the controller and each xdist worker)."""
+    return f"{select_file.name}.*.jsonl"
+
+
+class _Outcomes:
+    """Records, by node id, what pytest did with each planned case: one JSON object a line
+    (flushed: a process that dies later keeps what it recorded) in this process's file.
+
+    ``harness run`` reads the files of all processes back (:func:`read_records`); JUnit is
+    an output for people and CI, never what the run's verdict is read from.
+    """
+
+    def __init__(self, config: pytest.Config, sel: dict[str, Any], path: Path):
+        self.config = config
+        self.root = Path(sel["root"])
+        self.planned: dict[str, Any] = sel["cases"]
+        self.file = open(path, "w", encoding="utf-8")  # noqa: SIM115 (closed at unconfigure)
+        self.worker = _is_worker(config)
+
+    def record(self, **event: Any) -> None:
+        self.file.write(json.dumps(event) + "\n")
+        self.file.flush()
+
+    def options(self) -> None:
+        """What pytest's own options (command line, ``addopts``, ``PYTEST_ADDOPTS``, as
+        pytest parsed them) mean for the run's verdict."""
+        opt = self.config.getoption
+        self.record(
+            options={
+                "collectonly": bool(opt("collectonly", False)),
+                "last_failed": bool(opt("lf", False)),
+                "maxfail": int(opt("maxfail", 0) or 0),
+                "junitxml": self.config.stash.get(_CALLER_JUNIT, None),
+            }
+        )
+
+    def pytest_deselected(self, items: Sequence[pytest.Item]) -> None:
+        ids = [cid for cid in (_case_id(i, self.root) for i in items) if cid in self.planned]
+        if ids:
+            self.record(deselected=ids)
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_collection_finish(self, session: pytest.Session) -> None:
+        self.record(collected=[_case_id(i, self.root) for i in session.items])
+
+    def pytest_collectreport(self, report: pytest.CollectReport) -> None:
+        # Workers collect; xdist passes their failed and skipped reports on to the controller.
+        if report.failed or report.skipped:
+            self.record(collect=report.nodeid, outcome=report.outcome, message=_message(report))
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        # The controller sees every case's reports (xdist passes its workers' on and reports
+        # a crashed worker's case itself); workers recording them too would count them twice.
+        if self.worker:
+            return
+        self.record(
+            report=report.nodeid,
+            when=report.when,
+            outcome=report.outcome,
+            seconds=float(report.duration or 0.0),
+            message="" if report.passed else _message(report),
+        )
+
+    def pytest_sessionfinish(self, session: pytest.Session, exitstatus: int) -> None:
+        if not self.worker:
+            stopped = session.shouldstop or session.shouldfail
+            self.record(finish=int(exitstatus), stopped=str(stopped) if stopped else "")
+
+    def pytest_unconfigure(self, config: pytest.Config) -> None:
+        self.file.close()
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_configure(config: pytest.Config) -> None:
+    sel = _load(config)
+    if sel is None:
+        return
+    path = Path(config.getoption("harness_select"))
+    outcomes = _Outcomes(config, sel, path.with_name(f"{path.name}.{os.getpid()}.jsonl"))
+    config.pluginmanager.register(outcomes, "harness-outcomes")
+    if not outcomes.worker:
+        outcomes.options()
+
+
+def _ignored(config: pytest.Config, path: Path) -> bool:
+    """True when pytest's own ``--ignore`` / ``--ignore-glob`` (as pytest parsed them) name
+    ``path`` or a directory above it. pytest applies them only while it walks directories, and
+    ``harness run`` names the planned files: the same rules are applied to those here."""
+    paths = {Path(os.path.abspath(p)) for p in config.getoption("ignore", None) or ()}
+    globs = [str(g) for g in config.getoption("ignore_glob", None) or ()]
+    for p in (path, *path.parents):
+        if p in paths or any(fnmatch.fnmatch(str(p), g) for g in globs):
+            return True
+    return False
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     sel = _load(config)
     if sel is None:
         return
     root = Path(sel["root"])
     wanted: dict[str, Any] = sel["cases"]
-    keep, drop, seen = [], [], set()
+    keep, drop, ignored, seen = [], [], [], set()
     for item in items:
         cid = _case_id(item, root)
-        if cid in wanted:
-            keep.append(item)
-            seen.add(cid)
-            item.stash[_DEADLINE] = wanted[cid]
-        else:
+        if cid not in wanted:
             drop.append(item)
-    if drop:
-        config.hook.pytest_deselected(items=drop)
+            continue
+        seen.add(cid)
+        if _ignored(config, Path(os.path.abspath(item.path))):
+            ignored.append(item)
+            continue
+        keep.append(item)
+        item.stash[_DEADLINE] = wanted[cid]
+    if drop or ignored:
+        if drop:
+            config.hook.pytest_deselected(items=drop)
+        if ignored:
+            config.hook.pytest_deselected(items=ignored)
         items[:] = keep
-    missing = sorted(set(wanted) - seen)
-    if missing and not hasattr(config, "workerinput"):  # report once, on the controller
+    missing = sorted(n for n in set(wanted) - seen if "::" in n)  # a bare file: it failed to import
+    if missing and not _is_worker(config):  # report once, on the controller
         shown = "\n  ".join(missing[:20])
         more = f"\n  ... and {len(missing) - 20} more" if len(missing) > 20 else ""
-        print(f"\nharness: {len(missing)} planned case(s) were not collected:\n  {shown}{more}", file=sys.stderr)
+        print(
+            f"\nharness: {len(missing)} planned case(s) were not collected:\n  {shown}{more}",
+            file=sys.stderr,
+        )
 
 
-def _watchdog_log(config: pytest.Config) -> Any:
+def _message(report: pytest.CollectReport | pytest.TestReport) -> str:
+    """The first line of what went wrong (a failure) or why (a skip), at most 200 characters."""
+    longrepr = report.longrepr
+    if isinstance(longrepr, tuple) and len(longrepr) == 3:  # a skip: (path, line, reason)
+        text = str(longrepr[2]).removeprefix("Skipped: ")
+    else:
+        crash = getattr(longrepr, "reprcrash", None)
+        text = crash.message if crash is not None else str(longrepr or "")
+        if crash is None and text:
+            errors = [ln[1:].strip() for ln in text.splitlines() if ln.startswith("E ")]
+            text = errors[-1] if errors else text.strip().splitlines()[-1]
+    if getattr(report, "wasxfail", None) is not None and report.skipped:
+        text = f"xfail: {report.wasxfail}" if report.wasxfail else "xfail"
+    return (text.strip().splitlines() or [""])[0][:200]
+
+
+def _watchdog_log(config: pytest.Config) -> IO[str]:
     """This process's watchdog file, next to the selection file: it holds the
     armed case's name and, if the watchdog fires, the stacks (empty otherwise)."""
-    f = getattr(config, "_harness_watchdog", None)
-    if f is None:
+    if _WATCHDOG not in config.stash:
         path = Path(config.getoption("harness_select")).with_name(f"watchdog-{os.getpid()}.log")
-        f = open(path, "w", encoding="utf-8")  # noqa: SIM115 (open for the process's life)
-        config._harness_watchdog = f  # type: ignore[attr-defined]
-    return f
+        config.stash[_WATCHDOG] = open(path, "w", encoding="utf-8")  # noqa: SIM115 (open for the process's life)
+    return config.stash[_WATCHDOG]
 
 
 @pytest.hookimpl(wrapper=True)
@@ -122,7 +287,9 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
         log = _watchdog_log(item.config)
         log.seek(0)
         log.truncate()
-        log.write(f"{WATCHDOG_MARK} {item.nodeid} ran past {seconds:g} s (deadline {float(deadline):g} s)\n")
+        log.write(
+            f"{WATCHDOG_MARK} {item.nodeid} ran past {seconds:g} s (deadline {float(deadline):g} s)\n"
+        )
         log.flush()
         # exit=True: the process dies with the stacks in the log; under xdist
         # the controller reports the case as failed ("worker crashed").
@@ -138,7 +305,7 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
-    f = getattr(config, "_harness_watchdog", None)
+    f = config.stash.get(_WATCHDOG, None)
     if f is not None:
         f.close()
         Path(f.name).unlink(missing_ok=True)
@@ -152,4 +319,51 @@ def fired(folder: Path) -> list[tuple[str, Path]]:
         text = p.read_text(encoding="utf-8", errors="replace")
         if text.startswith(WATCHDOG_MARK) and "Timeout" in text:
             out.append((text.splitlines()[0].removeprefix(WATCHDOG_MARK).strip(), p))
+    return out
+
+
+@dataclass
+class Records:
+    """What one pytest run of ``harness run`` recorded (:class:`_Outcomes`), all processes merged."""
+
+    options: dict[str, Any] = field(default_factory=dict)
+    #: Planned cases pytest collected and kept (after every deselection).
+    collected: set[str] = field(default_factory=set)
+    #: Planned cases deselected by pytest's own options or plugins (``-k``, ``-m``, ``--lf``, ...).
+    deselected: set[str] = field(default_factory=set)
+    #: Collector node id -> (``failed`` | ``skipped``, message): files that failed to import or
+    #: skipped at module level.
+    collect: dict[str, tuple[str, str]] = field(default_factory=dict)
+    #: Node id -> its phases' ``(when, outcome, seconds, message)``.
+    reports: dict[str, list[tuple[str, str, float, str]]] = field(default_factory=dict)
+    #: pytest's exit status, ``None`` when the session never finished (killed, crashed).
+    finish: int | None = None
+    #: Why pytest stopped early (``-x``, ``--maxfail``), ``""`` when it did not.
+    stopped: str = ""
+
+
+def read_records(select_file: Path) -> Records:
+    """Merge the outcome records every process of the pytest run for ``select_file`` wrote
+    (a truncated last line, from a process that was killed, is skipped)."""
+    out = Records()
+    for path in sorted(select_file.parent.glob(records_glob(select_file))):
+        for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+            try:
+                ev = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if "options" in ev:
+                out.options = ev["options"]
+            elif "collected" in ev:
+                out.collected.update(ev["collected"])
+            elif "deselected" in ev:
+                out.deselected.update(ev["deselected"])
+            elif "collect" in ev:
+                out.collect.setdefault(ev["collect"], (ev["outcome"], ev["message"]))
+            elif "report" in ev:
+                out.reports.setdefault(ev["report"], []).append(
+                    (ev["when"], ev["outcome"], float(ev["seconds"]), ev["message"])
+                )
+            elif "finish" in ev:
+                out.finish, out.stopped = int(ev["finish"]), ev["stopped"]
     return out

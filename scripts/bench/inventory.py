@@ -29,6 +29,8 @@ import tempfile
 import textwrap
 from pathlib import Path
 
+from harness.suites.jsonio import write_json
+
 CASES_PER_FILE = 5
 FILES_PER_GROUP = 100
 
@@ -105,18 +107,26 @@ def make_repo(root: Path, n: int, kind: str) -> None:
         p.parent.mkdir(parents=True, exist_ok=True)
         p.write_text(body)
     entries = [entry(kind, f, k) for f in range(files) for k in range(CASES_PER_FILE)]
-    suite = {"suite": "cpu", "device": "cpu",
-             "runner": {"labels": ["ubuntu-latest"], "cards": 0, "timeout_minutes": 60}, "entries": entries}
-    (root / "suites").mkdir()
-    (root / "suites/cpu.json").write_text(json.dumps(suite))
+    suite = {
+        "suite": "cpu",
+        "device": "cpu",
+        "runner": {"labels": ["ubuntu-latest"], "cards": 0, "timeout_minutes": 60},
+        "entries": entries,
+    }
+    write_json(root / "suites/cpu.json", suite, indent=None)
 
 
 def measure(n: int, kind: str) -> dict[str, float]:
     with tempfile.TemporaryDirectory(prefix=f"inv-bench-{kind}-{n}-") as tmp:
         root = Path(tmp)
         make_repo(root, n, kind)
-        done = subprocess.run([sys.executable, "-c", MEASURE, str(root)], capture_output=True, text=True,
-                              timeout=1800, check=False)
+        done = subprocess.run(
+            [sys.executable, "-c", MEASURE, str(root)],
+            capture_output=True,
+            text=True,
+            timeout=1800,
+            check=False,
+        )
         if done.returncode != 0:
             raise SystemExit(f"{kind} N={n}: measurement failed:\n{done.stdout}\n{done.stderr}")
         result = json.loads(done.stdout.strip().splitlines()[-1])
@@ -127,22 +137,29 @@ def measure(n: int, kind: str) -> dict[str, float]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--sizes", default="1000,2000,5000,10000", help="entry counts N (comma-separated)")
+    ap.add_argument(
+        "--sizes", default="1000,2000,5000,10000", help="entry counts N (comma-separated)"
+    )
     ap.add_argument("--kinds", default="nodeid,dir,glob", help="entry kinds (comma-separated)")
     args = ap.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
     kinds = args.kinds.split(",")
-    print(f"{'kind':<7} {'N':>6} {'pytest collect s':>17} {'inventory s':>12} {'inv/collect':>12} "
-          f"{'own s':>7} {'own/entry us':>13} {'own/entry vs smallest N':>24}")
+    print(
+        f"{'kind':<7} {'N':>6} {'pytest collect s':>17} {'inventory s':>12} {'inv/collect':>12} "
+        f"{'own s':>7} {'own/entry us':>13} {'own/entry vs smallest N':>24}"
+    )
     for kind in kinds:
         first = None
         for n in sizes:
             r = measure(n, kind)
             per = r["own_s"] / n * 1e6
             first = first if first is not None else per
-            print(f"{kind:<7} {n:>6} {r['collect_s']:>17.2f} {r['inventory_s']:>12.2f} "
-                  f"{r['inventory_s'] / r['collect_s']:>12.2f} {r['own_s']:>7.2f} {per:>13.0f} "
-                  f"{per / first:>24.2f}", flush=True)
+            print(
+                f"{kind:<7} {n:>6} {r['collect_s']:>17.2f} {r['inventory_s']:>12.2f} "
+                f"{r['inventory_s'] / r['collect_s']:>12.2f} {r['own_s']:>7.2f} {per:>13.0f} "
+                f"{per / first:>24.2f}",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

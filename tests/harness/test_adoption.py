@@ -1,4 +1,4 @@
-"""Adopting the harness in another repository, as a new user would (issue 11, "done when").
+"""Adopting the harness in another repository, as a new user would.
 
 One fresh virtualenv per test session, without system site-packages, made from an
 interpreter that has no torch of its own where this machine has one (so nothing leaks in
@@ -69,16 +69,23 @@ def base_python() -> str:
 
 def clean_env(venv: Path) -> dict[str, str]:
     """The environment of a user in the virtualenv: its bin first, nothing of this pytest run."""
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("PYTEST_", "PYTHON", "VIRTUAL_ENV", "NOX_", "COV_"))}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("PYTEST_", "PYTHON", "VIRTUAL_ENV", "NOX_", "COV_"))
+    }
     env["PATH"] = f"{venv / 'bin'}{os.pathsep}{env.get('PATH', '')}"
     env["VIRTUAL_ENV"] = str(venv)
     return env
 
 
 def sh(cmd: list[str], cwd: Path, venv: Path, timeout: float = 300) -> subprocess.CompletedProcess:
-    done = subprocess.run(cmd, cwd=cwd, env=clean_env(venv), capture_output=True, text=True, timeout=timeout)
-    print(f"$ {' '.join(cmd)}  (in {cwd}) -> {done.returncode}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+    done = subprocess.run(
+        cmd, cwd=cwd, env=clean_env(venv), capture_output=True, text=True, timeout=timeout
+    )
+    print(
+        f"$ {' '.join(cmd)}  (in {cwd}) -> {done.returncode}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    )
     return done
 
 
@@ -87,15 +94,22 @@ def _build_venv(where: Path) -> Path:
     subprocess.run([base_python(), "-m", "venv", str(venv)], check=True, timeout=300)
     # Build from a copy: a build in place would leave build/ and *.egg-info in ./harness.
     src = where / "harness-src"
-    shutil.copytree(REPO / "harness", src, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
+    shutil.copytree(
+        REPO / "harness", src, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__")
+    )
     wheels = where / "wheels"
     pip = [str(venv / "bin" / "python"), "-m", "pip", "--disable-pip-version-check"]
     # With build isolation: the declared build-system requirements must build the metadata.
-    subprocess.run([*pip, "wheel", "-q", "--no-deps", "-w", str(wheels), str(src)], check=True, timeout=600)
+    subprocess.run(
+        [*pip, "wheel", "-q", "--no-deps", "-w", str(wheels), str(src)], check=True, timeout=600
+    )
     (wheel,) = wheels.glob("pytest_accel_harness-*.whl")
     # The exact torch running here: a local CPU wheel, never a CUDA build from the index.
-    subprocess.run([*pip, "install", "-q", "--no-compile", f"torch=={torch.__version__}", str(wheel), "nox"],
-                   check=True, timeout=900)
+    subprocess.run(
+        [*pip, "install", "-q", "--no-compile", f"torch=={torch.__version__}", str(wheel), "nox"],
+        check=True,
+        timeout=900,
+    )
     return venv
 
 
@@ -122,13 +136,27 @@ def venv_python(venv: Path) -> str:
 
 def test_the_venv_has_torch_and_the_harness_but_not_channel_loss(venv):
     py = venv_python(venv)
-    done = sh([py, "-c", "import harness, torch, importlib.util as u; "
-                         "print(torch.__version__, u.find_spec('channel_loss') is None)"], venv, venv)
+    done = sh(
+        [
+            py,
+            "-c",
+            "import harness, torch, importlib.util as u; "
+            "print(torch.__version__, u.find_spec('channel_loss') is None)",
+        ],
+        venv,
+        venv,
+    )
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == [torch.__version__, "True"]
     # The schema travels inside the wheel, and the plugin is found through its entry point.
-    assert (Path(sh([py, "-c", "import harness.suites as s; print(s.__file__)"], venv, venv).stdout.strip()).parent
-            / "schema.json").is_file()
+    assert (
+        Path(
+            sh(
+                [py, "-c", "import harness.suites as s; print(s.__file__)"], venv, venv
+            ).stdout.strip()
+        ).parent
+        / "schema.json"
+    ).is_file()
     listed = sh([py, "-m", "pytest", "--version", "--version"], venv, venv)
     assert "pytest-accel-harness" in listed.stdout + listed.stderr
 
@@ -158,12 +186,23 @@ def test_a_new_project_goes_init_inventory_run_green(venv, tmp_path):
 
     # Durations flow back: this repository's refresh script folds the run's output into
     # suites/durations/cpu.json, each case's share of the pytest run's wall time.
-    refresh = sh([venv_python(venv), str(REPO / "scripts" / "refresh_durations.py"), "out/harness/cpu"],
-                 project, venv)
+    refresh = sh(
+        [venv_python(venv), str(REPO / "scripts" / "refresh_durations.py"), "out/harness/cpu"],
+        project,
+        venv,
+    )
     assert refresh.returncode == 0, refresh.stderr
     recorded = json.loads((project / "suites" / "durations" / "cpu.json").read_text())["durations"]
-    assert sorted(recorded) == ["tests/test_basic.py::test_all_reduce", "tests/test_basic.py::test_plain"]
-    wall = float(ET.parse(project / "out" / "harness" / "cpu" / "junit.xml").getroot().find("testsuite").get("time"))
+    assert sorted(recorded) == [
+        "tests/test_basic.py::test_all_reduce",
+        "tests/test_basic.py::test_plain",
+    ]
+    wall = float(
+        ET.parse(project / "out" / "harness" / "cpu" / "junit.xml")
+        .getroot()
+        .find("testsuite")
+        .get("time")
+    )
     assert sum(recorded.values()) == pytest.approx(wall, abs=0.01)
     matrix = sh(["harness", "matrix", "cpu"], project, venv)
     assert matrix.returncode == 0, matrix.stderr
@@ -173,12 +212,30 @@ def test_a_new_project_goes_init_inventory_run_green(venv, tmp_path):
 
 def _pytest_counts(text: str) -> dict[str, int]:
     final = [ln for ln in text.splitlines() if re.search(r"\d+ passed", ln)][-1]
-    return {word: int(n) for n, word in re.findall(r"(\d+) (passed|failed|skipped|errors?|xfailed|xpassed)", final)}
+    return {
+        word: int(n)
+        for n, word in re.findall(r"(\d+) (passed|failed|skipped|errors?|xfailed|xpassed)", final)
+    }
 
 
 def test_a_third_party_suite_passes_the_same_under_the_harness(venv, tmp_path):
-    download = sh([venv_python(venv), "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:",
-                   "-d", str(tmp_path), THIRD_PARTY], tmp_path, venv)
+    download = sh(
+        [
+            venv_python(venv),
+            "-m",
+            "pip",
+            "download",
+            "-q",
+            "--no-deps",
+            "--no-binary",
+            ":all:",
+            "-d",
+            str(tmp_path),
+            THIRD_PARTY,
+        ],
+        tmp_path,
+        venv,
+    )
     assert download.returncode == 0, download.stderr
     (sdist,) = tmp_path.glob("toolz-*.tar.gz")
     with tarfile.open(sdist) as tar:
@@ -186,7 +243,11 @@ def test_a_third_party_suite_passes_the_same_under_the_harness(venv, tmp_path):
     project = next(p for p in tmp_path.iterdir() if p.is_dir() and p.name.startswith("toolz-"))
 
     # Plain pytest: the project's own configuration, the harness plugin not loaded.
-    plain = sh([venv_python(venv), "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:harness"], project, venv)
+    plain = sh(
+        [venv_python(venv), "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:harness"],
+        project,
+        venv,
+    )
     assert plain.returncode == 0, plain.stdout + plain.stderr
     expected = _pytest_counts(plain.stdout)
     assert expected["passed"] > 100
@@ -197,19 +258,41 @@ def test_a_third_party_suite_passes_the_same_under_the_harness(venv, tmp_path):
     assert run.returncode == 0, run.stdout + run.stderr
     total = json.loads((project / "out" / "harness" / "cpu" / "summary.json").read_text())["total"]
     assert (total["passed"], total["skipped"], total["failed"], total["missing"]) == (
-        expected["passed"], expected.get("skipped", 0), 0, 0)
+        expected["passed"],
+        expected.get("skipped", 0),
+        0,
+        0,
+    )
 
 
 def test_nox_in_a_virtualenv_reuses_its_torch(venv, tmp_path):
     # The session venv is made from the base interpreter (no torch, where this machine has one
     # without); `--system-site-packages` would inherit that, not the virtualenv nox runs from.
-    done = sh([str(venv / "bin" / "nox"), "-f", str(REPO / "noxfile.py"), "-s", "inventory",
-               "--envdir", str(tmp_path / "nox"), "--", "-q"], REPO, venv, timeout=900)
+    done = sh(
+        [
+            str(venv / "bin" / "nox"),
+            "-f",
+            str(REPO / "noxfile.py"),
+            "-s",
+            "inventory",
+            "--envdir",
+            str(tmp_path / "nox"),
+            "--",
+            "-q",
+        ],
+        REPO,
+        venv,
+        timeout=900,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     assert re.search(r"\d+ case\(s\); per suite: .*; 0 problem\(s\)", done.stdout + done.stderr)
     session_python = tmp_path / "nox" / "inventory" / "bin" / "python"
-    where = subprocess.run([str(session_python), "-c", "import torch; print(torch.__file__)"],
-                           capture_output=True, text=True, timeout=120, env=clean_env(venv))
+    where = subprocess.run(
+        [str(session_python), "-c", "import torch; print(torch.__file__)"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=clean_env(venv),
+    )
     assert where.returncode == 0, where.stderr
     assert Path(where.stdout.strip()).is_relative_to(venv), where.stdout
-

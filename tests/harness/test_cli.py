@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
@@ -17,7 +18,8 @@ from harness.spec import LaunchSpec
 from harness.suites import report
 from harness.suites.cli import main
 from harness.suites.inventory import CollectedCase
-from harness.suites.run import worker_count
+from harness.suites.manifest import Entry
+from harness.suites.run import run_groups, worker_count
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -64,11 +66,19 @@ CPU_ENTRIES = [
 ]
 
 
-def harness(cwd: Path, *args: str, env: dict | None = None, timeout: float = 240) -> subprocess.CompletedProcess:
+def harness(
+    cwd: Path, *args: str, env: dict | None = None, timeout: float = 240
+) -> subprocess.CompletedProcess:
     # Not the outer session's PYTEST_ADDOPTS / step summary: they are its own.
-    base = {k: v for k, v in os.environ.items() if k not in ("PYTEST_ADDOPTS", "GITHUB_STEP_SUMMARY")}
+    base = {
+        k: v for k, v in os.environ.items() if k not in ("PYTEST_ADDOPTS", "GITHUB_STEP_SUMMARY")
+    }
     return subprocess.run(
-        [sys.executable, "-m", "harness", *args], cwd=cwd, capture_output=True, text=True, timeout=timeout,
+        [sys.executable, "-m", "harness", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
         env={**base, **(env or {})},
     )
 
@@ -84,13 +94,28 @@ def summary_rows(md: str) -> dict[str, list[str]]:
 
 def test_run_end_to_end_cpu_suite_with_a_launched_case(pytester):
     root = make_project(
-        pytester.path, {**RUN_TESTS, **LAUNCHED},
-        {"cpu": manifest("cpu", "cpu", [*CPU_ENTRIES, {"id": "dist", "paths": ["tests/dist"], "timeout_s": 120}])},
+        pytester.path,
+        {**RUN_TESTS, **LAUNCHED},
+        {
+            "cpu": manifest(
+                "cpu",
+                "cpu",
+                [*CPU_ENTRIES, {"id": "dist", "paths": ["tests/dist"], "timeout_s": 120}],
+            )
+        },
     )
     step = root / "step_summary.md"
     out = root / "results"
-    done = harness(root, "run", "cpu", "--out", str(out), "--durations-out", str(root / "d.json"),
-                   env={"GITHUB_STEP_SUMMARY": str(step), "PYTEST_ADDOPTS": f"--junitxml={root / 'ci/j.xml'}"})
+    done = harness(
+        root,
+        "run",
+        "cpu",
+        "--out",
+        str(out),
+        "--durations-out",
+        str(root / "d.json"),
+        env={"GITHUB_STEP_SUMMARY": str(step), "PYTEST_ADDOPTS": f"--junitxml={root / 'ci/j.xml'}"},
+    )
     assert done.returncode == 1, done.stdout + done.stderr  # test_fail fails
 
     # JUnit: exactly the planned cases (the cuda variant belongs to no cpu entry).
@@ -123,16 +148,27 @@ def test_run_end_to_end_cpu_suite_with_a_launched_case(pytester):
     assert summary["total"]["failed"] == 1
 
     # The entry with its own timeout_s ran in its own pytest process (--harness-timeout=120).
-    assert "group 2/2: 1 case(s), timeout 120" in done.stdout
+    assert re.search(r"group 2/2: 1 case\(s\)(, the widest cases)?, timeout 120,", done.stdout)
 
     durations = json.loads((root / "d.json").read_text())["durations"]
-    assert set(durations) == {"tests/dist/test_d.py::test_two_ranks", "tests/fast/test_f.py::test_dev[cpu]",
-                              "tests/fast/test_f.py::test_ok", "tests/mixed/test_m.py::test_pass"}
+    assert set(durations) == {
+        "tests/dist/test_d.py::test_two_ranks",
+        "tests/fast/test_f.py::test_dev[cpu]",
+        "tests/fast/test_f.py::test_ok",
+        "tests/mixed/test_m.py::test_pass",
+    }
     assert durations["tests/dist/test_d.py::test_two_ranks"] > 0
 
 
 def git(root: Path, *args: str) -> None:
     subprocess.run(["git", "-C", str(root), *args], check=True, capture_output=True)
+
+
+def commit_all(root: Path) -> None:
+    """A git repository at ``root`` whose branch ``main`` holds everything there."""
+    git(root, "init", "-q", "-b", "main")
+    git(root, "-c", "user.email=t@e", "-c", "user.name=t", "add", ".")
+    git(root, "-c", "user.email=t@e", "-c", "user.name=t", "commit", "-qm", "base")
 
 
 def test_run_changed_from_and_shards(pytester):
@@ -144,15 +180,19 @@ def test_run_changed_from_and_shards(pytester):
         {"id": "a", "paths": ["tests/a"], "depends_on": ["src/a.py"]},
         {"id": "b", "paths": ["tests/b"], "depends_on": ["src/b.py"]},
     ]
-    root = make_project(pytester.path, tests, {"cpu": manifest("cpu", "cpu", entries)},
-                        {"src/a.py": "", "src/b.py": "", ".gitignore": "out/\n"})
-    git(root, "init", "-q", "-b", "main")
-    git(root, "-c", "user.email=t@e", "-c", "user.name=t", "add", ".")
-    git(root, "-c", "user.email=t@e", "-c", "user.name=t", "commit", "-qm", "base")
+    root = make_project(
+        pytester.path,
+        tests,
+        {"cpu": manifest("cpu", "cpu", entries)},
+        {"src/a.py": "", "src/b.py": "", ".gitignore": "out/\n"},
+    )
+    commit_all(root)
     (root / "src/b.py").write_text("changed = True\n")
 
     # Without xdist (-p no:xdist is passed through to pytest): selection is what is tested here.
-    done = harness(root, "run", "cpu", "--changed-from", "main", "--out", "out/changed", "--", "-p", "no:xdist")
+    done = harness(
+        root, "run", "cpu", "--changed-from", "main", "--out", "out/changed", "--", "-p", "no:xdist"
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     assert "1 changed file(s) select 1 of 2 entries" in done.stdout
     planned = json.loads((root / "out/changed/plan.json").read_text())["cases"]
@@ -166,6 +206,49 @@ def test_run_changed_from_and_shards(pytester):
     planned = [c for c, _ in json.loads((root / "out/s1/plan.json").read_text())["cases"]]
     assert len(planned) == 2
     assert summary_rows((root / "out/s1/summary.md").read_text())["total"][:2] == ["2", "2"]
+
+
+def test_matrix_changed_from_keeps_only_the_affected_shards(pytester, capsys):
+    tests = {
+        "tests/a/test_a.py": "def test_a1():\n    pass\n\ndef test_a2():\n    pass\n",
+        "tests/b/test_b.py": "def test_b1():\n    pass\n\ndef test_b2():\n    pass\n",
+    }
+    entries = [
+        {"id": "a", "paths": ["tests/a"], "depends_on": ["src/a.py"], "estimated_s": 10},
+        {"id": "b", "paths": ["tests/b"], "depends_on": ["src/b.py"], "estimated_s": 20},
+    ]
+    root = make_project(
+        pytester.path,
+        tests,
+        {"cpu": manifest("cpu", "cpu", entries)},
+        {"src/a.py": "", "src/b.py": "", "README.md": ""},
+    )
+    commit_all(root)
+
+    def matrix() -> dict:
+        assert (
+            main(["--root", str(root), "matrix", "cpu", "--shards", "2", "--changed-from", "main"])
+            == 0
+        )
+        return json.loads(capsys.readouterr().out)
+
+    (root / "README.md").write_text("docs only\n")
+    # Nothing selected: an empty matrix, for a job `if:` to skip (the required check still reports).
+    assert matrix() == {"include": []}
+    (root / "src/b.py").write_text("changed = True\n")
+    rows = matrix()["include"]
+    whole = {
+        r["shard"]: r
+        for r in json.loads(
+            (
+                main(["--root", str(root), "matrix", "cpu", "--shards", "2"]),
+                capsys.readouterr().out,
+            )[1]
+        )["include"]
+    }
+    # LPT puts one case of each entry on each shard: both shards hold one of b's cases.
+    assert [(r["shard"], r["cases"]) for r in rows] == [("1/2", 1), ("2/2", 1)]
+    assert all(whole[r["shard"]]["cases"] == 2 for r in rows)
 
 
 STRICT_CONFIG = """[tool.pytest.ini_options]
@@ -193,28 +276,65 @@ STRICT_TESTS = {
 
 
 @pytest.mark.parametrize("form", ["space", "equals"])
-def test_option_value_after_double_dash_keeps_the_project_configuration(pytester, tmp_path_factory, form):
-    # Issue 12.10: `--harness-lease-dir DIR` (space-separated) made pytest take DIR
+def test_option_value_after_double_dash_keeps_the_project_configuration(
+    pytester, tmp_path_factory, form
+):
+    # `--harness-lease-dir DIR` (space-separated) made pytest take DIR
     # for a path while looking for its configuration: --strict-markers and
     # xfail_strict were silently dropped; `--harness-lease-dir=DIR` worked.
-    root = make_project(pytester.path, STRICT_TESTS, {"cpu": manifest("cpu", "cpu", [{"id": "s", "paths": ["tests/s"]}])},
-                        {"pyproject.toml": STRICT_CONFIG})
+    root = make_project(
+        pytester.path,
+        STRICT_TESTS,
+        {"cpu": manifest("cpu", "cpu", [{"id": "s", "paths": ["tests/s"]}])},
+        {"pyproject.toml": STRICT_CONFIG},
+    )
     lease = tmp_path_factory.mktemp("leases")  # outside the project, as /tmp/harness-leases is
-    lease_args = ["--harness-lease-dir", str(lease)] if form == "space" else [f"--harness-lease-dir={lease}"]
-    done = harness(root, "run", "cpu", "--out", "out", "--", "-p", "no:xdist", "-k", "marked or xpass", *lease_args)
+    lease_args = (
+        ["--harness-lease-dir", str(lease)] if form == "space" else [f"--harness-lease-dir={lease}"]
+    )
+    done = harness(
+        root,
+        "run",
+        "cpu",
+        "--out",
+        "out",
+        "--",
+        "-p",
+        "no:xdist",
+        "-k",
+        "marked or xpass",
+        *lease_args,
+    )
     assert done.returncode == 1, done.stdout + done.stderr
     assert "configfile: pyproject.toml" in done.stdout
-    results = {c["nodeid"].split("::")[1]: c["outcome"] for c in json.loads((root / "out/summary.json").read_text())["cases"]}
-    assert results == {"test_marked": "passed", "test_xpass": "failed", "test_other": "missing"}
+    results = {
+        c["nodeid"].split("::")[1]: c["outcome"]
+        for c in json.loads((root / "out/summary.json").read_text())["cases"]
+    }
+    assert results == {"test_marked": "passed", "test_xpass": "failed", "test_other": "deselected"}
 
 
 def test_run_and_inventory_with_plugin_autoload_disabled(pytester):
-    # Issue 11.4: with PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 the harness loads what it
+    # With PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 the harness loads what it
     # needs itself (-p xdist, -p harness); before: "unrecognized arguments: -n".
-    tests = {"tests/fast/test_f.py": "def test_one():\n    pass\n\ndef test_two():\n    pass\n", **LAUNCHED}
-    root = make_project(pytester.path, tests, {"cpu": manifest("cpu", "cpu", [
-        {"id": "fast", "paths": ["tests/fast"]}, {"id": "dist", "paths": ["tests/dist"], "timeout_s": 120},
-    ])})
+    tests = {
+        "tests/fast/test_f.py": "def test_one():\n    pass\n\ndef test_two():\n    pass\n",
+        **LAUNCHED,
+    }
+    root = make_project(
+        pytester.path,
+        tests,
+        {
+            "cpu": manifest(
+                "cpu",
+                "cpu",
+                [
+                    {"id": "fast", "paths": ["tests/fast"]},
+                    {"id": "dist", "paths": ["tests/dist"], "timeout_s": 120},
+                ],
+            )
+        },
+    )
     env = {"PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}
     done = harness(root, "inventory", "-q", env=env)
     assert done.returncode == 0, done.stdout + done.stderr
@@ -227,19 +347,36 @@ def test_run_and_inventory_with_plugin_autoload_disabled(pytester):
 
 
 def test_changed_from_keeps_the_shards_of_the_whole_suite(pytester, capsys):
-    # Issue 11.6: a shard job narrowed by --changed-from runs its share of the
+    # A shard job narrowed by --changed-from runs its share of the
     # matrix's partition of the whole suite, not a re-partition of the narrowed cases.
-    tests = {"tests/a/test_a.py": "def test_a1():\n    pass\n",
-             "tests/b/test_b.py": "def test_b1():\n    pass\n\ndef test_b2():\n    pass\n\ndef test_b3():\n    pass\n"}
-    durations = {"durations": {"tests/a/test_a.py::test_a1": 10, "tests/b/test_b.py::test_b1": 3,
-                               "tests/b/test_b.py::test_b2": 3, "tests/b/test_b.py::test_b3": 3}}
-    entries = [{"id": "a", "paths": ["tests/a"], "depends_on": ["src/a.py"]},
-               {"id": "b", "paths": ["tests/b"], "depends_on": ["src/b.py"]}]
-    root = make_project(pytester.path, tests, {"cpu": manifest("cpu", "cpu", entries)},
-                        {"src/a.py": "", "src/b.py": "", ".gitignore": "out/\n", "suites/durations/cpu.json": durations})
-    git(root, "init", "-q", "-b", "main")
-    git(root, "-c", "user.email=t@e", "-c", "user.name=t", "add", ".")
-    git(root, "-c", "user.email=t@e", "-c", "user.name=t", "commit", "-qm", "base")
+    tests = {
+        "tests/a/test_a.py": "def test_a1():\n    pass\n",
+        "tests/b/test_b.py": "def test_b1():\n    pass\n\ndef test_b2():\n    pass\n\ndef test_b3():\n    pass\n",
+    }
+    durations = {
+        "durations": {
+            "tests/a/test_a.py::test_a1": 10,
+            "tests/b/test_b.py::test_b1": 3,
+            "tests/b/test_b.py::test_b2": 3,
+            "tests/b/test_b.py::test_b3": 3,
+        }
+    }
+    entries = [
+        {"id": "a", "paths": ["tests/a"], "depends_on": ["src/a.py"]},
+        {"id": "b", "paths": ["tests/b"], "depends_on": ["src/b.py"]},
+    ]
+    root = make_project(
+        pytester.path,
+        tests,
+        {"cpu": manifest("cpu", "cpu", entries)},
+        {
+            "src/a.py": "",
+            "src/b.py": "",
+            ".gitignore": "out/\n",
+            "suites/durations/cpu.json": durations,
+        },
+    )
+    commit_all(root)
     (root / "src/b.py").write_text("changed = True\n")
 
     # The matrix: a1 alone on shard 1 (10 s), b1-b3 on shard 2 (9 s).
@@ -247,29 +384,55 @@ def test_changed_from_keeps_the_shards_of_the_whole_suite(pytester, capsys):
     assert [s["cases"] for s in json.loads(capsys.readouterr().out)["include"]] == [1, 3]
     for shard, expected in (("1/2", []), ("2/2", ["test_b1", "test_b2", "test_b3"])):
         out = f"out/{shard[0]}"
-        code = main(["--root", str(root), "run", "cpu", "--shard", shard, "--changed-from", "main", "--out", out,
-                     "--", "-p", "no:xdist"])
+        code = main(
+            [
+                "--root",
+                str(root),
+                "run",
+                "cpu",
+                "--shard",
+                shard,
+                "--changed-from",
+                "main",
+                "--out",
+                out,
+                "--",
+                "-p",
+                "no:xdist",
+            ]
+        )
         assert code == 0, capsys.readouterr()
         planned = json.loads((root / out / "plan.json").read_text())["cases"]
         assert [c.split("::")[1] for c, _ in planned] == expected
 
 
 def test_hung_plain_case_is_stopped_by_the_watchdog(pytester):
-    tests = {"tests/h/test_h.py": "import time\n\ndef test_hang():\n    time.sleep(120)\n\ndef test_ok():\n    pass\n"}
-    root = make_project(pytester.path, tests,
-                        {"cpu": manifest("cpu", "cpu", [{"id": "h", "paths": ["tests/h"], "timeout_s": 1}])})
+    tests = {
+        "tests/h/test_h.py": "import time\n\ndef test_hang():\n    time.sleep(120)\n\ndef test_ok():\n    pass\n"
+    }
+    root = make_project(
+        pytester.path,
+        tests,
+        {"cpu": manifest("cpu", "cpu", [{"id": "h", "paths": ["tests/h"], "timeout_s": 1}])},
+    )
     done = harness(root, "run", "cpu", "--out", "out", timeout=90)
     assert done.returncode == 1, done.stdout + done.stderr
     assert summary_rows((root / "out/summary.md").read_text())["h"][:4] == ["2", "1", "1", "0"]
-    assert "- watchdog: tests/h/test_h.py::test_hang ran past 2 s (deadline 1 s); stacks in" in done.stdout
+    assert (
+        "- watchdog: tests/h/test_h.py::test_hang ran past 2 s (deadline 1 s); stacks in"
+        in done.stdout
+    )
     (log,) = (root / "out").glob("watchdog-*.log")
     assert "Timeout (0:00:02)!" in log.read_text()
     assert "in test_hang" in log.read_text()
 
 
 def test_run_refuses_a_suite_with_problems(pytester):
-    root = make_project(pytester.path, RUN_TESTS,
-                        {"cpu": manifest("cpu", "cpu", [*CPU_ENTRIES, {"id": "ghost", "paths": ["tests/none"]}])})
+    root = make_project(
+        pytester.path,
+        RUN_TESTS,
+        {"cpu": manifest("cpu", "cpu", [*CPU_ENTRIES, {"id": "ghost", "paths": ["tests/none"]}])},
+    )
     done = harness(root, "run", "cpu")
     assert done.returncode == 2
     assert "[entry-matches-nothing]" in done.stderr
@@ -278,26 +441,44 @@ def test_run_refuses_a_suite_with_problems(pytester):
 
 @pytest.mark.parametrize(
     ("entries", "shard"),
-    [([*CPU_ENTRIES, {"id": "ghost", "paths": ["tests/none"]}], []),
-     ([{**CPU_ENTRIES[0], "estimated_s": 3600}, CPU_ENTRIES[1]], []),
-     ([{**CPU_ENTRIES[0], "estimated_s": 3600}, CPU_ENTRIES[1]], ["--shard", "1/1"])],
+    [
+        ([*CPU_ENTRIES, {"id": "ghost", "paths": ["tests/none"]}], []),
+        ([{**CPU_ENTRIES[0], "estimated_s": 3600}, CPU_ENTRIES[1]], []),
+        ([{**CPU_ENTRIES[0], "estimated_s": 3600}, CPU_ENTRIES[1]], ["--shard", "1/1"]),
+    ],
     ids=["inventory-problem", "case-over-budget", "case-over-budget-shard"],
 )
-def test_unplannable_suite_gives_the_same_code_from_run_and_matrix(pytester, capsys, entries, shard):
-    # Issue 11.10: `run` said 2 and `matrix` 1 for a suite with inventory problems;
+def test_unplannable_suite_gives_the_same_code_from_run_and_matrix(
+    pytester, capsys, entries, shard
+):
+    # `run` said 2 and `matrix` 1 for a suite with inventory problems;
     # a case over its runner's budget stopped the matrix but ran under `run`.
     root = make_project(pytester.path, RUN_TESTS, {"cpu": manifest("cpu", "cpu", entries)})
-    codes = {"run": main(["--root", str(root), "run", "cpu", *shard]),
-             "matrix": main(["--root", str(root), "matrix", "cpu", *(["--shards", "1"] if shard else [])])}
+    codes = {
+        "run": main(["--root", str(root), "run", "cpu", *shard]),
+        "matrix": main(
+            ["--root", str(root), "matrix", "cpu", *(["--shards", "1"] if shard else [])]
+        ),
+    }
     assert codes == {"run": 2, "matrix": 2}, capsys.readouterr()
     assert not (root / "out").exists()  # nothing ran
 
 
 def test_matrix_uses_checked_in_durations(pytester, capsys):
-    tests = {"tests/t/test_t.py": "import pytest\n\n@pytest.mark.parametrize('i', range(6))\ndef test_t(i):\n    pass\n"}
-    durations = {"durations": {f"tests/t/test_t.py::test_t[{i}]": s for i, s in enumerate([50, 10, 10, 10, 10, 10])}}
-    root = make_project(pytester.path, tests, {"cpu": manifest("cpu", "cpu", [{"id": "t", "paths": ["tests/t"]}])},
-                        {"suites/durations/cpu.json": durations})
+    tests = {
+        "tests/t/test_t.py": "import pytest\n\n@pytest.mark.parametrize('i', range(6))\ndef test_t(i):\n    pass\n"
+    }
+    durations = {
+        "durations": {
+            f"tests/t/test_t.py::test_t[{i}]": s for i, s in enumerate([50, 10, 10, 10, 10, 10])
+        }
+    }
+    root = make_project(
+        pytester.path,
+        tests,
+        {"cpu": manifest("cpu", "cpu", [{"id": "t", "paths": ["tests/t"]}])},
+        {"suites/durations/cpu.json": durations},
+    )
     assert main(["--root", str(root), "matrix", "cpu", "--shards", "2"]) == 0
     out = capsys.readouterr()
     matrix = json.loads(out.out)
@@ -306,16 +487,26 @@ def test_matrix_uses_checked_in_durations(pytester, capsys):
 
     assert main(["--root", str(root), "matrix", "cpu", "--target-minutes", "0.9"]) == 0
     assert len(json.loads(capsys.readouterr().out)["include"]) == 2
-    assert main(["--root", str(root), "matrix", "cpu", "--target-minutes", "0.5"]) == 2  # unplannable: as from run
+    assert (
+        main(["--root", str(root), "matrix", "cpu", "--target-minutes", "0.5"]) == 2
+    )  # unplannable: as from run
     assert "over --target-minutes 0.5" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("command", ["matrix", "run"])
 def test_numbers_that_are_not_numbers_stop_before_planning(pytester, capsys, command):
-    # Issue 12.6: NaN / Infinity used to print invalid matrix JSON or fail every launched case.
-    doc = json.dumps(manifest("cpu", "cpu", [{"id": "t", "paths": ["tests/t"], "estimated_s": 1, "timeout_s": 60}]))
-    doc = doc.replace('"estimated_s": 1', '"estimated_s": NaN').replace('"timeout_s": 60', '"timeout_s": Infinity')
-    root = make_project(pytester.path, {"tests/t/test_t.py": "def test_t():\n    pass\n"}, {"cpu": doc})
+    # NaN / Infinity used to print invalid matrix JSON or fail every launched case.
+    doc = json.dumps(
+        manifest(
+            "cpu", "cpu", [{"id": "t", "paths": ["tests/t"], "estimated_s": 1, "timeout_s": 60}]
+        )
+    )
+    doc = doc.replace('"estimated_s": 1', '"estimated_s": NaN').replace(
+        '"timeout_s": 60', '"timeout_s": Infinity'
+    )
+    root = make_project(
+        pytester.path, {"tests/t/test_t.py": "def test_t():\n    pass\n"}, {"cpu": doc}
+    )
     assert main(["--root", str(root), command, "cpu"]) == 2
     out = capsys.readouterr()
     assert out.out == ""
@@ -324,9 +515,12 @@ def test_numbers_that_are_not_numbers_stop_before_planning(pytester, capsys, com
 
 
 def test_matrix_refuses_non_finite_recorded_durations(pytester, capsys):
-    root = make_project(pytester.path, {"tests/t/test_t.py": "def test_t():\n    pass\n"},
-                        {"cpu": manifest("cpu", "cpu", [{"id": "t", "paths": ["tests/t"]}])},
-                        {"suites/durations/cpu.json": '{"durations": {"tests/t/test_t.py::test_t": Infinity}}'})
+    root = make_project(
+        pytester.path,
+        {"tests/t/test_t.py": "def test_t():\n    pass\n"},
+        {"cpu": manifest("cpu", "cpu", [{"id": "t", "paths": ["tests/t"]}])},
+        {"suites/durations/cpu.json": '{"durations": {"tests/t/test_t.py::test_t": Infinity}}'},
+    )
     assert main(["--root", str(root), "matrix", "cpu"]) == 2
     out = capsys.readouterr()
     assert out.out == ""
@@ -336,19 +530,30 @@ def test_matrix_refuses_non_finite_recorded_durations(pytester, capsys):
 
 @pytest.mark.parametrize(
     ("args", "message"),
-    [(["matrix", "cpu", "--shards", "0"], "--shards: expected an integer >= 1, got '0'"),
-     (["matrix", "cpu", "--target-minutes", "nan"], "--target-minutes: expected a finite number > 0, got 'nan'"),
-     (["matrix", "cpu", "--target-minutes", "inf"], "--target-minutes: expected a finite number > 0, got 'inf'"),
-     (["run", "cpu", "--workers", "0"], "--workers: expected an integer >= 1, got '0'"),
-     (["run", "cpu", "--max-cards", "-1"], "--max-cards: expected an integer >= 0, got '-1'"),
-     (["run", "cpu", "--shard", "3/2"], "--shard 3/2: need 1 <= I <= N"),
-     (["inventory", "--bogus"], "unrecognized arguments: --bogus"),
-     (["matrix", "cpu", "--", "-x"], "only `harness run` takes pytest arguments")],
+    [
+        (["matrix", "cpu", "--shards", "0"], "--shards: expected an integer >= 1, got '0'"),
+        (
+            ["matrix", "cpu", "--target-minutes", "nan"],
+            "--target-minutes: expected a finite number > 0, got 'nan'",
+        ),
+        (
+            ["matrix", "cpu", "--target-minutes", "inf"],
+            "--target-minutes: expected a finite number > 0, got 'inf'",
+        ),
+        (["run", "cpu", "--workers", "0"], "--workers: expected an integer >= 1, got '0'"),
+        (["run", "cpu", "--max-cards", "-1"], "--max-cards: expected an integer >= 0, got '-1'"),
+        (["run", "cpu", "--shard", "3/2"], "--shard 3/2: need 1 <= I <= N"),
+        (["inventory", "--bogus"], "unrecognized arguments: --bogus"),
+        (["matrix", "cpu", "--", "-x"], "only `harness run` takes pytest arguments"),
+    ],
 )
 def test_usage_errors_exit_2_everywhere(pytester, capsys, args, message):
-    # Issue 11.10: usage errors exit 2 whatever the subcommand, naming the option and the value.
-    root = make_project(pytester.path, {"tests/t/test_t.py": "def test_t():\n    pass\n"},
-                        {"cpu": manifest("cpu", "cpu", [{"id": "t", "paths": ["tests/t"]}])})
+    # Usage errors exit 2 whatever the subcommand, naming the option and the value.
+    root = make_project(
+        pytester.path,
+        {"tests/t/test_t.py": "def test_t():\n    pass\n"},
+        {"cpu": manifest("cpu", "cpu", [{"id": "t", "paths": ["tests/t"]}])},
+    )
     try:
         code = main(["--root", str(root), *args])
     except SystemExit as e:
@@ -377,7 +582,12 @@ def test_pytest_args_only_for_run(capsys):
 
 @pytest.mark.parametrize(
     "nodeid",
-    ["tests/a/test_x.py::test_y", "tests/test_x.py::TestC::test_m[cuda-2]", "t.py::test_p[a::b/c.py]", "x/test_z.py"],
+    [
+        "tests/a/test_x.py::test_y",
+        "tests/test_x.py::TestC::test_m[cuda-2]",
+        "t.py::test_p[a::b/c.py]",
+        "x/test_z.py",
+    ],
 )
 def test_junit_key_matches_pytest(nodeid):
     from _pytest.junitxml import mangle_test_address
@@ -419,7 +629,9 @@ def test_workers_sized_to_leasable_cards(monkeypatch):
     assert worker_count("cuda", cases_needing(1, 10), wide) == 4
     assert worker_count("cuda", cases_needing(2, 10), wide) == 2
     assert worker_count("cuda", cases_needing(1, 3), wide) == 3  # never more than cases
-    assert worker_count("cuda", cases_needing(1, 10), ["--harness-max-procs=2"]) == 2  # nor than slots
+    assert (
+        worker_count("cuda", cases_needing(1, 10), ["--harness-max-procs=2"]) == 2
+    )  # nor than slots
     monkeypatch.setenv("HARNESS_CARDS", "none")
     assert worker_count("cuda", cases_needing(1, 10), wide) == 1
     cpu = [CollectedCase(f"t::c{i}", "t", LaunchSpec(), False, None) for i in range(10)]
@@ -427,33 +639,77 @@ def test_workers_sized_to_leasable_cards(monkeypatch):
     assert worker_count("cpu", cpu, [], requested=5) == 5
 
 
+def test_one_wide_case_does_not_make_the_whole_run_serial(monkeypatch):
+    # An 8-rank case on a 4-slot runner: alone in its group; the 2-rank cases keep 2 workers.
+    entry = Entry("e", ("t",), None, None, 5.0, None, "suites/cpu.json", "/entries/0")
+    narrow = [
+        (CollectedCase(f"t::r{i}", "t", LaunchSpec(nproc=2), True, None), entry) for i in range(6)
+    ]
+    plain = [(CollectedCase(f"t::p{i}", "t", LaunchSpec(), False, None), entry) for i in range(3)]
+    wide = [(CollectedCase("t::big", "t", LaunchSpec(nproc=8), True, None), entry)]
+    groups = run_groups("cpu", [*narrow, *wide, *plain], ["--harness-max-procs", "4"])
+    assert [(g.wide, len(g.cases), g.workers) for g in groups] == [(False, 9, 2), (True, 1, 1)]
+    # On accelerators, a case needing more than half the cards likewise.
+    monkeypatch.setenv("HARNESS_CARDS", "cuda:0,1,2,3")
+    groups = run_groups(
+        "cuda",
+        [*((c, entry) for c in cases_needing(1, 5)), *((c, entry) for c in cases_needing(4, 1))],
+        ["--harness-max-procs", "16"],
+    )
+    assert [(g.wide, len(g.cases), g.workers) for g in groups] == [(False, 5, 4), (True, 1, 1)]
+    # No split where it would not give the rest more workers, nor when --workers sized the run.
+    two = [(CollectedCase("t::two", "t", LaunchSpec(nproc=2), True, None), entry)]
+    assert len(run_groups("cpu", [*plain[:1], *two], ["--harness-max-procs", "2"])) == 1
+    assert len(run_groups("cpu", [*narrow, *wide], ["--harness-max-procs", "4"], requested=2)) == 1
+
+
 def test_workers_never_let_the_runs_own_cases_starve_each_other(monkeypatch):
-    # Issue 12.2: workers <= slots / most ranks of a case, cards / most cards of a case.
+    # Workers <= slots / most ranks of a case, cards / most cards of a case.
     two_ranks = [CollectedCase(f"t::r{i}", "t", LaunchSpec(nproc=2), True, None) for i in range(10)]
     plain = [CollectedCase(f"t::p{i}", "t", LaunchSpec(), False, None) for i in range(10)]
     assert worker_count("cpu", two_ranks, ["--harness-max-procs", "2"]) == 1
     assert worker_count("cpu", [*plain, *two_ranks], ["--harness-max-procs=5"]) == 2
-    assert worker_count("cpu", plain, ["--harness-max-procs", "2"]) == 2  # plain cases take no slot lease
+    assert (
+        worker_count("cpu", plain, ["--harness-max-procs", "2"]) == 2
+    )  # plain cases take no slot lease
     monkeypatch.setenv("HARNESS_CARDS", "cuda:0,1,2,3")
     mixed = [*cases_needing(1, 5), *cases_needing(4, 1)]
     assert worker_count("cuda", mixed, ["--harness-max-procs", "16"]) == 1
-    assert worker_count("cuda", [*cases_needing(1, 5), *cases_needing(2, 1)], ["--harness-max-procs", "16"]) == 2
+    assert (
+        worker_count(
+            "cuda", [*cases_needing(1, 5), *cases_needing(2, 1)], ["--harness-max-procs", "16"]
+        )
+        == 2
+    )
 
 
 def test_run_sizes_workers_to_its_largest_case(pytester, tmp_path_factory):
-    # Issue 12.2: `harness run cpu` on 2 slots used -n 2 with 2-rank cases, so one
+    # `harness run cpu` on 2 slots used -n 2 with 2-rank cases, so one
     # worker waited for the other's slots until its lease timed out.
     body = "".join(
         f"\n\n@pytest.mark.launch(nproc=2)\ndef test_r{i}():\n    import torch.distributed as dist\n"
-        f"    assert dist.get_world_size() == 2\n" for i in range(4)
+        f"    assert dist.get_world_size() == 2\n"
+        for i in range(4)
     )
-    root = make_project(pytester.path, {"tests/r/test_r.py": "import pytest" + body},
-                        {"cpu": manifest("cpu", "cpu", [{"id": "r", "paths": ["tests/r"], "timeout_s": 120}])})
+    root = make_project(
+        pytester.path,
+        {"tests/r/test_r.py": "import pytest" + body},
+        {"cpu": manifest("cpu", "cpu", [{"id": "r", "paths": ["tests/r"], "timeout_s": 120}])},
+    )
     lease = tmp_path_factory.mktemp("leases")
-    done = harness(root, "run", "cpu", "--out", "out", "--", "--harness-max-procs", "2",
-                   f"--harness-lease-dir={lease}")
+    done = harness(
+        root,
+        "run",
+        "cpu",
+        "--out",
+        "out",
+        "--",
+        "--harness-max-procs",
+        "2",
+        f"--harness-lease-dir={lease}",
+    )
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "4 case(s) in 1 entry on cpu; 1 xdist worker(s)" in done.stdout
+    assert "4 case(s) in 1 entry on cpu; up to 1 xdist worker(s)" in done.stdout
     assert summary_rows((root / "out/summary.md").read_text())["total"][:3] == ["4", "4", "0"]
 
 
@@ -461,7 +717,12 @@ def test_run_sizes_workers_to_its_largest_case(pytester, tmp_path_factory):
 
 
 def test_real_repository_inventory_is_clean_and_fast():
-    done = subprocess.run([sys.executable, "-m", "harness", "inventory", "-q"], cwd=REPO, capture_output=True,
-                          text=True, timeout=60)
+    done = subprocess.run(
+        [sys.executable, "-m", "harness", "inventory", "-q"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     assert "0 problem(s)" in done.stdout

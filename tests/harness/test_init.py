@@ -32,7 +32,11 @@ def test_world(device):
 
 def harness(root: Path, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "harness", *args], cwd=root, capture_output=True, text=True, timeout=180
+        [sys.executable, "-m", "harness", *args],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=180,
     )
 
 
@@ -50,13 +54,16 @@ def manifest(root: Path, name: str) -> dict:
 
 
 def test_owns_the_configured_testpaths_and_is_idempotent(tmp_path):
-    root = write(tmp_path, {
-        "pyproject.toml": '[tool.pytest.ini_options]\ntestpaths = ["tests", "docs"]\n',
-        "tests/test_a.py": "def test_a():\n    pass\n",
-        "tests/unit/test_b.py": "def test_b():\n    pass\n",
-        "docs/index.md": "no tests here\n",
-        "scratch/test_elsewhere.py": "def test_c():\n    pass\n",  # outside testpaths: pytest never collects it
-    })
+    root = write(
+        tmp_path,
+        {
+            "pyproject.toml": '[tool.pytest.ini_options]\ntestpaths = ["tests", "docs"]\n',
+            "tests/test_a.py": "def test_a():\n    pass\n",
+            "tests/unit/test_b.py": "def test_b():\n    pass\n",
+            "docs/index.md": "no tests here\n",
+            "scratch/test_elsewhere.py": "def test_c():\n    pass\n",  # outside testpaths: pytest never collects it
+        },
+    )
     done = harness(root, "init")
     assert done.returncode == 0, done.stderr
     assert "inifile" in done.stdout
@@ -78,13 +85,16 @@ def test_owns_the_configured_testpaths_and_is_idempotent(tmp_path):
 
 
 def test_follows_python_files_without_testpaths(tmp_path):
-    root = write(tmp_path, {
-        "pytest.ini": "[pytest]\npython_files = check_*.py\n",
-        "check_top.py": "def test_top():\n    pass\n",
-        "checks/deep/check_one.py": "def test_one():\n    pass\n",
-        "checks/check_two.py": "def test_two():\n    pass\n",
-        "other/test_not_collected.py": "def test_no():\n    pass\n",
-    })
+    root = write(
+        tmp_path,
+        {
+            "pytest.ini": "[pytest]\npython_files = check_*.py\n",
+            "check_top.py": "def test_top():\n    pass\n",
+            "checks/deep/check_one.py": "def test_one():\n    pass\n",
+            "checks/check_two.py": "def test_two():\n    pass\n",
+            "other/test_not_collected.py": "def test_no():\n    pass\n",
+        },
+    )
     done = harness(root, "init")
     assert done.returncode == 0, done.stderr
     assert "pytest.ini" in done.stdout
@@ -95,7 +105,11 @@ def test_follows_python_files_without_testpaths(tmp_path):
 def test_refuses_to_overwrite_without_force(tmp_path):
     root = write(tmp_path, {"tests/test_a.py": "def test_a():\n    pass\n"})
     assert harness(root, "init").returncode == 0
-    edited = (root / "suites" / "cpu.json").read_text().replace('"timeout_minutes": 30', '"timeout_minutes": 45')
+    edited = (
+        (root / "suites" / "cpu.json")
+        .read_text()
+        .replace('"timeout_minutes": 30', '"timeout_minutes": 45')
+    )
     (root / "suites" / "cpu.json").write_text(edited)
 
     refused = harness(root, "init")
@@ -110,11 +124,14 @@ def test_refuses_to_overwrite_without_force(tmp_path):
 
 
 def test_accelerator_suites_share_one_case_list_and_get_workflows(tmp_path):
-    root = write(tmp_path, {
-        "pyproject.toml": '[project]\nname = "demo"\nversion = "0"\n\n[tool.pytest.ini_options]\ntestpaths = ["tests"]\n',
-        "tests/test_plain.py": "def test_plain():\n    pass\n",
-        "tests/test_ranks.py": LAUNCHED_DEVICE_TEST,
-    })
+    root = write(
+        tmp_path,
+        {
+            "pyproject.toml": '[project]\nname = "demo"\nversion = "0"\n\n[tool.pytest.ini_options]\ntestpaths = ["tests"]\n',
+            "tests/test_plain.py": "def test_plain():\n    pass\n",
+            "tests/test_ranks.py": LAUNCHED_DEVICE_TEST,
+        },
+    )
     done = harness(root, "init", "--accelerators", "gpu,npu", "--workflows")
     assert done.returncode == 0, done.stderr
     shared = manifest(root, "cases/accelerator.json")
@@ -132,7 +149,11 @@ def test_accelerator_suites_share_one_case_list_and_get_workflows(tmp_path):
     assert owners["tests/test_plain.py::test_plain"] == ["cpu:tests"]
 
     workflows = root / ".github" / "workflows"
-    assert sorted(p.name for p in workflows.iterdir()) == ["harness-cpu.yml", "harness-gpu.yml", "harness-npu.yml"]
+    assert sorted(p.name for p in workflows.iterdir()) == [
+        "harness-cpu.yml",
+        "harness-gpu.yml",
+        "harness-npu.yml",
+    ]
     gpu = yaml.safe_load((workflows / "harness-gpu.yml").read_text())
     assert gpu["jobs"]["suite"]["if"].startswith("needs.plan.outputs.trusted == 'true' && ")
     assert "head.repo.full_name == github.repository" in gpu["jobs"]["plan"]["outputs"]["trusted"]
@@ -161,5 +182,49 @@ def test_written_cpu_workflow_caches_and_outlasts_the_harness_deadline(tmp_path)
     assert doc["concurrency"]["cancel-in-progress"] == "${{ github.event_name == 'pull_request' }}"
     (job,) = doc["jobs"].values()
     assert job["timeout-minutes"] > manifest(root, "cpu.json")["runner"]["timeout_minutes"]
-    setup = next(s for s in job["steps"] if str(s.get("uses", "")).startswith("actions/setup-python"))
+    setup = next(
+        s for s in job["steps"] if str(s.get("uses", "")).startswith("actions/setup-python")
+    )
     assert setup["with"]["cache"] == "pip"
+
+
+def test_writes_only_entries_the_inventory_accepts(tmp_path):
+    # No testpaths: one entry per test directory. tests/unit holds only cpu cases, so an
+    # accelerator suite entry owning it would match nothing; tests/gone skips as a whole.
+    root = write(
+        tmp_path,
+        {
+            "pyproject.toml": "[tool.pytest.ini_options]\n",
+            "tests/unit/test_u.py": "def test_u():\n    pass\n",
+            "tests/dev/test_d.py": LAUNCHED_DEVICE_TEST,
+            "tests/gone/test_g.py": "import pytest\n\npytest.importorskip('module_that_does_not_exist')\n",
+        },
+    )
+    done = harness(root, "init", "--accelerators", "cuda,npu")
+    assert done.returncode == 0, done.stderr
+    assert [e["paths"] for e in manifest(root, "cases/accelerator.json")["entries"]] == [
+        ["tests/dev"],
+        ["tests/gone"],
+    ]
+    assert [e["paths"] for e in manifest(root, "cpu.json")["entries"]] == [
+        ["tests/dev"],
+        ["tests/gone"],
+        ["tests/unit"],
+    ]
+    inv = harness(root, "inventory")
+    assert inv.returncode == 0, inv.stdout + inv.stderr
+
+
+def test_no_accelerator_case_writes_no_accelerator_suite(tmp_path):
+    root = write(
+        tmp_path,
+        {
+            "pyproject.toml": "[tool.pytest.ini_options]\n",
+            "tests/test_u.py": "def test_u():\n    pass\n",
+        },
+    )
+    done = harness(root, "init", "--accelerators", "cuda")
+    assert done.returncode == 0, done.stderr
+    assert "no collected case runs on cuda" in done.stderr
+    assert sorted(p.name for p in (root / "suites").iterdir()) == ["cpu.json"]
+    assert harness(root, "inventory").returncode == 0

@@ -19,7 +19,11 @@ ACCEL = {
 
 
 def project(pytester, tests=None, cpu_entries=None, **suites):
-    docs = {"cpu": manifest("cpu", "cpu", cpu_entries or [{"id": "all", "paths": ["tests"]}]), **ACCEL, **suites}
+    docs = {
+        "cpu": manifest("cpu", "cpu", cpu_entries or [{"id": "all", "paths": ["tests"]}]),
+        **ACCEL,
+        **suites,
+    }
     return make_project(
         pytester.path,
         tests or {"tests/test_a.py": DEVICE_TESTS},
@@ -50,13 +54,18 @@ def test_clean_project_each_device_variant_in_its_suite(pytester):
     }
     cases = {c["nodeid"]: c for c in inv.as_dict()["cases"]}
     assert cases["tests/test_a.py::test_dev[cuda]"] == {
-        "nodeid": "tests/test_a.py::test_dev[cuda]", "device": "cuda", "nproc": 1, "cards": 1,
-        "launched": False, "entries": ["gpu:dev"],
+        "nodeid": "tests/test_a.py::test_dev[cuda]",
+        "device": "cuda",
+        "nproc": 1,
+        "cards": 1,
+        "launched": False,
+        "entries": ["gpu:dev"],
     }
 
 
 def test_launched_cases_take_the_device_of_their_spec(pytester):
-    tests = {"tests/test_l.py": """
+    tests = {
+        "tests/test_l.py": """
         import pytest
         from harness.spec import LaunchSpec
 
@@ -71,19 +80,29 @@ def test_launched_cases_take_the_device_of_their_spec(pytester):
         @pytest.mark.launch(LaunchSpec(device="npu", nproc=2))
         def test_hccl():
             pass
-    """}
+    """
+    }
     inv = build_inventory(project(pytester, tests))
     assert inv.problems == []
     got = {c.nodeid.split("::")[1]: (c.device, c.nproc, c.cards, c.launched) for c in inv.cases}
-    assert got == {"test_gloo": ("cpu", 2, 0, True), "test_nccl": ("cuda", 2, 2, True), "test_hccl": ("npu", 2, 2, True)}
+    assert got == {
+        "test_gloo": ("cpu", 2, 0, True),
+        "test_nccl": ("cuda", 2, 2, True),
+        "test_hccl": ("npu", 2, 2, True),
+    }
     assert inv.owners["tests/test_l.py::test_nccl"] == [("gpu", "dev")]
 
 
 def test_rule_cpu_case_needs_cards(pytester):
-    inv = build_inventory(project(pytester, cpu_entries=[
-        {"id": "all", "paths": ["tests"]},
-        {"id": "bad", "paths": ["tests/test_a.py::test_dev[cuda]"]},
-    ]))
+    inv = build_inventory(
+        project(
+            pytester,
+            cpu_entries=[
+                {"id": "all", "paths": ["tests"]},
+                {"id": "bad", "paths": ["tests/test_a.py::test_dev[cuda]"]},
+            ],
+        )
+    )
     (p,) = only(inv, "cpu-case-needs-cards")
     assert p.file == "suites/cpu.json"
     assert p.where.startswith("tests/test_a.py::test_dev[cuda] (entry 'bad'")
@@ -91,9 +110,14 @@ def test_rule_cpu_case_needs_cards(pytester):
 
 
 def test_rule_accelerator_case_without_cards(pytester):
-    gpu = manifest("gpu", "cuda", [
-        {"include": "suites/cases/acc.json"}, {"id": "plain", "paths": ["tests/test_a.py::test_plain"]},
-    ])
+    gpu = manifest(
+        "gpu",
+        "cuda",
+        [
+            {"include": "suites/cases/acc.json"},
+            {"id": "plain", "paths": ["tests/test_a.py::test_plain"]},
+        ],
+    )
     inv = build_inventory(project(pytester, gpu=gpu))
     (p,) = only(inv, "accelerator-case-without-cards")
     assert p.file == "suites/gpu.json"
@@ -102,41 +126,54 @@ def test_rule_accelerator_case_without_cards(pytester):
 
 
 def test_rule_case_exceeds_runner_cards(pytester):
-    tests = {"tests/test_a.py": DEVICE_TESTS, "tests/test_big.py": """
+    tests = {
+        "tests/test_a.py": DEVICE_TESTS,
+        "tests/test_big.py": """
         import pytest
 
         @pytest.mark.parametrize("device", ["cpu", "cuda", "npu"])
         @pytest.mark.launch(nproc=4)
         def test_four(device):
             pass
-    """}
+    """,
+    }
     inv = build_inventory(project(pytester, tests))
     found = only(inv, "case-exceeds-runner-cards")
     assert {p.suite for p in found} == {"gpu", "npu"}
-    assert all("test_four[" in p.where and "needs 4 card(s)" in p.message and "has 2" in p.message for p in found)
+    assert all(
+        "test_four[" in p.where and "needs 4 card(s)" in p.message and "has 2" in p.message
+        for p in found
+    )
 
 
 def test_rule_unowned_file(pytester):
     tests = {"tests/test_a.py": DEVICE_TESTS, "tests/new/test_b.py": "def test_b():\n    pass\n"}
-    inv = build_inventory(project(pytester, tests, cpu_entries=[{"id": "a", "paths": ["tests/test_a.py"]}]))
+    inv = build_inventory(
+        project(pytester, tests, cpu_entries=[{"id": "a", "paths": ["tests/test_a.py"]}])
+    )
     (p,) = only(inv, "unowned-file")
     assert str(p).startswith("tests/new/test_b.py: [unowned-file]")
     assert rules(inv) == ["unowned-file"]  # its cases are not reported once more
 
 
 def test_file_collecting_nothing_is_owned_by_its_entry_path(pytester):
-    tests = {"tests/test_a.py": DEVICE_TESTS, "tests/test_opt.py": """
+    tests = {
+        "tests/test_a.py": DEVICE_TESTS,
+        "tests/test_opt.py": """
         import pytest
         pytest.importorskip("module_that_is_not_installed")
 
         def test_x():
             pass
-    """}
+    """,
+    }
     assert build_inventory(project(pytester, tests)).problems == []
 
 
 def test_rule_unowned_case_excluded_by_markers(pytester):
-    tests = {"tests/test_a.py": DEVICE_TESTS, "tests/test_m.py": """
+    tests = {
+        "tests/test_a.py": DEVICE_TESTS,
+        "tests/test_m.py": """
         import pytest
 
         def test_fast():
@@ -145,21 +182,38 @@ def test_rule_unowned_case_excluded_by_markers(pytester):
         @pytest.mark.slow
         def test_slow():
             pass
-    """}
-    inv = build_inventory(project(pytester, tests, cpu_entries=[
-        {"id": "all", "paths": ["tests/test_a.py"]}, {"id": "fast", "paths": ["tests/test_m.py"], "markers": "not slow"},
-    ]))
+    """,
+    }
+    inv = build_inventory(
+        project(
+            pytester,
+            tests,
+            cpu_entries=[
+                {"id": "all", "paths": ["tests/test_a.py"]},
+                {"id": "fast", "paths": ["tests/test_m.py"], "markers": "not slow"},
+            ],
+        )
+    )
     (p,) = only(inv, "unowned-case")
     assert p.where == "tests/test_m.py::test_slow"
+    # It names the manifest to edit: the suites on the case's device.
+    assert p.message == (
+        "cpu case owned by no suite entry: add its file or node id to an entry of suites/cpu.json"
+    )
     assert rules(inv) == ["unowned-case"]
 
 
 def test_rule_entry_matches_nothing(pytester):
-    inv = build_inventory(project(pytester, cpu_entries=[
-        {"id": "all", "paths": ["tests"]},
-        {"id": "ghost", "paths": ["tests/gone"]},
-        {"id": "shadowed", "paths": ["tests/test_a.py"]},
-    ]))
+    inv = build_inventory(
+        project(
+            pytester,
+            cpu_entries=[
+                {"id": "all", "paths": ["tests"]},
+                {"id": "ghost", "paths": ["tests/gone"]},
+                {"id": "shadowed", "paths": ["tests/test_a.py"]},
+            ],
+        )
+    )
     found = {p.where.split()[0]: p for p in only(inv, "entry-matches-nothing")}
     assert set(found) == {"/entries/1", "/entries/2"}
     assert "match no cpu case" in found["/entries/1"].message
@@ -169,7 +223,11 @@ def test_rule_entry_matches_nothing(pytester):
 
 def test_accelerator_entry_matching_only_cpu_tests_matches_nothing(pytester):
     tests = {"tests/test_a.py": DEVICE_TESTS, "tests/plain/test_p.py": "def test_p():\n    pass\n"}
-    gpu = manifest("gpu", "cuda", [{"include": "suites/cases/acc.json"}, {"id": "plain", "paths": ["tests/plain"]}])
+    gpu = manifest(
+        "gpu",
+        "cuda",
+        [{"include": "suites/cases/acc.json"}, {"id": "plain", "paths": ["tests/plain"]}],
+    )
     inv = build_inventory(project(pytester, tests, gpu=gpu))
     (p,) = only(inv, "entry-matches-nothing")
     assert p.suite == "gpu"
@@ -177,9 +235,15 @@ def test_accelerator_entry_matching_only_cpu_tests_matches_nothing(pytester):
 
 
 def test_rule_duplicate_entry_id(pytester):
-    inv = build_inventory(project(pytester, cpu_entries=[
-        {"id": "all", "paths": ["tests/test_a.py::test_plain"]}, {"id": "all", "paths": ["tests"]},
-    ]))
+    inv = build_inventory(
+        project(
+            pytester,
+            cpu_entries=[
+                {"id": "all", "paths": ["tests/test_a.py::test_plain"]},
+                {"id": "all", "paths": ["tests"]},
+            ],
+        )
+    )
     (p,) = only(inv, "duplicate-entry-id")
     assert str(p).startswith("suites/cpu.json /entries/1/id: [duplicate-entry-id]")
 
@@ -201,7 +265,10 @@ def test_rule_manifest_not_json(pytester):
 
 
 def test_rule_collection_error(pytester):
-    tests = {"tests/test_a.py": DEVICE_TESTS, "tests/test_broken.py": "import module_that_does_not_exist\n"}
+    tests = {
+        "tests/test_a.py": DEVICE_TESTS,
+        "tests/test_broken.py": "import module_that_does_not_exist\n",
+    }
     inv = build_inventory(project(pytester, tests))
     (p,) = only(inv, "collection-error")
     assert p.file == "tests/test_broken.py"
@@ -209,13 +276,16 @@ def test_rule_collection_error(pytester):
 
 
 def test_rule_bad_launch_spec(pytester):
-    tests = {"tests/test_a.py": DEVICE_TESTS, "tests/test_bad.py": """
+    tests = {
+        "tests/test_a.py": DEVICE_TESTS,
+        "tests/test_bad.py": """
         import pytest
 
         @pytest.mark.launch(nproc=0)
         def test_zero():
             pass
-    """}
+    """,
+    }
     inv = build_inventory(project(pytester, tests))
     (p,) = only(inv, "bad-launch-spec")
     assert p.where == "tests/test_bad.py::test_zero"
@@ -223,7 +293,9 @@ def test_rule_bad_launch_spec(pytester):
 
 
 def test_first_matching_entry_owns_and_markers_select(pytester):
-    tests = {"tests/test_a.py": DEVICE_TESTS, "tests/test_m.py": """
+    tests = {
+        "tests/test_a.py": DEVICE_TESTS,
+        "tests/test_m.py": """
         import pytest
 
         @pytest.mark.slow
@@ -232,22 +304,36 @@ def test_first_matching_entry_owns_and_markers_select(pytester):
 
         def test_fast():
             pass
-    """}
-    inv = build_inventory(project(pytester, tests, cpu_entries=[
-        {"id": "slow", "paths": ["tests"], "markers": "slow"}, {"id": "rest", "paths": ["tests"]},
-    ]))
+    """,
+    }
+    inv = build_inventory(
+        project(
+            pytester,
+            tests,
+            cpu_entries=[
+                {"id": "slow", "paths": ["tests"], "markers": "slow"},
+                {"id": "rest", "paths": ["tests"]},
+            ],
+        )
+    )
     assert inv.problems == []
     assert inv.owners["tests/test_m.py::test_slow"] == [("cpu", "slow")]
     assert inv.owners["tests/test_m.py::test_fast"] == [("cpu", "rest")]
 
 
 def test_cli_inventory_json_and_exit_codes(pytester, capsys):
-    project(pytester, {"tests/test_a.py": DEVICE_TESTS, "tests/x/test_b.py": "def test_b():\n    pass\n"},
-            cpu_entries=[{"id": "a", "paths": ["tests/test_a.py"]}])
+    project(
+        pytester,
+        {"tests/test_a.py": DEVICE_TESTS, "tests/x/test_b.py": "def test_b():\n    pass\n"},
+        cpu_entries=[{"id": "a", "paths": ["tests/test_a.py"]}],
+    )
     assert main(["--root", str(pytester.path), "inventory", "--json"]) == 1
     doc = json.loads(capsys.readouterr().out)
     assert set(doc) == {"cases", "errors"}
-    assert {c["nodeid"] for c in doc["cases"]} >= {"tests/test_a.py::test_dev[npu]", "tests/x/test_b.py::test_b"}
+    assert {c["nodeid"] for c in doc["cases"]} >= {
+        "tests/test_a.py::test_dev[npu]",
+        "tests/x/test_b.py::test_b",
+    }
     assert [e["rule"] for e in doc["errors"]] == ["unowned-file"]
 
     # Naming a suite lists its cases only; ownership is still judged against all suites.
@@ -255,8 +341,10 @@ def test_cli_inventory_json_and_exit_codes(pytester, capsys):
     doc = json.loads(capsys.readouterr().out)
     assert [c["nodeid"] for c in doc["cases"]] == ["tests/test_a.py::test_dev[cuda]"]
 
-    (pytester.path / "suites/cpu.json").write_text(json.dumps(manifest("cpu", "cpu", [{"id": "a", "paths": ["tests"]}])))
-    assert main(["--root", str(pytester.path), "inventory"]) == 0
+    (pytester.path / "suites/cpu.json").write_text(
+        json.dumps(manifest("cpu", "cpu", [{"id": "a", "paths": ["tests"]}]))
+    )
+    assert main(["--root", str(pytester.path), "inventory", "--cases"]) == 0
     out = capsys.readouterr().out
     assert "tests/test_a.py::test_dev[npu]" in out
     assert "npu:dev" in out
@@ -264,7 +352,13 @@ def test_cli_inventory_json_and_exit_codes(pytester, capsys):
 
 
 def test_cli_inventory_text_names_rule_file_and_case(pytester, capsys):
-    project(pytester, cpu_entries=[{"id": "all", "paths": ["tests"]}, {"id": "x", "paths": ["tests/test_a.py::test_dev[npu]"]}])
+    project(
+        pytester,
+        cpu_entries=[
+            {"id": "all", "paths": ["tests"]},
+            {"id": "x", "paths": ["tests/test_a.py::test_dev[npu]"]},
+        ],
+    )
     assert main(["--root", str(pytester.path), "inventory", "-q"]) == 1
     err = capsys.readouterr().err
     assert "suites/cpu.json tests/test_a.py::test_dev[npu] (entry 'x'" in err
@@ -279,7 +373,9 @@ def test_cli_unknown_suite(pytester, capsys, name):
 
 
 def test_broken_other_manifest_does_not_flood_a_named_inventory(pytester):
-    project(pytester, cpu=manifest("cpu", "cpu", [{"id": "all", "paths": ["tests"], "timeout_s": 0}]))
+    project(
+        pytester, cpu=manifest("cpu", "cpu", [{"id": "all", "paths": ["tests"], "timeout_s": 0}])
+    )
     inv = build_inventory(pytester.path, ["gpu"])
     assert inv.problems == []  # cpu's problem is cpu's; ownership is not judged without cpu
     assert [c.nodeid for c, _ in inv.suite_cases("gpu")] == ["tests/test_a.py::test_dev[cuda]"]
@@ -289,7 +385,7 @@ def test_broken_other_manifest_does_not_flood_a_named_inventory(pytester):
 
 
 def test_ownership_follows_pytests_collection_rules(pytester):
-    # Issue 11.3: which files are tests is pytest's call (python_files, testpaths,
+    # Which files are tests is pytest's call (python_files, testpaths,
     # norecursedirs, --ignore from the configuration), not a hard-coded tests/**/test_*.py.
     config = """
         [tool.pytest.ini_options]
@@ -305,28 +401,44 @@ def test_ownership_follows_pytests_collection_rules(pytester):
         "tests/skipme/test_x.py": "def test_ignored():\n    pass\n",
         "scripts/test_tool.py": "def test_outside_testpaths():\n    pass\n",
     }
-    root = make_project(pytester.path, tests,
-                        {"cpu": manifest("cpu", "cpu", [{"id": "owned", "paths": ["tests/check_owned.py"]}])},
-                        {"pyproject.toml": textwrap.dedent(config)})
+    root = make_project(
+        pytester.path,
+        tests,
+        {"cpu": manifest("cpu", "cpu", [{"id": "owned", "paths": ["tests/check_owned.py"]}])},
+        {"pyproject.toml": textwrap.dedent(config)},
+    )
     inv = build_inventory(root)
     assert [str(p) for p in inv.problems] == [
         "tests/check_new.py: [unowned-file] test file owned by no suite entry: add it to a suite in suites/"
     ]
-    assert [c.nodeid for c in inv.cases] == ["tests/check_new.py::test_b", "tests/check_owned.py::test_a"]
+    assert [c.nodeid for c in inv.cases] == [
+        "tests/check_new.py::test_b",
+        "tests/check_owned.py::test_a",
+    ]
 
 
 def test_entry_outside_testpaths_is_still_collected(pytester):
-    tests = {"tests/test_a.py": DEVICE_TESTS, "scripts/check_tool.py": "def test_tool():\n    pass\n"}
-    inv = build_inventory(project(pytester, tests, cpu_entries=[
-        {"id": "all", "paths": ["tests"]}, {"id": "tool", "paths": ["scripts/check_tool.py"]},
-    ]))
+    tests = {
+        "tests/test_a.py": DEVICE_TESTS,
+        "scripts/check_tool.py": "def test_tool():\n    pass\n",
+    }
+    inv = build_inventory(
+        project(
+            pytester,
+            tests,
+            cpu_entries=[
+                {"id": "all", "paths": ["tests"]},
+                {"id": "tool", "paths": ["scripts/check_tool.py"]},
+            ],
+        )
+    )
     assert inv.problems == []
     assert inv.owners["scripts/check_tool.py::test_tool"] == [("cpu", "tool")]
 
 
 @pytest.mark.parametrize("with_dir", [False, True])
 def test_repository_without_suites_is_an_error(pytester, capsys, with_dir):
-    # Issue 11.3: never "0 case(s), 0 problem(s)" and exit 0.
+    # Never "0 case(s), 0 problem(s)" and exit 0.
     pytester.makepyfile(test_a="def test_a():\n    pass\n")
     if with_dir:
         (pytester.path / "suites").mkdir()
@@ -340,7 +452,7 @@ def test_repository_without_suites_is_an_error(pytester, capsys, with_dir):
 
 
 def test_symlink_leaving_the_repository_is_named_as_such(pytester, tmp_path_factory):
-    # Issue 12.9: it was "[unowned-file] ... add it to a suite" although tests/ is owned.
+    # It was "[unowned-file] ... add it to a suite" although tests/ is owned.
     elsewhere = tmp_path_factory.mktemp("elsewhere") / "test_far.py"
     elsewhere.write_text("def test_far():\n    pass\n")
     root = project(pytester)
@@ -357,15 +469,25 @@ def test_symlink_leaving_the_repository_is_named_as_such(pytester, tmp_path_fact
     ("source", "where", "message"),
     [
         ("import os\n\ndef test_x(:\n    pass\n", "line 3", "SyntaxError: invalid syntax"),
-        ("import os\nimport module_that_does_not_exist\n", "line 2",
-         "ModuleNotFoundError: No module named 'module_that_does_not_exist'"),
-        ("import helper_that_raises\n", "line 1, raised at tests/helper_that_raises.py:2", "ValueError: boom"),
+        (
+            "import os\nimport module_that_does_not_exist\n",
+            "line 2",
+            "ModuleNotFoundError: No module named 'module_that_does_not_exist'",
+        ),
+        (
+            "import helper_that_raises\n",
+            "line 1, raised at tests/helper_that_raises.py:2",
+            "ValueError: boom",
+        ),
     ],
 )
 def test_collection_error_keeps_file_and_line(pytester, source, where, message):
-    # Issue 12.9: only the last line ("E   SyntaxError: invalid syntax") was kept.
-    tests = {"tests/test_a.py": DEVICE_TESTS, "tests/test_broken.py": source,
-             "tests/helper_that_raises.py": "def f():\n    raise ValueError('boom')\n\nf()\n"}
+    # Only the last line ("E   SyntaxError: invalid syntax") was kept.
+    tests = {
+        "tests/test_a.py": DEVICE_TESTS,
+        "tests/test_broken.py": source,
+        "tests/helper_that_raises.py": "def f():\n    raise ValueError('boom')\n\nf()\n",
+    }
     inv = build_inventory(project(pytester, tests))
     (p,) = only(inv, "collection-error")
     assert (p.file, p.where, p.message) == ("tests/test_broken.py", where, message)
@@ -375,11 +497,20 @@ def test_collection_error_keeps_file_and_line(pytester, source, where, message):
 def test_glob_entries_collect_what_they_match_for_a_run(pytester):
     # Without the ownership check (what `harness run` does) only entry paths are
     # collected: each glob is expanded, in one walk, to the files it matches.
-    tests = {"tests/a/test_one.py": "def test_1():\n    pass\n", "tests/b/c/test_two.py": "def test_2():\n    pass\n",
-             "tests/b/c/check_three.py": "def test_3():\n    pass\n", "tests/.hidden/test_no.py": "def test_x():\n    pass\n"}
-    root = project(pytester, tests, cpu_entries=[
-        {"id": "one", "paths": ["tests/*/test_*.py"]}, {"id": "deep", "paths": ["tests/**/c/*_*.py"]},
-    ])
+    tests = {
+        "tests/a/test_one.py": "def test_1():\n    pass\n",
+        "tests/b/c/test_two.py": "def test_2():\n    pass\n",
+        "tests/b/c/check_three.py": "def test_3():\n    pass\n",
+        "tests/.hidden/test_no.py": "def test_x():\n    pass\n",
+    }
+    root = project(
+        pytester,
+        tests,
+        cpu_entries=[
+            {"id": "one", "paths": ["tests/*/test_*.py"]},
+            {"id": "deep", "paths": ["tests/**/c/*_*.py"]},
+        ],
+    )
     inv = build_inventory(root, ["cpu"], check_ownership=False)
     assert inv.problems == []
     assert {c.nodeid: o for c in inv.cases for o in inv.owners[c.nodeid]} == {
@@ -387,3 +518,56 @@ def test_glob_entries_collect_what_they_match_for_a_run(pytester):
         "tests/b/c/test_two.py::test_2": ("cpu", "deep"),
         "tests/b/c/check_three.py::test_3": ("cpu", "deep"),
     }
+
+
+def test_tests_hidden_by_norecursedirs_inside_testpaths_are_a_warning(pytester, capsys):
+    root = project(
+        pytester,
+        {
+            "tests/test_a.py": DEVICE_TESTS,
+            "tests/dist/test_hidden.py": "def test_h():\n    pass\n",
+            "tests/build/helper.py": "",
+            "tests/.cache/test_x.py": "",
+        },
+    )
+    inv = build_inventory(root)
+    (p,) = only(inv, "tests-under-norecursedirs")
+    assert p.file == "tests/dist/test_hidden.py"
+    assert "norecursedirs pattern 'dist'" in p.message
+    assert rules(inv) == ["tests-under-norecursedirs"]
+    # A warning: the inventory passes, and run / matrix do not see it.
+    assert main(["--root", str(root), "inventory"]) == 0
+    out, err = capsys.readouterr()
+    assert "warning: tests/dist/test_hidden.py: [tests-under-norecursedirs]" in err
+    assert out.strip().endswith("0 problem(s), 1 warning(s)")
+    assert main(["--root", str(root), "matrix", "cpu"]) == 0
+    # Named by an entry, it is collected by name and owned: no warning.
+    doc = manifest(
+        "cpu",
+        "cpu",
+        [{"id": "a", "paths": ["tests/test_a.py"]}, {"id": "dist", "paths": ["tests/dist"]}],
+    )
+    (root / "suites/cpu.json").write_text(json.dumps(doc))
+    inv = build_inventory(root)
+    assert inv.problems == []
+    assert inv.owners["tests/dist/test_hidden.py::test_h"] == [("cpu", "dist")]
+
+
+def test_only_the_blocking_rules_stop_run_and_matrix():
+    from harness import names
+
+    assert names.BLOCKING_RULES <= names.RULES
+    assert not names.BLOCKING_RULES & (names.WARNING_RULES | names.OWNERSHIP_RULES)
+
+
+def test_default_output_is_one_line_per_entry(pytester, capsys):
+    root = project(pytester)
+    assert main(["--root", str(root), "inventory"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].split() == ["ENTRY", "CASES", "DEVICES", "NPROC", "CARDS"]
+    assert out[1].split() == ["cpu:all", "2", "cpu", "1", "0"]
+    assert sorted(line.split()[0] for line in out[1:-1]) == ["cpu:all", "gpu:dev", "npu:dev"]
+    assert main(["--root", str(root), "inventory", "--cases"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].split()[:2] == ["CASE", "DEVICE"]
+    assert len(out) == 1 + 4 + 1  # header, every case, the count line

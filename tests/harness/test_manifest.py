@@ -48,7 +48,9 @@ def test_schema_is_valid_draft_2020_12():
 
 def test_real_manifests_validate_with_plain_jsonschema_and_carry_schema_key():
     schema = json.loads((REPO / "harness/suites/schema.json").read_text())
-    files = sorted((REPO / "suites").glob("*.json")) + sorted((REPO / "suites/cases").glob("*.json"))
+    files = sorted((REPO / "suites").glob("*.json")) + sorted(
+        (REPO / "suites/cases").glob("*.json")
+    )
     files = [f for f in files if f.name != "schema.json"]
     assert {f.stem for f in files} >= {"cpu", "gpu", "npu"}
     for f in files:
@@ -78,14 +80,20 @@ def test_real_suites_load_and_gpu_npu_share_one_case_list():
     [
         (lambda d: d["entries"][0].update(timeout_s=-1), "suites/cpu.json /entries/0/timeout_s:"),
         (lambda d: d["entries"][0].update(timeout_s="10"), "suites/cpu.json /entries/0/timeout_s:"),
-        (lambda d: d["entries"][0].update(estimated_s=0), "suites/cpu.json /entries/0/estimated_s:"),
+        (
+            lambda d: d["entries"][0].update(estimated_s=0),
+            "suites/cpu.json /entries/0/estimated_s:",
+        ),
         (lambda d: d["entries"][0].update(paths=[]), "suites/cpu.json /entries/0/paths:"),
         (lambda d: d["entries"][0].update(id="has space"), "suites/cpu.json /entries/0/id:"),
         (lambda d: d["entries"][0].update(bogus=1), "suites/cpu.json /entries/0:"),
         (lambda d: d["entries"].append({"include": 3}), "suites/cpu.json /entries/1/include:"),
         (lambda d: d.update(device="tpu"), "suites/cpu.json /device:"),
         (lambda d: d["runner"].update(cards="two"), "suites/cpu.json /runner/cards:"),
-        (lambda d: d.update(runner=[{**CPU_RUNNER, "timeout_minutes": 0}]), "suites/cpu.json /runner/0/timeout_minutes:"),
+        (
+            lambda d: d.update(runner=[{**CPU_RUNNER, "timeout_minutes": 0}]),
+            "suites/cpu.json /runner/0/timeout_minutes:",
+        ),
         (lambda d: d.pop("runner"), "suites/cpu.json <root>:"),
     ],
 )
@@ -108,29 +116,53 @@ def test_every_schema_error_is_reported_not_just_the_first(tmp_path):
 
 @pytest.mark.parametrize(
     ("field", "literal", "shown"),
-    [("timeout_s", "Infinity", "inf"), ("timeout_s", "NaN", "nan"), ("timeout_s", "-Infinity", "-inf"),
-     ("timeout_s", "1e999", "inf"), ("estimated_s", "NaN", "nan")],
+    [
+        ("timeout_s", "Infinity", "inf"),
+        ("timeout_s", "NaN", "nan"),
+        ("timeout_s", "-Infinity", "-inf"),
+        ("timeout_s", "1e999", "inf"),
+        ("estimated_s", "NaN", "nan"),
+    ],
 )
 def test_numbers_that_are_not_finite_are_rejected_with_pointer(tmp_path, field, literal, shown):
-    # Issue 12.6: Python's JSON reader takes these; the schema alone let them through.
-    text = json.dumps(cpu_doc(**{field: 7}), indent=2).replace(f'"{field}": 7', f'"{field}": {literal}')
+    # Python's JSON reader takes these; the schema alone let them through.
+    text = json.dumps(cpu_doc(**{field: 7}), indent=2).replace(
+        f'"{field}": 7', f'"{field}": {literal}'
+    )
     write(tmp_path, "suites/cpu.json", text)
-    assert problems_of(tmp_path) == [f"suites/cpu.json /entries/0/{field}: [schema] {shown} is not a finite number"]
+    assert problems_of(tmp_path) == [
+        f"suites/cpu.json /entries/0/{field}: [schema] {shown} is not a finite number"
+    ]
 
 
 def test_non_finite_number_in_an_included_case_list_points_into_it(tmp_path):
-    write(tmp_path, "suites/cases/acc.json", '{"entries": [{"id": "x", "paths": ["tests"], "estimated_s": NaN}]}')
-    write(tmp_path, "suites/cpu.json", manifest("cpu", "cpu", [{"include": "suites/cases/acc.json"}]))
+    write(
+        tmp_path,
+        "suites/cases/acc.json",
+        '{"entries": [{"id": "x", "paths": ["tests"], "estimated_s": NaN}]}',
+    )
+    write(
+        tmp_path, "suites/cpu.json", manifest("cpu", "cpu", [{"include": "suites/cases/acc.json"}])
+    )
     runner = json.dumps(manifest("cpu", "cpu", [{"include": "suites/cases/acc.json"}])).replace(
-        '"timeout_minutes": 10', '"timeout_minutes": 10, "budget_minutes": Infinity')
+        '"timeout_minutes": 10', '"timeout_minutes": 10, "budget_minutes": Infinity'
+    )
     write(tmp_path, "suites/cpu.json", runner)
-    assert problems_of(tmp_path) == ["suites/cpu.json /runner/budget_minutes: [schema] inf is not a finite number"]
-    write(tmp_path, "suites/cpu.json", manifest("cpu", "cpu", [{"include": "suites/cases/acc.json"}]))
-    assert problems_of(tmp_path) == ["suites/cases/acc.json /entries/0/estimated_s: [schema] nan is not a finite number"]
+    assert problems_of(tmp_path) == [
+        "suites/cpu.json /runner/budget_minutes: [schema] inf is not a finite number"
+    ]
+    write(
+        tmp_path, "suites/cpu.json", manifest("cpu", "cpu", [{"include": "suites/cases/acc.json"}])
+    )
+    assert problems_of(tmp_path) == [
+        "suites/cases/acc.json /entries/0/estimated_s: [schema] nan is not a finite number"
+    ]
 
 
 def test_not_json_names_file_line_and_column(tmp_path):
-    write(tmp_path, "suites/cpu.json", '{\n  "suite": "cpu",\n  "device": "cpu"\n  "entries": []\n}\n')
+    write(
+        tmp_path, "suites/cpu.json", '{\n  "suite": "cpu",\n  "device": "cpu"\n  "entries": []\n}\n'
+    )
     (found,) = problems_of(tmp_path)
     assert found.startswith("suites/cpu.json:4:3: [json] not valid JSON")
 
@@ -163,7 +195,9 @@ def test_schema_key_is_allowed(tmp_path):
 
 @pytest.mark.parametrize("bad", ["../elsewhere", "/etc", "tests/../../x", "../x.py::test_a"])
 def test_paths_outside_the_repository_are_rejected(tmp_path, bad):
-    write(tmp_path, "suites/cpu.json", manifest("cpu", "cpu", [{"id": "a", "paths": ["tests", bad]}]))
+    write(
+        tmp_path, "suites/cpu.json", manifest("cpu", "cpu", [{"id": "a", "paths": ["tests", bad]}])
+    )
     (found,) = problems_of(tmp_path)
     assert found.startswith("suites/cpu.json /entries/0/paths/1: [path]")
 
@@ -211,10 +245,18 @@ def test_path_matching(path, pattern, hit):
 def test_include_splices_shared_entries_and_keeps_their_source(tmp_path):
     write(tmp_path, "suites/cases/acc.json", {"entries": [{"id": "ops", "paths": ["tests/ops"]}]})
     for suite, device in (("gpu", "cuda"), ("npu", "npu")):
-        write(tmp_path, f"suites/{suite}.json", manifest(suite, device, [
-            {"include": "suites/cases/acc.json"},
-            {"id": f"{suite}-only", "paths": ["tests/x"]},
-        ]))
+        write(
+            tmp_path,
+            f"suites/{suite}.json",
+            manifest(
+                suite,
+                device,
+                [
+                    {"include": "suites/cases/acc.json"},
+                    {"id": f"{suite}-only", "paths": ["tests/x"]},
+                ],
+            ),
+        )
     gpu = load_manifest(tmp_path / "suites/gpu.json", tmp_path)
     npu = load_manifest(tmp_path / "suites/npu.json", tmp_path)
     assert [e.id for e in gpu.entries] == ["ops", "gpu-only"]
@@ -232,8 +274,14 @@ def test_include_of_another_manifest_takes_its_entries(tmp_path):
 
 
 def test_include_errors_point_into_the_included_file(tmp_path):
-    write(tmp_path, "suites/cases/acc.json", {"entries": [{"id": "ops", "paths": ["tests"], "timeout_s": 0}]})
-    write(tmp_path, "suites/gpu.json", manifest("gpu", "cuda", [{"include": "suites/cases/acc.json"}]))
+    write(
+        tmp_path,
+        "suites/cases/acc.json",
+        {"entries": [{"id": "ops", "paths": ["tests"], "timeout_s": 0}]},
+    )
+    write(
+        tmp_path, "suites/gpu.json", manifest("gpu", "cuda", [{"include": "suites/cases/acc.json"}])
+    )
     (found,) = problems_of(tmp_path, "suites/gpu.json")
     assert found.startswith("suites/cases/acc.json /entries/0/timeout_s: [schema]")
 
@@ -252,16 +300,30 @@ def test_bad_include_is_named(tmp_path, include, message):
 def test_include_cycle_is_named(tmp_path):
     write(tmp_path, "suites/cases/a.json", {"entries": [{"include": "suites/cases/b.json"}]})
     write(tmp_path, "suites/cases/b.json", {"entries": [{"include": "suites/cases/a.json"}]})
-    write(tmp_path, "suites/gpu.json", manifest("gpu", "cuda", [{"include": "suites/cases/a.json"}]))
+    write(
+        tmp_path, "suites/gpu.json", manifest("gpu", "cuda", [{"include": "suites/cases/a.json"}])
+    )
     (found,) = problems_of(tmp_path, "suites/gpu.json")
-    assert "include cycle: suites/gpu.json -> suites/cases/a.json -> suites/cases/b.json -> suites/cases/a.json" in found
+    assert (
+        "include cycle: suites/gpu.json -> suites/cases/a.json -> suites/cases/b.json -> suites/cases/a.json"
+        in found
+    )
 
 
 def test_duplicate_entry_ids_are_reported_with_both_places(tmp_path):
     write(tmp_path, "suites/cases/acc.json", {"entries": [{"id": "ops", "paths": ["tests"]}]})
-    write(tmp_path, "suites/gpu.json", manifest("gpu", "cuda", [
-        {"id": "ops", "paths": ["tests/a"]}, {"include": "suites/cases/acc.json"},
-    ]))
+    write(
+        tmp_path,
+        "suites/gpu.json",
+        manifest(
+            "gpu",
+            "cuda",
+            [
+                {"id": "ops", "paths": ["tests/a"]},
+                {"include": "suites/cases/acc.json"},
+            ],
+        ),
+    )
     (dup,) = duplicate_entries(load_manifest(tmp_path / "suites/gpu.json", tmp_path))
     assert dup.rule == "duplicate-entry-id"
     assert str(dup).startswith("suites/cases/acc.json /entries/0/id:")
@@ -281,8 +343,38 @@ def test_runner_classes_are_sorted_and_budget_defaults_to_three_quarters(tmp_pat
         {"labels": ["big"], "cards": 8, "timeout_minutes": 60},
         {"labels": ["small"], "cards": 1, "timeout_minutes": 40, "budget_minutes": 20},
     ]
-    write(tmp_path, "suites/gpu.json", manifest("gpu", "cuda", [{"id": "a", "paths": ["tests"]}], runners))
+    write(
+        tmp_path,
+        "suites/gpu.json",
+        manifest("gpu", "cuda", [{"id": "a", "paths": ["tests"]}], runners),
+    )
     m = load_manifest(tmp_path / "suites/gpu.json", tmp_path)
     assert [r.cards for r in m.runners] == [1, 8]
     assert [r.budget_minutes for r in m.runners] == [20, 45]
     assert m.max_cards == 8
+
+
+@pytest.mark.parametrize("depth", [65, 100_000])
+def test_deeply_nested_json_is_named_not_a_recursion_error(tmp_path, depth):
+    write(tmp_path, "suites/cpu.json", '{"suite": "cpu", "x": ' + "[" * depth + "]" * depth + "}")
+    assert problems_of(tmp_path) == [
+        "suites/cpu.json: [json] nested deeper than 64 levels of arrays / objects"
+    ]
+
+
+def test_deeply_nested_included_case_list_is_named(tmp_path):
+    write(tmp_path, "suites/cpu.json", manifest("cpu", "cpu", [{"include": "suites/cases/c.json"}]))
+    write(tmp_path, "suites/cases/c.json", '{"entries": ' + "[" * 5000 + "]" * 5000 + "}")
+    assert problems_of(tmp_path) == [
+        "suites/cases/c.json: [json] nested deeper than 64 levels of arrays / objects"
+    ]
+
+
+def test_deeply_nested_manifest_fails_every_command_clearly(tmp_path, capsys):
+    from harness.suites.cli import main
+
+    write(tmp_path, "suites/cpu.json", "[" * 100_000 + "]" * 100_000)
+    assert main(["--root", str(tmp_path), "inventory"]) == 1
+    assert main(["--root", str(tmp_path), "matrix", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("suites/cpu.json: [json] nested deeper than 64 levels") == 2

@@ -30,8 +30,13 @@ from harness.suites.plan import (
 
 
 def runner(cards=0, timeout=60, budget=None, name=None):
-    return Runner(("lbl", f"c{cards}"), cards, timeout, budget if budget is not None else timeout * 0.75,
-                  name or f"r{cards}")
+    return Runner(
+        ("lbl", f"c{cards}"),
+        cards,
+        timeout,
+        budget if budget is not None else timeout * 0.75,
+        name or f"r{cards}",
+    )
 
 
 def cases(seconds, cards=0):
@@ -98,8 +103,13 @@ def test_cases_never_land_on_runners_with_fewer_cards():
 
 
 def test_small_cases_fill_big_runners_when_one_shard():
-    result = plan("s", [runner(1), runner(4)], [*cases([5.0], cards=1), *cases([5.0], cards=4)[:0],
-                  PlannedCase("t::big", "e", 4, 5.0)], shards=1, enforce_budget=False)
+    result = plan(
+        "s",
+        [runner(1), runner(4)],
+        [*cases([5.0], cards=1), *cases([5.0], cards=4)[:0], PlannedCase("t::big", "e", 4, 5.0)],
+        shards=1,
+        enforce_budget=False,
+    )
     (only,) = result.shards
     assert only.runner.cards == 4
     assert len(only.cases) == 2
@@ -119,7 +129,9 @@ def test_shards_over_budget_are_named():
 
 
 def test_single_case_over_budget_is_named():
-    with pytest.raises(PlanError, match=r"test_0 is expected to take 5.0 min, over the shard budget of 3.0 min"):
+    with pytest.raises(
+        PlanError, match=r"test_0 is expected to take 5.0 min, over the shard budget of 3.0 min"
+    ):
         plan("s", [runner(timeout=4, budget=3)], cases([300.0]))
 
 
@@ -142,15 +154,30 @@ def test_target_longer_than_one_case_is_refused():
 
 def test_empty_suite_still_has_one_shard():
     m = plan("s", [runner()], []).matrix()
-    assert m == {"include": [{"suite": "s", "shard": "1/1", "runner": ["lbl", "c0"], "runner_name": "r0",
-                              "cards": 0, "timeout_minutes": 60, "job_timeout_minutes": 70, "cases": 0,
-                              "estimated_minutes": 0.0}]}
+    assert m == {
+        "include": [
+            {
+                "suite": "s",
+                "shard": "1/1",
+                "runner": ["lbl", "c0"],
+                "runner_name": "r0",
+                "cards": 0,
+                "timeout_minutes": 60,
+                "job_timeout_minutes": 70,
+                "cases": 0,
+                "estimated_minutes": 0.0,
+            }
+        ]
+    }
 
 
 def test_matrix_json_lists_every_shard():
     m = plan("gpu", [runner(2, timeout=30)], cases([60.0] * 10, cards=1), shards=3).matrix()
     assert [x["shard"] for x in m["include"]] == ["1/3", "2/3", "3/3"]
-    assert all(x["runner"] == ["lbl", "c2"] and x["cards"] == 2 and x["timeout_minutes"] == 30 for x in m["include"])
+    assert all(
+        x["runner"] == ["lbl", "c2"] and x["cards"] == 2 and x["timeout_minutes"] == 30
+        for x in m["include"]
+    )
     assert sum(x["cases"] for x in m["include"]) == 10
     json.dumps(m)
 
@@ -165,10 +192,19 @@ def test_parse_shard_rejects(bad):
 
 
 def test_estimate_prefers_recorded_then_entry_median_then_estimate():
-    raw = [("a::1", "A", 0, 9.0), ("a::2", "A", 0, 9.0), ("a::3", "A", 0, 9.0), ("b::1", "B", 0, 7.0)]
+    raw = [
+        ("a::1", "A", 0, 9.0),
+        ("a::2", "A", 0, 9.0),
+        ("a::3", "A", 0, 9.0),
+        ("b::1", "B", 0, 7.0),
+    ]
     got = {c.nodeid: (c.seconds, c.basis) for c in estimate(raw, {"a::1": 1.0, "a::2": 3.0})}
-    assert got == {"a::1": (1.0, "recorded"), "a::2": (3.0, "recorded"), "a::3": (2.0, "entry-median"),
-                   "b::1": (7.0, "estimated")}
+    assert got == {
+        "a::1": (1.0, "recorded"),
+        "a::2": (3.0, "recorded"),
+        "a::3": (2.0, "entry-median"),
+        "b::1": (7.0, "estimated"),
+    }
 
 
 def test_durations_round_trip_and_merge(tmp_path):
@@ -182,8 +218,14 @@ def test_durations_round_trip_and_merge(tmp_path):
 
 @pytest.mark.parametrize(
     "text",
-    ["{", '{"durations": {"a": -1}}', '{"durations": ["a"]}', "[]", '{"durations": {"a": Infinity}}',
-     '{"durations": {"a": NaN}}'],
+    [
+        "{",
+        '{"durations": {"a": -1}}',
+        '{"durations": ["a"]}',
+        "[]",
+        '{"durations": {"a": Infinity}}',
+        '{"durations": {"a": NaN}}',
+    ],
 )
 def test_malformed_durations_name_the_file(tmp_path, text):
     path = tmp_path / "gpu.json"
@@ -196,8 +238,16 @@ def test_malformed_durations_name_the_file(tmp_path, text):
 
 
 def entry(eid, paths, depends_on=None):
-    return Entry(eid, tuple(paths), None, None, 5.0, tuple(depends_on) if depends_on is not None else None,
-                 "suites/cpu.json", "/entries/0")
+    return Entry(
+        eid,
+        tuple(paths),
+        None,
+        None,
+        5.0,
+        tuple(depends_on) if depends_on is not None else None,
+        "suites/cpu.json",
+        "/entries/0",
+    )
 
 
 ENTRIES = [
@@ -229,7 +279,9 @@ def test_select(changed, chosen, everything):
 
 
 def git(repo: Path, *args: str) -> str:
-    return subprocess.run(["git", "-C", str(repo), *args], check=True, capture_output=True, text=True).stdout
+    return subprocess.run(
+        ["git", "-C", str(repo), *args], check=True, capture_output=True, text=True
+    ).stdout
 
 
 @pytest.fixture
@@ -254,8 +306,13 @@ def test_changed_files_from_a_real_git_repo(repo):
     (repo / "tests/new/test_n.py").write_text("")  # untracked
     git(repo, "mv", "channel_loss/meter.py", "channel_loss/meter2.py")  # staged rename: both names
     got = changed_files(repo, "main")
-    assert got == ["README.md", "channel_loss/meter.py", "channel_loss/meter2.py", "channel_loss/ops.py",
-                   "tests/new/test_n.py"]
+    assert got == [
+        "README.md",
+        "channel_loss/meter.py",
+        "channel_loss/meter2.py",
+        "channel_loss/ops.py",
+        "tests/new/test_n.py",
+    ]
     sel = select(ENTRIES, got)
     assert set(sel.entries) == {"ops", "meter", "always"}
     assert not sel.everything
@@ -279,3 +336,91 @@ def test_harness_change_in_git_runs_everything(repo):
 def test_unknown_ref_runs_everything(repo):
     assert changed_files(repo, "no-such-ref") is None
     assert select(ENTRIES, changed_files(repo, "no-such-ref")).everything
+
+
+# --------------------------------------------------------------------------- one planner
+
+
+def test_the_shard_run_is_the_shard_planned(pytester, capsys):
+    from suite_project import make_project, manifest
+
+    from harness.suites.cli import main
+    from harness.suites.inventory import build_inventory
+    from harness.suites.plan import plan_suite
+    from harness.suites.run import plan_cases
+
+    tests = {
+        "tests/t/test_t.py": "import pytest\n\n@pytest.mark.parametrize('i', range(7))\ndef test_t(i):\n    pass\n"
+    }
+    seconds = [40, 5, 30, 10, 25, 15, 20]
+    durations = {"durations": {f"tests/t/test_t.py::test_t[{i}]": s for i, s in enumerate(seconds)}}
+    root = make_project(
+        pytester.path,
+        tests,
+        {"cpu": manifest("cpu", "cpu", [{"id": "t", "paths": ["tests/t"]}])},
+        {"suites/durations/cpu.json": durations},
+    )
+    inv = build_inventory(root, ["cpu"], check_ownership=False)
+    m, owned = inv.manifests["cpu"], inv.suite_cases("cpu")
+    for n in (1, 2, 3):
+        assert main(["--root", str(root), "matrix", "cpu", "--shards", str(n)]) == 0
+        matrix = json.loads(capsys.readouterr().out)["include"]
+        planned = plan_suite(root, m, owned, shards=n)
+        ran = [
+            {c.nodeid for c, _ in plan_cases(root, m, owned, None, (i, n))} for i in range(1, n + 1)
+        ]
+        assert ran == [{c.nodeid for c in s.cases} for s in planned.shards]
+        assert [len(r) for r in ran] == [row["cases"] for row in matrix]
+        assert set().union(*ran) == {c.nodeid for c, _ in owned}
+
+
+def test_more_shards_than_cases_is_a_usage_error(pytester, capsys):
+    from suite_project import make_project, manifest
+
+    from harness.suites.cli import main
+
+    tests = {"tests/t/test_t.py": "def test_a():\n    pass\n\ndef test_b():\n    pass\n"}
+    root = make_project(
+        pytester.path, tests, {"cpu": manifest("cpu", "cpu", [{"id": "t", "paths": ["tests/t"]}])}
+    )
+    assert main(["--root", str(root), "matrix", "cpu", "--shards", "2"]) == 0
+    capsys.readouterr()
+    assert main(["--root", str(root), "matrix", "cpu", "--shards", "3000000"]) == 2
+    assert "3000000 shards for suite 'cpu' of 2 case(s): at most 2" in capsys.readouterr().err
+    assert main(["--root", str(root), "run", "cpu", "--shard", "1/3"]) == 2
+    assert "3 shards for suite 'cpu' of 2 case(s): at most 2" in capsys.readouterr().err
+    assert not (root / "out").exists()
+
+
+def test_suite_errors_derive_from_the_harness_error_base():
+    from harness.errors import HarnessError
+    from harness.suites.init import InitError
+    from harness.suites.manifest import ManifestError
+
+    assert issubclass(PlanError, HarnessError)
+    assert issubclass(PlanError, ValueError)
+    assert issubclass(ManifestError, HarnessError)
+    assert issubclass(InitError, HarnessError)
+
+
+# --------------------------------------------------------------------------- the JSON writer
+
+
+def test_write_json_replaces_atomically_and_refuses_what_is_not_json(tmp_path):
+    from harness.suites.jsonio import write_json
+
+    target = tmp_path / "deep/dir/doc.json"
+    write_json(target, {"a": 1})
+    write_json(target, {"a": 2})
+    assert json.loads(target.read_text()) == {"a": 2}
+    with pytest.raises(ValueError):
+        write_json(target, {"a": float("nan")})
+    assert json.loads(target.read_text()) == {"a": 2}  # the old file is whole
+    assert sorted(p.name for p in target.parent.iterdir()) == ["doc.json"]  # no temporary left
+
+
+def test_deeply_nested_durations_file_is_named(tmp_path):
+    path = tmp_path / "d.json"
+    path.write_text('{"durations": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    with pytest.raises(PlanError, match=r"d\.json.*nested deeper than 64 levels"):
+        load_durations(path)

@@ -1,4 +1,4 @@
-"""``harness run`` under SIGTERM / SIGINT / Ctrl-C (issue 12.4): real signals to a real run.
+"""``harness run`` under SIGTERM / SIGINT / Ctrl-C: real signals to a real run.
 
 The run holds a plain case in an xdist worker (which has started a process
 that ignores SIGINT and SIGTERM in a session of its own) and a launched
@@ -64,11 +64,19 @@ def start_run(root, pids_dir, *args: str) -> subprocess.Popen:
 
     Its own session and process group, as a shell job would be: "the group" is the harness's.
     """
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTEST_ADDOPTS", "GITHUB_STEP_SUMMARY")}
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("PYTEST_ADDOPTS", "GITHUB_STEP_SUMMARY")
+    }
     env["PIDS_DIR"] = str(pids_dir)
-    return subprocess.Popen([sys.executable, "-m", "harness", "run", "cpu", "--out", "out", *args],
-                            cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "harness", "run", "cpu", "--out", "out", *args],
+        cwd=root,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
 
 
 def wait_for(predicate, timeout: float, what: str) -> None:
@@ -81,17 +89,34 @@ def wait_for(predicate, timeout: float, what: str) -> None:
 
 @pytest.mark.parametrize(
     ("how", "signum", "code"),
-    [("harness", signal.SIGTERM, 143), ("harness", signal.SIGINT, 130), ("group", signal.SIGINT, 130)],
+    [
+        ("harness", signal.SIGTERM, 143),
+        ("harness", signal.SIGINT, 130),
+        ("group", signal.SIGINT, 130),
+    ],
     ids=["term-harness", "int-harness", "ctrl-c-group"],
 )
 def test_signal_stops_the_whole_run(pytester, tmp_path_factory, how, signum, code):
-    root = make_project(pytester.path, {"tests/plain/test_p.py": PLAIN, "tests/dist/test_d.py": LAUNCHED},
-                        {"cpu": manifest("cpu", "cpu", [{"id": "plain", "paths": ["tests/plain"]},
-                                                       {"id": "dist", "paths": ["tests/dist"]}])})
+    root = make_project(
+        pytester.path,
+        {"tests/plain/test_p.py": PLAIN, "tests/dist/test_d.py": LAUNCHED},
+        {
+            "cpu": manifest(
+                "cpu",
+                "cpu",
+                [
+                    {"id": "plain", "paths": ["tests/plain"]},
+                    {"id": "dist", "paths": ["tests/dist"]},
+                ],
+            )
+        },
+    )
     pids_dir = tmp_path_factory.mktemp("pids")
     proc = start_run(root, pids_dir, "--workers", "2")
     try:
-        wait_for(lambda: {p.name for p in pids_dir.iterdir()} >= EXPECTED, 240, "every case to start")
+        wait_for(
+            lambda: {p.name for p in pids_dir.iterdir()} >= EXPECTED, 240, "every case to start"
+        )
         pids = {p.name: int(p.read_text()) for p in pids_dir.iterdir()}
         assert all(alive(pid) for pid in pids.values())
         if how == "group":
@@ -108,7 +133,10 @@ def test_signal_stops_the_whole_run(pytester, tmp_path_factory, how, signum, cod
     left = {name: pid for name, pid in pids.items() if alive(pid)}
     assert left == {}, f"still running after the harness exited: {left}"
     summary = json.loads((root / "out/summary.json").read_text())
-    assert {c["nodeid"].split("::")[1] for c in summary["cases"]} == {"test_plain_waits", "test_ranks_wait"}
+    assert {c["nodeid"].split("::")[1] for c in summary["cases"]} == {
+        "test_plain_waits",
+        "test_ranks_wait",
+    }
     name = signal.Signals(signum).name
     assert f"**FAILED**: interrupted by {name}" in (root / "out/summary.md").read_text()
 
@@ -130,9 +158,14 @@ SLOW_START_CONFTEST = """
 def test_signal_during_pytest_startup_stops_it_without_a_traceback(pytester, tmp_path_factory):
     # A SIGINT passed on while pytest was still starting printed its KeyboardInterrupt
     # traceback (nothing had run, there was nothing for it to report).
-    root = make_project(pytester.path, {"tests/plain/test_p.py": "def test_p():\n    pass\n",
-                                        "tests/conftest.py": SLOW_START_CONFTEST},
-                        {"cpu": manifest("cpu", "cpu", [{"id": "plain", "paths": ["tests/plain"]}])})
+    root = make_project(
+        pytester.path,
+        {
+            "tests/plain/test_p.py": "def test_p():\n    pass\n",
+            "tests/conftest.py": SLOW_START_CONFTEST,
+        },
+        {"cpu": manifest("cpu", "cpu", [{"id": "plain", "paths": ["tests/plain"]}])},
+    )
     pids_dir = tmp_path_factory.mktemp("pids")
     proc = start_run(root, pids_dir)
     try:
@@ -170,9 +203,14 @@ SWALLOWING_CONFTEST = """
 def test_signal_during_planning_is_never_lost(pytester, tmp_path_factory):
     # A KeyboardInterrupt raised into the in-process inventory could be swallowed
     # (the run then went on) or leave the interpreter to exit by SIGINT (-2).
-    root = make_project(pytester.path, {"tests/plain/test_p.py": "def test_p():\n    pass\n",
-                                        "tests/conftest.py": SWALLOWING_CONFTEST},
-                        {"cpu": manifest("cpu", "cpu", [{"id": "plain", "paths": ["tests/plain"]}])})
+    root = make_project(
+        pytester.path,
+        {
+            "tests/plain/test_p.py": "def test_p():\n    pass\n",
+            "tests/conftest.py": SWALLOWING_CONFTEST,
+        },
+        {"cpu": manifest("cpu", "cpu", [{"id": "plain", "paths": ["tests/plain"]}])},
+    )
     pids_dir = tmp_path_factory.mktemp("pids")
     proc = start_run(root, pids_dir)
     try:

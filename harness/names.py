@@ -1,0 +1,100 @@
+"""Names the harness's modules share: inventory rule names, pytest option names, exit codes.
+
+A leaf module (it imports nothing from the harness), so that the launch side, the suite side
+and the scripts spell each shared name once and a rename cannot leave a stale copy behind.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "BLOCKING_RULES",
+    "EXIT_FAILED",
+    "EXIT_OK",
+    "EXIT_USAGE",
+    "MANIFEST_RULES",
+    "OPT_JUNIT",
+    "OPT_MAX_PROCS",
+    "OPT_REQUIRE",
+    "OPT_SELECT",
+    "OPT_TIMEOUT",
+    "OPT_WORKERS",
+    "OWNERSHIP_RULES",
+    "RULES",
+    "WARNING_RULES",
+]
+
+# --------------------------------------------------------------------------- exit codes
+
+#: Every case passed or skipped (or there was nothing to do).
+EXIT_OK = 0
+#: A case failed or went missing, nothing passed, the inventory found problems, or pytest failed.
+EXIT_FAILED = 1
+#: Bad arguments, or a suite that cannot be planned (argparse's convention for usage errors).
+EXIT_USAGE = 2
+
+# --------------------------------------------------------------------------- pytest options
+
+#: The launch plugin's per-case deadline (seconds) for cases whose spec sets none.
+OPT_TIMEOUT = "--harness-timeout"
+#: The launch plugin's process-slot count (default: the CPUs this process may use).
+OPT_MAX_PROCS = "--harness-max-procs"
+#: The launch plugin's "fail, don't skip, where these accelerators are absent".
+OPT_REQUIRE = "--harness-require"
+#: The selection plugin's file of planned cases (``harness.suites.selection``).
+OPT_SELECT = "--harness-select"
+#: The selection plugin's xdist worker count, used unless pytest's own ``-n`` is given.
+OPT_WORKERS = "--harness-workers"
+#: The selection plugin's JUnit path for the run (a caller's ``--junitxml`` is recorded instead).
+OPT_JUNIT = "--harness-junit"
+
+# --------------------------------------------------------------------------- inventory rules
+
+SCHEMA = "schema"
+JSON = "json"
+PATH = "path"
+INCLUDE = "include"
+UNKNOWN_SUITE = "unknown-suite"
+NO_SUITES = "no-suites"
+DUPLICATE_ENTRY_ID = "duplicate-entry-id"
+CPU_CASE_NEEDS_CARDS = "cpu-case-needs-cards"
+ACCELERATOR_CASE_WITHOUT_CARDS = "accelerator-case-without-cards"
+WRONG_DEVICE = "wrong-device"
+CASE_EXCEEDS_RUNNER_CARDS = "case-exceeds-runner-cards"
+ENTRY_MATCHES_NOTHING = "entry-matches-nothing"
+UNOWNED_FILE = "unowned-file"
+UNOWNED_CASE = "unowned-case"
+SYMLINK_OUTSIDE_REPOSITORY = "symlink-outside-repository"
+COLLECTION_ERROR = "collection-error"
+BAD_LAUNCH_SPEC = "bad-launch-spec"
+HIDDEN_TESTS = "tests-under-norecursedirs"
+
+#: Problems in a manifest itself: while any is found, ownership cannot be judged.
+MANIFEST_RULES = frozenset({SCHEMA, JSON, PATH, INCLUDE})
+#: Problems of the repository as a whole (which files some suite owns), not of one suite.
+OWNERSHIP_RULES = frozenset({UNOWNED_FILE, UNOWNED_CASE})
+#: Reported by ``harness inventory`` without failing it.
+WARNING_RULES = frozenset({HIDDEN_TESTS})
+#: The rules that make a suite impossible to plan or run as written: ``harness run`` and
+#: ``harness matrix`` refuse a suite with one of these; any other rule (a new one included)
+#: is the inventory's business only.
+BLOCKING_RULES = frozenset(
+    {
+        SCHEMA,
+        JSON,
+        PATH,
+        INCLUDE,
+        UNKNOWN_SUITE,
+        NO_SUITES,
+        DUPLICATE_ENTRY_ID,
+        CPU_CASE_NEEDS_CARDS,
+        ACCELERATOR_CASE_WITHOUT_CARDS,
+        WRONG_DEVICE,
+        CASE_EXCEEDS_RUNNER_CARDS,
+        ENTRY_MATCHES_NOTHING,
+        SYMLINK_OUTSIDE_REPOSITORY,
+        COLLECTION_ERROR,
+        BAD_LAUNCH_SPEC,
+    }
+)
+#: Every rule name the inventory reports.
+RULES = BLOCKING_RULES | OWNERSHIP_RULES | WARNING_RULES
