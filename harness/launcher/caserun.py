@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from harness.devices import Card, is_simulated, visibility
 from harness.launcher import procs
+from harness.launcher.coverage import CoverageSpec
 from harness.launcher.deadline import pg_timeout_for
 from harness.launcher.enclosing import CASE_ENV, EnclosingCase
 from harness.launcher.outcome import FAILED, CaseOutcome, RankOutcome
@@ -74,6 +75,7 @@ class CaseRun:
             plan.deadline.seconds,
             plan.deadline.source,
             abandon_grace_s=ABANDON_GRACE_S,
+            cards=tuple(str(c) for c in cards[: spec.cards]),
         )
         self.enclosing = EnclosingCase(
             plan.what,
@@ -126,6 +128,7 @@ class CaseRun:
             pg_timeout_s=pg_timeout_for(self.plan.deadline.seconds),
             parent_pid=os.getpid(),
             env=env,
+            coverage=CoverageSpec.of_launcher(),
         )
 
     def supervise(

@@ -60,7 +60,7 @@ from harness.launcher.settings import (
     active,
     cpu_count,
 )
-from harness.launcher.target import FunctionRef
+from harness.launcher.target import FunctionRef, conftests_for
 from harness.spec import ACCELERATORS, LaunchSpec, is_launched, spec_for_item
 from harness.validation import check_int, check_seconds
 
@@ -291,6 +291,15 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
         result = run_case(task, plan)
     except LeaseError as exc:
         _fail(f"{pyfuncitem.nodeid}: could not lease what the case needs\n{exc}")
+    # JUnit <properties> of the case: where and how it ran.
+    pyfuncitem.user_properties.extend(
+        [
+            ("harness.device", spec.device),
+            ("harness.nproc", spec.nproc),
+            ("harness.cards", ",".join(result.cards)),
+            ("harness.ranks", result.ranks),
+        ]
+    )
 
     def fail(report: str) -> NoReturn:
         _raise_for_xfail(pyfuncitem, result.failure_types(), report)
@@ -350,6 +359,17 @@ def _skip_at_test(reason: str) -> NoReturn:
     raise exc
 
 
+def _warning_filters(item: pytest.Function) -> tuple[tuple[str, bool], ...]:
+    """The filters pytest applies around this test in-process, in its order:
+    the ini's ``filterwarnings``, ``-W`` options, then ``filterwarnings`` marks."""
+    config = item.config
+    filters = [(arg, False) for arg in config.getini("filterwarnings")]
+    filters += [(arg, True) for arg in config.known_args_namespace.pythonwarnings or []]
+    for mark in item.iter_markers(name="filterwarnings"):
+        filters += [(arg, False) for arg in mark.args]
+    return tuple(filters)
+
+
 def _case_for(item: pytest.Function, spec: LaunchSpec, settings: Settings):
     names = item._fixtureinfo.argnames
     kwargs = {name: item.funcargs[name] for name in names}
@@ -373,6 +393,9 @@ def _case_for(item: pytest.Function, spec: LaunchSpec, settings: Settings):
             kinds=kinds,
             want_value=False,
             state=None if item.instance is None else dict(vars(item.instance)),
+            warning_filters=_warning_filters(item),
+            show_deprecations=not sys.warnoptions,
+            conftests=conftests_for(item),
         )
     except TypeError as exc:
         _fail(f"{item.nodeid}: {exc}")

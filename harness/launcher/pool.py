@@ -48,6 +48,7 @@ from typing import Any, TypeVar
 from harness.launcher import procs
 from harness.launcher.case import CasePlan, lease_case
 from harness.launcher.caserun import EXIT_WAIT_S, CaseRun
+from harness.launcher.coverage import CoverageSpec
 from harness.launcher.lease import Lease, add_yield_hook
 from harness.launcher.outcome import FAILED, CaseOutcome
 from harness.launcher.rank import (
@@ -151,12 +152,13 @@ class RankPool:
         self._procs: list[Any] = []
         self._channels: list[_Channel] = []
         theirs: list[Any] = []
+        coverage = CoverageSpec.of_launcher()
 
         def args_for(rank: int, fds: list[Any]) -> tuple:
             ours, end = get_context("spawn").Pipe()
             theirs.append(end)
             self._channels.append(_Channel(ours))
-            return (os.getpid(), end, fds)
+            return (os.getpid(), end, fds, coverage)
 
         try:
             spawn_ranks(spec.nproc, pool_rank_main, args_for, self._procs, lease=lease)
@@ -194,6 +196,7 @@ class RankPool:
         case_dir = os.path.join(self._dir, f"case-{self.cases}")
         os.mkdir(case_dir)
         run = CaseRun(plan, self.cards, case_dir, store_path=self._store)
+        run.result.ranks = f"kept (case {self.cases} of its pool)"
         if self.lease is not None:
             self.lease.annotate(holder=plan.what, ranks=self.pids)
         kept = False
