@@ -46,6 +46,9 @@ class CasePlan:
     #: None: lease cards and process slots; else run on these, leasing nothing
     #: (a nested launch inside a case that holds them)
     cards: tuple[Card, ...] | None = None
+    #: stream the ranks' output while the case runs, each line prefixed with
+    #: its rank (``pytest -s``), instead of echoing it after the case
+    live: bool = False
 
 
 class RankStrategy(Protocol):
@@ -77,6 +80,8 @@ def prepare_case(
     warning_filters: tuple[tuple[str, bool], ...] = (),
     show_deprecations: bool = False,
     conftests: tuple[tuple[str, str], ...] = (),
+    live: bool = False,
+    example: bool = False,
 ) -> tuple[RankTask, CasePlan]:
     """The task the ranks run (``ref`` called with the pickled ``args`` /
     ``kwargs``; ``TypeError`` names a value that cannot travel, ``kinds``
@@ -87,7 +92,9 @@ def prepare_case(
     attributes of the test method's instance, set on the rank's instance;
     ``warning_filters`` / ``show_deprecations``: the warning filters the
     ranks apply around the function; ``conftests``: the conftest modules
-    the ranks import first (see ``RankTask``)."""
+    the ranks import first (see ``RankTask``); ``live``: stream the ranks'
+    output while they run (``CasePlan.live``); ``example``: ``args`` /
+    ``kwargs`` are one Hypothesis example for the body of a ``@given`` test."""
     task = RankTask(
         ref,
         pickle_args(args, kwargs, kinds=kinds),
@@ -96,9 +103,10 @@ def prepare_case(
         warning_filters=warning_filters,
         show_deprecations=show_deprecations,
         conftests=conftests,
+        example=example,
     )
     deadline = choose_deadline(spec, settings, default_source=default_source, enclosing=enclosing)
-    return task, CasePlan(spec, settings, what, deadline, reuse=reuse, cards=cards)
+    return task, CasePlan(spec, settings, what, deadline, reuse=reuse, cards=cards, live=live)
 
 
 def lease_case(spec: LaunchSpec, settings: Settings, holder: str) -> leases.Lease:

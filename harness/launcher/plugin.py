@@ -27,7 +27,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import pytest
 
@@ -43,7 +43,7 @@ from harness.devices import (
 )
 from harness.launcher.case import conclude, missing_cards, prepare_case
 from harness.launcher.enclosing import CASE_ENV, EnclosingCase
-from harness.launcher.launch import run_case
+from harness.launcher.launch import LaunchError, run_case
 from harness.launcher.lease import (
     Lease,
     LeaseError,
@@ -286,27 +286,91 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
         return None
     spec = pyfuncitem.stash.get(SPEC_KEY, None) or spec_for_item(pyfuncitem)
     settings = pyfuncitem.config.stash[SETTINGS_KEY]
-    task, plan = _case_for(pyfuncitem, spec, settings)
+    fixtures = {name: pyfuncitem.funcargs[name] for name in pyfuncitem._fixtureinfo.argnames}
+    if hasattr(pyfuncitem.obj, "hypothesis"):
+        _run_given(pyfuncitem, spec, settings, fixtures)
+    else:
+        _run_on_ranks(pyfuncitem, spec, settings, (), fixtures)
+    return True
+
+
+def _run_on_ranks(
+    item: pytest.Function,
+    spec: LaunchSpec,
+    settings: Settings,
+    args: tuple,
+    kwargs: dict,
+    *,
+    example: bool = False,
+) -> None:
+    """Run the test's body on ranks with these arguments and report it as
+    pytest would the in-process test; ``example``: one Hypothesis example
+    (a failure raises ``LaunchError`` for Hypothesis to shrink on)."""
+    task, plan = _case_for(item, spec, settings, args, kwargs, example=example)
     try:
         result = run_case(task, plan)
     except LeaseError as exc:
-        _fail(f"{pyfuncitem.nodeid}: could not lease what the case needs\n{exc}")
-    # JUnit <properties> of the case: where and how it ran.
-    pyfuncitem.user_properties.extend(
-        [
-            ("harness.device", spec.device),
-            ("harness.nproc", spec.nproc),
-            ("harness.cards", ",".join(result.cards)),
-            ("harness.ranks", result.ranks),
-        ]
-    )
+        _fail(f"{item.nodeid}: could not lease what the case needs\n{exc}")
+    if not example:
+        # JUnit <properties> of the case: where and how it ran.
+        item.user_properties.extend(
+            [
+                ("harness.device", spec.device),
+                ("harness.nproc", spec.nproc),
+                ("harness.cards", ",".join(result.cards)),
+                ("harness.ranks", result.ranks),
+            ]
+        )
 
     def fail(report: str) -> NoReturn:
-        _raise_for_xfail(pyfuncitem, result.failure_types(), report)
+        _raise_for_xfail(item, result.failure_types(), report)
+        if example:
+            raise LaunchError(report, result) from None
         _fail(report)
 
-    conclude(result, fail=fail, skip=_skip_at_test, xfail=pytest.xfail)
-    return True
+    conclude(result, fail=fail, skip=_skip_at_test, xfail=pytest.xfail, echo=not plan.live)
+
+
+def _run_given(item: pytest.Function, spec: LaunchSpec, settings: Settings, fixtures: dict) -> None:
+    """A ``@given`` test: Hypothesis runs here, in the launcher, drawing,
+    shrinking and storing its examples once; each example runs on all ranks
+    (the kept pool makes that cheap). Its per-example deadline is off: each
+    example is a case under the case deadline."""
+    test = item.obj
+    hypothesis = test.hypothesis
+    body = hypothesis.inner_test
+    examples = 0
+
+    def on_ranks(*args: Any, **kwargs: Any) -> None:
+        nonlocal examples
+        __tracebackhide__ = True
+        if args and item.instance is not None and args[0] is item.instance:
+            args = args[1:]
+        examples += 1
+        _run_on_ranks(item, spec, settings, args, kwargs, example=True)
+
+    import hypothesis as hyp
+
+    chosen = getattr(test, "_hypothesis_internal_use_settings", None) or hyp.settings.default
+    hypothesis.inner_test = on_ranks
+    test._hypothesis_internal_use_settings = hyp.settings(chosen, deadline=None)
+    try:
+        test(**fixtures)
+    finally:
+        hypothesis.inner_test = body
+        test._hypothesis_internal_use_settings = chosen
+        item.user_properties.extend(
+            [
+                ("harness.device", spec.device),
+                ("harness.nproc", spec.nproc),
+                ("harness.examples", examples),
+            ]
+        )
+
+
+def _live(config: pytest.Config) -> bool:
+    """Output capture is off (``-s``): the ranks' output is streamed as they run."""
+    return config.getoption("capture", "fd") == "no"
 
 
 def _raise_for_xfail(item: pytest.Function, names: tuple[str, ...], report: str) -> None:
@@ -370,11 +434,25 @@ def _warning_filters(item: pytest.Function) -> tuple[tuple[str, bool], ...]:
     return tuple(filters)
 
 
-def _case_for(item: pytest.Function, spec: LaunchSpec, settings: Settings):
-    names = item._fixtureinfo.argnames
-    kwargs = {name: item.funcargs[name] for name in names}
+def _case_for(
+    item: pytest.Function,
+    spec: LaunchSpec,
+    settings: Settings,
+    args: tuple,
+    kwargs: dict,
+    *,
+    example: bool = False,
+):
     params = item.callspec.params if hasattr(item, "callspec") else {}
-    kinds = {name: "parametrized argument" if name in params else "fixture" for name in names}
+    fixtures = set(item._fixtureinfo.argnames)
+    kinds = {
+        name: "parametrized argument"
+        if name in params
+        else "fixture"
+        if name in fixtures
+        else "Hypothesis example argument"
+        for name in kwargs
+    }
     default_source = "--harness-timeout"
     timeout = item.stash.get(TIMEOUT_KEY, None)
     if timeout is not None:
@@ -383,7 +461,7 @@ def _case_for(item: pytest.Function, spec: LaunchSpec, settings: Settings):
     try:
         return prepare_case(
             FunctionRef.for_test(item),
-            (),
+            args,
             kwargs,
             spec,
             what=item.nodeid,
@@ -396,6 +474,8 @@ def _case_for(item: pytest.Function, spec: LaunchSpec, settings: Settings):
             warning_filters=_warning_filters(item),
             show_deprecations=not sys.warnoptions,
             conftests=conftests_for(item),
+            live=_live(item.config),
+            example=example,
         )
     except TypeError as exc:
         _fail(f"{item.nodeid}: {exc}")

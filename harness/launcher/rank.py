@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import faulthandler
 import gc
+import inspect
 import multiprocessing
 import os
 import pickle
@@ -38,6 +39,7 @@ import signal
 import sys
 import time
 import traceback
+import types
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
@@ -75,6 +77,9 @@ class RankTask:
     show_deprecations: bool = False
     #: the test's conftest modules, (name, file), outermost first
     conftests: tuple[tuple[str, str], ...] = ()
+    #: the arguments are one Hypothesis example: call the body inside the
+    #: test's ``@given`` wrapper with them
+    example: bool = False
 
 
 @dataclass(frozen=True)
@@ -353,6 +358,11 @@ def _apply_warning_filters(task: RankTask) -> None:
 def _call_recorded(ctx: RankContext, task: RankTask, fresh_module: bool) -> RankOutcome:
     import_conftests(task.conftests)
     fn = task.ref.load(fresh=fresh_module)
+    if task.example:
+        # The launcher's Hypothesis drew this example: run the test's body on
+        # it, never Hypothesis again (every rank must run the same example).
+        inner = fn.hypothesis.inner_test
+        fn = types.MethodType(inner, fn.__self__) if inspect.ismethod(fn) else inner
     if task.state is not None:
         vars(fn.__self__).update(pickle.loads(task.state))
     args, kwargs = pickle.loads(task.args)

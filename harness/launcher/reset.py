@@ -260,6 +260,16 @@ def _torch() -> Any:
     return torch
 
 
+def _setter(name: str) -> Callable[[Any], None]:
+    """``torch.<name>(value)``."""
+    return lambda value: getattr(_torch(), name)(value)
+
+
+def _torch_fact(name: str, getter: str, setter: str, **kw: Any) -> Fact:
+    """A fact torch reads with ``torch.<getter>()`` and sets with ``torch.<setter>(value)``."""
+    return Fact(name, lambda: getattr(_torch(), getter)(), _setter(setter), torch=True, **kw)
+
+
 def _torch_rng() -> dict[str, Any]:
     torch = _torch()
     return {
@@ -460,43 +470,23 @@ FACTS: tuple[Fact, ...] = tuple(
         else None,
         Fact("torch's random generators", _torch_rng, _set_torch_rng, torch=True, compare=False),
         Fact("torch's default device", _default_device, _set_default_device, torch=True),
-        Fact(
-            "torch's default dtype",
-            lambda: _torch().get_default_dtype(),
-            lambda dtype: _torch().set_default_dtype(dtype),
-            torch=True,
-        ),
+        _torch_fact("torch's default dtype", "get_default_dtype", "set_default_dtype"),
         Fact("torch's deterministic algorithms", _deterministic, _set_deterministic, torch=True),
-        Fact(
-            "torch's grad mode",
-            lambda: _torch().is_grad_enabled(),
-            lambda on: _torch().set_grad_enabled(on),
-            torch=True,
+        _torch_fact("torch's grad mode", "is_grad_enabled", "set_grad_enabled"),
+        _torch_fact("torch's anomaly mode", "is_anomaly_enabled", "set_anomaly_enabled"),
+        _torch_fact(
+            "torch's intra-op threads", "get_num_threads", "set_num_threads", after=_threads_wanted
         ),
-        Fact(
-            "torch's anomaly mode",
-            lambda: _torch().is_anomaly_enabled(),
-            lambda on: _torch().set_anomaly_enabled(on),
-            torch=True,
-        ),
-        Fact(
-            "torch's intra-op threads",
-            lambda: _torch().get_num_threads(),
-            lambda n: _torch().set_num_threads(n),
-            torch=True,
-            after=_threads_wanted,
-        ),
-        Fact(
+        _torch_fact(
             "torch's float32 matmul precision",
-            lambda: _torch().get_float32_matmul_precision(),
-            lambda p: _torch().set_float32_matmul_precision(p),
-            torch=True,
+            "get_float32_matmul_precision",
+            "set_float32_matmul_precision",
         ),
         Fact("torch's cuDNN / TF32 flags", _backends_flags, _set_backends_flags, torch=True),
         Fact(
             "torch's flush-denormal mode",
             _flush_denormal,
-            lambda on: _torch().set_flush_denormal(on),
+            _setter("set_flush_denormal"),
             torch=True,
         ),
         Fact("torch's print options", _print_options, _set_print_options, torch=True),
