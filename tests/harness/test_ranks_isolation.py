@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from launch_project import inner_env, run_session, write_project
 
-PAIRS = '''
+PAIRS = """
     import io
     import json
     import os
@@ -171,11 +171,22 @@ PAIRS = '''
     @launch
     def test_omp_num_threads_b(two_threads):
         assert torch.get_num_threads() == 2
-'''
+"""
 
-FACTS = ["monkeypatch", "flush_denormal", "saved_tensor_hooks", "torch_function_mode",
-         "cpu_affinity", "nice", "signal_mask", "tz", "int_digits", "stdin", "print_options",
-         "omp_num_threads"]
+FACTS = [
+    "monkeypatch",
+    "flush_denormal",
+    "saved_tensor_hooks",
+    "torch_function_mode",
+    "cpu_affinity",
+    "nice",
+    "signal_mask",
+    "tz",
+    "int_digits",
+    "stdin",
+    "print_options",
+    "omp_num_threads",
+]
 
 
 @pytest.fixture(scope="module")
