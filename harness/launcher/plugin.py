@@ -306,7 +306,42 @@ def _run_on_ranks(
     """Run the test's body on ranks with these arguments and report it as
     pytest would the in-process test; ``example``: one Hypothesis example
     (a failure raises ``LaunchError`` for Hypothesis to shrink on)."""
-    task, plan = _case_for(item, spec, settings, args, kwargs, example=example)
+    params = item.callspec.params if hasattr(item, "callspec") else {}
+    fixtures = set(item._fixtureinfo.argnames)
+    kinds = {
+        name: "parametrized argument"
+        if name in params
+        else "fixture"
+        if name in fixtures
+        else "Hypothesis example argument"
+        for name in kwargs
+    }
+    default_source = "--harness-timeout"
+    timeout = item.stash.get(TIMEOUT_KEY, None)
+    if timeout is not None:
+        settings = dataclasses.replace(settings, timeout=timeout)
+        default_source = f"pytest-timeout's timeout={timeout:g}"
+    try:
+        task, plan = prepare_case(
+            FunctionRef.for_test(item),
+            args,
+            kwargs,
+            spec,
+            what=item.nodeid,
+            settings=settings,
+            default_source=default_source,
+            reuse=spec.reuse and settings.reuse,
+            kinds=kinds,
+            want_value=False,
+            state=None if item.instance is None else dict(vars(item.instance)),
+            warning_filters=_warning_filters(item),
+            show_deprecations=not sys.warnoptions,
+            conftests=conftests_for(item),
+            live=_live(item.config),
+            example=example,
+        )
+    except TypeError as exc:
+        _fail(f"{item.nodeid}: {exc}")
     try:
         result = run_case(task, plan)
     except LeaseError as exc:
@@ -432,50 +467,3 @@ def _warning_filters(item: pytest.Function) -> tuple[tuple[str, bool], ...]:
     for mark in item.iter_markers(name="filterwarnings"):
         filters += [(arg, False) for arg in mark.args]
     return tuple(filters)
-
-
-def _case_for(
-    item: pytest.Function,
-    spec: LaunchSpec,
-    settings: Settings,
-    args: tuple,
-    kwargs: dict,
-    *,
-    example: bool = False,
-):
-    params = item.callspec.params if hasattr(item, "callspec") else {}
-    fixtures = set(item._fixtureinfo.argnames)
-    kinds = {
-        name: "parametrized argument"
-        if name in params
-        else "fixture"
-        if name in fixtures
-        else "Hypothesis example argument"
-        for name in kwargs
-    }
-    default_source = "--harness-timeout"
-    timeout = item.stash.get(TIMEOUT_KEY, None)
-    if timeout is not None:
-        settings = dataclasses.replace(settings, timeout=timeout)
-        default_source = f"pytest-timeout's timeout={timeout:g}"
-    try:
-        return prepare_case(
-            FunctionRef.for_test(item),
-            args,
-            kwargs,
-            spec,
-            what=item.nodeid,
-            settings=settings,
-            default_source=default_source,
-            reuse=spec.reuse and settings.reuse,
-            kinds=kinds,
-            want_value=False,
-            state=None if item.instance is None else dict(vars(item.instance)),
-            warning_filters=_warning_filters(item),
-            show_deprecations=not sys.warnoptions,
-            conftests=conftests_for(item),
-            live=_live(item.config),
-            example=example,
-        )
-    except TypeError as exc:
-        _fail(f"{item.nodeid}: {exc}")
