@@ -4,7 +4,9 @@ Compares, in one run: naive full-logits CE, torch's chunked
 ``F.linear_cross_entropy`` (``options=LinearCrossEntropyOptions()``, where
 this torch has it), the ``cut-cross-entropy`` package's torch-compile path
 (when installed), our ``chunk_cross_entropy`` at its default chunk size, and
-ours under ``capture()``. The default run covers three configurations:
+ours under ``capture()``. The default run covers three configurations, each
+in fp32 and in bf16 (``--dtype`` picks; one column per configuration and
+dtype in the ratio table):
 
     base    N=4096  H=256 V=32000   3 rounds
     vocab   N=4096  H=256 V=128256  1 round   (large vocabulary)
@@ -26,6 +28,7 @@ upper bound (marked <=).
 
     python scripts/bench/chunk_loss.py                        # all three configurations
     python scripts/bench/chunk_loss.py --configs base         # one of them
+    python scripts/bench/chunk_loss.py --dtype bfloat16       # bf16 columns only
     python scripts/bench/chunk_loss.py --tokens 1024 --vocab 8000 --chunk-size 256
 """
 
@@ -52,10 +55,15 @@ CONFIGS = {
 }
 TARGETS = {
     "ours / torch_native time": 1.00,
+    "ours / cce time": 1.00,
     "ours / torch_native extra peak": 1.00,
     "capture overhead (time)": 0.03,
     "ours / naive extra peak": 1 / 8,
 }
+
+
+#: The dtypes a run can take, with their column suffix.
+DTYPES = {"float32": "fp32", "bfloat16": "bf16"}
 
 
 def _has_torch_native() -> bool:
@@ -259,7 +267,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, help="rounds per configuration (overrides)")
     parser.add_argument("--chunk-size", type=int, default=None,
                         help="ours: explicit chunk_size (default: the adaptive default)")
-    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    parser.add_argument("--dtype", default="float32,bfloat16",
+                        help="comma-separated dtypes, each a column per configuration "
+                             "(float32, bfloat16)")
     parser.add_argument("--naive-limit-gib", type=float, default=2.0,
                         help="skip naive full logits when it would need more memory than this")
     parser.add_argument("--child-timeout", type=float, default=1800)
@@ -269,8 +279,14 @@ def main(argv: list[str] | None = None) -> int:
                                             "ours_capture", "capture_pairs"),
                         help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    args.torch_dtype = getattr(torch, args.dtype)
+    dtypes = [d.strip() for d in args.dtype.split(",") if d.strip()]
+    bad = [d for d in dtypes if d not in DTYPES]
+    if not dtypes or bad:
+        parser.error(f"--dtype takes a comma-separated subset of {', '.join(DTYPES)}; got "
+                     f"{args.dtype!r}")
     if args.child:
+        args.torch_dtype = getattr(torch, dtypes[0])
+        args.dtype = dtypes[0]
         args.tokens = args.tokens or CONFIGS["base"]["tokens"]
         child(args)
         return 0
@@ -290,12 +306,18 @@ def main(argv: list[str] | None = None) -> int:
     print(f"threads={torch.get_num_threads()} torch={torch.__version__} "
           f"methods={','.join(methods())}"
           + ("" if _has_cce() else " (cut-cross-entropy not installed)"), flush=True)
-    results = {name: bench_config(name, config, args) for name, config in configs.items()}
-    bounded = {name for name, config in configs.items()
-               if 3 * config["tokens"] * config["vocab"] * 4 > args.naive_limit_gib * 2**30}
+    results, bounded = {}, set()
+    for name, config in configs.items():
+        for dtype in dtypes:
+            column = f"{name}/{DTYPES[dtype]}"
+            run = argparse.Namespace(**{**vars(args), "dtype": dtype,
+                                        "torch_dtype": getattr(torch, dtype)})
+            results[column] = bench_config(column, config, run)
+            if 3 * config["tokens"] * config["vocab"] * 4 > args.naive_limit_gib * 2**30:
+                bounded.add(column)
 
     names = list(results)
-    print(f"\n{'ratio':<32} " + " ".join(f"{n:>9}" for n in names) + f" {'target':>9}  met")
+    print(f"\n{'ratio':<32} " + " ".join(f"{n:>12}" for n in names) + f" {'target':>9}  met")
     every = [r for r in TARGETS] + sorted({r for res in results.values() for r in res} - set(TARGETS))
     for ratio in every:
         cells, met = [], True
@@ -304,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
             # Against naive's lower bound the ratio is an upper bound.
             upper = ratio == "ours / naive extra peak" and name in bounded
             text = "-" if value is None else ("<=" if upper else "") + format(value, ".3f")
-            cells.append(f"{text:>9}")
+            cells.append(f"{text:>12}")
             if value is not None and ratio in TARGETS:
                 met = met and value <= TARGETS[ratio]
         target = f"<={TARGETS[ratio]:.3f}" if ratio in TARGETS else ""
