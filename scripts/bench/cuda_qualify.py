@@ -27,17 +27,25 @@ at its default chunk size:
 peak memory of one step (``torch.cuda.max_memory_allocated``, absolute and
 above what was allocated before the step) for: naive full logits, torch's
 ``F.linear_cross_entropy`` (chunked options when this torch has them), Liger-Kernel's
-fused linear cross-entropy (when importable; it needs CUDA and triton), ours at
-the default and two other chunk sizes, and ours under ``capture()``. Default
-shapes: bf16, N=16384, H=4096, V=128256 and V=32000. On CPU (the dry run) the
-same code runs at the shapes given, with times from ``perf_counter`` and no
-memory figures.
+fused linear cross-entropy and Cut Cross-Entropy (each when importable; both
+need CUDA and triton), ours at the default and two other chunk sizes, and ours
+under ``capture()``; every row also gets its achieved TFLOP/s against the
+6 x N x H x V floor of the three GEMMs. Then the loss features against Liger:
+softcap 30, label smoothing 0.1 and z-loss 1e-4, each as an ``ours[...]`` and a
+``liger[...]`` row. Default shapes: bf16, N=16384, H=4096, V=128256 and V=32000.
+On CPU (the dry run) the same code runs at the shapes given, with times from
+``perf_counter`` and no memory figures (peers absent: their rows are skipped
+with the reason).
+
+Each shape records its *gates*: ours (default chunk) slower than the fastest
+peer (torch-native, Liger, CCE) by more than 10%, or an extra peak above
+torch-native's; on a device run a failed gate fails the verdict.
 
 ``report`` reads what the phases left (``phases.tsv`` written by
 ``device_check.sh``, the suite's ``suite/summary.json``, ``claims.json``,
 ``bench.json``) and writes the verdict; its exit status is 0 only when every
 phase exited 0 and no claim failed. Benchmark targets are reported with their
-ratios but do not decide the verdict (times are not correctness claims).
+ratios; of them only the gates above decide the verdict, and only on a device.
 """
 
 from __future__ import annotations
@@ -81,6 +89,8 @@ TARGETS = {
     "ours / torch_native extra peak": ("ours", "torch_native", "extra_peak_bytes", 1.0),
     "ours / liger time": ("ours", "liger", "ms", None),
     "ours / liger extra peak": ("ours", "liger", "extra_peak_bytes", None),
+    "ours / cce time": ("ours", "cce", "ms", None),
+    "ours / cce extra peak": ("ours", "cce", "extra_peak_bytes", None),
     "ours / naive extra peak": ("ours", "naive", "extra_peak_bytes", 0.125),
     "ours_capture / ours time": ("ours_capture", "ours", "ms", 1.03),
 }
@@ -365,24 +375,48 @@ def _torch_native_fn() -> tuple[Callable | None, str]:
     return (lambda h, w, t: F.linear_cross_entropy(h, w, t, ignore_index=IGNORE, options=options_cls())), ""
 
 
-def _liger_fn(device: torch.device) -> tuple[Callable | None, str]:
+#: Loss features benchmarked against Liger: row suffix -> (our keywords, Liger's keywords).
+FEATURES = {
+    "softcap=30": ({"softcap": 30.0}, {"softcap": 30.0}),
+    "label_smoothing=0.1": ({"label_smoothing": 0.1}, {"label_smoothing": 0.1}),
+    "z_loss=1e-4": ({"lse_square_scale": 1e-4}, {"lse_square_scale": 1e-4}),
+}
+#: Peers whose time ours must be within ``PEER_SLACK`` of; memory is gated against torch-native.
+PEERS = ("torch_native", "liger", "cce")
+PEER_SLACK = 1.10
+
+
+def _liger_fn(device: torch.device, **features: Any) -> tuple[Callable | None, str]:
     if device.type != "cuda":
         return None, "Liger-Kernel runs triton kernels: CUDA only"
     try:
         from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
     except Exception as e:  # not carried, or its triton disagrees with the image's
         return None, f"liger_kernel not importable: {type(e).__name__}: {e}"
-    return (lambda h, w, t: liger_fused_linear_cross_entropy(h, w, t, ignore_index=IGNORE)), ""
+    return (lambda h, w, t: liger_fused_linear_cross_entropy(h, w, t, ignore_index=IGNORE,
+                                                             **features)), ""
+
+
+def _cce_fn(device: torch.device) -> tuple[Callable | None, str]:
+    if device.type != "cuda":
+        return None, "Cut Cross-Entropy's default kernels are triton: CUDA only"
+    try:
+        from cut_cross_entropy import linear_cross_entropy
+    except Exception as e:
+        return None, f"cut_cross_entropy not importable: {type(e).__name__}: {e}"
+    return (lambda h, w, t: linear_cross_entropy(h, w, t, ignore_index=IGNORE)), ""
 
 
 def methods(device: torch.device, other_chunks: tuple[int, ...]) -> list[dict[str, Any]]:
     """The benchmarked methods: name, chunk size, loss function (None when unavailable) and why."""
     native, native_note = _torch_native_fn()
     liger, liger_note = _liger_fn(device)
+    cce, cce_note = _cce_fn(device)
     rows = [
         {"method": "naive", "fn": lambda h, w, t: F.cross_entropy(F.linear(h, w).float(), t, ignore_index=IGNORE)},
         {"method": "torch_native", "fn": native, "note": native_note},
         {"method": "liger", "fn": liger, "note": liger_note},
+        {"method": "cce", "fn": cce, "note": cce_note},
         {"method": "ours", "chunk_size": _default_chunk_size(),
          "fn": lambda h, w, t: ours(h, w, t)[0], "note": "default chunk size"},
     ]
@@ -391,7 +425,34 @@ def methods(device: torch.device, other_chunks: tuple[int, ...]) -> list[dict[st
                      "fn": lambda h, w, t, c=c: ours(h, w, t, c)[0]})
     rows.append({"method": "ours_capture", "chunk_size": _default_chunk_size(),
                  "fn": lambda h, w, t: ours(h, w, t, observe=True)[0], "note": "default chunk size"})
+    for name, (our_kw, liger_kw) in FEATURES.items():
+        rows.append({"method": f"ours[{name}]", "chunk_size": _default_chunk_size(),
+                     "fn": lambda h, w, t, kw=our_kw: cl.chunk_cross_entropy(h, w, shift_labels=t, **kw)})
+        fn, note = _liger_fn(device, **liger_kw)
+        rows.append({"method": f"liger[{name}]", "fn": fn, "note": note})
     return rows
+
+
+def gates(by: dict[str, dict[str, Any]]) -> list[str]:
+    """The failed gates of one shape: ours slower than the fastest peer by more than
+    ``PEER_SLACK``, or more extra memory than torch-native (missing figures: no gate)."""
+    failed = []
+    mine = by.get("ours", {})
+    peers = {p: by[p]["ms"] for p in PEERS if by.get(p, {}).get("ms") is not None}
+    if mine.get("ms") is not None and peers:
+        fastest = min(peers, key=peers.get)
+        if mine["ms"] > PEER_SLACK * peers[fastest]:
+            failed.append(f"ours {mine['ms']:.2f} ms > {PEER_SLACK:.2f} x {fastest} "
+                          f"{peers[fastest]:.2f} ms")
+    native = by.get("torch_native", {}).get("extra_peak_bytes")
+    if mine.get("extra_peak_bytes") is not None and native is not None and mine["extra_peak_bytes"] > native:
+        failed.append(f"ours extra peak {_mib(mine['extra_peak_bytes'])} MiB > torch_native "
+                      f"{_mib(native)} MiB")
+    for name in FEATURES:
+        a, b = by.get(f"ours[{name}]", {}).get("ms"), by.get(f"liger[{name}]", {}).get("ms")
+        if a is not None and b is not None and a > PEER_SLACK * b:
+            failed.append(f"ours[{name}] {a:.2f} ms > {PEER_SLACK:.2f} x liger[{name}] {b:.2f} ms")
+    return failed
 
 
 class _Timer:
@@ -454,10 +515,12 @@ def bench_shape(n: int, hd: int, v: int, dtype: torch.dtype, device: torch.devic
             except Exception as e:
                 r.update(status="error", note=f"{type(e).__name__}: {str(e).splitlines()[0][:300]}")
         live = [r for r in live if r["status"] == "ok"]
+    floor_flop = 6 * n * hd * v  # the three GEMMs: logits, hidden and weight gradients
     for r in rows:
         r.pop("fn")
         if r["times"]:
             r["ms"] = statistics.median(r["times"])
+            r["tflops"] = floor_flop / (r["ms"] / 1e3) / 1e12
     by = {r["method"]: r for r in rows}
     ratios = {}
     for name, (num, den, key, bound) in TARGETS.items():
@@ -465,7 +528,13 @@ def bench_shape(n: int, hd: int, v: int, dtype: torch.dtype, device: torch.devic
         value = a / b if a is not None and b else None
         ratios[name] = {"value": value, "bound": bound,
                         "met": None if value is None or bound is None else value <= bound}
-    return {"shape": {"N": n, "H": hd, "V": v}, "rows": rows, "ratios": ratios}
+    for name in FEATURES:
+        a, b = by.get(f"ours[{name}]", {}).get("ms"), by.get(f"liger[{name}]", {}).get("ms")
+        ratios[f"ours / liger time [{name}]"] = {
+            "value": a / b if a is not None and b else None, "bound": PEER_SLACK,
+            "met": None if a is None or not b else a / b <= PEER_SLACK}
+    return {"shape": {"N": n, "H": hd, "V": v}, "rows": rows, "ratios": ratios,
+            "gates_failed": gates(by)}
 
 
 def _mib(x: float | None) -> str:
@@ -481,11 +550,12 @@ def bench_markdown(doc: dict[str, Any]) -> str:
     for s in doc["shapes"]:
         sh = s["shape"]
         lines += [f"**N={sh['N']} H={sh['H']} V={sh['V']}**", "",
-                  "| method | chunk | fwd+bwd ms | peak MiB | extra peak MiB | note |",
-                  "|---|---:|---:|---:|---:|---|"]
+                  "| method | chunk | fwd+bwd ms | TFLOP/s (6NHV) | peak MiB | extra peak MiB | note |",
+                  "|---|---:|---:|---:|---:|---:|---|"]
         for r in s["rows"]:
             ms = f"{r['ms']:.2f}" if "ms" in r else r["status"]
-            lines.append(f"| {r['method']} | {r.get('chunk_size') or '-'} | {ms} | {_mib(r.get('peak_bytes'))} "
+            tflops = f"{r['tflops']:.3g}" if "tflops" in r else "-"
+            lines.append(f"| {r['method']} | {r.get('chunk_size') or '-'} | {ms} | {tflops} | {_mib(r.get('peak_bytes'))} "
                          f"| {_mib(r.get('extra_peak_bytes'))} | {r.get('note', '')} |")
         lines += ["", "| ratio | measured | target | met |", "|---|---:|---:|---|"]
         for name, q in s["ratios"].items():
@@ -493,7 +563,8 @@ def bench_markdown(doc: dict[str, Any]) -> str:
             bound = "-" if q["bound"] is None else f"<= {q['bound']:.3f}"
             met = {True: "yes", False: "NO", None: "-"}[q["met"]]
             lines.append(f"| {name} | {value} | {bound} | {met} |")
-        lines.append("")
+        failed = s.get("gates_failed", [])
+        lines += ["", "gates: " + ("; ".join(failed) if failed else "all held"), ""]
     return "\n".join(lines) + "\n"
 
 
@@ -574,6 +645,12 @@ def verdict(out: Path) -> dict[str, Any]:
                     if c["status"] in ("failed", "error")]
     if bench is None:
         reasons.append("bench.json missing")
+    elif bench.get("env", {}).get("device", "cpu") != "cpu":
+        # Times on the CPU dry run say nothing about the device: gates apply to device runs.
+        for shape in bench.get("shapes", []):
+            sh = shape["shape"]
+            reasons += [f"bench gate N={sh['N']} H={sh['H']} V={sh['V']}: {g}"
+                        for g in shape.get("gates_failed", [])]
     return {"passed": not reasons, "reasons": reasons, "phases": phases,
             "suite": None if suite is None else suite.get("total"), "claims": claims, "bench": bench}
 
