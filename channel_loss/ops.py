@@ -197,8 +197,21 @@ def _resolve_bias(
     return _Bias(None, rows, logits_bias_weight, row_of_token)
 
 
-def _refuse_dtensor(**tensors: torch.Tensor | None) -> None:
-    """Refuse DTensor inputs with advice instead of torch's mixed-tensor error.
+def _checked_arguments(arguments: dict) -> _Features:
+    """The loss features of a public call's ``arguments`` (its ``locals()`` on entry), after
+    refusing DTensor inputs with advice instead of torch's mixed-tensor error."""
+    _refuse_dtensor(arguments)
+    return _resolve_features(
+        arguments["logit_scale"],
+        arguments["softcap"],
+        arguments["label_smoothing"],
+        arguments["lse_square_scale"],
+        arguments["reduction"],
+    )
+
+
+def _refuse_dtensor(arguments: dict) -> None:
+    """Raise ``ValueError`` for a DTensor among ``arguments``' values, naming it.
 
     No DTensor can exist unless ``torch.distributed.tensor`` was imported, so
     the check imports nothing.
@@ -207,7 +220,7 @@ def _refuse_dtensor(**tensors: torch.Tensor | None) -> None:
     dtensor = getattr(module, "DTensor", None)
     if dtensor is None:
         return
-    for name, t in tensors.items():
+    for name, t in arguments.items():
         if isinstance(t, dtensor):
             raise ValueError(
                 f"{name} is a DTensor (placements {tuple(t.placements)}): the chunked loss works "
@@ -894,15 +907,7 @@ def chunk_cross_entropy(
     op where FSDP has unsharded the weight, inside the model's forward, or
     pass ``.full_tensor()``).
     """
-    _refuse_dtensor(
-        hidden_states=hidden_states,
-        weight=weight,
-        logits_bias=logits_bias,
-        logits_bias_weight=logits_bias_weight,
-        labels=labels,
-        shift_labels=shift_labels,
-    )
-    features = _resolve_features(logit_scale, softcap, label_smoothing, lse_square_scale, reduction)
+    features = _checked_arguments(locals())
     if reduction == "sum" and num_items_in_batch is not None:
         raise ValueError(
             "num_items_in_batch divides the summed loss: pass it with reduction='mean' "
@@ -966,16 +971,7 @@ def per_token_cross_entropy(
     arguments as to ``chunk_cross_entropy``; they do not change the
     per-token NLL returned here.
     """
-    _refuse_dtensor(
-        logits=logits,
-        hidden_states=hidden_states,
-        weight=weight,
-        logits_bias=logits_bias,
-        logits_bias_weight=logits_bias_weight,
-        labels=labels,
-        shift_labels=shift_labels,
-    )
-    checked = _resolve_features(logit_scale, softcap, label_smoothing, lse_square_scale, reduction)
+    checked = _checked_arguments(locals())
     # Only the terms that change the final logits matter to the NLL.
     features = _Features(checked.logit_scale, checked.softcap)
     if logits is not None:
