@@ -720,7 +720,7 @@ def default_chunk_size(
     extra memory stays under 1.5x the weight gradient plus two hidden-state
     copies. On accelerators the floor of 512 rows is where, at H200-class
     bandwidth and tensor-core rates, the weight-gradient traffic stops
-    setting the time (a roofline estimate; issue 13's device check measures
+    setting the time (a roofline estimate; ``scripts/bench/cuda_qualify.py`` measures
     the default against other chunk sizes). Depends only on the arguments,
     so calls with the same shapes chunk alike (the bitwise
     ``per_token_cross_entropy`` contract).
@@ -875,9 +875,11 @@ def chunk_cross_entropy(
     """Mean token cross-entropy of ``F.linear(hidden_states, weight)`` logits, chunked.
 
     Targets are ``shift_labels`` or ``labels`` shifted left by one (last
-    position ignored). Logits are ``F.linear(h, weight).float()`` plus
-    ``logits_bias.float()`` (broadcastable to ``[..., V]``) or plus
-    ``F.linear(logits_bias, logits_bias_weight).float()`` (factored).
+    position ignored). Logits are the fp32 product ``h @ weight.T`` plus
+    ``logits_bias.float()`` (broadcastable to ``[..., V]``) or plus the fp32
+    product ``logits_bias @ logits_bias_weight.T`` (factored); for bf16 /
+    fp16 inputs the products accumulate in fp32 and are not rounded to the
+    model dtype (``gemm_policy`` says how each is formed per device).
 
     Returns a 0-d fp32 tensor: the CE summed over targets that are not
     ``ignore_index``, divided by ``num_items_in_batch`` (never modified) or by

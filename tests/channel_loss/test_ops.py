@@ -488,7 +488,7 @@ def test_last_label_is_not_checked_against_vocab():
     cl.chunk_cross_entropy(h, w, labels)
 
 
-# ------------------------------------------------------------------ issue 14: numerics and contracts
+# ------------------------------------------------------------------ numerics and contracts
 
 
 def _rel_l2(got: torch.Tensor, ref: torch.Tensor) -> float:
@@ -497,7 +497,7 @@ def _rel_l2(got: torch.Tensor, ref: torch.Tensor) -> float:
 
 @pytest.mark.parametrize("num_items", [64, 2**10, 2**13, 2**16, 2**18, 2**20])
 def test_fp16_loss_scaling_is_as_accurate_as_the_standard_path(num_items):
-    """Issue 14.1: the divisor must not push fp16 gradients into underflow before the scale."""
+    """The divisor must not push fp16 gradients into underflow before the scale."""
     T, H, V, scale = 64, 64, 4096, 65536.0
     g = torch.Generator().manual_seed(0)
     h = torch.randn(T, H, generator=g).half()
@@ -555,7 +555,7 @@ def test_no_tokens_gives_zero_loss_and_empty_gradients(dtype):
 
 
 def test_second_order_gradients_are_refused():
-    """Issue 14.2: the backward is not differentiable; say so instead of returning wrong numbers."""
+    """The backward is not differentiable; say so instead of returning wrong numbers."""
     inputs, labels = make_inputs(lead=(2, 6), H=4, V=9, bias="factored", seed=4)
     loss = cl.chunk_cross_entropy(**inputs, labels=labels, chunk_size=4)
     with pytest.raises(RuntimeError, match="once_differentiable"):
@@ -648,7 +648,7 @@ def test_weight_gradient_is_held_once(dtype):
 
 
 def test_observation_owns_its_targets():
-    """Issue 14.6: a caller that reuses its int64 label buffer does not change observations."""
+    """A caller that reuses its int64 label buffer does not change observations."""
     inputs, labels = make_inputs(lead=(2, 6), H=4, V=9, bias="none")
     buffer = labels.clone()
     buffer[0, :2] = IGNORE
@@ -662,7 +662,7 @@ def test_observation_owns_its_targets():
 
 
 def test_observation_carries_ignore_index():
-    """Issue 14.3 (op side): what the loss ignored is what the observation says is ignored."""
+    """What the loss ignored is what the observation says is ignored."""
     inputs, labels = make_inputs(lead=(8,), H=4, V=9, bias="none")
     labels[:3] = -1
     with cl.capture() as cap:
@@ -698,7 +698,7 @@ def _np():
     ],
 )
 def test_num_items_in_batch_one_rule(value, match):
-    """Issue 14.9: ints, numpy scalars and tensors follow one rule."""
+    """Ints, numpy scalars and tensors follow one rule."""
     inputs, labels = make_inputs(lead=(2, 5), H=4, V=7, bias="none")
     with pytest.raises(ValueError, match=match):
         cl.chunk_cross_entropy(**inputs, labels=labels, num_items_in_batch=value())
@@ -821,7 +821,7 @@ def test_first_call_under_compile_and_cheap_import():
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_target_check_is_immediate_on_cpu_and_sync_free_on_accelerators(device):
-    """Issue 13: the target-range check keeps its error but adds no host sync on a card."""
+    """The target-range check keeps its error but adds no host sync on a card."""
     inputs, labels = make_inputs(lead=(2, 9), H=4, V=11, bias="none", device=device)
     labels[0, 3] = IGNORE
     if device == "cpu":
