@@ -16,8 +16,20 @@ from scripts.bench import cuda_qualify
 
 
 def test_dry_run_bench_has_the_peer_feature_and_tflops_rows(tmp_path):
-    argv = ["bench", "--out", str(tmp_path), "--device", "cpu", "--shape", "24x8x40",
-            "--chunks", "4", "16", "--repeats", "1"]
+    argv = [
+        "bench",
+        "--out",
+        str(tmp_path),
+        "--device",
+        "cpu",
+        "--shape",
+        "24x8x40",
+        "--chunks",
+        "4",
+        "16",
+        "--repeats",
+        "1",
+    ]
     assert cuda_qualify.main(argv) == 0
     doc = json.loads((tmp_path / "bench.json").read_text())
     (shape,) = doc["shapes"]
@@ -41,8 +53,12 @@ def test_dry_run_bench_has_the_peer_feature_and_tflops_rows(tmp_path):
 
 def _bench_doc(device: str, rows: list[dict]) -> dict:
     by = {r["method"]: r for r in rows}
-    shape = {"shape": {"N": 8, "H": 4, "V": 16}, "rows": rows, "ratios": {},
-             "gates_failed": cuda_qualify.gates(by)}
+    shape = {
+        "shape": {"N": 8, "H": 4, "V": 16},
+        "rows": rows,
+        "ratios": {},
+        "gates_failed": cuda_qualify.gates(by),
+    }
     return {"env": {"device": device}, "dtype": "bfloat16", "repeats": 1, "shapes": [shape]}
 
 
