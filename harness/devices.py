@@ -148,10 +148,23 @@ def _has_module(name: str) -> Callable[[], bool]:
 #: device type is one more row here plus a suite manifest for its runners.
 DEVICE_TABLE: tuple[DeviceType, ...] = (
     DeviceType("cpu", backend="gloo", backends=("gloo", "mpi")),
-    DeviceType("cuda", backend="nccl", backends=("nccl",), visibility_env="CUDA_VISIBLE_DEVICES",
-               runtime="cuda", cheap_probe=_torch_has_gpu_build),
-    DeviceType("npu", backend="hccl", backends=("hccl",), visibility_env="ASCEND_RT_VISIBLE_DEVICES",
-               runtime="npu", extension="torch_npu", cheap_probe=_has_module("torch_npu")),
+    DeviceType(
+        "cuda",
+        backend="nccl",
+        backends=("nccl",),
+        visibility_env="CUDA_VISIBLE_DEVICES",
+        runtime="cuda",
+        cheap_probe=_torch_has_gpu_build,
+    ),
+    DeviceType(
+        "npu",
+        backend="hccl",
+        backends=("hccl",),
+        visibility_env="ASCEND_RT_VISIBLE_DEVICES",
+        runtime="npu",
+        extension="torch_npu",
+        cheap_probe=_has_module("torch_npu"),
+    ),
 )
 
 _BY_NAME: dict[str, DeviceType] = {d.name: d for d in DEVICE_TABLE}

@@ -48,13 +48,17 @@ class LaunchSpec:
         # so equal specs compare, hash and pickle alike.
         nproc = check_int(self.nproc, "LaunchSpec.nproc", minimum=1, error=LaunchSpecError)
         object.__setattr__(self, "nproc", nproc)
-        timeout = check_seconds(self.timeout, "LaunchSpec.timeout", allow_none=True,
-                                error=LaunchSpecError)
+        timeout = check_seconds(
+            self.timeout, "LaunchSpec.timeout", allow_none=True, error=LaunchSpecError
+        )
         object.__setattr__(self, "timeout", timeout)
-        if self.backend is not None and (not isinstance(self.backend, str)
-                                         or self.backend not in BACKEND_DEVICES):
-            raise LaunchSpecError(f"LaunchSpec.backend must be None or one of "
-                             f"{', '.join(BACKEND_DEVICES)}; got {self.backend!r}")
+        if self.backend is not None and (
+            not isinstance(self.backend, str) or self.backend not in BACKEND_DEVICES
+        ):
+            raise LaunchSpecError(
+                f"LaunchSpec.backend must be None or one of "
+                f"{', '.join(BACKEND_DEVICES)}; got {self.backend!r}"
+            )
         if not isinstance(self.reuse, bool):
             raise LaunchSpecError(f"LaunchSpec.reuse must be a bool; got {self.reuse!r}")
 

@@ -46,6 +46,9 @@ class CasePlan:
     #: None: lease cards and process slots; else run on these, leasing nothing
     #: (a nested launch inside a case that holds them)
     cards: tuple[Card, ...] | None = None
+    #: stream the ranks' output while the case runs, each line prefixed with
+    #: its rank (``pytest -s``), instead of echoing it after the case
+    live: bool = False
 
 
 class RankStrategy(Protocol):
@@ -74,6 +77,11 @@ def prepare_case(
     enclosing: EnclosingCase | None = None,
     cards: tuple[Card, ...] | None = None,
     state: dict | None = None,
+    warning_filters: tuple[tuple[str, bool], ...] = (),
+    show_deprecations: bool = False,
+    conftests: tuple[tuple[str, str], ...] = (),
+    live: bool = False,
+    example: bool = False,
 ) -> tuple[RankTask, CasePlan]:
     """The task the ranks run (``ref`` called with the pickled ``args`` /
     ``kwargs``; ``TypeError`` names a value that cannot travel, ``kinds``
@@ -81,15 +89,24 @@ def prepare_case(
     (``spec.timeout``, else ``settings.timeout`` named ``default_source``,
     never past the ``enclosing`` case's), kept ranks when ``reuse``, and the
     ``cards`` of an enclosing case it runs on without leasing. ``state``: the
-    attributes of the test method's instance, set on the rank's instance."""
+    attributes of the test method's instance, set on the rank's instance;
+    ``warning_filters`` / ``show_deprecations``: the warning filters the
+    ranks apply around the function; ``conftests``: the conftest modules
+    the ranks import first (see ``RankTask``); ``live``: stream the ranks'
+    output while they run (``CasePlan.live``); ``example``: ``args`` /
+    ``kwargs`` are one Hypothesis example for the body of a ``@given`` test."""
     task = RankTask(
         ref,
         pickle_args(args, kwargs, kinds=kinds),
         want_value=want_value,
         state=None if state is None else pickle_state(state),
+        warning_filters=warning_filters,
+        show_deprecations=show_deprecations,
+        conftests=conftests,
+        example=example,
     )
     deadline = choose_deadline(spec, settings, default_source=default_source, enclosing=enclosing)
-    return task, CasePlan(spec, settings, what, deadline, reuse=reuse, cards=cards)
+    return task, CasePlan(spec, settings, what, deadline, reuse=reuse, cards=cards, live=live)
 
 
 def lease_case(spec: LaunchSpec, settings: Settings, holder: str) -> leases.Lease:
@@ -109,11 +126,13 @@ def conclude(
     xfail: Callable[[str], NoReturn],
     echo: bool = True,
 ) -> None:
-    """Echo the case's notes and captured output, then map its status: failed ->
+    """Echo the case's notes and captured output, issue the ranks' warnings
+    again here (``CaseOutcome.reissue_warnings``), then map its status: failed ->
     ``fail(report)``, skipped -> ``skip(reason)``, xfailed -> ``xfail(reason)``;
     returns only for a passed case."""
     if echo:
         echo_logs(result)
+    result.reissue_warnings()
     status = result.status
     if status == FAILED:
         fail(result.report())

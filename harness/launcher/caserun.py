@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import time
 from collections.abc import Callable
 from multiprocessing.connection import wait as wait_any
@@ -26,10 +27,11 @@ from typing import TYPE_CHECKING, Any
 
 from harness.devices import Card, is_simulated, visibility
 from harness.launcher import procs
+from harness.launcher.coverage import CoverageSpec
 from harness.launcher.deadline import pg_timeout_for
 from harness.launcher.enclosing import CASE_ENV, EnclosingCase
 from harness.launcher.outcome import FAILED, CaseOutcome, RankOutcome
-from harness.launcher.output import bound_output, file_size, read_bounded
+from harness.launcher.output import OUTPUT_TAIL_BYTES, bound_output, file_size, read_bounded
 from harness.launcher.rank import STACK_DUMP_SIGNAL, RankContext
 from harness.launcher.spawn import stop_ranks
 
@@ -74,6 +76,7 @@ class CaseRun:
             plan.deadline.seconds,
             plan.deadline.source,
             abandon_grace_s=ABANDON_GRACE_S,
+            cards=tuple(str(c) for c in cards[: spec.cards]),
         )
         self.enclosing = EnclosingCase(
             plan.what,
@@ -84,6 +87,8 @@ class CaseRun:
             budget_dir=os.path.join(case_dir, "nested-slots"),
         )
         self.deadline = time.monotonic() + plan.deadline.seconds
+        #: rank -> bytes of its output already streamed (``stream_output``)
+        self._streamed: dict[int, int] = {}
 
     def path(self, rank: int, kind: str) -> str:
         """The case file ``rank-<rank>.<kind>`` (outcome, stacks, log)."""
@@ -126,6 +131,7 @@ class CaseRun:
             pg_timeout_s=pg_timeout_for(self.plan.deadline.seconds),
             parent_pid=os.getpid(),
             env=env,
+            coverage=CoverageSpec.of_launcher(),
         )
 
     def supervise(
@@ -171,6 +177,7 @@ class CaseRun:
                 result.abandoned = pending
                 return
             if self.capture:
+                self.stream_output()
                 for rank in pending:
                     bound_output(self.path(rank, "log"))
             # Exits wake us at once, and so do kept ranks' messages; outcomes of
@@ -221,9 +228,40 @@ class CaseRun:
         note of what was dropped) into ``result.logs``."""
         if not self.capture:
             return
+        self.stream_output(final=True)
         for rank in range(self.plan.spec.nproc):
             with contextlib.suppress(OSError):
                 self.result.logs[rank] = read_bounded(self.path(rank, "log"))
+
+    def stream_output(self, *, final: bool = False) -> None:
+        """With ``plan.live``: write what each rank printed since the last call
+        to this process's stdout, line by line, prefixed ``[rank N]`` (only
+        whole lines unless ``final``). A rank that writes faster than this
+        follows has what falls out of its kept tail skipped, and a note says so."""
+        if not self.plan.live:
+            return
+        out = sys.stdout
+        for rank in range(self.plan.spec.nproc):
+            path = self.path(rank, "log")
+            size = file_size(path)
+            offset = self._streamed.get(rank, 0)
+            if size - offset > OUTPUT_TAIL_BYTES:
+                out.write(
+                    f"[rank {rank}] [harness: {size - OUTPUT_TAIL_BYTES - offset} bytes skipped]\n"
+                )
+                offset = size - OUTPUT_TAIL_BYTES
+            try:
+                with open(path, "rb") as f:
+                    f.seek(offset)
+                    data = f.read(size - offset)
+            except OSError:
+                continue
+            if not final:
+                data = data[: data.rfind(b"\n") + 1]
+            self._streamed[rank] = offset + len(data)
+            for line in data.decode(errors="replace").replace("\x00", "").splitlines():
+                out.write(f"[rank {rank}] {line}\n")
+        out.flush()
 
     def _dump_stacks(self, started: list[Any], ranks: list[int]) -> None:
         paths = {r: self.path(r, "stacks") for r in ranks}

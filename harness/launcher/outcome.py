@@ -8,9 +8,11 @@ that into one status and a report that starts with the first failure.
 
 from __future__ import annotations
 
+import importlib
 import os
 import pickle
 import signal
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,6 +54,9 @@ class RankOutcome:
     value: bytes | None = None
     #: a failure's exception class and its bases, as ``module.qualname``
     exc_types: tuple[str, ...] = ()
+    #: warnings the function issued: (category ``module.qualname``, message,
+    #: file, line)
+    warnings: list[tuple[str, str, str, int]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         # However big the exception's message, the outcome file, the report and
@@ -74,6 +79,24 @@ class RankOutcome:
                 return pickle.load(f)
         except FileNotFoundError:
             return None
+
+
+def _warning_class(name: str) -> type[Warning]:
+    """The warning class ``module.qualname`` names, if this process can import
+    it; else ``UserWarning``."""
+    parts = name.split(".")
+    for split in range(len(parts) - 1, 0, -1):
+        module, qualname = ".".join(parts[:split]), parts[split:]
+        try:
+            obj: Any = importlib.import_module(module)
+            for part in qualname:
+                obj = getattr(obj, part)
+        except Exception:
+            continue
+        if isinstance(obj, type) and issubclass(obj, Warning):
+            return obj
+        break
+    return UserWarning
 
 
 def describe_exit(code: int | None) -> str:
@@ -128,6 +151,10 @@ class CaseOutcome:
     logs: dict[int, str] = field(default_factory=dict)
     #: pids still alive after SIGKILL (stuck in the kernel)
     survivors: list[int] = field(default_factory=list)
+    #: the cards the ranks ran on
+    cards: tuple[str, ...] = ()
+    #: the ranks it ran on: "fresh", or "kept (case N of its pool)"
+    ranks: str = "fresh"
     #: what the harness did around the case worth telling (e.g. kept ranks
     #: that failed their health check were replaced)
     notes: list[str] = field(default_factory=list)
@@ -197,6 +224,23 @@ class CaseOutcome:
             return ()
         failures = self._failures()
         return failures[0].exc_types if failures else ()
+
+    def reissue_warnings(self) -> None:
+        """Issue the ranks' warnings again in this process (once per distinct
+        warning, naming the ranks), so the caller's filters and pytest's
+        warnings summary see them as warnings of the test."""
+        seen: dict[tuple[str, str, str, int], list[int]] = {}
+        for rank in sorted(self.outcomes):
+            for warning in self.outcomes[rank].warnings:
+                seen.setdefault(tuple(warning), []).append(rank)
+        for (category, message, filename, lineno), ranks in seen.items():
+            which = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks}"
+            warnings.warn_explicit(
+                f"[{which}] {bounded(message, SUMMARY_KEEP_CHARS)}",
+                _warning_class(category),
+                filename,
+                lineno,
+            )
 
     def reason(self) -> str:
         """The skip / xfail reason of the first rank that gave one."""

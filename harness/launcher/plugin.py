@@ -27,7 +27,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import pytest
 
@@ -43,7 +43,7 @@ from harness.devices import (
 )
 from harness.launcher.case import conclude, missing_cards, prepare_case
 from harness.launcher.enclosing import CASE_ENV, EnclosingCase
-from harness.launcher.launch import run_case
+from harness.launcher.launch import LaunchError, run_case
 from harness.launcher.lease import (
     Lease,
     LeaseError,
@@ -61,7 +61,7 @@ from harness.launcher.settings import (
     cpu_count,
 )
 from harness.launcher.supervisor import tie_to_controller
-from harness.launcher.target import FunctionRef
+from harness.launcher.target import FunctionRef, conftests_for
 from harness.spec import ACCELERATORS, LaunchSpec, is_launched, spec_for_item
 from harness.validation import check_int, check_seconds
 
@@ -288,18 +288,126 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
         return None
     spec = pyfuncitem.stash.get(SPEC_KEY, None) or spec_for_item(pyfuncitem)
     settings = pyfuncitem.config.stash[SETTINGS_KEY]
-    task, plan = _case_for(pyfuncitem, spec, settings)
+    fixtures = {name: pyfuncitem.funcargs[name] for name in pyfuncitem._fixtureinfo.argnames}
+    if hasattr(pyfuncitem.obj, "hypothesis"):
+        _run_given(pyfuncitem, spec, settings, fixtures)
+    else:
+        _run_on_ranks(pyfuncitem, spec, settings, (), fixtures)
+    return True
+
+
+def _run_on_ranks(
+    item: pytest.Function,
+    spec: LaunchSpec,
+    settings: Settings,
+    args: tuple,
+    kwargs: dict,
+    *,
+    example: bool = False,
+) -> None:
+    """Run the test's body on ranks with these arguments and report it as
+    pytest would the in-process test; ``example``: one Hypothesis example
+    (a failure raises ``LaunchError`` for Hypothesis to shrink on)."""
+    params = item.callspec.params if hasattr(item, "callspec") else {}
+    fixtures = set(item._fixtureinfo.argnames)
+    kinds = {
+        name: "parametrized argument"
+        if name in params
+        else "fixture"
+        if name in fixtures
+        else "Hypothesis example argument"
+        for name in kwargs
+    }
+    default_source = "--harness-timeout"
+    timeout = item.stash.get(TIMEOUT_KEY, None)
+    if timeout is not None:
+        settings = dataclasses.replace(settings, timeout=timeout)
+        default_source = f"pytest-timeout's timeout={timeout:g}"
+    try:
+        task, plan = prepare_case(
+            FunctionRef.for_test(item),
+            args,
+            kwargs,
+            spec,
+            what=item.nodeid,
+            settings=settings,
+            default_source=default_source,
+            reuse=spec.reuse and settings.reuse,
+            kinds=kinds,
+            want_value=False,
+            state=None if item.instance is None else dict(vars(item.instance)),
+            warning_filters=_warning_filters(item),
+            show_deprecations=not sys.warnoptions,
+            conftests=conftests_for(item),
+            live=_live(item.config),
+            example=example,
+        )
+    except TypeError as exc:
+        _fail(f"{item.nodeid}: {exc}")
     try:
         result = run_case(task, plan)
     except LeaseError as exc:
-        _fail(f"{pyfuncitem.nodeid}: could not lease what the case needs\n{exc}")
+        _fail(f"{item.nodeid}: could not lease what the case needs\n{exc}")
+    if not example:
+        # JUnit <properties> of the case: where and how it ran.
+        item.user_properties.extend(
+            [
+                ("harness.device", spec.device),
+                ("harness.nproc", spec.nproc),
+                ("harness.cards", ",".join(result.cards)),
+                ("harness.ranks", result.ranks),
+            ]
+        )
 
     def fail(report: str) -> NoReturn:
-        _raise_for_xfail(pyfuncitem, result.failure_types(), report)
+        _raise_for_xfail(item, result.failure_types(), report)
+        if example:
+            raise LaunchError(report, result) from None
         _fail(report)
 
-    conclude(result, fail=fail, skip=_skip_at_test, xfail=pytest.xfail)
-    return True
+    conclude(result, fail=fail, skip=_skip_at_test, xfail=pytest.xfail, echo=not plan.live)
+
+
+def _run_given(item: pytest.Function, spec: LaunchSpec, settings: Settings, fixtures: dict) -> None:
+    """A ``@given`` test: Hypothesis runs here, in the launcher, drawing,
+    shrinking and storing its examples once; each example runs on all ranks
+    (the kept pool makes that cheap). Its per-example deadline is off: each
+    example is a case under the case deadline."""
+    test = item.obj
+    hypothesis = test.hypothesis
+    body = hypothesis.inner_test
+    examples = 0
+
+    def on_ranks(*args: Any, **kwargs: Any) -> None:
+        nonlocal examples
+        __tracebackhide__ = True
+        if args and item.instance is not None and args[0] is item.instance:
+            args = args[1:]
+        examples += 1
+        _run_on_ranks(item, spec, settings, args, kwargs, example=True)
+
+    import hypothesis as hyp
+
+    chosen = getattr(test, "_hypothesis_internal_use_settings", None) or hyp.settings.default
+    hypothesis.inner_test = on_ranks
+    test._hypothesis_internal_use_settings = hyp.settings(chosen, deadline=None)
+    try:
+        test(**fixtures)
+    finally:
+        hypothesis.inner_test = body
+        test._hypothesis_internal_use_settings = chosen
+        item.user_properties.extend(
+            [
+                ("harness.device", spec.device),
+                ("harness.nproc", spec.nproc),
+                ("harness.examples", examples),
+            ]
+        )
+
+
+def _live(config: pytest.Config) -> bool:
+    """Output capture is off (``-s``): the ranks' output is streamed as they run."""
+    return config.getoption("capture", "fd") == "no"
 
 
 def _raise_for_xfail(item: pytest.Function, names: tuple[str, ...], report: str) -> None:
@@ -352,29 +460,12 @@ def _skip_at_test(reason: str) -> NoReturn:
     raise exc
 
 
-def _case_for(item: pytest.Function, spec: LaunchSpec, settings: Settings):
-    names = item._fixtureinfo.argnames
-    kwargs = {name: item.funcargs[name] for name in names}
-    params = item.callspec.params if hasattr(item, "callspec") else {}
-    kinds = {name: "parametrized argument" if name in params else "fixture" for name in names}
-    default_source = "--harness-timeout"
-    timeout = item.stash.get(TIMEOUT_KEY, None)
-    if timeout is not None:
-        settings = dataclasses.replace(settings, timeout=timeout)
-        default_source = f"pytest-timeout's timeout={timeout:g}"
-    try:
-        return prepare_case(
-            FunctionRef.for_test(item),
-            (),
-            kwargs,
-            spec,
-            what=item.nodeid,
-            settings=settings,
-            default_source=default_source,
-            reuse=spec.reuse and settings.reuse,
-            kinds=kinds,
-            want_value=False,
-            state=None if item.instance is None else dict(vars(item.instance)),
-        )
-    except TypeError as exc:
-        _fail(f"{item.nodeid}: {exc}")
+def _warning_filters(item: pytest.Function) -> tuple[tuple[str, bool], ...]:
+    """The filters pytest applies around this test in-process, in its order:
+    the ini's ``filterwarnings``, ``-W`` options, then ``filterwarnings`` marks."""
+    config = item.config
+    filters = [(arg, False) for arg in config.getini("filterwarnings")]
+    filters += [(arg, True) for arg in config.known_args_namespace.pythonwarnings or []]
+    for mark in item.iter_markers(name="filterwarnings"):
+        filters += [(arg, False) for arg in mark.args]
+    return tuple(filters)

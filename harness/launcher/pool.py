@@ -48,6 +48,7 @@ from typing import Any, TypeVar
 from harness.launcher import procs
 from harness.launcher.case import CasePlan, lease_case
 from harness.launcher.caserun import EXIT_WAIT_S, CaseRun
+from harness.launcher.coverage import CoverageSpec
 from harness.launcher.lease import Lease, add_yield_hook
 from harness.launcher.outcome import FAILED, CaseOutcome
 from harness.launcher.rank import (
@@ -68,6 +69,17 @@ from harness.spec import LaunchSpec
 
 #: How often an idle pool checks whether another process waits for its lease.
 IDLE_CHECK_S = 0.25
+#: A pool another process waits for is kept, while its process runs case after
+#: case, for this many times what starting it cost (and at least
+#: ``MIN_SLICE_S``), then given back: pools of xdist workers sharing too few
+#: slots then take turns in slices instead of being restarted for every case
+#: (which made ``-n 2`` many times slower than ``-n 0``).
+SLICE_FACTOR = 10.0
+MIN_SLICE_S = 2.0
+#: An idle pool another process waits for is given back after this long idle
+#: (at once when its slice is used up): the gap between two cases of its own
+#: process is shorter.
+IDLE_YIELD_S = 1.0
 #: Beyond the health check's own bound: time for the ranks to restore their
 #: state and answer on a loaded host.
 READY_SLACK_S = 5.0
@@ -145,18 +157,24 @@ class RankPool:
         self.busy = False
         self.cases = 0
         self.survivors: list[int] = []
+        self.started = time.monotonic()
+        #: seconds from spawning the ranks to the end of their first case
+        self.startup_s: float | None = None
+        #: when its last case ended (None: never idle yet)
+        self.idle_since: float | None = None
         self._closed = False
         self._dir = tempfile.mkdtemp(prefix="harness-pool-")
         self._store = os.path.join(self._dir, "store")
         self._procs: list[Any] = []
         self._channels: list[_Channel] = []
         theirs: list[Any] = []
+        coverage = CoverageSpec.of_launcher()
 
         def args_for(rank: int, fds: list[Any]) -> tuple:
             ours, end = get_context("spawn").Pipe()
             theirs.append(end)
             self._channels.append(_Channel(ours))
-            return (os.getpid(), end, fds, self._dir)
+            return (os.getpid(), end, fds, self._dir, coverage)
 
         try:
             spawn_ranks(spec.nproc, pool_rank_main, args_for, self._procs, lease=lease)
@@ -166,6 +184,18 @@ class RankPool:
         finally:
             for end in theirs:
                 end.close()  # so that a rank's death reads as EOF here
+
+    def should_yield(self, *, busy: bool) -> bool:
+        """Whether to give the lease back to another process waiting for it:
+        once the pool had its slice (``SLICE_FACTOR`` x its start-up cost), or
+        (``busy`` False: between cases) once it sat idle ``IDLE_YIELD_S``."""
+        if self.lease is None or not self.lease.contended():
+            return False
+        now = time.monotonic()
+        slice_s = max(MIN_SLICE_S, SLICE_FACTOR * (self.startup_s or 0.0))
+        if now - self.started >= slice_s:
+            return True
+        return not busy and self.idle_since is not None and now - self.idle_since >= IDLE_YIELD_S
 
     @property
     def pids(self) -> list[int]:
@@ -194,6 +224,7 @@ class RankPool:
         case_dir = os.path.join(self._dir, f"case-{self.cases}")
         os.mkdir(case_dir)
         run = CaseRun(plan, self.cards, case_dir, store_path=self._store)
+        run.result.ranks = f"kept (case {self.cases} of its pool)"
         if self.lease is not None:
             self.lease.annotate(holder=plan.what, ranks=self.pids)
         kept = False
@@ -357,6 +388,9 @@ class PoolKeeper:
                     result = pool.run(task, plan)
                 finally:
                     pool.busy = False
+                    pool.idle_since = time.monotonic()
+                    if pool.startup_s is None:
+                        pool.startup_s = pool.idle_since - pool.started
                     if not pool.usable or result is None:
                         self._close_locked()
                 if result is not None:
@@ -373,9 +407,9 @@ class PoolKeeper:
         pool = self._pool
         if pool is not None and (pool.key != pool_key(spec) or not pool.alive()):
             self._close_locked()
-        elif pool is not None and pool.lease is not None and pool.lease.contended():
-            # Another process waits for what the pool holds: give it back
-            # and lease again, like a spawn-per-case launch would.
+        elif pool is not None and pool.should_yield(busy=True):
+            # Another process waits for what the pool holds and the pool had
+            # its slice: give it back and lease again.
             self._close_locked()
 
     def _start(self, plan: CasePlan) -> RankPool:
@@ -427,12 +461,7 @@ class PoolKeeper:
                     continue  # a case is running (or starting) on it
                 try:
                     pool = self._pool
-                    if (
-                        pool is not None
-                        and not pool.busy
-                        and pool.lease is not None
-                        and pool.lease.contended()
-                    ):
+                    if pool is not None and not pool.busy and pool.should_yield(busy=False):
                         self._close_locked()
                 except Exception:
                     pass  # the next case closes a pool that misbehaves

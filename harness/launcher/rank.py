@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import faulthandler
 import gc
+import inspect
 import multiprocessing
 import os
 import pickle
@@ -38,14 +39,18 @@ import signal
 import sys
 import time
 import traceback
+import types
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
 from harness.devices import Card, device_for_backend, local_index, runtime_available, set_device
+from harness.launcher import coverage as rank_coverage
+from harness.launcher.coverage import CoverageSpec
 from harness.launcher.outcome import FAILED, PASSED, SKIPPED, XFAILED, RankOutcome
 from harness.launcher.reset import Baseline, Inherited, fresh_context
 from harness.launcher.supervisor import split
-from harness.launcher.target import FunctionRef
+from harness.launcher.target import FunctionRef, import_conftests
 
 #: How long a pooled rank's health check waits for its peers.
 HEALTH_TIMEOUT_S = 5.0
@@ -65,6 +70,16 @@ class RankTask:
     #: pickled attributes of the test's instance (set by ``setup_method`` and
     #: fixture methods in the launcher), given to the rank's own instance
     state: bytes | None = None
+    #: the warning filters the launcher applies to the test, in pytest's
+    #: order: (filter, escape) pairs as ``-W`` / ini / marker strings
+    warning_filters: tuple[tuple[str, bool], ...] = ()
+    #: show deprecation warnings, as pytest does when no ``-W`` option is given
+    show_deprecations: bool = False
+    #: the test's conftest modules, (name, file), outermost first
+    conftests: tuple[tuple[str, str], ...] = ()
+    #: the arguments are one Hypothesis example: call the body inside the
+    #: test's ``@given`` wrapper with them
+    example: bool = False
 
 
 @dataclass(frozen=True)
@@ -85,6 +100,8 @@ class RankContext:
     pg_timeout_s: float
     parent_pid: int
     env: dict[str, str] = field(default_factory=dict)
+    #: measure coverage as the launcher does (None: it does not)
+    coverage: CoverageSpec | None = None
 
 
 # The kept-rank protocol: launcher -> rank ``RunCase``, ``Go``, ``Exit``;
@@ -148,6 +165,7 @@ def rank_main(ctx: RankContext, task: RankTask, lease_fds: list[int]) -> NoRetur
     """
     try:
         _start_rank(ctx.parent_pid, lease_fds)
+        rank_coverage.start(ctx.coverage)
         _enter_case(ctx)
         outcome = _run(ctx, task, fresh_module=False)
         outcome.write(ctx.outcome_path)
@@ -157,7 +175,11 @@ def rank_main(ctx: RankContext, task: RankTask, lease_fds: list[int]) -> NoRetur
 
 
 def pool_rank_main(
-    parent_pid: int, conn: Any, lease_fds: list[int], pool_dir: str | None = None
+    parent_pid: int,
+    conn: Any,
+    lease_fds: list[int],
+    pool_dir: str | None = None,
+    coverage: CoverageSpec | None = None,
 ) -> NoReturn:
     """Entry point of a pooled rank: runs the cases ``conn`` delivers until told to exit.
 
@@ -171,17 +193,25 @@ def pool_rank_main(
     fresh context, exactly as in a one-case rank, and its outcome is written.
     A failed case ends the rank (its pool is never reused); a passed one is
     cleaned up and the rank reports whether it can run another. Exits with
-    ``os._exit``, never through interpreter finalisation.
+    ``os._exit``, never through interpreter finalisation. With ``coverage``
+    the rank measures coverage as the launcher does, across all its cases.
     """
     try:
-        _serve(parent_pid, conn, lease_fds, pool_dir)
+        _serve(parent_pid, conn, lease_fds, pool_dir, coverage)
     except BaseException:
         _fatal()
 
 
-def _serve(parent_pid: int, conn: Any, lease_fds: list[int], pool_dir: str | None) -> NoReturn:
+def _serve(
+    parent_pid: int,
+    conn: Any,
+    lease_fds: list[int],
+    pool_dir: str | None,
+    coverage: CoverageSpec | None,
+) -> NoReturn:
     # The pool's directory goes with a launcher that dies (its supervisor removes it).
     _start_rank(parent_pid, lease_fds, rank_only=(conn.fileno(),), leftover_dir=pool_dir)
+    rank_coverage.start(coverage)
     baseline: Baseline | None = None
     while True:
         message = _receive_case(conn)
@@ -194,6 +224,9 @@ def _serve(parent_pid: int, conn: Any, lease_fds: list[int], pool_dir: str | Non
             _health_gate(conn, ctx, message.seq)
         outcome, baseline = _run_kept(ctx, message.task, baseline)
         outcome.write(ctx.outcome_path)
+        # A kept rank may outlive the launcher's coverage report (it combines
+        # the data files at the end of the run loop, before the pool closes).
+        rank_coverage.checkpoint()
         _flush()
         conn.send(OutcomeWritten())
         if outcome.status == FAILED:
@@ -297,14 +330,54 @@ def _redirect_output(path: str) -> None:
 def _run(ctx: RankContext, task: RankTask, *, fresh_module: bool) -> RankOutcome:
     """Run the case's function (joining the process group first if this rank
     has not) and return its outcome; never raises."""
+    caught: list[warnings.WarningMessage] = []
     try:
-        return fresh_context().run(_call, ctx, task, fresh_module)
+        outcome = fresh_context().run(_call, ctx, task, fresh_module, caught)
     except BaseException as exc:
-        return outcome_from_exception(ctx.rank, exc)
+        outcome = outcome_from_exception(ctx.rank, exc)
+    outcome.warnings = [
+        (exception_names(w.category)[0], str(w.message), w.filename, w.lineno)
+        for w in caught[:MAX_WARNINGS]
+    ]
+    return outcome
 
 
-def _call(ctx: RankContext, task: RankTask, fresh_module: bool) -> RankOutcome:
+#: Warnings a rank reports per case (the first ones; a loop warning a
+#: million times must not flood the report).
+MAX_WARNINGS = 100
+
+
+def _call(
+    ctx: RankContext, task: RankTask, fresh_module: bool, caught: list[warnings.WarningMessage]
+) -> RankOutcome:
+    with warnings.catch_warnings(record=True) as log:
+        try:
+            _apply_warning_filters(task)
+            return _call_recorded(ctx, task, fresh_module)
+        finally:
+            caught.extend(log)
+
+
+def _apply_warning_filters(task: RankTask) -> None:
+    """The test's filters, as pytest applies them around the in-process test."""
+    if task.show_deprecations:
+        warnings.filterwarnings("always", category=DeprecationWarning)
+        warnings.filterwarnings("always", category=PendingDeprecationWarning)
+    if task.warning_filters:
+        from _pytest.config import parse_warning_filter
+
+        for arg, escape in task.warning_filters:
+            warnings.filterwarnings(*parse_warning_filter(arg, escape=escape))
+
+
+def _call_recorded(ctx: RankContext, task: RankTask, fresh_module: bool) -> RankOutcome:
+    import_conftests(task.conftests)
     fn = task.ref.load(fresh=fresh_module)
+    if task.example:
+        # The launcher's Hypothesis drew this example: run the test's body on
+        # it, never Hypothesis again (every rank must run the same example).
+        inner = fn.hypothesis.inner_test
+        fn = types.MethodType(inner, fn.__self__) if inspect.ismethod(fn) else inner
     if task.state is not None:
         vars(fn.__self__).update(pickle.loads(task.state))
     args, kwargs = pickle.loads(task.args)
@@ -312,7 +385,10 @@ def _call(ctx: RankContext, task: RankTask, fresh_module: bool) -> RankOutcome:
 
     if not dist.is_initialized():
         _init_distributed(ctx)
-    value = fn(*args, **kwargs)
+    try:
+        value = fn(*args, **kwargs)
+    finally:
+        _undo_monkeypatches(kwargs)
     blob = None
     if task.want_value:
         try:
@@ -323,6 +399,17 @@ def _call(ctx: RankContext, task: RankTask, fresh_module: bool) -> RankOutcome:
                 f"pickled back to the launcher: {exc}"
             ) from exc
     return RankOutcome(ctx.rank, PASSED, time.time(), value=blob)
+
+
+def _undo_monkeypatches(kwargs: dict[str, Any]) -> None:
+    """Undo what the test did through a ``monkeypatch`` fixture in this rank: the
+    fixture's teardown runs in the launcher, on the launcher's copy."""
+    module = sys.modules.get("_pytest.monkeypatch")
+    if module is None:
+        return
+    for value in kwargs.values():
+        if isinstance(value, module.MonkeyPatch):
+            value.undo()
 
 
 def _join(ctx: RankContext) -> RankOutcome | None:
@@ -541,6 +628,8 @@ def _fatal() -> NoReturn:
 
 
 def _hard_exit(code: int) -> NoReturn:
-    """Flush, then leave without interpreter finalisation (see the module docstring)."""
+    """Save coverage data, flush, then leave without interpreter finalisation
+    (see the module docstring)."""
+    rank_coverage.save()
     _flush()
     os._exit(code)

@@ -1,29 +1,22 @@
 """Putting a pooled rank back into the state a fresh rank starts a case in.
 
-A pooled rank runs many cases in one interpreter. Before each case:
+A pooled rank runs many cases in one interpreter. Before each case, what a
+freshly spawned rank inherits from the launcher -- its environment, working
+directory, ``sys.path`` and file-mode creation mask (umask) -- is taken from
+the launcher *now* (``Inherited``), so fixtures that set them for the case
+reach the ranks. ContextVars (e.g. a ``channel_loss.capture()`` scope a case
+left open) need no restoring: each case runs in a copy of the rank's
+untouched context (``fresh_context``).
 
-* what a freshly spawned rank inherits from the launcher -- its environment,
-  working directory, ``sys.path`` and file-mode creation mask (umask) -- is
-  taken from the launcher *now*
-  (``Inherited``), so fixtures that set them for the case reach the ranks;
-* the process-wide state a test can change is restored to a *baseline* taken
-  before the pool's first case ran (``Baseline``): the Python, NumPy and
-  torch random generators, torch's global modes (default dtype and device,
-  deterministic algorithms, TF32 / matmul precision, grad and anomaly mode,
-  intra-op threads), warning filters, the root logger, signal handlers and a
-  pending ``alarm``, and ``sys.stdout`` / ``sys.stderr``;
-* the interpreter settings a case can change (``InterpreterState``): the
-  recursion limit, ``gc.disable()`` and its thresholds, the
-  switch interval, trace / profile functions, exception and display hooks,
-  the default socket timeout, resource limits;
-* ContextVars (e.g. a ``channel_loss.capture()`` scope a case left open) need
-  no restoring: each case runs in a copy of the rank's untouched context
-  (``fresh_context``).
-
-What cannot be put back is detected after the case instead (``leftovers``):
-Python threads the case left running, process groups it created or
-destroyed, a hard resource limit it lowered, a CUDA error. A rank with
-leftovers is not reused.
+Everything else a case can change in the process is one entry of
+``FACTS``, the list of *interpreter facts*: how to read it, and either how to
+put it back (restore) or nothing (retire: a rank where it changed is not
+reused). ``Baseline`` records every fact before the pool's first case;
+``restore`` puts back the restorable ones before each later case, and
+``leftovers`` names, after a case, the facts that changed and cannot be (or
+could not be) put back, plus what the case left running: threads, process
+groups, an accelerator error. A new kind of left-over state is one more
+entry in ``FACTS``.
 
 Nothing here imports torch at module level: a rank imports this module before
 its environment (``CUDA_VISIBLE_DEVICES`` ...) is set.
@@ -39,21 +32,16 @@ import multiprocessing
 import os
 import random
 import signal
+import socket
 import sys
 import threading
+import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from harness.devices import accelerators
-
-#: Signals whose handlers a case may have replaced (the stack-dump signal is
-#: the harness's own and stays).
-_SIGNALS = tuple(
-    getattr(signal, name)
-    for name in ("SIGINT", "SIGTERM", "SIGHUP", "SIGALRM", "SIGUSR2", "SIGCHLD", "SIGPIPE")
-    if hasattr(signal, name)
-)
 
 
 def set_environ(target: dict[str, str]) -> None:
@@ -94,109 +82,33 @@ def fresh_context() -> contextvars.Context:
     return contextvars.copy_context()
 
 
-@dataclass
-class Baseline:
-    """What a rank looked like before its pool's first case (``capture``)."""
+@dataclass(frozen=True)
+class Fact:
+    """One piece of process state a case can change.
 
-    py_random: Any
-    np_random: Any
-    warning_filters: list
-    log_level: int
-    log_handlers: list
-    signals: dict[int, Any]
-    stdout: Any
-    stderr: Any
-    threads: frozenset[int]
-    interpreter: InterpreterState | None = None
-    torch: dict[str, Any] = field(default_factory=dict)
-    groups: int = 0
-    default_group: Any = None
+    ``read()`` gives its value now; ``restore(value)`` puts a recorded value
+    back (None: it cannot be, and a rank where the fact changed is retired).
+    ``torch``: the fact exists only once torch is imported. ``compare``:
+    values compare with ``==`` (False: restored unconditionally, e.g. random
+    generator states, and never a reason to retire). ``after``: the value a
+    fresh rank would have, given the recorded one (e.g. the thread count that
+    ``OMP_NUM_THREADS`` asks for); by default the recorded one.
+    """
 
-    @classmethod
-    def capture(cls) -> Baseline:
-        """Record the current state; call it once the process group is up (torch imported)."""
-        root = logging.getLogger()
-        np_random = None
-        numpy = sys.modules.get("numpy")
-        if numpy is not None:
-            np_random = numpy.random.get_state()
-        baseline = cls(
-            py_random=random.getstate(),
-            np_random=np_random,
-            warning_filters=list(warnings.filters),
-            log_level=root.level,
-            log_handlers=list(root.handlers),
-            signals={sig: signal.getsignal(sig) for sig in _SIGNALS},
-            stdout=sys.stdout,
-            stderr=sys.stderr,
-            threads=frozenset(t.ident for t in threading.enumerate() if t.ident is not None),
-            interpreter=InterpreterState.capture(),
-        )
-        if "torch" in sys.modules:
-            baseline.torch = _torch_state()
-            baseline.groups, baseline.default_group = _process_groups()
-        # What exists now (the imported libraries) lives as long as the rank:
-        # keep it out of every later collection, so that collecting a case's
-        # garbage costs milliseconds, not a scan of all of torch.
-        gc.collect()
-        gc.freeze()
-        return baseline
-
-    def restore(self) -> None:
-        """Put back everything ``capture`` recorded."""
-        random.setstate(self.py_random)
-        numpy = sys.modules.get("numpy")
-        if numpy is not None:
-            if self.np_random is not None:
-                numpy.random.set_state(self.np_random)
-            else:  # first imported by a case: fresh entropy, as a new process would get
-                numpy.random.seed()
-        warnings.filters[:] = self.warning_filters
-        mutated = getattr(warnings, "_filters_mutated", None)
-        if mutated is not None:
-            mutated()  # invalidates the "already warned" caches, as warnings.filterwarnings does
-        root = logging.getLogger()
-        root.setLevel(self.log_level)
-        root.handlers[:] = self.log_handlers
-        if hasattr(signal, "alarm"):
-            signal.alarm(0)
-        if hasattr(signal, "setitimer"):
-            signal.setitimer(signal.ITIMER_REAL, 0)
-        for sig, handler in self.signals.items():
-            if handler is not None and signal.getsignal(sig) is not handler:
-                signal.signal(sig, handler)
-        sys.stdout, sys.stderr = self.stdout, self.stderr
-        if self.interpreter is not None:
-            self.interpreter.restore()
-        if self.torch:
-            _restore_torch(self.torch)
-
-    def leftovers(self) -> str | None:
-        """Why this rank cannot run another case (None: it can). Called after a case."""
-        if self.interpreter is not None:
-            changed = self.interpreter.unrestorable()
-            if changed:
-                return changed
-        threads = [t for t in threading.enumerate() if t.ident not in self.threads and t.is_alive()]
-        if threads:
-            names = ", ".join(sorted(t.name for t in threads))
-            return f"the case left {len(threads)} thread(s) running ({names})"
-        if "torch" not in sys.modules:
-            return None
-        groups, default = _process_groups()
-        if default is not self.default_group:
-            return "the case destroyed or replaced the default process group"
-        if groups != self.groups:
-            # Sub-groups hold connections and threads of their own; destroying
-            # them is itself a hang risk, so their ranks are not reused.
-            return f"the case created {groups - self.groups} process group(s)"
-        return _device_error()
+    name: str
+    read: Callable[[], Any]
+    restore: Callable[[Any], None] | None = None
+    torch: bool = False
+    compare: bool = True
+    after: Callable[[Any], Any] | None = None
 
 
-def _umask() -> int:
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
+def _resource() -> Any:
+    try:
+        import resource
+    except ImportError:  # not on every platform
+        return None
+    return resource
 
 
 def _limits() -> dict[int, tuple[int, int]]:
@@ -221,161 +133,474 @@ def _limits() -> dict[int, tuple[int, int]]:
     return out
 
 
-def _resource() -> Any:
-    try:
-        import resource
-    except ImportError:  # not on every platform
-        return None
-    return resource
+def _set_limits(limits: dict[int, tuple[int, int]]) -> None:
+    resource = _resource()
+    for which, limit in limits.items():
+        with contextlib.suppress(OSError, ValueError):
+            if resource.getrlimit(which) != limit:
+                resource.setrlimit(which, limit)
 
 
-@dataclass(frozen=True)
-class InterpreterState:
-    """Process-wide interpreter settings a case can change and a fresh rank
-    would start with: the recursion limit, the garbage collector (enabled,
-    thresholds), the file-mode creation mask, the thread switch interval,
-    trace / profile functions, the exception / unraisable / display hooks,
-    the default socket timeout, ``sys.dont_write_bytecode``, the resource
-    limits and the ``multiprocessing`` start method. ``restore`` puts them back; ``unrestorable`` names what could not
-    be (a hard resource limit lowered for good): such a rank is not reused."""
-
-    recursion_limit: int
-    gc_enabled: bool
-    gc_threshold: tuple[int, ...]
-    switch_interval: float
-    trace: Any
-    profile: Any
-    excepthook: Any
-    unraisablehook: Any
-    displayhook: Any
-    threading_excepthook: Any
-    socket_timeout: float | None
-    dont_write_bytecode: bool
-    limits: dict[int, tuple[int, int]]
-    start_method: str | None = None
-
-    @classmethod
-    def capture(cls) -> InterpreterState:
-        """This process's settings now."""
-        import socket
-
-        return cls(
-            recursion_limit=sys.getrecursionlimit(),
-            gc_enabled=gc.isenabled(),
-            gc_threshold=gc.get_threshold(),
-            switch_interval=sys.getswitchinterval(),
-            trace=sys.gettrace(),
-            profile=sys.getprofile(),
-            excepthook=sys.excepthook,
-            unraisablehook=sys.unraisablehook,
-            displayhook=sys.displayhook,
-            threading_excepthook=threading.excepthook,
-            socket_timeout=socket.getdefaulttimeout(),
-            dont_write_bytecode=sys.dont_write_bytecode,
-            limits=_limits(),
-            start_method=multiprocessing.get_start_method(allow_none=True),
-        )
-
-    def restore(self) -> None:
-        """Put every setting back (resource limits: as far as the kernel allows)."""
-        import socket
-
-        sys.setrecursionlimit(self.recursion_limit)
-        (gc.enable if self.gc_enabled else gc.disable)()
-        gc.set_threshold(*self.gc_threshold)
-        sys.setswitchinterval(self.switch_interval)
-        sys.settrace(self.trace)
-        threading.settrace(self.trace)
-        sys.setprofile(self.profile)
-        threading.setprofile(self.profile)
-        sys.excepthook = self.excepthook
-        sys.unraisablehook = self.unraisablehook
-        sys.displayhook = self.displayhook
-        threading.excepthook = self.threading_excepthook
-        socket.setdefaulttimeout(self.socket_timeout)
-        sys.dont_write_bytecode = self.dont_write_bytecode
-        if multiprocessing.get_start_method(allow_none=True) != self.start_method:
-            multiprocessing.set_start_method(self.start_method, force=True)
-        resource = _resource()
-        if resource is not None:
-            for which, limit in self.limits.items():
-                with contextlib.suppress(OSError, ValueError):
-                    if resource.getrlimit(which) != limit:
-                        resource.setrlimit(which, limit)
-
-    def unrestorable(self) -> str | None:
-        """What a case changed that ``restore`` cannot put back (None: nothing):
-        resource limits are put back now, and those the kernel keeps lowered named."""
-        self.restore()
-        changed = sorted(
-            which for which, limit in _limits().items() if self.limits.get(which) != limit
-        )
-        if changed:
-            return f"the case lowered resource limit(s) {changed} for good"
-        return None
+def _np_random() -> Any:
+    numpy = sys.modules.get("numpy")
+    return None if numpy is None else numpy.random.get_state()
 
 
-def _torch_state() -> dict[str, Any]:
+def _set_np_random(state: Any) -> None:
+    numpy = sys.modules.get("numpy")
+    if numpy is None:
+        return
+    if state is not None:
+        numpy.random.set_state(state)
+    else:  # first imported by a case: fresh entropy, as a new process would get
+        numpy.random.seed()
+
+
+def _set_warning_filters(filters: list) -> None:
+    warnings.filters[:] = filters
+    mutated = getattr(warnings, "_filters_mutated", None)
+    if mutated is not None:
+        mutated()  # invalidates the "already warned" caches, as warnings.filterwarnings does
+
+
+def _set_log_handlers(handlers: list) -> None:
+    logging.getLogger().handlers[:] = handlers
+
+
+def _signals() -> dict[int, Any]:
+    return {sig: signal.getsignal(sig) for sig in _SIGNALS}
+
+
+def _set_signals(handlers: dict[int, Any]) -> None:
+    for sig, handler in handlers.items():
+        if handler is not None and signal.getsignal(sig) is not handler:
+            signal.signal(sig, handler)
+
+
+def _timer() -> Any:
+    return signal.getitimer(signal.ITIMER_REAL) if hasattr(signal, "getitimer") else None
+
+
+def _cancel_timer(_: Any) -> None:
+    if hasattr(signal, "alarm"):
+        signal.alarm(0)
+    if hasattr(signal, "setitimer"):
+        signal.setitimer(signal.ITIMER_REAL, 0)
+
+
+def _signal_mask() -> frozenset[int]:
+    return frozenset(signal.pthread_sigmask(signal.SIG_BLOCK, []))
+
+
+def _set_signal_mask(mask: frozenset[int]) -> None:
+    signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+
+
+def _set_trace(trace: Any) -> None:
+    sys.settrace(trace)
+    threading.settrace(trace)
+
+
+def _set_profile(profile: Any) -> None:
+    sys.setprofile(profile)
+    threading.setprofile(profile)
+
+
+def _set_attr(owner: Any, name: str) -> Callable[[Any], None]:
+    return lambda value: setattr(owner, name, value)
+
+
+def _set_gc_enabled(enabled: bool) -> None:
+    (gc.enable if enabled else gc.disable)()
+
+
+def _tz() -> tuple:
+    return (time.tzname, time.timezone, time.altzone, time.daylight)
+
+
+def _reset_tz(_: Any) -> None:
+    # The environment (TZ included) is the launcher's by now; what the time
+    # module derived from a TZ a case set is recomputed from it.
+    time.tzset()
+
+
+def _nice() -> int:
+    return os.getpriority(os.PRIO_PROCESS, 0)
+
+
+def _set_nice(value: int) -> None:
+    os.setpriority(os.PRIO_PROCESS, 0, value)
+
+
+def _affinity() -> frozenset[int]:
+    return frozenset(os.sched_getaffinity(0))
+
+
+def _set_affinity(cpus: frozenset[int]) -> None:
+    os.sched_setaffinity(0, cpus)
+
+
+def _int_digits() -> int:
+    return sys.get_int_max_str_digits()
+
+
+def _set_start_method(method: str | None) -> None:
+    multiprocessing.set_start_method(method, force=True)
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def _torch() -> Any:
     import torch
 
-    state: dict[str, Any] = {
+    return torch
+
+
+def _setter(name: str) -> Callable[[Any], None]:
+    """``torch.<name>(value)``."""
+    return lambda value: getattr(_torch(), name)(value)
+
+
+def _torch_fact(name: str, getter: str, setter: str, **kw: Any) -> Fact:
+    """A fact torch reads with ``torch.<getter>()`` and sets with ``torch.<setter>(value)``."""
+    return Fact(name, lambda: getattr(_torch(), getter)(), _setter(setter), torch=True, **kw)
+
+
+def _torch_rng() -> dict[str, Any]:
+    torch = _torch()
+    return {
         "seed": torch.initial_seed(),
-        "cpu_rng": torch.get_rng_state(),
-        "dtype": torch.get_default_dtype(),
-        "deterministic": torch.are_deterministic_algorithms_enabled(),
-        "deterministic_warn_only": torch.is_deterministic_algorithms_warn_only_enabled(),
-        "grad": torch.is_grad_enabled(),
-        "anomaly": torch.is_anomaly_enabled(),
-        "threads": torch.get_num_threads(),
-        "matmul_precision": torch.get_float32_matmul_precision(),
-        "cudnn_deterministic": torch.backends.cudnn.deterministic,
-        "cudnn_benchmark": torch.backends.cudnn.benchmark,
-        "cudnn_tf32": torch.backends.cudnn.allow_tf32,
-        "cuda_matmul_tf32": torch.backends.cuda.matmul.allow_tf32,
+        "cpu": torch.get_rng_state(),
+        "devices": {
+            kind.name: runtime.get_rng_state_all()
+            for kind in accelerators()
+            if (runtime := kind.initialised_runtime()) is not None
+        },
     }
-    get_default_device = getattr(torch, "get_default_device", None)
-    if get_default_device is not None:
-        state["device"] = get_default_device()
-    state["device_rng"] = {
-        kind.name: runtime.get_rng_state_all()
-        for kind in accelerators()
-        if (runtime := kind.initialised_runtime()) is not None
-    }
-    return state
 
 
-def _restore_torch(state: dict[str, Any]) -> None:
-    import torch
-
+def _set_torch_rng(state: dict[str, Any]) -> None:
     # Every generator to a known state: accelerators' (lazily, without
     # initialising a runtime) reseeded with the rank's initial seed, then the
     # recorded states put back exactly.
+    torch = _torch()
     torch.manual_seed(state["seed"])
-    torch.set_rng_state(state["cpu_rng"])
+    torch.set_rng_state(state["cpu"])
     for kind in accelerators():
-        if kind.name in state["device_rng"]:
-            kind.torch_runtime().set_rng_state_all(state["device_rng"][kind.name])
-    if "device" in state and torch.get_default_device() != state["device"]:
-        torch.set_default_device(None if state["device"].type == "cpu" else state["device"])
-    if torch.get_default_dtype() != state["dtype"]:
-        torch.set_default_dtype(state["dtype"])
-    if (
+        if kind.name in state["devices"]:
+            kind.torch_runtime().set_rng_state_all(state["devices"][kind.name])
+
+
+def _default_device() -> Any:
+    get = getattr(_torch(), "get_default_device", None)
+    return None if get is None else get()
+
+
+def _set_default_device(device: Any) -> None:
+    if device is not None:
+        _torch().set_default_device(None if device.type == "cpu" else device)
+
+
+def _deterministic() -> tuple[bool, bool]:
+    torch = _torch()
+    return (
         torch.are_deterministic_algorithms_enabled(),
         torch.is_deterministic_algorithms_warn_only_enabled(),
-    ) != (state["deterministic"], state["deterministic_warn_only"]):
-        torch.use_deterministic_algorithms(
-            state["deterministic"], warn_only=state["deterministic_warn_only"]
+    )
+
+
+def _set_deterministic(value: tuple[bool, bool]) -> None:
+    _torch().use_deterministic_algorithms(value[0], warn_only=value[1])
+
+
+def _threads_wanted(recorded: int) -> int:
+    # A fresh rank's torch starts with the threads OMP_NUM_THREADS (as the
+    # launcher's environment has it now, e.g. set by a fixture) asks for.
+    value = os.environ.get("OMP_NUM_THREADS", "")
+    return int(value) if value.isdigit() and int(value) > 0 else recorded
+
+
+def _flush_denormal() -> bool:
+    torch = _torch()
+    tiny = torch.tensor([1e-40], dtype=torch.float32)
+    return bool((tiny * 1.0).item() == 0.0)
+
+
+def _print_options() -> dict[str, Any]:
+    opts = _torch()._tensor_str.PRINT_OPTS
+    return {
+        name: getattr(opts, name)
+        for name in ("precision", "threshold", "edgeitems", "linewidth", "sci_mode")
+    }
+
+
+def _set_print_options(options: dict[str, Any]) -> None:
+    _torch().set_printoptions(**options)
+
+
+def _saved_tensors_hooks() -> Any:
+    """The innermost active default saved-tensor hooks (None: none active)."""
+    return _torch()._C._autograd._top_saved_tensors_default_hooks(True)
+
+
+def _clear_saved_tensors_hooks(recorded: Any) -> None:
+    # Scopes a case left entered are popped; the baseline has none.
+    autograd = _torch()._C._autograd
+    for _ in range(1000):
+        if autograd._top_saved_tensors_default_hooks(True) is recorded:
+            return
+        autograd._pop_saved_tensors_default_hooks()
+
+
+def _set_saved_tensors_hooks_enabled(enabled: bool) -> None:
+    autograd = _torch()._C._autograd
+    if enabled:
+        autograd._saved_tensors_hooks_enable()
+    else:
+        autograd._saved_tensors_hooks_disable("disabled by the pool's first case")
+
+
+def _mode_stacks() -> tuple[int, int]:
+    c = _torch()._C
+    return (c._len_torch_function_stack(), c._len_torch_dispatch_stack())
+
+
+def _pop_modes(depths: tuple[int, int]) -> None:
+    c = _torch()._C
+    while c._len_torch_function_stack() > depths[0]:
+        c._pop_torch_function_stack()
+    while c._len_torch_dispatch_stack() > depths[1]:
+        c._pop_torch_dispatch_stack()
+
+
+def _backends_flags() -> dict[str, Any]:
+    backends = _torch().backends
+    return {
+        "cudnn_deterministic": backends.cudnn.deterministic,
+        "cudnn_benchmark": backends.cudnn.benchmark,
+        "cudnn_tf32": backends.cudnn.allow_tf32,
+        "cuda_matmul_tf32": backends.cuda.matmul.allow_tf32,
+    }
+
+
+def _set_backends_flags(flags: dict[str, Any]) -> None:
+    backends = _torch().backends
+    backends.cudnn.deterministic = flags["cudnn_deterministic"]
+    backends.cudnn.benchmark = flags["cudnn_benchmark"]
+    backends.cudnn.allow_tf32 = flags["cudnn_tf32"]
+    backends.cuda.matmul.allow_tf32 = flags["cuda_matmul_tf32"]
+
+
+#: Signals whose handlers a case may have replaced (the stack-dump signal is
+#: the harness's own and stays).
+_SIGNALS = tuple(
+    getattr(signal, name)
+    for name in ("SIGINT", "SIGTERM", "SIGHUP", "SIGALRM", "SIGUSR2", "SIGCHLD", "SIGPIPE")
+    if hasattr(signal, name)
+)
+
+_has = hasattr
+
+#: Every interpreter fact a case can change, with its restore (or None: retire).
+FACTS: tuple[Fact, ...] = tuple(
+    f
+    for f in (
+        Fact("the Python random generator", random.getstate, random.setstate, compare=False),
+        Fact("the NumPy random generator", _np_random, _set_np_random, compare=False),
+        Fact("the warning filters", lambda: list(warnings.filters), _set_warning_filters),
+        Fact(
+            "the root logger's level",
+            lambda: logging.getLogger().level,
+            lambda level: logging.getLogger().setLevel(level),
+        ),
+        Fact(
+            "the root logger's handlers",
+            lambda: list(logging.getLogger().handlers),
+            _set_log_handlers,
+        ),
+        Fact("signal handlers", _signals, _set_signals),
+        Fact("a pending alarm / interval timer", _timer, _cancel_timer, compare=False),
+        Fact("the signal mask", _signal_mask, _set_signal_mask)
+        if _has(signal, "pthread_sigmask")
+        else None,
+        Fact("sys.stdin", lambda: sys.stdin, _set_attr(sys, "stdin")),
+        Fact("sys.stdout", lambda: sys.stdout, _set_attr(sys, "stdout")),
+        Fact("sys.stderr", lambda: sys.stderr, _set_attr(sys, "stderr")),
+        Fact("the recursion limit", sys.getrecursionlimit, sys.setrecursionlimit),
+        Fact("the int-to-str digits limit", _int_digits, sys.set_int_max_str_digits)
+        if _has(sys, "set_int_max_str_digits")
+        else None,
+        Fact("garbage collection (enabled)", gc.isenabled, _set_gc_enabled),
+        Fact(
+            "the garbage collector's thresholds",
+            gc.get_threshold,
+            lambda value: gc.set_threshold(*value),
+        ),
+        Fact("the thread switch interval", sys.getswitchinterval, sys.setswitchinterval),
+        Fact("the trace function", sys.gettrace, _set_trace),
+        Fact("the profile function", sys.getprofile, _set_profile),
+        Fact("sys.excepthook", lambda: sys.excepthook, _set_attr(sys, "excepthook")),
+        Fact("sys.unraisablehook", lambda: sys.unraisablehook, _set_attr(sys, "unraisablehook")),
+        Fact("sys.displayhook", lambda: sys.displayhook, _set_attr(sys, "displayhook")),
+        Fact(
+            "threading.excepthook", lambda: threading.excepthook, _set_attr(threading, "excepthook")
+        ),
+        Fact("the default socket timeout", socket.getdefaulttimeout, socket.setdefaulttimeout),
+        Fact(
+            "sys.dont_write_bytecode",
+            lambda: sys.dont_write_bytecode,
+            _set_attr(sys, "dont_write_bytecode"),
+        ),
+        Fact("resource limits", _limits, _set_limits) if _resource() is not None else None,
+        Fact(
+            "the multiprocessing start method",
+            lambda: multiprocessing.get_start_method(allow_none=True),
+            _set_start_method,
+        ),
+        Fact("the time zone", _tz, _reset_tz, compare=False),
+        Fact("the CPU affinity", _affinity, _set_affinity)
+        if _has(os, "sched_setaffinity")
+        else None,
+        Fact("the scheduling priority (nice)", _nice, _set_nice)
+        if _has(os, "setpriority")
+        else None,
+        Fact("torch's random generators", _torch_rng, _set_torch_rng, torch=True, compare=False),
+        Fact("torch's default device", _default_device, _set_default_device, torch=True),
+        _torch_fact("torch's default dtype", "get_default_dtype", "set_default_dtype"),
+        Fact("torch's deterministic algorithms", _deterministic, _set_deterministic, torch=True),
+        _torch_fact("torch's grad mode", "is_grad_enabled", "set_grad_enabled"),
+        _torch_fact("torch's anomaly mode", "is_anomaly_enabled", "set_anomaly_enabled"),
+        _torch_fact(
+            "torch's intra-op threads", "get_num_threads", "set_num_threads", after=_threads_wanted
+        ),
+        _torch_fact(
+            "torch's float32 matmul precision",
+            "get_float32_matmul_precision",
+            "set_float32_matmul_precision",
+        ),
+        Fact("torch's cuDNN / TF32 flags", _backends_flags, _set_backends_flags, torch=True),
+        Fact(
+            "torch's flush-denormal mode",
+            _flush_denormal,
+            _setter("set_flush_denormal"),
+            torch=True,
+        ),
+        Fact("torch's print options", _print_options, _set_print_options, torch=True),
+        Fact(
+            "saved-tensor hooks (activation offload scopes) left active",
+            _saved_tensors_hooks,
+            _clear_saved_tensors_hooks,
+            torch=True,
+        ),
+        Fact(
+            "saved-tensor hooks disabled",
+            lambda: _torch()._C._autograd._saved_tensors_hooks_is_enabled(),
+            _set_saved_tensors_hooks_enabled,
+            torch=True,
+        ),
+        Fact("torch function / dispatch modes left entered", _mode_stacks, _pop_modes, torch=True),
+    )
+    if f is not None
+)
+
+
+@dataclass
+class Baseline:
+    """Every fact of ``FACTS`` as it was before the pool's first case
+    (``capture``), and what else a case must not leave behind (threads,
+    process groups)."""
+
+    facts: dict[str, Any]
+    threads: frozenset[int]
+    groups: int = 0
+    default_group: Any = None
+    #: facts whose restore failed (the rank is then retired)
+    unrestored: list[str] = field(default_factory=list)
+
+    @classmethod
+    def capture(cls) -> Baseline:
+        """Record the current state; call it once the process group is up (torch imported)."""
+        baseline = cls(
+            facts=_read_facts(),
+            threads=frozenset(t.ident for t in threading.enumerate() if t.ident is not None),
         )
-    torch.set_grad_enabled(state["grad"])
-    torch.set_anomaly_enabled(state["anomaly"])
-    if torch.get_num_threads() != state["threads"]:
-        torch.set_num_threads(state["threads"])
-    if torch.get_float32_matmul_precision() != state["matmul_precision"]:
-        torch.set_float32_matmul_precision(state["matmul_precision"])
-    torch.backends.cudnn.deterministic = state["cudnn_deterministic"]
-    torch.backends.cudnn.benchmark = state["cudnn_benchmark"]
-    torch.backends.cudnn.allow_tf32 = state["cudnn_tf32"]
-    torch.backends.cuda.matmul.allow_tf32 = state["cuda_matmul_tf32"]
+        if "torch" in sys.modules:
+            baseline.groups, baseline.default_group = _process_groups()
+        # What exists now (the imported libraries) lives as long as the rank:
+        # keep it out of every later collection, so that collecting a case's
+        # garbage costs milliseconds, not a scan of all of torch.
+        gc.collect()
+        gc.freeze()
+        return baseline
+
+    def restore(self) -> None:
+        """Put back every restorable fact (to what a fresh rank would have)."""
+        for fact in _facts_now():
+            if fact.restore is None or fact.name not in self.facts:
+                continue
+            want = self._wanted(fact)
+            try:
+                if not fact.compare or fact.read() != want:
+                    fact.restore(want)
+            except Exception as exc:
+                self.unrestored.append(f"{fact.name} ({type(exc).__name__}: {exc})")
+
+    def leftovers(self) -> str | None:
+        """Why this rank cannot run another case (None: it can). Called after a case:
+        restores what it can first, then names what changed for good."""
+        self.restore()
+        if self.unrestored:
+            return "the case changed what cannot be put back: " + "; ".join(self.unrestored)
+        changed = [
+            fact.name
+            for fact in _facts_now()
+            if fact.compare and fact.name in self.facts and _differs(fact, self._wanted(fact))
+        ]
+        if changed:
+            return "the case changed what cannot be put back: " + ", ".join(changed)
+        threads = [t for t in threading.enumerate() if t.ident not in self.threads and t.is_alive()]
+        if threads:
+            names = ", ".join(sorted(t.name for t in threads))
+            return f"the case left {len(threads)} thread(s) running ({names})"
+        if "torch" not in sys.modules:
+            return None
+        groups, default = _process_groups()
+        if default is not self.default_group:
+            return "the case destroyed or replaced the default process group"
+        if groups != self.groups:
+            # Sub-groups hold connections and threads of their own; destroying
+            # them is itself a hang risk, so their ranks are not reused.
+            return f"the case created {groups - self.groups} process group(s)"
+        return _device_error()
+
+    def _wanted(self, fact: Fact) -> Any:
+        recorded = self.facts[fact.name]
+        return recorded if fact.after is None else fact.after(recorded)
+
+
+def _facts_now() -> list[Fact]:
+    """The facts that exist in this process now (torch's once torch is imported)."""
+    has_torch = "torch" in sys.modules
+    return [fact for fact in FACTS if has_torch or not fact.torch]
+
+
+def _read_facts() -> dict[str, Any]:
+    values = {}
+    for fact in _facts_now():
+        with contextlib.suppress(Exception):  # a fact this platform cannot read is not kept
+            values[fact.name] = fact.read()
+    return values
+
+
+def _differs(fact: Fact, want: Any) -> bool:
+    try:
+        return bool(fact.read() != want)
+    except Exception:
+        return True
 
 
 def _process_groups() -> tuple[int, Any]:

@@ -85,6 +85,32 @@ class FunctionRef:
         return obj
 
 
+def conftests_for(item: Any) -> tuple[tuple[str, str], ...]:
+    """The ``conftest.py`` modules pytest loaded for ``item``'s directory and its
+    ancestors, outermost first, as (module name, file)."""
+    test_dir = os.path.dirname(os.path.abspath(str(item.path)))
+    found = []
+    for plugin in item.config.pluginmanager.get_plugins():
+        path = getattr(plugin, "__file__", None)
+        if not isinstance(plugin, types.ModuleType) or not path:
+            continue
+        if os.path.basename(path) != "conftest.py":
+            continue
+        where = os.path.dirname(os.path.abspath(path))
+        if test_dir == where or test_dir.startswith(where + os.sep):
+            found.append((where.count(os.sep), plugin.__name__, path))
+    return tuple((name, path) for _, name, path in sorted(found))
+
+
+def import_conftests(conftests: tuple[tuple[str, str], ...]) -> None:
+    """Import each conftest module this process has not (with pytest's assertion
+    rewriting), outermost first, so what they do at import -- a Hypothesis
+    profile, a ``sys.path`` entry -- is in effect here as in the launcher."""
+    for name, path in conftests:
+        if name not in sys.modules and _loadable(path):
+            _load_from_file(name, path, rewrite=True)
+
+
 def _loadable(path: str | None) -> bool:
     return path is not None and path.endswith(".py") and os.path.isfile(path)
 

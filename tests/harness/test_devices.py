@@ -9,9 +9,14 @@ from harness.devices import Card, inventory, is_simulated, local_index, parse_ca
 
 
 def test_parse_cards():
-    assert parse_cards("cuda:0,1,2,3") == {"cuda": [Card("cuda", str(i)) for i in range(4)], "npu": []}
-    assert parse_cards(" cuda:2;npu:0,5 ") == {"cuda": [Card("cuda", "2")],
-                                               "npu": [Card("npu", "0"), Card("npu", "5")]}
+    assert parse_cards("cuda:0,1,2,3") == {
+        "cuda": [Card("cuda", str(i)) for i in range(4)],
+        "npu": [],
+    }
+    assert parse_cards(" cuda:2;npu:0,5 ") == {
+        "cuda": [Card("cuda", "2")],
+        "npu": [Card("npu", "0"), Card("npu", "5")],
+    }
     assert parse_cards("none") == parse_cards("") == {"cuda": [], "npu": []}
 
 
@@ -71,7 +76,9 @@ def test_unknown_device_or_backend_raises_naming_the_known_ones():
         devices.device_type("xpu")
     with pytest.raises(ValueError, match=r"unknown device 'tpu'"):
         inventory("tpu")
-    with pytest.raises(ValueError, match=r"unknown torch.distributed backend 'ucc'; known: gloo, mpi, nccl, hccl"):
+    with pytest.raises(
+        ValueError, match=r"unknown torch.distributed backend 'ucc'; known: gloo, mpi, nccl, hccl"
+    ):
         devices.device_for_backend("ucc")
 
 
@@ -82,7 +89,9 @@ def test_suite_schema_device_enum_is_the_table():
     from harness import devices
 
     schema = json.loads(files("harness.suites").joinpath("schema.json").read_text())
-    assert schema["$defs"]["manifest"]["properties"]["device"]["enum"] == [d.name for d in devices.DEVICE_TABLE]
+    assert schema["$defs"]["manifest"]["properties"]["device"]["enum"] == [
+        d.name for d in devices.DEVICE_TABLE
+    ]
 
 
 def test_channel_loss_collectives_place_tensors_where_the_table_says():

@@ -19,8 +19,13 @@ from harness.launcher.outcome import (
 
 
 def result(**kw) -> CaseOutcome:
-    return CaseOutcome(nproc=kw.pop("nproc", 2), label="cpu/gloo", deadline_s=5,
-                      deadline_source="LaunchSpec.timeout", **kw)
+    return CaseOutcome(
+        nproc=kw.pop("nproc", 2),
+        label="cpu/gloo",
+        deadline_s=5,
+        deadline_source="LaunchSpec.timeout",
+        **kw,
+    )
 
 
 def passed(rank: int, value=None) -> RankOutcome:
@@ -49,36 +54,55 @@ def test_values_in_rank_order():
 
 
 def test_first_failure_leads_and_the_others_are_summarised():
-    report = result(nproc=3, outcomes={0: failed(0, 5.0, "RuntimeError: peer gone"),
-                                       1: passed(1), 2: failed(2, 3.0, "AssertionError: x")}).report()
-    assert report.startswith("rank 2 failed: AssertionError: x\n(3 ranks, cpu/gloo)\n\nTraceback of rank 2")
+    report = result(
+        nproc=3,
+        outcomes={
+            0: failed(0, 5.0, "RuntimeError: peer gone"),
+            1: passed(1),
+            2: failed(2, 3.0, "AssertionError: x"),
+        },
+    ).report()
+    assert report.startswith(
+        "rank 2 failed: AssertionError: x\n(3 ranks, cpu/gloo)\n\nTraceback of rank 2"
+    )
     assert report.endswith("other ranks:\n  rank 0 failed: RuntimeError: peer gone")
     assert "Traceback of rank 0" not in report
 
 
 def test_a_dead_rank_leads_over_the_errors_its_death_causes():
     # rank 0's collective failed 0.3 s after the launcher saw rank 1 die.
-    report = result(outcomes={0: failed(0, 10.3, "RuntimeError: Connection reset by peer")},
-                    exits={1: (10.0, -signal.SIGKILL)}, logs={1: "last words\n"}).report()
+    report = result(
+        outcomes={0: failed(0, 10.3, "RuntimeError: Connection reset by peer")},
+        exits={1: (10.0, -signal.SIGKILL)},
+        logs={1: "last words\n"},
+    ).report()
     assert report.startswith("rank 1 was killed by signal SIGKILL (9) before reporting an outcome")
     assert "--- rank 1 output (last 1 lines) ---\nlast words" in report
     assert "other ranks:\n  rank 0 failed: RuntimeError: Connection reset by peer" in report
 
 
 def test_timeout_report_names_running_ranks_with_their_stacks():
-    report = result(outcomes={0: failed(0, 1.0, "RuntimeError: timed out")}, timed_out=[1],
-                    stacks={1: 'File "t.py", line 3 in hang'}).report()
-    assert report.startswith("case timed out (2 ranks, cpu/gloo): rank 1 still running at the 5 s "
-                             "deadline (LaunchSpec.timeout); stopped with SIGTERM, then SIGKILL")
+    report = result(
+        outcomes={0: failed(0, 1.0, "RuntimeError: timed out")},
+        timed_out=[1],
+        stacks={1: 'File "t.py", line 3 in hang'},
+    ).report()
+    assert report.startswith(
+        "case timed out (2 ranks, cpu/gloo): rank 1 still running at the 5 s "
+        "deadline (LaunchSpec.timeout); stopped with SIGTERM, then SIGKILL"
+    )
     assert '--- rank 1 stack at the deadline ---\nFile "t.py", line 3 in hang' in report
     assert "other ranks:\n  rank 0 failed: RuntimeError: timed out" in report
 
 
-@pytest.mark.parametrize(("code", "words"), [
-    (3, "exited with code 3"),
-    (-signal.SIGKILL, "was killed by signal SIGKILL (9)"),
-    (-signal.SIGSEGV, "was killed by signal SIGSEGV (11)"),
-])
+@pytest.mark.parametrize(
+    ("code", "words"),
+    [
+        (3, "exited with code 3"),
+        (-signal.SIGKILL, "was killed by signal SIGKILL (9)"),
+        (-signal.SIGSEGV, "was killed by signal SIGSEGV (11)"),
+    ],
+)
 def test_describe_exit(code, words):
     assert describe_exit(code) == words
 

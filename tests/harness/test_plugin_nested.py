@@ -9,7 +9,7 @@ import json
 import pytest
 from launch_project import inner_env, run_session, write_project
 
-NESTED = '''
+NESTED = """
     import json
     import os
     import threading
@@ -53,7 +53,7 @@ NESTED = '''
         held = os.environ["HARNESS_CARD"]
         spec = LaunchSpec(device="cuda", nproc=1, backend="gloo")
         assert harness.launch(hold_a_slot, spec, "on-card") == [held]
-'''
+"""
 
 
 @pytest.fixture(scope="module")

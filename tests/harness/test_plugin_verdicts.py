@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from launch_project import inner_env, run_session, write_project
 
-TWINS = '''
+TWINS = """
     import os
     import time
     import unittest
@@ -85,7 +85,7 @@ TWINS = '''
         time.sleep(120)
 
 
-    @pytest.mark.timeout(15)
+    @pytest.mark.timeout(45)
     @pytest.mark.launch(nproc=1)
     def test_timeout_marker():
         hang_in_rank()
@@ -98,12 +98,12 @@ TWINS = '''
         @pytest.mark.launch(nproc=2)
         def test_unit_launched(self):
             (out_dir() / f"unit-{os.environ.get('RANK')}.ran").write_text("")
-'''
+"""
 
 
 #: Module-level statements a process can run once: the module is imported once
 #: in-process, and again (in a fresh module) for every case on a kept rank.
-IMPORT_ONCE = '''
+IMPORT_ONCE = """
     import multiprocessing
 
     import pytest
@@ -125,7 +125,7 @@ IMPORT_ONCE = '''
     @pytest.mark.launch(nproc=1)
     def test_once_second_case():
         pass
-'''
+"""
 
 
 @pytest.fixture(scope="module")
@@ -186,5 +186,25 @@ def test_pytest_timeout_marker_is_the_case_deadline(twins):
     _, session = twins
     case = session.case("test_timeout_marker")
     assert case.status == "failed"
-    assert "still running at the 15 s deadline (pytest-timeout's timeout=15)" in case.text, case.text
+    assert "still running at the 45 s deadline (pytest-timeout's timeout=45)" in case.text, (
+        case.text
+    )
     assert "in hang_in_rank" in case.text  # the rank's stack, not the launcher's
+
+
+def test_each_launched_case_records_where_and_how_it_ran(twins):
+    import xml.etree.ElementTree as ET
+
+    root, _ = twins
+    props = {
+        tc.get("name"): {p.get("name"): p.get("value") for p in tc.iter("property")}
+        for tc in ET.parse(root / "junit.xml").getroot().iter("testcase")
+    }
+    assert props["test_kept"] == {
+        "harness.device": "cpu",
+        "harness.nproc": "2",
+        "harness.cards": "",
+        "harness.ranks": "kept (case 1 of its pool)",
+    }
+    assert props["test_fresh"]["harness.ranks"] == "fresh"
+    assert props["test_in_process"] == {}

@@ -15,16 +15,25 @@ from harness.spec import spec_for_item, spec_from_marker
 
 def test_defaults():
     spec = LaunchSpec()
-    assert (spec.device, spec.nproc, spec.timeout, spec.backend, spec.reuse) == ("cpu", 1, None, None, True)
+    assert (spec.device, spec.nproc, spec.timeout, spec.backend, spec.reuse) == (
+        "cpu",
+        1,
+        None,
+        None,
+        True,
+    )
 
 
 # Not named "device": the plugin would treat cuda / npu as needing a card.
-@pytest.mark.parametrize(("kind", "nproc", "cards", "backend"), [
-    ("cpu", 4, 0, "gloo"),
-    ("cuda", 1, 1, "nccl"),
-    ("cuda", 3, 3, "nccl"),
-    ("npu", 2, 2, "hccl"),
-])
+@pytest.mark.parametrize(
+    ("kind", "nproc", "cards", "backend"),
+    [
+        ("cpu", 4, 0, "gloo"),
+        ("cuda", 1, 1, "nccl"),
+        ("cuda", 3, 3, "nccl"),
+        ("npu", 2, 2, "hccl"),
+    ],
+)
 def test_cards_and_backend_follow_the_device(kind, nproc, cards, backend):
     spec = LaunchSpec(device=kind, nproc=nproc)
     assert spec.cards == cards
@@ -37,26 +46,29 @@ def test_is_frozen():
         LaunchSpec().nproc = 2
 
 
-@pytest.mark.parametrize(("field", "value"), [
-    ("device", "tpu"),
-    ("device", "CUDA"),
-    ("device", None),
-    ("nproc", 0),
-    ("nproc", -1),
-    ("nproc", 1.5),
-    ("nproc", True),
-    ("nproc", "2"),
-    ("timeout", 0),
-    ("timeout", -5),
-    ("timeout", float("nan")),
-    ("timeout", float("inf")),
-    ("timeout", "10"),
-    ("timeout", True),
-    ("backend", ""),
-    ("backend", 3),
-    ("backend", "nccl2"),
-    ("reuse", "yes"),
-])
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("device", "tpu"),
+        ("device", "CUDA"),
+        ("device", None),
+        ("nproc", 0),
+        ("nproc", -1),
+        ("nproc", 1.5),
+        ("nproc", True),
+        ("nproc", "2"),
+        ("timeout", 0),
+        ("timeout", -5),
+        ("timeout", float("nan")),
+        ("timeout", float("inf")),
+        ("timeout", "10"),
+        ("timeout", True),
+        ("backend", ""),
+        ("backend", 3),
+        ("backend", "nccl2"),
+        ("reuse", "yes"),
+    ],
+)
 def test_bad_value_is_a_value_error_naming_field_and_value(field, value):
     with pytest.raises(ValueError, match=rf"LaunchSpec\.{field} .*got {value!r}"):
         LaunchSpec(**{field: value})
@@ -122,8 +134,14 @@ def test_the_suite_side_never_imports_the_launcher():
         "assert 'harness.launcher.pool' in sys.modules\n"
     )
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
-                          timeout=120, check=False)
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stderr
 
 

@@ -1,0 +1,91 @@
+"""Coverage in ranks: when the launcher measures coverage (``pytest --cov``,
+``coverage run``), each rank measures the same way and saves its data, with a
+suffix of its own, next to the launcher's data file, where ``coverage
+combine`` (and pytest-cov at the end of the session) picks it up.
+
+Ranks leave with ``os._exit``, which skips coverage's own exit hook: the
+rank saves its data just before (``save``).
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+_active: list[Any] = []
+
+
+@dataclass(frozen=True)
+class CoverageSpec:
+    """How the launcher measures: its config file, data file and the settings a
+    command line may have given (``--cov=SOURCE``, ``--cov-branch``)."""
+
+    config_file: str | None
+    data_file: str
+    source: tuple[str, ...] | None
+    branch: bool
+    include: tuple[str, ...] | None
+    omit: tuple[str, ...] | None
+
+    @classmethod
+    def of_launcher(cls) -> CoverageSpec | None:
+        """The measurement running in this process now (None: none)."""
+        coverage = sys.modules.get("coverage")
+        current = getattr(getattr(coverage, "Coverage", None), "current", None)
+        cov = current() if current is not None else None
+        if cov is None:
+            return None
+        config = cov.config
+
+        def listed(value: Any) -> tuple[str, ...] | None:
+            return tuple(value) if value else None
+
+        return cls(
+            config_file=config.config_file or None,
+            data_file=cov.get_data().base_filename(),
+            source=listed(config.source),
+            branch=bool(config.branch),
+            include=listed(config.run_include),
+            omit=listed(config.run_omit),
+        )
+
+
+def start(spec: CoverageSpec | None) -> None:
+    """Start measuring in this rank as ``spec`` says (nothing when None)."""
+    if spec is None or _active:
+        return
+    import coverage
+
+    cov = coverage.Coverage(
+        data_file=spec.data_file,
+        data_suffix=True,
+        config_file=spec.config_file or False,
+        source=list(spec.source) if spec.source else None,
+        branch=spec.branch,
+        include=list(spec.include) if spec.include else None,
+        omit=list(spec.omit) if spec.omit else None,
+        auto_data=False,
+    )
+    cov.start()
+    _active.append(cov)
+
+
+def checkpoint() -> None:
+    """Write the data measured so far (measuring goes on)."""
+    for cov in _active:
+        try:
+            cov.save()
+        except Exception as exc:
+            print(f"harness: saving this rank's coverage data failed: {exc}", file=sys.stderr)
+
+
+def save() -> None:
+    """Stop measuring and write this rank's data file (before ``os._exit``)."""
+    while _active:
+        cov = _active.pop()
+        try:
+            cov.stop()
+            cov.save()
+        except Exception as exc:  # the rank's verdict stands; say what coverage lost
+            print(f"harness: saving this rank's coverage data failed: {exc}", file=sys.stderr)

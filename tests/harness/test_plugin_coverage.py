@@ -1,0 +1,53 @@
+"""Code that runs only in ranks is measured by ``pytest --cov`` (pytest-cov),
+on kept and on fresh ranks."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from launch_project import inner_env, run_session, write_project
+
+pytest.importorskip("pytest_cov")
+
+HELPER = """
+def only_in_ranks(x):
+    y = x + 1
+    return y * 2
+
+
+def only_in_fresh_ranks(x):
+    y = x * 3
+    return y - 1
+"""
+
+TESTS = """
+    import pytest
+
+    import helper
+
+
+    @pytest.mark.launch(nproc=2)
+    def test_kept_ranks_run_it():
+        assert helper.only_in_ranks(1) == 4
+
+
+    @pytest.mark.launch(nproc=1, reuse=False)
+    def test_fresh_ranks_run_it():
+        assert helper.only_in_fresh_ranks(1) == 2
+"""
+
+
+def test_lines_run_only_in_ranks_are_covered(tmp_path):
+    root = write_project(tmp_path / "project", {"helper.py": HELPER, "test_cov.py": TESTS})
+    session = run_session(
+        root,
+        "--cov=helper",
+        "--cov-report=term-missing",
+        env=inner_env(root / "out", root / "leases"),
+        timeout=300,
+    )
+    assert session.returncode == 0, session.output
+    line = re.search(r"^helper\.py\s.*$", session.output, re.MULTILINE)
+    assert line is not None, session.output
+    assert line.group(0).split()[1:4] == ["6", "0", "100%"], session.output
