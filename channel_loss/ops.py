@@ -9,6 +9,8 @@ log-sum-exp the gradient needs, observing it costs no extra pass.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import math
 import sys
@@ -22,7 +24,13 @@ from torch.autograd.function import once_differentiable
 from channel_loss.capture import record
 from channel_loss.validation import check_int, is_real
 
-__all__ = ["chunk_cross_entropy", "default_chunk_size", "per_token_cross_entropy"]
+__all__ = [
+    "GEMM_POLICIES",
+    "chunk_cross_entropy",
+    "default_chunk_size",
+    "gemm_policy",
+    "per_token_cross_entropy",
+]
 
 
 # --------------------------------------------------------------------------- input checking
@@ -189,8 +197,21 @@ def _resolve_bias(
     return _Bias(None, rows, logits_bias_weight, row_of_token)
 
 
-def _refuse_dtensor(**tensors: torch.Tensor | None) -> None:
-    """Refuse DTensor inputs with advice instead of torch's mixed-tensor error.
+def _checked_arguments(arguments: dict) -> _Features:
+    """The loss features of a public call's ``arguments`` (its ``locals()`` on entry), after
+    refusing DTensor inputs with advice instead of torch's mixed-tensor error."""
+    _refuse_dtensor(arguments)
+    return _resolve_features(
+        arguments["logit_scale"],
+        arguments["softcap"],
+        arguments["label_smoothing"],
+        arguments["lse_square_scale"],
+        arguments["reduction"],
+    )
+
+
+def _refuse_dtensor(arguments: dict) -> None:
+    """Raise ``ValueError`` for a DTensor among ``arguments``' values, naming it.
 
     No DTensor can exist unless ``torch.distributed.tensor`` was imported, so
     the check imports nothing.
@@ -199,7 +220,7 @@ def _refuse_dtensor(**tensors: torch.Tensor | None) -> None:
     dtensor = getattr(module, "DTensor", None)
     if dtensor is None:
         return
-    for name, t in tensors.items():
+    for name, t in arguments.items():
         if isinstance(t, dtensor):
             raise ValueError(
                 f"{name} is a DTensor (placements {tuple(t.placements)}): the chunked loss works "
@@ -272,16 +293,134 @@ def _bias_rows(bias: _Bias, rows: torch.Tensor, start: int, end: int) -> torch.T
     return rows.index_select(0, bias.row_of_token[start:end])
 
 
+# --------------------------------------------------------------------------- GEMM dtype policy
+
+
+#: ``gemm_policy`` names: "auto" picks "fp32" on the CPU and "model_dtype" elsewhere.
+GEMM_POLICIES = ("auto", "fp32", "model_dtype")
+_GEMM_POLICY: contextvars.ContextVar[str] = contextvars.ContextVar(
+    "channel_loss_gemm_policy", default="auto"
+)
+_OUT_DTYPE: dict[str, bool] = {}
+
+
+@contextlib.contextmanager
+def gemm_policy(policy: str) -> Iterator[str]:
+    """Force how the three LM-head products treat bf16 / fp16 data inside the scope.
+
+    - ``"model_dtype"`` (the accelerator default): every product takes its
+      operands in the model dtype (hidden, weight and the logits gradient
+      rounded to it) and accumulates in fp32 (``torch.mm(..., out_dtype=
+      torch.float32)`` / ``torch.addmm(..., out=fp32 accumulator)`` where the
+      build has them: tensor-core GEMMs, never an fp32 GEMM of bf16 data). The
+      logits and the weight gradient come out in fp32, the hidden gradient in
+      the model dtype. Where the build lacks ``out_dtype``: on the CPU the
+      same products are formed exactly from fp32 copies of the operands (so
+      CPU tests check this policy's numerics); on accelerators the products
+      come out in the model dtype and are accumulated in fp32.
+    - ``"fp32"`` (the CPU default, measured fastest there: CPUs without
+      bf16 units run fp32 GEMMs many times faster than bf16 ones): operands
+      are upcast to fp32 (the weight once per call) and the logits gradient
+      stays fp32.
+    - ``"auto"``: the default of the device the inputs live on.
+
+    fp32 inputs are unaffected. Scopes are per context (a ``ContextVar``) and
+    nest; the policy must be the same for a ``chunk_cross_entropy`` call and
+    the ``per_token_cross_entropy`` call that reproduces its observation.
+    Raises ``ValueError`` for a name outside ``GEMM_POLICIES``.
+    """
+    if policy not in GEMM_POLICIES:
+        raise ValueError(f"gemm_policy must be one of {GEMM_POLICIES}; got {policy!r}")
+    token = _GEMM_POLICY.set(policy)
+    try:
+        yield policy
+    finally:
+        _GEMM_POLICY.reset(token)
+
+
+def _has_out_dtype(device: torch.device) -> bool:
+    """Whether this build runs ``mm`` / ``addmm`` with ``out_dtype=float32`` on ``device``."""
+    known = _OUT_DTYPE.get(device.type)
+    if known is None:
+        try:
+            x = torch.ones(1, 1, dtype=torch.bfloat16, device=device)
+            acc = torch.zeros(1, 1, dtype=torch.float32, device=device)
+            torch.mm(x, x, out_dtype=torch.float32)
+            torch.addmm(acc, x, x, out_dtype=torch.float32, out=acc)
+            known = True
+        except (RuntimeError, NotImplementedError, TypeError):
+            known = False
+        _OUT_DTYPE[device.type] = known
+    return known
+
+
+class _Products:
+    """The LM-head products of one call under its dtype policy (see ``gemm_policy``)."""
+
+    def __init__(self, weight: torch.Tensor, factor_weight: torch.Tensor | None) -> None:
+        policy = _GEMM_POLICY.get()
+        if policy == "auto":
+            policy = "fp32" if weight.device.type == "cpu" else "model_dtype"
+        self.dtype = weight.dtype
+        low = weight.dtype != torch.float32
+        self.upcast = low and policy == "fp32"
+        self.native = low and not self.upcast and _has_out_dtype(weight.device)
+        # Without out_dtype, the CPU forms the same products exactly in fp32; an
+        # accelerator keeps model-dtype GEMMs and rounds each product to that dtype.
+        self.emulate = low and not self.upcast and not self.native and weight.device.type == "cpu"
+        self.weight = weight.float() if self.upcast else weight
+        self.factor_weight = (
+            factor_weight.float() if self.upcast and factor_weight is not None else factor_weight
+        )
+
+    def operand(self, x: torch.Tensor) -> torch.Tensor:
+        """Hidden or bias-factor rows as a product operand."""
+        return x.float() if self.upcast else x
+
+    def grad_operand(self, dlogits: torch.Tensor) -> torch.Tensor:
+        """The fp32 logits gradient as a product operand: fp32, or rounded to the model dtype."""
+        return dlogits if self.upcast else dlogits.to(self.dtype)
+
+    def mm32(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """``a @ b`` in fp32 (accumulated in fp32)."""
+        if a.dtype == torch.float32 and b.dtype == torch.float32:
+            return torch.mm(a, b)
+        if self.native:
+            return torch.mm(a, b, out_dtype=torch.float32)
+        if self.emulate:
+            return torch.mm(a.float(), b.float())
+        return torch.mm(a, b).float()
+
+    def addmm32_(self, acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+        """``acc += a @ b`` into the fp32 accumulator ``acc``, with no full-size temporary
+        where the build allows it."""
+        if a.dtype == torch.float32 and b.dtype == torch.float32:
+            acc.addmm_(a, b)
+        elif self.native:
+            torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+        elif self.emulate:
+            acc.addmm_(a.float(), b.float())
+        else:
+            acc.add_(torch.mm(a, b))
+
+    def grad_hidden(self, dl: torch.Tensor, out: torch.Tensor) -> None:
+        """``out = dl @ weight`` in the hidden dtype (``dl`` from ``grad_operand``)."""
+        if dl.dtype == self.weight.dtype == out.dtype:
+            torch.mm(dl, self.weight, out=out)
+        else:
+            out.copy_(torch.mm(dl, self.weight))
+
+
 def _chunk_logits(
-    h: torch.Tensor, weight: torch.Tensor, bias: _Bias, start: int, end: int
+    h: torch.Tensor, products: _Products, bias: _Bias, start: int, end: int
 ) -> torch.Tensor:
     """fp32 logits of token rows ``[start, end)``; the only place the LM head is applied."""
-    logits = F.linear(h[start:end], weight).float()
+    logits = products.mm32(products.operand(h[start:end]), products.weight.t())
     if bias.full is not None:
         logits = logits + _bias_rows(bias, bias.full, start, end).float()
     elif bias.factor is not None:
-        factor = _bias_rows(bias, bias.factor, start, end)
-        logits = logits + F.linear(factor, bias.factor_weight).float()
+        factor = products.operand(_bias_rows(bias, bias.factor, start, end))
+        logits = logits + products.mm32(factor, products.factor_weight.t())
     return logits
 
 
@@ -377,8 +516,9 @@ def _chunked_pass(
     grad_factor_w = zeros(bias.factor_weight, need_factor_w)
     any_grad = any(needs)
     smoothing, z_scale = features.label_smoothing, features.lse_square_scale
+    products = _Products(weight, bias.factor_weight)
     for s, e in _chunks(n, chunk_size):
-        logits = _chunk_logits(h, weight, bias, s, e)
+        logits = _chunk_logits(h, products, bias, s, e)
         cap_slope = _final_logits_(logits, features, keep_cap_slope=any_grad)
         t, v = targets[s:e], valid[s:e]
         nll, sumexp, lse, train = _softmax_ce_(logits, t, v, features)
@@ -404,18 +544,20 @@ def _chunked_pass(
             dlogits.mul_(cap_slope)
         if features.logit_scale is not None:
             dlogits.mul_(features.logit_scale)
+        dl = products.grad_operand(dlogits) if need_h or need_w or bias.factor is not None else None
         if need_h:
-            torch.mm(dlogits.to(weight.dtype), weight, out=grad_h[s:e])
+            products.grad_hidden(dl, grad_h[s:e])
         if need_w:
-            grad_w.addmm_(dlogits.t(), h[s:e].float())
+            products.addmm32_(grad_w, dl.t(), products.operand(h[s:e]))
         if need_full:
             _scatter_rows(grad_full, bias, dlogits, s, e)
         if need_factor:
-            _scatter_rows(grad_factor, bias, dlogits @ bias.factor_weight.float(), s, e)
+            _scatter_rows(grad_factor, bias, products.mm32(dl, products.factor_weight), s, e)
         if need_factor_w:
-            grad_factor_w.addmm_(dlogits.t(), _bias_rows(bias, bias.factor, s, e).float())
+            factor = products.operand(_bias_rows(bias, bias.factor, s, e))
+            products.addmm32_(grad_factor_w, dl.t(), factor)
         # Free this chunk's logits before the next chunk allocates its own.
-        del logits, dlogits, cap_slope
+        del logits, dlogits, dl, cap_slope
     return token_losses, train_losses, [grad_h, grad_w, grad_full, grad_factor, grad_factor_w]
 
 
@@ -578,7 +720,7 @@ def default_chunk_size(
     extra memory stays under 1.5x the weight gradient plus two hidden-state
     copies. On accelerators the floor of 512 rows is where, at H200-class
     bandwidth and tensor-core rates, the weight-gradient traffic stops
-    setting the time (a roofline estimate; issue 13's device check measures
+    setting the time (a roofline estimate; ``scripts/bench/cuda_qualify.py`` measures
     the default against other chunk sizes). Depends only on the arguments,
     so calls with the same shapes chunk alike (the bitwise
     ``per_token_cross_entropy`` contract).
@@ -733,9 +875,11 @@ def chunk_cross_entropy(
     """Mean token cross-entropy of ``F.linear(hidden_states, weight)`` logits, chunked.
 
     Targets are ``shift_labels`` or ``labels`` shifted left by one (last
-    position ignored). Logits are ``F.linear(h, weight).float()`` plus
-    ``logits_bias.float()`` (broadcastable to ``[..., V]``) or plus
-    ``F.linear(logits_bias, logits_bias_weight).float()`` (factored).
+    position ignored). Logits are the fp32 product ``h @ weight.T`` plus
+    ``logits_bias.float()`` (broadcastable to ``[..., V]``) or plus the fp32
+    product ``logits_bias @ logits_bias_weight.T`` (factored); for bf16 /
+    fp16 inputs the products accumulate in fp32 and are not rounded to the
+    model dtype (``gemm_policy`` says how each is formed per device).
 
     Returns a 0-d fp32 tensor: the CE summed over targets that are not
     ``ignore_index``, divided by ``num_items_in_batch`` (never modified) or by
@@ -765,15 +909,7 @@ def chunk_cross_entropy(
     op where FSDP has unsharded the weight, inside the model's forward, or
     pass ``.full_tensor()``).
     """
-    _refuse_dtensor(
-        hidden_states=hidden_states,
-        weight=weight,
-        logits_bias=logits_bias,
-        logits_bias_weight=logits_bias_weight,
-        labels=labels,
-        shift_labels=shift_labels,
-    )
-    features = _resolve_features(logit_scale, softcap, label_smoothing, lse_square_scale, reduction)
+    features = _checked_arguments(locals())
     if reduction == "sum" and num_items_in_batch is not None:
         raise ValueError(
             "num_items_in_batch divides the summed loss: pass it with reduction='mean' "
@@ -837,16 +973,7 @@ def per_token_cross_entropy(
     arguments as to ``chunk_cross_entropy``; they do not change the
     per-token NLL returned here.
     """
-    _refuse_dtensor(
-        logits=logits,
-        hidden_states=hidden_states,
-        weight=weight,
-        logits_bias=logits_bias,
-        logits_bias_weight=logits_bias_weight,
-        labels=labels,
-        shift_labels=shift_labels,
-    )
-    checked = _resolve_features(logit_scale, softcap, label_smoothing, lse_square_scale, reduction)
+    checked = _checked_arguments(locals())
     # Only the terms that change the final logits matter to the NLL.
     features = _Features(checked.logit_scale, checked.softcap)
     if logits is not None:

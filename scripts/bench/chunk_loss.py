@@ -4,7 +4,9 @@ Compares, in one run: naive full-logits CE, torch's chunked
 ``F.linear_cross_entropy`` (``options=LinearCrossEntropyOptions()``, where
 this torch has it), the ``cut-cross-entropy`` package's torch-compile path
 (when installed), our ``chunk_cross_entropy`` at its default chunk size, and
-ours under ``capture()``. The default run covers three configurations:
+ours under ``capture()``. The default run covers three configurations, each
+in fp32 and in bf16 (``--dtype`` picks; one column per configuration and
+dtype in the ratio table):
 
     base    N=4096  H=256 V=32000   3 rounds
     vocab   N=4096  H=256 V=128256  1 round   (large vocabulary)
@@ -26,6 +28,7 @@ upper bound (marked <=).
 
     python scripts/bench/chunk_loss.py                        # all three configurations
     python scripts/bench/chunk_loss.py --configs base         # one of them
+    python scripts/bench/chunk_loss.py --dtype bfloat16       # bf16 columns only
     python scripts/bench/chunk_loss.py --tokens 1024 --vocab 8000 --chunk-size 256
 """
 
@@ -48,14 +51,26 @@ import channel_loss as cl
 CONFIGS = {
     "base": {"tokens": 4096, "hidden": 256, "vocab": 32000, "rounds": 3, "warmup": 1, "pairs": 15},
     "vocab": {"tokens": 4096, "hidden": 256, "vocab": 128256, "rounds": 1, "warmup": 0, "pairs": 1},
-    "tokens": {"tokens": 32768, "hidden": 256, "vocab": 32000, "rounds": 1, "warmup": 0, "pairs": 1},
+    "tokens": {
+        "tokens": 32768,
+        "hidden": 256,
+        "vocab": 32000,
+        "rounds": 1,
+        "warmup": 0,
+        "pairs": 1,
+    },
 }
 TARGETS = {
     "ours / torch_native time": 1.00,
+    "ours / cce time": 1.00,
     "ours / torch_native extra peak": 1.00,
     "capture overhead (time)": 0.03,
     "ours / naive extra peak": 1 / 8,
 }
+
+
+#: The dtypes a run can take, with their column suffix.
+DTYPES = {"float32": "fp32", "bfloat16": "bf16"}
 
 
 def _has_torch_native() -> bool:
@@ -96,14 +111,18 @@ def step(method: str, hidden, weight, targets, chunk_size: int | None) -> None:
         loss = F.cross_entropy(logits, targets, ignore_index=-100)
     elif method == "torch_native":
         loss = F.linear_cross_entropy(
-            hidden, weight, targets, ignore_index=-100,
+            hidden,
+            weight,
+            targets,
+            ignore_index=-100,
             options=torch.nn.LinearCrossEntropyOptions(),
         )
     elif method == "cce":
         from cut_cross_entropy import linear_cross_entropy
 
-        loss = linear_cross_entropy(hidden, weight, targets, ignore_index=-100,
-                                    impl="torch_compile")
+        loss = linear_cross_entropy(
+            hidden, weight, targets, ignore_index=-100, impl="torch_compile"
+        )
     elif method == "ours":
         loss = cl.chunk_cross_entropy(hidden, weight, shift_labels=targets, chunk_size=chunk_size)
     elif method == "ours_capture":
@@ -178,10 +197,20 @@ def child(args: argparse.Namespace) -> None:
 
 def run_child(method: str, config: dict, args: argparse.Namespace) -> dict:
     argv = [
-        "--tokens", str(config["tokens"]), "--hidden", str(config["hidden"]),
-        "--vocab", str(config["vocab"]), "--dtype", args.dtype,
-        "--warmup", str(config["warmup"]), "--pairs", str(config.get("pairs", 0)),
-        "--child", method,
+        "--tokens",
+        str(config["tokens"]),
+        "--hidden",
+        str(config["hidden"]),
+        "--vocab",
+        str(config["vocab"]),
+        "--dtype",
+        args.dtype,
+        "--warmup",
+        str(config["warmup"]),
+        "--pairs",
+        str(config.get("pairs", 0)),
+        "--child",
+        method,
     ]
     if args.chunk_size is not None:
         argv += ["--chunk-size", str(args.chunk_size)]
@@ -190,7 +219,11 @@ def run_child(method: str, config: dict, args: argparse.Namespace) -> dict:
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="0")
     out = subprocess.run(
         [sys.executable, __file__, *argv],
-        check=True, capture_output=True, text=True, timeout=args.child_timeout, env=env,
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=args.child_timeout,
+        env=env,
     )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -202,8 +235,11 @@ def bench_config(name: str, config: dict, args: argparse.Namespace) -> dict[str,
     naive_bytes = 3 * n * v * 4
     run_naive = naive_bytes <= args.naive_limit_gib * 2**30
     todo = [m for m in methods() if m != "naive" or run_naive]
-    print(f"\n[{name}] N={n} H={h} V={v} dtype={args.dtype} ours chunk_size={chunk}"
-          f"{'' if args.chunk_size else ' (default)'} rounds={config['rounds']}", flush=True)
+    print(
+        f"\n[{name}] N={n} H={h} V={v} dtype={args.dtype} ours chunk_size={chunk}"
+        f"{'' if args.chunk_size else ' (default)'} rounds={config['rounds']}",
+        flush=True,
+    )
     seconds: dict[str, list[float]] = {m: [] for m in todo}
     peaks: dict[str, list[float]] = {m: [] for m in todo}
     for r in range(config["rounds"]):
@@ -211,8 +247,11 @@ def bench_config(name: str, config: dict, args: argparse.Namespace) -> dict[str,
             got = run_child(method, config, args)
             seconds[method].append(got["seconds"])
             peaks[method].append(got["extra_peak"])
-            print(f"  round {r + 1}/{config['rounds']} {method:<13} {got['seconds']:8.2f} s "
-                  f"{got['extra_peak'] / 2**20:9.1f} MiB", flush=True)
+            print(
+                f"  round {r + 1}/{config['rounds']} {method:<13} {got['seconds']:8.2f} s "
+                f"{got['extra_peak'] / 2**20:9.1f} MiB",
+                flush=True,
+            )
     # Best of the rounds: other processes only ever add time, so the minimum is the
     # least noisy estimate of each method's own cost.
     med_s = {m: min(ts) for m, ts in seconds.items()}
@@ -220,9 +259,11 @@ def bench_config(name: str, config: dict, args: argparse.Namespace) -> dict[str,
     naive_note = ""
     if not run_naive:
         med_p["naive"] = n * v * 4
-        naive_note = (f"  naive not run (needs ~{naive_bytes / 2**30:.1f} GiB > "
-                      f"--naive-limit-gib {args.naive_limit_gib}); its extra peak is the lower "
-                      f"bound N x V x 4")
+        naive_note = (
+            f"  naive not run (needs ~{naive_bytes / 2**30:.1f} GiB > "
+            f"--naive-limit-gib {args.naive_limit_gib}); its extra peak is the lower "
+            f"bound N x V x 4"
+        )
     print(f"\n  {'method':<14} {'fwd+bwd best (s)':>19} {'extra peak (MiB)':>17}")
     for m in methods():
         t = f"{med_s[m]:.2f}" if m in med_s else "not run"
@@ -240,8 +281,10 @@ def bench_config(name: str, config: dict, args: argparse.Namespace) -> dict[str,
     if config.get("pairs"):
         pairs = run_child("capture_pairs", config, args)
         ratios["capture overhead (time)"] = pairs["ours_capture"] / pairs["ours"] - 1
-        print(f"  capture overhead from {config['pairs']} alternating pair(s) in one process: "
-              f"ours {pairs['ours']:.3f} s, ours_capture {pairs['ours_capture']:.3f} s (best)")
+        print(
+            f"  capture overhead from {config['pairs']} alternating pair(s) in one process: "
+            f"ours {pairs['ours']:.3f} s, ours_capture {pairs['ours_capture']:.3f} s (best)"
+        )
     ratios["ours / naive extra peak"] = med_p["ours"] / max(med_p["naive"], 1)
     if "cce" in med_s:
         ratios["ours / cce time"] = med_s["ours"] / med_s["cce"]
@@ -251,33 +294,65 @@ def bench_config(name: str, config: dict, args: argparse.Namespace) -> dict[str,
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--configs", default=",".join(CONFIGS),
-                        help=f"comma-separated subset of {', '.join(CONFIGS)}")
+    parser.add_argument(
+        "--configs",
+        default=",".join(CONFIGS),
+        help=f"comma-separated subset of {', '.join(CONFIGS)}",
+    )
     parser.add_argument("--tokens", type=int, help="N: run one custom configuration instead")
     parser.add_argument("--hidden", type=int, default=256, help="H (custom configuration)")
     parser.add_argument("--vocab", type=int, default=32000, help="V (custom configuration)")
     parser.add_argument("--rounds", type=int, help="rounds per configuration (overrides)")
-    parser.add_argument("--chunk-size", type=int, default=None,
-                        help="ours: explicit chunk_size (default: the adaptive default)")
-    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
-    parser.add_argument("--naive-limit-gib", type=float, default=2.0,
-                        help="skip naive full logits when it would need more memory than this")
+    parser.add_argument(
+        "--chunk-size",
+        type=int,
+        default=None,
+        help="ours: explicit chunk_size (default: the adaptive default)",
+    )
+    parser.add_argument(
+        "--dtype",
+        default="float32,bfloat16",
+        help="comma-separated dtypes, each a column per configuration (float32, bfloat16)",
+    )
+    parser.add_argument(
+        "--naive-limit-gib",
+        type=float,
+        default=2.0,
+        help="skip naive full logits when it would need more memory than this",
+    )
     parser.add_argument("--child-timeout", type=float, default=1800)
     parser.add_argument("--warmup", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--pairs", type=int, default=0, help=argparse.SUPPRESS)
-    parser.add_argument("--child", choices=("naive", "torch_native", "cce", "ours",
-                                            "ours_capture", "capture_pairs"),
-                        help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--child",
+        choices=("naive", "torch_native", "cce", "ours", "ours_capture", "capture_pairs"),
+        help=argparse.SUPPRESS,
+    )
     args = parser.parse_args(argv)
-    args.torch_dtype = getattr(torch, args.dtype)
+    dtypes = [d.strip() for d in args.dtype.split(",") if d.strip()]
+    bad = [d for d in dtypes if d not in DTYPES]
+    if not dtypes or bad:
+        parser.error(
+            f"--dtype takes a comma-separated subset of {', '.join(DTYPES)}; got {args.dtype!r}"
+        )
     if args.child:
+        args.torch_dtype = getattr(torch, dtypes[0])
+        args.dtype = dtypes[0]
         args.tokens = args.tokens or CONFIGS["base"]["tokens"]
         child(args)
         return 0
 
     if args.tokens is not None:
-        configs = {"custom": {"tokens": args.tokens, "hidden": args.hidden, "vocab": args.vocab,
-                              "rounds": 3, "warmup": 1, "pairs": 15}}
+        configs = {
+            "custom": {
+                "tokens": args.tokens,
+                "hidden": args.hidden,
+                "vocab": args.vocab,
+                "rounds": 3,
+                "warmup": 1,
+                "pairs": 15,
+            }
+        }
     else:
         names = [c.strip() for c in args.configs.split(",") if c.strip()]
         unknown = [c for c in names if c not in CONFIGS]
@@ -287,16 +362,28 @@ def main(argv: list[str] | None = None) -> int:
     for config in configs.values():
         if args.rounds is not None:
             config["rounds"] = args.rounds
-    print(f"threads={torch.get_num_threads()} torch={torch.__version__} "
-          f"methods={','.join(methods())}"
-          + ("" if _has_cce() else " (cut-cross-entropy not installed)"), flush=True)
-    results = {name: bench_config(name, config, args) for name, config in configs.items()}
-    bounded = {name for name, config in configs.items()
-               if 3 * config["tokens"] * config["vocab"] * 4 > args.naive_limit_gib * 2**30}
+    print(
+        f"threads={torch.get_num_threads()} torch={torch.__version__} "
+        f"methods={','.join(methods())}"
+        + ("" if _has_cce() else " (cut-cross-entropy not installed)"),
+        flush=True,
+    )
+    results, bounded = {}, set()
+    for name, config in configs.items():
+        for dtype in dtypes:
+            column = f"{name}/{DTYPES[dtype]}"
+            run = argparse.Namespace(
+                **{**vars(args), "dtype": dtype, "torch_dtype": getattr(torch, dtype)}
+            )
+            results[column] = bench_config(column, config, run)
+            if 3 * config["tokens"] * config["vocab"] * 4 > args.naive_limit_gib * 2**30:
+                bounded.add(column)
 
     names = list(results)
-    print(f"\n{'ratio':<32} " + " ".join(f"{n:>9}" for n in names) + f" {'target':>9}  met")
-    every = [r for r in TARGETS] + sorted({r for res in results.values() for r in res} - set(TARGETS))
+    print(f"\n{'ratio':<32} " + " ".join(f"{n:>12}" for n in names) + f" {'target':>9}  met")
+    every = [r for r in TARGETS] + sorted(
+        {r for res in results.values() for r in res} - set(TARGETS)
+    )
     for ratio in every:
         cells, met = [], True
         for name in names:
@@ -304,7 +391,7 @@ def main(argv: list[str] | None = None) -> int:
             # Against naive's lower bound the ratio is an upper bound.
             upper = ratio == "ours / naive extra peak" and name in bounded
             text = "-" if value is None else ("<=" if upper else "") + format(value, ".3f")
-            cells.append(f"{text:>9}")
+            cells.append(f"{text:>12}")
             if value is not None and ratio in TARGETS:
                 met = met and value <= TARGETS[ratio]
         target = f"<={TARGETS[ratio]:.3f}" if ratio in TARGETS else ""

@@ -27,17 +27,25 @@ at its default chunk size:
 peak memory of one step (``torch.cuda.max_memory_allocated``, absolute and
 above what was allocated before the step) for: naive full logits, torch's
 ``F.linear_cross_entropy`` (chunked options when this torch has them), Liger-Kernel's
-fused linear cross-entropy (when importable; it needs CUDA and triton), ours at
-the default and two other chunk sizes, and ours under ``capture()``. Default
-shapes: bf16, N=16384, H=4096, V=128256 and V=32000. On CPU (the dry run) the
-same code runs at the shapes given, with times from ``perf_counter`` and no
-memory figures.
+fused linear cross-entropy and Cut Cross-Entropy (each when importable; both
+need CUDA and triton), ours at the default and two other chunk sizes, and ours
+under ``capture()``; every row also gets its achieved TFLOP/s against the
+6 x N x H x V floor of the three GEMMs. Then the loss features against Liger:
+softcap 30, label smoothing 0.1 and z-loss 1e-4, each as an ``ours[...]`` and a
+``liger[...]`` row. Default shapes: bf16, N=16384, H=4096, V=128256 and V=32000.
+On CPU (the dry run) the same code runs at the shapes given, with times from
+``perf_counter`` and no memory figures (peers absent: their rows are skipped
+with the reason).
+
+Each shape records its *gates*: ours (default chunk) slower than the fastest
+peer (torch-native, Liger, CCE) by more than 10%, or an extra peak above
+torch-native's; on a device run a failed gate fails the verdict.
 
 ``report`` reads what the phases left (``phases.tsv`` written by
 ``device_check.sh``, the suite's ``suite/summary.json``, ``claims.json``,
 ``bench.json``) and writes the verdict; its exit status is 0 only when every
 phase exited 0 and no claim failed. Benchmark targets are reported with their
-ratios but do not decide the verdict (times are not correctness claims).
+ratios; of them only the gates above decide the verdict, and only on a device.
 """
 
 from __future__ import annotations
@@ -71,8 +79,20 @@ DEFAULT_SHAPES = ("16384x4096x128256", "16384x4096x32000")
 DEFAULT_OTHER_CHUNKS = (2048, 8192)
 #: cuBLAS needs this before its first handle for deterministic GEMMs.
 CUBLAS_DETERMINISTIC = ":4096:8"
-MATMUL_OPS = frozenset({"mm", "addmm", "bmm", "matmul", "linear", "baddbmm", "_addmm_activation",
-                        "_scaled_mm", "addmv", "mv"})
+MATMUL_OPS = frozenset(
+    {
+        "mm",
+        "addmm",
+        "bmm",
+        "matmul",
+        "linear",
+        "baddbmm",
+        "_addmm_activation",
+        "_scaled_mm",
+        "addmv",
+        "mv",
+    }
+)
 #: Kernel names of matrix products across cuBLAS / cuBLASLt / CUTLASS generations.
 GEMM_KERNEL = re.compile(r"gemm|cutlass|xmma|nvjet|cublas|matmul|gemv", re.IGNORECASE)
 #: Ratio name -> (numerator method, denominator method, measure, bound); not gating.
@@ -81,6 +101,8 @@ TARGETS = {
     "ours / torch_native extra peak": ("ours", "torch_native", "extra_peak_bytes", 1.0),
     "ours / liger time": ("ours", "liger", "ms", None),
     "ours / liger extra peak": ("ours", "liger", "extra_peak_bytes", None),
+    "ours / cce time": ("ours", "cce", "ms", None),
+    "ours / cce extra peak": ("ours", "cce", "extra_peak_bytes", None),
     "ours / naive extra peak": ("ours", "naive", "extra_peak_bytes", 0.125),
     "ours_capture / ours time": ("ours_capture", "ours", "ms", 1.03),
 }
@@ -115,7 +137,9 @@ def parse_shape(text: str) -> tuple[int, int, int]:
     """``"NxHxV"`` -> (N, H, V); raises ``ValueError`` naming the text otherwise."""
     parts = text.lower().split("x")
     if len(parts) != 3 or not all(p.isdigit() and int(p) > 0 for p in parts):
-        raise ValueError(f"shape {text!r} must be NxHxV with positive integers, e.g. 16384x4096x128256")
+        raise ValueError(
+            f"shape {text!r} must be NxHxV with positive integers, e.g. 16384x4096x128256"
+        )
     n, h, v = map(int, parts)
     return n, h, v
 
@@ -125,7 +149,9 @@ def make_inputs(n: int, h: int, v: int, dtype: torch.dtype, device: torch.device
     17th ignored, generated on the device (a 128k x 4k weight made on the host is slow)."""
     g = torch.Generator(device=device).manual_seed(seed)
     hidden = torch.randn(n, h, generator=g, device=device, dtype=dtype).requires_grad_()
-    weight = torch.randn(v, h, generator=g, device=device, dtype=dtype).mul_(h**-0.5).requires_grad_()
+    weight = (
+        torch.randn(v, h, generator=g, device=device, dtype=dtype).mul_(h**-0.5).requires_grad_()
+    )
     targets = torch.randint(0, v, (n,), generator=g, device=device)
     targets[::17] = IGNORE
     return hidden, weight, targets
@@ -138,9 +164,13 @@ def _chunk_kwargs(chunk_size: int | None) -> dict[str, int]:
 def ours(hidden, weight, targets, chunk_size: int | None = None, observe: bool = False):
     """Our loss (fwd only); with ``observe`` inside a ``capture()`` scope, returning it too."""
     if not observe:
-        return cl.chunk_cross_entropy(hidden, weight, shift_labels=targets, **_chunk_kwargs(chunk_size)), None
+        return cl.chunk_cross_entropy(
+            hidden, weight, shift_labels=targets, **_chunk_kwargs(chunk_size)
+        ), None
     with cl.capture() as cap:
-        loss = cl.chunk_cross_entropy(hidden, weight, shift_labels=targets, **_chunk_kwargs(chunk_size))
+        loss = cl.chunk_cross_entropy(
+            hidden, weight, shift_labels=targets, **_chunk_kwargs(chunk_size)
+        )
     return loss, cap
 
 
@@ -215,7 +245,9 @@ def sync_warnings(fn: Callable[[], Any]) -> list[str]:
             fn()
         finally:
             torch.cuda.set_sync_debug_mode(previous)
-    return [f"{w.filename}:{w.lineno}: {w.message}" for w in caught if "synchroniz" in str(w.message)]
+    return [
+        f"{w.filename}:{w.lineno}: {w.message}" for w in caught if "synchroniz" in str(w.message)
+    ]
 
 
 def _claim(name: str, status: str, detail: str, **data: Any) -> dict[str, Any]:
@@ -245,14 +277,25 @@ def claim_bitwise(h, w, t, device) -> list[dict[str, Any]]:
         return [n for n, x, y in zip(names, a[:3], b[:3], strict=True) if not torch.equal(x, y)]
 
     bad = differs(plain, again)
-    out.append(_claim("plain is deterministic (bitwise, two runs)", "failed" if bad else "held",
-                      f"differ: {', '.join(bad)}" if bad else "loss and grads equal"))
+    out.append(
+        _claim(
+            "plain is deterministic (bitwise, two runs)",
+            "failed" if bad else "held",
+            f"differ: {', '.join(bad)}" if bad else "loss and grads equal",
+        )
+    )
     bad = differs(plain, observed)
     n_obs = len(observed[3].observations)
     if n_obs != 1:
         bad.append(f"{n_obs} observations, expected 1")
-    out.append(_claim("observed == plain (loss, grads, bitwise)", "failed" if bad else "held",
-                      f"differ: {', '.join(bad)}" if bad else "loss and grads equal", loss=float(plain[0])))
+    out.append(
+        _claim(
+            "observed == plain (loss, grads, bitwise)",
+            "failed" if bad else "held",
+            f"differ: {', '.join(bad)}" if bad else "loss and grads equal",
+            loss=float(plain[0]),
+        )
+    )
     return out
 
 
@@ -260,10 +303,15 @@ def claim_per_token(h, w, t, device, chunk_size: int) -> dict[str, Any]:
     with deterministic():
         # The training forward (gradients on), as a step would record it.
         _, cap = ours(h, w, t, chunk_size, observe=True)
-        fallback = cl.per_token_cross_entropy(hidden_states=h, weight=w, shift_labels=t, chunk_size=chunk_size)
+        fallback = cl.per_token_cross_entropy(
+            hidden_states=h, weight=w, shift_labels=t, chunk_size=chunk_size
+        )
     same = torch.equal(cap.observations[0].token_losses, fallback)
-    return _claim(f"observation == per_token_cross_entropy (bitwise, chunk_size={chunk_size})",
-                  "held" if same else "failed", "equal" if same else "token losses differ")
+    return _claim(
+        f"observation == per_token_cross_entropy (bitwise, chunk_size={chunk_size})",
+        "held" if same else "failed",
+        "equal" if same else "token losses differ",
+    )
 
 
 def claim_no_extra_matmul(h, w, t, device) -> dict[str, Any]:
@@ -272,44 +320,79 @@ def claim_no_extra_matmul(h, w, t, device) -> dict[str, Any]:
         with OpCounter() as counter:
             fwd_bwd(h, w, t, observe=observe)
         counts[observe] = counter.matmuls
-    data: dict[str, Any] = {"aten_matmuls_plain": counts[False], "aten_matmuls_observed": counts[True]}
+    data: dict[str, Any] = {
+        "aten_matmuls_plain": counts[False],
+        "aten_matmuls_observed": counts[True],
+    }
     problems = []
     if counts[False] != counts[True]:
         problems.append(f"aten matmul ops {counts[False]} plain vs {counts[True]} observed")
     if counts[False] == 0:
         problems.append("no aten matmul op seen in the plain step (counter broken?)")
     if device.type == "cuda":
-        kernels = {obs: gpu_kernels(lambda o=obs: fwd_bwd(h, w, t, observe=o), device) for obs in (False, True)}
-        gemm = {obs: sum(n for k, n in ks.items() if GEMM_KERNEL.search(k)) for obs, ks in kernels.items()}
-        data.update(gemm_kernels_plain=gemm[False], gemm_kernels_observed=gemm[True],
-                    kernels_plain=sum(kernels[False].values()), kernels_observed=sum(kernels[True].values()),
-                    top_kernels_observed=kernels[True].most_common(25))
+        kernels = {
+            obs: gpu_kernels(lambda o=obs: fwd_bwd(h, w, t, observe=o), device)
+            for obs in (False, True)
+        }
+        gemm = {
+            obs: sum(n for k, n in ks.items() if GEMM_KERNEL.search(k))
+            for obs, ks in kernels.items()
+        }
+        data.update(
+            gemm_kernels_plain=gemm[False],
+            gemm_kernels_observed=gemm[True],
+            kernels_plain=sum(kernels[False].values()),
+            kernels_observed=sum(kernels[True].values()),
+            top_kernels_observed=kernels[True].most_common(25),
+        )
         if gemm[False] != gemm[True]:
             problems.append(f"GEMM kernels {gemm[False]} plain vs {gemm[True]} observed")
         if gemm[False] == 0:
-            problems.append("no kernel name matched GEMM_KERNEL in the plain step (see top_kernels_observed)")
-        detail = f"aten matmuls {counts[False]}={counts[True]}, GEMM kernels {gemm[False]}={gemm[True]}"
+            problems.append(
+                "no kernel name matched GEMM_KERNEL in the plain step (see top_kernels_observed)"
+            )
+        detail = (
+            f"aten matmuls {counts[False]}={counts[True]}, GEMM kernels {gemm[False]}={gemm[True]}"
+        )
     else:
         detail = f"aten matmuls {counts[False]}={counts[True]} (no profiler kernel count off CUDA)"
-    return _claim("no extra matmul under capture", "failed" if problems else "held",
-                  "; ".join(problems) or detail, **data)
+    return _claim(
+        "no extra matmul under capture",
+        "failed" if problems else "held",
+        "; ".join(problems) or detail,
+        **data,
+    )
 
 
 def claim_no_sync(h, w, t, device) -> list[dict[str, Any]]:
     if device.type != "cuda":
         reason = f"{device.type}: no host-device synchronization to detect"
-        return [_claim("capture adds no host sync", "skipped", reason),
-                _claim("ours fwd+bwd makes no host sync", "skipped", reason)]
+        return [
+            _claim("capture adds no host sync", "skipped", reason),
+            _claim("ours fwd+bwd makes no host sync", "skipped", reason),
+        ]
     fwd_bwd(h, w, t, observe=True)  # warm-up: lazy initialisation may sync once
     _sync(device)
     plain = sync_warnings(lambda: fwd_bwd(h, w, t))
     observed = sync_warnings(lambda: fwd_bwd(h, w, t, observe=True))
     _sync(device)
-    out = [_claim("capture adds no host sync", "held" if len(observed) == len(plain) else "failed",
-                  f"{len(plain)} sync(s) plain, {len(observed)} observed", plain=plain, observed=observed)]
+    out = [
+        _claim(
+            "capture adds no host sync",
+            "held" if len(observed) == len(plain) else "failed",
+            f"{len(plain)} sync(s) plain, {len(observed)} observed",
+            plain=plain,
+            observed=observed,
+        )
+    ]
     if plain or observed:
-        out.append(_claim("ours fwd+bwd makes no host sync", "failed",
-                          f"{len(plain)} sync(s) plain; first: {(plain or observed)[0]}"))
+        out.append(
+            _claim(
+                "ours fwd+bwd makes no host sync",
+                "failed",
+                f"{len(plain)} sync(s) plain; first: {(plain or observed)[0]}",
+            )
+        )
         return out
     previous = torch.cuda.get_sync_debug_mode()
     torch.cuda.set_sync_debug_mode("error")
@@ -318,8 +401,13 @@ def claim_no_sync(h, w, t, device) -> list[dict[str, Any]]:
     finally:
         torch.cuda.set_sync_debug_mode(previous)
     _sync(device)
-    out.append(_claim("ours fwd+bwd makes no host sync", "held",
-                      'none under set_sync_debug_mode("warn"); observed step clean under "error"'))
+    out.append(
+        _claim(
+            "ours fwd+bwd makes no host sync",
+            "held",
+            'none under set_sync_debug_mode("warn"); observed step clean under "error"',
+        )
+    )
     return out
 
 
@@ -331,12 +419,18 @@ def run_claims(args: argparse.Namespace) -> int:
     dtype = getattr(torch, args.dtype)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    doc: dict[str, Any] = {"env": environment(device), "shape": {"N": n, "H": hd, "V": v, "dtype": args.dtype},
-                           "claims": []}
+    doc: dict[str, Any] = {
+        "env": environment(device),
+        "shape": {"N": n, "H": hd, "V": v, "dtype": args.dtype},
+        "claims": [],
+    }
     h, w, t = make_inputs(n, hd, v, dtype, device)
     steps: list[tuple[str, Callable[[], Any]]] = [
         ("observed == plain (loss, grads, bitwise)", lambda: claim_bitwise(h, w, t, device)),
-        ("observation == per_token_cross_entropy", lambda: claim_per_token(h, w, t, device, args.chunk_size)),
+        (
+            "observation == per_token_cross_entropy",
+            lambda: claim_per_token(h, w, t, device, args.chunk_size),
+        ),
         ("no extra matmul under capture", lambda: claim_no_extra_matmul(h, w, t, device)),
         ("capture adds no host sync", lambda: claim_no_sync(h, w, t, device)),
     ]
@@ -360,38 +454,123 @@ def _torch_native_fn() -> tuple[Callable | None, str]:
         return None, f"torch {torch.__version__} has no F.linear_cross_entropy"
     options_cls = getattr(torch.nn, "LinearCrossEntropyOptions", None)
     if options_cls is None:
-        return (lambda h, w, t: F.linear_cross_entropy(h, w, t, ignore_index=IGNORE)), \
-            "no LinearCrossEntropyOptions in this torch: its reference (unchunked) path"
-    return (lambda h, w, t: F.linear_cross_entropy(h, w, t, ignore_index=IGNORE, options=options_cls())), ""
+        return (
+            lambda h, w, t: F.linear_cross_entropy(h, w, t, ignore_index=IGNORE)
+        ), "no LinearCrossEntropyOptions in this torch: its reference (unchunked) path"
+    return (
+        lambda h, w, t: F.linear_cross_entropy(h, w, t, ignore_index=IGNORE, options=options_cls())
+    ), ""
 
 
-def _liger_fn(device: torch.device) -> tuple[Callable | None, str]:
+#: Loss features benchmarked against Liger: row suffix -> (our keywords, Liger's keywords).
+FEATURES = {
+    "softcap=30": ({"softcap": 30.0}, {"softcap": 30.0}),
+    "label_smoothing=0.1": ({"label_smoothing": 0.1}, {"label_smoothing": 0.1}),
+    "z_loss=1e-4": ({"lse_square_scale": 1e-4}, {"lse_square_scale": 1e-4}),
+}
+#: Peers whose time ours must be within ``PEER_SLACK`` of; memory is gated against torch-native.
+PEERS = ("torch_native", "liger", "cce")
+PEER_SLACK = 1.10
+
+
+def _liger_fn(device: torch.device, **features: Any) -> tuple[Callable | None, str]:
     if device.type != "cuda":
         return None, "Liger-Kernel runs triton kernels: CUDA only"
     try:
         from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
     except Exception as e:  # not carried, or its triton disagrees with the image's
         return None, f"liger_kernel not importable: {type(e).__name__}: {e}"
-    return (lambda h, w, t: liger_fused_linear_cross_entropy(h, w, t, ignore_index=IGNORE)), ""
+    return (
+        lambda h, w, t: liger_fused_linear_cross_entropy(h, w, t, ignore_index=IGNORE, **features)
+    ), ""
+
+
+def _cce_fn(device: torch.device) -> tuple[Callable | None, str]:
+    if device.type != "cuda":
+        return None, "Cut Cross-Entropy's default kernels are triton: CUDA only"
+    try:
+        from cut_cross_entropy import linear_cross_entropy
+    except Exception as e:
+        return None, f"cut_cross_entropy not importable: {type(e).__name__}: {e}"
+    return (lambda h, w, t: linear_cross_entropy(h, w, t, ignore_index=IGNORE)), ""
 
 
 def methods(device: torch.device, other_chunks: tuple[int, ...]) -> list[dict[str, Any]]:
     """The benchmarked methods: name, chunk size, loss function (None when unavailable) and why."""
     native, native_note = _torch_native_fn()
     liger, liger_note = _liger_fn(device)
+    cce, cce_note = _cce_fn(device)
     rows = [
-        {"method": "naive", "fn": lambda h, w, t: F.cross_entropy(F.linear(h, w).float(), t, ignore_index=IGNORE)},
+        {
+            "method": "naive",
+            "fn": lambda h, w, t: F.cross_entropy(F.linear(h, w).float(), t, ignore_index=IGNORE),
+        },
         {"method": "torch_native", "fn": native, "note": native_note},
         {"method": "liger", "fn": liger, "note": liger_note},
-        {"method": "ours", "chunk_size": _default_chunk_size(),
-         "fn": lambda h, w, t: ours(h, w, t)[0], "note": "default chunk size"},
+        {"method": "cce", "fn": cce, "note": cce_note},
+        {
+            "method": "ours",
+            "chunk_size": _default_chunk_size(),
+            "fn": lambda h, w, t: ours(h, w, t)[0],
+            "note": "default chunk size",
+        },
     ]
     for c in other_chunks:
-        rows.append({"method": f"ours[chunk={c}]", "chunk_size": c,
-                     "fn": lambda h, w, t, c=c: ours(h, w, t, c)[0]})
-    rows.append({"method": "ours_capture", "chunk_size": _default_chunk_size(),
-                 "fn": lambda h, w, t: ours(h, w, t, observe=True)[0], "note": "default chunk size"})
+        rows.append(
+            {
+                "method": f"ours[chunk={c}]",
+                "chunk_size": c,
+                "fn": lambda h, w, t, c=c: ours(h, w, t, c)[0],
+            }
+        )
+    rows.append(
+        {
+            "method": "ours_capture",
+            "chunk_size": _default_chunk_size(),
+            "fn": lambda h, w, t: ours(h, w, t, observe=True)[0],
+            "note": "default chunk size",
+        }
+    )
+    for name, (our_kw, liger_kw) in FEATURES.items():
+        rows.append(
+            {
+                "method": f"ours[{name}]",
+                "chunk_size": _default_chunk_size(),
+                "fn": lambda h, w, t, kw=our_kw: cl.chunk_cross_entropy(h, w, shift_labels=t, **kw),
+            }
+        )
+        fn, note = _liger_fn(device, **liger_kw)
+        rows.append({"method": f"liger[{name}]", "fn": fn, "note": note})
     return rows
+
+
+def gates(by: dict[str, dict[str, Any]]) -> list[str]:
+    """The failed gates of one shape: ours slower than the fastest peer by more than
+    ``PEER_SLACK``, or more extra memory than torch-native (missing figures: no gate)."""
+    failed = []
+    mine = by.get("ours", {})
+    peers = {p: by[p]["ms"] for p in PEERS if by.get(p, {}).get("ms") is not None}
+    if mine.get("ms") is not None and peers:
+        fastest = min(peers, key=peers.get)
+        if mine["ms"] > PEER_SLACK * peers[fastest]:
+            failed.append(
+                f"ours {mine['ms']:.2f} ms > {PEER_SLACK:.2f} x {fastest} {peers[fastest]:.2f} ms"
+            )
+    native = by.get("torch_native", {}).get("extra_peak_bytes")
+    if (
+        mine.get("extra_peak_bytes") is not None
+        and native is not None
+        and mine["extra_peak_bytes"] > native
+    ):
+        failed.append(
+            f"ours extra peak {_mib(mine['extra_peak_bytes'])} MiB > torch_native "
+            f"{_mib(native)} MiB"
+        )
+    for name in FEATURES:
+        a, b = by.get(f"ours[{name}]", {}).get("ms"), by.get(f"liger[{name}]", {}).get("ms")
+        if a is not None and b is not None and a > PEER_SLACK * b:
+            failed.append(f"ours[{name}] {a:.2f} ms > {PEER_SLACK:.2f} x liger[{name}] {b:.2f} ms")
+    return failed
 
 
 class _Timer:
@@ -412,8 +591,15 @@ class _Timer:
         return (time.perf_counter() - t0) * 1e3
 
 
-def bench_shape(n: int, hd: int, v: int, dtype: torch.dtype, device: torch.device, repeats: int,
-                other_chunks: tuple[int, ...]) -> dict[str, Any]:
+def bench_shape(
+    n: int,
+    hd: int,
+    v: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    repeats: int,
+    other_chunks: tuple[int, ...],
+) -> dict[str, Any]:
     """One shape: per-method median fwd+bwd ms and peak memory, and the ratios."""
     h, w, t = make_inputs(n, hd, v, dtype, device)
     timer = _Timer(device)
@@ -454,18 +640,35 @@ def bench_shape(n: int, hd: int, v: int, dtype: torch.dtype, device: torch.devic
             except Exception as e:
                 r.update(status="error", note=f"{type(e).__name__}: {str(e).splitlines()[0][:300]}")
         live = [r for r in live if r["status"] == "ok"]
+    floor_flop = 6 * n * hd * v  # the three GEMMs: logits, hidden and weight gradients
     for r in rows:
         r.pop("fn")
         if r["times"]:
             r["ms"] = statistics.median(r["times"])
+            r["tflops"] = floor_flop / (r["ms"] / 1e3) / 1e12
     by = {r["method"]: r for r in rows}
     ratios = {}
     for name, (num, den, key, bound) in TARGETS.items():
         a, b = by.get(num, {}).get(key), by.get(den, {}).get(key)
         value = a / b if a is not None and b else None
-        ratios[name] = {"value": value, "bound": bound,
-                        "met": None if value is None or bound is None else value <= bound}
-    return {"shape": {"N": n, "H": hd, "V": v}, "rows": rows, "ratios": ratios}
+        ratios[name] = {
+            "value": value,
+            "bound": bound,
+            "met": None if value is None or bound is None else value <= bound,
+        }
+    for name in FEATURES:
+        a, b = by.get(f"ours[{name}]", {}).get("ms"), by.get(f"liger[{name}]", {}).get("ms")
+        ratios[f"ours / liger time [{name}]"] = {
+            "value": a / b if a is not None and b else None,
+            "bound": PEER_SLACK,
+            "met": None if a is None or not b else a / b <= PEER_SLACK,
+        }
+    return {
+        "shape": {"N": n, "H": hd, "V": v},
+        "rows": rows,
+        "ratios": ratios,
+        "gates_failed": gates(by),
+    }
 
 
 def _mib(x: float | None) -> str:
@@ -475,25 +678,35 @@ def _mib(x: float | None) -> str:
 def bench_markdown(doc: dict[str, Any]) -> str:
     """The benchmark as markdown tables, one per shape."""
     env = doc["env"]
-    lines = [f"### chunked-loss benchmark ({env['device']}"
-             + (f", {env['device_name']}" if "device_name" in env else "")
-             + f", torch {env.get('torch')}, {doc['dtype']}, median of {doc['repeats']})", ""]
+    lines = [
+        f"### chunked-loss benchmark ({env['device']}"
+        + (f", {env['device_name']}" if "device_name" in env else "")
+        + f", torch {env.get('torch')}, {doc['dtype']}, median of {doc['repeats']})",
+        "",
+    ]
     for s in doc["shapes"]:
         sh = s["shape"]
-        lines += [f"**N={sh['N']} H={sh['H']} V={sh['V']}**", "",
-                  "| method | chunk | fwd+bwd ms | peak MiB | extra peak MiB | note |",
-                  "|---|---:|---:|---:|---:|---|"]
+        lines += [
+            f"**N={sh['N']} H={sh['H']} V={sh['V']}**",
+            "",
+            "| method | chunk | fwd+bwd ms | TFLOP/s (6NHV) | peak MiB | extra peak MiB | note |",
+            "|---|---:|---:|---:|---:|---:|---|",
+        ]
         for r in s["rows"]:
             ms = f"{r['ms']:.2f}" if "ms" in r else r["status"]
-            lines.append(f"| {r['method']} | {r.get('chunk_size') or '-'} | {ms} | {_mib(r.get('peak_bytes'))} "
-                         f"| {_mib(r.get('extra_peak_bytes'))} | {r.get('note', '')} |")
+            tflops = f"{r['tflops']:.3g}" if "tflops" in r else "-"
+            lines.append(
+                f"| {r['method']} | {r.get('chunk_size') or '-'} | {ms} | {tflops} | {_mib(r.get('peak_bytes'))} "
+                f"| {_mib(r.get('extra_peak_bytes'))} | {r.get('note', '')} |"
+            )
         lines += ["", "| ratio | measured | target | met |", "|---|---:|---:|---|"]
         for name, q in s["ratios"].items():
             value = "-" if q["value"] is None else f"{q['value']:.3f}"
             bound = "-" if q["bound"] is None else f"<= {q['bound']:.3f}"
             met = {True: "yes", False: "NO", None: "-"}[q["met"]]
             lines.append(f"| {name} | {value} | {bound} | {met} |")
-        lines.append("")
+        failed = s.get("gates_failed", [])
+        lines += ["", "gates: " + ("; ".join(failed) if failed else "all held"), ""]
     return "\n".join(lines) + "\n"
 
 
@@ -503,7 +716,12 @@ def run_bench(args: argparse.Namespace) -> int:
     shapes = [parse_shape(s) for s in (args.shape or DEFAULT_SHAPES)]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    doc: dict[str, Any] = {"env": environment(device), "dtype": args.dtype, "repeats": args.repeats, "shapes": []}
+    doc: dict[str, Any] = {
+        "env": environment(device),
+        "dtype": args.dtype,
+        "repeats": args.repeats,
+        "shapes": [],
+    }
     print(f"bench: {doc['env']}", flush=True)
     for n, hd, v in shapes:
         t0 = time.perf_counter()
@@ -516,8 +734,12 @@ def run_bench(args: argparse.Namespace) -> int:
         _write_json(out / "bench.json", doc)
         (out / "bench.md").write_text(bench_markdown(doc), encoding="utf-8")
     print(bench_markdown(doc), flush=True)
-    ours_broken = [f"{s['shape']}: {r['method']} ({r.get('note')})" for s in doc["shapes"] for r in s["rows"]
-                   if r["method"].startswith("ours") and r["status"] != "ok"]
+    ours_broken = [
+        f"{s['shape']}: {r['method']} ({r.get('note')})"
+        for s in doc["shapes"]
+        for r in s["rows"]
+        if r["method"].startswith("ours") and r["status"] != "ok"
+    ]
     for line in ours_broken:
         print(f"bench: ours failed at {line}", file=sys.stderr)
     return 1 if ours_broken else 0
@@ -544,8 +766,14 @@ def read_phases(path: Path) -> list[dict[str, Any]]:
         for line in path.read_text(encoding="utf-8").splitlines():
             parts = line.split("\t")
             if len(parts) == 4 and parts[1].lstrip("-").isdigit():
-                phases.append({"phase": parts[0], "rc": int(parts[1]), "seconds": float(parts[2]),
-                               "limit_s": float(parts[3])})
+                phases.append(
+                    {
+                        "phase": parts[0],
+                        "rc": int(parts[1]),
+                        "seconds": float(parts[2]),
+                        "limit_s": float(parts[3]),
+                    }
+                )
     return phases
 
 
@@ -570,12 +798,29 @@ def verdict(out: Path) -> dict[str, Any]:
     if claims is None:
         reasons.append("claims.json missing")
     else:
-        reasons += [f"claim {c['status']}: {c['name']}: {c['detail']}" for c in claims["claims"]
-                    if c["status"] in ("failed", "error")]
+        reasons += [
+            f"claim {c['status']}: {c['name']}: {c['detail']}"
+            for c in claims["claims"]
+            if c["status"] in ("failed", "error")
+        ]
     if bench is None:
         reasons.append("bench.json missing")
-    return {"passed": not reasons, "reasons": reasons, "phases": phases,
-            "suite": None if suite is None else suite.get("total"), "claims": claims, "bench": bench}
+    elif bench.get("env", {}).get("device", "cpu") != "cpu":
+        # Times on the CPU dry run say nothing about the device: gates apply to device runs.
+        for shape in bench.get("shapes", []):
+            sh = shape["shape"]
+            reasons += [
+                f"bench gate N={sh['N']} H={sh['H']} V={sh['V']}: {g}"
+                for g in shape.get("gates_failed", [])
+            ]
+    return {
+        "passed": not reasons,
+        "reasons": reasons,
+        "phases": phases,
+        "suite": None if suite is None else suite.get("total"),
+        "claims": claims,
+        "bench": bench,
+    }
 
 
 def report_markdown(v: dict[str, Any], out: Path) -> str:
@@ -585,7 +830,10 @@ def report_markdown(v: dict[str, Any], out: Path) -> str:
     if env:
         lines += ["", "```", json.dumps(env, indent=1), "```"]
     lines += ["", "| phase | exit | seconds | limit |", "|---|---:|---:|---:|"]
-    lines += [f"| {p['phase']} | {p['rc']} | {p['seconds']:.0f} | {p['limit_s']:.0f} |" for p in v["phases"]]
+    lines += [
+        f"| {p['phase']} | {p['rc']} | {p['seconds']:.0f} | {p['limit_s']:.0f} |"
+        for p in v["phases"]
+    ]
     summary = out / "suite" / "summary.md"
     if summary.is_file():
         lines += ["", summary.read_text(encoding="utf-8").strip()]
@@ -615,28 +863,48 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="part", required=True)
     claims = sub.add_parser("claims", help="the device claims -> OUT/claims.json")
     bench = sub.add_parser("bench", help="the benchmark -> OUT/bench.json, OUT/bench.md")
-    report = sub.add_parser("report", help="the verdict over every phase -> OUT/device_check.{json,md}")
+    report = sub.add_parser(
+        "report", help="the verdict over every phase -> OUT/device_check.{json,md}"
+    )
     for p in (claims, bench, report):
         p.add_argument("--out", required=True, help="output folder")
     for p in (claims, bench):
         p.add_argument("--device", default="cuda")
         p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
-    claims.add_argument("--shape", default="4096x4096x32000", help="NxHxV (default 4096x4096x32000)")
-    claims.add_argument("--chunk-size", type=int, default=1024,
-                        help="explicit chunk size of the per-token comparison")
-    bench.add_argument("--shape", action="append",
-                       help=f"NxHxV, repeatable (default: {' and '.join(DEFAULT_SHAPES)})")
-    bench.add_argument("--chunks", type=int, nargs="*", default=list(DEFAULT_OTHER_CHUNKS),
-                       help="chunk sizes besides the default (default: 2048 8192)")
+    claims.add_argument(
+        "--shape", default="4096x4096x32000", help="NxHxV (default 4096x4096x32000)"
+    )
+    claims.add_argument(
+        "--chunk-size",
+        type=int,
+        default=1024,
+        help="explicit chunk size of the per-token comparison",
+    )
+    bench.add_argument(
+        "--shape",
+        action="append",
+        help=f"NxHxV, repeatable (default: {' and '.join(DEFAULT_SHAPES)})",
+    )
+    bench.add_argument(
+        "--chunks",
+        type=int,
+        nargs="*",
+        default=list(DEFAULT_OTHER_CHUNKS),
+        help="chunk sizes besides the default (default: 2048 8192)",
+    )
     bench.add_argument("--repeats", type=int, default=10, help="timed rounds per method")
     args = parser.parse_args(argv)
     if args.part != "report":
         if args.device.startswith("cuda") and not torch.cuda.is_available():
-            print(f"cuda_qualify: --device {args.device} but torch {torch.__version__} sees no CUDA device",
-                  file=sys.stderr)
+            print(
+                f"cuda_qualify: --device {args.device} but torch {torch.__version__} sees no CUDA device",
+                file=sys.stderr,
+            )
             return 2
         try:
-            parse_shape(args.shape) if args.part == "claims" else [parse_shape(s) for s in args.shape or ()]
+            parse_shape(args.shape) if args.part == "claims" else [
+                parse_shape(s) for s in args.shape or ()
+            ]
         except ValueError as e:
             parser.error(str(e))
     return {"claims": run_claims, "bench": run_bench, "report": run_report}[args.part](args)

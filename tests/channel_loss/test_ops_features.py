@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 import channel_loss as cl
+from channel_loss.ops import gemm_policy
 from tests.channel_loss.test_ops import BIAS_FORMS, hf_shift, make_inputs
 
 #: ours may be this much further from float64 than the standard path (rounding noise).
@@ -141,18 +142,15 @@ def make_problem(dtype, bias, scale, kw, seed=0):
     return inputs, labels
 
 
-@pytest.mark.parametrize(
-    "dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"]
-)
-@pytest.mark.parametrize("bias", ["none", "full", "factored"])
-@pytest.mark.parametrize(("scale", "kw"), [s[1:] for s in SCENARIOS], ids=[s[0] for s in SCENARIOS])
-def test_features_match_float64_and_the_standard_path(dtype, bias, scale, kw):
+def check_against_float64_and_standard(dtype, bias, scale, kw, policy="auto"):
+    """Loss and every gradient: ours at least about as close to float64 as the standard path."""
     inputs, labels = make_problem(dtype, bias, scale, kw)
     targets = shift(labels, kw)
-    loss = cl.chunk_cross_entropy(**inputs, labels=labels, chunk_size=7, **kw)
+    with gemm_policy(policy):
+        loss = cl.chunk_cross_entropy(**inputs, labels=labels, chunk_size=7, **kw)
+        upstream(loss, dtype, kw, scale).backward()
     assert loss.dtype == torch.float32
     assert loss.shape == ()
-    upstream(loss, dtype, kw, scale).backward()
     ref, _, ref_x = feature_loss(inputs, targets, kw, float64=True)
     upstream(ref, dtype, kw, scale).backward()
     std, _, std_x = feature_loss(inputs, targets, kw, float64=False)
@@ -166,6 +164,50 @@ def test_features_match_float64_and_the_standard_path(dtype, bias, scale, kw):
         ratio = HIDDEN_RATIO if name == "hidden_states" and dtype != torch.float32 else RATIO
         assert ours_err <= max(ratio * std_err, FLOOR[dtype]), (name, ours_err, std_err)
         assert ours_err <= BOUND[dtype], (name, ours_err)
+    return {k: v.grad for k, v in inputs.items()}
+
+
+DTYPES = pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"]
+)
+
+
+@DTYPES
+@pytest.mark.parametrize("bias", ["none", "full", "factored"])
+@pytest.mark.parametrize(("scale", "kw"), [s[1:] for s in SCENARIOS], ids=[s[0] for s in SCENARIOS])
+def test_features_match_float64_and_the_standard_path(dtype, bias, scale, kw):
+    check_against_float64_and_standard(dtype, bias, scale, kw)
+
+
+POLICY_SCENARIOS = [s for s in SCENARIOS if s[0] in ("plain", "softcap_2", "all_num_items")]
+
+
+@DTYPES
+@pytest.mark.parametrize("bias", ["none", "full", "factored"])
+@pytest.mark.parametrize(
+    ("scale", "kw"), [s[1:] for s in POLICY_SCENARIOS], ids=[s[0] for s in POLICY_SCENARIOS]
+)
+def test_accelerator_gemm_policy_is_as_accurate_as_the_standard_path(dtype, bias, scale, kw):
+    """The accelerator policy (products of model-dtype operands, fp32 accumulation), forced
+    on the CPU where it is formed exactly from fp32 copies of those operands."""
+    forced = check_against_float64_and_standard(dtype, bias, scale, kw, policy="model_dtype")
+    if dtype != torch.float32 and bias == "factored":
+        # The policies really differ for low-precision data (the logits gradient is
+        # rounded to the model dtype before the weight-gradient product).
+        cpu = check_against_float64_and_standard(dtype, bias, scale, kw, policy="fp32")
+        assert not torch.equal(forced["weight"], cpu["weight"])
+
+
+def test_gemm_policy_names_are_checked():
+    with (
+        pytest.raises(
+            ValueError,
+            match=r"gemm_policy must be one of \('auto', 'fp32', "
+            r"'model_dtype'\); got 'tf32'",
+        ),
+        gemm_policy("tf32"),
+    ):
+        pass
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
