@@ -174,7 +174,11 @@ SHARD_GATE = FORK_GATE + " && fromJSON(needs.plan.outputs.matrix).include[0] != 
 def init_workflows(tmp_path_factory) -> dict[str, dict]:
     root = tmp_path_factory.mktemp("init")
     (root / "pyproject.toml").write_text("[project]\nname = 'x'\nversion = '0'\n")
-    layout = init.PytestLayout(root, None, (), ("tests/test_a.py",), launched_cards=2)
+    # init writes an accelerator suite only for a device some collected case runs on.
+    layout = init.PytestLayout(
+        root, None, (), ("tests/test_a.py",), launched_cards=2,
+        cases=(("tests/test_a.py", "cpu"), ("tests/test_a.py", "cuda"), ("tests/test_a.py", "npu")),
+    )
     files = init.render(root, layout, ["cuda", "npu"], workflows=True)
     return {
         f"init:{Path(path).name}": _parsed(text)
@@ -557,7 +561,11 @@ def workflow_dirs(tmp_path_factory) -> list[Path]:
     """This repository's workflows, and those `harness init --workflows` writes."""
     root = tmp_path_factory.mktemp("init-yml")
     (root / "pyproject.toml").write_text("[project]\nname = 'x'\nversion = '0'\n")
-    layout = init.PytestLayout(root, None, (), ("tests/test_a.py",), launched_cards=2)
+    # init writes an accelerator suite only for a device some collected case runs on.
+    layout = init.PytestLayout(
+        root, None, (), ("tests/test_a.py",), launched_cards=2,
+        cases=(("tests/test_a.py", "cpu"), ("tests/test_a.py", "cuda"), ("tests/test_a.py", "npu")),
+    )
     for path, text in init.render(root, layout, ["cuda", "npu"], workflows=True).items():
         if path.startswith(".github/"):
             (root / path).parent.mkdir(parents=True, exist_ok=True)
