@@ -73,9 +73,12 @@ IDLE_CHECK_S = 0.25
 #: case, for this many times what starting it cost (and at least
 #: ``MIN_SLICE_S``), then given back: pools of xdist workers sharing too few
 #: slots then take turns in slices instead of being restarted for every case
-#: (which made ``-n 2`` many times slower than ``-n 0``).
+#: (which made ``-n 2`` many times slower than ``-n 0``). The slice never exceeds
+#: ``MAX_SLICE_S``, so a waiting session (another project's, with its own lease
+#: timeout) is served after about one slice and one case, never starved.
 SLICE_FACTOR = 10.0
 MIN_SLICE_S = 2.0
+MAX_SLICE_S = 8.0
 #: An idle pool another process waits for is given back after this long idle
 #: (at once when its slice is used up): the gap between two cases of its own
 #: process is shorter.
@@ -187,12 +190,13 @@ class RankPool:
 
     def should_yield(self, *, busy: bool) -> bool:
         """Whether to give the lease back to another process waiting for it:
-        once the pool had its slice (``SLICE_FACTOR`` x its start-up cost), or
+        once the pool had its slice (``SLICE_FACTOR`` x its start-up cost, within
+        ``MIN_SLICE_S`` .. ``MAX_SLICE_S``), or
         (``busy`` False: between cases) once it sat idle ``IDLE_YIELD_S``."""
         if self.lease is None or not self.lease.contended():
             return False
         now = time.monotonic()
-        slice_s = max(MIN_SLICE_S, SLICE_FACTOR * (self.startup_s or 0.0))
+        slice_s = min(MAX_SLICE_S, max(MIN_SLICE_S, SLICE_FACTOR * (self.startup_s or 0.0)))
         if now - self.started >= slice_s:
             return True
         return not busy and self.idle_since is not None and now - self.idle_since >= IDLE_YIELD_S
