@@ -1,7 +1,8 @@
 """Hypothesis-drawn packed layouts on 2 and 4 real ranks: the meter and the loss under capture.
 
-Examples are drawn (and shrunk) here, in the pytest process, by a plain
-``@given`` test; each example runs on real ranks through ``harness.launch``.
+The tests are launched ``@given`` tests: Hypothesis draws (and shrinks) each
+example once, in the pytest process, and every example runs on all ranks of
+one kept pool.
 One launch checks the example under every shard mode of ``SHARD_MODES`` and
 every ``sp x dp`` split of the ranks (SP only, DP only, and 2 x 2 on four
 ranks):
@@ -16,8 +17,8 @@ ranks):
 Every layout comes from ``tests.strategies.packed_cases``: ``[T]`` and
 ``[B, T]`` batches, tail padding (scored pad targets included), all-padding
 rows, zero-supervision samples. The number of examples follows the loaded
-Hypothesis profile at a thirtieth of its ``max_examples`` (2 under ``ci``,
-10 under ``dev``): each example is one launch of fresh ranks.
+Hypothesis profile at a fifteenth of its ``max_examples`` (4 under ``ci``, 20
+under ``dev``).
 """
 
 from __future__ import annotations
@@ -32,8 +33,6 @@ import harness
 from channel_loss import ChannelLossMeter, capture, chunk_cross_entropy, per_token_cross_entropy
 from channel_loss.capture import record
 from channel_loss.layout import SHARD_MODES
-from harness import LaunchSpec
-from harness.launcher.case import missing_cards
 from tests.channel_loss.reference import (
     add_totals,
     layout_of,
@@ -43,8 +42,8 @@ from tests.channel_loss.reference import (
 from tests.strategies import IGNORE_INDEX, SOURCES, packed_cases
 
 VOCAB, HIDDEN, CHUNK = 50, 8, 8  # packed_cases draws targets in [0, 50)
-#: Each example is one launch of fresh ranks (~10 s of CPU for 2 ranks): 2 under the ci profile.
-EXAMPLES = max(1, settings.default.max_examples // 30)
+#: Each example runs every split and shard mode on the kept ranks: 4 under the ci profile.
+EXAMPLES = max(1, settings.default.max_examples // 15)
 
 
 def splits(world: int) -> list[tuple[int, int]]:
@@ -173,21 +172,26 @@ def run_example(example: dict, device: str) -> dict:
     return metrics
 
 
-@pytest.mark.parametrize("nproc", [2, 4])
-@pytest.mark.parametrize("device", harness.DEVICES)
-@settings(max_examples=EXAMPLES)
-@given(data=st.data())
-def test_drawn_layouts_on_real_ranks_match_the_reference(device, nproc, data):
-    # This plain test holds one card of an accelerator variant; the launch needs nproc more.
-    reason = missing_cards(device, nproc + 1) if device != "cpu" else None
-    if reason is not None:
-        pytest.skip(f"{reason} (one held by this test, {nproc} for its ranks)")
-    example = data.draw(examples(nproc), label="example")
-    results = harness.launch(
-        run_example, LaunchSpec(device=device, nproc=nproc, timeout=240), example, device
-    )
-    for sp, dp in splits(nproc):
+def check_example(example: dict, device: str) -> None:
+    """On every rank of a launched test: the metrics of every split and mode are the reference's."""
+    got = run_example(example, device)
+    for sp, dp in splits(dist.get_world_size()):
         want = expected_metrics(example, dp)
         for mode in SHARD_MODES:
-            for rank, got in enumerate(results):
-                assert got[sp, dp, mode] == want, f"rank {rank}, sp={sp} x dp={dp}, {mode}"
+            assert got[sp, dp, mode] == want, f"rank {dist.get_rank()}, sp={sp} x dp={dp}, {mode}"
+
+
+@pytest.mark.parametrize("device", harness.DEVICES)
+@settings(max_examples=EXAMPLES)
+@given(example=examples(2))
+@pytest.mark.launch(nproc=2, timeout=240)
+def test_drawn_layouts_on_two_ranks_match_the_reference(device, example):
+    check_example(example, device)
+
+
+@pytest.mark.parametrize("device", harness.DEVICES)
+@settings(max_examples=EXAMPLES)
+@given(example=examples(4))
+@pytest.mark.launch(nproc=4, timeout=240)
+def test_drawn_layouts_on_four_ranks_match_the_reference(device, example):
+    check_example(example, device)
