@@ -34,9 +34,8 @@ def check_int(value: Any, what: str, *, minimum: int | None = None,
     if maximum is not None:
         bounds.append(f"<= {maximum}")
     expected = "an int" + (f" {' and '.join(bounds)}" if bounds else "")
-    if not is_int(value):
-        raise error(f"{what} must be {expected}; got {value!r}")
-    if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
+    if not is_int(value) or (minimum is not None and value < minimum) or (
+            maximum is not None and value > maximum):
         raise error(f"{what} must be {expected}; got {value!r}")
     return int(value)
 

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import inspect
 import logging
-import numbers
 import sys
 import warnings
 import weakref
@@ -52,6 +51,7 @@ from channel_loss.capture import active_capture, capture, record
 from channel_loss.errors import ChannelLossError
 from channel_loss.meter import ChannelLossMeter, columns_from_metrics, metrics_from_columns
 from channel_loss.ops import chunk_cross_entropy, per_token_cross_entropy, resolve_targets
+from channel_loss.validation import is_int, is_real
 
 try:
     from transformers import TrainerCallback
@@ -279,9 +279,7 @@ def _configs_to_check(config) -> list[tuple[str, object]]:
 
 
 def _real_value(value) -> float | None:
-    if value is None or isinstance(value, bool) or not isinstance(value, numbers.Real):
-        return None
-    return float(value)
+    return float(value) if is_real(value) else None
 
 
 @dataclass(frozen=True)
@@ -942,8 +940,8 @@ class ChannelLossCallback(TrainerCallback):
         self._pending.clear()
         if self.interval_from_logging_steps:
             steps = getattr(state, "logging_steps", None)
-            if isinstance(steps, int) and not isinstance(steps, bool) and steps >= 1:
-                self.meter.interval = steps
+            if is_int(steps) and steps >= 1:
+                self.meter.interval = int(steps)
         if self._attached:
             return
         reporters = [r for r in (getattr(args, "report_to", None) or []) if r != "none"]
