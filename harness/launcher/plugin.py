@@ -63,7 +63,7 @@ from harness.launcher.settings import (
     cpu_count,
 )
 from harness.launcher.supervisor import tie_to_controller
-from harness.launcher.target import FunctionRef, conftests_for
+from harness.launcher.target import FunctionRef, conftests_for, launch_refusal
 from harness.spec import ACCELERATORS, LaunchSpec, is_launched, spec_for_item
 from harness.validation import check_int, check_seconds
 
@@ -214,12 +214,9 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     except ValueError as exc:
         _fail(f"{item.nodeid}: {exc}")
     item.stash[SPEC_KEY] = spec
-    if is_launched(item) and _is_unittest_method(item):
-        _fail(
-            f"{item.nodeid}: @pytest.mark.launch cannot run the unittest.TestCase method "
-            f"{item.cls.__qualname__}.{item.name} on ranks (unittest runs it itself, in this "
-            "process); write it as a pytest test function or a method of a plain class"
-        )
+    refusal = launch_refusal(item) if is_launched(item) else None
+    if refusal is not None:
+        _fail(f"{item.nodeid}: {refusal}")
     settings = item.config.stash[SETTINGS_KEY]
     reason = missing_cards(spec.device, spec.cards)
     if reason is not None:
@@ -484,12 +481,6 @@ def _raise_for_xfail(item: pytest.Function, names: tuple[str, ...], report: str)
                 exc = cls.__new__(cls)
                 exc.args = (report,)
                 raise exc
-
-
-def _is_unittest_method(item: pytest.Item) -> bool:
-    unittest = sys.modules.get("unittest")
-    cls = getattr(item, "cls", None)
-    return unittest is not None and isinstance(cls, type) and issubclass(cls, unittest.TestCase)
 
 
 @pytest.hookimpl(optionalhook=True, tryfirst=True)

@@ -304,7 +304,8 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
     try:
         return (yield)
     finally:
-        item.stash.pop(_STARTED, None)
+        if _STARTED in item.stash:
+            del item.stash[_STARTED]
 
 
 @contextlib.contextmanager

@@ -176,6 +176,42 @@ def test_launch_marker_on_a_unittest_method_is_refused_clearly(twins):
     assert not list((root / "out").glob("unit-*.ran"))  # never run unlaunched
 
 
+UNITTEST_CASES = """
+    import unittest
+
+    import pytest
+
+
+    class TestUnit(unittest.TestCase):
+        def test_plain(self):
+            pass
+
+        @pytest.mark.launch(nproc=2)
+        def test_launched(self):
+            pass
+"""
+
+
+def test_inventory_refuses_the_unittest_method_the_plugin_refuses(pytester):
+    from suite_project import make_project, manifest
+
+    from harness.suites.inventory import build_inventory
+
+    root = make_project(
+        pytester.path,
+        {"tests/test_unit.py": UNITTEST_CASES},
+        {"cpu": manifest("cpu", "cpu", [{"id": "unit", "paths": ["tests"]}])},
+    )
+    inv = build_inventory(root)
+    by_id = {c.nodeid: c for c in inv.cases}
+    launched = by_id["tests/test_unit.py::TestUnit::test_launched"]
+    assert launched.spec is None and launched.nproc == 1  # not listed as a 2-rank case
+    assert by_id["tests/test_unit.py::TestUnit::test_plain"].spec is not None
+    (problem,) = [p for p in inv.problems if p.rule == "bad-launch-spec"]
+    assert problem.where == "tests/test_unit.py::TestUnit::test_launched"
+    assert "cannot run the unittest.TestCase method TestUnit.test_launched" in problem.message
+
+
 def test_module_level_start_method_and_library_definition_work_on_ranks(twins):
     _, session = twins
     for name in ("test_once_in_process", "test_once_first_case", "test_once_second_case"):
