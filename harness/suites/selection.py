@@ -1,7 +1,9 @@
 """pytest plugin that ``harness run`` loads (``-p harness.suites.selection``): run exactly the planned cases.
 
 ``--harness-select FILE`` names a JSON file ``{"root": DIR, "cases":
-{nodeid: deadline_s or null}}``. Collected items not in it are deselected;
+{nodeid: deadline_s or null}, "entries": {nodeid: entry id}}``. Collected
+items not in it are deselected; each kept one records the suite entry that owns
+it as the JUnit property ``harness.entry`` (``entries`` is optional);
 planned cases that were not collected are reported (``harness run`` counts
 them as missing, never as passed). Each phase of a plain (not launched) case
 with a deadline runs under the process's watchdog
@@ -239,6 +241,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         return
     root = Path(sel["root"])
     wanted: dict[str, Any] = sel["cases"]
+    entries: dict[str, str] = sel.get("entries", {})
     keep, drop, ignored, seen = [], [], [], set()
     for item in items:
         cid = _case_id(item, root)
@@ -251,6 +254,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             continue
         keep.append(item)
         item.stash[_DEADLINE] = wanted[cid]
+        if cid in entries:
+            item.user_properties.append(("harness.entry", entries[cid]))
     if drop or ignored:
         if drop:
             config.hook.pytest_deselected(items=drop)
