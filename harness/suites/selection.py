@@ -289,8 +289,8 @@ def _message(report: pytest.CollectReport | pytest.TestReport) -> str:
 
 
 def _watchdog_log(config: pytest.Config) -> IO[str]:
-    """This process's watchdog file, next to the selection file: empty unless
-    the watchdog stopped the process, then its headline and every thread's stack."""
+    """This process's watchdog file, next to the selection file, made when the
+    watchdog stops the process: its headline and every thread's stack."""
     if _WATCHDOG not in config.stash:
         path = Path(config.getoption("harness_select")).with_name(f"watchdog-{os.getpid()}.log")
         config.stash[_WATCHDOG] = open(path, "w", encoding="utf-8")  # noqa: SIM115 (open for the process's life)
@@ -361,12 +361,9 @@ def _on_watchdog_exit(config: pytest.Config, outcomes: _Outcomes | None) -> Call
     """What this process leaves behind when the watchdog stops it: the log it
     writes the stacks to and, on the controller, a failed report of the case
     it was in (whose earlier phases may have passed)."""
-    log = _watchdog_log(config)
-    watchdog.exit_log = log
 
     def on_exit(headline: str) -> None:
-        log.seek(0)
-        log.truncate()
+        watchdog.exit_log = _watchdog_log(config)
         nodeid = config.stash.get(_CURRENT, None)
         if outcomes is not None and not outcomes.worker and nodeid is not None:
             outcomes.record(

@@ -1,0 +1,177 @@
+"""Every phase of every case is under a deadline, and the results already earned
+are kept: the fixtures of a launched case (set up and torn down in the pytest
+process) are bounded by the case deadline, pytest's ``faulthandler_timeout``
+does not replace the watchdog of a planned plain case, and a case that hangs
+past its interruption stops only its own process, after the cases before it
+were reported passed."""
+
+from __future__ import annotations
+
+import json
+
+from launch_project import inner_env, run_session, write_project
+from suite_project import make_project, manifest
+from test_cli import harness, summary_rows
+
+FIXTURES = """
+    import time
+
+    import pytest
+
+
+    @pytest.fixture
+    def hangs_in_setup():
+        time.sleep(60)
+        yield
+
+
+    @pytest.fixture
+    def hangs_in_teardown():
+        yield
+        time.sleep(60)
+
+
+    @pytest.mark.launch(nproc=1, timeout=120)
+    def test_passes_first():
+        pass
+
+
+    @pytest.mark.launch(nproc=1, timeout=2)
+    def test_setup_hangs(hangs_in_setup):
+        pass
+
+
+    @pytest.mark.timeout(3)
+    @pytest.mark.launch(nproc=1)
+    def test_teardown_hangs(hangs_in_teardown):
+        pass
+
+
+    def test_passes_after():
+        pass
+"""
+
+MODULE_FIXTURE = """
+    import time
+
+    import pytest
+
+
+    @pytest.fixture(scope="module")
+    def module_hangs_in_teardown():
+        yield
+        time.sleep(60)
+
+
+    @pytest.mark.launch(nproc=1, timeout=3)
+    def test_module_teardown_hangs(module_hangs_in_teardown):
+        pass
+"""
+
+
+def test_hanging_fixtures_of_a_launched_case_fail_at_the_case_deadline(tmp_path):
+    root = write_project(
+        tmp_path / "project", {"test_fixtures.py": FIXTURES, "test_zmodule.py": MODULE_FIXTURE}
+    )
+    session = run_session(root, "-p", "no:randomly", env=inner_env(root / "out", root / "leases"))
+    assert session.case("test_passes_first").status == "passed", session.output
+    assert session.case("test_passes_after").status == "passed", session.output
+
+    setup = session.case("test_setup_hangs")
+    assert setup.status == "error", session.output
+    assert (
+        "test_fixtures.py::test_setup_hangs: setup (fixtures of a launched case) ran past 2 s "
+        "(the case deadline, LaunchSpec.timeout)" in setup.text
+    ), setup.text
+    assert "in hangs_in_setup" in setup.text  # where it hung, from this process's stacks
+
+    # The call passed on the ranks; its teardown failed at pytest-timeout's timeout.
+    teardown = session.case("test_teardown_hangs")
+    assert teardown.status == "error", session.output
+    assert "teardown (fixtures of a launched case) ran past 3 s" in teardown.text, teardown.text
+    assert "pytest-timeout's timeout=3" in teardown.text
+    assert "in hangs_in_teardown" in teardown.text
+
+    module = session.case("test_module_teardown_hangs")
+    assert module.status == "error", session.output
+    assert "teardown (fixtures of a launched case) ran past 3 s" in module.text, module.text
+    assert "in module_hangs_in_teardown" in module.text
+    # Three deadlines of 2-3 s and one pool start: far from the 60 s hangs.
+    assert session.seconds < 50, session.output
+
+
+PLAIN = """
+    import time
+
+
+    def test_first():
+        pass
+
+
+    def test_hangs():
+        time.sleep(60)
+
+
+    def test_then():
+        pass
+"""
+
+
+def test_faulthandler_timeout_does_not_replace_the_watchdog_of_a_planned_case(pytester):
+    pytester.makeini("[pytest]\nfaulthandler_timeout = 0.5\n")
+    pytester.makepyfile(test_plain=PLAIN)
+    select = pytester.path / "select.json"
+    cases = {f"test_plain.py::{name}": 1 for name in ("test_first", "test_hangs", "test_then")}
+    select.write_text(json.dumps({"root": str(pytester.path), "cases": cases}))
+    result = pytester.runpytest_subprocess(
+        "-p",
+        "harness.suites.selection",
+        f"--harness-select={select}",
+        "-p",
+        "no:randomly",
+        "-p",
+        "no:xdist",
+        timeout=50,
+    )
+    result.assert_outcomes(passed=2, failed=1)
+    result.stdout.fnmatch_lines(
+        ["*test_plain.py::test_hangs ran past 2 s (deadline 1 s); the stacks of this process's*"]
+    )
+    # pytest's own faulthandler_timeout still dumped the stacks when it was due.
+    assert "Timeout (0:00:00.500000)!" in result.stdout.str() + result.stderr.str()
+
+
+STUCK = """
+    import time
+
+
+    def test_first():
+        pass
+
+
+    def test_stuck():
+        # Swallows the interruption at its deadline: only stopping the process ends it.
+        while True:
+            try:
+                time.sleep(60)
+            except BaseException:
+                pass
+"""
+
+
+def test_a_case_stuck_past_its_interruption_keeps_the_verdicts_earned_before(pytester):
+    root = make_project(
+        pytester.path,
+        {"tests/s/test_s.py": STUCK},
+        {"cpu": manifest("cpu", "cpu", [{"id": "s", "paths": ["tests/s"], "timeout_s": 1}])},
+    )
+    done = harness(root, "run", "cpu", "--out", "out", "--", "-p", "no:xdist", timeout=90)
+    assert done.returncode == 1, done.stdout + done.stderr
+    summary = (root / "out/summary.md").read_text()
+    # cases, passed, failed: the stuck case failed (its setup had passed), the one before passed.
+    assert summary_rows(summary)["s"][:3] == ["2", "1", "1"], summary
+    assert "- watchdog: tests/s/test_s.py::test_stuck ran past 2 s (deadline 1 s); stacks in" in (
+        done.stdout
+    )
+    (log,) = (root / "out").glob("watchdog-*.log")
+    assert "in test_stuck" in log.read_text()
