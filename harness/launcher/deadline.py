@@ -14,7 +14,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import IO, Any, NoReturn
 
 from harness.launcher.enclosing import EnclosingCase
@@ -75,13 +75,14 @@ class _Armed:
     what: str
     why: str
     error: Callable[[str], BaseException]
-    start: float = field(default_factory=time.monotonic)
+    start: float
     interrupted: bool = False
     signalled: bool = False
+    raised: bool = False
 
 
 class Watchdog:
-    """The deadline of one phase of this process's work (a test's setup,
+    """The deadlines of the phases of this process's work (a test's setup,
     call or teardown), on a thread of its own rather than faulthandler's single
     timer, which pytest's ``faulthandler_timeout`` (or anything else) re-arms.
 
@@ -94,18 +95,26 @@ class Watchdog:
     thread's stack is written to ``exit_log`` (None: this process's stderr)
     under the headline and a ``Timeout (H:MM:SS)!`` line, and the process
     exits with status 1.
+
+    Phases are armed by ``key`` (one per owner, e.g. a plugin of one pytest
+    session): arming a key replaces its phase, so a session nested in another
+    (pytester's in-process runs) keeps the outer deadline armed, and a phase
+    whose disarming was cut short by its own interruption is replaced by the
+    owner's next one instead of stopping the process later.
     """
 
     def __init__(self) -> None:
         self._lock = threading.Condition()
-        self._armed: _Armed | None = None
+        self._armed: dict[object, _Armed] = {}
         self._thread: threading.Thread | None = None
         self._previous: Any = None
+        self._installed = False
         self.exit_log: IO[str] | None = None
         self.exit_hooks: list[Callable[[str], None]] = []
 
     def arm(
         self,
+        key: object,
         seconds: float,
         *,
         grace: float,
@@ -114,19 +123,21 @@ class Watchdog:
         error: Callable[[str], BaseException],
         start: float | None = None,
     ) -> None:
-        """Start bounding a phase (from the main thread); replaces an armed one.
-        ``seconds`` count from ``start`` (a ``time.monotonic()``; default: now).
-        The messages read ``{what} ran past {seconds} s {why}``."""
-        armed = _Armed(seconds, grace, what, why, error)
-        if start is not None:
-            armed.start = start
-        interruptible = (
-            INTERRUPT_SIGNAL is not None and threading.current_thread() is threading.main_thread()
+        """Start bounding ``key``'s phase (from the main thread), replacing its
+        previous one. ``seconds`` count from ``start`` (a ``time.monotonic()``;
+        default: now). The messages read ``{what} ran past {seconds} s {why}``."""
+        armed = _Armed(
+            seconds, grace, what, why, error, time.monotonic() if start is None else start
         )
         with self._lock:
-            if interruptible and self._previous is None:
+            if (
+                not self._installed
+                and INTERRUPT_SIGNAL is not None
+                and threading.current_thread() is threading.main_thread()
+            ):
                 self._previous = signal.signal(INTERRUPT_SIGNAL, self._on_signal)
-            self._armed = armed
+                self._installed = True
+            self._armed[key] = armed
             if self._thread is None:
                 self._thread = threading.Thread(
                     target=self._watch, name="harness-watchdog", daemon=True
@@ -134,18 +145,20 @@ class Watchdog:
                 self._thread.start()
             self._lock.notify_all()
 
-    def disarm(self) -> None:
-        """The phase is over (it ended, or failed at its deadline)."""
+    def disarm(self, key: object) -> None:
+        """``key``'s phase is over (it ended, or failed at its deadline)."""
         with self._lock:
-            self._armed = None
-            if self._previous is not None:
+            self._armed.pop(key, None)
+            if not self._armed and self._installed:
                 signal.signal(INTERRUPT_SIGNAL, self._previous)
+                self._installed = False
                 self._previous = None
             self._lock.notify_all()
 
     @contextlib.contextmanager
     def bounding(
         self,
+        key: object,
         seconds: float,
         *,
         grace: float,
@@ -155,44 +168,46 @@ class Watchdog:
         start: float | None = None,
     ) -> Iterator[None]:
         """The body runs armed (see :meth:`arm`), disarmed however it ends."""
-        self.arm(seconds, grace=grace, what=what, why=why, error=error, start=start)
+        self.arm(key, seconds, grace=grace, what=what, why=why, error=error, start=start)
         try:
             yield
         finally:
-            self.disarm()
+            self.disarm(key)
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         __tracebackhide__ = True
-        armed = self._armed
-        if armed is None or not armed.interrupted:
-            previous = self._previous
-            if callable(previous):
-                previous(signum, frame)
+        due = [a for a in list(self._armed.values()) if a.signalled and not a.raised]
+        if not due:
+            if callable(self._previous):
+                self._previous(signum, frame)
             return
+        due[0].raised = True
         stacks = _stacks()
-        raise armed.error(
-            f"{_headline(armed)}; the stacks of this process's threads then:\n{stacks}"
+        raise due[0].error(
+            f"{_headline(due[0])}; the stacks of this process's threads then:\n{stacks}"
         )
 
     def _watch(self) -> None:
         with self._lock:
             while True:
-                armed = self._armed
-                if armed is None:
+                now = time.monotonic()
+                wake = None
+                for armed in list(self._armed.values()):
+                    due = armed.start + armed.seconds + (armed.grace if armed.interrupted else 0.0)
+                    if due > now:
+                        wake = due if wake is None else min(wake, due)
+                    elif not armed.interrupted:
+                        armed.interrupted = True
+                        armed.signalled = self._installed
+                        if armed.signalled:
+                            signal.pthread_kill(threading.main_thread().ident, INTERRUPT_SIGNAL)
+                        wake = now
+                    else:
+                        self._exit(armed)
+                if wake is None:
                     self._lock.wait()
-                    continue
-                due = armed.start + armed.seconds + (armed.grace if armed.interrupted else 0.0)
-                left = due - time.monotonic()
-                if left > 0:
-                    self._lock.wait(left)
-                    continue
-                if not armed.interrupted:
-                    armed.interrupted = True
-                    armed.signalled = self._previous is not None
-                    if armed.signalled:
-                        signal.pthread_kill(threading.main_thread().ident, INTERRUPT_SIGNAL)
-                    continue
-                self._exit(armed)
+                elif wake > now:
+                    self._lock.wait(wake - now)
 
     def _exit(self, armed: _Armed) -> NoReturn:
         headline = _headline(armed)

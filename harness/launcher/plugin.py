@@ -184,6 +184,7 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     phases = config.pluginmanager.get_plugin("harness-fixture-deadlines")
     if phases is not None:
         watchdog.exit_hooks.remove(phases.on_exit)
+        watchdog.disarm(("launched case fixtures", config))
     token = config.stash.get(ACTIVATION_KEY, None)
     if token is not None:
         del config.stash[ACTIVATION_KEY]
@@ -310,6 +311,7 @@ class _FixtureDeadlines:
         settings, default_source = _deadline_settings(item, item.config.stash[SETTINGS_KEY])
         deadline = choose_deadline(spec, settings, default_source=default_source)
         return watchdog.bounding(
+            ("launched case fixtures", self.config),
             deadline.seconds,
             grace=min(deadline.seconds, WATCHDOG_GRACE_S),
             what=f"{item.nodeid}: {phase} (fixtures of a launched case)",

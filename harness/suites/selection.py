@@ -46,12 +46,12 @@ WATCHDOG_MARK = "harness watchdog:"
 _DEADLINE = pytest.StashKey[Any]()
 #: The parsed selection file, read once per process.
 _SELECTION = pytest.StashKey[dict[str, Any]]()
-#: This process's open watchdog log.
-_WATCHDOG = pytest.StashKey[IO[str]]()
 #: When a plain planned case with a deadline started (``time.monotonic``).
 _STARTED = pytest.StashKey[float]()
 #: The node id of the case this process is running.
 _CURRENT = pytest.StashKey[str]()
+#: The watchdog key of a session's planned plain cases (with its config).
+_WATCHDOG_KEY = "harness run case"
 #: This process's hook on the watchdog stopping it.
 _EXIT_HOOK = pytest.StashKey[Callable[[str], None]]()
 #: The ``--junitxml`` the caller gave pytest (``None``: none), replaced by the run's own.
@@ -291,10 +291,8 @@ def _message(report: pytest.CollectReport | pytest.TestReport) -> str:
 def _watchdog_log(config: pytest.Config) -> IO[str]:
     """This process's watchdog file, next to the selection file, made when the
     watchdog stops the process: its headline and every thread's stack."""
-    if _WATCHDOG not in config.stash:
-        path = Path(config.getoption("harness_select")).with_name(f"watchdog-{os.getpid()}.log")
-        config.stash[_WATCHDOG] = open(path, "w", encoding="utf-8")  # noqa: SIM115 (open for the process's life)
-    return config.stash[_WATCHDOG]
+    path = Path(config.getoption("harness_select")).with_name(f"watchdog-{os.getpid()}.log")
+    return open(path, "w", encoding="utf-8")
 
 
 def _started(item: pytest.Item) -> float | None:
@@ -323,6 +321,7 @@ def _bounded(item: pytest.Item) -> Iterator[None]:
     deadline = float(item.stash[_DEADLINE])
     grace = min(deadline, WATCHDOG_GRACE_S)
     with watchdog.bounding(
+        (_WATCHDOG_KEY, item.config),
         deadline + grace,
         start=started,
         grace=grace,
@@ -357,7 +356,7 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> 
         return (yield)
 
 
-def _on_watchdog_exit(config: pytest.Config, outcomes: _Outcomes | None) -> Callable[[str], None]:
+def _on_watchdog_exit(config: pytest.Config, outcomes: _Outcomes) -> Callable[[str], None]:
     """What this process leaves behind when the watchdog stops it: the log it
     writes the stacks to and, on the controller, a failed report of the case
     it was in (whose earlier phases may have passed)."""
@@ -365,12 +364,19 @@ def _on_watchdog_exit(config: pytest.Config, outcomes: _Outcomes | None) -> Call
     def on_exit(headline: str) -> None:
         watchdog.exit_log = _watchdog_log(config)
         nodeid = config.stash.get(_CURRENT, None)
-        if outcomes is not None and not outcomes.worker and nodeid is not None:
+        if not outcomes.worker and nodeid is not None:
             outcomes.record(
                 report=nodeid, when="call", outcome="failed", seconds=0.0, message=headline[:200]
             )
 
     return on_exit
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    hook = config.stash.get(_EXIT_HOOK, None)
+    if hook is not None:
+        watchdog.exit_hooks.remove(hook)
+        watchdog.disarm((_WATCHDOG_KEY, config))
 
 
 def fired(folder: Path) -> list[tuple[str, Path]]:
