@@ -112,23 +112,7 @@ class Watchdog:
         self.exit_log: IO[str] | None = None
         self.exit_hooks: list[Callable[[str], None]] = []
 
-    def arm(
-        self,
-        key: object,
-        seconds: float,
-        *,
-        grace: float,
-        what: str,
-        why: str = "",
-        error: Callable[[str], BaseException],
-        start: float | None = None,
-    ) -> None:
-        """Start bounding ``key``'s phase (from the main thread), replacing its
-        previous one. ``seconds`` count from ``start`` (a ``time.monotonic()``;
-        default: now). The messages read ``{what} ran past {seconds} s {why}``."""
-        armed = _Armed(
-            seconds, grace, what, why, error, time.monotonic() if start is None else start
-        )
+    def _arm(self, key: object, armed: _Armed) -> None:
         with self._lock:
             if (
                 not self._installed
@@ -167,8 +151,12 @@ class Watchdog:
         error: Callable[[str], BaseException],
         start: float | None = None,
     ) -> Iterator[None]:
-        """The body runs armed (see :meth:`arm`), disarmed however it ends."""
-        self.arm(key, seconds, grace=grace, what=what, why=why, error=error, start=start)
+        """Bound ``key``'s phase, the body (run in the main thread), replacing
+        the phase ``key`` had armed; disarmed however the body ends.
+        ``seconds`` count from ``start`` (a ``time.monotonic()``; default: now).
+        The messages read ``{what} ran past {seconds} s {why}``."""
+        now = time.monotonic() if start is None else start
+        self._arm(key, _Armed(seconds, grace, what, why, error, now))
         try:
             yield
         finally:

@@ -7,6 +7,7 @@ were reported passed."""
 
 from __future__ import annotations
 
+import pytest
 from launch_project import inner_env, run_session, write_project
 from suite_project import make_project, manifest
 from test_cli import harness, summary_rows
@@ -149,3 +150,35 @@ def test_planned_cases_keep_their_deadline_and_the_verdicts_earned_before_a_hang
     assert "in test_stuck" in log.read_text()
     # pytest's own faulthandler_timeout still dumped the stacks when it was due.
     assert "Timeout (0:00:00.500000)!" in output
+
+
+class _Overdue(Exception):
+    pass
+
+
+def _overdue(message: str) -> BaseException:
+    return _Overdue(message)
+
+
+def _inner_phase_then_sleep() -> None:
+    import time
+
+    from harness.launcher.deadline import watchdog
+
+    with (
+        pytest.raises(_Overdue, match=r"inner ran past 0\.2 s; the stacks"),
+        watchdog.bounding("inner", 0.2, grace=30.0, what="inner", error=_overdue),
+    ):
+        time.sleep(30)
+    # The inner phase is over: the outer one is still armed.
+    time.sleep(30)
+
+
+def test_nested_phases_each_keep_their_own_deadline():
+    from harness.launcher.deadline import watchdog
+
+    with (
+        pytest.raises(_Overdue, match="outer ran past 1 s"),
+        watchdog.bounding("outer", 1.0, grace=30.0, what="outer", error=_overdue),
+    ):
+        _inner_phase_then_sleep()
