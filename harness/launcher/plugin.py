@@ -14,7 +14,10 @@ Per test:
   traceback), skipped or xfailed with the ranks' reason. Consecutive cases
   with the same (device, nproc, backend) run on a kept pool of ranks
   (``harness.launcher.pool``) unless ``--harness-no-reuse`` or ``LaunchSpec.reuse``
-  says otherwise; the pool is closed at the end of the session.
+  says otherwise; the pool is closed at the end of the session;
+* setup and teardown of a launched test (its fixtures run in this process):
+  each bounded by the case deadline through ``harness.launcher.deadline.watchdog``
+  (past it the phase fails with this process's stacks and the session goes on).
 """
 
 from __future__ import annotations
