@@ -14,11 +14,15 @@ Per test:
   traceback), skipped or xfailed with the ranks' reason. Consecutive cases
   with the same (device, nproc, backend) run on a kept pool of ranks
   (``harness.launcher.pool``) unless ``--harness-no-reuse`` or ``LaunchSpec.reuse``
-  says otherwise; the pool is closed at the end of the session.
+  says otherwise; the pool is closed at the end of the session;
+* setup and teardown of a launched test (its fixtures run in this process):
+  each bounded by the case deadline through ``harness.launcher.deadline.watchdog``
+  (past it the phase fails with this process's stacks and the session goes on).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import os
@@ -42,6 +46,7 @@ from harness.devices import (
     set_device,
 )
 from harness.launcher.case import conclude, missing_cards, prepare_case
+from harness.launcher.deadline import WATCHDOG_GRACE_S, choose_deadline, watchdog
 from harness.launcher.enclosing import CASE_ENV, EnclosingCase
 from harness.launcher.launch import LaunchError, run_case
 from harness.launcher.lease import (
@@ -61,7 +66,7 @@ from harness.launcher.settings import (
     cpu_count,
 )
 from harness.launcher.supervisor import tie_to_controller
-from harness.launcher.target import FunctionRef, conftests_for
+from harness.launcher.target import FunctionRef, conftests_for, launch_refusal
 from harness.spec import ACCELERATORS, LaunchSpec, is_launched, spec_for_item
 from harness.validation import check_int, check_seconds
 
@@ -133,6 +138,9 @@ def pytest_configure(config: pytest.Config) -> None:
     settings = _settings_from(config)
     config.stash[SETTINGS_KEY] = settings
     config.stash[ACTIVATION_KEY] = active.set(settings)
+    phases = _FixtureDeadlines(config)
+    config.pluginmanager.register(phases, "harness-fixture-deadlines")
+    watchdog.exit_hooks.append(phases.on_exit)
 
 
 def _settings_from(config: pytest.Config) -> Settings:
@@ -176,6 +184,10 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
 
 def pytest_unconfigure(config: pytest.Config) -> None:
     keeper.close()
+    phases = config.pluginmanager.get_plugin("harness-fixture-deadlines")
+    if phases is not None:
+        watchdog.exit_hooks.remove(phases.on_exit)
+        watchdog.disarm(("launched case fixtures", config))
     token = config.stash.get(ACTIVATION_KEY, None)
     if token is not None:
         del config.stash[ACTIVATION_KEY]
@@ -206,12 +218,9 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     except ValueError as exc:
         _fail(f"{item.nodeid}: {exc}")
     item.stash[SPEC_KEY] = spec
-    if is_launched(item) and _is_unittest_method(item):
-        _fail(
-            f"{item.nodeid}: @pytest.mark.launch cannot run the unittest.TestCase method "
-            f"{item.cls.__qualname__}.{item.name} on ranks (unittest runs it itself, in this "
-            "process); write it as a pytest test function or a method of a plain class"
-        )
+    refusal = launch_refusal(item) if is_launched(item) else None
+    if refusal is not None:
+        _fail(f"{item.nodeid}: {refusal}")
     settings = item.config.stash[SETTINGS_KEY]
     reason = missing_cards(spec.device, spec.cards)
     if reason is not None:
@@ -276,6 +285,65 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None):
             shutil.rmtree(held.budget_dir, ignore_errors=True)
 
 
+class _FixtureDeadlines:
+    """The setup and teardown of a launched case (its fixtures run here, in
+    this process) are each bounded by the case's deadline, as its call is on
+    the ranks: past it the phase fails with this process's stacks and the
+    session goes on (see ``harness.launcher.deadline.Watchdog``)."""
+
+    def __init__(self, config: pytest.Config) -> None:
+        self.config = config
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_setup(self, item: pytest.Item) -> Any:
+        with self._bounded(item, "setup"):
+            return (yield)
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_teardown(self, item: pytest.Item, nextitem: pytest.Item | None) -> Any:
+        with self._bounded(item, "teardown"):
+            return (yield)
+
+    def _bounded(self, item: pytest.Item, phase: str) -> contextlib.AbstractContextManager:
+        if not isinstance(item, pytest.Function) or not is_launched(item):
+            return contextlib.nullcontext()
+        try:
+            spec = item.stash.get(SPEC_KEY, None) or spec_for_item(item)
+        except ValueError:
+            return contextlib.nullcontext()  # the setup fails it, naming the problem
+        settings, default_source = _deadline_settings(item, item.config.stash[SETTINGS_KEY])
+        deadline = choose_deadline(spec, settings, default_source=default_source)
+        return watchdog.bounding(
+            ("launched case fixtures", self.config),
+            deadline.seconds,
+            grace=min(deadline.seconds, WATCHDOG_GRACE_S),
+            what=f"{item.nodeid}: {phase} (fixtures of a launched case)",
+            why=f"(the case deadline, {deadline.source})",
+            error=lambda message: pytest.fail.Exception(message, pytrace=True),
+        )
+
+    def on_exit(self, headline: str) -> None:
+        """The watchdog stops this process: what pytest captured goes to the
+        terminal first, so the stacks written after it are seen."""
+        capman = self.config.pluginmanager.get_plugin("capturemanager")
+        if capman is not None:
+            capman.suspend_global_capture(in_=True)
+            out, err = capman.read_global_capture()
+            sys.__stdout__.write(out)
+            sys.__stderr__.write(err)
+            sys.__stdout__.flush()
+            sys.__stderr__.flush()
+
+
+def _deadline_settings(item: pytest.Function, settings: Settings) -> tuple[Settings, str]:
+    """The settings a launched case's deadline is chosen from and the name of
+    their default: pytest-timeout's timeout of the test, else ``--harness-timeout``."""
+    timeout = item.stash.get(TIMEOUT_KEY, None)
+    if timeout is None:
+        return settings, "--harness-timeout"
+    return dataclasses.replace(settings, timeout=timeout), f"pytest-timeout's timeout={timeout:g}"
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
     if (
@@ -318,11 +386,7 @@ def _run_on_ranks(
         else "Hypothesis example argument"
         for name in kwargs
     }
-    default_source = "--harness-timeout"
-    timeout = item.stash.get(TIMEOUT_KEY, None)
-    if timeout is not None:
-        settings = dataclasses.replace(settings, timeout=timeout)
-        default_source = f"pytest-timeout's timeout={timeout:g}"
+    settings, default_source = _deadline_settings(item, settings)
     try:
         task, plan = prepare_case(
             FunctionRef.for_test(item),
@@ -422,12 +486,6 @@ def _raise_for_xfail(item: pytest.Function, names: tuple[str, ...], report: str)
                 exc = cls.__new__(cls)
                 exc.args = (report,)
                 raise exc
-
-
-def _is_unittest_method(item: pytest.Item) -> bool:
-    unittest = sys.modules.get("unittest")
-    cls = getattr(item, "cls", None)
-    return unittest is not None and isinstance(cls, type) and issubclass(cls, unittest.TestCase)
 
 
 @pytest.hookimpl(optionalhook=True, tryfirst=True)

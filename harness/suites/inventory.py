@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from harness import names
+from harness.launcher.target import launch_refusal
 from harness.spec import LaunchSpec, is_launched, spec_for_item
 from harness.suites.manifest import (
     SUITES_DIR,
@@ -276,6 +277,9 @@ def _case(item: Any, root: Path) -> CollectedCase:
         spec, err = spec_for_item(item), None
     except (ValueError, TypeError) as e:
         spec, err = None, str(e)
+    refusal = launch_refusal(item) if spec is not None and is_launched(item) else None
+    if refusal is not None:  # the plugin refuses to run it: not a case of nproc ranks
+        spec, err = None, refusal
     return CollectedCase(
         nodeid=nodeid,
         file=nodeid.split("::", 1)[0],

@@ -483,7 +483,11 @@ def _pytest_command(
     deadline = timeout or PLAIN_CASE_DEADLINE_S
     write_json(
         select_file,
-        {"root": str(run.root), "cases": {c.nodeid: deadline for c, _ in group}},
+        {
+            "root": str(run.root),
+            "cases": {c.nodeid: deadline for c, _ in group},
+            "entries": {c.nodeid: e.id for c, e in group},
+        },
         indent=None,
     )
     junit = run.out / f"junit-{k}.xml"

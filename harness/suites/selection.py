@@ -1,36 +1,44 @@
 """pytest plugin that ``harness run`` loads (``-p harness.suites.selection``): run exactly the planned cases.
 
 ``--harness-select FILE`` names a JSON file ``{"root": DIR, "cases":
-{nodeid: deadline_s or null}}``. Collected items not in it are deselected;
+{nodeid: deadline_s or null}, "entries": {nodeid: entry id}}``. Collected
+items not in it are deselected; each kept one records the suite entry that owns
+it as the JUnit property ``harness.entry`` (``entries`` is optional);
 planned cases that were not collected are reported (``harness run`` counts
-them as missing, never as passed). A plain (not launched) case with a
-deadline runs under a faulthandler watchdog: past the deadline (plus as
-long again, at most a minute) its stacks are written to ``watchdog-<pid>.log``
-next to the selection file and its process exits, so a hung in-process test
-fails its xdist worker instead of stalling the job. Launched cases are left to the
-launch plugin, which enforces their deadline and reaps their ranks.
+them as missing, never as passed). Each phase of a plain (not launched) case
+with a deadline runs under the process's watchdog
+(``harness.launcher.deadline.watchdog``, a thread of its own, whatever pytest's
+``faulthandler_timeout`` does): past the deadline plus as long again (at most a
+minute) for setup, call and teardown together, the phase it is in fails with
+every thread's stack and the session goes on. A case that does not come back
+from that interruption stops its process: its stacks are written to
+``watchdog-<pid>.log`` next to the selection file and the case is recorded as
+failed (an xdist worker's controller reports it), so the cases that passed
+before keep their verdict. Launched cases are left to the launch plugin, which
+bounds their fixtures and enforces their deadline on the ranks.
 """
 
 from __future__ import annotations
 
-import faulthandler
+import contextlib
 import fnmatch
 import json
 import os
 import sys
-from collections.abc import Iterator, Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
 import pytest
 
+from harness.launcher.deadline import WATCHDOG_GRACE_S, watchdog
 from harness.names import OPT_JUNIT, OPT_SELECT, OPT_WORKERS
 from harness.spec import is_launched
 
-# Extra time the watchdog allows past a case's deadline (setup, teardown and
-# fixtures count against it too): as long again, at most a minute.
-WATCHDOG_GRACE_S = 60.0
+# The watchdog allows a case as long again as its deadline, at most a minute,
+# for setup, call and teardown together, and as long again after interrupting it.
 
 WATCHDOG_MARK = "harness watchdog:"
 
@@ -38,8 +46,14 @@ WATCHDOG_MARK = "harness watchdog:"
 _DEADLINE = pytest.StashKey[Any]()
 #: The parsed selection file, read once per process.
 _SELECTION = pytest.StashKey[dict[str, Any]]()
-#: This process's open watchdog log.
-_WATCHDOG = pytest.StashKey[IO[str]]()
+#: When a plain planned case with a deadline started (``time.monotonic``).
+_STARTED = pytest.StashKey[float]()
+#: The node id of the case this process is running.
+_CURRENT = pytest.StashKey[str]()
+#: The watchdog key of a session's planned plain cases (with its config).
+_WATCHDOG_KEY = "harness run case"
+#: This process's hook on the watchdog stopping it.
+_EXIT_HOOK = pytest.StashKey[Callable[[str], None]]()
 #: The ``--junitxml`` the caller gave pytest (``None``: none), replaced by the run's own.
 _CALLER_JUNIT = pytest.StashKey[Any]()
 
@@ -205,6 +219,8 @@ def pytest_configure(config: pytest.Config) -> None:
     config.pluginmanager.register(outcomes, "harness-outcomes")
     if not outcomes.worker:
         outcomes.options()
+    config.stash[_EXIT_HOOK] = hook = _on_watchdog_exit(config, outcomes)
+    watchdog.exit_hooks.append(hook)
 
 
 def _ignored(config: pytest.Config, path: Path) -> bool:
@@ -225,6 +241,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         return
     root = Path(sel["root"])
     wanted: dict[str, Any] = sel["cases"]
+    entries: dict[str, str] = sel.get("entries", {})
     keep, drop, ignored, seen = [], [], [], set()
     for item in items:
         cid = _case_id(item, root)
@@ -237,6 +254,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             continue
         keep.append(item)
         item.stash[_DEADLINE] = wanted[cid]
+        if cid in entries:
+            item.user_properties.append(("harness.entry", entries[cid]))
     if drop or ignored:
         if drop:
             config.hook.pytest_deselected(items=drop)
@@ -270,45 +289,94 @@ def _message(report: pytest.CollectReport | pytest.TestReport) -> str:
 
 
 def _watchdog_log(config: pytest.Config) -> IO[str]:
-    """This process's watchdog file, next to the selection file: it holds the
-    armed case's name and, if the watchdog fires, the stacks (empty otherwise)."""
-    if _WATCHDOG not in config.stash:
-        path = Path(config.getoption("harness_select")).with_name(f"watchdog-{os.getpid()}.log")
-        config.stash[_WATCHDOG] = open(path, "w", encoding="utf-8")  # noqa: SIM115 (open for the process's life)
-    return config.stash[_WATCHDOG]
+    """This process's watchdog file, next to the selection file, made when the
+    watchdog stops the process: its headline and every thread's stack."""
+    path = Path(config.getoption("harness_select")).with_name(f"watchdog-{os.getpid()}.log")
+    return open(path, "w", encoding="utf-8")
+
+
+def _started(item: pytest.Item) -> float | None:
+    return item.stash.get(_STARTED, None)
 
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
-    deadline = item.stash.get(_DEADLINE, None)
-    armed = deadline is not None and not is_launched(item)
-    if armed:
-        seconds = float(deadline) + min(float(deadline), WATCHDOG_GRACE_S)
-        log = _watchdog_log(item.config)
-        log.seek(0)
-        log.truncate()
-        log.write(
-            f"{WATCHDOG_MARK} {item.nodeid} ran past {seconds:g} s (deadline {float(deadline):g} s)\n"
-        )
-        log.flush()
-        # exit=True: the process dies with the stacks in the log; under xdist
-        # the controller reports the case as failed ("worker crashed").
-        faulthandler.dump_traceback_later(seconds, exit=True, file=log)
+    item.config.stash[_CURRENT] = item.nodeid
+    if item.stash.get(_DEADLINE, None) is not None and not is_launched(item):
+        item.stash[_STARTED] = time.monotonic()
     try:
         return (yield)
     finally:
-        if armed:
-            faulthandler.cancel_dump_traceback_later()
-            log.seek(0)
-            log.truncate()
-            log.flush()
+        if _STARTED in item.stash:
+            del item.stash[_STARTED]
+
+
+@contextlib.contextmanager
+def _bounded(item: pytest.Item) -> Iterator[None]:
+    """A phase of a plain planned case, under what is left of the case's deadline."""
+    started = _started(item)
+    if started is None:
+        yield
+        return
+    deadline = float(item.stash[_DEADLINE])
+    grace = min(deadline, WATCHDOG_GRACE_S)
+    with watchdog.bounding(
+        (_WATCHDOG_KEY, item.config),
+        deadline + grace,
+        start=started,
+        grace=grace,
+        what=item.nodeid,
+        why=f"(deadline {deadline:g} s)",
+        error=_deadline_failure,
+    ):
+        yield
+
+
+def _deadline_failure(message: str) -> BaseException:
+    return pytest.fail.Exception(f"{WATCHDOG_MARK} {message}", pytrace=True)
+
+
+# Each phase is bounded inside pytest's own call of it, so the failure raised at
+# the deadline is that phase's outcome and the session goes on to the next case.
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item: pytest.Item) -> Iterator[None]:
+    with _bounded(item):
+        return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
+    with _bounded(item):
+        return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    with _bounded(item):
+        return (yield)
+
+
+def _on_watchdog_exit(config: pytest.Config, outcomes: _Outcomes) -> Callable[[str], None]:
+    """What this process leaves behind when the watchdog stops it: the log it
+    writes the stacks to and, on the controller, a failed report of the case
+    it was in (whose earlier phases may have passed)."""
+
+    def on_exit(headline: str) -> None:
+        watchdog.exit_log = _watchdog_log(config)
+        nodeid = config.stash.get(_CURRENT, None)
+        if not outcomes.worker and nodeid is not None:
+            outcomes.record(
+                report=nodeid, when="call", outcome="failed", seconds=0.0, message=headline[:200]
+            )
+
+    return on_exit
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
-    f = config.stash.get(_WATCHDOG, None)
-    if f is not None:
-        f.close()
-        Path(f.name).unlink(missing_ok=True)
+    hook = config.stash.get(_EXIT_HOOK, None)
+    if hook is not None:
+        watchdog.exit_hooks.remove(hook)
+        watchdog.disarm((_WATCHDOG_KEY, config))
 
 
 def fired(folder: Path) -> list[tuple[str, Path]]:
@@ -317,8 +385,8 @@ def fired(folder: Path) -> list[tuple[str, Path]]:
     out = []
     for p in sorted(folder.glob("watchdog-*.log")):
         text = p.read_text(encoding="utf-8", errors="replace")
-        if text.startswith(WATCHDOG_MARK) and "Timeout" in text:
-            out.append((text.splitlines()[0].removeprefix(WATCHDOG_MARK).strip(), p))
+        if "\nTimeout (" in text:
+            out.append((text.splitlines()[0].strip(), p))
     return out
 
 

@@ -176,6 +176,86 @@ def test_launch_marker_on_a_unittest_method_is_refused_clearly(twins):
     assert not list((root / "out").glob("unit-*.ran"))  # never run unlaunched
 
 
+UNITTEST_CASES = """
+    import unittest
+
+    import pytest
+
+
+    class TestUnit(unittest.TestCase):
+        def test_plain(self):
+            pass
+
+        @pytest.mark.launch(nproc=2)
+        def test_launched(self):
+            pass
+"""
+
+
+def test_inventory_refuses_the_unittest_method_the_plugin_refuses(pytester):
+    from suite_project import make_project, manifest
+
+    from harness.suites.inventory import build_inventory
+
+    root = make_project(
+        pytester.path,
+        {"tests/test_unit.py": UNITTEST_CASES},
+        {"cpu": manifest("cpu", "cpu", [{"id": "unit", "paths": ["tests"]}])},
+    )
+    inv = build_inventory(root)
+    by_id = {c.nodeid: c for c in inv.cases}
+    launched = by_id["tests/test_unit.py::TestUnit::test_launched"]
+    assert launched.spec is None  # not listed as a 2-rank case
+    assert launched.nproc == 1
+    assert by_id["tests/test_unit.py::TestUnit::test_plain"].spec is not None
+    (problem,) = [p for p in inv.problems if p.rule == "bad-launch-spec"]
+    assert problem.where == "tests/test_unit.py::TestUnit::test_launched"
+    assert "cannot run the unittest.TestCase method TestUnit.test_launched" in problem.message
+
+
+ENTRY_CASES = """
+    import pytest
+
+
+    def test_plain():
+        pass
+
+
+    @pytest.mark.launch(nproc=1)
+    def test_launched():
+        pass
+"""
+
+
+def test_harness_run_records_the_entry_owning_each_case(pytester):
+    import xml.etree.ElementTree as ET
+
+    from suite_project import make_project, manifest
+    from test_cli import harness
+
+    root = make_project(
+        pytester.path,
+        {"tests/a/test_a.py": "def test_other():\n    pass\n", "tests/e/test_e.py": ENTRY_CASES},
+        {
+            "cpu": manifest(
+                "cpu",
+                "cpu",
+                [{"id": "first", "paths": ["tests/a"]}, {"id": "dist", "paths": ["tests/e"]}],
+            )
+        },
+    )
+    done = harness(root, "run", "cpu", "--out", "out", "--", "-p", "no:xdist")
+    assert done.returncode == 0, done.stdout + done.stderr
+    props = {
+        tc.get("name"): {p.get("name"): p.get("value") for p in tc.iter("property")}
+        for tc in ET.parse(root / "out/junit.xml").getroot().iter("testcase")
+    }
+    assert props["test_other"] == {"harness.entry": "first"}
+    assert props["test_plain"] == {"harness.entry": "dist"}
+    assert props["test_launched"]["harness.entry"] == "dist"
+    assert props["test_launched"]["harness.nproc"] == "1"
+
+
 def test_module_level_start_method_and_library_definition_work_on_ranks(twins):
     _, session = twins
     for name in ("test_once_in_process", "test_once_first_case", "test_once_second_case"):

@@ -1,0 +1,184 @@
+"""Every phase of every case is under a deadline, and the results already earned
+are kept: the fixtures of a launched case (set up and torn down in the pytest
+process) are bounded by the case deadline, pytest's ``faulthandler_timeout``
+does not replace the watchdog of a planned plain case, and a case that hangs
+past its interruption stops only its own process, after the cases before it
+were reported passed."""
+
+from __future__ import annotations
+
+import pytest
+from launch_project import inner_env, run_session, write_project
+from suite_project import make_project, manifest
+from test_cli import harness, summary_rows
+
+FIXTURES = """
+    import time
+
+    import pytest
+
+
+    @pytest.fixture
+    def hangs_in_setup():
+        time.sleep(60)
+        yield
+
+
+    @pytest.fixture
+    def hangs_in_teardown():
+        yield
+        time.sleep(60)
+
+
+    @pytest.mark.launch(nproc=1, timeout=120)
+    def test_passes_first():
+        pass
+
+
+    @pytest.mark.launch(nproc=1, timeout=2)
+    def test_setup_hangs(hangs_in_setup):
+        pass
+
+
+    @pytest.mark.timeout(3)
+    @pytest.mark.launch(nproc=1)
+    def test_teardown_hangs(hangs_in_teardown):
+        pass
+
+
+    def test_passes_after():
+        pass
+"""
+
+MODULE_FIXTURE = """
+    import time
+
+    import pytest
+
+
+    @pytest.fixture(scope="module")
+    def module_hangs_in_teardown():
+        yield
+        time.sleep(60)
+
+
+    @pytest.mark.launch(nproc=1, timeout=3)
+    def test_module_teardown_hangs(module_hangs_in_teardown):
+        pass
+"""
+
+
+def test_hanging_fixtures_of_a_launched_case_fail_at_the_case_deadline(tmp_path):
+    root = write_project(
+        tmp_path / "project", {"test_fixtures.py": FIXTURES, "test_zmodule.py": MODULE_FIXTURE}
+    )
+    session = run_session(root, "-p", "no:randomly", env=inner_env(root / "out", root / "leases"))
+    assert session.case("test_passes_first").status == "passed", session.output
+    assert session.case("test_passes_after").status == "passed", session.output
+
+    setup = session.case("test_setup_hangs")
+    assert setup.status == "error", session.output
+    assert (
+        "test_fixtures.py::test_setup_hangs: setup (fixtures of a launched case) ran past 2 s "
+        "(the case deadline, LaunchSpec.timeout)" in setup.text
+    ), setup.text
+    assert "in hangs_in_setup" in setup.text  # where it hung, from this process's stacks
+
+    # The call passed on the ranks; its teardown failed at pytest-timeout's timeout.
+    teardown = session.case("test_teardown_hangs")
+    assert teardown.status == "error", session.output
+    assert "teardown (fixtures of a launched case) ran past 3 s" in teardown.text, teardown.text
+    assert "pytest-timeout's timeout=3" in teardown.text
+    assert "in hangs_in_teardown" in teardown.text
+
+    module = session.case("test_module_teardown_hangs")
+    assert module.status == "error", session.output
+    assert "teardown (fixtures of a launched case) ran past 3 s" in module.text, module.text
+    assert "in module_hangs_in_teardown" in module.text
+    # Three deadlines of 2-3 s and one pool start: far from the 60 s hangs.
+    assert session.seconds < 50, session.output
+
+
+CASES = """
+    import time
+
+
+    def test_first():
+        pass
+
+
+    def test_hangs():
+        time.sleep(60)
+
+
+    def test_then():
+        pass
+
+
+    def test_stuck():
+        # Swallows the interruption at its deadline: only stopping the process ends it.
+        while True:
+            try:
+                time.sleep(60)
+            except BaseException:
+                pass
+"""
+
+
+def test_planned_cases_keep_their_deadline_and_the_verdicts_earned_before_a_hang(pytester):
+    root = make_project(
+        pytester.path,
+        {"tests/s/test_s.py": CASES},
+        {"cpu": manifest("cpu", "cpu", [{"id": "s", "paths": ["tests/s"], "timeout_s": 1}])},
+    )
+    # pytest's faulthandler_timeout arms faulthandler's one timer for each test.
+    with (root / "pyproject.toml").open("a") as f:
+        f.write("faulthandler_timeout = 0.5\n")
+    done = harness(root, "run", "cpu", "--out", "out", "--", "-p", "no:xdist", timeout=90)
+    output = done.stdout + done.stderr
+    assert done.returncode == 1, output
+    # test_hangs fails at its deadline and the session goes on; test_stuck does
+    # not come back from its interruption and stops pytest: it fails (its setup
+    # had passed), and the cases that passed before it stay passed.
+    summary = (root / "out/summary.md").read_text()
+    assert summary_rows(summary)["s"][:3] == ["4", "2", "2"], summary
+    assert "tests/s/test_s.py::test_hangs ran past 2 s (deadline 1 s); the stacks" in output
+    assert "- watchdog: tests/s/test_s.py::test_stuck ran past 2 s (deadline 1 s); stacks in" in (
+        done.stdout
+    )
+    (log,) = (root / "out").glob("watchdog-*.log")
+    assert "in test_stuck" in log.read_text()
+    # pytest's own faulthandler_timeout still dumped the stacks when it was due.
+    assert "Timeout (0:00:00.500000)!" in output
+
+
+class _Overdue(Exception):
+    pass
+
+
+def _overdue(message: str) -> BaseException:
+    return _Overdue(message)
+
+
+def _inner_phase_then_sleep() -> None:
+    import time
+
+    from harness.launcher.deadline import watchdog
+
+    with (
+        pytest.raises(_Overdue, match=r"inner ran past 0\.2 s; the stacks"),
+        watchdog.bounding("inner", 0.2, grace=30.0, what="inner", error=_overdue),
+    ):
+        time.sleep(30)
+    # The inner phase is over: the outer one is still armed.
+    time.sleep(30)
+
+
+def test_nested_phases_each_keep_their_own_deadline():
+    from harness.launcher.deadline import watchdog
+
+    with (
+        pytest.raises(_Overdue, match="outer ran past 1 s"),
+        watchdog.bounding("outer", 1.0, grace=30.0, what="outer", error=_overdue),
+    ):
+        _inner_phase_then_sleep()
