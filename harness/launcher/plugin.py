@@ -53,6 +53,7 @@ from harness.launcher.lease import (
     resolve_lease_dir,
 )
 from harness.launcher.pool import keeper
+from harness.launcher.routing import install as install_routing
 from harness.launcher.settings import (
     DEFAULT_LEASE_TIMEOUT_S,
     DEFAULT_TIMEOUT_S,
@@ -133,6 +134,7 @@ def pytest_configure(config: pytest.Config) -> None:
     settings = _settings_from(config)
     config.stash[SETTINGS_KEY] = settings
     config.stash[ACTIVATION_KEY] = active.set(settings)
+    install_routing(config, settings)
 
 
 def _settings_from(config: pytest.Config) -> Settings:
