@@ -23,7 +23,6 @@ LAUNCHED = """
     import os
 
     import pytest
-    import torch.distributed as dist
 
     from recording import out_dir
 
@@ -31,6 +30,8 @@ LAUNCHED = """
     @pytest.mark.launch(nproc=2)
     @pytest.mark.parametrize("i", range({cases}))
     def test_launched(i):
+        import torch.distributed as dist
+
         record = {{"worker": os.environ["PYTEST_XDIST_WORKER"], "pid": os.getpid()}}
         (out_dir() / f"{name}-{{i}}-{{dist.get_rank()}}.json").write_text(json.dumps(record))
 
@@ -64,8 +65,12 @@ def test_launched_cases_run_in_one_worker_on_one_pool_under_n_2(tmp_path, dist):
         {"test_a.py": launched_file("a", 3, group), "test_b.py": launched_file("b", 3)},
     )
     args = ["-n", "2", "--harness-max-procs=2", "-p", "no:randomly"]
-    session = run_session(root, *args, *(["--dist", dist] if dist else []),
-                          env=inner_env(root / "out", root / "leases"))
+    session = run_session(
+        root,
+        *args,
+        *(["--dist", dist] if dist else []),
+        env=inner_env(root / "out", root / "leases"),
+    )
     assert session.returncode == 0, session.output
     ranks = [json.loads(p.read_text()) for p in (root / "out").glob("[ab]-*.json")]
     assert len(ranks) == 12, session.output
