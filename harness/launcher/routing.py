@@ -23,7 +23,8 @@ the slots and restart their pools every slice, making ``-n N`` slower than
 When every worker can hold a pool (``lanes >= workers``), when there is no
 launched case, or when no lanes file can be read, the scheduler is xdist's own
 for the chosen distribution, unchanged. ``each``, ``worksteal`` and other
-plugins' distributions are never changed.
+plugins' distributions are never changed, nor is anything with
+``-p no:harness-routing``.
 """
 
 from __future__ import annotations
@@ -271,6 +272,12 @@ class Routing:
             self._lanes_dir = None
 
 
+#: The routing's plugin name: ``-p no:harness-routing`` leaves xdist's scheduling alone.
+PLUGIN_NAME = "harness-routing"
+
+
 def install(config: pytest.Config, settings: Settings) -> None:
-    """Register the routing for this config's session (a no-op without xdist's hooks)."""
-    config.pluginmanager.register(Routing(config, settings), f"harness-routing-{id(config)}")
+    """Register the routing for this config's session (a no-op without xdist's
+    hooks, or when ``-p no:harness-routing`` blocks it)."""
+    if not config.pluginmanager.is_blocked(PLUGIN_NAME):
+        config.pluginmanager.register(Routing(config, settings), PLUGIN_NAME)
