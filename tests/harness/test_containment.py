@@ -167,18 +167,30 @@ CRASHING_CASES = """
 """
 
 
-def test_a_crashed_xdist_worker_leaves_no_pool_directory(tmp_path):
-    root = write_project(tmp_path / "project", {"test_crash.py": CRASHING_CASES})
+def run_crashing_worker(tmp_path, cases: str):
+    """Run ``cases`` (which crash their one xdist worker) with a temp dir of their
+    own; return the session and that temp dir."""
+    root = write_project(tmp_path / "project", {"test_crash.py": cases})
     tmp = tmp_path / "session-tmp"
     tmp.mkdir()
     env = dict(inner_env(root / "out", root / "leases"), TMPDIR=str(tmp))
     session = run_session(root, "-n", "1", env=env)
     assert "crashed" in session.output, session.output
-    assert session.case("test_a_kept_pool").status == "passed", session.output
-    end = time.monotonic() + 15
-    while list(tmp.glob("harness-pool-*")) and time.monotonic() < end:
+    return session, tmp
+
+
+def leftovers(tmp, pattern: str, wait: float = 15) -> list:
+    """What matches ``pattern`` in ``tmp`` once it is gone or ``wait`` seconds passed."""
+    end = time.monotonic() + wait
+    while list(tmp.glob(pattern)) and time.monotonic() < end:
         time.sleep(0.1)
-    assert list(tmp.glob("harness-pool-*")) == []
+    return list(tmp.glob(pattern))
+
+
+def test_a_crashed_xdist_worker_leaves_no_pool_directory(tmp_path):
+    session, tmp = run_crashing_worker(tmp_path, CRASHING_CASES)
+    assert session.case("test_a_kept_pool").status == "passed", session.output
+    assert leftovers(tmp, "harness-pool-*") == []
 
 
 CRASHING_FRESH_CASE = """
@@ -199,16 +211,8 @@ CRASHING_FRESH_CASE = """
 
 
 def test_a_worker_killed_mid_case_leaves_no_fresh_case_directory(tmp_path):
-    root = write_project(tmp_path / "project", {"test_crash.py": CRASHING_FRESH_CASE})
-    tmp = tmp_path / "session-tmp"
-    tmp.mkdir()
-    env = dict(inner_env(root / "out", root / "leases"), TMPDIR=str(tmp))
-    session = run_session(root, "-n", "1", env=env)
-    assert "crashed" in session.output, session.output
-    end = time.monotonic() + 15
-    while list(tmp.glob("harness-case-*")) and time.monotonic() < end:
-        time.sleep(0.1)
-    assert list(tmp.glob("harness-case-*")) == []
+    _, tmp = run_crashing_worker(tmp_path, CRASHING_FRESH_CASE)
+    assert leftovers(tmp, "harness-case-*") == []
 
 
 # -- the process-group timeout against the deadline --------------------------------------
