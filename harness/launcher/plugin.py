@@ -132,9 +132,9 @@ def pytest_configure(config: pytest.Config) -> None:
     )
     tie_to_controller(worker=hasattr(config, "workerinput"))
     settings = _settings_from(config)
+    install_routing(config, settings)
     config.stash[SETTINGS_KEY] = settings
     config.stash[ACTIVATION_KEY] = active.set(settings)
-    install_routing(config, settings)
 
 
 def _settings_from(config: pytest.Config) -> Settings:
