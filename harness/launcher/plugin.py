@@ -58,6 +58,7 @@ from harness.launcher.lease import (
     resolve_lease_dir,
 )
 from harness.launcher.pool import keeper
+from harness.launcher.routing import install as install_routing
 from harness.launcher.settings import (
     DEFAULT_LEASE_TIMEOUT_S,
     DEFAULT_TIMEOUT_S,
@@ -136,6 +137,7 @@ def pytest_configure(config: pytest.Config) -> None:
     )
     tie_to_controller(worker=hasattr(config, "workerinput"))
     settings = _settings_from(config)
+    install_routing(config, settings)
     config.stash[SETTINGS_KEY] = settings
     config.stash[ACTIVATION_KEY] = active.set(settings)
     phases = _FixtureDeadlines(config)

@@ -164,7 +164,9 @@ def rank_main(ctx: RankContext, task: RankTask, lease_fds: list[int]) -> NoRetur
     written (0 unless it failed).
     """
     try:
-        _start_rank(ctx.parent_pid, lease_fds)
+        # The case's directory (where its outcome goes) goes with a launcher
+        # that dies mid-case: the supervisor removes it.
+        _start_rank(ctx.parent_pid, lease_fds, leftover_dir=os.path.dirname(ctx.outcome_path))
         rank_coverage.start(ctx.coverage)
         _enter_case(ctx)
         outcome = _run(ctx, task, fresh_module=False)

@@ -15,8 +15,8 @@ and knows by pid -- becomes its supervisor and runs no test code:
   with the rank's status (the same exit code, or killed by the same signal);
 * when the launcher dies (even by SIGKILL) the kernel tells the supervisor
   (``PR_SET_PDEATHSIG``), which kills the whole tree at once, removes the
-  directory the dead launcher left (a kept pool's), and exits; the rank dies
-  with its supervisor the same way;
+  directory the dead launcher left (a kept pool's or a fresh case's), and
+  exits; the rank dies with its supervisor the same way;
 * the lease descriptors stay in the supervisor alone: the rank closes its
   copies, so no process of the case can hold a lease past the supervisor,
   which is the last of the case to exit;
@@ -84,7 +84,8 @@ def split(
     the rank returns. ``keep`` (the lease descriptors) stay in the supervisor
     alone; ``rank_only`` (the pool's pipe) in the rank alone. When the
     launcher dies, the supervisor also removes ``leftover_dir`` (a kept
-    pool's directory, which the dead launcher can no longer remove).
+    pool's or a fresh case's directory, which the dead launcher can no longer
+    remove).
 
     Where subreapers are unsupported, returns at once in this process, which
     then leads its own session and dies with its parent.

@@ -1,6 +1,6 @@
 """Nothing a run starts outlives it: not a daemon of a rank that killed its own
 process group, not the pytest, xdist workers and ranks of a run or a pytest
-killed by SIGKILL, not the pool directory of a crashed worker; and a rank's
+killed by SIGKILL, not the pool or fresh case directory of a crashed worker; and a rank's
 process-group timeout ends before its case's deadline.
 
 Real ranks, real signals, real pytest sessions; leftovers are looked for by
@@ -167,18 +167,52 @@ CRASHING_CASES = """
 """
 
 
-def test_a_crashed_xdist_worker_leaves_no_pool_directory(tmp_path):
-    root = write_project(tmp_path / "project", {"test_crash.py": CRASHING_CASES})
+def run_crashing_worker(tmp_path, cases: str):
+    """Run ``cases`` (which crash their one xdist worker) with a temp dir of their
+    own; return the session and that temp dir."""
+    root = write_project(tmp_path / "project", {"test_crash.py": cases})
     tmp = tmp_path / "session-tmp"
     tmp.mkdir()
     env = dict(inner_env(root / "out", root / "leases"), TMPDIR=str(tmp))
     session = run_session(root, "-n", "1", env=env)
     assert "crashed" in session.output, session.output
-    assert session.case("test_a_kept_pool").status == "passed", session.output
-    end = time.monotonic() + 15
-    while list(tmp.glob("harness-pool-*")) and time.monotonic() < end:
+    return session, tmp
+
+
+def leftovers(tmp, pattern: str, wait: float = 15) -> list:
+    """What matches ``pattern`` in ``tmp`` once it is gone or ``wait`` seconds passed."""
+    end = time.monotonic() + wait
+    while list(tmp.glob(pattern)) and time.monotonic() < end:
         time.sleep(0.1)
-    assert list(tmp.glob("harness-pool-*")) == []
+    return list(tmp.glob(pattern))
+
+
+def test_a_crashed_xdist_worker_leaves_no_pool_directory(tmp_path):
+    session, tmp = run_crashing_worker(tmp_path, CRASHING_CASES)
+    assert session.case("test_a_kept_pool").status == "passed", session.output
+    assert leftovers(tmp, "harness-pool-*") == []
+
+
+CRASHING_FRESH_CASE = """
+    import os
+    import signal
+    import time
+
+    import psutil
+    import pytest
+
+
+    @pytest.mark.launch(nproc=1, reuse=False)
+    def test_kills_its_worker():
+        worker = psutil.Process().parent().parent()  # the rank's supervisor's parent
+        worker.send_signal(signal.SIGKILL)
+        time.sleep(60)
+"""
+
+
+def test_a_worker_killed_mid_case_leaves_no_fresh_case_directory(tmp_path):
+    _, tmp = run_crashing_worker(tmp_path, CRASHING_FRESH_CASE)
+    assert leftovers(tmp, "harness-case-*") == []
 
 
 # -- the process-group timeout against the deadline --------------------------------------
