@@ -36,7 +36,7 @@ from typing import Any
 from harness.errors import HarnessError
 from harness.names import EXIT_FAILED, EXIT_OK, EXIT_USAGE
 from harness.suites.inventory import collect, is_test_module
-from harness.suites.jsonio import write_text
+from harness.jsonio import write_text
 from harness.suites.manifest import SCHEMA_FILE, SUITES_DIR, load_schema, rel, validate
 from harness.suites.workflows import init_workflows
 
