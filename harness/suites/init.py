@@ -40,8 +40,14 @@ from harness.suites.inventory import collect, is_test_module
 from harness.suites.manifest import SCHEMA_FILE, SUITES_DIR, load_schema, rel, validate
 from harness.suites.workflows import init_workflows
 
-#: Suite file name per accelerator device (the device otherwise names its suite).
-SUITE_FOR_DEVICE = {"cuda": "gpu"}
+
+def _suite_for(device: str) -> str:
+    """The suite name of an accelerator's runners (the device table's ``suite``: cuda -> gpu)."""
+    from harness.devices import device_type
+
+    return device_type(device).suite
+
+
 SHARED_CASES = "cases/accelerator.json"
 
 CPU_RUNNER = {"name": "linux-cpu", "labels": ["ubuntu-latest"], "cards": 0, "timeout_minutes": 30}
@@ -221,7 +227,7 @@ def render(
         )
         cards = max(1, layout.launched_cards)
         for device in accelerators:
-            suite = SUITE_FOR_DEVICE.get(device, device)
+            suite = _suite_for(device)
             files[f"{SUITES_DIR}/{suite}.json"] = _dump(
                 {
                     "$schema": schema_ref(root, suites_dir),
@@ -245,7 +251,7 @@ def render(
                 "harness init produced an invalid manifest: " + "; ".join(map(str, problems))
             )
     if workflows:
-        suites = [(SUITE_FOR_DEVICE.get(d, d), d) for d in accelerators]
+        suites = [(_suite_for(d), d) for d in accelerators]
         files.update(
             init_workflows(root, suites, cpu_timeout_minutes=CPU_RUNNER["timeout_minutes"])
         )
@@ -288,14 +294,14 @@ def _devices(text: str) -> list[str]:
     from harness.devices import accelerators
 
     known = [d.name for d in accelerators()]
-    aliases = {suite: device for device, suite in SUITE_FOR_DEVICE.items()}
+    aliases = {d.suite: d.name for d in accelerators()}
     out: list[str] = []
     for word in (w.strip() for w in text.split(",") if w.strip()):
         device = aliases.get(word, word)
         if device not in known:
             raise argparse.ArgumentTypeError(
                 f"unknown accelerator {word!r}; known: {', '.join(known)} (or the suite names "
-                f"{', '.join(SUITE_FOR_DEVICE.get(d, d) for d in known)})"
+                f"{', '.join(_suite_for(d) for d in known)})"
             )
         if device not in out:
             out.append(device)

@@ -46,9 +46,6 @@ CPU_TORCH = "torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu"
 #: immutably).
 HARNESS_GIT = "git+https://github.com/channel-loss/channel-loss@{ref}#subdirectory=harness"
 
-#: A human name per accelerator device, for the workflows' comments and step names.
-DEVICE_TITLES = {"cuda": "CUDA", "npu": "Ascend NPU", "cpu": "CPU"}
-
 
 @dataclass(frozen=True)
 class Install:
@@ -131,7 +128,9 @@ def accelerator_workflow(
     ``name`` is the workflow's name (default ``suite``); ``header``, comment lines (each
     starting with ``#``) put above the generated description.
     """
-    title = DEVICE_TITLES.get(device, device)
+    from harness.devices import device_type
+
+    title = device_type(device).title
     return f"""\
 {header}# {title} CI: a plan job turns suites/{suite}.json into a matrix of shards
 # (`harness matrix`, balanced on recorded durations, each shard within its runner's budget);

@@ -80,6 +80,13 @@ def test_everything_device_shaped_derives_from_the_table():
     assert {d.name: d.backend for d in devices.DEVICE_TABLE} == spec.DEFAULT_BACKENDS
     assert all((d.visibility_env is not None) == d.is_accelerator for d in devices.DEVICE_TABLE)
     assert set(parse_cards("none")) == set(spec.ACCELERATORS)
+    # harness init's suite names and the workflows' titles are table columns too.
+    assert [(d.suite, d.title) for d in devices.DEVICE_TABLE][:3] == [
+        ("cpu", "CPU"),
+        ("gpu", "CUDA"),
+        ("npu", "Ascend NPU"),
+    ]
+    assert devices.DeviceType("abacus", "gloo", ("gloo",)).suite == "abacus"  # default: the name
     for d in devices.DEVICE_TABLE:
         assert devices.device_for_backend(d.backend) is d
         assert LaunchSpec(device=d.name, nproc=2).cards == (2 if d.is_accelerator else 0)
