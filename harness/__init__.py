@@ -1,8 +1,8 @@
 """Declarative accelerator test matrix: launch specs, leasing, launching, suites.
 
 The public names are resolved on first use (module ``__getattr__``): the
-suite side (``harness.suites``) imports only the spec and the device table,
-so ``harness inventory`` / ``run`` / ``matrix`` never load the launcher and
+suite side (``harness.suites``) imports only the shared ground
+(``harness/*.py``), so ``harness inventory`` / ``run`` / ``matrix`` never load the launcher and
 its pool keeper (with its exit hook) unless something launches ranks.
 """
 

@@ -54,7 +54,9 @@ class DeviceType:
     ``device_count``, ``synchronize``, RNG state); ``extension`` a module
     that must be imported to register that namespace (``torch_npu``);
     ``cheap_probe`` says, without importing torch, whether asking the
-    runtime can find any card at all.
+    runtime can find any card at all; ``title`` is its human name (workflow
+    comments and step names) and ``suite`` the name ``harness init`` gives
+    the suite of its runners (both default to ``name``).
     """
 
     name: str
@@ -64,6 +66,13 @@ class DeviceType:
     runtime: str | None = None
     extension: str | None = None
     cheap_probe: Callable[[], bool] | None = None
+    title: str = ""
+    suite: str = ""
+
+    def __post_init__(self) -> None:
+        for attr in ("title", "suite"):
+            if not getattr(self, attr):
+                object.__setattr__(self, attr, self.name)  # frozen: set once, here
 
     @property
     def is_accelerator(self) -> bool:
@@ -147,7 +156,7 @@ def _has_module(name: str) -> Callable[[], bool]:
 #: The device table: one row per device type, in ``DEVICES`` order. A new
 #: device type is one more row here plus a suite manifest for its runners.
 DEVICE_TABLE: tuple[DeviceType, ...] = (
-    DeviceType("cpu", backend="gloo", backends=("gloo", "mpi")),
+    DeviceType("cpu", backend="gloo", backends=("gloo", "mpi"), title="CPU"),
     DeviceType(
         "cuda",
         backend="nccl",
@@ -155,6 +164,8 @@ DEVICE_TABLE: tuple[DeviceType, ...] = (
         visibility_env="CUDA_VISIBLE_DEVICES",
         runtime="cuda",
         cheap_probe=_torch_has_gpu_build,
+        title="CUDA",
+        suite="gpu",
     ),
     DeviceType(
         "npu",
@@ -164,6 +175,7 @@ DEVICE_TABLE: tuple[DeviceType, ...] = (
         runtime="npu",
         extension="torch_npu",
         cheap_probe=_has_module("torch_npu"),
+        title="Ascend NPU",
     ),
 )
 

@@ -19,7 +19,6 @@ __all__ = [
     "OPT_TIMEOUT",
     "OPT_WORKERS",
     "OWNERSHIP_RULES",
-    "RULES",
     "WARNING_RULES",
 ]
 
@@ -96,5 +95,3 @@ BLOCKING_RULES = frozenset(
         BAD_LAUNCH_SPEC,
     }
 )
-#: Every rule name the inventory reports.
-RULES = BLOCKING_RULES | OWNERSHIP_RULES | WARNING_RULES

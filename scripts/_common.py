@@ -17,6 +17,10 @@ from collections.abc import Iterable, Sequence
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
+if __package__ in (None, ""):  # run as a script: the repository root holds `harness`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from harness.jsonio import write_text
+
 try:
     import tomllib
 except ImportError:  # Python 3.10: pip vendors a TOML reader
@@ -64,7 +68,7 @@ def write_outer_site_pth(site_packages: Path) -> Path:
     if not site_packages.is_dir():
         raise NotADirectoryError(f"{site_packages}: not a site-packages directory")
     path = site_packages / OUTER_PTH
-    path.write_text("".join(f"{d}\n" for d in outer_site_dirs()), encoding="utf-8")
+    write_text(path, "".join(f"{d}\n" for d in outer_site_dirs()))
     return path
 
 

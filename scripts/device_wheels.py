@@ -26,13 +26,13 @@ exceeds ``--max-mib`` (default 60; about 19 MiB for the defaults).
 from __future__ import annotations
 
 import argparse
-import json
 import subprocess
 import sys
 from pathlib import Path
 
-if __package__ in (None, ""):  # run as a script: the repository root holds `scripts`
+if __package__ in (None, ""):  # run as a script: the repository root holds `scripts` and `harness`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from harness.jsonio import write_json
 from scripts._common import REPO, Requirement, canonicalize_name, requirements
 
 #: Provided by the card machine's image; never downloaded (the image's torch
@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
         "files": {p.name: p.stat().st_size for p in files},
         "total_bytes": total,
     }
-    (dest / "MANIFEST.json").write_text(json.dumps(manifest, indent=1) + "\n", encoding="utf-8")
+    write_json(dest / "MANIFEST.json", manifest)
     print(f"device_wheels: {len(files)} wheel(s), {total / 2**20:.1f} MiB in {dest}")
     if total > args.max_mib * 2**20:
         print(

@@ -143,7 +143,8 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
         help="run only cases needing at most N cards (a machine smaller than the suite's runners); "
         "the others are listed as not run",
     )
-    run.set_defaults(handler=_cmd_run)
+    # pytest's options, and everything after `--`, pass through to pytest.
+    run.set_defaults(handler=_cmd_run, takes_pytest_args=True)
 
 
 def _add_matrix(sub: argparse._SubParsersAction) -> None:
@@ -177,7 +178,8 @@ def _add_matrix(sub: argparse._SubParsersAction) -> None:
     mx.set_defaults(handler=_cmd_matrix)
 
 
-#: One function per subcommand, adding its parser (and its handler as ``handler``); in help order.
+#: One function per subcommand, adding its parser (and its handler as ``handler``, and the
+#: ``takes_pytest_args`` / ``root_is_cwd`` defaults when it differs from the rest); in help order.
 SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
     _add_inventory,
     _add_run,
@@ -197,6 +199,10 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="repository root (default: the nearest directory above the working one with suites/)",
     )
+    # What a subcommand's parser may change with set_defaults: whether it passes unknown
+    # options and `--` arguments to pytest, and whether the repository root defaults to the
+    # working directory instead of the nearest one above it with suites/.
+    p.set_defaults(takes_pytest_args=False, root_is_cwd=False)
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for add in SUBCOMMANDS:
         add(sub)
@@ -335,14 +341,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         argv, extra = argv[:i], argv[i + 1 :]
     parser = _parser()
     args, unknown = parser.parse_known_args(argv)
-    if args.command != "run":
+    if not args.takes_pytest_args:
         if unknown:
             parser.error(f"unrecognized arguments: {' '.join(unknown)}")
         if extra:
             parser.error("only `harness run` takes pytest arguments after --")
     args.pytest_args = [*unknown, *extra]
-    # init writes suites/, so it starts where it is asked to, not at an existing suites/ above.
-    root = (args.root or (Path.cwd() if args.command == "init" else find_root())).resolve()
+    root = (args.root or (Path.cwd() if args.root_is_cwd else find_root())).resolve()
     try:
         return args.handler(root, args)
     except KeyboardInterrupt:  # Ctrl-C: stop without a traceback, with the shell's code

@@ -34,14 +34,20 @@ from pathlib import Path
 from typing import Any
 
 from harness.errors import HarnessError
+from harness.jsonio import write_text
 from harness.names import EXIT_FAILED, EXIT_OK, EXIT_USAGE
 from harness.suites.inventory import collect, is_test_module
-from harness.suites.jsonio import write_text
 from harness.suites.manifest import SCHEMA_FILE, SUITES_DIR, load_schema, rel, validate
 from harness.suites.workflows import init_workflows
 
-#: Suite file name per accelerator device (the device otherwise names its suite).
-SUITE_FOR_DEVICE = {"cuda": "gpu"}
+
+def _suite_for(device: str) -> str:
+    """The suite name of an accelerator's runners (the device table's ``suite``: cuda -> gpu)."""
+    from harness.devices import device_type
+
+    return device_type(device).suite
+
+
 SHARED_CASES = "cases/accelerator.json"
 
 CPU_RUNNER = {"name": "linux-cpu", "labels": ["ubuntu-latest"], "cards": 0, "timeout_minutes": 30}
@@ -96,7 +102,9 @@ def read_pytest_layout(root: Path) -> PytestLayout:
         launched_cards=max((c.cards for c in found.cases if c.device != "cpu"), default=0),
         errors=tuple(str(p) for p in found.problems),
         cases=tuple(dict.fromkeys((c.file, c.device) for c in found.cases)),
-        unloadable=tuple(sorted({*found.skipped, *(p.file for p in found.problems if is_test_module(p.file))})),
+        unloadable=tuple(
+            sorted({*found.skipped, *(p.file for p in found.problems if is_test_module(p.file))})
+        ),
     )
 
 
@@ -151,7 +159,7 @@ def schema_ref(root: Path, manifest_dir: Path) -> str:
     """``$schema`` for a manifest in ``manifest_dir``: the bundled schema's path
     relative to it when the installed harness lies inside ``root``, else the
     schema's canonical ``$id``."""
-    schema = (Path(__file__).resolve().parent / SCHEMA_FILE)
+    schema = Path(__file__).resolve().parent / SCHEMA_FILE
     try:
         schema.relative_to(root.resolve())
     except ValueError:
@@ -168,7 +176,11 @@ def _source(layout: PytestLayout, root: Path) -> str:
 
 
 def render(
-    root: Path, layout: PytestLayout, accelerators: Sequence[str], workflows: bool, notes: list[str] | None = None
+    root: Path,
+    layout: PytestLayout,
+    accelerators: Sequence[str],
+    workflows: bool,
+    notes: list[str] | None = None,
 ) -> dict[str, str]:
     """Every file ``harness init`` would write: repository-relative path -> content.
 
@@ -191,7 +203,7 @@ def render(
         "$schema": schema_ref(root, suites_dir),
         "suite": "cpu",
         "description": f"Written by `harness init` from pytest's configuration ({source}): "
-                       "every collected test that runs on CPU.",
+        "every collected test that runs on CPU.",
         "device": "cpu",
         "runner": dict(CPU_RUNNER),
         "entries": _entries(paths),
@@ -199,36 +211,50 @@ def render(
     files[f"{SUITES_DIR}/cpu.json"] = _dump(cpu)
     shared = [p for p in all_paths if all(runs_on(layout, p, d) for d in accelerators)]
     if accelerators and not shared:
-        notes.append(f"no collected case runs on {', '.join(accelerators)} (parametrize tests with "
-                     "harness.DEVICES or mark them launch(device=...)): no accelerator suite written")
+        notes.append(
+            f"no collected case runs on {', '.join(accelerators)} (parametrize tests with "
+            "harness.DEVICES or mark them launch(device=...)): no accelerator suite written"
+        )
         accelerators = []
     if accelerators:
-        files[f"{SUITES_DIR}/{SHARED_CASES}"] = _dump({
-            "$schema": schema_ref(root, (suites_dir / SHARED_CASES).parent),
-            "description": "Device-sensitive cases shared by the accelerator suites: each suite keeps "
-                           "the variants for its own device.",
-            "entries": _entries(shared),
-        })
+        files[f"{SUITES_DIR}/{SHARED_CASES}"] = _dump(
+            {
+                "$schema": schema_ref(root, (suites_dir / SHARED_CASES).parent),
+                "description": "Device-sensitive cases shared by the accelerator suites: each suite keeps "
+                "the variants for its own device.",
+                "entries": _entries(shared),
+            }
+        )
         cards = max(1, layout.launched_cards)
         for device in accelerators:
-            suite = SUITE_FOR_DEVICE.get(device, device)
-            files[f"{SUITES_DIR}/{suite}.json"] = _dump({
-                "$schema": schema_ref(root, suites_dir),
-                "suite": suite,
-                "description": f"{device} runners: the shared accelerator case list, {device} variants.",
-                "device": device,
-                "runner": {"name": f"{suite}-{cards}", "labels": ["self-hosted", "linux", suite],
-                           "cards": cards, "timeout_minutes": ACCELERATOR_TIMEOUT_MINUTES},
-                "entries": [{"include": f"{SUITES_DIR}/{SHARED_CASES}"}],
-            })
+            suite = _suite_for(device)
+            files[f"{SUITES_DIR}/{suite}.json"] = _dump(
+                {
+                    "$schema": schema_ref(root, suites_dir),
+                    "suite": suite,
+                    "description": f"{device} runners: the shared accelerator case list, {device} variants.",
+                    "device": device,
+                    "runner": {
+                        "name": f"{suite}-{cards}",
+                        "labels": ["self-hosted", "linux", suite],
+                        "cards": cards,
+                        "timeout_minutes": ACCELERATOR_TIMEOUT_MINUTES,
+                    },
+                    "entries": [{"include": f"{SUITES_DIR}/{SHARED_CASES}"}],
+                }
+            )
     for path, text in files.items():
         doc = json.loads(text)
         problems = validate(doc, root, path, "manifest" if "suite" in doc else "caseList")
         if problems:  # a bug here, never the user's: say so plainly
-            raise InitError("harness init produced an invalid manifest: " + "; ".join(map(str, problems)))
+            raise InitError(
+                "harness init produced an invalid manifest: " + "; ".join(map(str, problems))
+            )
     if workflows:
-        suites = [(SUITE_FOR_DEVICE.get(d, d), d) for d in accelerators]
-        files.update(init_workflows(root, suites, cpu_timeout_minutes=CPU_RUNNER["timeout_minutes"]))
+        suites = [(_suite_for(d), d) for d in accelerators]
+        files.update(
+            init_workflows(root, suites, cpu_timeout_minutes=CPU_RUNNER["timeout_minutes"])
+        )
     return files
 
 
@@ -268,14 +294,14 @@ def _devices(text: str) -> list[str]:
     from harness.devices import accelerators
 
     known = [d.name for d in accelerators()]
-    aliases = {suite: device for device, suite in SUITE_FOR_DEVICE.items()}
+    aliases = {d.suite: d.name for d in accelerators()}
     out: list[str] = []
     for word in (w.strip() for w in text.split(",") if w.strip()):
         device = aliases.get(word, word)
         if device not in known:
             raise argparse.ArgumentTypeError(
                 f"unknown accelerator {word!r}; known: {', '.join(known)} (or the suite names "
-                f"{', '.join(SUITE_FOR_DEVICE.get(d, d) for d in known)})"
+                f"{', '.join(_suite_for(d) for d in known)})"
             )
         if device not in out:
             out.append(device)
@@ -287,12 +313,23 @@ def _devices(text: str) -> list[str]:
 def add_parser(sub: argparse._SubParsersAction) -> None:
     """Add the ``init`` subcommand to the ``harness`` CLI (its handler as ``handler``)."""
     p = sub.add_parser("init", help="write suites/ (and workflows) from pytest's configuration")
-    p.add_argument("--accelerators", type=_devices, default=[], metavar="DEVICES",
-                   help="also write accelerator suites sharing one case list, e.g. cuda,npu (or gpu,npu)")
-    p.add_argument("--workflows", action="store_true",
-                   help="also write .github/workflows/harness-SUITE.yml for each suite")
-    p.add_argument("--force", action="store_true", help="overwrite files that exist with other content")
-    p.set_defaults(handler=cmd_init)
+    p.add_argument(
+        "--accelerators",
+        type=_devices,
+        default=[],
+        metavar="DEVICES",
+        help="also write accelerator suites sharing one case list, e.g. cuda,npu (or gpu,npu)",
+    )
+    p.add_argument(
+        "--workflows",
+        action="store_true",
+        help="also write .github/workflows/harness-SUITE.yml for each suite",
+    )
+    p.add_argument(
+        "--force", action="store_true", help="overwrite files that exist with other content"
+    )
+    # init writes suites/, so it starts where it is asked to, not at an existing suites/ above.
+    p.set_defaults(handler=cmd_init, root_is_cwd=True)
 
 
 def cmd_init(root: Path, args: argparse.Namespace) -> int:
@@ -305,11 +342,16 @@ def cmd_init(root: Path, args: argparse.Namespace) -> int:
     except InitError as e:
         print(f"harness init: {e}", file=sys.stderr)
         return e.code
-    print(f"harness init: pytest rootdir {layout.rootdir}, "
-          f"inifile {layout.inifile or 'none'}, testpaths {' '.join(layout.testpaths) or '-'}, "
-          f"{len(layout.files)} test file(s)")
+    print(
+        f"harness init: pytest rootdir {layout.rootdir}, "
+        f"inifile {layout.inifile or 'none'}, testpaths {' '.join(layout.testpaths) or '-'}, "
+        f"{len(layout.files)} test file(s)"
+    )
     for err in layout.errors:
-        print(f"harness init: warning: collection error (the file is still owned): {err}", file=sys.stderr)
+        print(
+            f"harness init: warning: collection error (the file is still owned): {err}",
+            file=sys.stderr,
+        )
     for note in notes:
         print(f"harness init: note: {note}", file=sys.stderr)
     for path, action in actions:

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from harness.errors import HarnessError
-from harness.suites.jsonio import write_json
+from harness.jsonio import write_json
 from harness.suites.manifest import SUITES_DIR, Manifest, ManifestError, Runner, read_json
 from harness.validation import check_int, is_real
 

@@ -21,7 +21,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from harness.suites.jsonio import write_json
+from harness.jsonio import write_json
 from harness.suites.selection import Records
 
 OUTCOMES = ("passed", "failed", "skipped", "deselected", "not run", "missing")

@@ -44,10 +44,10 @@ from typing import Any
 import psutil
 
 from harness import names, processes
+from harness.jsonio import write_json, write_text
 from harness.names import EXIT_FAILED, EXIT_OK, EXIT_USAGE
 from harness.suites import changes, report, selection
 from harness.suites.inventory import CollectedCase, SuiteInventory, build_inventory, plugin_args
-from harness.suites.jsonio import write_json, write_text
 from harness.suites.manifest import Entry, Manifest
 from harness.suites.plan import PlanError, parse_shard, plan_suite, write_durations
 

@@ -46,9 +46,6 @@ CPU_TORCH = "torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu"
 #: immutably).
 HARNESS_GIT = "git+https://github.com/channel-loss/channel-loss@{ref}#subdirectory=harness"
 
-#: A human name per accelerator device, for the workflows' comments and step names.
-DEVICE_TITLES = {"cuda": "CUDA", "npu": "Ascend NPU", "cpu": "CPU"}
-
 
 @dataclass(frozen=True)
 class Install:
@@ -131,7 +128,9 @@ def accelerator_workflow(
     ``name`` is the workflow's name (default ``suite``); ``header``, comment lines (each
     starting with ``#``) put above the generated description.
     """
-    title = DEVICE_TITLES.get(device, device)
+    from harness.devices import device_type
+
+    title = device_type(device).title
     return f"""\
 {header}# {title} CI: a plan job turns suites/{suite}.json into a matrix of shards
 # (`harness matrix`, balanced on recorded durations, each shard within its runner's budget);
@@ -284,12 +283,25 @@ jobs:
 REPO_INSTALL = Install('-e ".[test]" ./harness', ("pyproject.toml", "harness/pyproject.toml"))
 
 
-def repository_workflows() -> dict[str, str]:
-    """This repository's accelerator workflows: ``.github/workflows/NAME`` -> content."""
-    return {
-        f".github/workflows/{suite}.yml": accelerator_workflow(suite, device, REPO_INSTALL)
-        for suite, device in (("gpu", "cuda"), ("npu", "npu"))
-    }
+#: This repository's root (the harness package is its ``harness/`` folder).
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def repository_workflows(root: Path = REPO_ROOT) -> dict[str, str]:
+    """This repository's accelerator workflows: ``.github/workflows/SUITE.yml`` -> content,
+    one per suite in ``root/suites/*.json`` whose device is an accelerator (a new device's
+    suite gets its workflow from the same template, and a test finds it missing)."""
+    from harness.devices import ACCELERATOR_NAMES
+    from harness.suites.manifest import read_json, suite_files
+
+    out = {}
+    for path in suite_files(root):
+        device = read_json(path, root).get("device")
+        if device in ACCELERATOR_NAMES:
+            out[f".github/workflows/{path.stem}.yml"] = accelerator_workflow(
+                path.stem, device, REPO_INSTALL
+            )
+    return out
 
 
 def _harness_version() -> str | None:

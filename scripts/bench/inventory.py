@@ -29,7 +29,7 @@ import tempfile
 import textwrap
 from pathlib import Path
 
-from harness.suites.jsonio import write_json
+from harness.jsonio import write_json
 
 CASES_PER_FILE = 5
 FILES_PER_GROUP = 100

@@ -729,3 +729,31 @@ def test_real_repository_inventory_is_clean_and_fast():
     )
     assert done.returncode == 0, done.stdout + done.stderr
     assert "0 problem(s)" in done.stdout
+
+
+def test_a_new_subcommand_declares_its_own_root_and_pytest_arguments(tmp_path, monkeypatch, capsys):
+    # A subcommand is its `_add_<name>` function alone: how it finds the repository root
+    # and whether it takes pytest arguments are its parser's defaults, not cases in main().
+    from harness.suites import cli
+
+    seen = {}
+
+    def handler(root, args):
+        seen.update(root=root, pytest_args=args.pytest_args)
+        return 0
+
+    def add_probe(sub):
+        probe = sub.add_parser("probe")
+        probe.set_defaults(handler=handler, root_is_cwd=True, takes_pytest_args=True)
+
+    def add_plain(sub):
+        sub.add_parser("plain").set_defaults(handler=handler)
+
+    monkeypatch.setattr(cli, "SUBCOMMANDS", [*cli.SUBCOMMANDS, add_probe, add_plain])
+    monkeypatch.chdir(tmp_path)  # no suites/ here or above
+    assert main(["probe", "-x", "--", "-k", "a"]) == 0
+    assert seen == {"root": tmp_path.resolve(), "pytest_args": ["-x", "-k", "a"]}
+    with pytest.raises(SystemExit) as raised:
+        main(["plain", "-x"])
+    assert raised.value.code == 2
+    assert "unrecognized arguments: -x" in capsys.readouterr().err

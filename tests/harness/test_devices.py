@@ -2,22 +2,37 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from harness import DEVICES, LaunchSpec
-from harness.devices import Card, inventory, is_simulated, local_index, parse_cards
+from harness.devices import (
+    ACCELERATOR_NAMES,
+    BACKEND_DEVICES,
+    DEVICE_NAMES,
+    Card,
+    inventory,
+    is_simulated,
+    local_index,
+    parse_cards,
+)
+
+#: Every accelerator with no cards: what the table's other rows add to ``parse_cards``.
+NO_CARDS = {name: [] for name in ACCELERATOR_NAMES}
 
 
 def test_parse_cards():
     assert parse_cards("cuda:0,1,2,3") == {
+        **NO_CARDS,
         "cuda": [Card("cuda", str(i)) for i in range(4)],
-        "npu": [],
     }
     assert parse_cards(" cuda:2;npu:0,5 ") == {
+        **NO_CARDS,
         "cuda": [Card("cuda", "2")],
         "npu": [Card("npu", "0"), Card("npu", "5")],
     }
-    assert parse_cards("none") == parse_cards("") == {"cuda": [], "npu": []}
+    assert parse_cards("none") == parse_cards("") == NO_CARDS
 
 
 @pytest.mark.parametrize("text", ["gpu:0", "cuda", "cuda:0,,1", "cuda:0,0", "cpu:0"])
@@ -50,8 +65,9 @@ def test_local_index_follows_the_visibility_variable(monkeypatch):
 
 
 def test_devices_params():
-    assert [p.values for p in DEVICES] == [("cpu",), ("cuda",), ("npu",)]
-    assert [p.id for p in DEVICES] == ["cpu", "cuda", "npu"]
+    # The public contract: cpu, cuda and npu first, in that order (a new row comes after).
+    assert [p.values for p in DEVICES][:3] == [("cpu",), ("cuda",), ("npu",)]
+    assert [p.id for p in DEVICES] == [p.values[0] for p in DEVICES]
 
 
 def test_everything_device_shaped_derives_from_the_table():
@@ -64,6 +80,13 @@ def test_everything_device_shaped_derives_from_the_table():
     assert {d.name: d.backend for d in devices.DEVICE_TABLE} == spec.DEFAULT_BACKENDS
     assert all((d.visibility_env is not None) == d.is_accelerator for d in devices.DEVICE_TABLE)
     assert set(parse_cards("none")) == set(spec.ACCELERATORS)
+    # harness init's suite names and the workflows' titles are table columns too.
+    assert [(d.suite, d.title) for d in devices.DEVICE_TABLE][:3] == [
+        ("cpu", "CPU"),
+        ("gpu", "CUDA"),
+        ("npu", "Ascend NPU"),
+    ]
+    assert devices.DeviceType("abacus", "gloo", ("gloo",)).suite == "abacus"  # default: the name
     for d in devices.DEVICE_TABLE:
         assert devices.device_for_backend(d.backend) is d
         assert LaunchSpec(device=d.name, nproc=2).cards == (2 if d.is_accelerator else 0)
@@ -72,12 +95,15 @@ def test_everything_device_shaped_derives_from_the_table():
 def test_unknown_device_or_backend_raises_naming_the_known_ones():
     from harness import devices
 
-    with pytest.raises(ValueError, match=r"unknown device 'xpu'; known: cpu, cuda, npu"):
-        devices.device_type("xpu")
+    known = re.escape(", ".join(DEVICE_NAMES))
+    with pytest.raises(ValueError, match=rf"unknown device 'abacus'; known: {known}$"):
+        devices.device_type("abacus")
     with pytest.raises(ValueError, match=r"unknown device 'tpu'"):
         inventory("tpu")
+    assert list(BACKEND_DEVICES)[:4] == ["gloo", "mpi", "nccl", "hccl"]
+    known = re.escape(", ".join(BACKEND_DEVICES))
     with pytest.raises(
-        ValueError, match=r"unknown torch.distributed backend 'ucc'; known: gloo, mpi, nccl, hccl"
+        ValueError, match=rf"unknown torch.distributed backend 'ucc'; known: {known}$"
     ):
         devices.device_for_backend("ucc")
 

@@ -7,7 +7,9 @@ shard's (``Plan.balance()``), on synthetic durations.
 from __future__ import annotations
 
 import json
+import os
 import random
+import stat
 import subprocess
 from pathlib import Path
 
@@ -407,7 +409,7 @@ def test_suite_errors_derive_from_the_harness_error_base():
 
 
 def test_write_json_replaces_atomically_and_refuses_what_is_not_json(tmp_path):
-    from harness.suites.jsonio import write_json
+    from harness.jsonio import write_json
 
     target = tmp_path / "deep/dir/doc.json"
     write_json(target, {"a": 1})
@@ -416,7 +418,15 @@ def test_write_json_replaces_atomically_and_refuses_what_is_not_json(tmp_path):
     with pytest.raises(ValueError):
         write_json(target, {"a": float("nan")})
     assert json.loads(target.read_text()) == {"a": 2}  # the old file is whole
+    with pytest.raises(TypeError):
+        write_json(target, {"a": object()})
+    assert json.loads(target.read_text()) == {"a": 2}
     assert sorted(p.name for p in target.parent.iterdir()) == ["doc.json"]  # no temporary left
+    write_json(target, {"a": Path("x")}, default=str)  # what a report's writer asks for
+    assert json.loads(target.read_text()) == {"a": "x"}
+    umask = os.umask(0o022)
+    os.umask(umask)
+    assert stat.S_IMODE(target.stat().st_mode) == 0o666 & ~umask  # as open(path, "w") gives
 
 
 def test_deeply_nested_durations_file_is_named(tmp_path):

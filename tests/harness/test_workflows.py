@@ -176,7 +176,11 @@ def init_workflows(tmp_path_factory) -> dict[str, dict]:
     (root / "pyproject.toml").write_text("[project]\nname = 'x'\nversion = '0'\n")
     # init writes an accelerator suite only for a device some collected case runs on.
     layout = init.PytestLayout(
-        root, None, (), ("tests/test_a.py",), launched_cards=2,
+        root,
+        None,
+        (),
+        ("tests/test_a.py",),
+        launched_cards=2,
         cases=(("tests/test_a.py", "cpu"), ("tests/test_a.py", "cuda"), ("tests/test_a.py", "npu")),
     )
     files = init.render(root, layout, ["cuda", "npu"], workflows=True)
@@ -378,7 +382,8 @@ def test_shard_jobs_are_skipped_for_an_empty_plan_while_the_plan_reports(init_wo
         assert out.read_text() == 'matrix={"include":[]}\n', name
         # Every other event plans with --changed-from on pull requests.
         assert '--changed-from "origin/$BASE_REF"' in step["run"], name
-    assert checked == 4  # gpu, npu here and from init
+    # This repository's accelerator workflows (one per accelerator suite), and init's two.
+    assert checked == len(workflows.repository_workflows()) + 2
 
 
 def test_pip_is_cached_on_github_hosted_runners(init_workflows):
@@ -475,8 +480,28 @@ def test_accelerator_workflow_plans_then_runs_its_shards(name, suite):
 
 def test_committed_accelerator_workflows_are_the_templates_output():
     # One template (harness/suites/workflows.py) for these and for `harness init --workflows`.
-    for path, text in workflows.repository_workflows().items():
+    rendered = workflows.repository_workflows()
+    # Every accelerator suite has its workflow: a suite no workflow runs never runs.
+    assert {".github/workflows/gpu.yml", ".github/workflows/npu.yml"} <= set(rendered)
+    for path, text in rendered.items():
+        assert (REPO / path).is_file(), f"{path} is missing: generate it from the template"
         assert (REPO / path).read_text() == text, f"{path} differs from the template: regenerate it"
+
+
+def test_every_accelerator_suite_gets_a_workflow(tmp_path):
+    # A suite for a new device type (its runners' manifest) is run by CI only through a
+    # workflow: the repository's workflows follow its suites, not a list of their own.
+    (tmp_path / "suites").mkdir()
+    for name, model in (("edge", "npu"), ("host", "cpu")):
+        doc = json.loads((REPO / f"suites/{model}.json").read_text())
+        doc["suite"] = name
+        (tmp_path / f"suites/{name}.json").write_text(json.dumps(doc))
+    rendered = workflows.repository_workflows(tmp_path)
+    assert rendered == {
+        ".github/workflows/edge.yml": workflows.accelerator_workflow(
+            "edge", "npu", workflows.REPO_INSTALL
+        )
+    }
 
 
 _PIN = re.compile(r"^(?P<action>[\w.-]+/[\w.-]+)@(?P<sha>[0-9a-f]{40})$")
@@ -563,7 +588,11 @@ def workflow_dirs(tmp_path_factory) -> list[Path]:
     (root / "pyproject.toml").write_text("[project]\nname = 'x'\nversion = '0'\n")
     # init writes an accelerator suite only for a device some collected case runs on.
     layout = init.PytestLayout(
-        root, None, (), ("tests/test_a.py",), launched_cards=2,
+        root,
+        None,
+        (),
+        ("tests/test_a.py",),
+        launched_cards=2,
         cases=(("tests/test_a.py", "cpu"), ("tests/test_a.py", "cuda"), ("tests/test_a.py", "npu")),
     )
     for path, text in init.render(root, layout, ["cuda", "npu"], workflows=True).items():

@@ -1,0 +1,67 @@
+"""The one way the harness and the repository's scripts write a file: atomically.
+
+A reader (a shard job merging durations, CI uploading an artifact, a pytest worker reading
+its selection, a parent reading a rank's outcome) sees the old file or the new one, never a
+half-written one: the bytes go to a temporary file in the same directory, which then
+replaces the target (``os.replace``). Standard library only, so the launcher, the suite
+side and the scripts (run from a checkout, the harness installed or not) all share it.
+
+Not for a file whose identity matters (a ``flock``'d lease file): replacing it makes a new
+inode, which the lock does not follow.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+__all__ = ["write_bytes", "write_json", "write_text"]
+
+
+def write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
+    """Write ``data`` to ``path`` atomically, creating its parent directories.
+
+    The file gets the mode a plain ``open(path, "wb")`` would give (``0o666`` less the
+    umask), not ``mkstemp``'s owner-only one. On any error the target is left as it was
+    and no temporary file stays behind.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def write_text(path: str | os.PathLike[str], text: str) -> None:
+    """Write ``text`` (UTF-8) to ``path`` atomically (:func:`write_bytes`)."""
+    write_bytes(path, text.encode("utf-8"))
+
+
+def write_json(
+    path: str | os.PathLike[str],
+    doc: Any,
+    *,
+    indent: int | None = 1,
+    default: Callable[[Any], Any] | None = None,
+) -> None:
+    """Write ``doc`` as JSON (``indent``; ``None``: one line) plus a newline to ``path``,
+    atomically (:func:`write_text`).
+
+    ``default`` converts what JSON cannot hold, as for :func:`json.dumps` (``str`` for a
+    report that may carry dtypes or paths); without it such a value is a ``TypeError``. A
+    number that is not finite is a ``ValueError``, never a file other JSON readers refuse.
+    Either error leaves the target as it was.
+    """
+    write_text(path, json.dumps(doc, indent=indent, allow_nan=False, default=default) + "\n")
