@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -120,3 +121,18 @@ def spec_for_item(item: Any) -> LaunchSpec:
     if marker is None:
         return LaunchSpec(device=_device_param(item) or "cpu", nproc=1)
     return spec_from_marker(marker.args, marker.kwargs, _device_param(item))
+
+
+def launch_refusal(item: Any) -> str | None:
+    """Why the ``launch`` marker of this collected test cannot be honoured
+    (None: its body can run on ranks). The plugin fails such a test with this
+    reason and the inventory lists it as a ``bad-launch-spec`` problem."""
+    unittest = sys.modules.get("unittest")
+    cls = getattr(item, "cls", None)
+    if unittest is not None and isinstance(cls, type) and issubclass(cls, unittest.TestCase):
+        return (
+            f"@pytest.mark.launch cannot run the unittest.TestCase method "
+            f"{cls.__qualname__}.{item.name} on ranks (unittest runs it itself, in this "
+            "process); write it as a pytest test function or a method of a plain class"
+        )
+    return None

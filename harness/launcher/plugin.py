@@ -16,7 +16,7 @@ Per test:
   (``harness.launcher.pool``) unless ``--harness-no-reuse`` or ``LaunchSpec.reuse``
   says otherwise; the pool is closed at the end of the session;
 * setup and teardown of a launched test (its fixtures run in this process):
-  each bounded by the case deadline through ``harness.launcher.deadline.watchdog``
+  each bounded by the case deadline through ``harness.watchdog.watchdog``
   (past it the phase fails with this process's stacks and the session goes on).
 """
 
@@ -46,7 +46,7 @@ from harness.devices import (
     set_device,
 )
 from harness.launcher.case import conclude, missing_cards, prepare_case
-from harness.launcher.deadline import WATCHDOG_GRACE_S, choose_deadline, watchdog
+from harness.launcher.deadline import choose_deadline
 from harness.launcher.enclosing import CASE_ENV, EnclosingCase
 from harness.launcher.launch import LaunchError, run_case
 from harness.launcher.lease import (
@@ -67,9 +67,10 @@ from harness.launcher.settings import (
     cpu_count,
 )
 from harness.launcher.supervisor import tie_to_controller
-from harness.launcher.target import FunctionRef, conftests_for, launch_refusal
-from harness.spec import ACCELERATORS, LaunchSpec, is_launched, spec_for_item
+from harness.launcher.target import FunctionRef, conftests_for
+from harness.spec import ACCELERATORS, LaunchSpec, is_launched, launch_refusal, spec_for_item
 from harness.validation import check_int, check_seconds
+from harness.watchdog import WATCHDOG_GRACE_S, watchdog
 
 SETTINGS_KEY = pytest.StashKey[Settings]()
 #: How to deactivate this config's settings (``harness.launcher.settings.active``).
@@ -291,7 +292,7 @@ class _FixtureDeadlines:
     """The setup and teardown of a launched case (its fixtures run here, in
     this process) are each bounded by the case's deadline, as its call is on
     the ranks: past it the phase fails with this process's stacks and the
-    session goes on (see ``harness.launcher.deadline.Watchdog``)."""
+    session goes on (see ``harness.watchdog.Watchdog``)."""
 
     def __init__(self, config: pytest.Config) -> None:
         self.config = config

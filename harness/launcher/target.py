@@ -178,18 +178,3 @@ def _rewritten_code(path: str) -> types.CodeType | None:
     except Exception:
         # Plain asserts still fail correctly, just with less explanation.
         return None
-
-
-def launch_refusal(item: Any) -> str | None:
-    """Why the ``launch`` marker of this collected test cannot be honoured
-    (None: its body can run on ranks). The plugin fails such a test with this
-    reason and the inventory lists it as a ``bad-launch-spec`` problem."""
-    unittest = sys.modules.get("unittest")
-    cls = getattr(item, "cls", None)
-    if unittest is not None and isinstance(cls, type) and issubclass(cls, unittest.TestCase):
-        return (
-            f"@pytest.mark.launch cannot run the unittest.TestCase method "
-            f"{cls.__qualname__}.{item.name} on ranks (unittest runs it itself, in this "
-            "process); write it as a pytest test function or a method of a plain class"
-        )
-    return None

@@ -46,8 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from harness import names
-from harness.launcher.target import launch_refusal
-from harness.spec import LaunchSpec, is_launched, spec_for_item
+from harness.spec import LaunchSpec, is_launched, launch_refusal, spec_for_item
 from harness.suites.manifest import (
     SUITES_DIR,
     Entry,

@@ -7,7 +7,7 @@ it as the JUnit property ``harness.entry`` (``entries`` is optional);
 planned cases that were not collected are reported (``harness run`` counts
 them as missing, never as passed). Each phase of a plain (not launched) case
 with a deadline runs under the process's watchdog
-(``harness.launcher.deadline.watchdog``, a thread of its own, whatever pytest's
+(``harness.watchdog.watchdog``, a thread of its own, whatever pytest's
 ``faulthandler_timeout`` does): past the deadline plus as long again (at most a
 minute) for setup, call and teardown together, the phase it is in fails with
 every thread's stack and the session goes on. A case that does not come back
@@ -33,9 +33,9 @@ from typing import IO, Any
 
 import pytest
 
-from harness.launcher.deadline import WATCHDOG_GRACE_S, watchdog
 from harness.names import OPT_JUNIT, OPT_SELECT, OPT_WORKERS
 from harness.spec import is_launched
+from harness.watchdog import WATCHDOG_GRACE_S, watchdog
 
 # The watchdog allows a case as long again as its deadline, at most a minute,
 # for setup, call and teardown together, and as long again after interrupting it.

@@ -163,7 +163,7 @@ def _overdue(message: str) -> BaseException:
 def _inner_phase_then_sleep() -> None:
     import time
 
-    from harness.launcher.deadline import watchdog
+    from harness.watchdog import watchdog
 
     with (
         pytest.raises(_Overdue, match=r"inner ran past 0\.2 s; the stacks"),
@@ -175,7 +175,7 @@ def _inner_phase_then_sleep() -> None:
 
 
 def test_nested_phases_each_keep_their_own_deadline():
-    from harness.launcher.deadline import watchdog
+    from harness.watchdog import watchdog
 
     with (
         pytest.raises(_Overdue, match="outer ran past 1 s"),

@@ -1,0 +1,197 @@
+"""The watchdog that holds each phase of this process's work (a test's setup,
+call or teardown) to its deadline, on a thread of its own. Shared ground: the
+launcher bounds launched cases' fixtures with it and the suite side bounds
+planned plain cases."""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import faulthandler
+import os
+import signal
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import IO, Any, NoReturn
+
+__all__ = ["INTERRUPT_SIGNAL", "WATCHDOG_GRACE_S", "Watchdog", "watchdog"]
+
+
+#: How long past its deadline the watchdog waits, after interrupting the main
+#: thread, before it stops the process (never more than the deadline again).
+WATCHDOG_GRACE_S = 60.0
+
+#: The signal that interrupts this process's main thread at a phase deadline:
+#: one whose default action is to be ignored (a late one, arriving after the
+#: handler is gone, does nothing) and that neither pytest-timeout (SIGALRM) nor
+#: faulthandler uses.
+INTERRUPT_SIGNAL = getattr(signal, "SIGURG", None)
+
+
+@dataclass
+class _Armed:
+    seconds: float
+    grace: float
+    what: str
+    why: str
+    error: Callable[[str], BaseException]
+    start: float
+    interrupted: bool = False
+    signalled: bool = False
+    raised: bool = False
+
+
+class Watchdog:
+    """The deadlines of the phases of this process's work (a test's setup,
+    call or teardown), on a thread of its own rather than faulthandler's single
+    timer, which pytest's ``faulthandler_timeout`` (or anything else) re-arms.
+
+    Past ``seconds`` the main thread is interrupted: ``error(message)`` is
+    raised where it is (a sleep, a lock, a loop of Python code), so the phase
+    fails with its stack and the process goes on to the next one, keeping the
+    results it earned. A main thread that is still in the phase ``grace``
+    seconds later (stuck in native code, or swallowing the error) is not
+    coming back: each of ``exit_hooks`` is called with the headline, every
+    thread's stack is written to ``exit_log`` (None: this process's stderr)
+    under the headline and a ``Timeout (H:MM:SS)!`` line, and the process
+    exits with status 1.
+
+    Phases are armed by ``key`` (one per owner, e.g. a plugin of one pytest
+    session): arming a key replaces its phase, so a session nested in another
+    (pytester's in-process runs) keeps the outer deadline armed, and a phase
+    whose disarming was cut short by its own interruption is replaced by the
+    owner's next one instead of stopping the process later.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Condition()
+        self._armed: dict[object, _Armed] = {}
+        self._thread: threading.Thread | None = None
+        self._previous: Any = None
+        self._installed = False
+        self.exit_log: IO[str] | None = None
+        self.exit_hooks: list[Callable[[str], None]] = []
+
+    def _arm(self, key: object, armed: _Armed) -> None:
+        with self._lock:
+            if (
+                not self._installed
+                and INTERRUPT_SIGNAL is not None
+                and threading.current_thread() is threading.main_thread()
+            ):
+                self._previous = signal.signal(INTERRUPT_SIGNAL, self._on_signal)
+                self._installed = True
+            self._armed[key] = armed
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._watch, name="harness-watchdog", daemon=True
+                )
+                self._thread.start()
+            self._lock.notify_all()
+
+    def disarm(self, key: object) -> None:
+        """``key``'s phase is over (it ended, or failed at its deadline)."""
+        with self._lock:
+            self._armed.pop(key, None)
+            if not self._armed and self._installed:
+                signal.signal(INTERRUPT_SIGNAL, self._previous)
+                self._installed = False
+                self._previous = None
+            self._lock.notify_all()
+
+    @contextlib.contextmanager
+    def bounding(
+        self,
+        key: object,
+        seconds: float,
+        *,
+        grace: float,
+        what: str,
+        why: str = "",
+        error: Callable[[str], BaseException],
+        start: float | None = None,
+    ) -> Iterator[None]:
+        """Bound ``key``'s phase, the body (run in the main thread), replacing
+        the phase ``key`` had armed; disarmed however the body ends.
+        ``seconds`` count from ``start`` (a ``time.monotonic()``; default: now).
+        The messages read ``{what} ran past {seconds} s {why}``."""
+        now = time.monotonic() if start is None else start
+        self._arm(key, _Armed(seconds, grace, what, why, error, now))
+        try:
+            yield
+        finally:
+            self.disarm(key)
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        __tracebackhide__ = True
+        due = [a for a in list(self._armed.values()) if a.signalled and not a.raised]
+        if not due:
+            if callable(self._previous):
+                self._previous(signum, frame)
+            return
+        due[0].raised = True
+        stacks = _stacks()
+        raise due[0].error(
+            f"{_headline(due[0])}; the stacks of this process's threads then:\n{stacks}"
+        )
+
+    def _watch(self) -> None:
+        with self._lock:
+            while True:
+                now = time.monotonic()
+                wake = None
+                for armed in list(self._armed.values()):
+                    due = armed.start + armed.seconds + (armed.grace if armed.interrupted else 0.0)
+                    if due > now:
+                        wake = due if wake is None else min(wake, due)
+                    elif not armed.interrupted:
+                        armed.interrupted = True
+                        armed.signalled = self._installed
+                        if armed.signalled:
+                            signal.pthread_kill(threading.main_thread().ident, INTERRUPT_SIGNAL)
+                        wake = now
+                    else:
+                        self._exit(armed)
+                if wake is None:
+                    self._lock.wait()
+                elif wake > now:
+                    self._lock.wait(wake - now)
+
+    def _exit(self, armed: _Armed) -> NoReturn:
+        headline = _headline(armed)
+        try:
+            for hook in self.exit_hooks:
+                with contextlib.suppress(Exception):
+                    hook(headline)
+            log = self.exit_log if self.exit_log is not None else sys.__stderr__
+            log.write(
+                f"{headline}\nTimeout ({datetime.timedelta(seconds=round(armed.seconds))})! "
+                f"{'still running' if armed.signalled else 'not interruptible here;'} "
+                f"{armed.grace:g} s later; the stacks of this process's threads:\n"
+            )
+            log.flush()
+            faulthandler.dump_traceback(file=log, all_threads=True)
+            log.flush()
+        finally:
+            os._exit(1)
+
+
+def _headline(armed: _Armed) -> str:
+    return f"{armed.what} ran past {armed.seconds:g} s" + (f" {armed.why}" if armed.why else "")
+
+
+def _stacks() -> str:
+    """Every thread's stack as faulthandler writes it (it needs a real file)."""
+    with tempfile.TemporaryFile("w+", encoding="utf-8", errors="replace") as f:
+        faulthandler.dump_traceback(file=f, all_threads=True)
+        f.flush()
+        f.seek(0)
+        return f.read()
+
+
+#: This process's watchdog (one per process: one main thread to interrupt).
+watchdog = Watchdog()
