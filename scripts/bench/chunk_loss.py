@@ -3,8 +3,10 @@
 Compares, in one run: naive full-logits CE, torch's chunked
 ``F.linear_cross_entropy`` (``options=LinearCrossEntropyOptions()``, where
 this torch has it), the ``cut-cross-entropy`` package's torch-compile path
-(when installed), our ``chunk_cross_entropy`` at its default chunk size, and
-ours under ``capture()``. The default run covers three configurations, each
+(when installed), our ``chunk_cross_entropy`` at its default chunk size
+(the device's default chunk math: eager passes on the CPU), ours under
+``capture()``, and ours with the compiled chunk math
+(``chunk_math("compiled")``, the CUDA default). The default run covers three configurations, each
 in fp32 and in bf16 (``--dtype`` picks; one column per configuration and
 dtype in the ratio table):
 
@@ -13,7 +15,10 @@ dtype in the ratio table):
     tokens  N=32768 H=256 V=32000   1 round   (many tokens)
 
 Every measurement is one fwd+bwd step in a fresh subprocess (after a
-warm-up step on a tiny problem, and one at full size in ``base``), which
+warm-up step on a tiny problem, and one at full size in ``base``; methods
+that compile, ``cce`` and ``ours_compiled``, always get a full-size warm-up
+step and report it as "first call": their compile time, kept out of the step
+time), which
 reports the step's time and its extra peak RSS (the kernel's high-water
 mark, reset just before the step, above the RSS before it; inputs and their
 ``.grad`` already exist). Rounds visit the methods round-robin, so machine
@@ -29,6 +34,7 @@ upper bound (marked <=).
     python scripts/bench/chunk_loss.py                        # all three configurations
     python scripts/bench/chunk_loss.py --configs base         # one of them
     python scripts/bench/chunk_loss.py --dtype bfloat16       # bf16 columns only
+    python scripts/bench/chunk_loss.py --rounds 1 --pairs 1   # a quick, noisier run
     python scripts/bench/chunk_loss.py --tokens 1024 --vocab 8000 --chunk-size 256
 """
 
@@ -47,6 +53,7 @@ import torch
 import torch.nn.functional as F
 
 import channel_loss as cl
+from channel_loss.ops import chunk_math
 
 CONFIGS = {
     "base": {"tokens": 4096, "hidden": 256, "vocab": 32000, "rounds": 3, "warmup": 1, "pairs": 15},
@@ -92,7 +99,11 @@ def methods() -> list[str]:
         out.append("torch_native")
     if _has_cce():
         out.append("cce")
-    return [*out, "ours", "ours_capture"]
+    return [*out, "ours", "ours_capture", "ours_compiled"]
+
+
+#: Methods whose first call compiles (torch.compile); timed apart from the step.
+COMPILING = ("cce", "ours_compiled")
 
 
 def make_inputs(n: int, h: int, v: int, dtype: torch.dtype, seed: int = 0):
@@ -125,6 +136,11 @@ def step(method: str, hidden, weight, targets, chunk_size: int | None) -> None:
         )
     elif method == "ours":
         loss = cl.chunk_cross_entropy(hidden, weight, shift_labels=targets, chunk_size=chunk_size)
+    elif method == "ours_compiled":
+        with chunk_math("compiled"):
+            loss = cl.chunk_cross_entropy(
+                hidden, weight, shift_labels=targets, chunk_size=chunk_size
+            )
     elif method == "ours_capture":
         with cl.capture() as cap:
             loss = cl.chunk_cross_entropy(
@@ -181,9 +197,15 @@ def child(args: argparse.Namespace) -> None:
     if args.child == "capture_pairs":
         capture_pairs(args, hidden, weight, targets)
         return
+    t0 = time.perf_counter()
     _tiny_warmup(args.child, args)
-    for _ in range(args.warmup):
+    first = time.perf_counter() - t0
+    for k in range(max(args.warmup, 1 if args.child in COMPILING else 0)):
+        t0 = time.perf_counter()
         step(args.child, hidden, weight, targets, args.chunk_size)
+        if k == 0:
+            # A compiling method may recompile at the full size: that too is first-call cost.
+            first += time.perf_counter() - t0
     gc.collect()
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
@@ -192,7 +214,7 @@ def child(args: argparse.Namespace) -> None:
     step(args.child, hidden, weight, targets, args.chunk_size)
     seconds = time.perf_counter() - t0
     extra = max(_status_kib("VmHWM") - base, 0) * 1024
-    print(json.dumps({"seconds": seconds, "extra_peak": extra}))
+    print(json.dumps({"seconds": seconds, "extra_peak": extra, "first_call": first}))
 
 
 def run_child(method: str, config: dict, args: argparse.Namespace) -> dict:
@@ -242,14 +264,16 @@ def bench_config(name: str, config: dict, args: argparse.Namespace) -> dict[str,
     )
     seconds: dict[str, list[float]] = {m: [] for m in todo}
     peaks: dict[str, list[float]] = {m: [] for m in todo}
+    firsts: dict[str, list[float]] = {m: [] for m in todo}
     for r in range(config["rounds"]):
         for method in todo:
             got = run_child(method, config, args)
             seconds[method].append(got["seconds"])
             peaks[method].append(got["extra_peak"])
+            firsts[method].append(got["first_call"])
             print(
                 f"  round {r + 1}/{config['rounds']} {method:<13} {got['seconds']:8.2f} s "
-                f"{got['extra_peak'] / 2**20:9.1f} MiB",
+                f"{got['extra_peak'] / 2**20:9.1f} MiB  first call {got['first_call']:7.2f} s",
                 flush=True,
             )
     # Best of the rounds: other processes only ever add time, so the minimum is the
@@ -264,13 +288,18 @@ def bench_config(name: str, config: dict, args: argparse.Namespace) -> dict[str,
             f"--naive-limit-gib {args.naive_limit_gib}); its extra peak is the lower "
             f"bound N x V x 4"
         )
-    print(f"\n  {'method':<14} {'fwd+bwd best (s)':>19} {'extra peak (MiB)':>17}")
+    print(
+        f"\n  {'method':<14} {'fwd+bwd best (s)':>19} {'extra peak (MiB)':>17} "
+        f"{'first call (s)':>15}"
+    )
     for m in methods():
         t = f"{med_s[m]:.2f}" if m in med_s else "not run"
         p = f"{med_p[m] / 2**20:.1f}" if m in med_p else "-"
         if m == "naive" and not run_naive:
             p = ">= " + p
-        print(f"  {m:<14} {t:>19} {p:>17}")
+        # The first call includes compilation for cce / ours_compiled (not in the step time).
+        first = f"{statistics.median(firsts[m]):.2f}" if firsts.get(m) else "-"
+        print(f"  {m:<14} {t:>19} {p:>17} {first:>15}")
     if naive_note:
         print(naive_note)
     ratios: dict[str, float] = {}
@@ -286,6 +315,8 @@ def bench_config(name: str, config: dict, args: argparse.Namespace) -> dict[str,
             f"ours {pairs['ours']:.3f} s, ours_capture {pairs['ours_capture']:.3f} s (best)"
         )
     ratios["ours / naive extra peak"] = med_p["ours"] / max(med_p["naive"], 1)
+    ratios["ours_compiled / ours time"] = med_s["ours_compiled"] / med_s["ours"]
+    ratios["ours_compiled / ours extra peak"] = med_p["ours_compiled"] / max(med_p["ours"], 1)
     if "cce" in med_s:
         ratios["ours / cce time"] = med_s["ours"] / med_s["cce"]
         ratios["ours / cce extra peak"] = med_p["ours"] / max(med_p["cce"], 1)
@@ -322,10 +353,23 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--child-timeout", type=float, default=1800)
     parser.add_argument("--warmup", type=int, default=1, help=argparse.SUPPRESS)
-    parser.add_argument("--pairs", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--pairs",
+        type=int,
+        default=None,
+        help="alternating ours / ours_capture pairs for the capture overhead (overrides)",
+    )
     parser.add_argument(
         "--child",
-        choices=("naive", "torch_native", "cce", "ours", "ours_capture", "capture_pairs"),
+        choices=(
+            "naive",
+            "torch_native",
+            "cce",
+            "ours",
+            "ours_capture",
+            "ours_compiled",
+            "capture_pairs",
+        ),
         help=argparse.SUPPRESS,
     )
     args = parser.parse_args(argv)
@@ -362,6 +406,8 @@ def main(argv: list[str] | None = None) -> int:
     for config in configs.values():
         if args.rounds is not None:
             config["rounds"] = args.rounds
+        if args.pairs is not None:
+            config["pairs"] = args.pairs
     print(
         f"threads={torch.get_num_threads()} torch={torch.__version__} "
         f"methods={','.join(methods())}"
