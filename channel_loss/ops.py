@@ -520,19 +520,9 @@ def _chunked_pass(
     return _walk(*args, fused=False)
 
 
-def _walk(
-    h: torch.Tensor,
-    weight: torch.Tensor,
-    bias: _Bias,
-    targets: torch.Tensor,
-    valid: torch.Tensor,
-    scale: torch.Tensor | None,
-    chunk_size: int,
-    needs: tuple[bool, bool, bool, bool, bool],
-    features: _Features,
-    *,
-    fused: bool,
-) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor | None]]:
+def _walk(*args, fused: bool) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor | None]]:
+    """``_chunked_pass`` (same positional arguments) with the chunk math ``fused`` or eager."""
+    h, weight, bias, targets, valid, scale, chunk_size, needs, features = args
     n = targets.shape[0]
     need_h, need_w, need_full, need_factor, need_factor_w = needs
 

@@ -21,14 +21,13 @@ import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
 
-import channel_loss as cl
 from channel_loss import _fused
 from channel_loss.ops import CHUNK_MATH, chunk_math
 from tests.channel_loss.test_ops import make_inputs, run_loss
 from tests.channel_loss.test_ops_features import (
-    FEATURE_KEYS,
     SCENARIOS,
     check_against_float64_and_standard,
+    check_capture_bitwise_invisible,
     make_problem,
 )
 
@@ -66,24 +65,7 @@ def test_compiled_matches_float64_like_eager(dtype, bias, scenario):
 def test_compiled_keeps_capture_and_per_token_bitwise():
     _, scale, kw = ALL_FEATURES
     inputs, labels = make_problem(torch.float32, "factored", scale, kw, seed=3)
-    runs = []
-    for observe in (False, True):
-        for x in inputs.values():
-            x.grad = None
-        with cl.capture() as cap:
-            if observe:
-                loss = cl.chunk_cross_entropy(**inputs, labels=labels, chunk_size=5, **kw)
-        if not observe:
-            loss = cl.chunk_cross_entropy(**inputs, labels=labels, chunk_size=5, **kw)
-        (loss * 1.3).backward()
-        runs.append((loss.detach(), {k: v.grad for k, v in inputs.items()}, cap.observations))
-    (plain_loss, plain_grads, _), (obs_loss, obs_grads, (obs,)) = runs
-    assert torch.equal(plain_loss, obs_loss)
-    for name, g in plain_grads.items():
-        assert torch.equal(g, obs_grads[name]), name
-    features = {k: kw[k] for k in FEATURE_KEYS if k in kw}
-    again = cl.per_token_cross_entropy(**inputs, labels=labels, chunk_size=5, **features)
-    assert torch.equal(again, obs.token_losses)
+    check_capture_bitwise_invisible(inputs, labels, kw)
 
 
 @pytest.mark.usefixtures("compiled")
