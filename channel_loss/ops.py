@@ -954,7 +954,9 @@ def chunk_cross_entropy(
     Not differentiable twice (second-order gradients raise). Under
     ``torch.compile`` the call runs eagerly (one graph break; with
     ``fullgraph=True`` compilation fails naming this op), which keeps the
-    memory bound. On accelerators the checks of target range and of
+    memory bound; inside, the per-chunk softmax / CE / gradient math runs as
+    ``chunk_math`` says (compiled kernels on CUDA, eager passes on the CPU by
+    default). On accelerators the checks of target range and of
     ``num_items_in_batch`` values cost no host sync: they run on the device
     and a failure surfaces as a device-side assertion at the next sync.
 
