@@ -47,18 +47,20 @@ def compiled():
 
 
 @pytest.mark.parametrize(
-    ("dtype", "bias", "scenario"),
+    ("dtype", "bias", "scenario", "policy"),
     [
-        (torch.float32, "none", SCENARIOS[0]),
-        (torch.float32, "full", ALL_FEATURES),
-        (torch.bfloat16, "factored", ALL_FEATURES),
+        (torch.float32, "none", SCENARIOS[0], "auto"),
+        (torch.float32, "full", ALL_FEATURES, "auto"),
+        (torch.bfloat16, "factored", ALL_FEATURES, "auto"),
+        # The accelerator GEMM policy: the kernel writes the bf16 product operand directly.
+        (torch.bfloat16, "none", SCENARIOS[0], "model_dtype"),
     ],
-    ids=["fp32-plain", "fp32-full-all", "bf16-factored-all"],
+    ids=["fp32-plain", "fp32-full-all", "bf16-factored-all", "bf16-plain-model-dtype"],
 )
 @pytest.mark.usefixtures("compiled")
-def test_compiled_matches_float64_like_eager(dtype, bias, scenario):
+def test_compiled_matches_float64_like_eager(dtype, bias, scenario, policy):
     _, scale, kw = scenario
-    check_against_float64_and_standard(dtype, bias, scale, kw)
+    check_against_float64_and_standard(dtype, bias, scale, kw, policy=policy)
 
 
 @pytest.mark.usefixtures("compiled")
