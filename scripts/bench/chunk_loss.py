@@ -447,7 +447,8 @@ def main(argv: list[str] | None = None) -> int:
             if value is not None and ratio in TARGETS:
                 met = met and value <= TARGETS[ratio]
         target = f"<={TARGETS[ratio]:.3f}" if ratio in TARGETS else ""
-        verdict = ("yes" if met else "NO") if ratio in TARGETS else ""
+        measured = any(results[name].get(ratio) is not None for name in names)
+        verdict = ("yes" if met else "NO") if ratio in TARGETS and measured else ""
         print(f"{ratio:<32} " + " ".join(cells) + f" {target:>9}  {verdict}")
     return 0
 
