@@ -21,12 +21,17 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
+from channel_loss import _fused
+from channel_loss._fused import CHUNK_MATH, CHUNK_MATH_ENV, chunk_math
 from channel_loss.capture import record
 from channel_loss.validation import check_int, is_real
 
 __all__ = [
+    "CHUNK_MATH",
+    "CHUNK_MATH_ENV",
     "GEMM_POLICIES",
     "chunk_cross_entropy",
+    "chunk_math",
     "default_chunk_size",
     "gemm_policy",
     "per_token_cross_entropy",
@@ -377,6 +382,10 @@ class _Products:
         """Hidden or bias-factor rows as a product operand."""
         return x.float() if self.upcast else x
 
+    def grad_operand_dtype(self) -> torch.dtype:
+        """The dtype ``grad_operand`` returns."""
+        return torch.float32 if self.upcast else self.dtype
+
     def grad_operand(self, dlogits: torch.Tensor) -> torch.Tensor:
         """The fp32 logits gradient as a product operand: fp32, or rounded to the model dtype."""
         return dlogits if self.upcast else dlogits.to(self.dtype)
@@ -490,6 +499,10 @@ def _chunked_pass(
     """One walk over the chunks: per-token NLL [N], per-token training loss [N] and the
     gradients ``needs`` asks for.
 
+    The chunk math runs as ``_fused.chunk_math`` says: compiled kernels or
+    the eager passes. A compilation failure reruns the whole walk eagerly
+    (with a warning), so one call never mixes the two.
+
     The NLL is the CE of the final logits (after ``logit_scale`` and
     ``softcap``); the training loss adds label smoothing and z-loss (it is the
     NLL tensor itself when neither is on). Gradients are those of
@@ -497,6 +510,19 @@ def _chunked_pass(
     bias factor rows, bias factor weight), in fp32 except the hidden one,
     which has the hidden dtype.
     """
+    args = (h, weight, bias, targets, valid, scale, chunk_size, needs, features)
+    if _fused.use_compiled(h.device):
+        try:
+            return _walk(*args, fused=True)
+        except Exception as exc:
+            if not _fused.compile_failed(h.device, exc):
+                raise
+    return _walk(*args, fused=False)
+
+
+def _walk(*args, fused: bool) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor | None]]:
+    """``_chunked_pass`` (same positional arguments) with the chunk math ``fused`` or eager."""
+    h, weight, bias, targets, valid, scale, chunk_size, needs, features = args
     n = targets.shape[0]
     need_h, need_w, need_full, need_factor, need_factor_w = needs
 
@@ -515,36 +541,31 @@ def _chunked_pass(
     grad_factor = zeros(bias.factor, need_factor)
     grad_factor_w = zeros(bias.factor_weight, need_factor_w)
     any_grad = any(needs)
-    smoothing, z_scale = features.label_smoothing, features.lse_square_scale
     products = _Products(weight, bias.factor_weight)
     for s, e in _chunks(n, chunk_size):
         logits = _chunk_logits(h, products, bias, s, e)
-        cap_slope = _final_logits_(logits, features, keep_cap_slope=any_grad)
         t, v = targets[s:e], valid[s:e]
-        nll, sumexp, lse, train = _softmax_ce_(logits, t, v, features)
+        if fused:
+            nll, train, lse = _fused.stats(logits, t, v, features)
+        else:
+            cap_slope = _final_logits_(logits, features, keep_cap_slope=any_grad)
+            nll, sumexp, lse, train = _softmax_ce_(logits, t, v, features)
         token_losses[s:e] = nll
-        if train is not nll:
+        if train_losses is not token_losses:
             train_losses[s:e] = train
         if not any_grad:
             del logits
             continue
-        # d(training loss)/d(final logits) on valid rows, times the loss scale:
-        # softmax * (1 + 2 s lse) - (1 - e) onehot - e / V.
-        row_scale = torch.where(v, scale, 0.0)
-        coef = row_scale / sumexp
-        if z_scale:
-            coef = coef * (1.0 + 2.0 * z_scale * lse)
-        dlogits = logits.mul_(coef.unsqueeze(1))
-        if smoothing:
-            dlogits.sub_((row_scale * (smoothing / logits.shape[1])).unsqueeze(1))
-        hot = -row_scale if not smoothing else row_scale * -(1.0 - smoothing)
-        dlogits.scatter_add_(1, torch.where(v, t, 0).unsqueeze(1), hot.unsqueeze(1))
-        # Back through the cap and the scale to the logits of the LM head.
-        if cap_slope is not None:
-            dlogits.mul_(cap_slope)
-        if features.logit_scale is not None:
-            dlogits.mul_(features.logit_scale)
-        dl = products.grad_operand(dlogits) if need_h or need_w or bias.factor is not None else None
+        if fused:
+            dlogits, dl = _fused_dlogits(logits, t, v, lse, scale, features, products, needs)
+        else:
+            dlogits = _eager_dlogits(logits, t, v, sumexp, lse, cap_slope, scale, features)
+            dl = (
+                products.grad_operand(dlogits)
+                if need_h or need_w or bias.factor is not None
+                else None
+            )
+            del cap_slope
         if need_h:
             products.grad_hidden(dl, grad_h[s:e])
         if need_w:
@@ -557,8 +578,45 @@ def _chunked_pass(
             factor = products.operand(_bias_rows(bias, bias.factor, s, e))
             products.addmm32_(grad_factor_w, dl.t(), factor)
         # Free this chunk's logits before the next chunk allocates its own.
-        del logits, dlogits, dl, cap_slope
+        del logits, dlogits, dl
     return token_losses, train_losses, [grad_h, grad_w, grad_full, grad_factor, grad_factor_w]
+
+
+def _eager_dlogits(logits, t, v, sumexp, lse, cap_slope, scale, features) -> torch.Tensor:
+    """The fp32 logits gradient, written over ``logits`` (which ``_softmax_ce_`` left holding
+    ``exp(logits - rowmax)``)."""
+    smoothing, z_scale = features.label_smoothing, features.lse_square_scale
+    # d(training loss)/d(final logits) on valid rows, times the loss scale:
+    # softmax * (1 + 2 s lse) - (1 - e) onehot - e / V.
+    row_scale = torch.where(v, scale, 0.0)
+    coef = row_scale / sumexp
+    if z_scale:
+        coef = coef * (1.0 + 2.0 * z_scale * lse)
+    dlogits = logits.mul_(coef.unsqueeze(1))
+    if smoothing:
+        dlogits.sub_((row_scale * (smoothing / logits.shape[1])).unsqueeze(1))
+    hot = -row_scale if not smoothing else row_scale * -(1.0 - smoothing)
+    dlogits.scatter_add_(1, torch.where(v, t, 0).unsqueeze(1), hot.unsqueeze(1))
+    # Back through the cap and the scale to the logits of the LM head.
+    if cap_slope is not None:
+        dlogits.mul_(cap_slope)
+    if features.logit_scale is not None:
+        dlogits.mul_(features.logit_scale)
+    return dlogits
+
+
+def _fused_dlogits(logits, t, v, lse, scale, features, products, needs):
+    """``(fp32 logits gradient or None, its product operand)`` from the compiled kernel.
+
+    The fp32 gradient is written over ``logits`` when the products take fp32
+    or the full bias needs its gradient (``needs[2]``); otherwise the kernel writes the model-dtype
+    operand directly and the fp32 gradient is never formed.
+    """
+    operand = products.grad_operand_dtype()
+    if operand == torch.float32 or needs[2]:
+        dlogits = _fused.dlogits_(logits, t, v, lse, scale, features, None)
+        return dlogits, products.grad_operand(dlogits)
+    return None, _fused.dlogits_(logits, t, v, lse, scale, features, operand)
 
 
 # Rows of a gradient rescaled per step in backward: an fp32 temporary of at
@@ -896,7 +954,9 @@ def chunk_cross_entropy(
     Not differentiable twice (second-order gradients raise). Under
     ``torch.compile`` the call runs eagerly (one graph break; with
     ``fullgraph=True`` compilation fails naming this op), which keeps the
-    memory bound. On accelerators the checks of target range and of
+    memory bound; inside, the per-chunk softmax / CE / gradient math runs as
+    ``chunk_math`` says (compiled kernels on CUDA, eager passes on the CPU by
+    default). On accelerators the checks of target range and of
     ``num_items_in_batch`` values cost no host sync: they run on the device
     and a failure surfaces as a device-side assertion at the next sync.
 
@@ -974,9 +1034,9 @@ def per_token_cross_entropy(
     per-token NLL returned here.
     """
     checked = _checked_arguments(locals())
-    # Only the terms that change the final logits matter to the NLL.
-    features = _Features(checked.logit_scale, checked.softcap)
     if logits is not None:
+        # Only the terms that change the final logits matter to the NLL.
+        features = _Features(checked.logit_scale, checked.softcap)
         if hidden_states is not None or weight is not None:
             raise ValueError("pass either logits or hidden_states + weight, not both")
         if logits_bias is not None or logits_bias_weight is not None:
@@ -1025,6 +1085,8 @@ def per_token_cross_entropy(
             None,
             chunk_size,
             (False,) * 5,
-            features,
+            # All the features, not only those that change the final logits: the
+            # compiled chunk math is then the very kernel the loss call ran.
+            checked,
         )
     return out.reshape(lead)

@@ -43,6 +43,10 @@ def test_dry_run_bench_has_the_peer_feature_and_tflops_rows(tmp_path):
         assert f"ours / liger time [{name}]" in shape["ratios"]
     assert rows["cce"]["status"] == "skipped"
     assert "CUDA" in rows["cce"]["note"]
+    # Both chunk-math paths are rows; the CPU dry run does not compile.
+    assert rows["ours[chunk_math=eager]"]["status"] == "ok"
+    assert rows["ours[chunk_math=compiled]"]["status"] == "skipped"
+    assert "compiled / eager chunk math time" in shape["ratios"]
     assert rows["ours"]["tflops"] == 6 * 24 * 8 * 40 / (rows["ours"]["ms"] / 1e3) / 1e12
     assert isinstance(shape["gates_failed"], list)
     md = (tmp_path / "bench.md").read_text()
