@@ -9,12 +9,13 @@ that into one status and a report that starts with the first failure.
 from __future__ import annotations
 
 import importlib
-import os
 import pickle
 import signal
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
+
+from harness.jsonio import write_bytes
 
 PASSED, FAILED, SKIPPED, XFAILED = "passed", "failed", "skipped", "xfailed"
 
@@ -66,10 +67,7 @@ class RankOutcome:
 
     def write(self, path: str) -> None:
         """Publish atomically: a reader sees the whole outcome or no file."""
-        tmp = f"{path}.tmp"
-        with open(tmp, "wb") as f:
-            pickle.dump(self, f)
-        os.replace(tmp, path)
+        write_bytes(path, pickle.dumps(self))
 
     @staticmethod
     def read(path: str) -> RankOutcome | None:
