@@ -4,8 +4,7 @@ A worker keeps one pool of ranks (``harness.launcher.pool``). When there are
 more xdist workers than pools fit in the host's process slots (``-n 2`` on 2
 CPUs with 2-rank cases), workers handed launched cases would take turns with
 the slots and restart their pools every slice, making ``-n N`` slower than
-``-n 0``. So, under xdist's ``load``, ``loadscope``, ``loadfile`` and
-``loadgroup`` distributions:
+``-n 0``. So, under xdist's default ``load`` distribution:
 
 * each worker, once it has collected, computes the case's *lanes*: how many
   of the session's launched cases can hold pools at the same time
@@ -14,17 +13,14 @@ the slots and restart their pools every slice, making ``-n N`` slower than
   writes the lanes to a file in a directory the controller made for the
   session (the controller does not collect, and node ids are all it gets);
 * the controller's scheduler (``LaneScheduling``) reads them when it starts
-  scheduling and gives each lane to one worker as one work unit: a lane takes
-  with it the whole scope (the file, class or ``xdist_group`` the chosen
-  distribution keeps together) of every case in it, so what the user's
-  ``--dist`` keeps on one worker still is. Everything else is scheduled as
-  that distribution would.
+  scheduling and gives each lane to one worker as one work unit. Everything
+  else is scheduled as ``load`` would.
 
 When every worker can hold a pool (``lanes >= workers``), when there is no
 launched case, or when no lanes file can be read, the scheduler is xdist's own
-for the chosen distribution, unchanged. ``each``, ``worksteal`` and other
-plugins' distributions are never changed, nor is anything with
-``-p no:harness-routing``.
+unchanged. The scope distributions (``loadscope``, ``loadfile``,
+``loadgroup``), ``each``, ``worksteal`` and other plugins' distributions are
+never changed, nor is anything with ``-p no:harness-routing``.
 """
 
 from __future__ import annotations
@@ -46,7 +42,10 @@ from harness.spec import LaunchSpec, is_launched, spec_for_item
 #: The key of the lanes directory in a worker's ``workerinput``.
 ROUTES_KEY = "harness_routes_dir"
 #: The distributions whose scheduler routes lanes (xdist's ``--dist`` values).
-ROUTED_DISTS = ("load", "loadscope", "loadfile", "loadgroup")
+# Only ``load``: the scope distributions are the user's promise that a file,
+# class or group shares one worker, and a lane that split one was seen to
+# break it; there the user's scopes decide where launched cases run.
+ROUTED_DISTS = ("load",)
 #: A lane's scope name; the brackets keep it apart from any node id's scope.
 LANE_SCOPE = "<harness lane {}>"
 

@@ -149,8 +149,13 @@ def test_dry_run_end_to_end(tmp_path):
     rows = {r["method"]: r for r in bench["shapes"][0]["rows"]}
     assert {"naive", "torch_native", "liger", "ours", "ours_capture"} <= set(rows)
     assert [m for m in rows if m.startswith("ours[chunk=")] == ["ours[chunk=32]", "ours[chunk=64]"]
+    # Every row of ours ran but the compiled chunk math, which the CPU dry run skips.
+    compiled = "ours[chunk_math=compiled]"
+    assert rows[compiled]["status"] == "skipped"
     assert all(
-        rows[m]["status"] == "ok" and rows[m]["ms"] > 0 for m in rows if m.startswith("ours")
+        rows[m]["status"] == "ok" and rows[m]["ms"] > 0
+        for m in rows
+        if m.startswith("ours") and m != compiled
     )
     assert rows["liger"]["status"] == "skipped"
     assert "CUDA" in rows["liger"]["note"]

@@ -55,11 +55,7 @@ def junit_properties(path) -> dict[str, dict[str, str]]:
     return found
 
 
-@pytest.mark.parametrize(
-    "dist", [None, "loadfile", "loadgroup"], ids=["load", "loadfile", "loadgroup"]
-)
-def test_launched_cases_run_in_one_worker_on_one_pool_under_n_2(tmp_path, dist):
-    group = '@pytest.mark.xdist_group("mine")' if dist == "loadgroup" else ""
+def _session(tmp_path, dist, group=""):
     root = write_project(
         tmp_path / "project",
         {"test_a.py": launched_file("a", 3, group), "test_b.py": launched_file("b", 3)},
@@ -74,6 +70,11 @@ def test_launched_cases_run_in_one_worker_on_one_pool_under_n_2(tmp_path, dist):
     assert session.returncode == 0, session.output
     ranks = [json.loads(p.read_text()) for p in (root / "out").glob("[ab]-*.json")]
     assert len(ranks) == 12, session.output
+    return root, ranks
+
+
+def test_launched_cases_run_in_one_worker_on_one_pool_under_n_2(tmp_path):
+    root, ranks = _session(tmp_path, None)
     assert len({r["worker"] for r in ranks}) == 1, ranks
     assert len({r["pid"] for r in ranks}) == 2, ranks  # the same two ranks for all six cases
     kept = sorted(
@@ -82,9 +83,20 @@ def test_launched_cases_run_in_one_worker_on_one_pool_under_n_2(tmp_path, dist):
         if "test_launched" in name
     )
     assert kept == sorted(f"kept (case {k} of its pool)" for k in range(1, 7)), kept
-    if dist == "loadgroup":
-        # The user's group stays together: its plain test ran with its launched cases.
-        assert (root / "out" / "plain-a.json").read_text() == ranks[0]["worker"]
+
+
+@pytest.mark.parametrize("dist", ["loadfile", "loadgroup"])
+def test_the_users_scopes_are_kept_together_under_the_scope_distributions(tmp_path, dist):
+    """What ``--dist loadfile`` / ``loadgroup`` keep on one worker stays there
+    (the routing leaves those distributions alone): file ``a``'s (or group
+    ``mine``'s) plain test ran on the worker of its launched cases."""
+    group = '@pytest.mark.xdist_group("mine")' if dist == "loadgroup" else ""
+    root, ranks = _session(tmp_path, dist, group)
+    workers_of_a = {
+        json.loads(p.read_text())["worker"] for p in (root / "out").glob("a-*.json")
+    }
+    assert len(workers_of_a) == 1, ranks
+    assert (root / "out" / "plain-a.json").read_text() == workers_of_a.pop()
 
 
 def test_lanes_are_the_pools_of_the_widest_case_that_fit_at_once(monkeypatch):
