@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import xml.etree.ElementTree as ET
 
-import pytest
 from launch_project import inner_env, run_session, write_project
 
 from harness.launcher.routing import concurrent_lanes
@@ -26,7 +25,6 @@ LAUNCHED = """
 
     from recording import out_dir
 
-    {group}
     @pytest.mark.launch(nproc=2)
     @pytest.mark.parametrize("i", range({cases}))
     def test_launched(i):
@@ -36,14 +34,13 @@ LAUNCHED = """
         (out_dir() / f"{name}-{{i}}-{{dist.get_rank()}}.json").write_text(json.dumps(record))
 
 
-    {group}
     def test_plain():
         (out_dir() / "plain-{name}.json").write_text(os.environ["PYTEST_XDIST_WORKER"])
 """
 
 
-def launched_file(name: str, cases: int, group: str = "") -> str:
-    return LAUNCHED.format(name=name, cases=cases, group=group)
+def launched_file(name: str, cases: int) -> str:
+    return LAUNCHED.format(name=name, cases=cases)
 
 
 def junit_properties(path) -> dict[str, dict[str, str]]:
@@ -55,10 +52,10 @@ def junit_properties(path) -> dict[str, dict[str, str]]:
     return found
 
 
-def _session(tmp_path, dist, group=""):
+def _session(tmp_path, dist):
     root = write_project(
         tmp_path / "project",
-        {"test_a.py": launched_file("a", 3, group), "test_b.py": launched_file("b", 3)},
+        {"test_a.py": launched_file("a", 3), "test_b.py": launched_file("b", 3)},
     )
     args = ["-n", "2", "--harness-max-procs=2", "-p", "no:randomly"]
     session = run_session(
@@ -85,13 +82,11 @@ def test_launched_cases_run_in_one_worker_on_one_pool_under_n_2(tmp_path):
     assert kept == sorted(f"kept (case {k} of its pool)" for k in range(1, 7)), kept
 
 
-@pytest.mark.parametrize("dist", ["loadfile", "loadgroup"])
-def test_the_users_scopes_are_kept_together_under_the_scope_distributions(tmp_path, dist):
-    """What ``--dist loadfile`` / ``loadgroup`` keep on one worker stays there
-    (the routing leaves those distributions alone): file ``a``'s (or group
-    ``mine``'s) plain test ran on the worker of its launched cases."""
-    group = '@pytest.mark.xdist_group("mine")' if dist == "loadgroup" else ""
-    root, ranks = _session(tmp_path, dist, group)
+def test_the_users_scopes_are_kept_together_under_the_scope_distributions(tmp_path):
+    """What ``--dist loadfile`` keeps on one worker stays there (the routing
+    leaves the scope distributions alone): file ``a``'s plain test ran on the
+    worker of its launched cases."""
+    root, ranks = _session(tmp_path, "loadfile")
     workers_of_a = {
         json.loads(p.read_text())["worker"] for p in (root / "out").glob("a-*.json")
     }
