@@ -390,15 +390,20 @@ class _Products:
         """The fp32 logits gradient as a product operand: fp32, or rounded to the model dtype."""
         return dlogits if self.upcast else dlogits.to(self.dtype)
 
-    def mm32(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        """``a @ b`` in fp32 (accumulated in fp32)."""
+    def mm32(
+        self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """``a @ b`` in fp32 (accumulated in fp32), written into ``out`` (fp32) when given."""
         if a.dtype == torch.float32 and b.dtype == torch.float32:
-            return torch.mm(a, b)
+            return torch.mm(a, b, out=out) if out is not None else torch.mm(a, b)
         if self.native:
+            if out is not None:
+                return torch.mm(a, b, out_dtype=torch.float32, out=out)
             return torch.mm(a, b, out_dtype=torch.float32)
         if self.emulate:
-            return torch.mm(a.float(), b.float())
-        return torch.mm(a, b).float()
+            a, b = a.float(), b.float()
+            return torch.mm(a, b, out=out) if out is not None else torch.mm(a, b)
+        return out.copy_(torch.mm(a, b)) if out is not None else torch.mm(a, b).float()
 
     def addmm32_(self, acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
         """``acc += a @ b`` into the fp32 accumulator ``acc``, with no full-size temporary
@@ -421,15 +426,27 @@ class _Products:
 
 
 def _chunk_logits(
-    h: torch.Tensor, products: _Products, bias: _Bias, start: int, end: int
+    h: torch.Tensor,
+    products: _Products,
+    bias: _Bias,
+    start: int,
+    end: int,
+    buffer: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """fp32 logits of token rows ``[start, end)``; the only place the LM head is applied."""
-    logits = products.mm32(products.operand(h[start:end]), products.weight.t())
+    """fp32 logits of token rows ``[start, end)``; the only place the LM head is applied.
+
+    ``buffer`` (fp32, at least ``end - start`` rows of the vocabulary's width)
+    may receive them: one buffer for every chunk of a walk spares the
+    allocator a fresh chunk-sized block, and the kernel its first-touch page
+    faults, per chunk.
+    """
+    out = None if buffer is None else buffer[: end - start]
+    logits = products.mm32(products.operand(h[start:end]), products.weight.t(), out)
     if bias.full is not None:
-        logits = logits + _bias_rows(bias, bias.full, start, end).float()
+        logits.add_(_bias_rows(bias, bias.full, start, end).float())
     elif bias.factor is not None:
         factor = products.operand(_bias_rows(bias, bias.factor, start, end))
-        logits = logits + products.mm32(factor, products.factor_weight.t())
+        logits.add_(products.mm32(factor, products.factor_weight.t()))
     return logits
 
 
@@ -542,8 +559,12 @@ def _walk(*args, fused: bool) -> tuple[torch.Tensor, torch.Tensor, list[torch.Te
     grad_factor_w = zeros(bias.factor_weight, need_factor_w)
     any_grad = any(needs)
     products = _Products(weight, bias.factor_weight)
+    # One chunk of fp32 logits for the whole walk (see _chunk_logits).
+    buffer = torch.empty(
+        (min(chunk_size, n), weight.shape[0]), dtype=torch.float32, device=h.device
+    )
     for s, e in _chunks(n, chunk_size):
-        logits = _chunk_logits(h, products, bias, s, e)
+        logits = _chunk_logits(h, products, bias, s, e, buffer)
         t, v = targets[s:e], valid[s:e]
         if fused:
             nll, train, lse = _fused.stats(logits, t, v, features)
@@ -577,7 +598,7 @@ def _walk(*args, fused: bool) -> tuple[torch.Tensor, torch.Tensor, list[torch.Te
         if need_factor_w:
             factor = products.operand(_bias_rows(bias, bias.factor, s, e))
             products.addmm32_(grad_factor_w, dl.t(), factor)
-        # Free this chunk's logits before the next chunk allocates its own.
+        # This chunk's model-dtype operand goes before the next chunk makes its own.
         del logits, dlogits, dl
     return token_losses, train_losses, [grad_h, grad_w, grad_full, grad_factor, grad_factor_w]
 

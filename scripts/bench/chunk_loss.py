@@ -25,7 +25,10 @@ mark, reset just before the step, above the RSS before it; inputs and their
 noise hits every method alike; the table shows the best time and the median
 extra peak of the rounds. The capture overhead comes from alternating
 ``ours`` / ``ours_capture`` steps in one process (15 pairs in ``base``, 1 in
-the others; best of each), not from the separate processes. Naive full
+the others; best of each), not from the separate processes. A peer whose
+step takes longer than ``--peer-timeout`` (300 s; cce's and torch's bf16 on a
+CPU without bf16 matrix units can) is reported as timed out, and ours / its
+time as the upper bound ours / timeout (marked <=). Naive full
 logits is skipped where it would need more than ``--naive-limit-gib`` (it
 needs ~3 x N x V x 4 bytes); its extra peak is then the lower bound
 N x V x 4 (the logits alone), so the "ours / naive" ratio printed is an
@@ -220,6 +223,8 @@ def child(args: argparse.Namespace) -> None:
 
 
 def run_child(method: str, config: dict, args: argparse.Namespace) -> dict:
+    """One measured step of ``method`` in a fresh subprocess (see ``child``), within
+    ``--child-timeout`` for ours and ``--peer-timeout`` for every other method."""
     argv = [
         "--tokens",
         str(config["tokens"]),
@@ -246,14 +251,18 @@ def run_child(method: str, config: dict, args: argparse.Namespace) -> dict:
         check=True,
         capture_output=True,
         text=True,
-        timeout=args.child_timeout,
+        timeout=args.child_timeout if method.startswith(("ours", "capture")) else args.peer_timeout,
         env=env,
     )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def bench_config(name: str, config: dict, args: argparse.Namespace) -> dict[str, float]:
-    """Measure every method on one configuration; print its table; return its ratios."""
+def bench_config(
+    name: str, config: dict, args: argparse.Namespace
+) -> tuple[dict[str, float], set[str]]:
+    """Measure every method on one configuration; print its table; return its ratios
+    and which of them are upper bounds (against a peer that timed out, or naive's
+    lower-bound memory)."""
     n, h, v = config["tokens"], config["hidden"], config["vocab"]
     chunk = args.chunk_size or cl.default_chunk_size(n, h, v, args.torch_dtype)
     naive_bytes = 3 * n * v * 4
@@ -268,6 +277,7 @@ def bench_config(name: str, config: dict, args: argparse.Namespace) -> dict[str,
     peaks: dict[str, list[float]] = {m: [] for m in todo}
     firsts: dict[str, list[float]] = {m: [] for m in todo}
     failed: dict[str, str] = {}
+    timed_out: set[str] = set()
     for r in range(config["rounds"]):
         for method in todo:
             if method in failed:
@@ -280,6 +290,10 @@ def bench_config(name: str, config: dict, args: argparse.Namespace) -> dict[str,
                 # A peer that times out (cce's bf16 on a CPU) leaves its column empty
                 # instead of losing the whole run.
                 failed[method] = type(e).__name__
+                if isinstance(e, subprocess.TimeoutExpired):
+                    # Its time is at least the timeout: ratios against it are upper bounds.
+                    failed[method] = f"> {e.timeout:g} (timed out)"
+                    timed_out.add(method)
                 print(f"  round {r + 1}/{config['rounds']} {method:<13} failed: {e}", flush=True)
                 continue
             seconds[method].append(got["seconds"])
@@ -317,6 +331,10 @@ def bench_config(name: str, config: dict, args: argparse.Namespace) -> dict[str,
     if naive_note:
         print(naive_note)
     ratios: dict[str, float] = {}
+    bounds = {"ours / naive extra peak"} if not run_naive else set()
+    for peer in timed_out & {"torch_native", "cce"}:
+        ratios[f"ours / {peer} time"] = med_s["ours"] / args.peer_timeout
+        bounds.add(f"ours / {peer} time")
     if "torch_native" in med_s:
         ratios["ours / torch_native time"] = med_s["ours"] / med_s["torch_native"]
         ratios["ours / torch_native extra peak"] = med_p["ours"] / max(med_p["torch_native"], 1)
@@ -339,7 +357,7 @@ def bench_config(name: str, config: dict, args: argparse.Namespace) -> dict[str,
     if "cce" in med_s:
         ratios["ours / cce time"] = med_s["ours"] / med_s["cce"]
         ratios["ours / cce extra peak"] = med_p["ours"] / max(med_p["cce"], 1)
-    return ratios
+    return ratios, bounds
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -370,7 +388,16 @@ def main(argv: list[str] | None = None) -> int:
         default=2.0,
         help="skip naive full logits when it would need more memory than this",
     )
-    parser.add_argument("--child-timeout", type=float, default=1800)
+    parser.add_argument(
+        "--child-timeout", type=float, default=1800, help="seconds for one step of ours"
+    )
+    parser.add_argument(
+        "--peer-timeout",
+        type=float,
+        default=300,
+        help="seconds for one step of a peer (naive, torch_native, cce); a peer that takes "
+        "longer is reported as timed out, and ours / its time as an upper bound (<=)",
+    )
     parser.add_argument("--warmup", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument(
         "--pairs",
@@ -433,16 +460,15 @@ def main(argv: list[str] | None = None) -> int:
         + ("" if _has_cce() else " (cut-cross-entropy not installed)"),
         flush=True,
     )
-    results, bounded = {}, set()
+    results: dict[str, dict[str, float]] = {}
+    bounded: dict[str, set[str]] = {}
     for name, config in configs.items():
         for dtype in dtypes:
             column = f"{name}/{DTYPES[dtype]}"
             run = argparse.Namespace(
                 **{**vars(args), "dtype": dtype, "torch_dtype": getattr(torch, dtype)}
             )
-            results[column] = bench_config(column, config, run)
-            if 3 * config["tokens"] * config["vocab"] * 4 > args.naive_limit_gib * 2**30:
-                bounded.add(column)
+            results[column], bounded[column] = bench_config(column, config, run)
 
     names = list(results)
     print(f"\n{'ratio':<32} " + " ".join(f"{n:>12}" for n in names) + f" {'target':>9}  met")
@@ -453,8 +479,7 @@ def main(argv: list[str] | None = None) -> int:
         cells, met = [], True
         for name in names:
             value = results[name].get(ratio)
-            # Against naive's lower bound the ratio is an upper bound.
-            upper = ratio == "ours / naive extra peak" and name in bounded
+            upper = ratio in bounded[name]
             text = "-" if value is None else ("<=" if upper else "") + format(value, ".3f")
             cells.append(f"{text:>12}")
             if value is not None and ratio in TARGETS:

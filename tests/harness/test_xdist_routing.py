@@ -2,8 +2,9 @@
 
 With two workers and process slots for one 2-rank pool, the launched cases
 must all run in one worker, on one kept pool (its ranks' pids are the same for
-every case), whatever ``--dist`` the user chose; plain tests still go to
-either worker. Ranks record their worker and pid, and the JUnit properties say
+every case), under ``--dist`` ``load``, ``loadscope`` and ``loadfile``; plain
+tests still go to either worker, except that a scope distribution keeps a
+file's plain tests with its launched cases. Ranks record their worker and pid, and the JUnit properties say
 which case of its pool each one was.
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 import json
 import xml.etree.ElementTree as ET
 
+import pytest
 from launch_project import inner_env, run_session, write_project
 
 from harness.launcher.routing import concurrent_lanes
@@ -70,8 +72,9 @@ def _session(tmp_path, dist):
     return root, ranks
 
 
-def test_launched_cases_run_in_one_worker_on_one_pool_under_n_2(tmp_path):
-    root, ranks = _session(tmp_path, None)
+@pytest.mark.parametrize("dist", [None, "loadscope", "loadfile"])
+def test_launched_cases_run_in_one_worker_on_one_pool_under_n_2(tmp_path, dist):
+    root, ranks = _session(tmp_path, dist)
     assert len({r["worker"] for r in ranks}) == 1, ranks
     assert len({r["pid"] for r in ranks}) == 2, ranks  # the same two ranks for all six cases
     kept = sorted(
@@ -80,18 +83,12 @@ def test_launched_cases_run_in_one_worker_on_one_pool_under_n_2(tmp_path):
         if "test_launched" in name
     )
     assert kept == sorted(f"kept (case {k} of its pool)" for k in range(1, 7)), kept
-
-
-def test_the_users_scopes_are_kept_together_under_the_scope_distributions(tmp_path):
-    """What ``--dist loadfile`` keeps on one worker stays there (the routing
-    leaves the scope distributions alone): file ``a``'s plain test ran on the
-    worker of its launched cases."""
-    root, ranks = _session(tmp_path, "loadfile")
-    workers_of_a = {
-        json.loads(p.read_text())["worker"] for p in (root / "out").glob("a-*.json")
-    }
-    assert len(workers_of_a) == 1, ranks
-    assert (root / "out" / "plain-a.json").read_text() == workers_of_a.pop()
+    if dist is not None:
+        # The scope distributions' promise holds: each file's plain test ran
+        # on the worker of its launched cases (one lane takes whole files).
+        worker = ranks[0]["worker"]
+        assert (root / "out" / "plain-a.json").read_text() == worker
+        assert (root / "out" / "plain-b.json").read_text() == worker
 
 
 def test_lanes_are_the_pools_of_the_widest_case_that_fit_at_once(monkeypatch):
