@@ -759,12 +759,13 @@ def test_numpy_scalars_are_accepted_like_ints():
 @pytest.mark.parametrize(
     ("tokens", "hidden", "vocab", "dtype", "on", "expected"),
     [
-        # CPU: fp32 logits of one chunk no larger than the hidden states or half the
+        # CPU: fp32 logits of one chunk no larger than the hidden states or the
         # fp32 weight gradient, power of two, within [8, 4096].
-        (4096, 256, 32000, torch.float32, "cpu", 128),
+        (4096, 256, 32000, torch.float32, "cpu", 256),
         (32768, 256, 32000, torch.float32, "cpu", 256),
         (65536, 256, 32000, torch.bfloat16, "cpu", 256),
-        (4096, 256, 128256, torch.float32, "cpu", 128),
+        (4096, 256, 128256, torch.float32, "cpu", 256),
+        (4096, 96, 32000, torch.float32, "cpu", 64),
         (100, 8, 128256, torch.float32, "cpu", 8),  # lower bound
         (10**6, 8192, 32000, torch.float32, "cpu", 4096),  # upper bound
         # Accelerators: the hidden-states rule within [512, 8192].

@@ -713,7 +713,7 @@ def test_nox_from_an_interpreter_without_torch_says_so_once(tmp_path):
 
 QUICKSTART = [
     'pip install torch==2.13.0 -e ".[test]" -e ./harness && python -m harness run cpu',
-    'pip install torch==2.13.0 -e ".[test]" -e ./harness && python -m pytest -q -n 2',
+    'pip install torch==2.13.0 -e ".[test]" -e ./harness && python -m pytest -q -n 2 --dist loadfile',
 ]
 
 
