@@ -65,7 +65,9 @@ def record(token_losses: torch.Tensor, targets: torch.Tensor, ignore_index: int 
     if cap is None or _in_backward():
         return
     # The targets are copied: callers often reuse (prefetch into) their label buffer.
-    cap.observations.append(TokenObservation(token_losses.detach(), targets.detach().clone(), int(ignore_index)))
+    cap.observations.append(
+        TokenObservation(token_losses.detach(), targets.detach().clone(), int(ignore_index))
+    )
 
 
 @contextmanager

@@ -351,6 +351,7 @@ def _has_out_dtype(device: torch.device) -> bool:
             x = torch.ones(1, 1, dtype=torch.bfloat16, device=device)
             acc = torch.zeros(1, 1, dtype=torch.float32, device=device)
             torch.mm(x, x, out_dtype=torch.float32)
+            torch.mm(x, x, out_dtype=torch.float32, out=acc)
             torch.addmm(acc, x, x, out_dtype=torch.float32, out=acc)
             known = True
         except (RuntimeError, NotImplementedError, TypeError):
@@ -797,8 +798,9 @@ def default_chunk_size(
     On the CPU below ~``hidden`` rows that traffic and the GEMMs' short
     inner dimension dominate (measured at H=256, V=32000: 32 rows 4-6x slower
     than 128, and 128 rows 1.2x slower than 256), while the extra memory stays
-    under 2x the weight gradient plus two hidden-state copies. On accelerators the floor of 512 rows is where, at H200-class
-    bandwidth and tensor-core rates, the weight-gradient traffic stops
+    under 2x the weight gradient plus two hidden-state copies. On
+    accelerators the floor of 512 rows is where, at H200-class bandwidth and
+    tensor-core rates, the weight-gradient traffic stops
     setting the time (a roofline estimate; ``scripts/bench/cuda_qualify.py`` measures
     the default against other chunk sizes). Depends only on the arguments,
     so calls with the same shapes chunk alike (the bitwise
