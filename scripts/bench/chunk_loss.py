@@ -26,8 +26,8 @@ noise hits every method alike; the table shows the best time and the median
 extra peak of the rounds. The capture overhead comes from alternating
 ``ours`` / ``ours_capture`` steps in one process (15 pairs in ``base``, 1 in
 the others; best of each), not from the separate processes. A peer whose
-step takes longer than ``--peer-timeout`` (300 s; cce's and torch's bf16 on a
-CPU without bf16 matrix units can) is reported as timed out, and ours / its
+step takes longer than ``--peer-timeout`` (120 s; naive's and cce's bf16 on
+a CPU without bf16 matrix units do) is reported as timed out, and ours / its
 time as the upper bound ours / timeout (marked <=). Naive full
 logits is skipped where it would need more than ``--naive-limit-gib`` (it
 needs ~3 x N x V x 4 bytes); its extra peak is then the lower bound
@@ -394,7 +394,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--peer-timeout",
         type=float,
-        default=300,
+        default=120,
         help="seconds for one step of a peer (naive, torch_native, cce); a peer that takes "
         "longer is reported as timed out, and ours / its time as an upper bound (<=)",
     )
