@@ -16,7 +16,9 @@ Hypothesis profiles, chosen with ``HYPOTHESIS_PROFILE`` (default ``ci``):
 from __future__ import annotations
 
 import os
+import signal
 import sys
+import threading
 from pathlib import Path
 
 from hypothesis import HealthCheck, settings
@@ -24,6 +26,17 @@ from hypothesis import HealthCheck, settings
 ROOT = str(Path(__file__).resolve().parent.parent)
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
+
+# Tests that stop an inner pytest with SIGINT play a terminal's Ctrl-C. Started as a
+# background job of a script (`.ci/run &`, nohup), this run, and everything it
+# starts, would inherit SIGINT ignored (an ignored signal stays ignored across
+# exec), and those inner sessions would never see the signal. Take it as a
+# terminal run does: a handler here resets to the default in every child.
+if (
+    threading.current_thread() is threading.main_thread()
+    and signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+):
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 # The bitwise tests enable deterministic algorithms; on CUDA, cuBLAS then
 # refuses to run unless its workspace is pinned. Set before any CUDA context

@@ -225,3 +225,39 @@ def test_signal_during_planning_is_never_lost(pytester, tmp_path_factory):
     assert "harness: SIGTERM: stopped before any case ran" in out
     assert "Traceback" not in out + err
     assert not (root / "out").exists()  # no pytest was started
+
+
+DISPOSITION = """
+    import os
+    import signal
+    from pathlib import Path
+
+    def test_records_its_sigint():
+        Path(os.environ["PIDS_DIR"], "sigint").write_text(repr(signal.getsignal(signal.SIGINT)))
+"""
+
+
+def test_pytest_takes_sigint_when_the_run_was_started_ignoring_it(pytester, tmp_path_factory):
+    # A background job of a script (`harness run cpu &`, nohup) starts with SIGINT
+    # ignored, and an ignored signal stays ignored across exec. `harness run` stops its
+    # pytest with SIGINT, so that pytest (and its workers) must take it all the same:
+    # the run's own handler, installed over the ignored one, is what resets it.
+    root = make_project(
+        pytester.path,
+        {"tests/plain/test_p.py": DISPOSITION},
+        {"cpu": manifest("cpu", "cpu", [{"id": "plain", "paths": ["tests/plain"]}])},
+    )
+    pids_dir = tmp_path_factory.mktemp("pids")
+    env = {k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"}
+    env["PIDS_DIR"] = str(pids_dir)
+    done = subprocess.run(
+        [sys.executable, "-m", "harness", "run", "cpu", "--out", "out", "--workers", "1"],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert (pids_dir / "sigint").read_text() == repr(signal.default_int_handler)
