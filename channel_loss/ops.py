@@ -395,15 +395,13 @@ class _Products:
         self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None
     ) -> torch.Tensor:
         """``a @ b`` in fp32 (accumulated in fp32), written into ``out`` (fp32) when given."""
+        into = {} if out is None else {"out": out}
         if a.dtype == torch.float32 and b.dtype == torch.float32:
-            return torch.mm(a, b, out=out) if out is not None else torch.mm(a, b)
+            return torch.mm(a, b, **into)
         if self.native:
-            if out is not None:
-                return torch.mm(a, b, out_dtype=torch.float32, out=out)
-            return torch.mm(a, b, out_dtype=torch.float32)
+            return torch.mm(a, b, out_dtype=torch.float32, **into)
         if self.emulate:
-            a, b = a.float(), b.float()
-            return torch.mm(a, b, out=out) if out is not None else torch.mm(a, b)
+            return torch.mm(a.float(), b.float(), **into)
         return out.copy_(torch.mm(a, b)) if out is not None else torch.mm(a, b).float()
 
     def addmm32_(self, acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
@@ -432,16 +430,15 @@ def _chunk_logits(
     bias: _Bias,
     start: int,
     end: int,
-    buffer: torch.Tensor | None = None,
+    buffer: torch.Tensor,
 ) -> torch.Tensor:
-    """fp32 logits of token rows ``[start, end)``; the only place the LM head is applied.
+    """fp32 logits of token rows ``[start, end)``, written into the first rows of
+    ``buffer`` (fp32, the vocabulary's width); the only place the LM head is applied.
 
-    ``buffer`` (fp32, at least ``end - start`` rows of the vocabulary's width)
-    may receive them: one buffer for every chunk of a walk spares the
-    allocator a fresh chunk-sized block, and the kernel its first-touch page
-    faults, per chunk.
+    One buffer for every chunk of a walk spares the allocator a fresh
+    chunk-sized block, and the kernel its first-touch page faults, per chunk.
     """
-    out = None if buffer is None else buffer[: end - start]
+    out = buffer[: end - start]
     logits = products.mm32(products.operand(h[start:end]), products.weight.t(), out)
     if bias.full is not None:
         logits.add_(_bias_rows(bias, bias.full, start, end).float())

@@ -4,8 +4,8 @@ With two workers and process slots for one 2-rank pool, the launched cases
 must all run in one worker, on one kept pool (its ranks' pids are the same for
 every case), under ``--dist`` ``load``, ``loadscope`` and ``loadfile``; plain
 tests still go to either worker, except that a scope distribution keeps a
-file's plain tests with its launched cases. Ranks record their worker and pid, and the JUnit properties say
-which case of its pool each one was.
+file's plain tests with its launched cases. Ranks record their worker and pid,
+and the JUnit properties say which case of its pool each one was.
 """
 
 from __future__ import annotations
