@@ -292,10 +292,70 @@ def _chunks(n: int, chunk_size: int) -> Iterator[tuple[int, int]]:
         yield start, min(start + chunk_size, n)
 
 
-def _bias_rows(bias: _Bias, rows: torch.Tensor, start: int, end: int) -> torch.Tensor:
+@dataclass(frozen=True)
+class _Span:
+    """The token rows of one chunk: flat rows ``[start, end)``, or, where the walk skips
+    ignored targets, the flat rows that ``index`` lists."""
+
+    start: int
+    end: int
+    index: torch.Tensor | None = None
+
+    @property
+    def size(self) -> int:
+        return self.end - self.start
+
+    def take(self, x: torch.Tensor) -> torch.Tensor:
+        """This chunk's rows of ``x`` (a view for a plain range, a copy for an index)."""
+        return x[self.start : self.end] if self.index is None else x.index_select(0, self.index)
+
+    def put(self, out: torch.Tensor, value: torch.Tensor) -> None:
+        """Write ``value`` into this chunk's rows of ``out``."""
+        if self.index is None:
+            out[self.start : self.end] = value
+        else:
+            out.index_copy_(0, self.index, value)
+
+    def fill(self, out: torch.Tensor, produce: Callable[[torch.Tensor], None]) -> None:
+        """Have ``produce(rows)`` write this chunk's rows of ``out`` (in place for a range)."""
+        if self.index is None:
+            produce(out[self.start : self.end])
+            return
+        rows = out.new_empty((self.size, *out.shape[1:]))
+        produce(rows)
+        out.index_copy_(0, self.index, rows)
+
+
+def _skips_ignored(device: torch.device) -> bool:
+    """Whether a walk on ``device`` leaves out the rows whose target is ignored.
+
+    Their loss is 0 and their gradient is zero by definition, so computing
+    their logits is wasted work (in fine-tuning, masked prompts are often
+    most of the rows). Finding the scored rows needs their count on the host:
+    free on the CPU, a device sync elsewhere, so accelerators compute every
+    row and zero the ignored ones.
+    """
+    return device.type == "cpu"
+
+
+def _spans(valid: torch.Tensor, chunk_size: int) -> tuple[list[_Span], bool]:
+    """The chunks of one walk, and whether they skip ignored rows (see ``_skips_ignored``).
+
+    Skipping, a chunk holds ``chunk_size`` scored rows; rows that no span
+    covers keep a zero loss and a zero hidden gradient.
+    """
+    n = valid.shape[0]
+    if _skips_ignored(valid.device):
+        scored = valid.nonzero().squeeze(1)
+        if scored.shape[0] < n:
+            return [_Span(s, e, scored[s:e]) for s, e in _chunks(scored.shape[0], chunk_size)], True
+    return [_Span(s, e) for s, e in _chunks(n, chunk_size)], False
+
+
+def _bias_rows(bias: _Bias, rows: torch.Tensor, span: _Span) -> torch.Tensor:
     if bias.row_of_token is None:
-        return rows[start:end]
-    return rows.index_select(0, bias.row_of_token[start:end])
+        return span.take(rows)
+    return rows.index_select(0, span.take(bias.row_of_token))
 
 
 # --------------------------------------------------------------------------- GEMM dtype policy
@@ -425,27 +485,43 @@ class _Products:
 
 
 def _chunk_logits(
-    h: torch.Tensor,
+    h_rows: torch.Tensor,
     products: _Products,
     bias: _Bias,
-    start: int,
-    end: int,
+    span: _Span,
     buffer: torch.Tensor,
 ) -> torch.Tensor:
-    """fp32 logits of token rows ``[start, end)``, written into the first rows of
-    ``buffer`` (fp32, the vocabulary's width); the only place the LM head is applied.
+    """fp32 logits ``[rows, V]`` of ``span``'s token rows (``h_rows``, as a product
+    operand), written into the flat fp32 ``buffer`` (laid out as ``_vocab_major``
+    says); the only place the LM head is applied.
 
     One buffer for every chunk of a walk spares the allocator a fresh
     chunk-sized block, and the kernel its first-touch page faults, per chunk.
     """
-    out = buffer[: end - start]
-    logits = products.mm32(products.operand(h[start:end]), products.weight.t(), out)
+    vocab = products.weight.shape[0]
+    block = buffer[: span.size * vocab]
+    out = block.view(vocab, span.size).t() if _vocab_major(buffer.device) else block.view(-1, vocab)
+    logits = products.mm32(h_rows, products.weight.t(), out)
     if bias.full is not None:
-        logits.add_(_bias_rows(bias, bias.full, start, end).float())
+        logits.add_(_bias_rows(bias, bias.full, span).float())
     elif bias.factor is not None:
-        factor = products.operand(_bias_rows(bias, bias.factor, start, end))
+        factor = products.operand(_bias_rows(bias, bias.factor, span))
         logits.add_(products.mm32(factor, products.factor_weight.t()))
     return logits
+
+
+def _vocab_major(device: torch.device) -> bool:
+    """Whether a chunk's logits on ``device`` lie in memory as ``[V, rows]`` (used
+    through their ``[rows, V]`` transpose) rather than row-major.
+
+    On the CPU the logits GEMM writing a row-major block, whose rows lie V
+    floats apart, ran about a fifth slower than writing the compact
+    vocabulary-major one (measured at 256 rows, V = 32000 and 128256); the
+    row reductions of the chunk math take strided reads instead, which cost
+    less. Accelerators keep row-major blocks, so that their kernels reduce
+    over contiguous memory.
+    """
+    return device.type == "cpu"
 
 
 def _final_logits_(
@@ -544,13 +620,14 @@ def _walk(*args, fused: bool) -> tuple[torch.Tensor, torch.Tensor, list[torch.Te
     def zeros(t: torch.Tensor | None, need: bool) -> torch.Tensor | None:
         return torch.zeros(t.shape, dtype=torch.float32, device=h.device) if need else None
 
-    token_losses = torch.empty(n, dtype=torch.float32, device=h.device)
+    spans, skipping = _spans(valid, chunk_size)
+    # Skipped rows are never written: their loss and hidden gradient start at zero.
+    rows_of = torch.zeros if skipping else torch.empty
+    token_losses = rows_of(n, dtype=torch.float32, device=h.device)
     train_losses = (
-        torch.empty(n, dtype=torch.float32, device=h.device)
-        if features.changes_loss
-        else token_losses
+        rows_of(n, dtype=torch.float32, device=h.device) if features.changes_loss else token_losses
     )
-    grad_h = torch.empty_like(h) if need_h else None
+    grad_h = rows_of(h.shape, dtype=h.dtype, device=h.device) if need_h else None
     grad_w = zeros(weight, need_w)
     grad_full = zeros(bias.full, need_full)
     grad_factor = zeros(bias.factor, need_factor)
@@ -558,20 +635,20 @@ def _walk(*args, fused: bool) -> tuple[torch.Tensor, torch.Tensor, list[torch.Te
     any_grad = any(needs)
     products = _Products(weight, bias.factor_weight)
     # One chunk of fp32 logits for the whole walk (see _chunk_logits).
-    buffer = torch.empty(
-        (min(chunk_size, n), weight.shape[0]), dtype=torch.float32, device=h.device
-    )
-    for s, e in _chunks(n, chunk_size):
-        logits = _chunk_logits(h, products, bias, s, e, buffer)
-        t, v = targets[s:e], valid[s:e]
+    widest = max((span.size for span in spans), default=0)
+    buffer = torch.empty(widest * weight.shape[0], dtype=torch.float32, device=h.device)
+    for span in spans:
+        h_rows = products.operand(span.take(h))
+        logits = _chunk_logits(h_rows, products, bias, span, buffer)
+        t, v = span.take(targets), span.take(valid)
         if fused:
             nll, train, lse = _fused.stats(logits, t, v, features)
         else:
             cap_slope = _final_logits_(logits, features, keep_cap_slope=any_grad)
             nll, sumexp, lse, train = _softmax_ce_(logits, t, v, features)
-        token_losses[s:e] = nll
+        span.put(token_losses, nll)
         if train_losses is not token_losses:
-            train_losses[s:e] = train
+            span.put(train_losses, train)
         if not any_grad:
             del logits
             continue
@@ -586,18 +663,18 @@ def _walk(*args, fused: bool) -> tuple[torch.Tensor, torch.Tensor, list[torch.Te
             )
             del cap_slope
         if need_h:
-            products.grad_hidden(dl, grad_h[s:e])
+            span.fill(grad_h, functools.partial(products.grad_hidden, dl))
         if need_w:
-            products.addmm32_(grad_w, dl.t(), products.operand(h[s:e]))
+            products.addmm32_(grad_w, dl.t(), h_rows)
         if need_full:
-            _scatter_rows(grad_full, bias, dlogits, s, e)
+            _scatter_rows(grad_full, bias, dlogits, span)
         if need_factor:
-            _scatter_rows(grad_factor, bias, products.mm32(dl, products.factor_weight), s, e)
+            _scatter_rows(grad_factor, bias, products.mm32(dl, products.factor_weight), span)
         if need_factor_w:
-            factor = products.operand(_bias_rows(bias, bias.factor, s, e))
+            factor = products.operand(_bias_rows(bias, bias.factor, span))
             products.addmm32_(grad_factor_w, dl.t(), factor)
         # This chunk's model-dtype operand goes before the next chunk makes its own.
-        del logits, dlogits, dl
+        del logits, dlogits, dl, h_rows
     return token_losses, train_losses, [grad_h, grad_w, grad_full, grad_factor, grad_factor_w]
 
 
@@ -755,11 +832,13 @@ class _ChunkedCE(torch.autograd.Function):
         return (*grads, None, None, None, None, None, None, None)
 
 
-def _scatter_rows(grad_rows: torch.Tensor, bias: _Bias, d: torch.Tensor, s: int, e: int) -> None:
-    if bias.row_of_token is None:
-        grad_rows[s:e] += d
+def _scatter_rows(grad_rows: torch.Tensor, bias: _Bias, d: torch.Tensor, span: _Span) -> None:
+    if bias.row_of_token is None and span.index is None:
+        grad_rows[span.start : span.end] += d
+    elif bias.row_of_token is None:
+        grad_rows.index_add_(0, span.index, d)
     else:
-        grad_rows.index_add_(0, bias.row_of_token[s:e], d)
+        grad_rows.index_add_(0, span.take(bias.row_of_token), d)
 
 
 # --------------------------------------------------------------------------- chunk size

@@ -330,10 +330,15 @@ class MatmulCounter(TorchDispatchMode):
         super().__init__()
         self.matmuls = 0
         self.largest = 0
+        self.flops = 0  # of the 2-D products (mm, addmm, addmm_)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.overloadpacket.__name__ in self.MATMULS:
+        name = func.overloadpacket.__name__
+        if name in self.MATMULS:
             self.matmuls += 1
+        if name in ("mm", "addmm", "addmm_"):
+            a, b = args[:2] if name == "mm" else args[1:3]
+            self.flops += 2 * a.shape[0] * a.shape[1] * b.shape[1]
         out = func(*args, **(kwargs or {}))
         for t in out if isinstance(out, (tuple, list)) else (out,):
             if isinstance(t, torch.Tensor):
@@ -684,6 +689,48 @@ def test_one_chunk_of_logits_serves_every_chunk(dtype):
         loss = cl.chunk_cross_entropy(**inputs, shift_labels=labels, chunk_size=chunk)
         loss.backward()
     assert mem.created.count(chunk * V * 4) == 1, mem.created
+
+
+def test_rows_with_ignored_targets_cost_no_lm_head_work():
+    """On the CPU the three LM-head products cover the scored rows only: in fine-tuning,
+    masked prompts are often most of the batch."""
+    T, H, V, chunk = 64, 8, 97, 8
+    inputs, labels = make_inputs(lead=(T,), H=H, V=V, bias="none", seed=11)
+    labels[torch.arange(T) % 4 != 0] = IGNORE
+    with MatmulCounter() as counter:
+        cl.chunk_cross_entropy(**inputs, shift_labels=labels, chunk_size=chunk).backward()
+    scored = int((labels != IGNORE).sum())
+    # Logits, hidden gradient and weight gradient: 2 x rows x H x V each.
+    assert counter.flops == 3 * 2 * scored * H * V, counter.flops / (3 * 2 * H * V)
+
+
+@pytest.mark.parametrize("bias", BIAS_FORMS)
+def test_rows_with_ignored_targets_are_never_read(bias):
+    """The loss, the observation and every gradient are bitwise the same whatever an
+    ignored row's hidden state (or bias row) holds, NaN included; that row's hidden
+    gradient is zero."""
+    T, H, V, chunk = 24, 6, 31, 4
+    inputs, labels = make_inputs(lead=(2, T), H=H, V=V, bias=bias, seed=12)
+    labels[:, ::3] = IGNORE
+    labels[1, 5:17] = IGNORE
+    ignored = labels == IGNORE
+    poisoned = {k: v.detach().clone().requires_grad_() for k, v in inputs.items()}
+    with torch.no_grad():
+        poisoned["hidden_states"][ignored] = float("nan")
+        if bias in ("row_full", "factored"):
+            poisoned["logits_bias"][ignored] = float("nan")
+    results = []
+    for x in (inputs, poisoned):
+        with cl.capture() as cap:
+            loss = cl.chunk_cross_entropy(**x, shift_labels=labels, chunk_size=chunk)
+        (loss * 3.0).backward()
+        results.append((loss, cap.observations[0].token_losses, grads(x)))
+    (loss, tokens, clean), (loss_p, tokens_p, dirty) = results
+    assert torch.equal(loss_p, loss)
+    assert torch.equal(tokens_p, tokens)
+    for name in clean:
+        assert torch.equal(dirty[name], clean[name]), name
+    assert torch.equal(clean["hidden_states"][ignored], torch.zeros(int(ignored.sum()), H))
 
 
 def test_observation_owns_its_targets():
