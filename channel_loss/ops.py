@@ -316,6 +316,13 @@ class _Span:
         else:
             out.index_copy_(0, self.index, value)
 
+    def add(self, out: torch.Tensor, value: torch.Tensor) -> None:
+        """Add ``value`` to this chunk's rows of ``out``."""
+        if self.index is None:
+            out[self.start : self.end] += value
+        else:
+            out.index_add_(0, self.index, value)
+
     def fill(self, out: torch.Tensor, produce: Callable[[torch.Tensor], None]) -> None:
         """Have ``produce(rows)`` write this chunk's rows of ``out`` (in place for a range)."""
         if self.index is None:
@@ -833,10 +840,8 @@ class _ChunkedCE(torch.autograd.Function):
 
 
 def _scatter_rows(grad_rows: torch.Tensor, bias: _Bias, d: torch.Tensor, span: _Span) -> None:
-    if bias.row_of_token is None and span.index is None:
-        grad_rows[span.start : span.end] += d
-    elif bias.row_of_token is None:
-        grad_rows.index_add_(0, span.index, d)
+    if bias.row_of_token is None:
+        span.add(grad_rows, d)
     else:
         grad_rows.index_add_(0, span.take(bias.row_of_token), d)
 
