@@ -11,8 +11,8 @@ in fp32 and in bf16 (``--dtype`` picks; one column per configuration and
 dtype in the ratio table):
 
     base    N=4096  H=256 V=32000   3 rounds
-    vocab   N=4096  H=256 V=128256  1 round   (large vocabulary)
-    tokens  N=32768 H=256 V=32000   1 round   (many tokens)
+    vocab   N=4096  H=256 V=128256  2 rounds  (large vocabulary)
+    tokens  N=32768 H=256 V=32000   2 rounds  (many tokens)
 
 Every measurement is one fwd+bwd step in a fresh subprocess (after a
 warm-up step on a tiny problem, and one at full size in ``base``; methods
@@ -60,12 +60,12 @@ from channel_loss.ops import chunk_math
 
 CONFIGS = {
     "base": {"tokens": 4096, "hidden": 256, "vocab": 32000, "rounds": 3, "warmup": 1, "pairs": 15},
-    "vocab": {"tokens": 4096, "hidden": 256, "vocab": 128256, "rounds": 1, "warmup": 0, "pairs": 1},
+    "vocab": {"tokens": 4096, "hidden": 256, "vocab": 128256, "rounds": 2, "warmup": 0, "pairs": 1},
     "tokens": {
         "tokens": 32768,
         "hidden": 256,
         "vocab": 32000,
-        "rounds": 1,
+        "rounds": 2,
         "warmup": 0,
         "pairs": 1,
     },
