@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from harness.devices import DEVICES
+    from harness.launcher.groups import kept_group
     from harness.launcher.launch import LaunchBudgetError, LaunchError, launch
     from harness.launcher.lease import LeaseTimeout
     from harness.spec import LaunchSpec
@@ -24,10 +25,19 @@ _HOMES = {
     "LaunchError": "harness.launcher.launch",
     "LaunchSpec": "harness.spec",
     "LeaseTimeout": "harness.launcher.lease",
+    "kept_group": "harness.launcher.groups",
     "launch": "harness.launcher.launch",
 }
 
-__all__ = ["DEVICES", "LaunchBudgetError", "LaunchError", "LaunchSpec", "LeaseTimeout", "launch"]
+__all__ = [
+    "DEVICES",
+    "LaunchBudgetError",
+    "LaunchError",
+    "LaunchSpec",
+    "LeaseTimeout",
+    "kept_group",
+    "launch",
+]
 
 
 def __getattr__(name: str) -> Any:

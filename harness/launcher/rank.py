@@ -46,6 +46,7 @@ from typing import Any, NoReturn
 
 from harness.devices import Card, device_for_backend, local_index, runtime_available, set_device
 from harness.launcher import coverage as rank_coverage
+from harness.launcher import groups
 from harness.launcher.coverage import CoverageSpec
 from harness.launcher.outcome import FAILED, PASSED, SKIPPED, XFAILED, RankOutcome
 from harness.launcher.reset import Baseline, Inherited, fresh_context
@@ -275,7 +276,7 @@ def _run_kept(
         baseline = Baseline.capture()
     else:
         # A kept rank starts the case at once: the whole deadline's timeout.
-        _set_pg_timeout(ctx.pg_timeout_s)
+        groups.set_timeout(ctx.pg_timeout_s)
     return _run(ctx, task, fresh_module=True), baseline
 
 
@@ -431,13 +432,15 @@ def _init_distributed(ctx: RankContext) -> None:
     if ctx.card is not None:
         _select_card(ctx)
     store = dist.FileStore(ctx.store_path, ctx.world_size)
+    timeout = _pg_timeout(ctx)
     dist.init_process_group(
         ctx.backend,
         store=store,
         rank=ctx.rank,
         world_size=ctx.world_size,
-        timeout=timedelta(seconds=_pg_timeout(ctx)),
+        timeout=timedelta(seconds=timeout),
     )
+    groups.set_timeout(timeout)
 
 
 def _pg_timeout(ctx: RankContext) -> float:
@@ -452,21 +455,6 @@ def _pg_timeout(ctx: RankContext) -> float:
     if case is None:
         return ctx.pg_timeout_s
     return min(ctx.pg_timeout_s, pg_timeout_for(max(0.1, case.deadline - time.time())))
-
-
-def _set_pg_timeout(seconds: float) -> None:
-    """Give the kept process group this case's timeout (below its deadline)."""
-    import warnings
-    from datetime import timedelta
-
-    import torch.distributed as dist
-
-    setter = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
-    if setter is None:
-        return
-    with warnings.catch_warnings(), contextlib.suppress(Exception):
-        warnings.simplefilter("ignore")  # "only supported for nccl or gloo" (hccl)
-        setter(timedelta(seconds=seconds))
 
 
 def _health_check(ctx: RankContext, seq: int) -> str | None:

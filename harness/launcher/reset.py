@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from harness.devices import accelerators
+from harness.launcher.groups import kept_entries, process_groups
 
 
 def set_environ(target: dict[str, str]) -> None:
@@ -529,7 +530,7 @@ class Baseline:
             threads=frozenset(t.ident for t in threading.enumerate() if t.ident is not None),
         )
         if "torch" in sys.modules:
-            baseline.groups, baseline.default_group = _process_groups()
+            baseline.groups, baseline.default_group = process_groups()
         # What exists now (the imported libraries) lives as long as the rank:
         # keep it out of every later collection, so that collecting a case's
         # garbage costs milliseconds, not a scan of all of torch.
@@ -568,13 +569,18 @@ class Baseline:
             return f"the case left {len(threads)} thread(s) running ({names})"
         if "torch" not in sys.modules:
             return None
-        groups, default = _process_groups()
+        groups, default = process_groups()
         if default is not self.default_group:
             return "the case destroyed or replaced the default process group"
-        if groups != self.groups:
+        if groups != self.groups + kept_entries():
             # Sub-groups hold connections and threads of their own; destroying
-            # them is itself a hang risk, so their ranks are not reused.
-            return f"the case created {groups - self.groups} process group(s)"
+            # them is itself a hang risk, so their ranks are not reused. Those
+            # made by harness.kept_group are the rank's own (kept on purpose).
+            made = groups - self.groups - kept_entries()
+            return (
+                f"the case created {made} process group(s) "
+                "(harness.kept_group makes sub-groups a kept rank keeps)"
+            )
         return _device_error()
 
     def _wanted(self, fact: Fact) -> Any:
@@ -601,19 +607,6 @@ def _differs(fact: Fact, want: Any) -> bool:
         return bool(fact.read() != want)
     except Exception:
         return True
-
-
-def _process_groups() -> tuple[int, Any]:
-    """(number of process groups, the default group) as torch.distributed knows them."""
-    dist = sys.modules.get("torch.distributed")
-    if dist is None or not dist.is_available() or not dist.is_initialized():
-        return 0, None
-    c10d = dist.distributed_c10d
-    world = getattr(c10d, "_world", None)
-    pg_map = getattr(world, "pg_map", None)
-    # Unknown internals: report a change, so the pool is conservatively not reused.
-    count = len(pg_map) if pg_map is not None else -1
-    return count, c10d._get_default_group()
 
 
 def _device_error() -> str | None:

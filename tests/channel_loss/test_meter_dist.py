@@ -138,9 +138,10 @@ def test_four_ranks_sp_dp_and_sp_by_dp_subgroups(device):
     meter = ChannelLossMeter(dp_group=dist.group.WORLD)
     assert run_step(meter, own[rank], device) == expected(*own)
 
-    # 2 x 2: rank = 2 * dp_rank + sp_rank; every rank creates every group, in one order.
-    sp_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
-    dp_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    # 2 x 2: rank = 2 * dp_rank + sp_rank; every rank creates every group, in one order
+    # (kept: later 4-rank cases run on these ranks).
+    sp_groups = [harness.kept_group([0, 1]), harness.kept_group([2, 3])]
+    dp_groups = [harness.kept_group([0, 2]), harness.kept_group([1, 3])]
     sp_rank, dp_rank = rank % 2, rank // 2
     meter = ChannelLossMeter(sp_group=sp_groups[dp_rank], dp_group=dp_groups[sp_rank])
     own = [micro_batches(seed=300 + d, sources=DP_SOURCES[d]) for d in range(2)]

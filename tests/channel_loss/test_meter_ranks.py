@@ -74,7 +74,8 @@ def expected_metrics(example: dict, dp: int) -> dict:
 
 
 def _groups(sp: int, dp: int):
-    """This rank's (sp_group, dp_group): rank = dp_rank * sp + sp_rank; every rank makes every group."""
+    """This rank's (sp_group, dp_group): rank = dp_rank * sp + sp_rank; every rank makes every
+    group, through ``harness.kept_group``, so later examples on the kept ranks reuse them."""
     rank, world = dist.get_rank(), dist.get_world_size()
 
     def made(blocks: list[list[int]]):
@@ -84,7 +85,7 @@ def _groups(sp: int, dp: int):
             return dist.group.WORLD
         return next(
             group
-            for ranks, group in [(ranks, dist.new_group(ranks)) for ranks in blocks]
+            for ranks, group in [(ranks, harness.kept_group(ranks)) for ranks in blocks]
             if rank in ranks
         )
 

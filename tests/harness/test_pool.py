@@ -28,6 +28,7 @@ from harness.launcher.lease import acquire, slot_want
 SEQUENCE = '''
     import json
     import os
+    import re
     import signal
     import subprocess
     import sys
@@ -189,6 +190,54 @@ SEQUENCE = '''
         note("two-again")
 
 
+    def gloo_timeout(group):
+        import torch
+
+        return group._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+
+
+    @pytest.mark.launch(LaunchSpec(nproc=2, timeout=90))
+    def test_14a_makes_kept_groups():
+        import torch
+        import torch.distributed as dist
+
+        import harness
+
+        note("kept-groups")
+        pair = harness.kept_group([0, 1])
+        singles = [harness.kept_group([r]) for r in range(2)]  # every rank, in one order
+        assert harness.kept_group([1, 0]) is pair
+        total = torch.ones(1)
+        dist.all_reduce(total, group=pair)
+        assert total.item() == 2
+        assert dist.get_world_size(singles[rank()]) == 1
+        assert singles[1 - rank()] is dist.GroupMember.NON_GROUP_MEMBER
+        assert gloo_timeout(pair) == 72.0  # made under this case's 90 s deadline
+        (out_dir() / f"groups-{rank()}.json").write_text(json.dumps([id(pair), id(singles[rank()])]))
+        for bad, words in (([0, 0], "repeat a rank"), ([2], "outside the world of 2 ranks"),
+                           ([], "ranks is empty"), (["0"], "'0' in ['0'] is not an int")):
+            with pytest.raises(ValueError, match=re.escape(words)):
+                harness.kept_group(bad)
+
+
+    @pytest.mark.launch(LaunchSpec(nproc=2, timeout=60))
+    def test_14a_kept_groups_next_case():
+        import torch
+        import torch.distributed as dist
+
+        import harness
+
+        note("kept-groups-next")
+        pair = harness.kept_group([0, 1])
+        singles = [harness.kept_group([r]) for r in range(2)]
+        made = json.loads((out_dir() / f"groups-{rank()}.json").read_text())
+        assert [id(pair), id(singles[rank()])] == made  # the very groups of the last case
+        assert gloo_timeout(pair) == 48.0  # the kept group follows this case's 60 s deadline
+        total = torch.ones(1)
+        dist.all_reduce(total, group=pair)
+        assert total.item() == 2
+
+
     @pytest.mark.launch(nproc=2)
     def test_14b_makes_a_group():
         import torch.distributed as dist
@@ -329,11 +378,20 @@ def test_reuse_false_spawns_fresh_ranks_beside_the_pool(sequence):
     assert pids["two-again"] == pids["two"]  # the kept pool was left alone
 
 
+def test_sub_groups_from_kept_group_keep_the_ranks_and_reach_the_next_case(sequence):
+    _, session, pids = sequence
+    for name in ("test_14a_makes_kept_groups", "test_14a_kept_groups_next_case"):
+        assert session.case(name).status == "passed", session.output
+    assert pids["kept-groups"] == pids["kept-groups-next"] == pids["two"]
+    assert pids["makes-group"] == pids["two"]
+
+
 def test_a_case_leaving_what_cannot_be_reset_retires_its_ranks(sequence):
     _, session, pids = sequence
     for name in ("test_14b_makes_a_group", "test_14c_leaves_a_thread", "test_14d_after_leftovers"):
         assert session.case(name).status == "passed", session.output
     assert pids["makes-group"] == pids["two"]
+    # (1, not 4: the groups harness.kept_group made before are the ranks' own.)
     assert not set(pids["leaves-thread"]) & set(pids["makes-group"])
     assert not set(pids["after-leftovers"]) & set(pids["leaves-thread"])
     for note in ("rank 0: the case created 1 process group(s)",
@@ -697,3 +755,14 @@ def test_a_rank_blocked_on_a_peer_that_passed_fails_when_the_peer_is_gone(tmp_pa
     assert case.text.startswith("rank 0 failed: "), case.text
     assert "timed out" not in case.text.splitlines()[0].lower(), case.text
     assert float((out / "blocked-seconds").read_text()) < 32 / 2
+
+
+def test_kept_group_without_a_process_group_says_where_to_call_it():
+    import torch.distributed as dist
+
+    import harness
+
+    assert not dist.is_initialized(), "an earlier test left a default process group here"
+    with pytest.raises(RuntimeError, match=r"harness.kept_group: torch.distributed has no "
+                                           r"default process group here; call it on launched"):
+        harness.kept_group([0])
