@@ -135,10 +135,17 @@ SEQUENCE = '''
         import torch
         import torch.distributed as dist
 
+        import harness
+
         note("three")
         total = torch.ones(1)
         dist.all_reduce(total)
         assert total.item() == 3
+        # Made in its pool's first case: the timeout the ranks joined with.
+        world = dist.distributed_c10d._get_default_group()
+        outer = harness.kept_group([0, 2])
+        if rank() != 1:
+            assert gloo_timeout(outer) == gloo_timeout(world) < 300
 
 
     @pytest.mark.launch(nproc=2)
