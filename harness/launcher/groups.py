@@ -16,6 +16,7 @@ This module also owns how the harness counts process groups
 from __future__ import annotations
 
 import contextlib
+import operator
 import sys
 import warnings
 from collections.abc import Sequence
@@ -120,9 +121,13 @@ def _checked_ranks(ranks: Sequence[int], world: int) -> tuple[int, ...]:
         ) from None
     if not given:
         raise ValueError("harness.kept_group: ranks is empty")
-    for r in given:
-        if isinstance(r, bool) or not isinstance(r, int):
-            raise ValueError(f"harness.kept_group: rank {r!r} in {given} is not an int")
+    for k, r in enumerate(given):
+        try:
+            if isinstance(r, bool):
+                raise TypeError
+            given[k] = r = operator.index(r)  # numpy integers too, as LaunchSpec takes them
+        except TypeError:
+            raise ValueError(f"harness.kept_group: rank {r!r} in {given} is not an int") from None
         if not 0 <= r < world:
             raise ValueError(
                 f"harness.kept_group: rank {r} in {given} is outside the world of {world} ranks"

@@ -214,6 +214,7 @@ SEQUENCE = '''
         pair = harness.kept_group([0, 1])
         singles = [harness.kept_group([r]) for r in range(2)]  # every rank, in one order
         assert harness.kept_group([1, 0]) is pair
+        assert harness.kept_group(__import__("numpy").arange(2)) is pair  # numpy ranks too
         total = torch.ones(1)
         dist.all_reduce(total, group=pair)
         assert total.item() == 2
