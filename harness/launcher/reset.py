@@ -572,11 +572,11 @@ class Baseline:
         groups, default = process_groups()
         if default is not self.default_group:
             return "the case destroyed or replaced the default process group"
-        if groups != self.groups + kept_entries():
-            # Sub-groups hold connections and threads of their own; destroying
-            # them is itself a hang risk, so their ranks are not reused. Those
-            # made by harness.kept_group are the rank's own (kept on purpose).
-            made = groups - self.groups - kept_entries()
+        # Sub-groups hold connections and threads of their own; destroying
+        # them is itself a hang risk, so their ranks are not reused. Those
+        # made by harness.kept_group are the rank's own (kept on purpose).
+        made = groups - self.groups - kept_entries()
+        if made:
             return (
                 f"the case created {made} process group(s) "
                 "(harness.kept_group makes sub-groups a kept rank keeps)"
