@@ -21,12 +21,12 @@ step and report it as "first call": their compile time, kept out of the step
 time), which
 reports the step's time and its extra peak RSS (the kernel's high-water
 mark, reset just before the step, above the RSS before it; inputs and their
-``.grad`` already exist). Rounds visit the methods round-robin, each round
-starting one method later, so machine noise hits every method alike and no
-method always runs right after the same neighbour; the table shows the best
+``.grad`` already exist). Rounds visit the methods round-robin, odd rounds
+backwards, so machine noise hits every method alike and no method always
+runs right after the same neighbour; the table shows the best
 time and the median extra peak of the rounds. The capture overhead comes
-from adjacent ``ours`` / ``ours_capture`` steps in one process (15 pairs in
-``base``, 3 in the others, the order alternating), as the median over the
+from adjacent ``ours`` / ``ours_capture`` steps in one process (16 pairs in
+``base``, 4 in the others, the order alternating), as the median over the
 pairs of each pair's time ratio, not from the separate processes: a pair
 shares the machine's state of the moment, and a burst of noise that hits one
 step of a pair moves one ratio, not the median. A peer whose
@@ -64,15 +64,15 @@ import channel_loss as cl
 from channel_loss.ops import chunk_math
 
 CONFIGS = {
-    "base": {"tokens": 4096, "hidden": 256, "vocab": 32000, "rounds": 3, "warmup": 1, "pairs": 15},
-    "vocab": {"tokens": 4096, "hidden": 256, "vocab": 128256, "rounds": 2, "warmup": 0, "pairs": 3},
+    "base": {"tokens": 4096, "hidden": 256, "vocab": 32000, "rounds": 3, "warmup": 1, "pairs": 16},
+    "vocab": {"tokens": 4096, "hidden": 256, "vocab": 128256, "rounds": 2, "warmup": 0, "pairs": 4},
     "tokens": {
         "tokens": 32768,
         "hidden": 256,
         "vocab": 32000,
         "rounds": 3,
         "warmup": 0,
-        "pairs": 3,
+        "pairs": 4,
     },
 }
 TARGETS = {
@@ -270,6 +270,15 @@ def run_child(method: str, config: dict, args: argparse.Namespace) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def _round_order(todo: list[str], r: int) -> list[str]:
+    """The order round ``r`` visits the methods in: odd rounds go backwards, and each
+    pair of rounds starts one method later, so no method always runs right after the
+    same neighbour (a step can be slowed by what the process before it left behind)."""
+    k = (r // 2) % max(len(todo), 1)
+    order = todo[k:] + todo[:k]
+    return order[::-1] if r % 2 else order
+
+
 def bench_config(
     name: str, config: dict, args: argparse.Namespace
 ) -> tuple[dict[str, float], set[str]]:
@@ -292,8 +301,7 @@ def bench_config(
     failed: dict[str, str] = {}
     timed_out: set[str] = set()
     for r in range(config["rounds"]):
-        # Each round starts one method later: no method always follows the same one.
-        for method in todo[r % len(todo) :] + todo[: r % len(todo)]:
+        for method in _round_order(todo, r):
             if method in failed:
                 continue
             try:
@@ -451,7 +459,7 @@ def main(argv: list[str] | None = None) -> int:
                 "vocab": args.vocab,
                 "rounds": 3,
                 "warmup": 1,
-                "pairs": 15,
+                "pairs": 16,
             }
         }
     else:
