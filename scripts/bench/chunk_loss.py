@@ -273,7 +273,8 @@ def run_child(method: str, config: dict, args: argparse.Namespace) -> dict:
 def _round_order(todo: list[str], r: int) -> list[str]:
     """The order round ``r`` visits the methods in: odd rounds go backwards, and each
     pair of rounds starts one method later, so no method always runs right after the
-    same neighbour (a step can be slowed by what the process before it left behind)."""
+    same neighbour: whatever a process leaves the machine in never favours the same
+    method in every round."""
     k = (r // 2) % max(len(todo), 1)
     order = todo[k:] + todo[:k]
     return order[::-1] if r % 2 else order
