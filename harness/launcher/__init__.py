@@ -15,8 +15,9 @@ supervisor, so none escapes; ``reset`` puts kept ranks back between cases;
 ``groups`` makes the sub-groups a kept rank keeps (``harness.kept_group``)
 and counts process groups; ``procs`` finds and kills process trees;
 ``outcome`` turns what the ranks did into one verdict and report;
-``target`` names the function ranks import; ``settings`` holds the session's settings; ``routing`` sends launched cases
-to as few xdist workers as can hold their pools at once; ``plugin`` is the
-pytest face of all that. It shares only the spec (``harness.spec``) and the device table
+``target`` names the function ranks import; ``settings`` holds the
+session's settings; ``routing`` sends launched cases to as few xdist
+workers as can hold their pools at once; ``plugin`` is the pytest face of
+all that. It shares only the spec (``harness.spec``) and the device table
 (``harness.devices``) with the suite side.
 """
