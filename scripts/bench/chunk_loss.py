@@ -10,29 +10,36 @@ this torch has it), the ``cut-cross-entropy`` package's torch-compile path
 in fp32 and in bf16 (``--dtype`` picks; one column per configuration and
 dtype in the ratio table):
 
-    base    N=4096  H=256 V=32000   3 rounds
-    vocab   N=4096  H=256 V=128256  2 rounds  (large vocabulary)
-    tokens  N=32768 H=256 V=32000   3 rounds  (many tokens)
+    base    N=4096  H=256 V=32000   2 rounds, 16 interleaved
+    vocab   N=4096  H=256 V=128256  1 round,   4 interleaved  (large vocabulary)
+    tokens  N=32768 H=256 V=32000   1 round,   4 interleaved  (many tokens)
 
-Every measurement is one fwd+bwd step in a fresh subprocess (after a
-warm-up step on a tiny problem, and one at full size in ``base``; methods
-that compile, ``cce`` and ``ours_compiled``, always get a full-size warm-up
-step and report it as "first call": their compile time, kept out of the step
-time), which
-reports the step's time and its extra peak RSS (the kernel's high-water
-mark, reset just before the step, above the RSS before it; inputs and their
-``.grad`` already exist). Rounds visit the methods round-robin, odd rounds
-backwards, so machine noise hits every method alike and no method always
-runs right after the same neighbour; the table shows the best
-time and the median extra peak of the rounds. The capture overhead comes
-from adjacent ``ours`` / ``ours_capture`` steps in one process (16 pairs in
-``base``, 4 in the others, the order alternating), as the median over the
-pairs of each pair's time ratio, not from the separate processes: a pair
-shares the machine's state of the moment, and a burst of noise that hits one
-step of a pair moves one ratio, not the median. A peer whose
+A round runs every method once, each in a fresh subprocess (after a warm-up
+step on a tiny problem, and one at full size in ``base``; methods that
+compile, ``cce`` and ``ours_compiled``, always get a full-size warm-up step
+and report it as "first call": their compile time, kept out of the step
+time), which reports the step's time and its extra peak RSS (the kernel's
+high-water mark, reset just before the step, above the RSS before it; inputs
+and their ``.grad`` already exist). Rounds visit the methods round-robin, odd
+rounds backwards. The separate processes give the memory columns (median of
+the rounds), the first call, and which peers time out.
+
+The time ratios against torch_native, cce and ours_capture (the capture
+overhead) come from one more process, the interleaved one: in each of its
+rounds every such peer steps right next to a step of ours (the peers' order
+rotating, ours first in even rounds and second in odd ones), and a ratio is
+the best of the peer's steps against the best of the steps of ours it was
+paired with (as many of them): best times, since other load only ever adds
+time. On this shared machine one process's best time for the same step
+differed from another's by up to 20 % (base fp32, ours, 8 steps each: 2.03
+against 2.44 s); interleaved, both sides of a ratio are drawn from the same
+stretch of time in one process. The median of
+the pairs' ratios is printed beside each. ``ours_compiled / ours`` (no
+target) is from the separate processes' best times. A peer whose
 step takes longer than ``--peer-timeout`` (120 s; naive's and cce's bf16 on
-a CPU without bf16 matrix units do) is reported as timed out, and ours / its
-time as the upper bound ours / timeout (marked <=). Naive full
+a CPU without bf16 matrix units do) is reported as timed out, left out of
+the interleaved rounds, and ours / its time given as the upper bound ours /
+timeout (marked <=). Naive full
 logits is skipped where it would need more than ``--naive-limit-gib`` (it
 needs ~3 x N x V x 4 bytes); its extra peak is then the lower bound
 2 x N x V x 4 (its fp32 logits and their log-softmax, both alive from the
@@ -64,13 +71,13 @@ import channel_loss as cl
 from channel_loss.ops import chunk_math
 
 CONFIGS = {
-    "base": {"tokens": 4096, "hidden": 256, "vocab": 32000, "rounds": 3, "warmup": 1, "pairs": 16},
-    "vocab": {"tokens": 4096, "hidden": 256, "vocab": 128256, "rounds": 2, "warmup": 0, "pairs": 4},
+    "base": {"tokens": 4096, "hidden": 256, "vocab": 32000, "rounds": 2, "warmup": 1, "pairs": 16},
+    "vocab": {"tokens": 4096, "hidden": 256, "vocab": 128256, "rounds": 1, "warmup": 0, "pairs": 4},
     "tokens": {
         "tokens": 32768,
         "hidden": 256,
         "vocab": 32000,
-        "rounds": 3,
+        "rounds": 1,
         "warmup": 0,
         "pairs": 4,
     },
@@ -172,31 +179,48 @@ def _status_kib(field: str) -> int:
     raise RuntimeError(f"{field} missing from /proc/self/status")
 
 
-def capture_pairs(args: argparse.Namespace, hidden, weight, targets) -> None:
-    """Child mode: ``--pairs`` adjacent pairs of ``ours`` and ``ours_capture`` steps,
-    the order alternating from pair to pair.
+def _pair_order(peers: list[str], k: int) -> list[tuple[str, str]]:
+    """The adjacent pairs of round ``k`` of the interleaved child: every peer once,
+    next to a step of ``ours``. The peers' order rotates from round to round, and
+    ``ours`` goes first in every pair of even rounds, second in odd ones, so over
+    an even number of rounds each peer goes first in half of its pairs."""
+    j0 = k % max(len(peers), 1)
+    return [("ours", p) if k % 2 == 0 else (p, "ours") for p in peers[j0:] + peers[:j0]]
 
-    Prints, as JSON, the best time of each and the median over the pairs of
-    ``ours_capture / ours`` time. Adjacent steps in one process share the
-    machine's state of the moment, which separate processes cannot: the
-    capture overhead (a few microseconds of bookkeeping) is far below the
-    noise between them.
+
+def interleaved(args: argparse.Namespace, hidden, weight, targets) -> None:
+    """Child mode: ``--pairs`` rounds, each stepping every method in ``--peers`` right
+    next to a step of ``ours``, all in this one process (see ``_pair_order``).
+
+    Prints, as JSON, for each peer: the best time of its own steps, the best time
+    of the ``ours`` steps it was paired with (the same number of steps, so
+    neither best is taken over more draws), and the median over its pairs of
+    ``ours / peer`` time. Adjacent steps in one process share the machine's
+    state of the moment, which separate processes do not: between processes the
+    same step varies by 10-20 % here, within one by far less.
     """
-    best = {"ours": float("inf"), "ours_capture": float("inf")}
-    for method in best:
+    peers = [p for p in args.peers.split(",") if p]
+    for method in ["ours", *peers]:
         _tiny_warmup(method, args)
-        for _ in range(args.warmup):
+        for _ in range(max(args.warmup, 1 if method in COMPILING else 0)):
             step(method, hidden, weight, targets, args.chunk_size)
-    ratios = []
+    took: dict[str, dict[str, list[float]]] = {p: {"ours": [], p: []} for p in peers}
     for k in range(args.pairs):
-        took = {}
-        for method in list(best) if k % 2 == 0 else list(best)[::-1]:
-            t0 = time.perf_counter()
-            step(method, hidden, weight, targets, args.chunk_size)
-            took[method] = time.perf_counter() - t0
-            best[method] = min(best[method], took[method])
-        ratios.append(took["ours_capture"] / took["ours"])
-    print(json.dumps({**best, "median_ratio": statistics.median(ratios)}))
+        for pair in _pair_order(peers, k):
+            peer = pair[0] if pair[1] == "ours" else pair[1]
+            for method in pair:
+                t0 = time.perf_counter()
+                step(method, hidden, weight, targets, args.chunk_size)
+                took[peer][method].append(time.perf_counter() - t0)
+    out = {}
+    for p, ts in took.items():
+        ratios = [a / b for a, b in zip(ts["ours"], ts[p], strict=True)]
+        out[p] = {
+            "best": min(ts[p]),
+            "ours_best": min(ts["ours"]),
+            "median_ratio": statistics.median(ratios),
+        }
+    print(json.dumps(out))
 
 
 def _tiny_warmup(method: str, args: argparse.Namespace) -> None:
@@ -212,8 +236,8 @@ def child(args: argparse.Namespace) -> None:
     # Gradients of the inputs are part of every method's result, not extra memory.
     hidden.grad = torch.zeros_like(hidden)
     weight.grad = torch.zeros_like(weight)
-    if args.child == "capture_pairs":
-        capture_pairs(args, hidden, weight, targets)
+    if args.child == "interleaved":
+        interleaved(args, hidden, weight, targets)
         return
     t0 = time.perf_counter()
     _tiny_warmup(args.child, args)
@@ -235,9 +259,13 @@ def child(args: argparse.Namespace) -> None:
     print(json.dumps({"seconds": seconds, "extra_peak": extra, "first_call": first}))
 
 
-def run_child(method: str, config: dict, args: argparse.Namespace) -> dict:
+def run_child(
+    method: str, config: dict, args: argparse.Namespace, peers: tuple[str, ...] = ()
+) -> dict:
     """One measured step of ``method`` in a fresh subprocess (see ``child``), within
-    ``--child-timeout`` for ours and ``--peer-timeout`` for every other method."""
+    ``--child-timeout`` for ours and ``--peer-timeout`` for every other method; or,
+    for ``method="interleaved"``, the interleaved rounds of ours beside ``peers``
+    (see ``interleaved``), within ``--child-timeout``."""
     argv = [
         "--tokens",
         str(config["tokens"]),
@@ -253,6 +281,8 @@ def run_child(method: str, config: dict, args: argparse.Namespace) -> dict:
         str(config.get("pairs", 0)),
         "--child",
         method,
+        "--peers",
+        ",".join(peers),
     ]
     if args.chunk_size is not None:
         argv += ["--chunk-size", str(args.chunk_size)]
@@ -339,9 +369,9 @@ def bench_config(
             f"--naive-limit-gib {args.naive_limit_gib}); its extra peak is the lower "
             f"bound 2 x N x V x 4 (fp32 logits and their log-softmax)"
         )
+    print(f"\n  separate processes, best time / median extra peak of {config['rounds']} round(s):")
     print(
-        f"\n  {'method':<14} {'fwd+bwd best (s)':>19} {'extra peak (MiB)':>17} "
-        f"{'first call (s)':>15}"
+        f"  {'method':<14} {'fwd+bwd best (s)':>19} {'extra peak (MiB)':>17} {'first call (s)':>15}"
     )
     for m in methods():
         t = f"{med_s[m]:.2f}" if m in med_s else failed.get(m, "not run")
@@ -358,25 +388,35 @@ def bench_config(
     for peer in timed_out & {"torch_native", "cce"}:
         ratios[f"ours / {peer} time"] = med_s["ours"] / args.peer_timeout
         bounds.add(f"ours / {peer} time")
-    if "torch_native" in med_s:
-        ratios["ours / torch_native time"] = med_s["ours"] / med_s["torch_native"]
-        ratios["ours / torch_native extra peak"] = med_p["ours"] / max(med_p["torch_native"], 1)
+    # Time ratios of the separate processes; the interleaved rounds replace them below.
+    for peer in ("torch_native", "cce"):
+        if peer in med_s:
+            ratios[f"ours / {peer} time"] = med_s["ours"] / med_s[peer]
+            ratios[f"ours / {peer} extra peak"] = med_p["ours"] / max(med_p[peer], 1)
     ratios["capture overhead (time)"] = med_s["ours_capture"] / med_s["ours"] - 1
-    if config.get("pairs"):
-        pairs = run_child("capture_pairs", config, args)
-        ratios["capture overhead (time)"] = pairs["median_ratio"] - 1
-        print(
-            f"  capture overhead from {config['pairs']} adjacent pair(s) in one process: "
-            f"median ours_capture / ours {pairs['median_ratio']:.3f} "
-            f"(best: ours {pairs['ours']:.3f} s, ours_capture {pairs['ours_capture']:.3f} s)"
-        )
     if "naive" in med_p:
         ratios["ours / naive extra peak"] = med_p["ours"] / max(med_p["naive"], 1)
     ratios["ours_compiled / ours time"] = med_s["ours_compiled"] / med_s["ours"]
     ratios["ours_compiled / ours extra peak"] = med_p["ours_compiled"] / max(med_p["ours"], 1)
-    if "cce" in med_s:
-        ratios["ours / cce time"] = med_s["ours"] / med_s["cce"]
-        ratios["ours / cce extra peak"] = med_p["ours"] / max(med_p["cce"], 1)
+    peers = tuple(p for p in ("torch_native", "cce", "ours_capture") if p in med_s)
+    if config.get("pairs") and peers:
+        got = run_child("interleaved", config, args, peers)
+        print(
+            f"\n  interleaved in one process, {config['pairs']} round(s), each peer's steps "
+            f"beside as many of ours:"
+        )
+        for peer, res in got.items():
+            best = res["ours_best"] / res["best"]
+            print(
+                f"  {peer:<14} best {res['best']:7.2f} s beside ours best "
+                f"{res['ours_best']:7.2f} s: ours / {peer} {best:.3f} "
+                f"(median of the pairs' ratios {res['median_ratio']:.3f})"
+            )
+            if peer == "ours_capture":
+                ratios["capture overhead (time)"] = 1 / best - 1
+                print(f"  {'':<14} capture overhead {1 / best - 1:+.3f}")
+            else:
+                ratios[f"ours / {peer} time"] = best
     return ratios, bounds
 
 
@@ -423,7 +463,9 @@ def main(argv: list[str] | None = None) -> int:
         "--pairs",
         type=int,
         default=None,
-        help="adjacent ours / ours_capture pairs for the capture overhead (overrides)",
+        help="rounds of the interleaved child, whose adjacent pairs give every time ratio "
+        "against torch_native, cce and ours_capture (overrides; 0: the separate "
+        "processes' best times give them)",
     )
     parser.add_argument(
         "--child",
@@ -434,10 +476,11 @@ def main(argv: list[str] | None = None) -> int:
             "ours",
             "ours_capture",
             "ours_compiled",
-            "capture_pairs",
+            "interleaved",
         ),
         help=argparse.SUPPRESS,
     )
+    parser.add_argument("--peers", default="", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     dtypes = [d.strip() for d in args.dtype.split(",") if d.strip()]
     bad = [d for d in dtypes if d not in DTYPES]
