@@ -34,8 +34,8 @@ one process's best time for the same step differed from another's by up to
 sides of a ratio are drawn from the same stretch of time, and a burst of
 noise that hits one step moves one pair's ratio, not the median (the ratio
 of best times did not hold that: one step of ours 11 % faster than any
-other once put the capture overhead at +0.122 from 4 pairs whose median was
--0.002). Every pair's times are printed. ``ours_compiled / ours`` (no
+other once put the capture overhead at +0.122 from 4 pairs whose median
+put it at -0.002). Every pair's times are printed. ``ours_compiled / ours`` (no
 target) is from the separate processes' best times. A peer whose
 step takes longer than ``--peer-timeout`` (120 s; naive's and cce's bf16 on
 a CPU without bf16 matrix units do) is reported as timed out, left out of
@@ -396,8 +396,8 @@ def bench_config(
             f"beside as many of ours (s):"
         )
         for peer, ts in got.items():
-            # The peer's time over its neighbour's, pair by pair: ours / peer for the
-            # peers, ours_capture / ours for the capture overhead.
+            # Pair by pair: ours / peer for the peers, ours_capture / ours for the
+            # capture overhead.
             over = [a / b for a, b in zip(ts["ours"], ts[peer], strict=True)]
             if peer == "ours_capture":
                 over = [1 / r for r in over]
