@@ -196,7 +196,8 @@ def _pair_order(peers: list[str], k: int) -> list[tuple[str, str]]:
 
 def interleaved(args: argparse.Namespace, hidden, weight, targets) -> None:
     """Child mode: ``--pairs`` rounds, each stepping every method in ``--peers`` right
-    next to a step of ``ours``, all in this one process (see ``_pair_order``).
+    next to a step of ``ours``, all in this one process (see ``_pair_order``); each
+    timed step follows an untimed step of its own method.
 
     Prints, as JSON, for each peer the times of its steps and of the steps of
     ``ours`` it was paired with, pair by pair. Adjacent steps in one process
@@ -407,10 +408,9 @@ def bench_config(
         for peer, ts in got.items():
             # Pair by pair: ours / peer for the peers, ours_capture / ours for the
             # capture overhead.
-            over = [a / b for a, b in zip(ts["ours"], ts[peer], strict=True)]
-            if peer == "ours_capture":
-                over = [1 / r for r in over]
-            name = "ours_capture / ours" if peer == "ours_capture" else f"ours / {peer}"
+            num, den = (peer, "ours") if peer == "ours_capture" else ("ours", peer)
+            over = [a / b for a, b in zip(ts[num], ts[den], strict=True)]
+            name = f"{num} / {den}"
             print(f"  {peer:<14} {' '.join(f'{t:6.2f}' for t in ts[peer])}")
             print(f"  {'beside ours':<14} {' '.join(f'{t:6.2f}' for t in ts['ours'])}")
             print(
