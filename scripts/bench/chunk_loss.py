@@ -213,9 +213,7 @@ def interleaved(args: argparse.Namespace, hidden, weight, targets) -> None:
         for pair in _pair_order(peers, k):
             peer = pair[0] if pair[1] == "ours" else pair[1]
             for method in pair:
-                # A step's time depends on the step before it (base fp32: cce right
-                # after ours took 3.09 s, after cce 2.63 s), so each timed step follows
-                # an untimed one of its own method, as in a loop that repeats one loss.
+                # Untimed: a step's time depends on the step before it (module docstring).
                 step(method, hidden, weight, targets, args.chunk_size)
                 t0 = time.perf_counter()
                 step(method, hidden, weight, targets, args.chunk_size)
