@@ -55,6 +55,8 @@ from harness.launcher.target import FunctionRef, import_conftests
 
 #: How long a pooled rank's health check waits for its peers.
 HEALTH_TIMEOUT_S = 5.0
+#: How long a pooled rank whose launcher is gone waits for its supervisor to stop it.
+LAUNCHER_GONE_WAIT_S = 10.0
 STACK_DUMP_SIGNAL = getattr(signal, "SIGUSR1", None)
 _HARNESS_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 _keep: dict[str, Any] = {}
@@ -231,10 +233,10 @@ def _serve(
         # the data files at the end of the run loop, before the pool closes).
         rank_coverage.checkpoint()
         _flush()
-        conn.send(OutcomeWritten())
+        _send(conn, OutcomeWritten())
         if outcome.status == FAILED:
             _exit(outcome)
-        conn.send(Idle(_leftovers(baseline) or _once_per_process(message.task), os.getpid()))
+        _send(conn, Idle(_leftovers(baseline) or _once_per_process(message.task), os.getpid()))
         # Free the case's garbage (device memory in reference cycles, too)
         # before the next case, off the launcher's critical path.
         gc.collect()
@@ -245,20 +247,47 @@ def _receive_case(conn: Any) -> RunCase:
     try:
         message = conn.recv()
     except (EOFError, OSError):
-        _hard_exit(0)  # the launcher is gone or closed the pool
+        _launcher_gone()
     if not isinstance(message, RunCase):
         _hard_exit(0)
     return message
 
 
+def _send(conn: Any, message: object) -> None:
+    """Send ``message`` to the launcher; a broken pipe means it is gone."""
+    try:
+        conn.send(message)
+    except OSError:
+        _launcher_gone()
+
+
+def _launcher_gone() -> NoReturn:
+    """The launcher's end of the pipe closed: the launcher died (a pool it
+    closes is sent ``Exit`` first). Wait, at most ``LAUNCHER_GONE_WAIT_S``,
+    for the supervisor to stop this rank.
+
+    The kernel closes a dying launcher's files before it re-parents its
+    children, so the rank can read EOF before its supervisor learns of the
+    death. A rank that exited then would look to the supervisor like one
+    that ended on its own, and the pool's directory, which only the
+    supervisor can remove once the launcher is dead, would be left behind.
+    """
+    rank_coverage.save()
+    _flush()
+    end = time.monotonic() + LAUNCHER_GONE_WAIT_S
+    while time.monotonic() < end:
+        time.sleep(0.05)
+    os._exit(0)
+
+
 def _health_gate(conn: Any, ctx: RankContext, seq: int) -> None:
     """Report the health check and wait for ``Go``; any other answer ends the rank."""
     problem = _health_check(ctx, seq)
-    conn.send(Ready(problem))
+    _send(conn, Ready(problem))
     try:
         reply = conn.recv()
     except (EOFError, OSError):
-        _hard_exit(0)
+        _launcher_gone()
     if problem is not None or not isinstance(reply, Go):
         _hard_exit(0)
 

@@ -193,6 +193,39 @@ def test_a_crashed_xdist_worker_leaves_no_pool_directory(tmp_path):
     assert leftovers(tmp, "harness-pool-*") == []
 
 
+# The kernel closes a SIGKILLed worker's files (the pool's pipe) before it
+# re-parents the worker's children: the kept rank reads EOF before its
+# supervisor learns that the worker is gone. This case makes that window
+# seconds wide: it closes the pipe, then kills the worker a while later.
+CRASHING_AFTER_EOF_CASES = """
+    import os
+    import signal
+    import time
+
+    import pytest
+
+
+    @pytest.mark.launch(nproc=1)
+    def test_a_kept_pool():
+        pass
+
+
+    def test_b_eof_then_crash():
+        from harness.launcher.pool import keeper
+
+        for channel in keeper.pool._channels:
+            channel.conn.close()
+        time.sleep(2)
+        os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_a_rank_that_reads_eof_before_its_worker_dies_leaves_no_pool_directory(tmp_path):
+    session, tmp = run_crashing_worker(tmp_path, CRASHING_AFTER_EOF_CASES)
+    assert session.case("test_a_kept_pool").status == "passed", session.output
+    assert leftovers(tmp, "harness-pool-*") == []
+
+
 CRASHING_FRESH_CASE = """
     import os
     import signal
