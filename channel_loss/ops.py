@@ -483,12 +483,18 @@ class _Products:
         else:
             acc.add_(torch.mm(a, b))
 
-    def grad_hidden(self, dl: torch.Tensor, out: torch.Tensor) -> None:
-        """``out = dl @ weight`` in the hidden dtype (``dl`` from ``grad_operand``)."""
+    def grad_hidden(
+        self, dl: torch.Tensor, out: torch.Tensor, rows: torch.Tensor | None = None
+    ) -> None:
+        """``out = rows[:, None] * (dl @ weight)`` in the hidden dtype (``dl`` from
+        ``grad_operand``; ``rows`` None: no factor); a hidden dtype other than the
+        product's is rounded to once, after the factor."""
         if dl.dtype == self.weight.dtype == out.dtype:
-            torch.mm(dl, self.weight, out=out)
+            product = torch.mm(dl, self.weight, out=out)
+            if rows is not None:
+                product.mul_(rows.unsqueeze(1))
         else:
-            out.copy_(torch.mm(dl, self.weight))
+            out.copy_(_row_scaled(torch.mm(dl, self.weight), rows))
 
 
 def _chunk_logits(
@@ -659,10 +665,18 @@ def _walk(*args, fused: bool) -> tuple[torch.Tensor, torch.Tensor, list[torch.Te
         if not any_grad:
             del logits
             continue
+        # The gradient is rows[:, None] * dlogits (rows None: dlogits itself).
+        rows = None
         if fused:
             dlogits, dl = _fused_dlogits(logits, t, v, lse, scale, features, products, needs)
         else:
-            dlogits = _eager_dlogits(logits, t, v, sumexp, lse, cap_slope, scale, features)
+            # Folding the row factor into the products needs fp32 operands (a
+            # model-dtype operand would be rounded twice) and no full bias
+            # gradient (which takes the block itself).
+            fold = products.grad_operand_dtype() == torch.float32 and not need_full
+            dlogits, rows = _eager_dlogits(
+                logits, t, v, sumexp, lse, cap_slope, scale, features, fold=fold
+            )
             dl = (
                 products.grad_operand(dlogits)
                 if need_h or need_w or bias.factor is not None
@@ -670,42 +684,69 @@ def _walk(*args, fused: bool) -> tuple[torch.Tensor, torch.Tensor, list[torch.Te
             )
             del cap_slope
         if need_h:
-            span.fill(grad_h, functools.partial(products.grad_hidden, dl))
+            span.fill(grad_h, functools.partial(products.grad_hidden, dl, rows=rows))
         if need_w:
-            products.addmm32_(grad_w, dl.t(), h_rows)
+            products.addmm32_(grad_w, dl.t(), _row_scaled(h_rows, rows))
         if need_full:
             _scatter_rows(grad_full, bias, dlogits, span)
         if need_factor:
-            _scatter_rows(grad_factor, bias, products.mm32(dl, products.factor_weight), span)
+            d_factor = _row_scaled(products.mm32(dl, products.factor_weight), rows)
+            _scatter_rows(grad_factor, bias, d_factor, span)
         if need_factor_w:
             factor = products.operand(_bias_rows(bias, bias.factor, span))
-            products.addmm32_(grad_factor_w, dl.t(), factor)
+            products.addmm32_(grad_factor_w, dl.t(), _row_scaled(factor, rows))
         # This chunk's model-dtype operand goes before the next chunk makes its own.
-        del logits, dlogits, dl, h_rows
+        del logits, dlogits, dl, h_rows, rows
     return token_losses, train_losses, [grad_h, grad_w, grad_full, grad_factor, grad_factor_w]
 
 
-def _eager_dlogits(logits, t, v, sumexp, lse, cap_slope, scale, features) -> torch.Tensor:
+def _eager_dlogits(
+    logits, t, v, sumexp, lse, cap_slope, scale, features, *, fold: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The fp32 logits gradient, written over ``logits`` (which ``_softmax_ce_`` left holding
-    ``exp(logits - rowmax)``)."""
+    ``exp(logits - rowmax)``), as ``(block, rows)``: the gradient is ``rows[:, None] *
+    block``, or ``block`` itself where ``rows`` is None.
+
+    With ``fold`` the per-row factor is left out of the block for the products to
+    apply to their ``[rows, H]`` operands and results, which spares a pass over the
+    ``[rows, V]`` block; without, ``rows`` is None.
+    """
     smoothing, z_scale = features.label_smoothing, features.lse_square_scale
     # d(training loss)/d(final logits) on valid rows, times the loss scale:
-    # softmax * (1 + 2 s lse) - (1 - e) onehot - e / V.
+    # softmax * (1 + 2 s lse) - (1 - e) onehot - e / V, where softmax = E / sumexp.
     row_scale = torch.where(v, scale, 0.0)
-    coef = row_scale / sumexp
-    if z_scale:
-        coef = coef * (1.0 + 2.0 * z_scale * lse)
-    dlogits = logits.mul_(coef.unsqueeze(1))
+    if fold:
+        # = (row_scale / sumexp) * (E (1 + 2 s lse) - sumexp ((1 - e) onehot + e / V)):
+        # a factor that is finite on every row (sumexp >= 1) and zero on ignored ones.
+        rows = row_scale / sumexp
+        unit = sumexp
+        if z_scale:
+            logits.mul_((1.0 + 2.0 * z_scale * lse).unsqueeze(1))
+    else:
+        rows = None
+        unit = row_scale
+        coef = row_scale / sumexp
+        if z_scale:
+            coef = coef * (1.0 + 2.0 * z_scale * lse)
+        logits.mul_(coef.unsqueeze(1))
     if smoothing:
-        dlogits.sub_((row_scale * (smoothing / logits.shape[1])).unsqueeze(1))
-    hot = -row_scale if not smoothing else row_scale * -(1.0 - smoothing)
-    dlogits.scatter_add_(1, torch.where(v, t, 0).unsqueeze(1), hot.unsqueeze(1))
+        logits.sub_((unit * (smoothing / logits.shape[1])).unsqueeze(1))
+    hot = -unit if not smoothing else unit * -(1.0 - smoothing)
+    logits.scatter_add_(1, torch.where(v, t, 0).unsqueeze(1), hot.unsqueeze(1))
     # Back through the cap and the scale to the logits of the LM head.
     if cap_slope is not None:
-        dlogits.mul_(cap_slope)
+        logits.mul_(cap_slope)
     if features.logit_scale is not None:
-        dlogits.mul_(features.logit_scale)
-    return dlogits
+        if rows is not None:
+            rows = rows * features.logit_scale
+        else:
+            logits.mul_(features.logit_scale)
+    return logits, rows
+
+
+def _row_scaled(x: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+    """``rows[:, None] * x`` (``x`` itself for None)."""
+    return x if rows is None else x * rows.unsqueeze(1)
 
 
 def _fused_dlogits(logits, t, v, lse, scale, features, products, needs):
