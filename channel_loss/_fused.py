@@ -1,9 +1,10 @@
 """The per-chunk softmax / cross-entropy / logits-gradient math as two fused kernels.
 
 ``chunk_cross_entropy`` turns each ``[chunk, V]`` block of fp32 logits into
-per-token losses and the logits gradient. Eagerly that is five to seven full
-passes over the block (scale / cap, gather, max, subtract, exp, sum, the
-gradient scale, the one-hot scatter). Here the same math is written once,
+per-token losses and the logits gradient. Eagerly that is four to seven full
+passes over the block (scale / cap, max, subtract, exp, sum, the gradient
+scale, which fp32 products apply to their operands instead, the one-hot
+scatter). Here the same math is written once,
 functionally, and ``torch.compile`` (inductor: C++ on the CPU, Triton on
 CUDA) fuses it into one reduction kernel (the row statistics: max,
 log-sum-exp, the target logit, the smoothing sum) and one pointwise kernel
