@@ -484,17 +484,17 @@ class _Products:
             acc.add_(torch.mm(a, b))
 
     def grad_hidden(
-        self, dl: torch.Tensor, out: torch.Tensor, rows: torch.Tensor | None = None
+        self, dl: torch.Tensor, out: torch.Tensor, row_factor: torch.Tensor | None = None
     ) -> None:
-        """``out = rows[:, None] * (dl @ weight)`` in the hidden dtype (``dl`` from
-        ``grad_operand``; ``rows`` None: no factor); a hidden dtype other than the
+        """``out = row_factor[:, None] * (dl @ weight)`` in the hidden dtype (``dl`` from
+        ``grad_operand``; ``row_factor`` None: no factor); a hidden dtype other than the
         product's is rounded to once, after the factor."""
         if dl.dtype == self.weight.dtype == out.dtype:
             product = torch.mm(dl, self.weight, out=out)
-            if rows is not None:
-                product.mul_(rows.unsqueeze(1))
+            if row_factor is not None:
+                product.mul_(row_factor.unsqueeze(1))
         else:
-            out.copy_(_row_scaled(torch.mm(dl, self.weight), rows))
+            out.copy_(_row_scaled(torch.mm(dl, self.weight), row_factor))
 
 
 def _chunk_logits(
@@ -665,8 +665,8 @@ def _walk(*args, fused: bool) -> tuple[torch.Tensor, torch.Tensor, list[torch.Te
         if not any_grad:
             del logits
             continue
-        # The gradient is rows[:, None] * dlogits (rows None: dlogits itself).
-        rows = None
+        # The gradient is row_factor[:, None] * dlogits (row_factor None: dlogits itself).
+        row_factor = None
         if fused:
             dlogits, dl = _fused_dlogits(logits, t, v, lse, scale, features, products, needs)
         else:
@@ -674,7 +674,7 @@ def _walk(*args, fused: bool) -> tuple[torch.Tensor, torch.Tensor, list[torch.Te
             # model-dtype operand would be rounded twice) and no full bias
             # gradient (which takes the block itself).
             fold = products.grad_operand_dtype() == torch.float32 and not need_full
-            dlogits, rows = _eager_dlogits(
+            dlogits, row_factor = _eager_dlogits(
                 logits, t, v, sumexp, lse, cap_slope, scale, features, fold=fold
             )
             dl = (
@@ -684,19 +684,19 @@ def _walk(*args, fused: bool) -> tuple[torch.Tensor, torch.Tensor, list[torch.Te
             )
             del cap_slope
         if need_h:
-            span.fill(grad_h, functools.partial(products.grad_hidden, dl, rows=rows))
+            span.fill(grad_h, functools.partial(products.grad_hidden, dl, row_factor=row_factor))
         if need_w:
-            products.addmm32_(grad_w, dl.t(), _row_scaled(h_rows, rows))
+            products.addmm32_(grad_w, dl.t(), _row_scaled(h_rows, row_factor))
         if need_full:
             _scatter_rows(grad_full, bias, dlogits, span)
         if need_factor:
-            d_factor = _row_scaled(products.mm32(dl, products.factor_weight), rows)
+            d_factor = _row_scaled(products.mm32(dl, products.factor_weight), row_factor)
             _scatter_rows(grad_factor, bias, d_factor, span)
         if need_factor_w:
             factor = products.operand(_bias_rows(bias, bias.factor, span))
-            products.addmm32_(grad_factor_w, dl.t(), _row_scaled(factor, rows))
+            products.addmm32_(grad_factor_w, dl.t(), _row_scaled(factor, row_factor))
         # This chunk's model-dtype operand goes before the next chunk makes its own.
-        del logits, dlogits, dl, h_rows, rows
+        del logits, dlogits, dl, h_rows, row_factor
     return token_losses, train_losses, [grad_h, grad_w, grad_full, grad_factor, grad_factor_w]
 
 
@@ -704,12 +704,12 @@ def _eager_dlogits(
     logits, t, v, sumexp, lse, cap_slope, scale, features, *, fold: bool
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The fp32 logits gradient, written over ``logits`` (which ``_softmax_ce_`` left holding
-    ``exp(logits - rowmax)``), as ``(block, rows)``: the gradient is ``rows[:, None] *
-    block``, or ``block`` itself where ``rows`` is None.
+    ``exp(logits - rowmax)``), as ``(block, row_factor)``: the gradient is
+    ``row_factor[:, None] * block``, or ``block`` itself where ``row_factor`` is None.
 
     With ``fold`` the per-row factor is left out of the block for the products to
     apply to their ``[rows, H]`` operands and results, which spares a pass over the
-    ``[rows, V]`` block; without, ``rows`` is None.
+    ``[rows, V]`` block; without, ``row_factor`` is None.
     """
     smoothing, z_scale = features.label_smoothing, features.lse_square_scale
     # d(training loss)/d(final logits) on valid rows, times the loss scale:
@@ -718,12 +718,12 @@ def _eager_dlogits(
     if fold:
         # = (row_scale / sumexp) * (E (1 + 2 s lse) - sumexp ((1 - e) onehot + e / V)):
         # a factor that is finite on every row (sumexp >= 1) and zero on ignored ones.
-        rows = row_scale / sumexp
+        row_factor = row_scale / sumexp
         unit = sumexp
         if z_scale:
             logits.mul_((1.0 + 2.0 * z_scale * lse).unsqueeze(1))
     else:
-        rows = None
+        row_factor = None
         unit = row_scale
         coef = row_scale / sumexp
         if z_scale:
@@ -737,16 +737,16 @@ def _eager_dlogits(
     if cap_slope is not None:
         logits.mul_(cap_slope)
     if features.logit_scale is not None:
-        if rows is not None:
-            rows = rows * features.logit_scale
+        if row_factor is not None:
+            row_factor = row_factor * features.logit_scale
         else:
             logits.mul_(features.logit_scale)
-    return logits, rows
+    return logits, row_factor
 
 
-def _row_scaled(x: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
-    """``rows[:, None] * x`` (``x`` itself for None)."""
-    return x if rows is None else x * rows.unsqueeze(1)
+def _row_scaled(x: torch.Tensor, row_factor: torch.Tensor | None) -> torch.Tensor:
+    """``row_factor[:, None] * x`` (``x`` itself for None)."""
+    return x if row_factor is None else x * row_factor.unsqueeze(1)
 
 
 def _fused_dlogits(logits, t, v, lse, scale, features, products, needs):
