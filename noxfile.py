@@ -72,10 +72,11 @@ def tests(session: nox.Session) -> None:
 
 @nox.session
 def lint(session: nox.Session) -> None:
-    """ruff check (the rules in pyproject.toml), and zizmor on the GitHub workflows (no
-    high-severity finding)."""
+    """ruff check (the rules in pyproject.toml), ruff format --check, and zizmor on the
+    GitHub workflows (no high-severity finding)."""
     session.install("ruff", "zizmor")
     session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")
     session.run("zizmor", "--offline", "--min-severity", "high", ".github/workflows")
 
 

@@ -24,8 +24,14 @@ def is_real(value: Any) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
-def check_int(value: Any, what: str, *, minimum: int | None = None,
-              maximum: int | None = None, error: type[Exception] = ValueError) -> int:
+def check_int(
+    value: Any,
+    what: str,
+    *,
+    minimum: int | None = None,
+    maximum: int | None = None,
+    error: type[Exception] = ValueError,
+) -> int:
     """``value`` as an ``int`` when it is an integer (not a bool) within the bounds; else
     ``error`` naming ``what``, the bounds and the value."""
     bounds = []
@@ -34,14 +40,18 @@ def check_int(value: Any, what: str, *, minimum: int | None = None,
     if maximum is not None:
         bounds.append(f"<= {maximum}")
     expected = "an int" + (f" {' and '.join(bounds)}" if bounds else "")
-    if not is_int(value) or (minimum is not None and value < minimum) or (
-            maximum is not None and value > maximum):
+    if (
+        not is_int(value)
+        or (minimum is not None and value < minimum)
+        or (maximum is not None and value > maximum)
+    ):
         raise error(f"{what} must be {expected}; got {value!r}")
     return int(value)
 
 
-def check_seconds(value: Any, what: str, *, allow_none: bool = False,
-                  error: type[Exception] = ValueError) -> float | None:
+def check_seconds(
+    value: Any, what: str, *, allow_none: bool = False, error: type[Exception] = ValueError
+) -> float | None:
     """``value`` as a float when it is a positive, finite number of seconds (``None`` passes
     when ``allow_none``); else ``error`` naming ``what`` and the value."""
     if value is None and allow_none:

@@ -78,8 +78,10 @@ def main(argv: list[str] | None = None) -> int:
             failures.append(run)
             print(f"--- run {run} failed:\n{error}\n", flush=True)
     seconds = time.monotonic() - start
-    print(f"{args.work}: {args.runs} runs of 2 Gloo ranks, {len(failures)} failed "
-          f"{failures or ''} in {seconds:.1f} s ({seconds / max(1, args.runs):.2f} s/run)")
+    print(
+        f"{args.work}: {args.runs} runs of 2 Gloo ranks, {len(failures)} failed "
+        f"{failures or ''} in {seconds:.1f} s ({seconds / max(1, args.runs):.2f} s/run)"
+    )
     return 1 if failures else 0
 
 

@@ -57,11 +57,17 @@ def passed_seconds(out_dir: Path) -> tuple[str, dict[str, float]]:
     doc = json.loads((out_dir / "plan.json").read_text(encoding="utf-8"))
     nodeids = [c[0] for c in doc["cases"]]
     # The merged junit.xml holds every pytest run's testsuite; the per-run files the same.
-    junits = [out_dir / "junit.xml"] if (out_dir / "junit.xml").is_file() else sorted(out_dir.glob("junit-*.xml"))
+    junits = (
+        [out_dir / "junit.xml"]
+        if (out_dir / "junit.xml").is_file()
+        else sorted(out_dir.glob("junit-*.xml"))
+    )
     results = report.results_for(nodeids, report.read_junit(junits))
     factors = wall_shares(junits)
     return doc["suite"], {
-        n: r.seconds * factors.get(report.junit_key(n), 1.0) for n, r in results.items() if r.outcome != "missing"
+        n: r.seconds * factors.get(report.junit_key(n), 1.0)
+        for n, r in results.items()
+        if r.outcome != "missing"
     }
 
 
@@ -69,8 +75,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Refresh the durations files from the given artifact folders; the exit code."""
     p = argparse.ArgumentParser(prog="refresh_durations", description=__doc__.split("\n\n")[0])
     p.add_argument("dirs", nargs="+", type=Path, metavar="DIR", help="downloaded CI artifacts")
-    p.add_argument("--root", type=Path, default=None, help="repository root (default: found from here)")
-    p.add_argument("--prune", action="store_true", help="drop node ids the suite no longer collects")
+    p.add_argument(
+        "--root", type=Path, default=None, help="repository root (default: found from here)"
+    )
+    p.add_argument(
+        "--prune", action="store_true", help="drop node ids the suite no longer collects"
+    )
     args = p.parse_args(argv)
     root = (args.root or find_root()).resolve()
     found: dict[str, dict[str, float]] = {}
@@ -82,8 +92,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             found.setdefault(suite, {}).update(seconds)
             print(f"{plan_file.parent}: {suite}: {len(seconds)} case(s) ran")
     if not found:
-        print("refresh_durations: no `harness run` output (plan.json + junit.xml) under "
-              + ", ".join(map(str, args.dirs)), file=sys.stderr)
+        print(
+            "refresh_durations: no `harness run` output (plan.json + junit.xml) under "
+            + ", ".join(map(str, args.dirs)),
+            file=sys.stderr,
+        )
         return 1
     for suite, seconds in sorted(found.items()):
         path = default_durations_path(root, suite)
@@ -94,7 +107,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             merged = load_durations(path)
             path.unlink()
             write_durations(path, suite, {k: v for k, v in merged.items() if k in keep})
-        print(f"{path.relative_to(root)}: {len(load_durations(path))} case(s), {len(seconds)} refreshed")
+        print(
+            f"{path.relative_to(root)}: {len(load_durations(path))} case(s), {len(seconds)} refreshed"
+        )
     return 0
 
 

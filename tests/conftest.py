@@ -44,10 +44,19 @@ if (
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 _SLOW_OK = [HealthCheck.too_slow, HealthCheck.data_too_large]
-settings.register_profile("ci", max_examples=60, deadline=None, derandomize=True,
-                          database=None, print_blob=True, suppress_health_check=_SLOW_OK)
-settings.register_profile("dev", max_examples=300, deadline=None, print_blob=True,
-                          suppress_health_check=_SLOW_OK)
-settings.register_profile("nightly", max_examples=3000, deadline=None, print_blob=True,
-                          suppress_health_check=_SLOW_OK)
+settings.register_profile(
+    "ci",
+    max_examples=60,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    print_blob=True,
+    suppress_health_check=_SLOW_OK,
+)
+settings.register_profile(
+    "dev", max_examples=300, deadline=None, print_blob=True, suppress_health_check=_SLOW_OK
+)
+settings.register_profile(
+    "nightly", max_examples=3000, deadline=None, print_blob=True, suppress_health_check=_SLOW_OK
+)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))

@@ -18,7 +18,13 @@ from pathlib import Path
 from harness.suites.manifest import Entry, path_matches
 
 #: A change to any of these runs everything: they decide what and how every case runs.
-RUN_EVERYTHING: tuple[str, ...] = ("harness", "suites", "pyproject.toml", "noxfile.py", "**/conftest.py")
+RUN_EVERYTHING: tuple[str, ...] = (
+    "harness",
+    "suites",
+    "pyproject.toml",
+    "noxfile.py",
+    "**/conftest.py",
+)
 
 
 @dataclass(frozen=True)

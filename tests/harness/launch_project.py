@@ -63,10 +63,19 @@ def record_pid(name, pid=None):
 def inner_env(out: Path, lease_dir: Path, *, cards: str = "none") -> dict[str, str]:
     """Environment for an inner session: its own lease dir, a simulated card
     inventory, nothing inherited that would change how pytest runs."""
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("HARNESS_", "PYTEST_")) and k not in ("CUDA_VISIBLE_DEVICES",)}
-    env.update({"HARNESS_CARDS": cards, "HARNESS_LEASE_DIR": str(lease_dir), OUT_ENV: str(out),
-                "PYTHONDONTWRITEBYTECODE": "1"})
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("HARNESS_", "PYTEST_")) and k not in ("CUDA_VISIBLE_DEVICES",)
+    }
+    env.update(
+        {
+            "HARNESS_CARDS": cards,
+            "HARNESS_LEASE_DIR": str(lease_dir),
+            OUT_ENV: str(out),
+            "PYTHONDONTWRITEBYTECODE": "1",
+        }
+    )
     return env
 
 
@@ -103,8 +112,17 @@ class Session:
 
 
 def pytest_command(root: Path, *args: str) -> list[str]:
-    return [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rA",
-            f"--junitxml={root / 'junit.xml'}", *args]
+    return [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-p",
+        "no:cacheprovider",
+        "-q",
+        "-rA",
+        f"--junitxml={root / 'junit.xml'}",
+        *args,
+    ]
 
 
 def run_session(root: Path, *args: str, env: dict[str, str], timeout: float = 180) -> Session:
@@ -112,8 +130,14 @@ def run_session(root: Path, *args: str, env: dict[str, str], timeout: float = 18
     junit = root / "junit.xml"
     junit.unlink(missing_ok=True)
     start = time.monotonic()
-    proc = subprocess.run(pytest_command(root, *args), cwd=root, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+    proc = subprocess.run(
+        pytest_command(root, *args),
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     session = Session(proc.returncode, proc.stdout + proc.stderr, time.monotonic() - start)
     if junit.exists():
         session.cases = parse_junit(junit)
@@ -168,4 +192,6 @@ def assert_disjoint_per_card(uses: list[dict]) -> None:
     for card, card_uses in by_card.items():
         card_uses.sort(key=lambda u: u["start"])
         for a, b in itertools.pairwise(card_uses):
-            assert a["end"] <= b["start"], f"{card} used by {a['case']} and {b['case']} at once: {a} {b}"
+            assert a["end"] <= b["start"], (
+                f"{card} used by {a['case']} and {b['case']} at once: {a} {b}"
+            )

@@ -30,14 +30,20 @@ DEVICE_TESTS = """
 """
 
 
-def manifest(suite: str, device: str, entries: list[dict[str, Any]], runner: Any = None) -> dict[str, Any]:
+def manifest(
+    suite: str, device: str, entries: list[dict[str, Any]], runner: Any = None
+) -> dict[str, Any]:
     """A manifest document for ``suites/<suite>.json``."""
     default = {"cpu": CPU_RUNNER, "cuda": GPU_RUNNER, "npu": NPU_RUNNER}[device]
     # Deep copies: tests mutate the documents they get.
-    return copy.deepcopy({"suite": suite, "device": device, "runner": runner or default, "entries": entries})
+    return copy.deepcopy(
+        {"suite": suite, "device": device, "runner": runner or default, "entries": entries}
+    )
 
 
-def make_project(root: Path, tests: dict[str, str], suites: dict[str, Any], extra: dict[str, Any] | None = None) -> Path:
+def make_project(
+    root: Path, tests: dict[str, str], suites: dict[str, Any], extra: dict[str, Any] | None = None
+) -> Path:
     """Write ``pyproject.toml``, the test files (dedented), ``suites/<name>.json`` for each
     suite (a dict is dumped as JSON, a str written verbatim) and ``extra`` files."""
     (root / "pyproject.toml").write_text('[tool.pytest.ini_options]\ntestpaths = ["tests"]\n')

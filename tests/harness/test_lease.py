@@ -16,14 +16,14 @@ from harness.launcher.lease import LeaseTimeout, acquire, card_want, read_holder
 
 CARDS = [Card("cuda", str(i)) for i in range(3)]
 
-HOLD = textwrap.dedent('''
+HOLD = textwrap.dedent("""
     import sys, time
     from harness.devices import Card
     from harness.launcher.lease import acquire, card_want
     lease = acquire(sys.argv[1], [card_want([Card("cuda", "0")], 1)], timeout=10, holder="holder script")
     print("held", flush=True)
     time.sleep(60)
-''')
+""")
 
 
 @pytest.fixture
@@ -32,7 +32,9 @@ def lease_dir(tmp_path):
 
 
 def start_holder(lease_dir: str) -> subprocess.Popen:
-    proc = subprocess.Popen([sys.executable, "-c", HOLD, lease_dir], stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", HOLD, lease_dir], stdout=subprocess.PIPE, text=True
+    )
     assert proc.stdout.readline().strip() == "held"
     return proc
 
@@ -96,7 +98,9 @@ def test_lease_of_a_sigkilled_holder_is_free_at_once(lease_dir):
 
 def test_lease_outlives_its_holder_while_processes_it_passed_it_to_run(lease_dir):
     lease = acquire(lease_dir, [card_want(CARDS[:1], 1)], timeout=0, holder="launcher")
-    rank = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], pass_fds=lease.fds())
+    rank = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(60)"], pass_fds=lease.fds()
+    )
     try:
         # The launcher is done with it but its rank is not: the card stays busy.
         lease.release(holders_gone=False)

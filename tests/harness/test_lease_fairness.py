@@ -27,7 +27,7 @@ from harness.launcher.lease import acquire, slot_want
 #: leasing again right after giving it back, until ``stop`` exists (or
 #: ``rounds`` leases). What a kept pool does that another session contends
 #: with: close, then lease again for its next case.
-CHURNER = textwrap.dedent('''
+CHURNER = textwrap.dedent("""
     import json, os, sys, time
     from harness.launcher.lease import acquire, slot_want
 
@@ -44,10 +44,10 @@ CHURNER = textwrap.dedent('''
         lease.release()
         with open(log, "a") as f:
             f.write(json.dumps({"who": "churner", "round": i, "start": start, "end": end}) + "\\n")
-''')
+""")
 
 #: Waits for both slots (bounded by ``timeout``), holds them ``hold`` seconds.
-WAITER = textwrap.dedent('''
+WAITER = textwrap.dedent("""
     import json, sys, time
     from harness.launcher.lease import LeaseTimeout, acquire, slot_want
 
@@ -65,7 +65,7 @@ WAITER = textwrap.dedent('''
     lease.release()
     with open(log, "a") as f:
         f.write(json.dumps({"who": name, "asked": asked, "start": start, "end": end}) + "\\n")
-''')
+""")
 
 
 def read_log(path: Path) -> list[dict]:
@@ -75,8 +75,12 @@ def read_log(path: Path) -> list[dict]:
 
 
 def spawn(script: str, *args: object) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-c", script, *map(str, args)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-c", script, *map(str, args)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
 def finish(proc: subprocess.Popen, timeout: float) -> str:
@@ -125,8 +129,10 @@ def test_a_waiter_gets_its_turn_while_the_holder_releases_and_leases_again(tmp_p
     # The churner went on leasing after the waiter was served: it was not done, it yielded.
     rounds = [e for e in entries if e["who"] == "churner" and "end" in e]
     assert any(r["start"] >= served["end"] for r in rounds), rounds
-    assert_no_overlap([("waiter", served["start"], served["end"])]
-                      + [(f"churner {r['round']}", r["start"], r["end"]) for r in rounds])
+    assert_no_overlap(
+        [("waiter", served["start"], served["end"])]
+        + [(f"churner {r['round']}", r["start"], r["end"]) for r in rounds]
+    )
 
 
 def wait_for_queue(lease_dir: Path, length: int, proc: subprocess.Popen) -> None:
@@ -262,7 +268,7 @@ def test_a_timed_out_wait_names_who_is_queued_ahead(tmp_path):
 # -- the same through the plugin: kept pools, 2 process slots, 2-rank cases ----
 
 #: Twelve 2-rank cases of 2 s each; once the other session is done the rest skip.
-POOL_SESSION = '''
+POOL_SESSION = """
     import os
     import time
 
@@ -277,9 +283,9 @@ POOL_SESSION = '''
         if (out_dir() / "waiter-done").exists():
             pytest.skip("the other session is done")
         record_card_use(f"churner-{n}-rank{os.environ['RANK']}", seconds=2.0)
-'''
+"""
 
-WAITING_SESSION = '''
+WAITING_SESSION = """
     import os
 
     import pytest
@@ -290,7 +296,7 @@ WAITING_SESSION = '''
     @pytest.mark.launch(nproc=2)
     def test_two_ranks_too():
         record_card_use(f"waiter-rank{os.environ['RANK']}", seconds=0.5)
-'''
+"""
 
 
 def test_a_session_waiting_for_slots_is_not_starved_by_a_kept_pool(tmp_path):
@@ -301,8 +307,14 @@ def test_a_session_waiting_for_slots_is_not_starved_by_a_kept_pool(tmp_path):
     env = inner_env(out, leases)
     busy_root = write_project(tmp_path / "busy", {"test_busy.py": POOL_SESSION})
     waiting_root = write_project(tmp_path / "waiting", {"test_waiting.py": WAITING_SESSION})
-    busy = subprocess.Popen(pytest_command(busy_root, "--harness-max-procs", "2"), cwd=busy_root,
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    busy = subprocess.Popen(
+        pytest_command(busy_root, "--harness-max-procs", "2"),
+        cwd=busy_root,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         end = time.monotonic() + 120
         while not read_card_uses(out) and busy.poll() is None and time.monotonic() < end:
@@ -310,8 +322,15 @@ def test_a_session_waiting_for_slots_is_not_starved_by_a_kept_pool(tmp_path):
         assert read_card_uses(out), finish(busy, 5)  # its first case ran: its pool holds both slots
         # Without a fair handoff the busy session keeps both slots for its 12 cases
         # (over 24 s); in turn, the wait is about one case and a pool start.
-        waiting = run_session(waiting_root, "--harness-max-procs", "2", "--harness-lease-timeout", "20",
-                              env=env, timeout=120)
+        waiting = run_session(
+            waiting_root,
+            "--harness-max-procs",
+            "2",
+            "--harness-lease-timeout",
+            "20",
+            env=env,
+            timeout=120,
+        )
         (out / "waiter-done").touch()
         busy_output = finish(busy, 180)
     finally:
@@ -322,4 +341,6 @@ def test_a_session_waiting_for_slots_is_not_starved_by_a_kept_pool(tmp_path):
     assert waiting.case("test_two_ranks_too").status == "passed", waiting.output
     assert busy.returncode == 0, busy_output
     uses = read_card_uses(out)
-    assert_no_overlap([(u["case"], u["start"], u["end"]) for u in uses if u["case"].endswith("rank0")])
+    assert_no_overlap(
+        [(u["case"], u["start"], u["end"]) for u in uses if u["case"].endswith("rank0")]
+    )

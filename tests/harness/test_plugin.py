@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from launch_project import inner_env, read_pids, run_session, survivors, write_project
 
-OUTCOMES = '''
+OUTCOMES = """
     import os
     import signal
     import threading
@@ -113,7 +113,7 @@ OUTCOMES = '''
         @pytest.mark.launch(nproc=1)
         def test_method(self):
             assert isinstance(self, TestInAClass)
-'''
+"""
 
 
 @pytest.fixture(scope="module")
@@ -135,8 +135,13 @@ def test_passing_case_runs_every_rank_with_its_environment(outcomes):
         timeout, left = env.pop("pg_timeout_s"), env.pop("left_s")
         assert timeout <= 270.0
         assert timeout < left
-        assert env == {"RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank),
-                       "LOCAL_WORLD_SIZE": "2", "backend": "gloo"}
+        assert env == {
+            "RANK": str(rank),
+            "WORLD_SIZE": "2",
+            "LOCAL_RANK": str(rank),
+            "LOCAL_WORLD_SIZE": "2",
+            "backend": "gloo",
+        }
 
 
 def test_no_rank_survives_its_case(outcomes):
@@ -151,7 +156,7 @@ def test_failing_rank_is_named_with_its_traceback_first(outcomes):
     case = session.case("test_rank_fails")
     assert case.status == "failed"
     assert case.text.startswith("rank 1 failed: AssertionError: assert 1 == 0"), case.text
-    assert "test_outcomes.py\", line " in case.text
+    assert 'test_outcomes.py", line ' in case.text
     assert "in test_rank_fails\n    assert rank == 0" in case.text
     # The peer's consequent error is summarised after the first failure.
     first, _, others = case.text.partition("other ranks:")
@@ -159,10 +164,16 @@ def test_failing_rank_is_named_with_its_traceback_first(outcomes):
     assert "rank 0" not in first.splitlines()[0]
 
 
-@pytest.mark.parametrize(("test", "death"), [
-    ("test_rank_sigkilled", "rank 1 was killed by signal SIGKILL (9) before reporting an outcome"),
-    ("test_rank_exits", "rank 1 exited with code 3 before reporting an outcome"),
-])
+@pytest.mark.parametrize(
+    ("test", "death"),
+    [
+        (
+            "test_rank_sigkilled",
+            "rank 1 was killed by signal SIGKILL (9) before reporting an outcome",
+        ),
+        ("test_rank_exits", "rank 1 exited with code 3 before reporting an outcome"),
+    ],
+)
 def test_rank_that_dies_is_named_with_its_signal_or_exit_code(outcomes, test, death):
     _, session = outcomes
     case = session.case(test)
@@ -182,7 +193,12 @@ def test_parametrized_arguments_and_fixture_values_reach_every_rank(outcomes):
     for value in ("7", "text"):
         assert session.case(f"test_params[{value}]").status == "passed", session.output
     written = {p.name: p.read_text() for p in (root / "out").glob("param-*.txt")}
-    assert set(written) == {"param-7-0.txt", "param-7-1.txt", "param-text-0.txt", "param-text-1.txt"}
+    assert set(written) == {
+        "param-7-0.txt",
+        "param-7-1.txt",
+        "param-text-0.txt",
+        "param-text-1.txt",
+    }
     assert written["param-text-1.txt"].startswith("'text' test_params_text_")
 
 
@@ -214,7 +230,7 @@ def test_rank_output_is_reported_per_rank(outcomes):
     assert "----- rank 1 output -----\nhello from rank 1" in session.output
 
 
-DEVICE_TESTS = '''
+DEVICE_TESTS = """
     import os
 
     import pytest
@@ -237,7 +253,7 @@ DEVICE_TESTS = '''
     @pytest.mark.parametrize("device", ["npu"])
     def test_skipped_anyway(device):
         pass
-'''
+"""
 
 
 @pytest.fixture
@@ -251,21 +267,35 @@ def device_project(pytester, monkeypatch, tmp_path):
 def test_devices_skip_missing_accelerators_with_a_reason(device_project):
     result = device_project.runpytest_subprocess("-rs", "-p", "no:cacheprovider")
     result.assert_outcomes(passed=2, skipped=3)
-    result.stdout.fnmatch_lines_random([
-        "harness: cards cuda:0; npu: none (from HARNESS_CARDS); * process slots; lease dir *",
-        "SKIPPED [[]1[]] test_devices_inner.py:*: needs 1 npu card; this host has none",
-        "SKIPPED [[]1[]] test_devices_inner.py:*: needs 2 cuda cards; this host has 1 (cuda:0)",
-    ])
+    result.stdout.fnmatch_lines_random(
+        [
+            "harness: cards cuda:0; npu: none (from HARNESS_CARDS); * process slots; lease dir *",
+            "SKIPPED [[]1[]] test_devices_inner.py:*: needs 1 npu card; this host has none",
+            "SKIPPED [[]1[]] test_devices_inner.py:*: needs 2 cuda cards; this host has 1 (cuda:0)",
+        ]
+    )
 
 
-@pytest.mark.parametrize(("require", "test", "reason"), [
-    ("npu", "test_each_device[[]npu[]]", "needs 1 npu card; this host has none, "
-                                        "and --harness-require npu is given"),
-    ("cuda,npu", "test_two_cuda_cards", "needs 2 cuda cards; this host has 1 (cuda:0), "
-                                        "and --harness-require cuda is given"),
-], ids=["npu", "cuda"])
+@pytest.mark.parametrize(
+    ("require", "test", "reason"),
+    [
+        (
+            "npu",
+            "test_each_device[[]npu[]]",
+            "needs 1 npu card; this host has none, and --harness-require npu is given",
+        ),
+        (
+            "cuda,npu",
+            "test_two_cuda_cards",
+            "needs 2 cuda cards; this host has 1 (cuda:0), and --harness-require cuda is given",
+        ),
+    ],
+    ids=["npu", "cuda"],
+)
 def test_required_devices_fail_instead_of_skipping(device_project, require, test, reason):
-    result = device_project.runpytest_subprocess(f"--harness-require={require}", "-p", "no:cacheprovider")
+    result = device_project.runpytest_subprocess(
+        f"--harness-require={require}", "-p", "no:cacheprovider"
+    )
     assert result.ret == pytest.ExitCode.TESTS_FAILED
     result.stdout.fnmatch_lines([f"*ERROR at setup of {test}*", reason])
     # A test its author skipped stays skipped.
@@ -281,8 +311,15 @@ def test_unknown_required_device_is_a_usage_error(device_project):
 
 @pytest.mark.parametrize("value", ["inf", "nan", "0", "-1"])
 @pytest.mark.parametrize("option", ["--harness-timeout", "--harness-lease-timeout"])
-def test_a_timeout_option_that_is_not_a_positive_finite_number_is_a_usage_error(tmp_path, option, value):
-    root = write_project(tmp_path / "project", {"test_nothing.py": "def test_nothing():\n    pass\n"})
+def test_a_timeout_option_that_is_not_a_positive_finite_number_is_a_usage_error(
+    tmp_path, option, value
+):
+    root = write_project(
+        tmp_path / "project", {"test_nothing.py": "def test_nothing():\n    pass\n"}
+    )
     session = run_session(root, f"{option}={value}", env=inner_env(root / "out", root / "leases"))
     assert session.returncode == pytest.ExitCode.USAGE_ERROR, session.output
-    assert f"{option} must be a positive, finite number of seconds; got {float(value)}" in session.output
+    assert (
+        f"{option} must be a positive, finite number of seconds; got {float(value)}"
+        in session.output
+    )

@@ -17,7 +17,7 @@ from launch_project import (
     write_project,
 )
 
-DEADLINES = '''
+DEADLINES = """
     import os
     import subprocess
     import sys
@@ -63,7 +63,7 @@ DEADLINES = '''
         if dist.get_rank() == 1:
             raise ValueError("boom")
         hang_forever()
-'''
+"""
 
 
 @pytest.fixture(scope="module")
@@ -76,10 +76,13 @@ def test_hung_case_fails_at_its_deadline_with_the_stacks_of_running_ranks(deadli
     _, session = deadlines
     case = session.case("test_hang")
     assert case.status == "failed"
-    assert case.text.startswith("case timed out (2 ranks, cpu/gloo): ranks 0, 1 still running at "
-                                "the 5 s deadline (LaunchSpec.timeout)"), case.text
+    assert case.text.startswith(
+        "case timed out (2 ranks, cpu/gloo): ranks 0, 1 still running at "
+        "the 5 s deadline (LaunchSpec.timeout)"
+    ), case.text
     rank0, rank1 = case.text.split("--- rank 0 stack at the deadline ---", 1)[1].split(
-        "--- rank 1 stack at the deadline ---", 1)
+        "--- rank 1 stack at the deadline ---", 1
+    )
     assert "in hang_forever" in rank0
     assert "in hang_forever" in rank1
     assert "in test_hang" in rank1
@@ -112,7 +115,7 @@ def test_whole_session_is_bounded_by_the_deadlines(deadlines):
     assert session.seconds < 65, session.output
 
 
-HANGS = '''
+HANGS = """
     import time
 
     import pytest
@@ -127,19 +130,29 @@ HANGS = '''
 
         record_pid(f"rank-{dist.get_rank()}")
         time.sleep(120)
-'''
+"""
 
 
-@pytest.mark.parametrize(("sig", "returncode"), [
-    (signal.SIGTERM, -signal.SIGTERM),  # ranks reaped, then it dies of the SIGTERM
-    (signal.SIGINT, pytest.ExitCode.INTERRUPTED),
-    (signal.SIGKILL, -signal.SIGKILL),  # no cleanup possible: ranks die with their parent
-], ids=["SIGTERM", "SIGINT", "SIGKILL"])
+@pytest.mark.parametrize(
+    ("sig", "returncode"),
+    [
+        (signal.SIGTERM, -signal.SIGTERM),  # ranks reaped, then it dies of the SIGTERM
+        (signal.SIGINT, pytest.ExitCode.INTERRUPTED),
+        (signal.SIGKILL, -signal.SIGKILL),  # no cleanup possible: ranks die with their parent
+    ],
+    ids=["SIGTERM", "SIGINT", "SIGKILL"],
+)
 def test_signalled_pytest_takes_its_ranks_with_it(tmp_path, sig, returncode):
     root = write_project(tmp_path / "project", {"test_hangs.py": HANGS})
     out = root / "out"
-    proc = subprocess.Popen(pytest_command(root), cwd=root, env=inner_env(out, root / "leases"),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        pytest_command(root),
+        cwd=root,
+        env=inner_env(out, root / "leases"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         end = time.monotonic() + 60
         while len(read_pids(out)) < 2 and time.monotonic() < end and proc.poll() is None:
@@ -161,8 +174,14 @@ def test_sigterm_to_pytest_with_fresh_ranks_leaves_no_case_directory(tmp_path):
     out, tmp = root / "out", tmp_path / "tmp"
     tmp.mkdir()
     env = {**inner_env(out, root / "leases"), "TMPDIR": str(tmp)}
-    proc = subprocess.Popen(pytest_command(root, "--harness-no-reuse"), cwd=root, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        pytest_command(root, "--harness-no-reuse"),
+        cwd=root,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         end = time.monotonic() + 60
         while len(read_pids(out)) < 2 and time.monotonic() < end and proc.poll() is None:
@@ -181,7 +200,7 @@ def test_sigterm_to_pytest_with_fresh_ranks_leaves_no_case_directory(tmp_path):
     assert list(tmp.glob("harness-case-*")) == []
 
 
-FLOOD = '''
+FLOOD = """
     import os
     import sys
 
@@ -205,7 +224,7 @@ FLOOD = '''
         sys.stderr.write("first words\\n")
         while True:
             sys.stderr.write(line)
-'''
+"""
 
 
 @pytest.mark.parametrize("reuse", [True, False], ids=["kept", "fresh"])
@@ -226,7 +245,7 @@ def test_flooding_rank_output_is_kept_to_its_head_and_tail(tmp_path, reuse):
     assert session.seconds < (70 if not reuse else 60), session.output[:5000]
 
 
-STOPS = '''
+STOPS = """
     import os
     import signal
     import time
@@ -249,7 +268,7 @@ STOPS = '''
             time.sleep(0.05)
         time.sleep(0.5)
         raise RuntimeError("rank 0 gives up on its stopped peer")
-'''
+"""
 
 
 def test_a_rank_stopped_by_a_signal_is_reported_as_stopped(tmp_path):

@@ -92,8 +92,11 @@ ESCAPES = '''
 
 
 def _escapees(out, tag: str) -> list[int]:
-    return [pid for name, pid in read_pids(out).items()
-            if name.startswith(f"{tag}-") and "-rank-" not in name]
+    return [
+        pid
+        for name, pid in read_pids(out).items()
+        if name.startswith(f"{tag}-") and "-rank-" not in name
+    ]
 
 
 def _lease_fds_held(out, leases) -> dict[str, list[str]]:
@@ -136,12 +139,19 @@ def test_nothing_outlives_a_sigkilled_pytest_by_more_than_seconds(tmp_path, reus
     args = ["-k", "hangs", "--harness-max-procs", "2"]
     if not reuse:
         args.append("--harness-no-reuse")
-    proc = subprocess.Popen(pytest_command(root, *args), cwd=root, env=inner_env(out, leases),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        pytest_command(root, *args),
+        cwd=root,
+        env=inner_env(out, leases),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         end = time.monotonic() + 90
-        while (len(list(out.glob("hanging-*"))) < 2 and time.monotonic() < end
-               and proc.poll() is None):
+        while (
+            len(list(out.glob("hanging-*"))) < 2 and time.monotonic() < end and proc.poll() is None
+        ):
             time.sleep(0.1)
         assert len(list(out.glob("hanging-*"))) == 2, "the case never started"
         started = [pid for name, pid in read_pids(out).items() if name.startswith("hangs-")]

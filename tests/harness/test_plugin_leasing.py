@@ -26,7 +26,7 @@ from harness.launcher.lease import acquire, card_want
 
 # Collected in this order, `--dist load` hands the first two tests to gw0 and
 # the last two to gw1: both 2-card cases start at once, on different workers.
-CARD_CASES = '''
+CARD_CASES = """
     import os
 
     import pytest
@@ -57,7 +57,7 @@ CARD_CASES = '''
     @pytest.mark.parametrize("device", ["cuda"])
     def test_one_card_2(device):
         record_card_use("plain2", seconds=0.5)
-'''
+"""
 
 
 def test_xdist_workers_never_share_a_card(tmp_path):
@@ -81,7 +81,7 @@ def test_xdist_workers_never_share_a_card(tmp_path):
     assert_disjoint_per_card(uses)
 
 
-ONE_CASE = '''
+ONE_CASE = """
     import pytest
 
     from harness import LaunchSpec
@@ -91,7 +91,7 @@ ONE_CASE = '''
     @pytest.mark.launch(LaunchSpec(device="cuda", nproc=2, backend="gloo"))
     def test_two_cards():
         record_card_use("{name}")
-'''
+"""
 
 
 def test_two_sessions_sharing_a_lease_dir_take_turns(tmp_path):
@@ -101,8 +101,14 @@ def test_two_sessions_sharing_a_lease_dir_take_turns(tmp_path):
         root = write_project(tmp_path / name, {"test_one.py": ONE_CASE.replace("{name}", name)})
         env = inner_env(tmp_path / "out", leases, cards="cuda:0,1")
         (tmp_path / "out").mkdir(exist_ok=True)
-        proc = subprocess.Popen(pytest_command(root, "--harness-max-procs", "8"), cwd=root, env=env,
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        proc = subprocess.Popen(
+            pytest_command(root, "--harness-max-procs", "8"),
+            cwd=root,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         sessions.append((root, proc))
     for root, proc in sessions:
         try:
@@ -118,7 +124,7 @@ def test_two_sessions_sharing_a_lease_dir_take_turns(tmp_path):
     assert_disjoint_per_card(uses)
 
 
-HELD_CARD = '''
+HELD_CARD = """
     import pytest
 
     from harness import LaunchSpec
@@ -132,7 +138,7 @@ HELD_CARD = '''
     @pytest.mark.parametrize("device", ["cuda"])
     def test_plain_needs_the_card(device):
         pass
-'''
+"""
 
 
 def test_lease_wait_is_bounded_and_names_the_holder(pytester, monkeypatch, tmp_path):
@@ -141,18 +147,24 @@ def test_lease_wait_is_bounded_and_names_the_holder(pytester, monkeypatch, tmp_p
     monkeypatch.setenv("HARNESS_LEASE_DIR", leases)
     pytester.makepyfile(test_held=HELD_CARD)
     with acquire(leases, [card_want([Card("cuda", "0")], 1)], timeout=0, holder="the outer test"):
-        result = pytester.runpytest_subprocess("--harness-lease-timeout=0.5", "-p", "no:cacheprovider")
+        result = pytester.runpytest_subprocess(
+            "--harness-lease-timeout=0.5", "-p", "no:cacheprovider"
+        )
     result.assert_outcomes(failed=1, errors=1)
     holder = f"    cuda:0: held by pid {os.getpid()} (the outer test; for *"
-    result.stdout.fnmatch_lines([
-        "*test_launched_needs_the_card: could not lease what the case needs",
-        "lease wait timed out after 0.* s (lease dir *):",
-        "  waited for 1 of the 1 cuda cards:",
-        holder,
-    ])
-    result.stdout.fnmatch_lines([
-        "*test_plain_needs_the_card?cuda?: could not lease a cuda card",
-        "lease wait timed out after *",
-        "  waited for 1 of the 1 cuda cards:",
-        holder,
-    ])
+    result.stdout.fnmatch_lines(
+        [
+            "*test_launched_needs_the_card: could not lease what the case needs",
+            "lease wait timed out after 0.* s (lease dir *):",
+            "  waited for 1 of the 1 cuda cards:",
+            holder,
+        ]
+    )
+    result.stdout.fnmatch_lines(
+        [
+            "*test_plain_needs_the_card?cuda?: could not lease a cuda card",
+            "lease wait timed out after *",
+            "  waited for 1 of the 1 cuda cards:",
+            holder,
+        ]
+    )

@@ -25,7 +25,7 @@ from launch_project import (
 
 from harness.launcher.lease import acquire, slot_want
 
-SEQUENCE = '''
+SEQUENCE = """
     import json
     import os
     import re
@@ -275,10 +275,10 @@ SEQUENCE = '''
     @pytest.mark.launch(nproc=2)
     def test_16_after_stop():
         note("after-stop")
-'''
+"""
 
 # Runs after the harness plugin's own sessionfinish: the pool must be gone by then.
-CONFTEST = '''
+CONFTEST = """
     import json
 
     import psutil
@@ -297,15 +297,18 @@ CONFTEST = '''
             except psutil.NoSuchProcess:
                 pass
         (out_dir() / "at-sessionfinish.json").write_text(json.dumps(alive))
-'''
+"""
 
 
 @pytest.fixture(scope="module")
 def sequence(tmp_path_factory):
-    root = write_project(tmp_path_factory.mktemp("pool"),
-                         {"test_sequence.py": SEQUENCE, "conftest.py": CONFTEST})
+    root = write_project(
+        tmp_path_factory.mktemp("pool"), {"test_sequence.py": SEQUENCE, "conftest.py": CONFTEST}
+    )
     # Slots for the kept pool and the reuse=False cases beside it.
-    session = run_session(root, "--harness-max-procs", "8", env=inner_env(root / "out", root / "leases"))
+    session = run_session(
+        root, "--harness-max-procs", "8", env=inner_env(root / "out", root / "leases")
+    )
     pids: dict[str, list[int]] = {}
     for name, pid in sorted(read_pids(root / "out").items()):
         pids.setdefault(name.rpartition("-")[0], []).append(pid)
@@ -337,8 +340,9 @@ def test_a_hung_case_is_stopped_and_followed_by_fresh_ranks(sequence):
     _, session, pids = sequence
     case = session.case("test_05_hangs")
     assert case.status == "failed"
-    assert case.text.startswith("case timed out (2 ranks, cpu/gloo): ranks 0, 1 still running at "
-                                "the 4 s deadline"), case.text
+    assert case.text.startswith(
+        "case timed out (2 ranks, cpu/gloo): ranks 0, 1 still running at the 4 s deadline"
+    ), case.text
     assert "in test_05_hangs" in case.text  # the stacks of the kept ranks
     assert pids["hangs"] == pids["after-failure"]
     assert session.case("test_06_after_hang").status == "passed"
@@ -402,8 +406,10 @@ def test_a_case_leaving_what_cannot_be_reset_retires_its_ranks(sequence):
     assert not set(pids["leaves-thread"]) & set(pids["makes-group"])
     assert not set(pids["after-leftovers"]) & set(pids["leaves-thread"])
     # Only the case's own new_group counts: the kept groups made before are the ranks' own.
-    for note in ("rank 0: the case created 1 process group(s)",
-                 "rank 0: the case left 1 thread(s) running (sleeper)"):
+    for note in (
+        "rank 0: the case created 1 process group(s)",
+        "rank 0: the case left 1 thread(s) running (sleeper)",
+    ):
         assert f"harness: the case passed, but its ranks are not reused: {note}" in session.output
 
 
@@ -411,8 +417,10 @@ def test_a_pool_failing_its_health_check_is_replaced(sequence):
     _, session, pids = sequence
     assert session.case("test_16_after_stop").status == "passed", session.output
     assert not set(pids["after-stop"]) & set(pids["after-leftovers"])
-    assert "harness: the kept ranks failed their health check (rank 0: the health-check " \
-           "all-reduce did not finish within 5 s" in session.output
+    assert (
+        "harness: the kept ranks failed their health check (rank 0: the health-check "
+        "all-reduce did not finish within 5 s" in session.output
+    )
 
 
 def test_no_rank_outlives_the_session(sequence):
@@ -422,7 +430,7 @@ def test_no_rank_outlives_the_session(sequence):
     assert survivors(everyone, wait=5) == []
 
 
-SHORT = '''
+SHORT = """
     import os
 
     import pytest
@@ -456,13 +464,20 @@ SHORT = '''
     @pytest.mark.launch(nproc=2)
     def test_c():
         record_pid(f"c-{os.environ['RANK']}")
-'''
+"""
 
 
 def short_session(tmp_path, *args):
     root = write_project(tmp_path, {"test_short.py": SHORT})
-    session = run_session(root, "--harness-max-procs", "2", "--harness-lease-timeout", "30", *args,
-                          env=inner_env(root / "out", root / "leases"))
+    session = run_session(
+        root,
+        "--harness-max-procs",
+        "2",
+        "--harness-lease-timeout",
+        "30",
+        *args,
+        env=inner_env(root / "out", root / "leases"),
+    )
     assert session.returncode == 0, session.output
     pids: dict[str, set[int]] = {}
     for name, pid in read_pids(root / "out").items():
@@ -483,7 +498,7 @@ def test_no_reuse_option_spawns_fresh_ranks_for_every_case(tmp_path):
     assert len(pids["a"] | pids["b"] | pids["c"]) == 6
 
 
-IDLE_POOL = '''
+IDLE_POOL = """
     import os
     import time
 
@@ -500,20 +515,29 @@ IDLE_POOL = '''
     def test_idles():
         record_pid("idling")
         time.sleep(60)
-'''
+"""
 
 
-@pytest.mark.parametrize(("sig", "returncode"), [
-    (signal.SIGTERM, -signal.SIGTERM),  # the ranks die with their parent
-    (signal.SIGINT, pytest.ExitCode.INTERRUPTED),  # the session closes its pool
-    (signal.SIGKILL, -signal.SIGKILL),  # no cleanup possible: they die with their parent
-], ids=["SIGTERM", "SIGINT", "SIGKILL"])
+@pytest.mark.parametrize(
+    ("sig", "returncode"),
+    [
+        (signal.SIGTERM, -signal.SIGTERM),  # the ranks die with their parent
+        (signal.SIGINT, pytest.ExitCode.INTERRUPTED),  # the session closes its pool
+        (signal.SIGKILL, -signal.SIGKILL),  # no cleanup possible: they die with their parent
+    ],
+    ids=["SIGTERM", "SIGINT", "SIGKILL"],
+)
 def test_signalled_pytest_takes_its_idle_pool_and_lease_with_it(tmp_path, sig, returncode):
     root = write_project(tmp_path / "project", {"test_idle.py": IDLE_POOL})
     out, leases = root / "out", root / "leases"
-    proc = subprocess.Popen(pytest_command(root, "--harness-max-procs", "2"), cwd=root,
-                            env=inner_env(out, leases), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        pytest_command(root, "--harness-max-procs", "2"),
+        cwd=root,
+        env=inner_env(out, leases),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         end = time.monotonic() + 60
         while "idling" not in read_pids(out) and time.monotonic() < end and proc.poll() is None:
@@ -533,7 +557,7 @@ def test_signalled_pytest_takes_its_idle_pool_and_lease_with_it(tmp_path, sig, r
     acquire(str(leases), [slot_want(2, 2)], timeout=5, holder="after the session").release()
 
 
-HOLDER = '''
+HOLDER = """
     import time
 
     import pytest
@@ -556,9 +580,9 @@ HOLDER = '''
         end = time.monotonic() + 60
         while not (out_dir() / "waiter-done").exists() and time.monotonic() < end:
             time.sleep(0.1)
-'''
+"""
 
-WAITER = '''
+WAITER = """
     import pytest
 
     from harness import LaunchSpec
@@ -567,7 +591,7 @@ WAITER = '''
     @pytest.mark.launch(LaunchSpec(device="cuda", nproc=2, backend="gloo"))
     def test_needs_the_cards():
         pass
-'''
+"""
 
 
 def test_an_idle_pool_yields_its_cards_to_another_session(tmp_path):
@@ -576,16 +600,29 @@ def test_an_idle_pool_yields_its_cards_to_another_session(tmp_path):
     waiter_root = write_project(tmp_path / "waiter", {"test_waiter.py": WAITER})
     out.mkdir()
     env = inner_env(out, leases, cards="cuda:0,1")
-    holder = subprocess.Popen(pytest_command(holder_root, "--harness-max-procs", "8"), cwd=holder_root,
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    holder = subprocess.Popen(
+        pytest_command(holder_root, "--harness-max-procs", "8"),
+        cwd=holder_root,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         end = time.monotonic() + 60
         while len(read_pids(out)) < 2 and holder.poll() is None and time.monotonic() < end:
             time.sleep(0.1)
         assert len(read_pids(out)) == 2, "the holder's case never ran"
         # The holder now idles with its pool (and both cards) kept, until told.
-        waiter = run_session(waiter_root, "--harness-max-procs", "8", "--harness-lease-timeout", "30",
-                             env=env, timeout=60)
+        waiter = run_session(
+            waiter_root,
+            "--harness-max-procs",
+            "8",
+            "--harness-lease-timeout",
+            "30",
+            env=env,
+            timeout=60,
+        )
         assert holder.poll() is None, "the holder ended before the waiter got the cards"
         (out / "waiter-done").touch()
         assert waiter.case("test_needs_the_cards").status == "passed", waiter.output
@@ -605,8 +642,11 @@ def test_a_waiting_lease_makes_the_holders_lease_contended(tmp_path):
     with acquire(lease_dir, [slot_want(1, 1)], timeout=0, holder="the pool") as held:
         assert not held.contended()
         got: list = []
-        waiter = threading.Thread(target=lambda: got.append(
-            acquire(lease_dir, [slot_want(1, 1)], timeout=30, holder="a waiter")))
+        waiter = threading.Thread(
+            target=lambda: got.append(
+                acquire(lease_dir, [slot_want(1, 1)], timeout=30, holder="a waiter")
+            )
+        )
         waiter.start()
         end = time.monotonic() + 10
         while not held.contended() and time.monotonic() < end:
@@ -629,9 +669,15 @@ def test_baseline_restores_what_a_case_changed():
 
     from harness.launcher.reset import Baseline
 
-    before = (torch.get_default_dtype(), torch.is_grad_enabled(), torch.get_num_threads(),
-              torch.get_float32_matmul_precision(), list(warnings.filters),
-              list(logging.getLogger().handlers), signal.getsignal(signal.SIGTERM))
+    before = (
+        torch.get_default_dtype(),
+        torch.is_grad_enabled(),
+        torch.get_num_threads(),
+        torch.get_float32_matmul_precision(),
+        list(warnings.filters),
+        list(logging.getLogger().handlers),
+        signal.getsignal(signal.SIGTERM),
+    )
     baseline = Baseline.capture()
     try:
         draws = (random.random(), float(np.random.rand()), torch.rand(2).tolist())
@@ -646,9 +692,15 @@ def test_baseline_restores_what_a_case_changed():
         logging.getLogger().addHandler(logging.NullHandler())
         signal.signal(signal.SIGTERM, lambda *a: None)
         baseline.restore()
-        assert (torch.get_default_dtype(), torch.is_grad_enabled(), torch.get_num_threads(),
-                torch.get_float32_matmul_precision(), list(warnings.filters),
-                list(logging.getLogger().handlers), signal.getsignal(signal.SIGTERM)) == before
+        assert (
+            torch.get_default_dtype(),
+            torch.is_grad_enabled(),
+            torch.get_num_threads(),
+            torch.get_float32_matmul_precision(),
+            list(warnings.filters),
+            list(logging.getLogger().handlers),
+            signal.getsignal(signal.SIGTERM),
+        ) == before
         assert (random.random(), float(np.random.rand()), torch.rand(2).tolist()) == draws
         # (Only our thread is asserted on: the test process may start threads of its own.)
         assert "sleeper" not in (baseline.leftovers() or "")
@@ -670,7 +722,7 @@ def start_sleeper_thread():
     return stop
 
 
-INTERPRETER_STATE = '''
+INTERPRETER_STATE = """
     import gc
     import json
     import os
@@ -710,7 +762,7 @@ INTERPRETER_STATE = '''
     @pytest.mark.launch(nproc=2)
     def test_2_sees_a_fresh_interpreter():
         record("after")
-'''
+"""
 
 
 def test_interpreter_settings_a_case_changed_do_not_reach_the_next(tmp_path):
@@ -725,7 +777,7 @@ def test_interpreter_settings_a_case_changed_do_not_reach_the_next(tmp_path):
         assert after == before
 
 
-PEER_PASSED = '''
+PEER_PASSED = """
     import os
     import time
 
@@ -747,7 +799,7 @@ PEER_PASSED = '''
             dist.all_reduce(torch.ones(1))
         finally:
             (out_dir() / "blocked-seconds").write_text(str(time.monotonic() - start))
-'''
+"""
 
 
 @pytest.mark.parametrize("reuse", [True, False], ids=["kept", "fresh"])
@@ -771,6 +823,9 @@ def test_kept_group_without_a_process_group_says_where_to_call_it():
     import harness
 
     assert not dist.is_initialized(), "an earlier test left a default process group here"
-    with pytest.raises(RuntimeError, match=r"harness.kept_group: torch.distributed has no "
-                                           r"default process group here; call it on launched"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"harness.kept_group: torch.distributed has no "
+        r"default process group here; call it on launched",
+    ):
         harness.kept_group([0])

@@ -13,7 +13,7 @@ from harness.launcher.procs import kill_trees
 
 # Leads its own session like a rank: a child, an orphaned grandchild (its
 # parent exits at once), then it prints the pids and waits.
-RANK_LIKE = textwrap.dedent('''
+RANK_LIKE = textwrap.dedent("""
     import signal, subprocess, sys, time
     if "--ignore-term" in sys.argv:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -26,12 +26,16 @@ RANK_LIKE = textwrap.dedent('''
         capture_output=True, text=True, check=True)
     print(child.pid, spawner.stdout.strip(), flush=True)
     time.sleep(60)
-''')
+""")
 
 
 def start(*args: str) -> tuple[subprocess.Popen, list[int]]:
-    proc = subprocess.Popen([sys.executable, "-c", RANK_LIKE, *args], stdout=subprocess.PIPE,
-                            text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", RANK_LIKE, *args],
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     pids = [int(p) for p in proc.stdout.readline().split()]
     return proc, pids
 
