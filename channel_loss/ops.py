@@ -32,7 +32,9 @@ __all__ = [
     "GEMM_POLICIES",
     "chunk_cross_entropy",
     "chunk_math",
+    "cpu_has_bf16_gemm",
     "default_chunk_size",
+    "default_gemm_policy",
     "gemm_policy",
     "per_token_cross_entropy",
 ]
@@ -368,8 +370,8 @@ def _bias_rows(bias: _Bias, rows: torch.Tensor, span: _Span) -> torch.Tensor:
 # --------------------------------------------------------------------------- GEMM dtype policy
 
 
-#: ``gemm_policy`` names: "auto" picks "fp32" on the CPU and "model_dtype" elsewhere.
-GEMM_POLICIES = ("auto", "fp32", "model_dtype")
+#: ``gemm_policy`` names: "auto" picks the device's default (see ``gemm_policy``).
+GEMM_POLICIES = ("auto", "fp32", "model_dtype", "mixed")
 _GEMM_POLICY: contextvars.ContextVar[str] = contextvars.ContextVar(
     "channel_loss_gemm_policy", default="auto"
 )
@@ -388,13 +390,24 @@ def gemm_policy(policy: str) -> Iterator[str]:
       logits and the weight gradient come out in fp32, the hidden gradient in
       the model dtype. Where the build lacks ``out_dtype``: on the CPU the
       same products are formed exactly from fp32 copies of the operands (so
-      CPU tests check this policy's numerics); on accelerators the products
-      come out in the model dtype and are accumulated in fp32.
-    - ``"fp32"`` (the CPU default, measured fastest there: CPUs without
-      bf16 units run fp32 GEMMs many times faster than bf16 ones): operands
-      are upcast to fp32 (the weight once per call) and the logits gradient
-      stays fp32.
-    - ``"auto"``: the default of the device the inputs live on.
+      CPU tests check this policy's numerics); on accelerators they are
+      formed as ``"model_dtype_rounded"`` says.
+    - ``"mixed"`` (the CPU default for bf16 where the CPU has bf16 matrix
+      instructions, ``cpu_has_bf16_gemm``): the two products whose results the
+      standard path rounds to the model dtype once are torch's plain
+      model-dtype GEMMs (fp32 accumulation, one rounding): the logits, which
+      are ``F.linear(h, W).float()`` as the standard path forms them, and the
+      hidden gradient, from the logits gradient rounded to the model dtype.
+      The products accumulated over chunks (the weight and bias-factor
+      gradients) are fp32 GEMMs of the fp32 logits gradient and upcast
+      operands, as under ``"fp32"``: rounding each chunk's partial would add a
+      rounding per chunk to the standard path's one.
+    - ``"fp32"`` (the CPU default otherwise, measured fastest there: a CPU
+      without bf16 units runs an fp32 GEMM many times faster than a bf16 one,
+      and none of those measured runs fp16 GEMMs fast): operands are upcast to
+      fp32 (the weight once per call) and the logits gradient stays fp32.
+    - ``"auto"``: the default of the device the inputs live on (and, on the
+      CPU, of its instruction set and the dtype).
 
     fp32 inputs are unaffected. Scopes are per context (a ``ContextVar``) and
     nest; the policy must be the same for a ``chunk_cross_entropy`` call and
@@ -408,6 +421,28 @@ def gemm_policy(policy: str) -> Iterator[str]:
         yield policy
     finally:
         _GEMM_POLICY.reset(token)
+
+
+def cpu_has_bf16_gemm() -> bool:
+    """Whether this CPU has bf16 matrix instructions (AVX512-BF16 or AMX tiles), where
+    torch's bf16 GEMMs run faster than fp32 ones instead of many times slower."""
+    probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    return any(bool(getattr(torch.cpu, name, lambda: False)()) for name in probes)
+
+
+def default_gemm_policy(device: torch.device | str, dtype: torch.dtype) -> str:
+    """The policy ``"auto"`` resolves to for inputs of ``dtype`` on ``device``.
+
+    Accelerators: ``"model_dtype"``. CPU: ``"mixed"`` for bf16
+    where ``cpu_has_bf16_gemm()`` (measured on an AVX512-BF16 CPU at 256 x 256 x
+    32000: a bf16 GEMM 2.3-2.9x faster than the fp32 one), else ``"fp32"``.
+    """
+    kind = device.type if isinstance(device, torch.device) else str(device).split(":")[0]
+    if kind != "cpu":
+        return "model_dtype"
+    if dtype == torch.bfloat16 and cpu_has_bf16_gemm():
+        return "mixed"
+    return "fp32"
 
 
 def _has_out_dtype(device: torch.device) -> bool:
@@ -433,13 +468,14 @@ class _Products:
     def __init__(self, weight: torch.Tensor, factor_weight: torch.Tensor | None) -> None:
         policy = _GEMM_POLICY.get()
         if policy == "auto":
-            policy = "fp32" if weight.device.type == "cpu" else "model_dtype"
+            policy = default_gemm_policy(weight.device, weight.dtype)
         self.dtype = weight.dtype
         low = weight.dtype != torch.float32
         self.upcast = low and policy == "fp32"
+        self.round_logits = low and policy == "mixed"
         self.native = low and not self.upcast and _has_out_dtype(weight.device)
         # Without out_dtype, the CPU forms the same products exactly in fp32; an
-        # accelerator keeps model-dtype GEMMs and rounds each product to that dtype.
+        # accelerator rounds each product to the model dtype.
         self.emulate = low and not self.upcast and not self.native and weight.device.type == "cpu"
         self.weight = weight.float() if self.upcast else weight
         self.factor_weight = (
@@ -463,25 +499,40 @@ class _Products:
     ) -> torch.Tensor:
         """``a @ b`` in fp32 (accumulated in fp32), written into ``out`` (fp32) when given."""
         into = {} if out is None else {"out": out}
-        if a.dtype == torch.float32 and b.dtype == torch.float32:
-            return torch.mm(a, b, **into)
+        if a.dtype == torch.float32 or b.dtype == torch.float32:
+            return torch.mm(a.float(), b.float(), **into)
         if self.native:
             return torch.mm(a, b, out_dtype=torch.float32, **into)
         if self.emulate:
             return torch.mm(a.float(), b.float(), **into)
-        return out.copy_(torch.mm(a, b)) if out is not None else torch.mm(a, b).float()
+        return _rounded_mm(a, b, out)
+
+    def logits(self, h_rows: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """The fp32 logits ``h_rows @ weight.T`` written into ``out``: rounded to the model
+        dtype first under the ``"mixed"`` policy, else as ``mm32`` forms them."""
+        if self.round_logits:
+            return _rounded_mm(h_rows, self.weight.t(), out)
+        return self.mm32(h_rows, self.weight.t(), out)
 
     def addmm32_(self, acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
         """``acc += a @ b`` into the fp32 accumulator ``acc``, with no full-size temporary
         where the build allows it."""
-        if a.dtype == torch.float32 and b.dtype == torch.float32:
-            acc.addmm_(a, b)
+        if a.dtype == torch.float32 or b.dtype == torch.float32:
+            acc.addmm_(a.float(), b.float())
         elif self.native:
             torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
         elif self.emulate:
             acc.addmm_(a.float(), b.float())
         else:
             acc.add_(torch.mm(a, b))
+
+    def accumulated_grad_operand(
+        self, dlogits: torch.Tensor | None, dl: torch.Tensor | None
+    ) -> torch.Tensor | None:
+        """The logits-gradient operand of the products accumulated in fp32 (the weight and
+        bias-factor gradients): the fp32 gradient itself under ``"mixed"`` (where it
+        exists), else ``dl``, the operand of the hidden gradient."""
+        return dlogits if self.round_logits and dlogits is not None else dl
 
     def grad_hidden(
         self, dl: torch.Tensor, out: torch.Tensor, row_factor: torch.Tensor | None = None
@@ -495,6 +546,18 @@ class _Products:
                 product.mul_(row_factor.unsqueeze(1))
         else:
             out.copy_(_row_scaled(torch.mm(dl, self.weight), row_factor))
+
+
+def _rounded_mm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """``a @ b`` as a GEMM in the operands' dtype (fp32 accumulation, one rounding to that
+    dtype), upcast to fp32 into ``out`` when given."""
+    if out is None:
+        return torch.mm(a, b).float()
+    if out.t().is_contiguous() and not out.is_contiguous():
+        # A transposed (vocabulary-major) out: form the product in its memory order.
+        out.t().copy_(torch.mm(b.t(), a.t()))
+        return out
+    return out.copy_(torch.mm(a, b))
 
 
 def _chunk_logits(
@@ -514,7 +577,7 @@ def _chunk_logits(
     vocab = products.weight.shape[0]
     block = buffer[: span.size * vocab]
     out = block.view(vocab, span.size).t() if _vocab_major(buffer.device) else block.view(-1, vocab)
-    logits = products.mm32(h_rows, products.weight.t(), out)
+    logits = products.logits(h_rows, out)
     if bias.full is not None:
         logits.add_(_bias_rows(bias, bias.full, span).float())
     elif bias.factor is not None:
@@ -685,18 +748,19 @@ def _walk(*args, fused: bool) -> tuple[torch.Tensor, torch.Tensor, list[torch.Te
             del cap_slope
         if need_h:
             span.fill(grad_h, functools.partial(products.grad_hidden, dl, row_factor=row_factor))
+        acc = products.accumulated_grad_operand(dlogits, dl)
         if need_w:
-            products.addmm32_(grad_w, dl.t(), _row_scaled(h_rows, row_factor))
+            products.addmm32_(grad_w, acc.t(), _row_scaled(h_rows, row_factor))
         if need_full:
             _scatter_rows(grad_full, bias, dlogits, span)
         if need_factor:
-            d_factor = _row_scaled(products.mm32(dl, products.factor_weight), row_factor)
+            d_factor = _row_scaled(products.mm32(acc, products.factor_weight), row_factor)
             _scatter_rows(grad_factor, bias, d_factor, span)
         if need_factor_w:
             factor = products.operand(_bias_rows(bias, bias.factor, span))
-            products.addmm32_(grad_factor_w, dl.t(), _row_scaled(factor, row_factor))
+            products.addmm32_(grad_factor_w, acc.t(), _row_scaled(factor, row_factor))
         # This chunk's model-dtype operand goes before the next chunk makes its own.
-        del logits, dlogits, dl, h_rows, row_factor
+        del logits, dlogits, dl, acc, h_rows, row_factor
     return token_losses, train_losses, [grad_h, grad_w, grad_full, grad_factor, grad_factor_w]
 
 
@@ -1081,8 +1145,10 @@ def chunk_cross_entropy(
     position ignored). Logits are the fp32 product ``h @ weight.T`` plus
     ``logits_bias.float()`` (broadcastable to ``[..., V]``) or plus the fp32
     product ``logits_bias @ logits_bias_weight.T`` (factored); for bf16 /
-    fp16 inputs the products accumulate in fp32 and are not rounded to the
-    model dtype (``gemm_policy`` says how each is formed per device).
+    fp16 inputs the products accumulate in fp32, and only the CPU's bf16
+    policy on CPUs with bf16 units rounds the logits to the model dtype, as
+    the standard ``F.linear(h, W).float()`` does (``gemm_policy`` says how
+    each product is formed per device).
 
     Returns a 0-d fp32 tensor: the CE summed over targets that are not
     ``ignore_index``, divided by ``num_items_in_batch`` (never modified) or by
