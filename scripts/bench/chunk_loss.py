@@ -74,7 +74,7 @@ import torch
 import torch.nn.functional as F
 
 import channel_loss as cl
-from channel_loss.ops import chunk_math
+from channel_loss.ops import chunk_math, cpu_has_bf16_gemm, default_gemm_policy
 
 CONFIGS = {
     "base": {"tokens": 4096, "hidden": 256, "vocab": 32000, "rounds": 2, "warmup": 1, "pairs": 10},
@@ -175,6 +175,17 @@ def step(method: str, hidden, weight, targets, chunk_size: int | None) -> None:
     else:
         raise ValueError(f"unknown method {method!r}")
     loss.backward()
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip().replace(" ", "_")
+    except OSError:
+        pass
+    return "unknown"
 
 
 def _status_kib(field: str) -> int:
@@ -523,6 +534,13 @@ def main(argv: list[str] | None = None) -> int:
         f"threads={torch.get_num_threads()} torch={torch.__version__} "
         f"methods={','.join(methods())}"
         + ("" if _has_cce() else " (cut-cross-entropy not installed)"),
+        flush=True,
+    )
+    # What decides our CPU GEMM policy, and so the bf16 columns: bf16 units or not.
+    policies = {d: default_gemm_policy("cpu", getattr(torch, d)) for d in dtypes}
+    print(
+        f"cpu={_cpu_model()} capability={torch.backends.cpu.get_cpu_capability()} "
+        f"bf16_units={cpu_has_bf16_gemm()} gemm_policy={policies}",
         flush=True,
     )
     results: dict[str, dict[str, float]] = {}
