@@ -380,7 +380,6 @@ GEMM_POLICIES = ("auto", "fp32", "model_dtype", "mixed")
 _GEMM_POLICY: contextvars.ContextVar[str] = contextvars.ContextVar(
     "channel_loss_gemm_policy", default="auto"
 )
-_OUT_DTYPE: dict[str, bool] = {}
 
 
 @contextlib.contextmanager
@@ -395,8 +394,9 @@ def gemm_policy(policy: str) -> Iterator[str]:
       logits and the weight gradient come out in fp32, the hidden gradient in
       the model dtype. Where the build lacks ``out_dtype``: on the CPU the
       same products are formed exactly from fp32 copies of the operands (so
-      CPU tests check this policy's numerics); on accelerators they are
-      formed as ``"model_dtype_rounded"`` says.
+      CPU tests check this policy's numerics); on accelerators each product
+      is a model-dtype GEMM rounded once to the model dtype, then accumulated
+      in fp32.
     - ``"mixed"`` (the CPU default for bf16 where the CPU has bf16 matrix
       instructions, ``cpu_has_bf16_gemm``): the two products whose results the
       standard path rounds to the model dtype once are torch's plain
@@ -450,39 +450,61 @@ def default_gemm_policy(device: torch.device | str, dtype: torch.dtype) -> str:
     return "fp32"
 
 
-def _has_out_dtype(device: torch.device) -> bool:
-    """Whether this build runs ``mm`` / ``addmm`` with ``out_dtype=float32`` on ``device``."""
-    known = _OUT_DTYPE.get(device.type)
+#: What this torch build can do, probed once per process (see ``_probe``).
+_PROBED: dict[tuple[str, str], bool] = {}
+
+
+def _probe(name: str, device_type: str, check: Callable[[], bool]) -> bool:
+    """``check()``, once per process and device type: False where it raises.
+
+    Runs outside any active ``TorchDispatchMode`` (a user's or a test's operation
+    counter must not see the probe's tiny operations, whichever call comes first).
+    """
+    key = (name, device_type)
+    known = _PROBED.get(key)
     if known is None:
         try:
-            x = torch.ones(1, 1, dtype=torch.bfloat16, device=device)
-            acc = torch.zeros(1, 1, dtype=torch.float32, device=device)
-            torch.mm(x, x, out_dtype=torch.float32)
-            torch.mm(x, x, out_dtype=torch.float32, out=acc)
-            torch.addmm(acc, x, x, out_dtype=torch.float32, out=acc)
-            known = True
-        except (RuntimeError, NotImplementedError, TypeError):
+            with _outside_dispatch_modes():
+                known = bool(check())
+        except (AttributeError, RuntimeError, NotImplementedError, TypeError):
             known = False
-        _OUT_DTYPE[device.type] = known
+        _PROBED[key] = known
     return known
 
 
-_ONEDNN_LINEAR: list[bool] = []
+def _outside_dispatch_modes() -> contextlib.AbstractContextManager:
+    try:
+        from torch.utils._python_dispatch import _disable_current_modes
+    except ImportError:  # a torch without it: probe where we are
+        return contextlib.nullcontext()
+    return _disable_current_modes()
+
+
+def _has_out_dtype(device: torch.device) -> bool:
+    """Whether this build runs ``mm`` / ``addmm`` with ``out_dtype=float32`` on ``device``."""
+
+    def check() -> bool:
+        x = torch.ones(1, 1, dtype=torch.bfloat16, device=device)
+        acc = torch.zeros(1, 1, dtype=torch.float32, device=device)
+        torch.mm(x, x, out_dtype=torch.float32)
+        torch.mm(x, x, out_dtype=torch.float32, out=acc)
+        torch.addmm(acc, x, x, out_dtype=torch.float32, out=acc)
+        return True
+
+    return _probe("out_dtype", device.type, check)
 
 
 def _has_onednn_linear() -> bool:
-    """Whether this torch runs oneDNN's fp32 linear on the CPU (probed once, checked
-    against ``torch.mm`` on a small exact case)."""
-    if not _ONEDNN_LINEAR:
-        ok = False
-        if torch.backends.mkldnn.is_available():
-            x, w = torch.arange(6.0).reshape(2, 3), torch.arange(12.0).reshape(4, 3)
-            try:
-                ok = torch.equal(_onednn_linear(x, w), torch.mm(x, w.t()))
-            except (AttributeError, RuntimeError, NotImplementedError, TypeError):
-                ok = False
-        _ONEDNN_LINEAR.append(ok)
-    return _ONEDNN_LINEAR[0]
+    """Whether this torch runs oneDNN's fp32 linear on the CPU (checked against
+    ``torch.mm`` on a small exact case)."""
+
+    def check() -> bool:
+        x, w = torch.arange(6.0).reshape(2, 3), torch.arange(12.0).reshape(4, 3)
+        return torch.backends.mkldnn.is_available() and torch.equal(
+            _onednn_linear(x, w), torch.mm(x, w.t())
+        )
+
+    return _probe("onednn_linear", "cpu", check)
 
 
 def _onednn_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -658,11 +680,12 @@ def _softmax_ce_(
 
     Returns ``(token_nll, sumexp, lse, train_loss)``; afterwards ``logits``
     holds the softmax times ``sumexp``: ``exp(logits - rowmax)`` from the
-    passes, the softmax itself (``sumexp`` all ones) from the fused kernel. ``train_loss`` is
-    the per-token loss with label smoothing and z-loss (``token_nll`` itself
-    when neither is on). ``final_rows(rows)``, which recomputes the given rows'
-    logits, is what the fused softmax (see ``_fused_softmax``) needs for rows
-    whose target probability underflows; without it the passes run.
+    passes, the softmax itself (``sumexp`` all ones) from the fused kernel.
+    ``train_loss`` is the per-token loss with label smoothing and z-loss
+    (``token_nll`` itself when neither is on). ``final_rows(rows)``, which
+    recomputes the given rows' final logits, is what the fused softmax (see
+    ``_fused_softmax``) needs for rows whose target probability underflows;
+    without it the passes run.
     """
     safe = torch.where(valid, targets, 0).unsqueeze(1)
     target_logit = logits.gather(1, safe).squeeze(1)
@@ -701,7 +724,6 @@ def _softmax_ce_(
 #: An NLL above this came from a target probability at or below fp32's smallest
 #: normal number (-log(2**-126) = 87.3), so it lost digits or is inf.
 _NLL_LIMIT = 87.0
-_SOFTMAX_IN_PLACE: list[bool] = []
 
 
 def _fused_softmax(logits: torch.Tensor) -> bool:
@@ -718,16 +740,14 @@ def _fused_softmax(logits: torch.Tensor) -> bool:
     """
     if logits.device.type != "cpu" or not logits.is_contiguous():
         return False
-    if not _SOFTMAX_IN_PLACE:
+
+    def check() -> bool:
         x = torch.tensor([[0.5, -1.0, 3.0, 2.0], [1.0, 1.0, -30.0, 0.0]])
         want = torch.softmax(x, dim=1)
-        try:
-            torch.ops.aten._softmax.out(x, 1, False, out=x)
-            ok = torch.equal(x, want)
-        except (AttributeError, RuntimeError, NotImplementedError, TypeError):
-            ok = False
-        _SOFTMAX_IN_PLACE.append(ok)
-    return _SOFTMAX_IN_PLACE[0]
+        torch.ops.aten._softmax.out(x, 1, False, out=x)
+        return torch.equal(x, want)
+
+    return _probe("softmax_in_place", "cpu", check)
 
 
 def _final_logit_rows(logits: torch.Tensor, features: _Features, rows: torch.Tensor):
@@ -795,7 +815,7 @@ def _walk(*args, fused: bool) -> tuple[torch.Tensor, torch.Tensor, list[torch.Te
     grad_factor_w = zeros(bias.factor_weight, need_factor_w)
     any_grad = any(needs)
     products = _Products(weight, bias.factor_weight)
-    # One chunk of fp32 logits for the whole walk (see _chunk_logits).
+    # Accelerators: one chunk of fp32 logits for the whole walk (see _chunk_logits).
     widest = max((span.size for span in spans), default=0)
     buffer = (
         None
