@@ -527,8 +527,13 @@ class _Products:
         # Without out_dtype, the CPU forms the same products exactly in fp32; an
         # accelerator rounds each product to the model dtype.
         self.emulate = low and not self.upcast and not self.native and weight.device.type == "cpu"
-        self.onednn = weight.device.type == "cpu" and _has_onednn_linear()
         self.weight = weight.float() if self.upcast else weight
+        #: Whether the logits come from oneDNN's linear, as a new tensor per chunk.
+        self.onednn = (
+            weight.device.type == "cpu"
+            and self.weight.dtype == torch.float32
+            and _has_onednn_linear()
+        )
         self.factor_weight = (
             factor_weight.float() if self.upcast and factor_weight is not None else factor_weight
         )
@@ -569,7 +574,7 @@ class _Products:
         """
         if self.round_logits:
             return _rounded_mm(h_rows, self.weight.t(), out)
-        if out is None and self.onednn and h_rows.dtype == self.weight.dtype == torch.float32:
+        if self.onednn:
             return _onednn_linear(h_rows, self.weight)
         return self.mm32(h_rows, self.weight.t(), out)
 
@@ -819,7 +824,7 @@ def _walk(*args, fused: bool) -> tuple[torch.Tensor, torch.Tensor, list[torch.Te
     widest = max((span.size for span in spans), default=0)
     buffer = (
         None
-        if h.device.type == "cpu"
+        if products.onednn
         else torch.empty(widest * weight.shape[0], dtype=torch.float32, device=h.device)
     )
     for span in spans:
