@@ -555,12 +555,10 @@ class _Products:
     ) -> torch.Tensor:
         """``a @ b`` in fp32 (accumulated in fp32), written into ``out`` (fp32) when given."""
         into = {} if out is None else {"out": out}
-        if a.dtype == torch.float32 or b.dtype == torch.float32:
+        if torch.float32 in (a.dtype, b.dtype) or self.emulate:
             return torch.mm(a.float(), b.float(), **into)
         if self.native:
             return torch.mm(a, b, out_dtype=torch.float32, **into)
-        if self.emulate:
-            return torch.mm(a.float(), b.float(), **into)
         return _rounded_mm(a, b, out)
 
     def logits(self, h_rows: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
@@ -581,12 +579,10 @@ class _Products:
     def addmm32_(self, acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
         """``acc += a @ b`` into the fp32 accumulator ``acc``, with no full-size temporary
         where the build allows it."""
-        if a.dtype == torch.float32 or b.dtype == torch.float32:
+        if torch.float32 in (a.dtype, b.dtype) or self.emulate:
             acc.addmm_(a.float(), b.float())
         elif self.native:
             torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
-        elif self.emulate:
-            acc.addmm_(a.float(), b.float())
         else:
             acc.add_(torch.mm(a, b))
 
