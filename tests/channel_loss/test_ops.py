@@ -365,6 +365,47 @@ def test_observing_adds_no_matmul_and_never_full_logits(bias):
     assert counts[True][1] <= chunk * V < T * V
 
 
+class LinearWeights(TorchDispatchMode):
+    """Records the weight strides that oneDNN's linear receives."""
+
+    def __init__(self):
+        super().__init__()
+        self.strides = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket.__name__ == "_linear_pointwise":
+            self.strides.append((tuple(args[1].shape), args[1].stride()))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("layout", ["padded_rows", "column_major"])
+def test_a_strided_weight_is_exact_and_never_reordered_by_onednn(layout):
+    # oneDNN reorders a weight with padded rows (a column slice of a wider matrix)
+    # element by element: 30 s per chunk instead of 24 ms at H=256, V=32000.
+    T, H, V = 24, 8, 97
+    inputs, labels = make_inputs(lead=(T,), H=H, V=V, bias="none")
+    base = inputs["weight"].detach()
+    if layout == "padded_rows":
+        weight = torch.cat([base, torch.randn(V, 3)], dim=1)[:, :H]
+        assert weight.stride() == (H + 3, 1)
+    else:
+        weight = base.t().contiguous().t()
+        assert weight.stride() == (1, V)
+    inputs["weight"] = weight.requires_grad_()
+    with LinearWeights() as seen:
+        loss, got, _ = run_loss(inputs, labels, observe=False, chunk_size=8)
+    for shape, stride in seen.strides:
+        dense = (stride[1] == 1 and stride[0] == shape[1]) or (
+            stride[0] == 1 and stride[1] == shape[0]
+        )
+        assert dense, f"oneDNN's linear got a weight of shape {shape}, strides {stride}"
+    ref, _, x = reference_loss(inputs, hf_shift(labels))
+    (ref * 1.3).backward()
+    torch.testing.assert_close(loss.double(), ref.detach(), rtol=1e-6, atol=1e-6)
+    for k in ("hidden_states", "weight"):
+        torch.testing.assert_close(got[k].double(), x[k].grad, rtol=1e-5, atol=1e-6)
+
+
 def test_failed_forward_leaves_nothing_and_propagates():
     inputs, labels = make_inputs(lead=(2, 6), H=4, V=9, bias="none")
 
