@@ -1,5 +1,5 @@
 """``python -m harness``: the same as the ``harness`` console script."""
 
-from harness.suites.cli import main
+from harness.suites.entry import main
 
 raise SystemExit(main())

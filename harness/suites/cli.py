@@ -328,7 +328,8 @@ def _cmd_run(root: Path, args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``harness`` console script; returns the exit code.
+    """The ``harness`` command once its dependencies are known to be installed
+    (``harness.suites.entry`` checks them first); returns the exit code.
 
     ``harness run`` passes the options it does not know, and everything after the first
     ``--``, to pytest, which parses them itself. Usage errors exit 2 (argparse's

@@ -757,3 +757,48 @@ def test_a_new_subcommand_declares_its_own_root_and_pytest_arguments(tmp_path, m
         main(["plain", "-x"])
     assert raised.value.code == 2
     assert "unrecognized arguments: -x" in capsys.readouterr().err
+
+
+def _pyproject() -> dict:
+    import tomllib
+
+    return tomllib.loads((REPO / "harness" / "pyproject.toml").read_text())
+
+
+@pytest.mark.parametrize("how", ["console_script", "python_-m"])
+@pytest.mark.parametrize("absent", [["psutil"], ["psutil", "jsonschema"]])
+def test_a_missing_dependency_is_named_not_a_traceback(tmp_path, how, absent):
+    # An environment that has the harness but not its dependencies (a source tree on
+    # PYTHONPATH, `pip install --no-deps`): sys.modules[name] = None hides a module from
+    # both import and importlib.util.find_spec, as an uninstalled one is.
+    hide = "".join(f"sys.modules[{name!r}] = None\n" for name in absent)
+    (tmp_path / "sitecustomize.py").write_text(f"import sys\n{hide}")
+    if how == "console_script":
+        module, _, func = _pyproject()["project"]["scripts"]["harness"].partition(":")
+        cmd = [
+            sys.executable,
+            "-c",
+            f"import sys; from {module} import {func}; raise SystemExit({func}(['inventory']))",
+        ]
+    else:
+        cmd = [sys.executable, "-m", "harness", "inventory"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO)])}
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert f"missing {'dependency' if len(absent) == 1 else 'dependencies'}" in lines[0]
+    for name in absent:
+        assert name in lines[0]
+    assert "pip install ./harness" in lines[0]
+
+
+def test_the_dependency_check_knows_every_declared_dependency():
+    from harness.suites.entry import REQUIREMENTS
+
+    declared = {
+        re.split(r"[<>=!~ ;\[]", spec, maxsplit=1)[0].lower()
+        for spec in _pyproject()["project"]["dependencies"]
+    }
+    assert {dist for _, dist in REQUIREMENTS} == declared

@@ -1,0 +1,60 @@
+"""The start of the ``harness`` command (console script and ``python -m harness``).
+
+It checks, before anything imports them, that the distribution's dependencies are
+installed, so that an environment which installed the harness without them (a copied
+source tree, ``pip install --no-deps``) gets one line naming what is missing and how
+to install it instead of a traceback from deep inside an import.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from collections.abc import Sequence
+
+from harness.names import EXIT_USAGE
+
+#: (import name, distribution) of each dependency in ``harness/pyproject.toml``; a test
+#: checks that the two lists agree.
+REQUIREMENTS: tuple[tuple[str, str], ...] = (
+    ("pytest", "pytest"),
+    ("xdist", "pytest-xdist"),
+    ("jsonschema", "jsonschema"),
+    ("psutil", "psutil"),
+    ("torch", "torch"),
+)
+
+
+def missing_requirements() -> list[str]:
+    """The distributions of ``REQUIREMENTS`` whose import package cannot be found
+    (nothing is imported to find out)."""
+    gone = []
+    for module, distribution in REQUIREMENTS:
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except (ImportError, ValueError):  # a broken parent package, or a spec-less module
+            found = False
+        if not found:
+            gone.append(distribution)
+    return gone
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``harness`` console script; returns the exit code.
+
+    Exit 2 with one line on stderr naming each missing dependency when any is absent;
+    otherwise ``harness.suites.cli.main(argv)``.
+    """
+    gone = missing_requirements()
+    if gone:
+        print(
+            f"harness: missing {'dependency' if len(gone) == 1 else 'dependencies'}"
+            f" {', '.join(gone)}: install the harness with its dependencies"
+            " (`pip install ./harness` from the repository root,"
+            f" or `pip install {' '.join(gone)}`)",
+            file=sys.stderr,
+        )
+        return EXIT_USAGE
+    from harness.suites.cli import main as cli_main
+
+    return cli_main(argv)
