@@ -116,6 +116,47 @@ def resolve_targets(
     return targets
 
 
+#: The dtypes autocast casts to its lower precision for a matmul (never float64).
+_AUTOCAST_CASTABLE = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _autocast_dtype(device: torch.device) -> torch.dtype | None:
+    """The dtype autocast gives a matmul on ``device`` here, or None where it is off."""
+    kind = device.type
+    try:
+        return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None
+    except (AttributeError, TypeError, RuntimeError):  # a torch before the device_type forms
+        if kind == "cpu" and torch.is_autocast_cpu_enabled():
+            return torch.get_autocast_cpu_dtype()
+        if kind == "cuda" and torch.is_autocast_enabled():
+            return torch.get_autocast_gpu_dtype()
+        return None
+
+
+def _as_autocast_would(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    bias_weight: torch.Tensor | None,
+) -> tuple[tuple, contextlib.AbstractContextManager]:
+    """The operands of the LM-head products as autocast would hand them to ``F.linear``
+    (cast, differentiably, to its dtype where it is on for their device; float64 kept),
+    and a context that turns autocast off for the op itself, so that none of its own
+    matmuls is cast again (the op forms them under its dtype policy). An additive
+    ``logits_bias`` (no ``bias_weight``) is not an operand: it is added as given."""
+    amp = _autocast_dtype(hidden.device) if isinstance(hidden, torch.Tensor) else None
+    if amp is None:
+        return (hidden, weight, bias, bias_weight), contextlib.nullcontext()
+
+    def cast(t):
+        castable = isinstance(t, torch.Tensor) and t.dtype in _AUTOCAST_CASTABLE
+        return t.to(amp) if castable and t.dtype != amp else t
+
+    operands = (cast(hidden), cast(weight))
+    operands += (cast(bias), cast(bias_weight)) if bias_weight is not None else (bias, None)
+    return operands, torch.autocast(hidden.device.type, enabled=False)
+
+
 def _check_hidden_weight(hidden: torch.Tensor, weight: torch.Tensor) -> None:
     if not isinstance(hidden, torch.Tensor) or hidden.dim() not in (2, 3):
         raise ValueError(
@@ -1263,7 +1304,10 @@ def chunk_cross_entropy(
     fp16 inputs the products accumulate in fp32, and only the CPU's bf16
     policy on CPUs with bf16 units rounds the logits to the model dtype, as
     the standard ``F.linear(h, W).float()`` does (``gemm_policy`` says how
-    each product is formed per device).
+    each product is formed per device). Under ``torch.autocast`` for the inputs'
+    device, ``hidden_states``, ``weight`` and a factored bias pair are first cast to
+    its dtype, as autocast casts ``F.linear``'s operands (float64 kept; an additive
+    ``logits_bias`` is added as given); the op's own matmuls never are.
 
     Returns a 0-d fp32 tensor: the CE summed over targets that are not
     ``ignore_index``, divided by ``num_items_in_batch`` (never modified) or by
@@ -1301,6 +1345,9 @@ def chunk_cross_entropy(
             "num_items_in_batch divides the summed loss: pass it with reduction='mean' "
             f"(the default), not with reduction='sum'; got {num_items_in_batch!r}"
         )
+    (hidden_states, weight, logits_bias, logits_bias_weight), own_precision = _as_autocast_would(
+        hidden_states, weight, logits_bias, logits_bias_weight
+    )
     _check_hidden_weight(hidden_states, weight)
     vocab = weight.shape[0]
     chunk_size = _resolve_chunk_size(chunk_size, hidden_states, vocab)
@@ -1317,9 +1364,10 @@ def chunk_cross_entropy(
     inputs = (h, weight, bias.full, bias.factor, bias.factor_weight)
     grad_on = torch.is_grad_enabled()
     needs = tuple(grad_on and t is not None and t.requires_grad for t in inputs)
-    loss, token_losses = _ChunkedCE.apply(
-        *inputs, flat_targets, valid, denom, bias.row_of_token, chunk_size, needs, features
-    )
+    with own_precision:
+        loss, token_losses = _ChunkedCE.apply(
+            *inputs, flat_targets, valid, denom, bias.row_of_token, chunk_size, needs, features
+        )
     record(token_losses.reshape(lead), targets, ignore_index)
     return loss
 
@@ -1394,12 +1442,16 @@ def per_token_cross_entropy(
         return out.reshape(lead)
     if hidden_states is None or weight is None:
         raise ValueError("pass logits, or both hidden_states and weight")
+    with torch.no_grad():
+        (hidden_states, weight, logits_bias, logits_bias_weight), own_precision = (
+            _as_autocast_would(hidden_states, weight, logits_bias, logits_bias_weight)
+        )
     _check_hidden_weight(hidden_states, weight)
     lead = hidden_states.shape[:-1]
     vocab = weight.shape[0]
     chunk_size = _resolve_chunk_size(chunk_size, hidden_states, vocab)
     targets = resolve_targets(lead, labels, shift_labels, ignore_index, vocab, "hidden_states")
-    with torch.no_grad():
+    with torch.no_grad(), own_precision:
         bias = _resolve_bias(logits_bias, logits_bias_weight, lead, vocab, hidden_states.device)
         flat_targets = targets.reshape(-1)
         h = hidden_states.reshape(-1, hidden_states.shape[-1])

@@ -272,3 +272,26 @@ def test_half_precision_models_pass_the_verifying_forward(dtype):
         got = model(**batch.inputs, labels=batch.labels).loss
         assert handle.loss.verified
     torch.testing.assert_close(got, want.float(), rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma2"])
+def test_fused_loss_of_an_fp32_model_under_autocast(name):
+    # Mixed-precision training (fp32 parameters, bf16 autocast, as the HF Trainer's
+    # bf16=True): the fused head takes its operands as autocast casts the model's own
+    # lm_head, so it tracks the model's autocast loss and gradients, and every gradient
+    # reaches the fp32 parameters in fp32.
+    model, batch = build(name), packed_batch(name)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = reference(model, batch)
+        with patch_model(model, fused=True) as handle:
+            model.zero_grad(set_to_none=True)
+            torch.manual_seed(1234)
+            loss = model(**batch.inputs, labels=batch.labels).loss
+            assert handle.loss.verified
+    loss.backward()
+    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    torch.testing.assert_close(loss.detach(), want[0], rtol=1e-3, atol=0)
+    assert grads.keys() == want[1].keys()
+    for n, g in want[1].items():
+        assert grads[n].dtype == torch.float32, n
+        assert (grads[n] - g).norm() <= 2e-2 * g.norm(), n

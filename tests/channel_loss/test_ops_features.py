@@ -418,3 +418,120 @@ def test_dtensor_inputs_get_our_error_and_full_tensor_works():
         cl.per_token_cross_entropy(hidden_states=h, weight=sharded, labels=labels)
     got = cl.chunk_cross_entropy(h, sharded.full_tensor(), labels, chunk_size=7)
     assert torch.equal(got, cl.chunk_cross_entropy(h, w, labels, chunk_size=7))
+
+
+# --------------------------------------------------------------------------- autocast
+
+AMP_DTYPES = pytest.mark.parametrize(
+    "amp", [torch.bfloat16, torch.float16], ids=["autocast_bf16", "autocast_fp16"]
+)
+
+
+def run_ours(inputs, labels, kw=None, *, amp=None, dtype=None, factor=3.7):
+    """Loss, observed NLL and gradients of one call (inside ``torch.autocast("cpu", amp)``
+    when ``amp``), the inputs first cast to ``dtype`` (differentiably) when given."""
+    x = {k: v.detach().clone().requires_grad_() for k, v in inputs.items()}
+    cast = {k: v.to(dtype) if dtype and k != "logits_bias" else v for k, v in x.items()}
+    if dtype and "logits_bias_weight" in x:
+        cast["logits_bias"] = x["logits_bias"].to(dtype)
+    region = torch.autocast("cpu", dtype=amp or torch.bfloat16, enabled=amp is not None)
+    with region, cl.capture() as cap:
+        loss = cl.chunk_cross_entropy(**cast, labels=labels, chunk_size=7, **(kw or {}))
+    (loss * factor).backward()
+    return loss.detach(), cap.observations[0].token_losses, {k: v.grad for k, v in x.items()}
+
+
+def assert_same_run(a, b):
+    assert torch.equal(a[0], b[0]), "loss"
+    assert torch.equal(a[1], b[1]), "observed NLL"
+    for k in a[2]:
+        assert a[2][k].dtype == b[2][k].dtype, k
+        assert torch.equal(a[2][k], b[2][k]), k
+
+
+@AMP_DTYPES
+@pytest.mark.parametrize("bias", BIAS_FORMS)
+def test_autocast_runs_the_op_on_the_operands_autocast_would_cast(amp, bias):
+    """Under autocast the LM-head products take their operands as autocast hands them to
+    ``F.linear``: hidden states, weight and a factored bias pair cast to its dtype, an
+    additive ``logits_bias`` added as given. Bitwise the op on those casts outside autocast,
+    gradients reaching the fp32 inputs in fp32."""
+    inputs, labels = make_problem(torch.float32, bias, 1.0, {})
+    under = run_ours(inputs, labels, amp=amp)
+    cast = run_ours(inputs, labels, dtype=amp)
+    assert_same_run(under, cast)
+    for k, g in under[2].items():
+        assert g.dtype == torch.float32, k
+    # and it is not the fp32 op: the products really ran in the autocast dtype
+    assert not torch.equal(under[0], run_ours(inputs, labels)[0])
+
+
+@pytest.mark.parametrize(
+    ("amp", "dtype"),
+    [(torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16)]
+    + [(amp, torch.float64) for amp in (torch.bfloat16, torch.float16)],
+    ids=["bf16_in_bf16", "fp16_in_fp16", "fp64_in_bf16", "fp64_in_fp16"],
+)
+@pytest.mark.parametrize("bias", BIAS_FORMS)
+def test_autocast_leaves_the_op_on_model_dtype_and_float64_inputs_bit_for_bit(amp, dtype, bias):
+    """Inputs autocast does not cast (already its dtype, or float64): the op's own matmuls
+    are never cast either, they follow its dtype policy (with a factored bias one of them
+    was cast to bf16 before, off the policy)."""
+    inputs, labels = make_problem(dtype, bias, 1.0, {})
+    assert_same_run(run_ours(inputs, labels, amp=amp), run_ours(inputs, labels))
+
+
+@pytest.mark.parametrize("bias", ["none", "full", "factored"])
+@pytest.mark.parametrize(
+    ("scale", "kw"), [s[1:] for s in POLICY_SCENARIOS], ids=[s[0] for s in POLICY_SCENARIOS]
+)
+def test_autocast_is_as_accurate_as_the_standard_path_under_autocast(bias, scale, kw):
+    """fp32 parameters under ``torch.autocast("cpu", torch.bfloat16)`` (mixed-precision
+    training): loss and every fp32 gradient at least about as close to float64 as
+    ``F.linear(h, W).float()`` + CE under the same autocast."""
+    inputs, labels = make_problem(torch.float32, bias, scale, kw)
+    targets = shift(labels, kw)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = cl.chunk_cross_entropy(**inputs, labels=labels, chunk_size=7, **kw)
+        std, _, std_x = feature_loss(inputs, targets, kw, float64=False)
+    upstream(loss, torch.bfloat16, kw, scale).backward()
+    upstream(std, torch.bfloat16, kw, scale).backward()
+    ref, _, ref_x = feature_loss(inputs, targets, kw, float64=True)
+    upstream(ref, torch.bfloat16, kw, scale).backward()
+    checks = [("loss", loss.detach(), std.detach(), ref.detach())]
+    checks += [(k, v.grad, std_x[k].grad, ref_x[k].grad) for k, v in inputs.items()]
+    for name, ours, standard, exact in checks:
+        assert ours.dtype == torch.float32, name
+        ours_err, std_err = rel_l2(ours, exact), rel_l2(standard, exact)
+        if name == "loss" or std_err > FLOOR[torch.float32]:  # the standard path rounded it
+            ratio = HIDDEN_RATIO if name == "hidden_states" else RATIO
+            assert ours_err <= max(ratio * std_err, FLOOR[torch.bfloat16]), (
+                name,
+                ours_err,
+                std_err,
+            )
+        else:  # an fp32 gradient the standard path never rounds (an additive bias)
+            assert ours_err <= BOUND[torch.bfloat16], (name, ours_err, std_err)
+
+
+def test_autocast_takes_a_hidden_state_and_a_weight_of_different_dtypes():
+    """As ``F.linear`` does under autocast: a bf16 hidden state with an fp32 weight is the
+    op on both cast to the autocast dtype (outside autocast it is refused)."""
+    inputs, labels = make_problem(torch.float32, "none", 1.0, {})
+    inputs["hidden_states"] = inputs["hidden_states"].detach().bfloat16().requires_grad_()
+    with pytest.raises(ValueError, match="share one floating dtype"):
+        run_ours(inputs, labels)
+    under = run_ours(inputs, labels, amp=torch.bfloat16)
+    assert_same_run(under, run_ours(inputs, labels, dtype=torch.bfloat16))
+    assert under[2]["hidden_states"].dtype == torch.bfloat16
+    assert under[2]["weight"].dtype == torch.float32
+
+
+@pytest.mark.parametrize("bias", BIAS_FORMS)
+def test_per_token_under_autocast_is_what_capture_records_under_it(bias):
+    """``per_token_cross_entropy``'s bitwise contract holds inside one autocast region."""
+    inputs, labels = make_problem(torch.float32, bias, 1.0, {})
+    _, observed, _ = run_ours(inputs, labels, amp=torch.bfloat16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        per_token = cl.per_token_cross_entropy(**inputs, labels=labels, chunk_size=7)
+    assert torch.equal(per_token, observed)
