@@ -28,8 +28,10 @@ peak memory of one step (``torch.cuda.max_memory_allocated``, absolute and
 above what was allocated before the step) for: naive full logits, torch's
 ``F.linear_cross_entropy`` (chunked options when this torch has them), Liger-Kernel's
 fused linear cross-entropy and Cut Cross-Entropy (each when importable; both
-need CUDA and triton), ours at the default and two other chunk sizes, and ours
-under ``capture()``; every row also gets its achieved TFLOP/s against the
+need CUDA and triton), ours at the default and two other chunk sizes, ours
+under ``capture()``, and ours as fp32-parameter mixed-precision training calls it
+(fp32 copies of the inputs inside ``torch.autocast``; its ratio to ours is bounded
+by 1.10: the products must not become fp32 GEMMs); every row also gets its achieved TFLOP/s against the
 6 x N x H x V floor of the three GEMMs. Then the loss features against Liger:
 softcap 30, label smoothing 0.1 and z-loss 1e-4, each as an ``ours[...]`` and a
 ``liger[...]`` row. Default shapes: bf16, N=16384, H=4096, V=128256 and V=32000.
@@ -109,6 +111,9 @@ TARGETS = {
     "ours / cce extra peak": ("ours", "cce", "extra_peak_bytes", None),
     "ours / naive extra peak": ("ours", "naive", "extra_peak_bytes", 0.125),
     "ours_capture / ours time": ("ours_capture", "ours", "ms", 1.03),
+    # fp32 parameters under autocast must run the products in the autocast dtype, not as
+    # fp32 GEMMs (several times slower): the casts of the fp32 copies are the only extra.
+    "ours[autocast] / ours time": ("ours[autocast]", "ours", "ms", 1.10),
     "compiled / eager chunk math time": (
         "ours[chunk_math=compiled]",
         "ours[chunk_math=eager]",
@@ -188,6 +193,15 @@ def _ours_under(policy: str, hidden, weight, targets):
     """Our loss (fwd only) at the default chunk with the chunk math forced to ``policy``."""
     with chunk_math(policy):
         return cl.chunk_cross_entropy(hidden, weight, shift_labels=targets)
+
+
+def _ours_under_autocast(hidden, weight, targets):
+    """Our loss (fwd only) as mixed-precision training with fp32 parameters calls it: on
+    fp32 copies of the inputs (differentiable, so gradients reach them) inside
+    ``torch.autocast`` of the inputs' dtype (fp32 inputs: autocast's default dtype)."""
+    amp = hidden.dtype if hidden.dtype != torch.float32 else None
+    with torch.autocast(hidden.device.type, dtype=amp):
+        return cl.chunk_cross_entropy(hidden.float(), weight.float(), shift_labels=targets)
 
 
 def fwd_bwd(hidden, weight, targets, chunk_size: int | None = None, observe: bool = False):
@@ -559,6 +573,14 @@ def methods(device: torch.device, other_chunks: tuple[int, ...]) -> list[dict[st
             "chunk_size": _default_chunk_size(),
             "fn": lambda h, w, t: ours(h, w, t, observe=True)[0],
             "note": "default chunk size",
+        }
+    )
+    rows.append(
+        {
+            "method": "ours[autocast]",
+            "chunk_size": _default_chunk_size(),
+            "fn": lambda h, w, t: _ours_under_autocast(h, w, t),
+            "note": "fp32 copies of the inputs under torch.autocast(model dtype)",
         }
     )
     for name, (our_kw, liger_kw) in FEATURES.items():

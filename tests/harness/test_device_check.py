@@ -147,7 +147,8 @@ def test_dry_run_end_to_end(tmp_path):
     assert "cpu" in claims["capture adds no host sync"]["detail"]
     bench = json.loads((out / "bench.json").read_text())
     rows = {r["method"]: r for r in bench["shapes"][0]["rows"]}
-    assert {"naive", "torch_native", "liger", "ours", "ours_capture"} <= set(rows)
+    assert {"naive", "torch_native", "liger", "ours", "ours_capture", "ours[autocast]"} <= set(rows)
+    assert bench["shapes"][0]["ratios"]["ours[autocast] / ours time"]["value"] > 0
     assert [m for m in rows if m.startswith("ours[chunk=")] == ["ours[chunk=32]", "ours[chunk=64]"]
     # Every row of ours ran but the compiled chunk math, which the CPU dry run skips.
     compiled = "ours[chunk_math=compiled]"
