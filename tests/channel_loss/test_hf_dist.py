@@ -129,3 +129,29 @@ def test_fsdp2_fused_path_matches_the_all_reduced_reference():
     batch = batches[rank]
     fused_causal_lm_loss(model, **batch.inputs, labels=batch.labels, chunk_size=8).backward()
     check({n: p.grad.full_tensor() for n, p in model.named_parameters()}, want)
+
+
+@pytest.mark.launch(nproc=2, timeout=240)
+def test_ddp_fused_path_under_autocast_tracks_the_autocast_reference():
+    # Mixed-precision DDP (fp32 parameters, bf16 autocast): the fused head casts its
+    # operands as the model's own lm_head does under autocast, and DDP all-reduces the
+    # fp32 gradients that reach the parameters through those casts.
+    rank = dist.get_rank()
+    model = build("llama")
+    batches = [packed_batch("llama", seed=s) for s in range(dist.get_world_size())]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        losses, want = averaged_reference(model, batches)
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    meter = ChannelLossMeter(dp_group=dist.group.WORLD)
+    with patch_model(ddp, fused=True, chunk_size=8):
+        for _ in range(2):  # the verifying forward, then a fused one
+            ddp.zero_grad(set_to_none=True)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss, metrics = train_step(ddp, batches[rank], meter)
+            torch.testing.assert_close(loss, losses[rank], rtol=1e-3, atol=0)
+            assert metrics["channel_loss_dropped_micro_batches"] == 0.0
+            grads = {n: p.grad for n, p in model.named_parameters()}
+            assert grads.keys() == want.keys()
+            for name, grad in want.items():
+                assert grads[name].dtype == torch.float32, name
+                assert (grads[name] - grad).norm() <= 2e-2 * grad.norm(), name
