@@ -155,3 +155,34 @@ def test_ddp_fused_path_under_autocast_tracks_the_autocast_reference():
             for name, grad in want.items():
                 assert grads[name].dtype == torch.float32, name
                 assert (grads[name] - grad).norm() <= 2e-2 * grad.norm(), name
+
+
+@pytest.mark.launch(nproc=2, timeout=240)
+def test_fsdp2_mixed_precision_policy_fused_path_tracks_a_bf16_reference():
+    # FSDP2's own mixed precision (bf16 compute parameters, fp32 gradient reduction): the
+    # fused head gets the unsharded bf16 weight and bf16 hidden states, and the sharded
+    # fp32 gradients match a bf16 copy of the model within bf16 rounding.
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    rank = dist.get_rank()
+    model = build("mixtral")
+    batches = [packed_batch("mixtral", seed=s) for s in range(dist.get_world_size())]
+    losses, want = averaged_reference(copy.deepcopy(model).to(torch.bfloat16), batches)
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    meter = ChannelLossMeter(dp_group=dist.group.WORLD)
+    with patch_model(model, fused=True, chunk_size=8):
+        for _ in range(2):  # the verifying forward, then a fused one
+            model.zero_grad(set_to_none=True)
+            loss, metrics = train_step(model, batches[rank], meter)
+            torch.testing.assert_close(loss, losses[rank].float(), rtol=1e-3, atol=0)
+            assert metrics["channel_loss_dropped_micro_batches"] == 0.0
+            grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+            assert grads.keys() == want.keys()
+            for name, grad in want.items():
+                assert grads[name].dtype == torch.float32, name
+                assert (grads[name] - grad.float()).norm() <= 2e-2 * grad.float().norm(), name
