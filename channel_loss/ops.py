@@ -572,11 +572,14 @@ class _Products:
         #: Whether the logits come from oneDNN's linear, as a new tensor per chunk. Only
         #: for a dense weight (row- or column-major): oneDNN reorders one with padded
         #: rows (a column slice of a wider matrix) element by element, 30 s instead of
-        #: 24 ms at H=256, V=32000; ``torch.mm`` takes it as it is.
+        #: 24 ms at H=256, V=32000; ``torch.mm`` takes it as it is. Never where the user
+        #: turned oneDNN off (``torch.backends.mkldnn.enabled``), which the op would
+        #: otherwise bypass.
         self.onednn = (
             weight.device.type == "cpu"
             and self.weight.dtype == torch.float32
             and (self.weight.is_contiguous() or self.weight.t().is_contiguous())
+            and torch.backends.mkldnn.enabled
             and _has_onednn_linear()
         )
         self.factor_weight = (

@@ -406,6 +406,18 @@ def test_a_strided_weight_is_exact_and_never_reordered_by_onednn(layout):
         torch.testing.assert_close(got[k].double(), x[k].grad, rtol=1e-5, atol=1e-6)
 
 
+def test_onednn_turned_off_by_the_user_is_not_used(monkeypatch):
+    inputs, labels = make_inputs(lead=(24,), H=8, V=97, bias="none")
+    runs = {}
+    for enabled in (True, False):
+        # torch.backends.mkldnn.enabled itself (flags() also sets TF32, with a warning)
+        monkeypatch.setattr(torch.backends.mkldnn, "enabled", enabled)
+        with LinearWeights() as seen:
+            runs[enabled] = run_loss(inputs, labels, observe=False, chunk_size=8)
+        assert bool(seen.strides) == (enabled and cl.ops._has_onednn_linear()), enabled
+    torch.testing.assert_close(runs[False][0], runs[True][0], rtol=1e-6, atol=0)
+
+
 def test_failed_forward_leaves_nothing_and_propagates():
     inputs, labels = make_inputs(lead=(2, 6), H=4, V=9, bias="none")
 
