@@ -175,9 +175,16 @@ def _check_hidden_weight(hidden: torch.Tensor, weight: torch.Tensor) -> None:
             f"H={weight.shape[1]}"
         )
     if not hidden.dtype.is_floating_point or weight.dtype != hidden.dtype:
+        amp = _autocast_dtype(hidden.device)
+        under = (
+            ""
+            if amp is None
+            else f" (under torch.autocast({hidden.device.type!r}, {amp}), which casts float32 / "
+            f"float16 / bfloat16 operands to {amp} and leaves float64 as it is)"
+        )
         raise ValueError(
             f"hidden_states and weight must share one floating dtype; got {hidden.dtype} "
-            f"and {weight.dtype}"
+            f"and {weight.dtype}{under}"
         )
 
 

@@ -527,6 +527,18 @@ def test_autocast_takes_a_hidden_state_and_a_weight_of_different_dtypes():
     assert under[2]["weight"].dtype == torch.float32
 
 
+def test_a_dtype_mismatch_left_by_autocast_names_autocast():
+    inputs, labels = make_problem(torch.float32, "none", 1.0, {})
+    inputs["weight"] = inputs["weight"].detach().double().requires_grad_()
+    with pytest.raises(ValueError, match="share one floating dtype") as plain:
+        run_ours(inputs, labels)
+    assert "autocast" not in str(plain.value)
+    with pytest.raises(
+        ValueError, match=r"torch.bfloat16 and torch.float64 \(under torch.autocast"
+    ):
+        run_ours(inputs, labels, amp=torch.bfloat16)
+
+
 @pytest.mark.parametrize("bias", BIAS_FORMS)
 def test_per_token_under_autocast_is_what_capture_records_under_it(bias):
     """``per_token_cross_entropy``'s bitwise contract holds inside one autocast region."""
