@@ -794,11 +794,49 @@ def test_a_missing_dependency_is_named_not_a_traceback(tmp_path, how, absent):
     assert "pip install ./harness" in lines[0]
 
 
-def test_the_dependency_check_knows_every_declared_dependency():
+def test_the_dependency_check_is_what_the_command_imports():
+    # Exactly the declared dependencies that importing the command loads: one more (torch,
+    # pytest-xdist) would refuse commands that work without it, one fewer would let an
+    # ImportError traceback through.
     from harness.suites.entry import REQUIREMENTS
 
     declared = {
         re.split(r"[<>=!~ ;\[]", spec, maxsplit=1)[0].lower()
         for spec in _pyproject()["project"]["dependencies"]
     }
-    assert {dist for _, dist in REQUIREMENTS} == declared
+    modules = {"pytest-xdist": "xdist"}
+    probe = (
+        "import sys, harness.suites.cli\n"
+        f"print(' '.join(d for d in {sorted(declared)!r} if {modules!r}.get(d, d) in sys.modules))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert {dist for _, dist in REQUIREMENTS} == set(done.stdout.split())
+    assert {(modules.get(d, d), d) for d in done.stdout.split()} == set(REQUIREMENTS)
+
+
+def test_inventory_and_run_need_neither_torch_nor_xdist(tmp_path):
+    # The check refused them with "missing dependencies pytest-xdist, psutil, torch" where
+    # only psutil was missing; without torch or xdist both work (run serially).
+    root = make_project(
+        tmp_path,
+        {"tests/plain/test_p.py": "def test_ok():\n    pass\n"},
+        {"cpu": manifest("cpu", "cpu", [{"id": "plain", "paths": ["tests/plain"]}])},
+    )
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "sitecustomize.py").write_text(
+        "import sys\nsys.modules['torch'] = None\nsys.modules['xdist'] = None\n"
+    )
+    env = {
+        "PYTHONPATH": os.pathsep.join([str(tmp_path / "site"), str(REPO)]),
+        # an uninstalled xdist has no entry point either
+        "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1",
+    }
+    done = harness(root, "inventory", env=env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "1 case(s)" in done.stdout
+    done = harness(root, "run", "cpu", "--out", "out", env=env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert summary_rows((root / "out/summary.md").read_text())["total"][:3] == ["1", "1", "0"]
