@@ -579,7 +579,7 @@ def methods(device: torch.device, other_chunks: tuple[int, ...]) -> list[dict[st
         {
             "method": "ours[autocast]",
             "chunk_size": _default_chunk_size(),
-            "fn": lambda h, w, t: _ours_under_autocast(h, w, t),
+            "fn": _ours_under_autocast,
             "note": "fp32 copies of the inputs under torch.autocast(model dtype)",
         }
     )
