@@ -462,8 +462,9 @@ def gemm_policy(policy: str) -> Iterator[str]:
     - ``"auto"``: the default of the device the inputs live on (and, on the
       CPU, of its instruction set and the dtype).
 
-    fp32 inputs are unaffected. Scopes are per context (a ``ContextVar``) and
-    nest; the policy must be the same for a ``chunk_cross_entropy`` call and
+    fp32 and float64 inputs are unaffected (float64 products run in float64,
+    their logits rounded to fp32 once, as ``F.linear(h, W).float()`` does).
+    Scopes are per context (a ``ContextVar``) and nest; the policy must be the same for a ``chunk_cross_entropy`` call and
     the ``per_token_cross_entropy`` call that reproduces its observation.
     Raises ``ValueError`` for a name outside ``GEMM_POLICIES``.
     """
@@ -568,7 +569,9 @@ class _Products:
         if policy == "auto":
             policy = default_gemm_policy(weight.device, weight.dtype)
         self.dtype = weight.dtype
-        low = weight.dtype != torch.float32
+        # float64 is not low precision: its products run in float64, as the standard
+        # path's do (only its logits are rounded to fp32, by ``.float()``).
+        low = weight.dtype in (torch.bfloat16, torch.float16)
         self.upcast = low and policy == "fp32"
         self.round_logits = low and policy == "mixed"
         self.native = low and not self.upcast and _has_out_dtype(weight.device)
@@ -608,8 +611,11 @@ class _Products:
     def mm32(
         self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """``a @ b`` in fp32 (accumulated in fp32), written into ``out`` (fp32) when given."""
+        """``a @ b`` in fp32 (accumulated in fp32), written into ``out`` (fp32) when given;
+        a float64 product is formed in float64 and rounded to fp32 once."""
         into = {} if out is None else {"out": out}
+        if torch.float64 in (a.dtype, b.dtype):
+            return _rounded_mm(a.double(), b.double(), out)
         if torch.float32 in (a.dtype, b.dtype) or self.emulate:
             return torch.mm(a.float(), b.float(), **into)
         if self.native:
@@ -631,10 +637,19 @@ class _Products:
             return _onednn_linear(h_rows, self.weight)
         return self.mm32(h_rows, self.weight.t(), out)
 
+    def mm_wide(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """``a @ b`` as ``mm32`` forms it, but in float64 where an operand is float64 (the
+        standard path's backward products of float64 inputs)."""
+        if torch.float64 in (a.dtype, b.dtype):
+            return torch.mm(a.double(), b.double())
+        return self.mm32(a, b)
+
     def addmm32_(self, acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-        """``acc += a @ b`` into the fp32 accumulator ``acc``, with no full-size temporary
-        where the build allows it."""
-        if torch.float32 in (a.dtype, b.dtype) or self.emulate:
+        """``acc += a @ b`` into the accumulator ``acc`` (``_accumulator_dtype``), with no
+        full-size temporary where the build allows it."""
+        if acc.dtype == torch.float64:
+            acc.addmm_(a.double(), b.double())
+        elif torch.float32 in (a.dtype, b.dtype) or self.emulate:
             acc.addmm_(a.float(), b.float())
         elif self.native:
             torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
@@ -661,6 +676,11 @@ class _Products:
                 product.mul_(row_factor.unsqueeze(1))
         else:
             out.copy_(_row_scaled(torch.mm(dl, self.weight), row_factor))
+
+
+def _accumulator_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a gradient of an input of ``dtype`` is accumulated in over the chunks."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def _rounded_mm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
@@ -854,8 +874,11 @@ def _walk(*args, fused: bool) -> tuple[torch.Tensor, torch.Tensor, list[torch.Te
     n = targets.shape[0]
     need_h, need_w, need_full, need_factor, need_factor_w = needs
 
-    def zeros(t: torch.Tensor | None, need: bool) -> torch.Tensor | None:
-        return torch.zeros(t.shape, dtype=torch.float32, device=h.device) if need else None
+    def zeros(t: torch.Tensor | None, need: bool, *, wide: bool = True) -> torch.Tensor | None:
+        # Accumulated in fp32, or in float64 for a float64 input whose gradient the
+        # standard path forms by float64 products (``wide``).
+        dtype = _accumulator_dtype(t.dtype) if need and wide else torch.float32
+        return torch.zeros(t.shape, dtype=dtype, device=h.device) if need else None
 
     spans, skipping = _spans(valid, chunk_size)
     # Skipped rows are never written: their loss and hidden gradient start at zero.
@@ -866,7 +889,8 @@ def _walk(*args, fused: bool) -> tuple[torch.Tensor, torch.Tensor, list[torch.Te
     )
     grad_h = rows_of(h.shape, dtype=h.dtype, device=h.device) if need_h else None
     grad_w = zeros(weight, need_w)
-    grad_full = zeros(bias.full, need_full)
+    # The standard path sums a full bias's gradient in fp32 (``logits_bias.float()``).
+    grad_full = zeros(bias.full, need_full, wide=False)
     grad_factor = zeros(bias.factor, need_factor)
     grad_factor_w = zeros(bias.factor_weight, need_factor_w)
     any_grad = any(needs)
@@ -920,7 +944,7 @@ def _walk(*args, fused: bool) -> tuple[torch.Tensor, torch.Tensor, list[torch.Te
         if need_full:
             _scatter_rows(grad_full, bias, dlogits, span)
         if need_factor:
-            d_factor = _row_scaled(products.mm32(acc, products.factor_weight), row_factor)
+            d_factor = _row_scaled(products.mm_wide(acc, products.factor_weight), row_factor)
             _scatter_rows(grad_factor, bias, d_factor, span)
         if need_factor_w:
             factor = products.operand(_bias_rows(bias, bias.factor, span))

@@ -27,10 +27,11 @@ RATIO = 1.25
 #: the low-precision hidden gradient is rounded to its dtype in forward, then rescaled by
 #: the upstream factor in backward: two roundings where the standard path has one.
 HIDDEN_RATIO = 1.5
-#: below this relative L2 error a comparison is at the dtype's noise floor.
-FLOOR = {torch.float32: 1e-6, torch.bfloat16: 1e-3, torch.float16: 1e-4}
+#: below this relative L2 error a comparison is at the dtype's noise floor (float64 inputs:
+#: fp32's, since the standard path rounds their logits to fp32 and runs the CE in fp32).
+FLOOR = {torch.float64: 1e-6, torch.float32: 1e-6, torch.bfloat16: 1e-3, torch.float16: 1e-4}
 #: absolute bound on the relative L2 error against float64, per dtype.
-BOUND = {torch.float32: 2e-5, torch.bfloat16: 5e-2, torch.float16: 1e-2}
+BOUND = {torch.float64: 2e-5, torch.float32: 2e-5, torch.bfloat16: 5e-2, torch.float16: 1e-2}
 
 # (id, input scale, chunk_cross_entropy keywords): Liger's scenarios at small shapes.
 SCENARIOS = [
@@ -168,7 +169,9 @@ def check_against_float64_and_standard(dtype, bias, scale, kw, policy="auto"):
 
 
 DTYPES = pytest.mark.parametrize(
-    "dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"]
+    "dtype",
+    [torch.float64, torch.float32, torch.bfloat16, torch.float16],
+    ids=["fp64", "fp32", "bf16", "fp16"],
 )
 
 
@@ -191,7 +194,7 @@ def test_accelerator_gemm_policy_is_as_accurate_as_the_standard_path(dtype, bias
     """The accelerator policy (products of model-dtype operands, fp32 accumulation), forced
     on the CPU where it is formed exactly from fp32 copies of those operands."""
     forced = check_against_float64_and_standard(dtype, bias, scale, kw, policy="model_dtype")
-    if dtype != torch.float32 and bias == "factored":
+    if dtype in (torch.bfloat16, torch.float16) and bias == "factored":
         # The policies really differ for low-precision data (the logits gradient is
         # rounded to the model dtype before the weight-gradient product).
         cpu = check_against_float64_and_standard(dtype, bias, scale, kw, policy="fp32")
@@ -206,6 +209,37 @@ def test_mixed_gemm_policy_is_as_accurate_as_the_standard_path(dtype, bias, scal
     from model-dtype GEMMs, the accumulated products in fp32. Rounding each chunk's
     weight-gradient partial instead was measured at 1.4-1.5x the standard path's error."""
     check_against_float64_and_standard(dtype, bias, scale, kw, policy="mixed")
+
+
+def test_float64_products_run_in_float64_under_every_policy():
+    """float64 inputs are not low precision: their products run in float64 as the standard
+    path's do (only the logits are rounded to fp32), whatever the policy. They were once
+    upcast-to-fp32 copies, 12x further from float64 than the standard path at H=1024."""
+    torch.manual_seed(0)
+    N, H, V = 256, 512, 1000
+    h = torch.randn(N, H, dtype=torch.float64)
+    w = torch.randn(V, H, dtype=torch.float64) * 0.05
+    t = torch.randint(0, V, (N,))
+
+    def grads(policy):
+        x, y = h.clone().requires_grad_(), w.clone().requires_grad_()
+        if policy is None:
+            loss = F.cross_entropy(F.linear(x, y).float(), t)
+        elif policy == "exact":
+            loss = F.cross_entropy(x @ y.t(), t)
+        else:
+            with gemm_policy(policy):
+                loss = cl.chunk_cross_entropy(x, y, shift_labels=t, chunk_size=64)
+        loss.backward()
+        return x.grad, y.grad
+
+    exact, standard = grads("exact"), grads(None)
+    ours = {policy: grads(policy) for policy in ("auto", "fp32", "mixed", "model_dtype")}
+    for policy, got in ours.items():
+        assert all(torch.equal(a, b) for a, b in zip(got, ours["auto"], strict=True)), policy
+    for name, o, s, e in zip(("hidden", "weight"), ours["auto"], standard, exact, strict=True):
+        assert o.dtype == torch.float64
+        assert rel_l2(o, e) <= RATIO * rel_l2(s, e), (name, rel_l2(o, e), rel_l2(s, e))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
