@@ -137,7 +137,8 @@ def _stats(
     x = _final(logits, logit_scale, softcap)
     target_logit = x.gather(1, torch.where(valid, targets, 0).unsqueeze(1)).squeeze(1)
     rowmax = x.amax(dim=1)
-    lse = torch.exp(x - rowmax.unsqueeze(1)).sum(dim=1).log() + rowmax
+    sumexp = torch.exp(x - rowmax.unsqueeze(1)).sum(dim=1)
+    lse = sumexp.log() + rowmax
     nll = torch.where(valid, lse - target_logit, 0.0)
     train = nll
     if smoothing:
@@ -145,7 +146,7 @@ def _stats(
         train = (1.0 - smoothing) * train + smoothing * (lse - x.sum(dim=1) / x.shape[1])
     if z_scale:
         train = train + z_scale * lse.square()
-    return nll, torch.where(valid, train, 0.0), lse
+    return nll, torch.where(valid, train, 0.0), lse, rowmax, sumexp
 
 
 def _dlogits(
@@ -153,6 +154,8 @@ def _dlogits(
     targets: torch.Tensor,
     valid: torch.Tensor,
     lse: torch.Tensor,
+    rowmax: torch.Tensor,
+    sumexp: torch.Tensor,
     scale: torch.Tensor,
     logit_scale: float | None,
     softcap: float | None,
@@ -167,16 +170,23 @@ def _dlogits(
     else:
         x = scaled
     # d(training loss)/d(final logits) on valid rows, times the loss scale:
-    # softmax * (1 + 2 z lse) - (1 - e) onehot - e / V.
+    # (E - (1 - e) S onehot + 2 z lse E - e S / V) / S with E = exp(x - rowmax) and S
+    # its row sum, as the eager passes form it. exp(x - lse) would carry lse's
+    # rounding, at the size of the largest logit, into every probability; and a
+    # confident target (p_t near 1) cancels in E_t - S, exactly, before the z-loss
+    # term is added, as the standard path's CE gradient does.
+    sumexp = sumexp.unsqueeze(1)
     row_scale = torch.where(valid, scale, 0.0)
-    coef = row_scale * (1.0 + 2.0 * z_scale * lse) if z_scale else row_scale
-    d = torch.exp(x - lse.unsqueeze(1)) * coef.unsqueeze(1)
-    if smoothing:
-        d = d - (row_scale * (smoothing / x.shape[1])).unsqueeze(1)
+    e = torch.exp(x - rowmax.unsqueeze(1))
     hot = torch.arange(x.shape[1], device=x.device).unsqueeze(0) == torch.where(
         valid, targets, 0
     ).unsqueeze(1)
-    d = d - torch.where(hot, (row_scale * (1.0 - smoothing)).unsqueeze(1), 0.0)
+    d = torch.where(hot, e - (1.0 - smoothing) * sumexp, e)
+    if z_scale:
+        d = d + (2.0 * z_scale * lse).unsqueeze(1) * e
+    if smoothing:
+        d = d - sumexp * (smoothing / x.shape[1])
+    d = d * (row_scale.unsqueeze(1) / sumexp)
     if softcap is not None:
         d = d * (1.0 - capped.square())
     if logit_scale is not None:
@@ -196,12 +206,14 @@ def _compiled(name: str, fn: Callable) -> Callable:
     return compiled
 
 
-def stats(logits, targets, valid, features) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Compiled row statistics of fp32 ``logits`` (left unchanged): ``(nll, train, lse)``.
+def stats(logits, targets, valid, features) -> tuple[torch.Tensor, ...]:
+    """Compiled row statistics of fp32 ``logits`` (left unchanged):
+    ``(nll, train, lse, rowmax, sumexp)``.
 
     ``nll``: per-token CE of the final logits, 0.0 where not ``valid``;
     ``train``: with label smoothing and z-loss (0.0 where not valid); ``lse``:
-    the log-sum-exp of the final logits.
+    the log-sum-exp of the final logits, ``log(sumexp) + rowmax`` (their row
+    maximum and ``sum(exp(x - rowmax))``).
     """
     return _compiled("stats", _stats)(
         logits,
@@ -214,8 +226,9 @@ def stats(logits, targets, valid, features) -> tuple[torch.Tensor, torch.Tensor,
     )
 
 
-def dlogits_(logits, targets, valid, lse, scale, features, out_dtype) -> torch.Tensor:
-    """Compiled gradient of ``scale * sum(train loss)`` w.r.t. the LM-head logits ``logits``.
+def dlogits_(logits, targets, valid, row_stats, scale, features, out_dtype) -> torch.Tensor:
+    """Compiled gradient of ``scale * sum(train loss)`` w.r.t. the LM-head logits ``logits``,
+    given ``row_stats = (lse, rowmax, sumexp)`` from ``stats``.
 
     ``out_dtype=None``: written over ``logits`` (fp32) and returned;
     otherwise returned as a new tensor of ``out_dtype`` with ``logits`` left
@@ -225,7 +238,7 @@ def dlogits_(logits, targets, valid, lse, scale, features, out_dtype) -> torch.T
         logits,
         targets,
         valid,
-        lse,
+        *row_stats,
         scale,
         features.logit_scale,
         features.softcap,

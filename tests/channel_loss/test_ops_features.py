@@ -242,6 +242,50 @@ def test_float64_products_run_in_float64_under_every_policy():
         assert rel_l2(o, e) <= RATIO * rel_l2(s, e), (name, rel_l2(o, e), rel_l2(s, e))
 
 
+def lm_head_errors(h, w, t, *, bias=None, **kw):
+    """Relative L2 errors against float64 of (hidden, weight) gradients: ours, the standard
+    path's. ``kw``: only ``lse_square_scale`` (z-loss, mean reduction)."""
+    z = kw.get("lse_square_scale", 0.0)
+
+    def grads(kind):
+        dtype = torch.float64 if kind == "exact" else torch.float32
+        x = h.to(dtype, copy=True).requires_grad_()
+        y = w.to(dtype, copy=True).requires_grad_()
+        b = None if bias is None else bias.to(dtype)
+        if kind == "ours":
+            loss = cl.chunk_cross_entropy(x, y, shift_labels=t, logits_bias=b, **kw)
+        else:
+            logits = x @ y.t() if kind == "exact" else F.linear(x, y).float()
+            logits = logits if b is None else logits + b
+            loss = F.cross_entropy(logits, t) + z * torch.logsumexp(logits, -1).square().mean()
+        loss.backward()
+        return x.grad, y.grad
+
+    exact = grads("exact")
+    return [
+        [rel_l2(got, ref) for got, ref in zip(grads(kind), exact, strict=True)]
+        for kind in ("ours", "standard")
+    ]
+
+
+@pytest.mark.parametrize("bias", ["none", "full"])
+def test_a_confident_target_keeps_its_digits_under_z_loss(bias):
+    """p_t (1 + 2 s lse) - 1 once lost the digits of a confident target (p_t near 1) that
+    the standard path keeps, computing p_t - 1 before adding the z-loss term: 470x its
+    error with one class (p_t = 1, the CE gradient exactly 0)."""
+    torch.manual_seed(0)
+    N, H, vocab = 256, 64, 1
+    h, w = torch.randn(N, H), torch.randn(vocab, H) * 0.3
+    t = torch.randint(0, vocab, (N,))
+    full = None
+    if bias == "full":  # the non-folded block (the bias takes its gradient)
+        full = torch.zeros(N, vocab)
+        full[torch.arange(N), t] = 8.0
+    ours, standard = lm_head_errors(h, w, t, bias=full, lse_square_scale=1e-4)
+    for name, o, s in zip(("hidden", "weight"), ours, standard, strict=True):
+        assert o <= RATIO * s, (name, o, s)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_mixed_policy_rounds_the_logits_as_the_standard_path_does(dtype):
     """Under "mixed" the observed NLL is that of ``F.linear(h, W).float()`` logits, the
