@@ -543,24 +543,6 @@ def _has_out_dtype(device: torch.device) -> bool:
     return _probe("out_dtype", device.type, check)
 
 
-def _has_onednn_linear() -> bool:
-    """Whether this torch runs oneDNN's fp32 linear on the CPU (checked against
-    ``torch.mm`` on a small exact case)."""
-
-    def check() -> bool:
-        x, w = torch.arange(6.0).reshape(2, 3), torch.arange(12.0).reshape(4, 3)
-        return torch.backends.mkldnn.is_available() and torch.equal(
-            _onednn_linear(x, w), torch.mm(x, w.t())
-        )
-
-    return _probe("onednn_linear", "cpu", check)
-
-
-def _onednn_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``x @ weight.T`` (fp32, CPU) by oneDNN's linear, as a new row-major tensor."""
-    return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
-
-
 class _Products:
     """The LM-head products of one call under its dtype policy (see ``gemm_policy``)."""
 
@@ -579,19 +561,6 @@ class _Products:
         # accelerator rounds each product to the model dtype.
         self.emulate = low and not self.upcast and not self.native and weight.device.type == "cpu"
         self.weight = weight.float() if self.upcast else weight
-        #: Whether the logits come from oneDNN's linear, as a new tensor per chunk. Only
-        #: for a dense weight (row- or column-major): oneDNN reorders one with padded
-        #: rows (a column slice of a wider matrix) element by element, 30 s instead of
-        #: 24 ms at H=256, V=32000; ``torch.mm`` takes it as it is. Never where the user
-        #: turned oneDNN off (``torch.backends.mkldnn.enabled``), which the op would
-        #: otherwise bypass.
-        self.onednn = (
-            weight.device.type == "cpu"
-            and self.weight.dtype == torch.float32
-            and (self.weight.is_contiguous() or self.weight.t().is_contiguous())
-            and torch.backends.mkldnn.enabled
-            and _has_onednn_linear()
-        )
         self.factor_weight = (
             factor_weight.float() if self.upcast and factor_weight is not None else factor_weight
         )
@@ -626,15 +595,14 @@ class _Products:
         """The row-major fp32 logits ``h_rows @ weight.T``, written into ``out`` when given:
         rounded to the model dtype first under ``"mixed"``, else as ``mm32`` forms them.
 
-        On the CPU fp32 products go through oneDNN's linear where torch has it
-        (``_onednn_linear``): at 256 rows, H=256, V=32000 it took 24 ms where
-        MKL's GEMM took 38 ms on an AVX512 EPYC (medians of 15, fresh output
-        included), and it returns a new tensor (no ``out=``).
+        fp32 logits come from ``torch.mm``, the GEMM the standard path's
+        ``F.linear`` runs. oneDNN's linear (``torch.ops.mkldnn._linear_pointwise``)
+        was 1.3-1.9x faster on an AVX512 EPYC at 256 rows, H=256, V=32000, but
+        accumulates less precisely: its logits were 1.4x further from float64 at
+        H=256, 1.7x at H=1024 and 2.2x at H=4096, and every gradient followed.
         """
         if self.round_logits:
             return _rounded_mm(h_rows, self.weight.t(), out)
-        if self.onednn:
-            return _onednn_linear(h_rows, self.weight)
         return self.mm32(h_rows, self.weight.t(), out)
 
     def mm_wide(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -699,9 +667,9 @@ def _chunk_logits(
     """Row-major fp32 logits ``[rows, V]`` of ``span``'s token rows (``h_rows``, as a
     product operand); the only place the LM head is applied.
 
-    Written into the flat fp32 ``buffer`` when one is given (accelerators: one
-    buffer for every chunk of a walk spares the allocator a fresh chunk-sized
-    block per chunk), else a new tensor (the CPU, see ``_Products.logits``).
+    Written into the flat fp32 ``buffer`` when one is given (one buffer for
+    every chunk of a walk spares the allocator a fresh chunk-sized block per
+    chunk), else a new tensor (rows recomputed alone).
     """
     vocab = products.weight.shape[0]
     out = None if buffer is None else buffer[: span.size * vocab].view(-1, vocab)
@@ -808,9 +776,9 @@ def _fused_softmax(logits: torch.Tensor) -> bool:
 
     On the CPU the kernel reads each row about once from memory (the row stays
     in cache between its max, exp-sum and scale), the passes four times:
-    measured with oneDNN logits at N=4096 H=256 V=32000 fp32, a whole step
-    0.80x the time of the passes over vocabulary-major blocks (median of 6
-    alternating pairs). Finding rows whose target probability underflowed
+    measured (with the logits from oneDNN's linear, since replaced by
+    ``torch.mm``) at N=4096 H=256 V=32000 fp32, a whole step 0.80x the time
+    of the passes over vocabulary-major blocks (median of 6 alternating pairs). Finding rows whose target probability underflowed
     needs their count on the host, free only on the CPU. The kernel writing
     over its own input is probed once against the out-of-place softmax.
     """
@@ -895,13 +863,9 @@ def _walk(*args, fused: bool) -> tuple[torch.Tensor, torch.Tensor, list[torch.Te
     grad_factor_w = zeros(bias.factor_weight, need_factor_w)
     any_grad = any(needs)
     products = _Products(weight, bias.factor_weight)
-    # Accelerators: one chunk of fp32 logits for the whole walk (see _chunk_logits).
+    # One chunk of fp32 logits for the whole walk (see _chunk_logits).
     widest = max((span.size for span in spans), default=0)
-    buffer = (
-        None
-        if products.onednn
-        else torch.empty(widest * weight.shape[0], dtype=torch.float32, device=h.device)
-    )
+    buffer = torch.empty(widest * weight.shape[0], dtype=torch.float32, device=h.device)
     for span in spans:
         h_rows = products.operand(span.take(h))
         logits = _chunk_logits(h_rows, products, bias, span, buffer)

@@ -43,9 +43,9 @@ the steady state of a loop that repeats one loss. The separate processes
 fix glibc's mmap threshold, so that RSS follows live memory; the interleaved
 one keeps glibc's defaults, as a training process does (with the fixed
 threshold every large block is a fresh mapping whose pages fault in on first
-touch: at base fp32, a step of ours taking oneDNN's new logits block per
-chunk against one taking MKL's GEMM into a reused block was 0.96x under the
-fixed threshold and 0.78x under the defaults). Every pair's times are
+touch: at base fp32, a step of ours taking a new logits block per chunk,
+from oneDNN's linear, against one taking MKL's GEMM into a reused block was
+0.96x under the fixed threshold and 0.78x under the defaults). Every pair's times are
 printed. ``ours_compiled / ours`` (no
 target) is from the separate processes' best times. A peer whose
 step takes longer than ``--peer-timeout`` (120 s; naive's and cce's bf16 on
