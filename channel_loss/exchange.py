@@ -35,6 +35,7 @@ __all__ = [
     "BACKEND_DEVICES",
     "COLLECTIVES",
     "RUNS",
+    "SLOTS",
     "KeyedExchange",
     "KeyedRows",
     "SourceId",
@@ -273,6 +274,8 @@ def _distinct_in_order(keys) -> list[SourceId]:
 #: A rank's failed micro-batches travel as up to RUNS runs [start, start + length).
 RUNS = 16
 _MESSAGE_WORDS = 32  # an error message travels cut to 8 * 32 bytes
+#: Words of a step header's micro-batch fingerprints: micro-batch m goes to slot m % SLOTS.
+SLOTS = 16
 
 
 def failure_runs(failed: Sequence[int]) -> list[tuple[int, int]]:
@@ -299,14 +302,16 @@ class StepHeader:
     """What one rank of a ``ChannelLossMeter`` tells every other rank at the end of a step.
 
     A fixed number of int64 words (``pack``), whatever the step held: the
-    failed micro-batches as ``failure_runs``, the first metadata error's
-    message cut to 256 bytes.
+    failed micro-batches as ``failure_runs``, the micro-batches' fingerprints
+    in ``SLOTS`` words (micro-batch m hashed into slot ``m % SLOTS``, failed
+    ones left out, so that peers compare the slots no rank failed in), the
+    first metadata error's message cut to 256 bytes.
     """
 
     rank: int
     sp_id: int  # lowest global rank of the rank's SP group: equal ids = same SP group
     micro_batches: int
-    fingerprint: int  # the micro-batches' (num_samples, shape): SP peers must agree
+    fingerprint: list[int]  # SLOTS words of (num_samples, shape): SP peers must agree
     failed: list[tuple[int, int]]  # runs (start, length) of failed micro-batches, at most RUNS
     error_at: int = -1  # micro-batch of the first metadata error, -1 for none
     error: str = ""
@@ -319,10 +324,10 @@ class StepHeader:
             self.rank,
             self.sp_id,
             self.micro_batches,
-            self.fingerprint,
             self.error_at,
             length,
             len(self.failed),
+            *self.fingerprint,
             *runs,
             *message,
         ]
@@ -330,10 +335,11 @@ class StepHeader:
     @classmethod
     def unpack(cls, row: Sequence[int]) -> StepHeader:
         """Inverse of ``pack``."""
-        rank, sp_id, micro_batches, fingerprint, error_at, length, count = row[:7]
-        runs = row[7 : 7 + 2 * RUNS]
+        rank, sp_id, micro_batches, error_at, length, count = row[:6]
+        fingerprint = list(row[6 : 6 + SLOTS])
+        runs = row[6 + SLOTS : 6 + SLOTS + 2 * RUNS]
         failed = [(runs[2 * i], runs[2 * i + 1]) for i in range(count)]
-        message = words_to_text(row[7 + 2 * RUNS :], length)
+        message = words_to_text(row[6 + SLOTS + 2 * RUNS :], length)
         return cls(rank, sp_id, micro_batches, fingerprint, failed, error_at, message)
 
 

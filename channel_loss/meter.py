@@ -41,6 +41,7 @@ from channel_loss.attribution import COLUMNS, SourceId, SourceTotals, check_text
 from channel_loss.capture import TokenObservation, capture, record
 from channel_loss.errors import ChannelLossMetadataError
 from channel_loss.exchange import (
+    SLOTS,
     KeyedExchange,
     StepHeader,
     failure_runs,
@@ -165,13 +166,17 @@ def _plan(headers: list[StepHeader], sp_id: int) -> _Plan:
     mismatch = None
     for gid, members in groups.items():
         count = max(h.micro_batches for h in members)
-        if len({(h.micro_batches, h.fingerprint) for h in members}) == 1:
-            failed = {
-                m
-                for h in members
-                for start, length in h.failed
-                for m in range(start, min(start + length, count))
-            }
+        failed = {
+            m
+            for h in members
+            for start, length in h.failed
+            for m in range(start, min(start + length, count))
+        }
+        # A micro-batch failed on any peer is dropped on all: its fingerprint (a bad
+        # layout, on the rank that failed it) must not drop the rest of the step.
+        checked = [i for i in range(SLOTS) if all(m % SLOTS != i for m in failed)]
+        prints = {tuple(h.fingerprint[i] for i in checked) for h in members}
+        if len({h.micro_batches for h in members}) == 1 and len(prints) == 1:
             kept = [m for m in range(count) if m not in failed]
             problem = None
         else:
@@ -550,7 +555,13 @@ class ChannelLossMeter:
 
     def _header(self, step: _Step) -> StepHeader:
         failed = [m for m, micro in enumerate(step.micro_batches) if micro.totals is None]
-        fingerprint = zlib.crc32(repr([m.fingerprint for m in step.micro_batches]).encode())
+        fingerprint = [0] * SLOTS
+        for m, micro in enumerate(step.micro_batches):
+            if micro.totals is not None:
+                slot = m % SLOTS
+                fingerprint[slot] = zlib.crc32(
+                    repr((fingerprint[slot], m, micro.fingerprint)).encode()
+                )
         return StepHeader(
             self._rank,
             self._sp_id,

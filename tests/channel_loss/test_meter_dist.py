@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 import harness
-from channel_loss import ChannelLossMetadataError, ChannelLossMeter, source_totals
+from channel_loss import ChannelLossMetadataError, ChannelLossMeter, PackedLayout, source_totals
 from channel_loss.attribution import COLUMNS
 from channel_loss.capture import record
 from channel_loss.exchange import BACKEND_DEVICES, comm_device, count_collectives
@@ -58,11 +58,21 @@ def micro_batches(seed: int, sources=("web", "code/py", 3, "math"), count: int =
 
 
 def run_step(
-    meter, cases, device, *, shard=None, source_ids=None, names=None, fail=(), skip=()
+    meter,
+    cases,
+    device,
+    *,
+    shard=None,
+    source_ids=None,
+    layouts=None,
+    names=None,
+    fail=(),
+    skip=(),
 ) -> dict:
     """One training step over ``cases``: this rank's slice (``shard=(world, rank, mode)``).
 
-    ``source_ids`` overrides micro-batch ``m``'s ids on this rank; ``names``
+    ``source_ids`` and ``layouts`` override micro-batch ``m``'s ids and the
+    layout given to the meter (not the one sharded) on this rank; ``names``
     are this rank's ``source_names``; the forward of micro-batches in ``fail``
     raises (and the loop carries on); those in ``skip`` are never run on this
     rank.
@@ -80,7 +90,10 @@ def run_step(
             ids = (source_ids or {}).get(m, list(case.source_ids))
             try:
                 with meter.micro_batch(
-                    source_ids=ids, layout=layout, shard=piece, source_names=names
+                    source_ids=ids,
+                    layout=(layouts or {}).get(m, layout),
+                    shard=piece,
+                    source_names=names,
                 ):
                     record(losses.to(device), targets.to(device))  # what the loss op does
                     if m in fail:
@@ -256,6 +269,28 @@ def test_lenient_bad_metadata_drops_the_same_micro_batch_everywhere():
     meter = ChannelLossMeter(dp_group=dist.group.WORLD)
     got = run_step(meter, own[rank], "cpu", source_ids={0: [["unhashable"]]} if rank == 0 else None)
     assert got == expected(own[0][1:], own[1], dropped=1)
+
+
+@pytest.mark.launch(nproc=2, timeout=90)
+def test_a_bad_layout_on_one_sp_rank_drops_only_its_micro_batch():
+    # Regression: the layout went into the step's fingerprint before it was checked, so a
+    # bad one on one rank read as "SP ranks ran different micro-batches": the whole step
+    # was dropped instead of the one micro-batch.
+    rank = dist.get_rank()
+    cases = micro_batches(seed=10)
+    other = PackedLayout.from_position_ids(torch.tensor([0, 1, 2, 0, 1]))  # the wrong shape
+    meter = ChannelLossMeter(sp_group=dist.group.WORLD)
+    for bad in (None, other):
+        layouts = {1: bad} if rank == 1 else None
+        got = run_step(meter, cases, "cpu", shard=(2, rank, "zigzag"), layouts=layouts)
+        assert got == expected([cases[0], cases[2]], dropped=1), bad
+    # Ranks out of step are still caught in the micro-batches that did not fail.
+    first, last = layout_of(cases[0]), layout_of(cases[2])
+    assert (first.num_samples, first.shape) != (last.num_samples, last.shape)
+    swapped = [cases[2], cases[1], cases[0]] if rank == 1 else cases
+    got = run_step(meter, swapped, "cpu", shard=(2, rank, "zigzag"), layouts=layouts)
+    assert got == {"channel_loss_dropped_micro_batches": 3.0}
+    assert run_step(meter, cases, "cpu", shard=(2, rank, "zigzag")) == expected(cases)
 
 
 @pytest.mark.launch(nproc=2, timeout=60)
