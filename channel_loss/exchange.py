@@ -315,6 +315,7 @@ class StepHeader:
     failed: list[tuple[int, int]]  # runs (start, length) of failed micro-batches, at most RUNS
     error_at: int = -1  # micro-batch of the first metadata error, -1 for none
     error: str = ""
+    registry: tuple[int, int] = (0, 0)  # (sources, hash) of the source registry: all must agree
 
     def pack(self) -> list[int]:
         """The header as int64 words; ``unpack`` reads them back."""
@@ -327,6 +328,7 @@ class StepHeader:
             self.error_at,
             length,
             len(self.failed),
+            *self.registry,
             *self.fingerprint,
             *runs,
             *message,
@@ -335,12 +337,14 @@ class StepHeader:
     @classmethod
     def unpack(cls, row: Sequence[int]) -> StepHeader:
         """Inverse of ``pack``."""
-        rank, sp_id, micro_batches, error_at, length, count = row[:6]
-        fingerprint = list(row[6 : 6 + SLOTS])
-        runs = row[6 + SLOTS : 6 + SLOTS + 2 * RUNS]
+        rank, sp_id, micro_batches, error_at, length, count, sources, digest = row[:8]
+        fingerprint = list(row[8 : 8 + SLOTS])
+        runs = row[8 + SLOTS : 8 + SLOTS + 2 * RUNS]
         failed = [(runs[2 * i], runs[2 * i + 1]) for i in range(count)]
-        message = words_to_text(row[6 + SLOTS + 2 * RUNS :], length)
-        return cls(rank, sp_id, micro_batches, fingerprint, failed, error_at, message)
+        message = words_to_text(row[8 + SLOTS + 2 * RUNS :], length)
+        return cls(
+            rank, sp_id, micro_batches, fingerprint, failed, error_at, message, (sources, digest)
+        )
 
 
 #: Every torch.distributed entry point that communicates.

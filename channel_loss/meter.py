@@ -434,7 +434,12 @@ class ChannelLossMeter:
         }
 
     def load_state_dict(self, state: Mapping) -> None:
-        """Restore ``state_dict()``: the same sources keep the same names (and suffixes)."""
+        """Restore ``state_dict()``: the same sources keep the same names (and suffixes).
+
+        Call it on every rank with the same state: ranks whose registries
+        differ make the next sampled ``end_step`` raise ``RuntimeError`` on
+        every rank (the step is closed; restoring on every rank recovers).
+        """
         if self._step is not None:
             raise RuntimeError("load_state_dict() inside a step")
         if state.get("version") != 1:
@@ -562,6 +567,7 @@ class ChannelLossMeter:
                 fingerprint[slot] = zlib.crc32(
                     repr((fingerprint[slot], m, micro.fingerprint)).encode()
                 )
+        registry = [[key, self._names[slot]] for key, slot in self._slots.items()]
         return StepHeader(
             self._rank,
             self._sp_id,
@@ -570,6 +576,7 @@ class ChannelLossMeter:
             failure_runs(failed),
             step.error_at,
             step.error,
+            (len(registry), zlib.crc32(repr(registry).encode())),
         )
 
     def _reduce(self, step: _Step) -> dict[str, float]:
@@ -585,6 +592,14 @@ class ChannelLossMeter:
         entries = [(key, name) for key, given in new.items() for name in given or [""]]
         exchange = KeyedExchange(entries, self._header(step).pack(), self._group)
         headers = [StepHeader.unpack(row) for row in exchange.headers]
+        if len({h.registry for h in headers}) > 1:
+            # Each rank's rows follow its own registry: summing them would mix sources
+            # (or, at different lengths, abort the collective). Every rank raises here.
+            sizes = ", ".join(f"rank {h.rank}: {h.registry[0]}" for h in headers)
+            raise RuntimeError(
+                f"ChannelLossMeter: the ranks' source registries differ ({sizes} sources): "
+                "restore the same state_dict() on every rank with load_state_dict()"
+            )
         plan = _plan(headers, self._sp_id)
         if self.strict and plan.error is not None:
             raise ChannelLossMetadataError(plan.error)

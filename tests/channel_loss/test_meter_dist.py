@@ -294,6 +294,22 @@ def test_a_bad_layout_on_one_sp_rank_drops_only_its_micro_batch():
 
 
 @pytest.mark.launch(nproc=2, timeout=60)
+def test_registries_that_differ_across_ranks_raise_on_every_rank():
+    # Regression: a state restored on rank 0 only made each rank sum rows in its own
+    # registry's order; at different lengths Gloo aborted the process.
+    rank = dist.get_rank()
+    cases = micro_batches(seed=11)
+    state = {"version": 1, "next_step": 0, "sources": [["web", "web"]]}
+    meter = ChannelLossMeter(dp_group=dist.group.WORLD)
+    if rank == 0:
+        meter.load_state_dict(state)
+    with pytest.raises(RuntimeError, match=r"registries differ \(rank 0: 1, rank 1: 0 sources\)"):
+        run_step(meter, cases, "cpu")
+    meter.load_state_dict(state)  # the step is closed: restoring on every rank recovers
+    assert run_step(meter, cases, "cpu") == expected(cases, cases)  # DP: both ranks' data
+
+
+@pytest.mark.launch(nproc=2, timeout=60)
 def test_failed_forward_on_one_rank_is_dropped_on_every_sp_rank():
     rank = dist.get_rank()
     cases = micro_batches(seed=7)
