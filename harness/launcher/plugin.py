@@ -375,10 +375,12 @@ def _run_on_ranks(
     kwargs: dict,
     *,
     example: bool = False,
+    placements: list | None = None,
 ) -> None:
     """Run the test's body on ranks with these arguments and report it as
     pytest would the in-process test; ``example``: one Hypothesis example
-    (a failure raises ``LaunchError`` for Hypothesis to shrink on)."""
+    (a failure raises ``LaunchError`` for Hypothesis to shrink on). The
+    case's ``(cards, ranks)`` is appended to ``placements`` when given."""
     params = item.callspec.params if hasattr(item, "callspec") else {}
     fixtures = set(item._fixtureinfo.argnames)
     kinds = {
@@ -415,16 +417,10 @@ def _run_on_ranks(
         result = run_case(task, plan)
     except LeaseError as exc:
         _fail(f"{item.nodeid}: could not lease what the case needs\n{exc}")
+    placed = (",".join(result.cards), result.ranks)
     if not example:
         # JUnit <properties> of the case: where and how it ran.
-        item.user_properties.extend(
-            [
-                ("harness.device", spec.device),
-                ("harness.nproc", spec.nproc),
-                ("harness.cards", ",".join(result.cards)),
-                ("harness.ranks", result.ranks),
-            ]
-        )
+        item.user_properties.extend(_placement(spec, placed))
 
     def fail(report: str) -> NoReturn:
         _raise_for_xfail(item, result.failure_types(), report)
@@ -432,7 +428,22 @@ def _run_on_ranks(
             raise LaunchError(report, result) from None
         _fail(report)
 
-    conclude(result, fail=fail, skip=_skip_at_test, xfail=pytest.xfail, echo=not plan.live)
+    try:
+        conclude(result, fail=fail, skip=_skip_at_test, xfail=pytest.xfail, echo=not plan.live)
+    finally:
+        if placements is not None:
+            placements.append(placed)
+
+
+def _placement(spec: LaunchSpec, placed: tuple[str, Any]) -> list[tuple[str, Any]]:
+    """The JUnit properties saying where and how a launched case ran."""
+    cards, ranks = placed
+    return [
+        ("harness.device", spec.device),
+        ("harness.nproc", spec.nproc),
+        ("harness.cards", cards),
+        ("harness.ranks", ranks),
+    ]
 
 
 def _run_given(item: pytest.Function, spec: LaunchSpec, settings: Settings, fixtures: dict) -> None:
@@ -443,32 +454,34 @@ def _run_given(item: pytest.Function, spec: LaunchSpec, settings: Settings, fixt
     test = item.obj
     hypothesis = test.hypothesis
     body = hypothesis.inner_test
-    examples = 0
+    placements: list = []
 
     def on_ranks(*args: Any, **kwargs: Any) -> None:
-        nonlocal examples
         __tracebackhide__ = True
         if args and item.instance is not None and args[0] is item.instance:
             args = args[1:]
-        examples += 1
-        _run_on_ranks(item, spec, settings, args, kwargs, example=True)
+        _run_on_ranks(item, spec, settings, args, kwargs, example=True, placements=placements)
+
+    # Hypothesis names the failing example after this function: the test's name.
+    on_ranks.__name__, on_ranks.__qualname__ = body.__name__, body.__qualname__
 
     import hypothesis as hyp
 
     chosen = getattr(test, "_hypothesis_internal_use_settings", None) or hyp.settings.default
+    # Its "explain" phase would report the lines only failing examples ran: here
+    # the launcher's own failure handling, not the test's code (which runs on ranks).
+    explain = getattr(hyp.Phase, "explain", None)
+    phases = tuple(phase for phase in chosen.phases if phase is not explain)
     hypothesis.inner_test = on_ranks
-    test._hypothesis_internal_use_settings = hyp.settings(chosen, deadline=None)
+    test._hypothesis_internal_use_settings = hyp.settings(chosen, deadline=None, phases=phases)
     try:
         test(**fixtures)
     finally:
         hypothesis.inner_test = body
         test._hypothesis_internal_use_settings = chosen
+        last = placements[-1] if placements else ("", 0)
         item.user_properties.extend(
-            [
-                ("harness.device", spec.device),
-                ("harness.nproc", spec.nproc),
-                ("harness.examples", examples),
-            ]
+            [*_placement(spec, last), ("harness.examples", len(placements))]
         )
 
 

@@ -4,6 +4,8 @@ shrunk example and the failing rank."""
 
 from __future__ import annotations
 
+import xml.etree.ElementTree as ET
+
 import pytest
 from launch_project import inner_env, run_session, write_project
 
@@ -68,3 +70,22 @@ def test_failure_reports_the_shrunk_example_and_the_failing_rank(given_session):
     assert case.status == "failed"
     assert "x=3" in case.text, case.text
     assert "rank 1 failed: AssertionError" in case.text, case.text
+    # The reproducer names the test, not the launcher's wrapper; no "explanation" that
+    # points into the launcher's failure handling (the body ran on the ranks).
+    assert "Failing test case: test_failure_shows_the_shrunk_example(" in case.text, case.text
+    assert "Explanation:" not in case.text, case.text
+
+
+def test_a_given_case_records_where_it_ran(given_session):
+    root, _ = given_session
+    (case,) = [
+        tc
+        for tc in ET.parse(root / "junit.xml").getroot().iter("testcase")
+        if tc.get("name") == "test_same_example_on_every_rank"
+    ]
+    props = {p.get("name"): p.get("value") for p in case.iter("property")}
+    assert props["harness.device"] == "cpu"
+    assert props["harness.nproc"] == "2"
+    assert props["harness.cards"] == ""
+    assert props["harness.ranks"].startswith(("kept", "fresh")), props
+    assert int(props["harness.examples"]) >= 5
