@@ -128,6 +128,28 @@ class _Routed:
         scope = self._base_scope(nodeid)
         return self.scope_lane.get(scope, scope)
 
+    def remove_node(self, node: Any) -> str | None:
+        """As xdist's scope schedulers: the worker's unfinished work goes back to the queue
+        and the case it crashed in is returned (xdist reports it failed); except that this
+        case goes back marked done. xdist's would run it again on the next worker, and
+        again, until it gave up on crashed workers: the cases after it in its lane never
+        ran (plain ``load`` runs a crashed case once)."""
+        workload = self.assigned_work.pop(node)  # type: ignore[attr-defined]
+        pending = [
+            nodeid for unit in workload.values() for nodeid, done in unit.items() if not done
+        ]
+        if not pending:
+            return None
+        crashed = pending[0]
+        for scope, unit in workload.items():
+            if crashed in unit:
+                unit[crashed] = True
+            if not all(unit.values()):
+                self.workqueue[scope] = unit  # type: ignore[attr-defined]
+        for other in self.assigned_work:  # type: ignore[attr-defined]
+            self._reschedule(other)  # type: ignore[attr-defined]
+        return crashed
+
     def route(self, lanes: dict[str, int], collection: Sequence[str]) -> None:
         """Give every scope holding a case of ``lanes`` to that case's lane
         (the first such case's, in collection order)."""

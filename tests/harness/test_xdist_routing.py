@@ -103,3 +103,58 @@ def test_lanes_are_the_pools_of_the_widest_case_that_fit_at_once(monkeypatch):
     assert concurrent_lanes([cuda2, cpu1], slots=16) == 2
     # Cases this host has no cards for skip: they do not narrow the lanes.
     assert concurrent_lanes([LaunchSpec(device="npu", nproc=2), cpu1], slots=2) == 2
+
+
+CRASHING = """
+    import os
+    import signal
+
+    import pytest
+
+
+    @pytest.fixture
+    def kill_worker():
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+    @pytest.mark.launch(nproc=2)
+    def test_a():
+        pass
+
+
+    @pytest.mark.launch(nproc=2)
+    def test_die(kill_worker):
+        pass
+
+
+    @pytest.mark.launch(nproc=2)
+    def test_z():
+        pass
+
+
+    def test_plain():
+        pass
+"""
+
+
+def test_a_case_that_crashes_its_worker_runs_once_and_its_lane_goes_on(tmp_path):
+    # Regression: the lane went back to the queue with its crashed case still pending,
+    # so every new worker ran it (and crashed) again until xdist gave up on crashed
+    # workers; test_z, after it in the lane, never ran.
+    root = write_project(tmp_path / "project", {"test_lane.py": CRASHING})
+    session = run_session(
+        root,
+        "-n",
+        "2",
+        "--harness-max-procs=2",
+        "-p",
+        "no:randomly",
+        env=inner_env(root / "out", root / "leases"),
+    )
+    assert session.returncode == 1, session.output
+    assert "maximum crashed workers reached" not in session.output, session.output
+    reports = [tc.get("name") for tc in ET.parse(root / "junit.xml").getroot().iter("testcase")]
+    assert sorted(reports) == ["test_a", "test_die", "test_plain", "test_z"], session.output
+    assert session.case("test_die").status in ("failed", "error"), session.output
+    for name in ("test_a", "test_z", "test_plain"):
+        assert session.case(name).status == "passed", (name, session.output)
