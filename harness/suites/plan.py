@@ -17,6 +17,7 @@ its own shard.
 from __future__ import annotations
 
 import math
+import re
 import statistics
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -126,12 +127,12 @@ class Plan:
 
 
 def parse_shard(text: str) -> tuple[int, int]:
-    """Parse ``I/N`` (1 <= I <= N); ``PlanError`` otherwise."""
-    try:
-        i_text, n_text = text.split("/")
-        i, n = int(i_text), int(n_text)
-    except ValueError:
-        raise PlanError(f"--shard takes I/N, e.g. 2/4; got {text!r}") from None
+    """Parse ``I/N``, two decimal integers with ``1 <= I <= N``; ``PlanError`` otherwise
+    (an empty string included: it never means "the whole suite")."""
+    match = re.fullmatch(r"([0-9]+)/([0-9]+)", text)
+    if match is None:
+        raise PlanError(f"--shard takes I/N, e.g. 2/4; got {text!r}")
+    i, n = int(match[1]), int(match[2])
     if not 1 <= i <= n:
         raise PlanError(f"--shard {text}: need 1 <= I <= N")
     return i, n

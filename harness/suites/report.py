@@ -1,11 +1,13 @@
 """Results of ``harness run``: each planned case's outcome, summarised per entry.
 
 Outcomes come from what the selection plugin recorded inside the pytest run, by node id
-(:func:`results_from_records`): ``passed``, ``failed``, ``skipped`` (xfail included),
-``deselected`` (by pytest's own ``-k`` / ``-m`` / ``--lf`` / ``--deselect`` / ``--ignore``),
-``not run`` (collected, but the run stopped first: ``-x``, ``--maxfail``, ``--collect-only``,
-an interrupt) and ``missing`` (never collected, or collected and never reported by a run that
-did not stop: a failure). A file that fails to import fails each planned case in it.
+(:func:`results_from_records`): ``passed`` (its call and its teardown passed),
+``failed``, ``skipped`` (xfail included), ``deselected`` (by pytest's own ``-k`` / ``-m`` /
+``--lf`` / ``--deselect`` / ``--ignore``), ``not run`` (collected, but the run stopped before
+it finished: ``-x``, ``--maxfail``, ``--collect-only``, ``--setup-only``, an interrupt, the
+runner's timeout) and ``missing`` (never collected, or collected and never reported by a run
+that did not stop: a failure). A case whose pytest process died on its own while running it
+failed. A file that fails to import fails each planned case in it.
 
 JUnit XML is an output (merged for CI); :func:`read_junit` and :func:`junit_key` read it
 back for tools that only have the XML (``scripts/refresh_durations.py``): pytest names a
@@ -115,15 +117,25 @@ def results_for(
     return out
 
 
+#: What :func:`_phases` returns for a case that started and never finished.
+UNFINISHED = "unfinished"
+
+
 def _phases(phases: Sequence[tuple[str, str, float, str]]) -> tuple[str, float, str]:
-    """One case's outcome, seconds and message from its phases' reports: failed when any
-    phase failed (teardown included), else skipped when any was skipped, else passed."""
+    """One case's outcome, seconds and message from its phases' reports, in order: failed when
+    any phase failed (teardown included), else skipped when any was skipped (at setup, or an
+    xfail), else passed when its call and its teardown passed (the last report of each: a
+    rerun's counts); else :data:`UNFINISHED` with the phase it was in (``call`` or
+    ``teardown``) as its message: its process stopped or died during the case."""
     seconds = sum(s for _, _, s, _ in phases)
     for wanted in ("failed", "skipped"):
         for _, outcome, _, message in phases:
             if outcome == wanted:
                 return wanted, seconds, message
-    return "passed", seconds, ""
+    last = {when: outcome for when, outcome, _, _ in phases}
+    if last.get("call") == "passed" and last.get("teardown") == "passed":
+        return "passed", seconds, ""
+    return UNFINISHED, seconds, "teardown" if "call" in last else "call"
 
 
 def _collect_problem(nodeid: str, collect: Mapping[str, tuple[str, str]]) -> tuple[str, str] | None:
@@ -137,22 +149,46 @@ def _collect_problem(nodeid: str, collect: Mapping[str, tuple[str, str]]) -> tup
     return None
 
 
-def results_from_records(nodeids: Iterable[str], records: Records) -> dict[str, CaseRow]:
-    """Each planned node id's result (see the module docstring) from one pytest run's records."""
+def results_from_records(
+    nodeids: Iterable[str], records: Records, halted: str = ""
+) -> dict[str, CaseRow]:
+    """Each planned node id's result (see the module docstring) from one pytest run's records.
+
+    ``halted`` says why ``harness run`` stopped that pytest itself (a stop signal, the
+    runner's timeout), ``""`` when it did not. A case that started and never finished is
+    ``not run`` when the run was stopped (by ``harness run``, an interrupt, ``pytest.exit``),
+    and ``failed`` when its pytest process died on its own while running it; never ``passed``.
+    """
     opts = records.options
     failures = sum(1 for phases in records.reports.values() if _phases(phases)[0] == "failed")
     maxfail = int(opts.get("maxfail", 0) or 0)
     stopped = (
-        bool(records.stopped)
+        bool(halted)
+        or bool(records.stopped)
         or bool(opts.get("collectonly"))
+        or bool(opts.get("setuponly"))
         or (0 < maxfail <= failures)
         or (records.finish is not None and records.finish == 2)
     )
+    why_stopped = halted or records.stopped or ("--setup-only" if opts.get("setuponly") else "")
     out = {}
     for n in nodeids:
         if n in records.reports:
             outcome, seconds, message = _phases(records.reports[n])
-            out[n] = CaseRow(n, outcome, seconds, message)
+            if outcome != UNFINISHED:
+                out[n] = CaseRow(n, outcome, seconds, message)
+            elif opts.get("setuponly") and not halted:
+                out[n] = CaseRow(n, "not run", 0.0, "set up, never called (--setup-only)")
+            elif stopped or records.finish is not None:  # not died: stopped (pytest.exit, say)
+                why = why_stopped or (
+                    f"pytest exited {records.finish}" if records.finish is not None else ""
+                )
+                why = f" ({why})" if why else ""
+                out[n] = CaseRow(n, "not run", 0.0, f"the run stopped during its {message}{why}")
+            else:
+                out[n] = CaseRow(
+                    n, "failed", seconds, f"its pytest process died during its {message}"
+                )
         elif n in records.deselected:
             out[n] = CaseRow(n, "deselected")
         elif (broken := _collect_problem(n, records.collect)) is not None:
@@ -162,7 +198,7 @@ def results_from_records(nodeids: Iterable[str], records: Records) -> dict[str, 
                 n, "deselected", 0.0, "--last-failed: its file had no failure to rerun"
             )
         elif stopped and (n in records.collected or not records.collected):
-            out[n] = CaseRow(n, "not run", 0.0, records.stopped or "")
+            out[n] = CaseRow(n, "not run", 0.0, why_stopped)
         else:
             why = "collected, never reported" if n in records.collected else "never collected"
             out[n] = CaseRow(n, "missing", 0.0, why)

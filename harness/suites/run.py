@@ -21,12 +21,15 @@ is written and the exit code is 128 + the signal number.
 
 Outputs, in ``--out`` (default ``out/harness/<suite>[-<i>of<n>]``):
 ``junit.xml``, ``summary.md``, ``summary.json``, ``plan.json``; the summary
-table also goes to stdout and, when set, ``$GITHUB_STEP_SUMMARY``.
+table also goes to stdout and, when set, ``$GITHUB_STEP_SUMMARY``. One run at a
+time writes a folder (:func:`claim_out`): a second one is refused, naming the first.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
+import fcntl
 import importlib.util
 import os
 import shlex
@@ -36,7 +39,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -334,13 +337,16 @@ def _stop_tree(procs: Sequence[psutil.Process]) -> None:
     processes.terminate(procs, grace=KILL_AFTER_S, kill_wait=KILL_AFTER_S)
 
 
-def _run_pytest(cmd: list[str], root: Path, limit_s: float, stop: _Stop, started: Path) -> int:
+def _run_pytest(
+    cmd: list[str], root: Path, limit_s: float, stop: _Stop, started: Path
+) -> tuple[int, str]:
     """Run one pytest subprocess in its own process group, output streaming through.
 
     Past ``limit_s`` (the runner's job timeout) its whole process tree is
     terminated, then killed: 124. On a stop signal (see :class:`_Stop`) it gets
     :data:`INTERRUPT_GRACE_S` to stop by itself; whatever of its tree is left
-    then (or outlived it) is terminated, then killed. Returns pytest's exit code.
+    then (or outlived it) is terminated, then killed. Returns pytest's exit code and
+    why the run stopped it (``""``: it did not), for the cases it left unfinished.
     """
     # Its own process group: a Ctrl-C to ours reaches it once, through _Stop.
     # And it dies with us, even when we are SIGKILLed (then nothing stops it).
@@ -374,11 +380,14 @@ def _run_pytest(cmd: list[str], root: Path, limit_s: float, stop: _Stop, started
                 stop.snapshot()
                 _stop_tree(list(stop.tree.values()))
                 proc.wait()
-                code = 124 if stop.signum is None else proc.returncode
+                if stop.signum is None:
+                    return 124, f"stopped at the runner's timeout of {limit_s / 60:.0f} min"
+                code = proc.returncode
                 break
         if stop.signum is not None:
             _stop_tree(list(stop.tree.values()))  # what outlived pytest
-        return code
+            return code, f"interrupted by {stop.name}"
+        return code, ""
     finally:
         stop.child = None
         stop.tree.clear()
@@ -427,7 +436,7 @@ def _plan_run(root: Path, opts: RunOptions, started: float) -> _Run:
     """Phase 1: load the suite, narrow it (``--changed-from``), cut the shard, drop what
     exceeds ``--max-cards``. Raises ``_Refused`` when the suite cannot be planned."""
     try:
-        shard = parse_shard(opts.shard) if opts.shard else None
+        shard = parse_shard(opts.shard) if opts.shard is not None else None
     except PlanError as e:
         raise _Refused(f"harness run: {e}") from None
     loaded = load_suite(root, opts.suite, "run")
@@ -455,6 +464,45 @@ def _plan_run(root: Path, opts: RunOptions, started: float) -> _Run:
     out = (opts.out or _default_out(root, m.suite, shard)).resolve()
     groups = run_groups(m.device, cases, opts.pytest_args, opts.workers)
     return _Run(root, opts, m, shard, cases, too_big, out, started, inv.inipath, groups)
+
+
+#: The lock file in a run's output folder: ``flock``'d by the run that writes there, from before
+#: it clears the folder until its summary is written, and naming that run.
+OUT_LOCK = ".harness-run.lock"
+
+
+@contextlib.contextmanager
+def claim_out(out: Path, title: str) -> Iterator[None]:
+    """Hold the output folder ``out`` for one run (``title``): an exclusive, non-blocking
+    ``flock`` on its :data:`OUT_LOCK`, released when the run ends however it ends (the kernel
+    drops it with the process). Two runs into one folder would clear, write and read back
+    each other's selection, record and JUnit files: while another run holds it, ``_Refused``
+    names that run and the way out (``--out``)."""
+    out.mkdir(parents=True, exist_ok=True)
+    fd = os.open(out / OUT_LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                # A file system without flock: run unguarded rather than not at all.
+                _print(
+                    f"cannot lock {out / OUT_LOCK} ({e.strerror}); not guarded against another run"
+                )
+            else:
+                holder = os.pread(fd, 4096, 0).decode("utf-8", "replace").strip()
+                raise _Refused(
+                    f"harness run: the output folder {out} is in use by another run "
+                    f"({holder or 'starting'}); wait for it to end, or give this run "
+                    "a folder of its own: --out DIR"
+                ) from None
+        else:
+            since = time.strftime("%Y-%m-%d %H:%M:%S %z")
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"pid {os.getpid()}: {title}, since {since}\n".encode(), 0)
+        yield
+    finally:
+        os.close(fd)
 
 
 def _prepare_out(run: _Run) -> None:
@@ -541,9 +589,9 @@ def _config_args(run: _Run) -> list[str]:
     return out + plugin_args(given)
 
 
-def _execute(run: _Run, stop: _Stop) -> tuple[list[int], list[Path]]:
+def _execute(run: _Run, stop: _Stop) -> tuple[list[int], list[Path], list[str]]:
     """Phase 3: one pytest process per group (:func:`run_groups`), until a stop signal; their exit
-    codes and JUnit files."""
+    codes, JUnit files and why the run stopped each (``""``: it did not)."""
     m = run.manifest
     groups = run.groups
     sizes = [g.workers for g in groups]
@@ -556,6 +604,7 @@ def _execute(run: _Run, stop: _Stop) -> tuple[list[int], list[Path]]:
     limit_s = max(r.timeout_minutes for r in m.runners) * 60.0
     codes: list[int] = []
     junits: list[Path] = []
+    halted: list[str] = []
     for k, g in enumerate(groups, 1):
         if stop.signum is not None:
             _print(f"{stop.name}: {len(groups) - k + 1} group(s) of cases not started")
@@ -567,13 +616,13 @@ def _execute(run: _Run, stop: _Stop) -> tuple[list[int], list[Path]]:
                 f"group {k}/{len(groups)}: {len(g.cases)} case(s){wide}, timeout {g.timeout or 'default'}, "
                 f"{g.workers} worker(s)"
             )
-        codes.append(
-            _run_pytest(
-                cmd, run.root, limit_s, stop, selection.started_marker(_select_file(run, k))
-            )
+        code, why = _run_pytest(
+            cmd, run.root, limit_s, stop, selection.started_marker(_select_file(run, k))
         )
+        codes.append(code)
+        halted.append(why)
         junits.append(run.out / f"junit-{k}.xml")
-    return codes, junits
+    return codes, junits, halted
 
 
 def _verdict(total: report.EntryRow, codes: Sequence[int], stop: _Stop) -> list[str]:
@@ -599,16 +648,20 @@ def _write_summary(run: _Run, text: str) -> None:
     _step_summary(text)
 
 
-def _report(run: _Run, codes: Sequence[int], junits: Sequence[Path], stop: _Stop) -> int:
+def _report(
+    run: _Run, codes: Sequence[int], junits: Sequence[Path], halted: Sequence[str], stop: _Stop
+) -> int:
     """Phase 4: merge the JUnit files, write the summaries (partial after a stop
-    signal: the cases that did not run are missing) and durations; the exit code."""
+    signal: the cases of the pytest it stopped are not run, those of the ones it never
+    started missing) and durations; the exit code."""
     junit_all = run.out / "junit.xml"
     report.merge_junit(junits, junit_all)
     results: dict[str, report.CaseRow] = {}
     asked: str | None = None
     for k, g in enumerate(run.groups, 1):
         records = selection.read_records(_select_file(run, k))
-        results.update(report.results_from_records([c.nodeid for c, _ in g.cases], records))
+        why = halted[k - 1] if k <= len(halted) else ""
+        results.update(report.results_from_records([c.nodeid for c, _ in g.cases], records, why))
         asked = records.options.get("junitxml") or asked
     if asked:
         # The run's own JUnit path replaced the caller's --junitxml: they get the merged file.
@@ -664,16 +717,24 @@ def run_suite(root: Path, opts: RunOptions) -> int:
         if run is None or stop.signum is not None:
             _print(f"{stop.name}: stopped before any case ran")
             return stop.exit_code
-        _prepare_out(run)
-        if not run.cases:
-            _print(f"{run.title}: nothing to run")
-            not_here = run.not_here
-            text = f"### {run.title}\n\nnothing to run\n" + (f"\n{not_here}" if not_here else "")
-            write_text(run.out / "summary.md", text)
-            _step_summary(text)
-            return EXIT_OK
-        codes, junits = _execute(run, stop)
-        return _report(run, codes, junits, stop)
+        with contextlib.ExitStack() as held:
+            try:
+                held.enter_context(claim_out(run.out, run.title))
+            except _Refused as e:
+                print(e, file=sys.stderr)
+                return EXIT_USAGE
+            _prepare_out(run)
+            if not run.cases:
+                _print(f"{run.title}: nothing to run")
+                not_here = run.not_here
+                text = f"### {run.title}\n\nnothing to run\n" + (
+                    f"\n{not_here}" if not_here else ""
+                )
+                write_text(run.out / "summary.md", text)
+                _step_summary(text)
+                return EXIT_OK
+            codes, junits, halted = _execute(run, stop)
+            return _report(run, codes, junits, halted, stop)
 
 
 def _step_summary(text: str) -> None:

@@ -167,6 +167,8 @@ class _Outcomes:
         self.record(
             options={
                 "collectonly": bool(opt("collectonly", False)),
+                # --setup-plan implies it: set up and torn down, never called.
+                "setuponly": bool(opt("setuponly", False)),
                 "last_failed": bool(opt("lf", False)),
                 "maxfail": int(opt("maxfail", 0) or 0),
                 "junitxml": self.config.stash.get(_CALLER_JUNIT, None),

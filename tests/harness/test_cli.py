@@ -546,6 +546,10 @@ def test_matrix_refuses_non_finite_recorded_durations(pytester, capsys):
         (["run", "cpu", "--workers", "0"], "--workers: expected an integer >= 1, got '0'"),
         (["run", "cpu", "--max-cards", "-1"], "--max-cards: expected an integer >= 0, got '-1'"),
         (["run", "cpu", "--shard", "3/2"], "--shard 3/2: need 1 <= I <= N"),
+        # An empty shard (an unset matrix variable) ran the whole suite, green.
+        (["run", "cpu", "--shard", ""], "--shard takes I/N, e.g. 2/4; got ''"),
+        (["run", "cpu", "--shard", "+1/2"], "--shard takes I/N, e.g. 2/4; got '+1/2'"),
+        (["matrix", "cpu", "--shards", ""], "--shards: expected an integer >= 1, got ''"),
         (["inventory", "--bogus"], "unrecognized arguments: --bogus"),
         (["matrix", "cpu", "--", "-x"], "only `harness run` takes pytest arguments"),
     ],

@@ -5,12 +5,19 @@ the run, not read back from JUnit. Real ``harness run`` processes on a small pro
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 from suite_project import make_project, manifest
 from test_cli import harness, summary_rows
 
+from harness.suites import run as run_module
 from harness.suites.cli import main
+from harness.suites.report import results_from_records
+from harness.suites.selection import Records
 
 TESTS = {
     "tests/a/test_a.py": """
@@ -148,3 +155,163 @@ def test_a_file_that_fails_to_collect_fails_its_entry_and_the_rest_runs(pytester
     # harness matrix plans the same cases.
     assert main(["--root", str(root), "matrix", "cpu"]) == 0
     assert json.loads(capsys.readouterr().out)["include"][0]["cases"] == 3
+
+
+SLOW = {
+    "tests/s/test_s.py": """
+        import os
+        import signal
+        import time
+        from pathlib import Path
+
+        def test_slow():
+            if os.environ.get("KILL_MY_PYTEST"):
+                os.kill(os.getpid(), signal.SIGKILL)
+            started = os.environ.get("STARTED")
+            if started:
+                Path(started).write_text(str(os.getpid()))
+                release = Path(started + ".release")
+                deadline = time.monotonic() + 120
+                while not release.exists() and time.monotonic() < deadline:
+                    time.sleep(0.1)
+    """,
+}
+SLOW_ID = "tests/s/test_s.py::test_slow"
+
+
+def slow_project(root: Path) -> Path:
+    return make_project(
+        root, SLOW, {"cpu": manifest("cpu", "cpu", [{"id": "s", "paths": ["tests/s"]}])}
+    )
+
+
+def test_a_case_that_kills_its_own_pytest_fails_and_records_no_duration(pytester):
+    # Its setup had passed and nothing else was reported: it was counted as passed, with
+    # its setup's seconds recorded as its duration.
+    root = slow_project(pytester.path)
+    done = harness(
+        root, "run", "cpu", "--out", "out", "--durations-out", "d.json", env={"KILL_MY_PYTEST": "1"}
+    )
+    assert done.returncode == 1, done.stdout + done.stderr
+    (case,) = json.loads((root / "out/summary.json").read_text())["cases"]
+    assert case["outcome"] == "failed", case
+    assert case["message"] == "its pytest process died during its call"
+    assert json.loads((root / "d.json").read_text())["durations"] == {}
+    assert f"- failed: `{SLOW_ID}` — its pytest process died during its call" in done.stdout
+
+
+class _TimeoutOnceStarted:
+    """``time`` for ``harness.suites.run``: the runner's timeout passes as soon as the case
+    has started (its ``STARTED`` file exists), whatever the timeout is."""
+
+    def __init__(self, started: Path):
+        self.started = started
+
+    def __getattr__(self, name: str):
+        return getattr(time, name)
+
+    def monotonic(self) -> float:
+        return time.monotonic() + (1e6 if self.started.exists() else 0.0)
+
+
+def test_a_case_stopped_at_the_runners_timeout_is_not_run(pytester, monkeypatch, capsys):
+    root = slow_project(pytester.path)
+    started = root / "started"
+    monkeypatch.setenv("STARTED", str(started))
+    monkeypatch.delenv("PYTEST_ADDOPTS", raising=False)
+    monkeypatch.setattr(run_module, "time", _TimeoutOnceStarted(started))
+    argv = ["--root", str(root), "run", "cpu", "--out", "out", "--durations-out", "d.json"]
+    assert main(argv) == 1
+    out = capsys.readouterr().out
+    assert started.exists()
+    (case,) = json.loads((root / "out/summary.json").read_text())["cases"]
+    assert case == {
+        "nodeid": SLOW_ID,
+        "outcome": "not run",
+        "seconds": 0.0,
+        "message": "the run stopped during its call (stopped at the runner's timeout of 10 min)",
+    }
+    assert json.loads((root / "d.json").read_text())["durations"] == {}
+    assert "**FAILED**: pytest exited with 124" in out
+
+
+def _records(reports: dict[str, list[tuple[str, str]]], finish: int | None) -> Records:
+    return Records(
+        collected=set(reports),
+        reports={n: [(w, o, 0.5, "") for w, o in phases] for n, phases in reports.items()},
+        finish=finish,
+    )
+
+
+def test_only_a_case_whose_call_and_teardown_passed_passed():
+    done = [("setup", "passed"), ("call", "passed"), ("teardown", "passed")]
+    reports = {
+        "passed": done,
+        "rerun then passed": [*done[:2], ("call", "rerun"), *done[1:]],
+        "skipped at setup": [("setup", "skipped"), ("teardown", "passed")],
+        "xfail": [done[0], ("call", "skipped"), done[2]],
+        "failed at teardown": [*done[:2], ("teardown", "failed")],
+        "in its call": [done[0]],
+        "in its teardown": done[:2],
+    }
+    finished = results_from_records(reports, _records(reports, None))  # pytest died
+    assert {n: r.outcome for n, r in finished.items()} == {
+        "passed": "passed",
+        "rerun then passed": "passed",
+        "skipped at setup": "skipped",
+        "xfail": "skipped",
+        "failed at teardown": "failed",
+        "in its call": "failed",
+        "in its teardown": "failed",
+    }
+    unfinished = {n: reports[n] for n in ("in its call", "in its teardown")}
+    for finish, halted in [(None, ""), (2, ""), (0, ""), (None, "stopped at the runner's timeout")]:
+        got = results_from_records(unfinished, _records(unfinished, finish), halted)
+        want = "failed" if (finish, halted) == (None, "") else "not run"
+        assert {r.outcome for r in got.values()} == {want}, (finish, halted, got)
+    assert finished["in its teardown"].message == "its pytest process died during its teardown"
+    set_up = {"set up": [done[0], done[2]]}  # --setup-only / --setup-plan: never called
+    records = _records(set_up, 0)
+    records.options["setuponly"] = True
+    assert results_from_records(set_up, records)["set up"].outcome == "not run"
+
+
+def test_a_second_run_into_the_same_output_folder_is_refused(pytester, tmp_path):
+    # Both runs wrote and read back out/select-1.json.*.jsonl (and the second cleared the
+    # first's records): each reported a mix of the two runs' outcomes.
+    root = slow_project(pytester.path)
+    started = tmp_path / "started"
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("PYTEST_ADDOPTS", "GITHUB_STEP_SUMMARY")
+    }
+    first = subprocess.Popen(
+        [sys.executable, "-m", "harness", "run", "cpu", "--out", "out"],
+        cwd=root,
+        env={**env, "STARTED": str(started)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 240
+        while not started.exists():
+            assert first.poll() is None, first.communicate()[0]
+            assert time.monotonic() < deadline, "the first run's case never started"
+            time.sleep(0.1)
+        second = harness(root, "run", "cpu", "--out", "out")
+        Path(f"{started}.release").touch()
+        out, _ = first.communicate(timeout=120)  # a bound against a hang, not a timing claim
+    finally:
+        if first.poll() is None:
+            first.kill()
+            first.wait()
+    assert second.returncode == 2, second.stdout + second.stderr
+    assert f"the output folder {root / 'out'} is in use by another run (pid {first.pid}: " in (
+        second.stderr
+    )
+    assert "--out DIR" in second.stderr
+    assert first.returncode == 0, out
+    assert outcomes(root / "out") == {SLOW_ID: "passed"}
+    # The folder is free again once its run has ended.
+    again = harness(root, "run", "cpu", "--out", "out")
+    assert again.returncode == 0, again.stdout + again.stderr

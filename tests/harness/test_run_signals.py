@@ -261,3 +261,40 @@ def test_pytest_takes_sigint_when_the_run_was_started_ignoring_it(pytester, tmp_
     )
     assert done.returncode == 0, done.stdout + done.stderr
     assert (pids_dir / "sigint").read_text() == repr(signal.default_int_handler)
+
+
+UNFINISHED = """
+    import os
+    import time
+    from pathlib import Path
+
+    def test_slow():
+        Path(os.environ["PIDS_DIR"], "slow").write_text(str(os.getpid()))
+        time.sleep(600)
+"""
+
+
+def test_a_case_interrupted_while_it_runs_is_not_run_never_passed(pytester, tmp_path_factory):
+    # Its setup had passed and its call never reported: it was counted as passed, and
+    # --durations-out recorded it.
+    root = make_project(
+        pytester.path,
+        {"tests/slow/test_s.py": UNFINISHED},
+        {"cpu": manifest("cpu", "cpu", [{"id": "slow", "paths": ["tests/slow"]}])},
+    )
+    pids_dir = tmp_path_factory.mktemp("pids")
+    proc = start_run(root, pids_dir, "--durations-out", "d.json")
+    try:
+        wait_for(lambda: (pids_dir / "slow").exists(), 240, "the case to start")
+        os.kill(proc.pid, signal.SIGINT)
+        out, err = proc.communicate(timeout=60)  # a bound against a hang, not a timing claim
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 130, out + err
+    (case,) = json.loads((root / "out/summary.json").read_text())["cases"]
+    assert case["outcome"] == "not run", case
+    assert case["message"].startswith("the run stopped during its call"), case
+    assert json.loads((root / "d.json").read_text())["durations"] == {}
+    assert "**FAILED**: interrupted by SIGINT" in (root / "out/summary.md").read_text()
