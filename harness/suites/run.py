@@ -533,6 +533,7 @@ def _pytest_command(
         select_file,
         {
             "root": str(run.root),
+            "group": k,
             "cases": {c.nodeid: deadline for c, _ in group},
             "entries": {c.nodeid: e.id for c, e in group},
         },

@@ -81,6 +81,33 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
 
 
+@pytest.hookimpl(wrapper=True)
+def pytest_load_initial_conftests(early_config: pytest.Config, parser, args) -> Any:
+    # pytest-cov picks its controller here, from the options parsed so far: the run's
+    # worker count must be among them, or a --cov run starts xdist workers under its
+    # single-process controller (INTERNALERROR: no attribute 'configure_node'). And a
+    # group after the first appends to the coverage data of the groups before it, which
+    # pytest-cov would otherwise erase: the last group's report covers the whole run.
+    known = early_config.known_args_namespace
+    if not _is_worker(early_config):
+        workers = getattr(known, "harness_workers", None)
+        xdist = early_config.pluginmanager.hasplugin("xdist")
+        if workers and xdist and getattr(known, "numprocesses", None) is None:
+            known.numprocesses = workers
+        if getattr(known, "cov_source", None) and _group(known) > 1:
+            known.cov_append = True
+    return (yield)
+
+
+def _group(known: Any) -> int:
+    """The run's group number of this pytest (1 when unknown), from its selection file."""
+    path = getattr(known, "harness_select", None)
+    try:
+        return int(json.loads(Path(path).read_text(encoding="utf-8")).get("group", 1))
+    except (TypeError, OSError, ValueError, AttributeError):
+        return 1
+
+
 @pytest.hookimpl(wrapper=True, tryfirst=True)
 def pytest_cmdline_main(config: pytest.Config) -> Any:
     # Before xdist and junitxml read their options (as pytest parsed them from the command

@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 from suite_project import make_project, manifest
 from test_cli import harness, summary_rows
 
@@ -315,3 +316,36 @@ def test_a_second_run_into_the_same_output_folder_is_refused(pytester, tmp_path)
     # The folder is free again once its run has ended.
     again = harness(root, "run", "cpu", "--out", "out")
     assert again.returncode == 0, again.stdout + again.stderr
+
+
+def test_coverage_through_harness_run_covers_every_group(pytester):
+    # Regression: the run's xdist workers were set after pytest-cov had picked its
+    # single-process controller (INTERNALERROR: no attribute 'configure_node' in every
+    # group), and each group's pytest erased the coverage data of the groups before it.
+    pytest.importorskip("pytest_cov")
+    from coverage import CoverageData
+
+    root = pytester.path
+    tests = {
+        "pkg/__init__.py": "",
+        "pkg/mod.py": "def f():\n    return 1\n\n\ndef g():\n    return 2\n",
+        "tests/a/test_a.py": "from pkg.mod import f\n\ndef test_1():\n    assert f() == 1\n\n"
+        "def test_2():\n    assert f() == 1\n",
+        "tests/b/test_b.py": "from pkg.mod import g\n\ndef test_g():\n    assert g() == 2\n",
+    }
+    entries = [
+        {"id": "a", "paths": ["tests/a"]},
+        {"id": "b", "paths": ["tests/b"], "timeout_s": 120},  # a group of its own
+    ]
+    make_project(root, tests, {"cpu": manifest("cpu", "cpu", entries)})
+    (root / "pyproject.toml").write_text(
+        '[tool.pytest.ini_options]\ntestpaths = ["tests"]\npythonpath = ["."]\n'
+    )
+    done = harness(root, "run", "cpu", "--", "--cov=pkg", "--cov-report=term")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "INTERNALERROR" not in done.stdout + done.stderr
+    assert "group 2/2" in done.stdout + done.stderr, done.stdout
+    data = CoverageData(basename=str(root / ".coverage"))
+    data.read()
+    (mod,) = [f for f in data.measured_files() if f.endswith("mod.py")]
+    assert {2, 6} <= set(data.lines(mod)), sorted(data.lines(mod))  # f's body and g's
