@@ -358,13 +358,50 @@ class _Pass:
     loss_calls: int = 0
 
 
+class _PatchedForward:
+    """``model.forward`` under ``patch_model(model, fused=True)``: calls ``FusedLoss.model_forward``.
+
+    It presents the signature of the forward it wraps (``__signature__``, as
+    ``functools.wraps`` would, but with no ``__wrapped__`` that a tool could
+    call past the patch), so ``inspect.signature(model.forward)`` lists
+    ``input_ids``, ... as unpatched: the Trainer's ``remove_unused_columns``
+    keeps the model's columns and ``_supports_logits_to_keep()`` stays true.
+    It is a plain object, not a bound method: accelerate's mixed-precision
+    wrapping (which rebinds a bound method's ``__func__`` to the model) wraps
+    it as a callable, and copies and pickles of the model carry their own.
+    """
+
+    def __init__(self, loss: FusedLoss):
+        self.loss = loss
+
+    def __call__(self, *args: Any, **kwargs: Any):
+        return self.loss.model_forward(*args, **kwargs)
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        return self.loss.original_signature()
+
+    @property
+    def __name__(self) -> str:
+        return "forward"
+
+    def __repr__(self) -> str:
+        return f"<fused channel_loss forward of {self.loss.model_class}>"
+
+
 class FusedLoss(ObservingLoss):
     """The loss function ``patch_model(model, fused=True)`` installs.
 
     Inside a fused forward (training mode, ``labels`` given) it computes the
     loss with ``chunk_cross_entropy`` from the hidden states the output
     embeddings received, ignoring the (empty) logits it is handed; in any
-    other forward it is an ``ObservingLoss``.
+    other forward it is an ``ObservingLoss``. ``patched_forward`` is what the
+    patch installs as ``model.forward``.
+
+    ``copy.deepcopy`` and pickling (``torch.save(model)``) of the patched
+    model give a patched model whose patch refers to the copy (its training
+    flag, its forward, its output embeddings), never to the original; a
+    copy keeps the original's ``verified`` / ``refusal`` state.
     """
 
     def __init__(
@@ -385,9 +422,47 @@ class FusedLoss(ObservingLoss):
         self.verified = verified
         self.refusal: str | None = None
         self._pass: ContextVar[_Pass | None] = ContextVar("channel_loss_fused_pass", default=None)
-        self._model_forward = model.forward
-        self._head_forward = head.forward
+        # The forwards the patch wraps: an instance attribute the module already had, or None
+        # for its class's own. The bound methods are rebuilt from these for a copy (see
+        # ``__setstate__``), so a copy calls its own forwards, never the original's.
+        self._model_forward_saved = vars(model).get("forward")
+        self._head_forward_saved = vars(head).get("forward")
         self._model = weakref.ref(model)
+        self._bind_forwards(model)
+        self.patched_forward = _PatchedForward(self)
+
+    def _bind_forwards(self, model) -> None:
+        saved = self._model_forward_saved
+        self._model_forward = saved if saved is not None else type(model).forward.__get__(model)
+        saved = self._head_forward_saved
+        self._head_forward = (
+            saved if saved is not None else type(self.head).forward.__get__(self.head)
+        )
+
+    # Copying and pickling (``copy.deepcopy(model)``, ``torch.save(model)``): the copy's patch
+    # refers to the copy. The model goes into the state as a strong reference (deepcopy's memo
+    # and pickle's map it to the copy); the per-pass context variable is made anew.
+
+    def __getstate__(self) -> dict[str, Any]:
+        """The attributes, with the model strongly referenced and no per-pass context variable."""
+        state = dict(vars(self))
+        for name in ("_pass", "_model_forward", "_head_forward"):
+            state.pop(name, None)
+        state["_model"] = self._model()
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """Restore ``__getstate__``'s attributes; bind the forwards of the model it now belongs to."""
+        model = state.pop("_model")
+        vars(self).update(state)
+        self._pass = ContextVar("channel_loss_fused_pass", default=None)
+        self._model = weakref.ref(model)
+        # Only the types are needed: an unpickled model may not have its attributes yet.
+        self._bind_forwards(model)
+
+    def original_signature(self) -> inspect.Signature:
+        """The signature of the forward the patch wraps (what ``model.forward`` presents)."""
+        return inspect.signature(self._model_forward)
 
     # The three entry points: the model's forward, the head's forward, the loss.
 
@@ -471,7 +546,9 @@ class FusedLoss(ObservingLoss):
                 **features,
             )
         observed = own.observations[0] if own.observations else None  # none during a recompute
-        if state.verifying and observed is not None:
+        if state.verifying and observed is not None and bool(observed.scored.any()):
+            # A batch without a scored target verifies nothing (HF's own loss is 0/0 there):
+            # verification waits for the first forward that scores a target.
             self._verify(call["logits"], loss, observed, args, kwargs)
         if observed is not None and self.active:
             record(observed.token_losses, observed.targets, observed.ignore_index)
@@ -572,7 +649,7 @@ class LossPatch:
         self.loss.active = False
         if isinstance(self.loss, FusedLoss):
             _restore(self._head, "forward", self.loss.head_forward, self._head_saved)
-            _restore(self.model, "forward", self.loss.model_forward, self._saved["forward"])
+            _restore(self.model, "forward", self.loss.patched_forward, self._saved["forward"])
         if getattr(self.model, "loss_function", None) is not self.loss:
             logger.warning(
                 "channel_loss: %s.loss_function was replaced after patch_model(); leaving the "
@@ -649,15 +726,28 @@ def patch_model(model, *, fused: bool = False, chunk_size: int | None = None) ->
     ``[..., 0]`` tensor (no logits were computed); eval-mode forwards and
     forwards without labels are the model's ordinary ones.
 
-    The first fused forward verifies the design on that batch: the output
-    embeddings still compute real logits, the model transforms them as it
-    does, and the per-token cross-entropy of those logits must equal the
-    chunked op's (rtol = atol = 1e-4 for fp32 logits, 5e-2 bf16, 1e-2 fp16),
-    and the model's own loss function on them must give the op's loss.
-    Otherwise every fused forward raises ``UnsupportedModelError`` naming the
-    model class and what differed (a head that is not ``lm_head(hidden)``, an
-    unknown transform, a custom loss, a loss computed without
-    ``loss_function``).
+    The first fused forward that scores a target verifies the design on that
+    batch: the output embeddings still compute real logits, the model
+    transforms them as it does, and the per-token cross-entropy of those
+    logits must equal the chunked op's (rtol = atol = 1e-4 for fp32 logits,
+    5e-2 bf16, 1e-2 fp16), and the model's own loss function on them must
+    give the op's loss. Otherwise every fused forward raises
+    ``UnsupportedModelError`` naming the model class and what differed (a
+    head that is not ``lm_head(hidden)``, an unknown transform, a custom
+    loss, a loss computed without ``loss_function``). A forward whose targets
+    are all ``ignore_index`` verifies nothing: it returns the op's loss (0.0,
+    zero gradients) and verification waits for the next forward. Verification
+    is local to the process (no collective, so it cannot hang): under DDP a
+    rank whose batch scores nothing defers it to a later batch of its own
+    while the others verify; its loss still uses the same parameters, so
+    DDP's gradient all-reduce is unchanged. Until verified, each fused forward
+    also computes the real logits once, to compare with.
+
+    ``model.forward`` presents the original forward's signature
+    (``inspect.signature``), so the Trainer's ``remove_unused_columns`` and
+    ``_supports_logits_to_keep()`` behave as unpatched. ``copy.deepcopy`` /
+    pickling the patched model gives a patched copy tied to itself (the
+    handle removes the original's patch only).
 
     ``chunk_size`` bounds the extra memory to ``chunk_size x vocab`` fp32
     values (None: the ops' default rule). Raises ``TypeError`` for a model
@@ -700,7 +790,7 @@ def patch_model(model, *, fused: bool = False, chunk_size: int | None = None) ->
     loss.verified = loss.verify_key in _VERIFIED.get(target, ())
     head_saved = vars(head).get("forward", _MISSING)
     target.loss_function = loss
-    target.forward = loss.model_forward
+    target.forward = loss.patched_forward
     head.forward = loss.head_forward
     return LossPatch(target, loss, saved, head=head, head_saved=head_saved)
 

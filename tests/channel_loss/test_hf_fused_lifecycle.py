@@ -1,0 +1,249 @@
+"""The fused patch over a model's life: unscored batches, copies and pickles, its signature.
+
+Tiny random HF models on CPU (float32). Tolerances as in ``test_hf_fused``:
+the fused loss against the model's own ``rtol=1e-5, atol=1e-6``, gradients
+``rtol=1e-4, atol=1e-6``; the Trainer's training loss ``rel=1e-5`` (``rel=1e-2``
+under bf16 autocast, where the two paths round their logits differently).
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import io
+
+import pytest
+import torch
+import torch.distributed as dist
+
+transformers = pytest.importorskip("transformers")
+
+from channel_loss import ChannelLossMeter  # noqa: E402
+from channel_loss.integrations.transformers import (  # noqa: E402
+    FusedLoss,
+    UnsupportedModelError,
+    patch_model,
+)
+from tests.channel_loss.test_hf_fused import DoubledLogits, tiny  # noqa: E402
+from tests.channel_loss.test_hf_sweep import IGNORE, VOCAB, build, packed_batch  # noqa: E402
+
+
+def loss_and_grads(model, batch, labels=None, *, owner=None):
+    """One training forward + backward: the loss, the logits' width and ``owner``'s gradients."""
+    owner = model if owner is None else owner
+    model.zero_grad(set_to_none=True)
+    out = model(**batch.inputs, labels=batch.labels if labels is None else labels)
+    out.loss.backward()
+    grads = {n: p.grad.clone() for n, p in owner.named_parameters() if p.grad is not None}
+    return out.loss.detach(), out.logits.shape[-1], grads
+
+
+def check_grads(grads: dict, want: dict) -> None:
+    assert grads.keys() == want.keys()
+    for name, grad in want.items():
+        torch.testing.assert_close(
+            grads[name], grad, rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}"
+        )
+
+
+# --------------------------------------------------------------------------- unscored batches
+
+
+def test_a_first_batch_without_scored_targets_defers_verification():
+    # The first fused forward compared HF's 0/0 = NaN with the op's 0.0 and refused the
+    # model for good ("gives nan on its own logits, chunk_cross_entropy 0").
+    model = tiny(transformers.LlamaForCausalLM)
+    batch = packed_batch("llama")
+    want_loss, _, want_grads = loss_and_grads(model, batch)
+    unscored = torch.full_like(batch.labels, IGNORE)
+    with patch_model(model, fused=True) as handle:
+        loss, width, grads = loss_and_grads(model, batch, unscored)
+        assert loss.item() == 0.0
+        assert width == 0
+        assert all(not g.any() for g in grads.values())  # zero gradients
+        assert not handle.loss.verified
+        assert handle.loss.refusal is None
+        loss, width, grads = loss_and_grads(model, batch)  # verifies now, and passes
+        assert handle.loss.verified
+        assert width == 0
+        torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=1e-6)
+        check_grads(grads, want_grads)
+        assert loss_and_grads(model, batch, unscored)[0].item() == 0.0
+
+
+def test_a_real_difference_is_still_refused_after_unscored_batches():
+    model = tiny(DoubledLogits)
+    batch = packed_batch("llama")
+    unscored = torch.full_like(batch.labels, IGNORE)
+    with patch_model(model, fused=True) as handle:
+        assert model(**batch.inputs, labels=unscored).loss.item() == 0.0
+        assert handle.loss.refusal is None
+        with pytest.raises(UnsupportedModelError, match=r"refuses DoubledLogits: the logits"):
+            model(**batch.inputs, labels=batch.labels)
+
+
+@pytest.mark.launch(nproc=2, timeout=240)
+def test_ddp_ranks_whose_first_batch_is_unscored_keep_training():
+    # Verification is rank-local: the rank with the unscored batch refused and the job died
+    # (the other rank waited in DDP's all-reduce). Now it defers and both ranks train.
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = tiny(transformers.LlamaForCausalLM)
+    batches = [packed_batch("llama", seed=s) for s in range(world)]
+    reference = copy.deepcopy(model)
+    want = []  # each rank's scored batch: loss and gradients
+    for batch in batches:
+        want.append(loss_and_grads(reference, batch))
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    meter = ChannelLossMeter(dp_group=dist.group.WORLD)
+    with patch_model(ddp, fused=True) as handle:
+        # Step 1: rank 0's micro-batch scores nothing.
+        labels = torch.full_like(batches[0].labels, IGNORE) if rank == 0 else None
+        meter.begin_step()
+        with meter.micro_batch(source_ids=batches[rank].sources, layout=batches[rank].layout):
+            loss, width, grads = loss_and_grads(ddp, batches[rank], labels, owner=model)
+        metrics = meter.end_step()
+        assert width == 0
+        assert (loss.item() == 0.0) == (rank == 0)
+        assert handle.loss.verified == (rank != 0)
+        # DDP averages rank 1's gradients with rank 0's zeros.
+        check_grads(grads, {n: sum(want[r][2][n] for r in range(1, world)) / world for n in grads})
+        assert metrics["channel_loss_tokens/web"] > 0  # rank 1's tokens, on every rank
+        # Step 2: every rank scores; rank 0 verifies now.
+        loss, width, grads = loss_and_grads(ddp, batches[rank], owner=model)
+        assert handle.loss.verified
+        assert width == 0
+        torch.testing.assert_close(loss, want[rank][0], rtol=1e-5, atol=1e-6)
+        check_grads(grads, {n: sum(w[2][n] for w in want) / world for n in grads})
+
+
+# --------------------------------------------------------------------------- copies and pickles
+
+
+def assert_patched_on(model, original) -> None:
+    """``model`` carries its own fused patch, tied to itself, none of ``original``'s objects."""
+    loss = model.loss_function
+    assert isinstance(loss, FusedLoss)
+    assert loss is not original.loss_function
+    assert loss._model() is model
+    assert loss.head is model.lm_head
+    assert vars(model)["forward"] is loss.patched_forward
+    assert vars(model)["forward"] is not vars(original)["forward"]
+    assert model.lm_head.forward.__self__ is loss
+
+
+def test_a_deep_copy_of_a_fused_model_is_a_patched_copy_of_its_own():
+    # copy.deepcopy raised TypeError: cannot pickle '_contextvars.ContextVar' object.
+    model = tiny(transformers.LlamaForCausalLM)
+    batch = packed_batch("llama")
+    want_loss, _, want_grads = loss_and_grads(copy.deepcopy(model), batch)
+    handle = patch_model(model, fused=True)
+    loss_and_grads(model, batch)  # verified before the copy: the copy is too
+    twin = copy.deepcopy(model)
+    assert_patched_on(twin, model)
+    assert twin.loss_function.verified
+    # The copy reads its own training flag and trains its own parameters.
+    model.eval()
+    model.zero_grad(set_to_none=True)
+    loss, width, grads = loss_and_grads(twin, batch)
+    assert width == 0
+    torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=1e-6)
+    check_grads(grads, want_grads)
+    assert all(p.grad is None for p in model.parameters())
+    assert model(**batch.inputs, labels=batch.labels).logits.shape[-1] == VOCAB  # eval: unfused
+    twin.eval()
+    model.train()
+    assert twin(**batch.inputs, labels=batch.labels).logits.shape[-1] == VOCAB
+    assert model(**batch.inputs, labels=batch.labels).logits.shape[-1] == 0
+    # Removing the original's patch leaves the copy's alone.
+    handle.remove()
+    assert "forward" not in vars(model)
+    assert "forward" not in vars(model.lm_head)
+    twin.train()
+    assert twin(**batch.inputs, labels=batch.labels).logits.shape[-1] == 0
+
+
+def test_a_fused_model_round_trips_through_torch_save():
+    model = tiny(transformers.LlamaForCausalLM)
+    batch = packed_batch("llama")
+    want_loss, _, want_grads = loss_and_grads(copy.deepcopy(model), batch)
+    patch_model(model, fused=True)
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    assert_patched_on(loaded, model)
+    assert not loaded.loss_function.verified  # the original never ran a fused forward
+    loss, width, grads = loss_and_grads(loaded, batch)  # verifies the loaded model
+    assert width == 0
+    assert loaded.loss_function.verified
+    torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=1e-6)
+    check_grads(grads, want_grads)
+
+
+def test_a_deep_copy_of_a_fused_peft_model_trains_its_own_adapters():
+    model = build("peft_lora")
+    batch = packed_batch("peft_lora")
+    want_loss, _, want_grads = loss_and_grads(copy.deepcopy(model), batch)
+    patch_model(model, fused=True)
+    twin = copy.deepcopy(model)
+    assert_patched_on(twin.get_base_model(), model.get_base_model())
+    loss, width, grads = loss_and_grads(twin, batch)
+    assert width == 0
+    torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=1e-6)
+    check_grads(grads, want_grads)
+    assert all(p.grad is None for p in model.parameters())
+
+
+# --------------------------------------------------------------------------- the forward's signature
+
+
+@pytest.mark.parametrize("name", ["llama", "peft_lora"])
+def test_the_fused_forward_presents_the_model_forward_signature(name, tmp_path):
+    # model.forward became FusedLoss.model_forward(*args, **kwargs): the Trainer kept no
+    # input column and _supports_logits_to_keep() turned False.
+    model = build(name)
+    inner = model.get_base_model() if name == "peft_lora" else model
+    want = inspect.signature(inner.forward)
+    assert "input_ids" in want.parameters
+    assert "logits_to_keep" in want.parameters
+    with patch_model(model, fused=True):
+        assert inspect.signature(inner.forward) == want
+        assert inner._supports_logits_to_keep()
+        args = transformers.TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True)
+        trainer = transformers.Trainer(model=model, args=args)
+        trainer._set_signature_columns_if_needed()
+        assert {"input_ids", "attention_mask", "labels"} <= set(trainer._signature_columns)
+    assert inspect.signature(inner.forward) == want
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+def test_trainer_with_remove_unused_columns_trains_a_fused_model(tmp_path, bf16):
+    # remove_unused_columns=True (the default) dropped input_ids; with bf16, accelerate's
+    # native AMP rebinds ``model.forward.__func__`` to the model, which broke the bound-method
+    # patch ("'LlamaForCausalLM' object has no attribute '_model'").
+    pytest.importorskip("accelerate", reason="transformers.Trainer needs accelerate")
+    generator = torch.Generator().manual_seed(0)
+    data = []
+    for _ in range(4):
+        ids = torch.randint(0, VOCAB, (12,), generator=generator)
+        data.append(
+            {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
+        )
+        data[-1]["source"] = 3  # a column the model does not take: the Trainer drops it
+
+    def train(fused: bool) -> float:
+        model = tiny(transformers.LlamaForCausalLM)
+        if fused:
+            patch_model(model, fused=True)
+        # remove_unused_columns=True, the default.
+        args = transformers.TrainingArguments(
+            output_dir=str(tmp_path), per_device_train_batch_size=2, max_steps=2, report_to=[],
+            use_cpu=True, save_strategy="no", disable_tqdm=True, seed=0, learning_rate=1e-3,
+            bf16=bf16,
+        )  # fmt: skip
+        trainer = transformers.Trainer(model=model, args=args, train_dataset=data)
+        assert trainer.accelerator.native_amp == bf16
+        return trainer.train().training_loss
+
+    # bf16 autocast: the two losses round their logits differently.
+    assert train(fused=True) == pytest.approx(train(fused=False), rel=1e-2 if bf16 else 1e-5)
