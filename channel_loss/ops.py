@@ -78,8 +78,10 @@ def resolve_targets(
     ``what``), with every target in ``[0, vocab)`` or ``ignore_index``. On the
     CPU the error names the first bad target; on an accelerator the range
     check costs no host sync: it runs on the device and fails at the next
-    synchronisation (see ``_require``).
+    synchronisation (see ``_require``). ``ignore_index`` must be an integer
+    (a bool is not: ``True`` would silently ignore class 1).
     """
+    check_int(ignore_index, "ignore_index")
     if (labels is None) == (shift_labels is None):
         raise ValueError(
             "pass exactly one of labels / shift_labels; got "

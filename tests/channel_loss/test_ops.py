@@ -164,6 +164,16 @@ def test_non_uniform_upstream_gradient():
             )
 
 
+@pytest.mark.parametrize("bad", [None, True, 1.0, "x"])
+def test_a_bad_ignore_index_is_named(bad):
+    # Regression: None raised AttributeError deep inside; True was taken for class 1.
+    inputs, labels = make_inputs(lead=(2, 8), H=4, V=7, bias="none")
+    with pytest.raises(ValueError, match=r"ignore_index must be an int; got "):
+        cl.chunk_cross_entropy(**inputs, labels=labels, ignore_index=bad)
+    with pytest.raises(ValueError, match=r"ignore_index must be an int; got "):
+        cl.per_token_cross_entropy(logits=torch.randn(2, 8, 7), labels=labels, ignore_index=bad)
+
+
 def test_num_items_in_batch_never_overwritten():
     inputs, labels = make_inputs(lead=(2, 8), H=4, V=7, bias="none")
     items = torch.tensor(40)
