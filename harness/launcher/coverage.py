@@ -14,6 +14,10 @@ from dataclasses import dataclass
 from typing import Any
 
 _active: list[Any] = []
+#: Whether anything may have been measured since the data was last written. A kept
+#: rank writes after each case; at its exit, after pytest-cov has combined (and
+#: removed) the data files, a second write would leave an empty file behind.
+_unsaved: list[bool] = [False]
 
 
 @dataclass(frozen=True)
@@ -69,6 +73,12 @@ def start(spec: CoverageSpec | None) -> None:
     )
     cov.start()
     _active.append(cov)
+    _unsaved[0] = True
+
+
+def case_started() -> None:
+    """A case starts: there will be data to write."""
+    _unsaved[0] = True
 
 
 def checkpoint() -> None:
@@ -78,14 +88,18 @@ def checkpoint() -> None:
             cov.save()
         except Exception as exc:
             print(f"harness: saving this rank's coverage data failed: {exc}", file=sys.stderr)
+    _unsaved[0] = False
 
 
 def save() -> None:
-    """Stop measuring and write this rank's data file (before ``os._exit``)."""
+    """Stop measuring and write this rank's data file (before ``os._exit``), unless no
+    case ran since the last ``checkpoint``."""
     while _active:
         cov = _active.pop()
         try:
             cov.stop()
-            cov.save()
+            if _unsaved[0]:
+                cov.save()
         except Exception as exc:  # the rank's verdict stands; say what coverage lost
             print(f"harness: saving this rank's coverage data failed: {exc}", file=sys.stderr)
+    _unsaved[0] = False

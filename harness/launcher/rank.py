@@ -223,6 +223,7 @@ def _serve(
         ctx = message.ctx
         message.inherited.apply(ctx.env)
         _enter_case(ctx)
+        rank_coverage.case_started()
         if baseline is not None:
             baseline.restore()
         if message.check:

@@ -51,3 +51,34 @@ def test_lines_run_only_in_ranks_are_covered(tmp_path):
     line = re.search(r"^helper\.py\s.*$", session.output, re.MULTILINE)
     assert line is not None, session.output
     assert line.group(0).split()[1:4] == ["6", "0", "100%"], session.output
+
+
+KEPT_TO_THE_END = """
+    import pytest
+
+    import helper
+
+
+    @pytest.mark.launch(nproc=2)
+    def test_kept_ranks_run_it():
+        assert helper.only_in_ranks(1) == 4
+
+
+    def test_here():
+        assert helper.only_in_fresh_ranks(1) == 2
+"""
+
+
+def test_ranks_kept_to_the_end_leave_no_data_files_behind(tmp_path):
+    # Regression: kept ranks wrote their data once more when the pool closed, after
+    # pytest-cov had combined (and removed) the files: an empty .coverage.<host>.pid<N>...
+    # per rank, left next to .coverage after every run.
+    root = write_project(
+        tmp_path / "project", {"helper.py": HELPER, "test_cov.py": KEPT_TO_THE_END}
+    )
+    session = run_session(
+        root, "--cov=helper", env=inner_env(root / "out", root / "leases"), timeout=300
+    )
+    assert session.returncode == 0, session.output
+    assert re.search(r"^helper\.py\s+6\s+0\s+100%", session.output, re.MULTILINE), session.output
+    assert sorted(p.name for p in root.glob(".coverage*")) == [".coverage"]
