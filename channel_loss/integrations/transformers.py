@@ -490,10 +490,18 @@ class FusedLoss(ObservingLoss):
                 + (" after its output embeddings" if state.head_calls else "")
                 + ": the fused path replaces exactly that call"
             )
-        if state.verifying and isinstance(outputs, Mapping) and "logits" in outputs:
+        if state.verifying:
             # Every fused forward returns the same kind of logits: none.
-            logits = outputs["logits"]
-            outputs["logits"] = logits.new_empty((*logits.shape[:-1], 0))
+            if isinstance(outputs, Mapping) and "logits" in outputs:
+                logits = outputs["logits"]
+                outputs["logits"] = logits.new_empty((*logits.shape[:-1], 0))
+            elif isinstance(outputs, tuple) and len(outputs) > 1:
+                # return_dict=False with labels: (loss, logits, ...).
+                logits = outputs[1]
+                vocab = self.head.weight.shape[0]
+                if isinstance(logits, torch.Tensor) and logits.shape[-1:] == (vocab,):
+                    empty = logits.new_empty((*logits.shape[:-1], 0))
+                    outputs = (outputs[0], empty, *outputs[2:])
         return outputs
 
     def head_forward(self, hidden: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
