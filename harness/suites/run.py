@@ -479,7 +479,13 @@ def claim_out(out: Path, title: str) -> Iterator[None]:
     each other's selection, record and JUnit files: while another run holds it, ``_Refused``
     names that run and the way out (``--out``)."""
     out.mkdir(parents=True, exist_ok=True)
-    fd = os.open(out / OUT_LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+    try:
+        fd = os.open(out / OUT_LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+        writable = True
+    except PermissionError:
+        # Another user's lock file: flock needs no write access, naming the holder does.
+        fd = os.open(out / OUT_LOCK, os.O_RDONLY | os.O_CLOEXEC)
+        writable = False
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -497,9 +503,10 @@ def claim_out(out: Path, title: str) -> Iterator[None]:
                     "a folder of its own: --out DIR"
                 ) from None
         else:
-            since = time.strftime("%Y-%m-%d %H:%M:%S %z")
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, f"pid {os.getpid()}: {title}, since {since}\n".encode(), 0)
+            if writable:
+                since = time.strftime("%Y-%m-%d %H:%M:%S %z")
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, f"pid {os.getpid()}: {title}, since {since}\n".encode(), 0)
         yield
     finally:
         os.close(fd)

@@ -454,3 +454,36 @@ def test_the_flock_holder_is_read_from_the_system(tmp_path):
     finally:
         os.close(fd)
     assert holders in ({os.getpid()}, None)
+
+
+# -- another user's `harness run` output folder ------------------------------------------
+
+CLAIM = """
+    import sys
+    from pathlib import Path
+
+    from harness.suites.run import _Refused, claim_out
+
+    try:
+        with claim_out(Path(sys.argv[1]), "their run"):
+            print("claimed")
+    except _Refused as e:
+        print("refused:", e)
+"""
+
+
+def test_an_output_folder_held_by_another_user_is_refused_naming_the_run(users, host_tmp):
+    # Regression: the lock file, created 0o644 by its first user, could not be opened
+    # for writing by a second one: a PermissionError traceback instead of the refusal.
+    from harness.suites.run import claim_out
+
+    out = host_tmp / "out"
+    out.mkdir(mode=0o777)
+    out.chmod(0o777)
+    with claim_out(out, "harness run cpu"):
+        code, text = run_as(users["harness-t1"], CLAIM, out, tmp=host_tmp)
+        assert code == 0, text
+        assert "refused: harness run: the output folder" in text, text
+        assert f"pid {os.getpid()}: harness run cpu" in text, text
+    code, text = run_as(users["harness-t1"], CLAIM, out, tmp=host_tmp)
+    assert (code, text.strip()) == (0, "claimed"), text
