@@ -375,6 +375,10 @@ class _PatchedForward:
         self.loss = loss
 
     def __call__(self, *args: Any, **kwargs: Any):
+        if args and args[0] is self.loss._model():
+            # Bound to its model as a method (accelerate's unwrap_model rebinds a forward
+            # with no __wrapped__ that way): the model is not an input.
+            args = args[1:]
         return self.loss.model_forward(*args, **kwargs)
 
     @property
