@@ -160,17 +160,27 @@ def results_from_records(
     and ``failed`` when its pytest process died on its own while running it; never ``passed``.
     """
     opts = records.options
-    failures = sum(1 for phases in records.reports.values() if _phases(phases)[0] == "failed")
+    outcomes = [_phases(phases)[0] for phases in records.reports.values()]
+    failures = outcomes.count("failed")
     maxfail = int(opts.get("maxfail", 0) or 0)
+    # A case left unfinished by a pytest that went on to exit (pytest.exit in it) stopped
+    # the run there: the cases after it are not run, as after -x.
+    exited_in_a_case = UNFINISHED in outcomes and records.finish is not None
     stopped = (
         bool(halted)
+        or exited_in_a_case
         or bool(records.stopped)
         or bool(opts.get("collectonly"))
         or bool(opts.get("setuponly"))
         or (0 < maxfail <= failures)
         or (records.finish is not None and records.finish == 2)
     )
-    why_stopped = halted or records.stopped or ("--setup-only" if opts.get("setuponly") else "")
+    why_stopped = (
+        halted
+        or records.stopped
+        or ("--setup-only" if opts.get("setuponly") else "")
+        or (f"pytest exited {records.finish} during a case" if exited_in_a_case else "")
+    )
     out = {}
     for n in nodeids:
         if n in records.reports:

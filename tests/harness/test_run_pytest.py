@@ -271,6 +271,13 @@ def test_only_a_case_whose_call_and_teardown_passed_passed():
         want = "failed" if (finish, halted) == (None, "") else "not run"
         assert {r.outcome for r in got.values()} == {want}, (finish, halted, got)
     assert finished["in its teardown"].message == "its pytest process died during its teardown"
+    # pytest.exit in a case: the cases after it were collected and never reported.
+    exited = {"before": done, "exits": [done[0]], "after": []}
+    records = _records({n: p for n, p in exited.items() if p}, 0)
+    records.collected.add("after")
+    got = results_from_records(exited, records)
+    assert [got[n].outcome for n in exited] == ["passed", "not run", "not run"], got
+    assert got["after"].message == "pytest exited 0 during a case", got
     set_up = {"set up": [done[0], done[2]]}  # --setup-only / --setup-plan: never called
     records = _records(set_up, 0)
     records.options["setuponly"] = True
