@@ -478,10 +478,15 @@ def claim_out(out: Path, title: str) -> Iterator[None]:
     drops it with the process). Two runs into one folder would clear, write and read back
     each other's selection, record and JUnit files: while another run holds it, ``_Refused``
     names that run and the way out (``--out``)."""
+    if out.exists() and not out.is_dir():
+        raise _Refused(f"harness run: --out {out} is not a folder")
     out.mkdir(parents=True, exist_ok=True)
     try:
         fd = os.open(out / OUT_LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
         writable = True
+        with contextlib.suppress(OSError):  # ours: writable for the next user's run too
+            if os.fstat(fd).st_uid == os.geteuid():
+                os.fchmod(fd, 0o666)
     except PermissionError:
         # Another user's lock file: flock needs no write access, naming the holder does.
         fd = os.open(out / OUT_LOCK, os.O_RDONLY | os.O_CLOEXEC)
@@ -496,10 +501,10 @@ def claim_out(out: Path, title: str) -> Iterator[None]:
                     f"cannot lock {out / OUT_LOCK} ({e.strerror}); not guarded against another run"
                 )
             else:
-                holder = os.pread(fd, 4096, 0).decode("utf-8", "replace").strip()
+                holder = _holder(os.pread(fd, 4096, 0).decode("utf-8", "replace").strip())
                 raise _Refused(
                     f"harness run: the output folder {out} is in use by another run "
-                    f"({holder or 'starting'}); wait for it to end, or give this run "
+                    f"({holder}); wait for it to end, or give this run "
                     "a folder of its own: --out DIR"
                 ) from None
         else:
@@ -510,6 +515,15 @@ def claim_out(out: Path, title: str) -> Iterator[None]:
         yield
     finally:
         os.close(fd)
+
+
+def _holder(text: str) -> str:
+    """The lock file's account of its holder, unless that run is gone (a holder that could
+    not write the file leaves its predecessor's line there)."""
+    pid = text.split(":", 1)[0].removeprefix("pid ").strip()
+    if pid.isdigit() and not psutil.pid_exists(int(pid)):
+        return "a run that did not record itself, maybe another user's"
+    return text or "starting"
 
 
 def _prepare_out(run: _Run) -> None:
@@ -541,6 +555,7 @@ def _pytest_command(
         {
             "root": str(run.root),
             "group": k,
+            "groups": len(run.groups),
             "cases": {c.nodeid: deadline for c, _ in group},
             "entries": {c.nodeid: e.id for c, e in group},
         },
@@ -647,6 +662,10 @@ def _verdict(total: report.EntryRow, codes: Sequence[int], stop: _Stop) -> list[
     bad_codes = [c for c in codes if c not in (0, 1, 5) and stop.signum is None]
     if bad_codes:
         verdict.append(f"pytest exited with {', '.join(map(str, bad_codes))}")
+    if 1 in codes and not total.failed and stop.signum is None:
+        # Exit 1 is "tests failed"; with none failed, something else failed the run
+        # (pytest-cov's --cov-fail-under, say), which pytest reported above.
+        verdict.append("pytest exited with 1 though no case failed (see its output)")
     return verdict
 
 

@@ -94,18 +94,25 @@ def pytest_load_initial_conftests(early_config: pytest.Config, parser, args) -> 
         xdist = early_config.pluginmanager.hasplugin("xdist")
         if workers and xdist and getattr(known, "numprocesses", None) is None:
             known.numprocesses = workers
-        if getattr(known, "cov_source", None) and _group(known) > 1:
-            known.cov_append = True
+        group, groups = _group(known)
+        if getattr(known, "cov_source", None):
+            if group > 1:
+                known.cov_append = True
+            if group < groups:
+                # The threshold is the whole run's: the last group checks it.
+                known.cov_fail_under = 0
     return (yield)
 
 
-def _group(known: Any) -> int:
-    """The run's group number of this pytest (1 when unknown), from its selection file."""
+def _group(known: Any) -> tuple[int, int]:
+    """This pytest's group number in the run and the run's number of groups ((1, 1) when
+    unknown), from its selection file."""
     path = getattr(known, "harness_select", None)
     try:
-        return int(json.loads(Path(path).read_text(encoding="utf-8")).get("group", 1))
+        doc = json.loads(Path(path).read_text(encoding="utf-8"))
+        return int(doc.get("group", 1)), int(doc.get("groups", 1))
     except (TypeError, OSError, ValueError, AttributeError):
-        return 1
+        return 1, 1
 
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)

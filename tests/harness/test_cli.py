@@ -549,6 +549,8 @@ def test_matrix_refuses_non_finite_recorded_durations(pytester, capsys):
         # An empty shard (an unset matrix variable) ran the whole suite, green.
         (["run", "cpu", "--shard", ""], "--shard takes I/N, e.g. 2/4; got ''"),
         (["run", "cpu", "--shard", "+1/2"], "--shard takes I/N, e.g. 2/4; got '+1/2'"),
+        # A file as the output folder was a FileExistsError traceback.
+        (["run", "cpu", "--out", "pyproject.toml"], "pyproject.toml is not a folder"),
         (["matrix", "cpu", "--shards", ""], "--shards: expected an integer >= 1, got ''"),
         (["inventory", "--bogus"], "unrecognized arguments: --bogus"),
         (["matrix", "cpu", "--", "-x"], "only `harness run` takes pytest arguments"),

@@ -356,3 +356,13 @@ def test_coverage_through_harness_run_covers_every_group(pytester):
     data.read()
     (mod,) = [f for f in data.measured_files() if f.endswith("mod.py")]
     assert {2, 6} <= set(data.lines(mod)), sorted(data.lines(mod))  # f's body and g's
+
+    # --cov-fail-under is the whole run's: a group before the last, holding part of the
+    # data, does not fail it; the last one does, and the run is red (exit 1 was ignored).
+    args = ["run", "cpu", "--", "--cov=pkg", "--cov-fail-under=100"]
+    done = harness(root, *args)
+    assert done.returncode == 0, done.stdout + done.stderr
+    (root / "pkg/mod.py").write_text(tests["pkg/mod.py"] + "\n\ndef h():\n    return 3\n")
+    done = harness(root, *args)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "pytest exited with 1 though no case failed" in done.stdout, done.stdout
