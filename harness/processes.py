@@ -27,8 +27,10 @@ import signal
 import sys
 import time
 from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
 
-import psutil
+if TYPE_CHECKING:  # imported where used: `harness inventory` and collection need no psutil
+    import psutil
 
 __all__ = [
     "die_with_parent",
@@ -84,6 +86,8 @@ def die_with_parent(parent_pid: int, sig: int = signal.SIGKILL) -> bool:
 
 
 def _gone(proc: psutil.Process) -> bool:
+    import psutil
+
     try:
         # A zombie is dead; only its parent's wait() is missing (the launcher
         # reaps its own ranks, init reaps orphans).
@@ -99,6 +103,8 @@ def session_members(sid: int) -> list[psutil.Process]:
     of reuse while it names a live session, so members found here are that
     rank's leftovers.
     """
+    import psutil
+
     members = []
     for proc in psutil.process_iter():
         if proc.pid == sid:
@@ -113,6 +119,8 @@ def process_tree(root: int, *, own_session: bool) -> list[psutil.Process]:
     """``root`` (if alive), its descendants, and, with ``own_session``, every
     other process still in the session ``root`` leads. Never raises for
     processes that vanish meanwhile."""
+    import psutil
+
     procs: dict[int, psutil.Process] = {}
     with contextlib.suppress(psutil.Error):
         proc = psutil.Process(root)
@@ -126,6 +134,8 @@ def process_tree(root: int, *, own_session: bool) -> list[psutil.Process]:
 
 
 def _signal(procs: Iterable[psutil.Process], sig: int) -> None:
+    import psutil
+
     for proc in procs:
         with contextlib.suppress(psutil.Error, OSError):
             proc.send_signal(sig)

@@ -82,8 +82,6 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
-import psutil
-
 from harness.devices import Card
 from harness.errors import HarnessError
 
@@ -794,6 +792,8 @@ def describe_holder(record: dict | None) -> str:
     """Human words for a holder record: pid, what it runs, for how long, its ranks."""
     if not record or "pid" not in record:
         return "held by a process that left no record"
+    import psutil
+
     pid = record["pid"]
     words = f"held by pid {pid}"
     if not psutil.pid_exists(pid):

@@ -11,24 +11,23 @@ adds what only ranks need.
 
 from __future__ import annotations
 
-import psutil
-
 from harness.processes import kill_trees, process_tree, session_members, wait_gone
 
 __all__ = ["kill_trees", "process_tree", "session_members", "stopped", "wait_gone"]
-
-_STOPPED = {psutil.STATUS_STOPPED, getattr(psutil, "STATUS_TRACING_STOP", "tracing-stop")}
 
 
 def stopped(pid: int) -> bool:
     """Whether rank process ``pid`` is stopped by a signal (SIGSTOP, SIGTSTP, a
     debugger). A rank that runs under a supervisor (``harness.launcher.rank``)
     is the supervisor's oldest child, which is checked too."""
+    import psutil
+
+    halted = {psutil.STATUS_STOPPED, getattr(psutil, "STATUS_TRACING_STOP", "tracing-stop")}
     try:
         proc = psutil.Process(pid)
-        if proc.status() in _STOPPED:
+        if proc.status() in halted:
             return True
         children = sorted(proc.children(), key=lambda p: p.create_time())
-        return bool(children) and children[0].status() in _STOPPED
+        return bool(children) and children[0].status() in halted
     except psutil.Error:
         return False

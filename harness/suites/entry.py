@@ -21,15 +21,33 @@ from harness.names import EXIT_USAGE
 REQUIREMENTS: tuple[tuple[str, str], ...] = (
     ("pytest", "pytest"),
     ("jsonschema", "jsonschema"),
-    ("psutil", "psutil"),
 )
+#: What ``harness run`` needs besides: it stops pytest's process tree, and the cases it
+#: launches are supervised, with psutil (imported where used, so that the inventory, the
+#: planner and ``init`` work without it).
+RUN_REQUIREMENTS: tuple[tuple[str, str], ...] = (("psutil", "psutil"),)
 
 
-def missing_requirements() -> list[str]:
-    """The distributions of ``REQUIREMENTS`` whose import package cannot be found
-    (nothing is imported to find out)."""
+def _command(argv: Sequence[str]) -> str | None:
+    """The subcommand named in ``argv`` (None: none), past the global ``--root DIR``."""
+    words = iter(argv)
+    for word in words:
+        if word == "--":
+            return None
+        if word == "--root":
+            next(words, None)
+        elif not word.startswith("-"):
+            return word
+    return None
+
+
+def missing_requirements(argv: Sequence[str] = ()) -> list[str]:
+    """The distributions the command in ``argv`` needs (``REQUIREMENTS``, and
+    ``RUN_REQUIREMENTS`` for ``run``) whose import package cannot be found (nothing
+    is imported to find out)."""
+    needed = REQUIREMENTS + (RUN_REQUIREMENTS if _command(argv) == "run" else ())
     gone = []
-    for module, distribution in REQUIREMENTS:
+    for module, distribution in needed:
         try:
             found = importlib.util.find_spec(module) is not None
         except (ImportError, ValueError):  # a broken parent package, or a spec-less module
@@ -45,7 +63,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     Exit 2 with one line on stderr naming each missing dependency when any is absent;
     otherwise ``harness.suites.cli.main(argv)``.
     """
-    gone = missing_requirements()
+    gone = missing_requirements(sys.argv[1:] if argv is None else argv)
     if gone:
         print(
             f"harness: missing {'dependency' if len(gone) == 1 else 'dependencies'}"

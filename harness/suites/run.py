@@ -42,9 +42,7 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
-
-import psutil
+from typing import TYPE_CHECKING, Any
 
 from harness import names, processes
 from harness.jsonio import write_json, write_text
@@ -53,6 +51,9 @@ from harness.suites import changes, report, selection
 from harness.suites.inventory import CollectedCase, SuiteInventory, build_inventory, plugin_args
 from harness.suites.manifest import Entry, Manifest
 from harness.suites.plan import PlanError, parse_shard, plan_suite, write_durations
+
+if TYPE_CHECKING:  # imported where used: the inventory and the planner need no psutil
+    import psutil
 
 #: Deadline of a plain (in-process) case whose entry sets no ``timeout_s``;
 #: the watchdog fires this long plus a grace after the case starts.
@@ -520,6 +521,8 @@ def claim_out(out: Path, title: str) -> Iterator[None]:
 def _holder(text: str) -> str:
     """The lock file's account of its holder, unless that run is gone (a holder that could
     not write the file leaves its predecessor's line there)."""
+    import psutil
+
     pid = text.split(":", 1)[0].removeprefix("pid ").strip()
     if pid.isdigit() and not psutil.pid_exists(int(pid)):
         return "a run that did not record itself, maybe another user's"

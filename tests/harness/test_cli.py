@@ -772,8 +772,11 @@ def _pyproject() -> dict:
 
 
 @pytest.mark.parametrize("how", ["console_script", "python_-m"])
-@pytest.mark.parametrize("absent", [["psutil"], ["psutil", "jsonschema"]])
-def test_a_missing_dependency_is_named_not_a_traceback(tmp_path, how, absent):
+@pytest.mark.parametrize(
+    ("absent", "command"),
+    [(["psutil"], "run"), (["psutil", "jsonschema"], "run"), (["jsonschema"], "inventory")],
+)
+def test_a_missing_dependency_is_named_not_a_traceback(tmp_path, how, absent, command):
     # An environment that has the harness but not its dependencies (a source tree on
     # PYTHONPATH, `pip install --no-deps`): sys.modules[name] = None hides a module from
     # both import and importlib.util.find_spec, as an uninstalled one is.
@@ -784,10 +787,10 @@ def test_a_missing_dependency_is_named_not_a_traceback(tmp_path, how, absent):
         cmd = [
             sys.executable,
             "-c",
-            f"import sys; from {module} import {func}; raise SystemExit({func}(['inventory']))",
+            f"import sys; from {module} import {func}; raise SystemExit({func}([{command!r}]))",
         ]
     else:
-        cmd = [sys.executable, "-m", "harness", "inventory"]
+        cmd = [sys.executable, "-m", "harness", command]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO)])}
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr
@@ -804,7 +807,7 @@ def test_the_dependency_check_is_what_the_command_imports():
     # Exactly the declared dependencies that importing the command loads: one more (torch,
     # pytest-xdist) would refuse commands that work without it, one fewer would let an
     # ImportError traceback through.
-    from harness.suites.entry import REQUIREMENTS
+    from harness.suites.entry import REQUIREMENTS, RUN_REQUIREMENTS
 
     declared = {
         re.split(r"[<>=!~ ;\[]", spec, maxsplit=1)[0].lower()
@@ -821,6 +824,8 @@ def test_the_dependency_check_is_what_the_command_imports():
     assert done.returncode == 0, done.stderr
     assert {dist for _, dist in REQUIREMENTS} == set(done.stdout.split())
     assert {(modules.get(d, d), d) for d in done.stdout.split()} == set(REQUIREMENTS)
+    # `harness run` also needs psutil, imported where used (not by the import above).
+    assert {dist for _, dist in RUN_REQUIREMENTS} == {"psutil"} <= declared
 
 
 def test_inventory_and_run_need_neither_torch_nor_xdist(tmp_path):
@@ -846,3 +851,15 @@ def test_inventory_and_run_need_neither_torch_nor_xdist(tmp_path):
     done = harness(root, "run", "cpu", "--out", "out", env=env)
     assert done.returncode == 0, done.stdout + done.stderr
     assert summary_rows((root / "out/summary.md").read_text())["total"][:3] == ["1", "1", "0"]
+
+    # Without psutil the inventory works too (it failed with "missing dependency psutil");
+    # `harness run`, which stops process trees with it, says it is missing.
+    (tmp_path / "site" / "sitecustomize.py").write_text(
+        "import sys\nfor name in ('torch', 'xdist', 'psutil'):\n    sys.modules[name] = None\n"
+    )
+    done = harness(root, "inventory", env=env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "1 case(s)" in done.stdout
+    done = harness(root, "run", "cpu", "--out", "out", env=env)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert done.stderr.startswith("harness: missing dependency psutil"), done.stderr
