@@ -174,7 +174,8 @@ def _plan(headers: list[StepHeader], sp_id: int) -> _Plan:
         }
         # A micro-batch failed on any peer is dropped on all: its fingerprint (a bad
         # layout, on the rank that failed it) must not drop the rest of the step.
-        checked = [i for i in range(SLOTS) if all(m % SLOTS != i for m in failed)]
+        skipped = {m % SLOTS for m in failed}
+        checked = [i for i in range(SLOTS) if i not in skipped]
         prints = {tuple(h.fingerprint[i] for i in checked) for h in members}
         if len({h.micro_batches for h in members}) == 1 and len(prints) == 1:
             kept = [m for m in range(count) if m not in failed]
@@ -430,8 +431,12 @@ class ChannelLossMeter:
         return {
             "version": 1,
             "next_step": self._next_step,
-            "sources": [[key, self._names[slot]] for key, slot in self._slots.items()],
+            "sources": self._sources(),
         }
+
+    def _sources(self) -> list[list]:
+        """The registry: ``[source id, name]`` in registration order."""
+        return [[key, self._names[slot]] for key, slot in self._slots.items()]
 
     def load_state_dict(self, state: Mapping) -> None:
         """Restore ``state_dict()``: the same sources keep the same names (and suffixes).
@@ -567,7 +572,7 @@ class ChannelLossMeter:
                 fingerprint[slot] = zlib.crc32(
                     repr((fingerprint[slot], m, micro.fingerprint)).encode()
                 )
-        registry = [[key, self._names[slot]] for key, slot in self._slots.items()]
+        registry = self._sources()
         return StepHeader(
             self._rank,
             self._sp_id,

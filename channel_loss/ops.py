@@ -466,8 +466,9 @@ def gemm_policy(policy: str) -> Iterator[str]:
 
     fp32 and float64 inputs are unaffected (float64 products run in float64,
     their logits rounded to fp32 once, as ``F.linear(h, W).float()`` does).
-    Scopes are per context (a ``ContextVar``) and nest; the policy must be the same for a ``chunk_cross_entropy`` call and
-    the ``per_token_cross_entropy`` call that reproduces its observation.
+    Scopes are per context (a ``ContextVar``) and nest; the policy must be the
+    same for a ``chunk_cross_entropy`` call and the ``per_token_cross_entropy``
+    call that reproduces its observation.
     Raises ``ValueError`` for a name outside ``GEMM_POLICIES``.
     """
     if policy not in GEMM_POLICIES:
@@ -780,8 +781,9 @@ def _fused_softmax(logits: torch.Tensor) -> bool:
     in cache between its max, exp-sum and scale), the passes four times:
     measured (with the logits from oneDNN's linear, since replaced by
     ``torch.mm``) at N=4096 H=256 V=32000 fp32, a whole step 0.80x the time
-    of the passes over vocabulary-major blocks (median of 6 alternating pairs). Finding rows whose target probability underflowed
-    needs their count on the host, free only on the CPU. The kernel writing
+    of the passes over vocabulary-major blocks (median of 6 alternating
+    pairs). Finding rows whose target probability underflowed needs their
+    count on the host, free only on the CPU. The kernel writing
     over its own input is probed once against the out-of-place softmax.
     """
     if logits.device.type != "cpu" or not logits.is_contiguous():

@@ -90,10 +90,7 @@ def pytest_load_initial_conftests(early_config: pytest.Config, parser, args) -> 
     # pytest-cov would otherwise erase: the last group's report covers the whole run.
     known = early_config.known_args_namespace
     if not _is_worker(early_config):
-        workers = getattr(known, "harness_workers", None)
-        xdist = early_config.pluginmanager.hasplugin("xdist")
-        if workers and xdist and getattr(known, "numprocesses", None) is None:
-            known.numprocesses = workers
+        _set_workers(known, early_config)
         group, groups = _group(known)
         if getattr(known, "cov_source", None):
             if group > 1:
@@ -102,6 +99,15 @@ def pytest_load_initial_conftests(early_config: pytest.Config, parser, args) -> 
                 # The threshold is the whole run's: the last group checks it.
                 known.cov_fail_under = 0
     return (yield)
+
+
+def _set_workers(options: Any, config: pytest.Config) -> None:
+    """The run's xdist worker count (``--harness-workers``) into ``options`` (pytest's early
+    or final option namespace) where xdist is loaded and the caller gave no ``-n``."""
+    workers = getattr(options, "harness_workers", None)
+    xdist = config.pluginmanager.hasplugin("xdist")
+    if workers is not None and xdist and getattr(options, "numprocesses", None) is None:
+        options.numprocesses = workers
 
 
 def _group(known: Any) -> tuple[int, int]:
@@ -121,10 +127,7 @@ def pytest_cmdline_main(config: pytest.Config) -> Any:
     # line, addopts and PYTEST_ADDOPTS): the run's own choices apply only where the caller
     # made none.
     if not _is_worker(config):
-        workers = config.getoption("harness_workers")
-        xdist = config.pluginmanager.hasplugin("xdist")
-        if workers is not None and xdist and getattr(config.option, "numprocesses", None) is None:
-            config.option.numprocesses = workers
+        _set_workers(config.option, config)
         junit = config.getoption("harness_junit")
         if junit:
             asked = getattr(config.option, "xmlpath", None)
