@@ -272,6 +272,9 @@ def test_a_fused_model_unwrapped_by_accelerate_still_runs():
     model = tiny(transformers.LlamaForCausalLM)
     batch = packed_batch("llama")
     want = model(**batch.inputs, labels=batch.labels).loss
+    # accelerate's state is per process: a Trainer that ran before in this worker
+    # refuses a new mixed precision ("AcceleratorState has already been initialized").
+    accelerate.state.AcceleratorState._reset_state(reset_partial_state=True)
     acc = accelerate.Accelerator(mixed_precision="bf16", cpu=True)
     prepared = acc.prepare(model)
     with patch_model(prepared, fused=True):
