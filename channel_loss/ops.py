@@ -1160,21 +1160,16 @@ def default_chunk_size(
     (``tokens x hidden x dtype.itemsize`` bytes), clamped to the device's
     bounds: ``CPU_CHUNK_BOUNDS`` = [8, 4096] rows on the CPU,
     ``ACCELERATOR_CHUNK_BOUNDS`` = [512, 8192] elsewhere (CUDA, NPU). On the
-    CPU the bound on the chunk's logits is the hidden states and the fp32
-    weight gradient together (``tokens x hidden x dtype.itemsize + vocab x
-    hidden x 4`` bytes): the chunk adds ``hidden`` rows to the
-    hidden-states rule, so its logits are never larger than what the op holds
-    anyway, its inputs and gradients.
+    CPU the chunk may also grow to ``hidden`` rows, i.e. fp32 logits of the
+    size of the fp32 weight gradient that the op holds anyway.
 
     Why: every chunk reads the weight twice and reads and writes the whole
     fp32 weight gradient (``16 x vocab x hidden`` bytes) for ``6 x c x vocab x
     hidden`` FLOPs, so small chunks are bound by memory traffic, not compute.
     On the CPU below ~``hidden`` rows that traffic and the GEMMs' short
     inner dimension dominate (measured at H=256, V=32000: 32 rows 4-6x slower
-    than 128, and 128 rows 1.2x slower than 256), and larger chunks keep
-    gaining (512 rows 0.85x the step time of 256 at N=32768, 0.90x at N=4096,
-    fp32), while the extra memory stays under 2x the weight gradient plus two
-    hidden-state copies. On
+    than 128, and 128 rows 1.2x slower than 256), while the extra memory stays
+    under 2x the weight gradient plus two hidden-state copies. On
     accelerators the floor of 512 rows is where, at H200-class bandwidth and
     tensor-core rates, the weight-gradient traffic stops
     setting the time (a roofline estimate; ``scripts/bench/cuda_qualify.py`` measures
@@ -1186,7 +1181,7 @@ def default_chunk_size(
     low, high = CPU_CHUNK_BOUNDS if on_cpu else ACCELERATOR_CHUNK_BOUNDS
     rows = tokens * hidden * dtype.itemsize / (4 * max(vocab, 1))
     if on_cpu:
-        rows += hidden
+        rows = max(rows, hidden)
     return min(max(_floor_pow2(rows), low), high)
 
 
