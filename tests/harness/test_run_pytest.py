@@ -325,6 +325,39 @@ def test_a_second_run_into_the_same_output_folder_is_refused(pytester, tmp_path)
     assert again.returncode == 0, again.stdout + again.stderr
 
 
+def test_a_lock_file_naming_a_finished_run_is_not_shown_as_its_holder(tmp_path):
+    # A holder that cannot write the lock file (another user's, read-only) leaves the
+    # line of the run before it there: the refusal must not name that finished run.
+    out = tmp_path / "out"
+    out.mkdir()
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    lock = out / run_module.OUT_LOCK
+    lock.write_text(f"pid {gone.pid}: harness run cpu, since yesterday\n")
+    hold = (
+        "import fcntl, os, sys; fd = os.open(sys.argv[1], os.O_RDONLY); "
+        "fcntl.flock(fd, fcntl.LOCK_EX); print('held', flush=True); sys.stdin.read()"
+    )
+    holder = subprocess.Popen(
+        [sys.executable, "-c", hold, str(lock)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(run_module._Refused) as refused:
+            with run_module.claim_out(out, "harness run cpu"):
+                pass
+    finally:
+        holder.communicate("", timeout=60)  # a bound against a hang, not a timing claim
+    message = str(refused.value)
+    assert f"pid {gone.pid}" not in message, message
+    assert "in use by another run (a run that did not record itself" in message, message
+    with run_module.claim_out(out, "harness run cpu"):
+        assert lock.read_text().startswith(f"pid {os.getpid()}: harness run cpu, since ")
+
+
 def test_coverage_through_harness_run_covers_every_group(pytester):
     # Regression: the run's xdist workers were set after pytest-cov had picked its
     # single-process controller (INTERNALERROR: no attribute 'configure_node' in every
