@@ -34,12 +34,13 @@ Example (custom loop)::
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import sys
 import warnings
 import weakref
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
@@ -482,6 +483,15 @@ class FusedLoss(ObservingLoss):
             return self._model_forward(*args, **kwargs)
         if self.refusal is not None:
             raise UnsupportedModelError(self.refusal)
+        head = _output_embeddings(model) if model is not None else self.head
+        if head is not self.head:
+            # The new head's output would be added to (or replace) the empty logits of the
+            # patched one: a LoRA delta on lm_head got no gradient, then a shape error.
+            self._refuse(
+                f"its output embeddings were replaced after patch_model (the patched "
+                f"{_class_name(self.head)} is now {_class_name(head)}: a PEFT adapter on "
+                "lm_head, resize_token_embeddings, ...); patch the model after changing them"
+            )
         state = _Pass(verifying=not self.verified)
         token = self._pass.set(state)
         try:
@@ -545,7 +555,7 @@ class FusedLoss(ObservingLoss):
         features = self.transform.kwargs()
         if self.label_smoothing:
             features["label_smoothing"] = self.label_smoothing
-        with capture() as own:
+        with capture() as own, _unsharded(self.head):
             loss = chunk_cross_entropy(
                 hidden,
                 self.head.weight,
@@ -789,12 +799,11 @@ def patch_model(model, *, fused: bool = False, chunk_size: int | None = None) ->
         return LossPatch(target, loss, saved)
 
     name = type(target).__name__
-    get_head = getattr(target, "get_output_embeddings", None)
-    head = get_head() if callable(get_head) else None
+    head = _output_embeddings(target)
     if not isinstance(head, torch.nn.Linear) or type(head).forward is not torch.nn.Linear.forward:
         raise UnsupportedModelError(
             f"patch_model(fused=True) refuses {name}: its output embeddings are "
-            f"{type(head).__name__}, not a plain torch.nn.Linear (the fused path computes "
+            f"{_class_name(head)}, not a plain torch.nn.Linear (the fused path computes "
             "F.linear(hidden, weight, bias) chunk by chunk); use fused=False"
         )
     transform = LogitTransform.of(target)
@@ -805,6 +814,22 @@ def patch_model(model, *, fused: bool = False, chunk_size: int | None = None) ->
     target.forward = loss.patched_forward
     head.forward = loss.head_forward
     return LossPatch(target, loss, saved, head=head, head_saved=head_saved)
+
+
+def _output_embeddings(model):
+    """``model.get_output_embeddings()``, or None where it has none."""
+    get_head = getattr(model, "get_output_embeddings", None)
+    return get_head() if callable(get_head) else None
+
+
+def _class_name(obj) -> str:
+    """The qualified class name of ``obj`` (PEFT's LoRA layer is also called ``Linear``)."""
+    kind = type(obj)
+    return (
+        kind.__qualname__
+        if kind.__module__ == "builtins"
+        else f"{kind.__module__}.{kind.__qualname__}"
+    )
 
 
 def _fused_patch_of(model) -> FusedLoss | None:
@@ -874,6 +899,21 @@ def fused_causal_lm_loss(
     finally:
         _FORCE_FUSED.reset(token)
     return outputs["loss"] if isinstance(outputs, Mapping) else outputs[0]
+
+
+@contextlib.contextmanager
+def _unsharded(head) -> Iterator[None]:
+    """The output embeddings' parameters gathered for the fused loss, where they are an FSDP2
+    unit of their own that resharded them when their forward returned."""
+    weight = head.weight
+    if not (_is_fsdp2(head) and type(weight).__name__ == "DTensor"):
+        yield
+        return
+    head.unshard()
+    try:
+        yield
+    finally:
+        head.reshard()
 
 
 def _is_fsdp2(model) -> bool:

@@ -140,6 +140,42 @@ def test_fsdp2_fused_path_matches_the_all_reduced_reference():
 
 
 @pytest.mark.launch(nproc=2, timeout=240)
+@pytest.mark.parametrize("tied", [False, True], ids=["own-unit", "tied-group"])
+def test_fsdp2_output_embeddings_sharded_as_their_own_unit(tied):
+    # Regression: with lm_head a fully_shard unit of its own (or grouped with the tied input
+    # embeddings, as FSDP2 asks), FSDP2 resharded its weight when its forward returned, and
+    # the fused loss got a DTensor ("Call it inside the model's forward ...") on every rank.
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from tests.channel_loss.test_hf_sweep import BASE
+
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    config = transformers.AutoConfig.for_model("llama", **{**BASE, "tie_word_embeddings": tied})
+    model = transformers.AutoModelForCausalLM.from_config(config).train()
+    assert (model.lm_head.weight is model.model.embed_tokens.weight) == tied
+    batches = [packed_batch("llama", seed=s) for s in range(dist.get_world_size())]
+    losses, want = averaged_reference(model, batches)
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard([model.model.embed_tokens, model.lm_head] if tied else model.lm_head, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    meter = ChannelLossMeter(dp_group=dist.group.WORLD)
+    with patch_model(model, fused=True, chunk_size=8):
+        for _ in range(2):  # the verifying forward, then a fused one
+            model.zero_grad(set_to_none=True)
+            loss, metrics = train_step(model, batches[rank], meter)
+            torch.testing.assert_close(loss, losses[rank], rtol=1e-5, atol=1e-6)
+            check({n: p.grad.full_tensor() for n, p in model.named_parameters()}, want)
+            assert metrics["channel_loss_dropped_micro_batches"] == 0.0
+            # The head's parameters are sharded again between steps, as FSDP2 left them.
+            assert type(model.lm_head.weight).__name__ == "DTensor"
+
+
+@pytest.mark.launch(nproc=2, timeout=240)
 def test_ddp_fused_path_under_autocast_tracks_the_autocast_reference():
     # Mixed-precision DDP (fp32 parameters, bf16 autocast): the fused head casts its
     # operands as the model's own lm_head does under autocast, and DDP all-reduces the

@@ -283,3 +283,49 @@ def test_a_fused_model_unwrapped_by_accelerate_still_runs():
         assert out.logits.shape[-1] == 0
         # bf16 autocast may still wrap the model's own forward: bf16's tolerance.
         torch.testing.assert_close(out.loss, want, rtol=2e-2, atol=2e-2)
+
+
+# --------------------------------------------------------------------------- the head changes
+
+
+def test_a_lora_adapter_put_on_lm_head_after_patching_is_refused_at_once():
+    # Regression: LoRA's zero-initialised delta passed verification, the adapter got no
+    # gradient in the first step, and the next forward failed with "The size of tensor a
+    # (0) must match the size of tensor b (64)".
+    peft = pytest.importorskip("peft")
+    model = tiny(transformers.LlamaForCausalLM)
+    batch = packed_batch("llama")
+    patch_model(model, fused=True)
+    lora = peft.LoraConfig(r=4, target_modules=["q_proj", "lm_head"])
+    wrapped = peft.get_peft_model(model, lora).train()
+    for _ in range(2):  # refused from the first forward on, every time
+        with pytest.raises(UnsupportedModelError) as refused:
+            wrapped(**batch.inputs, labels=batch.labels)
+        message = str(refused.value)
+        assert "refuses LlamaForCausalLM: its output embeddings were replaced after" in message
+        assert "torch.nn.modules.linear.Linear is now peft.tuners.lora" in message
+
+
+def test_output_embeddings_resized_after_patching_are_named_as_the_cause():
+    model = tiny(transformers.LlamaForCausalLM)
+    batch = packed_batch("llama")
+    with patch_model(model, fused=True):
+        model.resize_token_embeddings(VOCAB + 16)
+        with pytest.raises(UnsupportedModelError, match="output embeddings were replaced after"):
+            model(**batch.inputs, labels=batch.labels)
+    # Patched after the change, the resized model runs fused.
+    want = model(**batch.inputs, labels=batch.labels).loss
+    with patch_model(model, fused=True):
+        got = model(**batch.inputs, labels=batch.labels).loss
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_a_lora_wrapped_head_is_refused_by_its_qualified_class_name():
+    # PEFT's LoRA layer is also called Linear: "its output embeddings are Linear, not a
+    # plain torch.nn.Linear" read as a contradiction.
+    peft = pytest.importorskip("peft")
+    model = tiny(transformers.LlamaForCausalLM)
+    lora = peft.LoraConfig(r=4, target_modules=["q_proj", "lm_head"])
+    wrapped = peft.get_peft_model(model, lora)
+    with pytest.raises(UnsupportedModelError, match=r"are peft\.tuners\.lora\.\S*Linear, not a"):
+        patch_model(wrapped, fused=True)

@@ -346,9 +346,8 @@ def test_a_lock_file_naming_a_finished_run_is_not_shown_as_its_holder(tmp_path):
     )
     try:
         assert holder.stdout.readline().strip() == "held"
-        with pytest.raises(run_module._Refused) as refused:
-            with run_module.claim_out(out, "harness run cpu"):
-                pass
+        with pytest.raises(run_module._Refused) as refused, run_module.claim_out(out, "cpu"):
+            pass
     finally:
         holder.communicate("", timeout=60)  # a bound against a hang, not a timing claim
     message = str(refused.value)
