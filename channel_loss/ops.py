@@ -72,21 +72,21 @@ def resolve_targets(
 ) -> torch.Tensor:
     """The int64 targets every op here scores against, with leading shape ``lead``.
 
-    ``shift_labels`` as given, else ``labels`` shifted left by one with
-    ``ignore_index`` appended (the HF convention). Raises ``ValueError`` unless
-    exactly one is given, integer-typed, shaped ``lead`` (the leading shape of
-    ``what``), with every target in ``[0, vocab)`` or ``ignore_index``. On the
+    ``shift_labels`` as given (``labels`` is then not read, as in HF's
+    causal-LM loss), else ``labels`` shifted left by one with ``ignore_index``
+    appended (the HF convention). Raises ``ValueError`` unless one is given,
+    integer-typed, shaped ``lead`` (the leading shape of ``what``), with every
+    target in ``[0, vocab)`` or ``ignore_index``. On the
     CPU the error names the first bad target; on an accelerator the range
     check costs no host sync: it runs on the device and fails at the next
     synchronisation (see ``_require``). ``ignore_index`` must be an integer
     (a bool is not: ``True`` would silently ignore class 1).
     """
     check_int(ignore_index, "ignore_index")
-    if (labels is None) == (shift_labels is None):
-        raise ValueError(
-            "pass exactly one of labels / shift_labels; got "
-            + ("both" if labels is not None else "neither")
-        )
+    if labels is None and shift_labels is None:
+        raise ValueError("pass labels or shift_labels; got neither")
+    if shift_labels is not None:
+        labels = None
     name, given = ("labels", labels) if labels is not None else ("shift_labels", shift_labels)
     if not isinstance(given, torch.Tensor):
         raise ValueError(f"{name} must be a tensor; got {type(given).__name__}")

@@ -7,6 +7,7 @@ each check); bitwise claims with ``torch.equal``.
 
 from __future__ import annotations
 
+import functools
 import gc
 import subprocess
 import sys
@@ -488,8 +489,7 @@ def _good():
         ("factored_bias", r"logits_bias_weight must be \[V=7, R\]; got \(6, 2\)"),
         ("factored_rows", r"logits_bias \(factored form, \[..., R\]\) shape \(2, 4, 2\)"),
         ("weight_only", r"logits_bias_weight \(7, 2\) was given without logits_bias"),
-        ("both_labels", r"exactly one of labels / shift_labels; got both"),
-        ("no_labels", r"exactly one of labels / shift_labels; got neither"),
+        ("no_labels", r"pass labels or shift_labels; got neither"),
         ("float_labels", r"labels must be an integer tensor; got dtype torch.float32"),
         ("chunk_zero", r"chunk_size must be an int >= 1; got 0"),
         ("target_range", r"labels holds target 7 outside \[0, 7\)"),
@@ -518,8 +518,6 @@ def test_bad_input_names_the_argument(case, match):
         kw["logits_bias_weight"] = torch.randn(7, 2)
     elif case == "weight_only":
         kw["logits_bias_weight"] = torch.randn(7, 2)
-    elif case == "both_labels":
-        kw["shift_labels"] = labels
     elif case == "no_labels":
         del kw["labels"]
     elif case == "float_labels":
@@ -541,6 +539,22 @@ def test_bad_input_names_the_argument(case, match):
         kw["num_items_in_batch"] = torch.tensor([1, 2])
     with pytest.raises(ValueError, match=match):
         cl.chunk_cross_entropy(**kw)
+
+
+def test_shift_labels_win_over_labels_as_in_hf():
+    # DESIGN: targets = shift_labels when given (HF's ForCausalLMLoss reads no labels
+    # then); both given was refused.
+    h, w, labels = _good()
+    shifted = torch.randint(0, 7, (2, 5))
+    unreadable = torch.full((2, 5), 99)  # out of range: never read
+    ops = (
+        functools.partial(cl.chunk_cross_entropy, h, w),
+        functools.partial(cl.per_token_cross_entropy, hidden_states=h, weight=w),
+    )
+    for op in ops:
+        want = op(shift_labels=shifted)
+        assert torch.equal(op(labels=labels, shift_labels=shifted), want)
+        assert torch.equal(op(labels=unreadable, shift_labels=shifted), want)
 
 
 def test_last_label_is_not_checked_against_vocab():
