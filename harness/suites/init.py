@@ -209,6 +209,13 @@ def render(
         "entries": _entries(paths),
     }
     files[f"{SUITES_DIR}/cpu.json"] = _dump(cpu)
+    unowned = sorted({d for _, d in layout.cases if d != "cpu" and d not in accelerators})
+    if unowned:
+        notes.append(
+            f"collected cases run on {', '.join(unowned)}, which no suite written here owns "
+            "(`harness inventory` reports them as unowned-case): add "
+            f"--accelerators {','.join(unowned)} to write their suites"
+        )
     shared = [p for p in all_paths if all(runs_on(layout, p, d) for d in accelerators)]
     if accelerators and not shared:
         notes.append(

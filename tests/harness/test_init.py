@@ -229,3 +229,23 @@ def test_no_accelerator_case_writes_no_accelerator_suite(tmp_path):
     assert "no collected case runs on cuda" in done.stderr
     assert sorted(p.name for p in (root / "suites").iterdir()) == ["cpu.json"]
     assert harness(root, "inventory").returncode == 0
+
+
+def test_init_without_accelerators_names_the_accelerator_cases_it_leaves_unowned(tmp_path):
+    # Regression: init wrote cpu.json only and said "next: harness inventory", which then
+    # failed with unowned-case for every cuda and npu variant, with no word from init.
+    root = write(
+        tmp_path,
+        {
+            "pyproject.toml": "[tool.pytest.ini_options]\n",
+            "tests/dev/test_d.py": LAUNCHED_DEVICE_TEST,
+        },
+    )
+    done = harness(root, "init")
+    assert done.returncode == 0, done.stderr
+    assert "collected cases run on cuda, npu, which no suite written here owns" in done.stderr
+    assert "--accelerators cuda,npu" in done.stderr
+    again = harness(root, "init", "--accelerators", "cuda,npu", "--force")
+    assert again.returncode == 0, again.stderr
+    assert "which no suite written here owns" not in again.stderr
+    assert harness(root, "inventory").returncode == 0
