@@ -339,12 +339,13 @@ def _stop_tree(procs: Sequence[psutil.Process]) -> None:
 
 
 def _run_pytest(
-    cmd: list[str], root: Path, limit_s: float, stop: _Stop, started: Path
+    cmd: list[str], root: Path, deadline: float, limit_s: float, stop: _Stop, started: Path
 ) -> tuple[int, str]:
     """Run one pytest subprocess in its own process group, output streaming through.
 
-    Past ``limit_s`` (the runner's job timeout) its whole process tree is
-    terminated, then killed: 124. On a stop signal (see :class:`_Stop`) it gets
+    Past ``deadline`` (``time.monotonic()``; the runner's job timeout of
+    ``limit_s`` for the whole run) its whole process tree is terminated, then
+    killed: 124. On a stop signal (see :class:`_Stop`) it gets
     :data:`INTERRUPT_GRACE_S` to stop by itself; whatever of its tree is left
     then (or outlived it) is terminated, then killed. Returns pytest's exit code and
     why the run stopped it (``""``: it did not), for the cases it left unfinished.
@@ -364,7 +365,6 @@ def _run_pytest(
     if stop.signum is not None:  # the signal came between the groups' check and the start
         stop.interrupt()
     try:
-        deadline = time.monotonic() + limit_s
         while True:
             if stop.signum is not None:
                 deadline = min(deadline, time.monotonic() + INTERRUPT_GRACE_S)
@@ -616,8 +616,9 @@ def _config_args(run: _Run) -> list[str]:
 
 
 def _execute(run: _Run, stop: _Stop) -> tuple[list[int], list[Path], list[str]]:
-    """Phase 3: one pytest process per group (:func:`run_groups`), until a stop signal; their exit
-    codes, JUnit files and why the run stopped each (``""``: it did not)."""
+    """Phase 3: one pytest process per group (:func:`run_groups`), until a stop signal or the
+    runner's timeout; their exit codes and JUnit files, and why the run stopped each group,
+    those it never started included (``""``: it did not)."""
     m = run.manifest
     groups = run.groups
     sizes = [g.workers for g in groups]
@@ -628,12 +629,18 @@ def _execute(run: _Run, stop: _Stop) -> tuple[list[int], list[Path], list[str]]:
         f"on {m.device}; {xdist}; output in {run.out}"
     )
     limit_s = max(r.timeout_minutes for r in m.runners) * 60.0
+    # The runner's timeout bounds the whole run, not each of its pytest processes.
+    deadline = time.monotonic() + limit_s
     codes: list[int] = []
     junits: list[Path] = []
     halted: list[str] = []
     for k, g in enumerate(groups, 1):
-        if stop.signum is not None:
-            _print(f"{stop.name}: {len(groups) - k + 1} group(s) of cases not started")
+        if stop.signum is not None or (halted and halted[-1]):
+            why = f"interrupted by {stop.name}" if stop.signum is not None else halted[-1]
+            left = len(groups) - k + 1
+            _print(f"{why}: {left} group(s) of cases not started")
+            # Their cases are not run, for the same reason as the group it stopped.
+            halted += [f"{why}, before its group started"] * left
             break
         cmd = _pytest_command(run, k, g.timeout, g.cases, g.workers)
         if len(groups) > 1:
@@ -643,7 +650,7 @@ def _execute(run: _Run, stop: _Stop) -> tuple[list[int], list[Path], list[str]]:
                 f"{g.workers} worker(s)"
             )
         code, why = _run_pytest(
-            cmd, run.root, limit_s, stop, selection.started_marker(_select_file(run, k))
+            cmd, run.root, deadline, limit_s, stop, selection.started_marker(_select_file(run, k))
         )
         codes.append(code)
         halted.append(why)
@@ -682,8 +689,8 @@ def _report(
     run: _Run, codes: Sequence[int], junits: Sequence[Path], halted: Sequence[str], stop: _Stop
 ) -> int:
     """Phase 4: merge the JUnit files, write the summaries (partial after a stop
-    signal: the cases of the pytest it stopped are not run, those of the ones it never
-    started missing) and durations; the exit code."""
+    signal or the runner's timeout: the cases of the pytest it stopped, and of those it
+    never started, are not run) and durations; the exit code."""
     junit_all = run.out / "junit.xml"
     report.merge_junit(junits, junit_all)
     results: dict[str, report.CaseRow] = {}

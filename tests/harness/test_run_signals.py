@@ -298,3 +298,40 @@ def test_a_case_interrupted_while_it_runs_is_not_run_never_passed(pytester, tmp_
     assert case["message"].startswith("the run stopped during its call"), case
     assert json.loads((root / "d.json").read_text())["durations"] == {}
     assert "**FAILED**: interrupted by SIGINT" in (root / "out/summary.md").read_text()
+
+
+def test_cases_of_groups_the_interrupt_left_unstarted_are_not_run(pytester, tmp_path_factory):
+    # Regression: two groups (entries with different timeouts), SIGINT in the first: the
+    # second group's case was "missing: never collected", a failure with an untrue reason.
+    root = make_project(
+        pytester.path,
+        {"tests/one/test_s.py": UNFINISHED, "tests/two/test_s.py": UNFINISHED},
+        {
+            "cpu": manifest(
+                "cpu",
+                "cpu",
+                [
+                    {"id": "one", "paths": ["tests/one"], "timeout_s": 300},
+                    {"id": "two", "paths": ["tests/two"], "timeout_s": 400},
+                ],
+            )
+        },
+    )
+    pids_dir = tmp_path_factory.mktemp("pids")
+    proc = start_run(root, pids_dir)
+    try:
+        wait_for(lambda: (pids_dir / "slow").exists(), 240, "the first case to start")
+        os.kill(proc.pid, signal.SIGINT)
+        out, err = proc.communicate(timeout=60)  # a bound against a hang, not a timing claim
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 130, out + err
+    assert "interrupted by SIGINT: 1 group(s) of cases not started" in out + err
+    cases = json.loads((root / "out/summary.json").read_text())["cases"]
+    assert sorted(c["outcome"] for c in cases) == ["not run", "not run"], cases
+    messages = sorted(c["message"] for c in cases)
+    assert messages[0] == "interrupted by SIGINT, before its group started", cases
+    assert messages[1].startswith("the run stopped during its call"), cases
+    assert "never ran" not in (root / "out/summary.md").read_text()
