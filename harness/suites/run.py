@@ -339,7 +339,7 @@ def _stop_tree(procs: Sequence[psutil.Process]) -> None:
 
 
 def _run_pytest(
-    cmd: list[str], root: Path, deadline: float, limit_s: float, stop: _Stop, started: Path
+    cmd: list[str], deadline: float, limit_s: float, stop: _Stop, started: Path
 ) -> tuple[int, str]:
     """Run one pytest subprocess in its own process group, output streaming through.
 
@@ -360,7 +360,7 @@ def _run_pytest(
 
     started.unlink(missing_ok=True)
     stop.started = started
-    stop.child = subprocess.Popen(cmd, cwd=root, preexec_fn=in_child)
+    stop.child = subprocess.Popen(cmd, preexec_fn=in_child)
     proc = stop.child
     if stop.signum is not None:  # the signal came between the groups' check and the start
         stop.interrupt()
@@ -569,11 +569,14 @@ def _pytest_command(
     # The caller's pytest arguments as they are: pytest parses them. The run's own choices
     # (JUnit path, xdist workers) go through the selection plugin, which applies them only
     # where the caller made none (-n) or records the caller's (--junitxml).
+    # pytest runs where harness run was started, as the caller's pytest would: their
+    # relative paths (--junitxml=, --ignore=, --cov-config=) mean what they mean there.
+    # The test files are absolute; the root and configuration are pinned (_config_args).
     cmd = [
         sys.executable,
         "-m",
         "pytest",
-        *sorted({c.file for c, _ in group}),
+        *sorted({str(run.root / c.file) for c, _ in group}),
         *run.opts.pytest_args,
     ]
     cmd += _config_args(run)
@@ -650,7 +653,7 @@ def _execute(run: _Run, stop: _Stop) -> tuple[list[int], list[Path], list[str]]:
                 f"{g.workers} worker(s)"
             )
         code, why = _run_pytest(
-            cmd, run.root, deadline, limit_s, stop, selection.started_marker(_select_file(run, k))
+            cmd, deadline, limit_s, stop, selection.started_marker(_select_file(run, k))
         )
         codes.append(code)
         halted.append(why)

@@ -85,6 +85,26 @@ def test_deselection_ignore_and_pytest_options_under_xdist(pytester):
     assert "never ran" not in done.stdout
 
 
+def test_pytest_paths_given_in_a_subfolder_mean_what_they_mean_there(pytester):
+    # Regression: pytest ran in the repository root, so from tests/ --junitxml=j.xml wrote
+    # <root>/j.xml and --ignore=b ignored nothing, while --out was read from tests/.
+    root = project(pytester.path)
+    done = harness(
+        root / "tests", "run", "cpu", "-k", "not bad", "--out", "out", "--junitxml=j.xml",
+        "--ignore=b",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert outcomes(root / "tests/out") == {
+        "tests/a/test_a.py::test_ok": "passed",
+        "tests/a/test_a.py::test_bad": "deselected",
+        "tests/a/test_a.py::test_after": "passed",
+        "tests/b/test_b.py::test_b": "deselected",
+        "tests/c/test_c.py::test_c": "passed",
+    }
+    assert (root / "tests/j.xml").read_bytes() == (root / "tests/out/junit.xml").read_bytes()
+    assert not (root / "j.xml").exists()
+
+
 def test_exitfirst_in_a_combined_flag_leaves_the_rest_not_run(pytester):
     root = project(pytester.path)
     done = harness(root, "run", "cpu", "-vx", "--out", "out", "--", "-p", "no:xdist")
