@@ -338,6 +338,28 @@ def _stop_tree(procs: Sequence[psutil.Process]) -> None:
     processes.terminate(procs, grace=KILL_AFTER_S, kill_wait=KILL_AFTER_S)
 
 
+def _stop_leftovers() -> None:
+    """Stop and reap the processes pytest's tree left behind when it ended.
+
+    ``harness run`` is a child subreaper (see :func:`_execute`): a process a plain
+    case started in a session of its own and never stopped comes to it, not to
+    init, once its parents are gone; with pytest waited for, every process still
+    below this one is such a leftover."""
+    left = [
+        p for p in processes.process_tree(os.getpid(), own_session=False) if p.pid != os.getpid()
+    ]
+    if left:
+        pids = ", ".join(str(p.pid) for p in left)
+        _print(f"{len(left)} process(es) outlived pytest (pid {pids}); stopping them")
+        _stop_tree(left)
+    import psutil
+
+    with contextlib.suppress(psutil.Error):
+        for child in psutil.Process().children():
+            with contextlib.suppress(ChildProcessError, OSError):
+                os.waitpid(child.pid, os.WNOHANG)  # the zombies among them
+
+
 def _run_pytest(
     cmd: list[str], deadline: float, limit_s: float, stop: _Stop, started: Path
 ) -> tuple[int, str]:
@@ -634,6 +656,7 @@ def _execute(run: _Run, stop: _Stop) -> tuple[list[int], list[Path], list[str]]:
     limit_s = max(r.timeout_minutes for r in m.runners) * 60.0
     # The runner's timeout bounds the whole run, not each of its pytest processes.
     deadline = time.monotonic() + limit_s
+    processes.subreaper()  # what a case leaks comes here, to be stopped (_stop_leftovers)
     codes: list[int] = []
     junits: list[Path] = []
     halted: list[str] = []
@@ -655,6 +678,7 @@ def _execute(run: _Run, stop: _Stop) -> tuple[list[int], list[Path], list[str]]:
         code, why = _run_pytest(
             cmd, deadline, limit_s, stop, selection.started_marker(_select_file(run, k))
         )
+        _stop_leftovers()
         codes.append(code)
         halted.append(why)
         junits.append(run.out / f"junit-{k}.xml")

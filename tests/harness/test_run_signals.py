@@ -335,3 +335,43 @@ def test_cases_of_groups_the_interrupt_left_unstarted_are_not_run(pytester, tmp_
     assert messages[0] == "interrupted by SIGINT, before its group started", cases
     assert messages[1].startswith("the run stopped during its call"), cases
     assert "never ran" not in (root / "out/summary.md").read_text()
+
+
+LEAKY = """
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    STUBBORN = "import signal, time\\nfor s in (signal.SIGINT, signal.SIGTERM):\\n    signal.signal(s, signal.SIG_IGN)\\ntime.sleep(600)\\n"
+
+    def test_leaks_a_daemon():
+        child = subprocess.Popen([sys.executable, "-c", STUBBORN], start_new_session=True)
+        Path(os.environ["PIDS_DIR"], "stubborn").write_text(str(child.pid))
+"""
+
+
+def test_a_process_a_passing_plain_case_leaked_does_not_outlive_the_run(pytester, tmp_path_factory):
+    # Regression: a daemon a plain case started in a session of its own outlived a green
+    # run (re-parented to init); only a signal to the run stopped such processes.
+    root = make_project(
+        pytester.path,
+        {"tests/leak/test_l.py": LEAKY},
+        {"cpu": manifest("cpu", "cpu", [{"id": "leak", "paths": ["tests/leak"]}])},
+    )
+    pids_dir = tmp_path_factory.mktemp("pids")
+    proc = start_run(root, pids_dir)
+    try:
+        out, err = proc.communicate(timeout=240)  # a bound against a hang, not a timing claim
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    stubborn = int((pids_dir / "stubborn").read_text())
+    try:
+        assert proc.returncode == 0, out + err
+        assert f"1 process(es) outlived pytest (pid {stubborn}); stopping them" in out + err
+        assert not alive(stubborn)
+    finally:
+        if alive(stubborn):
+            os.kill(stubborn, signal.SIGKILL)
