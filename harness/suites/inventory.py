@@ -359,6 +359,9 @@ class Collection:
     skipped: dict[str, str] = field(default_factory=dict)
     #: The ``testpaths``, ``norecursedirs`` and ``python_files`` of the configuration.
     layout: dict[str, list[str]] = field(default_factory=dict)
+    #: pytest stopped the whole session (a usage or internal error): what it collected says
+    #: nothing about which entries own cases.
+    failed: bool = False
 
     def extend(self, other: Collection) -> None:
         """Add another run's findings (cases already seen are not repeated)."""
@@ -369,6 +372,7 @@ class Collection:
         self.layout = self.layout or other.layout
         self.files = list(dict.fromkeys([*self.files, *other.files]))
         self.inipath = self.inipath or other.inipath
+        self.failed = self.failed or other.failed
 
 
 def collect(root: Path, targets: Sequence[str] | None) -> Collection:
@@ -428,7 +432,14 @@ def collect(root: Path, targets: Sequence[str] | None) -> Collection:
             Problem(names.COLLECTION_ERROR, ".", "", f"pytest exited with {int(code)}:\n{tail}")
         )
     return Collection(
-        rec.cases, rec.problems, rec.files, rec.scope, rec.inipath, rec.skipped, rec.layout
+        rec.cases,
+        rec.problems,
+        rec.files,
+        rec.scope,
+        rec.inipath,
+        rec.skipped,
+        rec.layout,
+        failed=int(code) not in (0, 1, 5),
     )
 
 
@@ -910,7 +921,10 @@ def build_inventory(
         root=root,
         manifests={m.suite: m for m in scope.all},
         cases=found.cases,
-        problems=[*scope.problems, *found.problems, *_spec_problems(found.cases)],
+        # One problem once, though collection may run twice (testpaths, then entry paths).
+        problems=list(
+            dict.fromkeys([*scope.problems, *found.problems, *_spec_problems(found.cases)])
+        ),
         inipath=found.inipath,
         unloadable={
             **found.skipped,
@@ -922,10 +936,12 @@ def build_inventory(
         },
     )
     inv.problems.extend(_outside_problems(root, {*found.files, *(c.file for c in found.cases)}))
-    judged = scope.selected_names
+    # After a session-wide failure (its one collection-error names it), every entry would
+    # "match nothing" and every file be "unowned": noise hiding the cause.
+    judged = set() if found.failed else scope.selected_names
     for m in scope.all if check_ownership else scope.selected:
         _assign_owners(inv, m, m.suite in judged)
-    if check_ownership and scope.manifests_ok:
+    if check_ownership and scope.manifests_ok and not found.failed:
         inv.problems.extend(_ownership_problems(inv, scope.all, found.files))
         inv.problems.extend(_hidden_problems(root, found.layout, found.files))
     return inv

@@ -275,6 +275,19 @@ def test_rule_collection_error(pytester):
     assert "module_that_does_not_exist" in p.message
 
 
+def test_a_session_wide_collection_failure_is_reported_alone(pytester, monkeypatch, tmp_path):
+    # Regression: an unusable lease folder stops pytest's whole session (a usage error);
+    # the inventory named it, then called every entry entry-matches-nothing.
+    root = project(pytester)
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("HARNESS_LEASE_DIR", str(tmp_path / "file" / "leases"))
+    inv = build_inventory(root)
+    assert rules(inv) == ["collection-error"], [str(p) for p in inv.problems]
+    (p,) = inv.problems
+    assert p.message.startswith("pytest exited with 4"), p.message
+    assert "lease directory" in p.message, p.message
+
+
 def test_rule_bad_launch_spec(pytester):
     tests = {
         "tests/test_a.py": DEVICE_TESTS,
