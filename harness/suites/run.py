@@ -338,15 +338,27 @@ def _stop_tree(procs: Sequence[psutil.Process]) -> None:
     processes.terminate(procs, grace=KILL_AFTER_S, kill_wait=KILL_AFTER_S)
 
 
-def _stop_leftovers() -> None:
+def _descendants() -> set[int]:
+    """The pids below this process now, exited ones not yet waited for included."""
+    import psutil
+
+    with contextlib.suppress(psutil.Error):
+        return {p.pid for p in psutil.Process().children(recursive=True)}
+    return set()
+
+
+def _stop_leftovers(spare: set[int]) -> None:
     """Stop and reap the processes pytest's tree left behind when it ended.
 
     ``harness run`` is a child subreaper (see :func:`_execute`): a process a plain
     case started in a session of its own and never stopped comes to it, not to
     init, once its parents are gone; with pytest waited for, every process still
-    below this one is such a leftover."""
+    below this one, other than those in ``spare`` (there before the run), is such
+    a leftover."""
     left = [
-        p for p in processes.process_tree(os.getpid(), own_session=False) if p.pid != os.getpid()
+        p
+        for p in processes.process_tree(os.getpid(), own_session=False)
+        if p.pid != os.getpid() and p.pid not in spare
     ]
     if left:
         pids = ", ".join(str(p.pid) for p in left)
@@ -356,8 +368,9 @@ def _stop_leftovers() -> None:
 
     with contextlib.suppress(psutil.Error):
         for child in psutil.Process().children():
-            with contextlib.suppress(ChildProcessError, OSError):
-                os.waitpid(child.pid, os.WNOHANG)  # the zombies among them
+            if child.pid not in spare:  # a caller's child is the caller's to wait for
+                with contextlib.suppress(ChildProcessError, OSError):
+                    os.waitpid(child.pid, os.WNOHANG)  # the zombies among them
 
 
 def _run_pytest(
@@ -657,6 +670,7 @@ def _execute(run: _Run, stop: _Stop) -> tuple[list[int], list[Path], list[str]]:
     # The runner's timeout bounds the whole run, not each of its pytest processes.
     deadline = time.monotonic() + limit_s
     processes.subreaper()  # what a case leaks comes here, to be stopped (_stop_leftovers)
+    before = _descendants()  # a caller's own, where the run is called in-process
     codes: list[int] = []
     junits: list[Path] = []
     halted: list[str] = []
@@ -678,7 +692,7 @@ def _execute(run: _Run, stop: _Stop) -> tuple[list[int], list[Path], list[str]]:
         code, why = _run_pytest(
             cmd, deadline, limit_s, stop, selection.started_marker(_select_file(run, k))
         )
-        _stop_leftovers()
+        _stop_leftovers(before)
         codes.append(code)
         halted.append(why)
         junits.append(run.out / f"junit-{k}.xml")
