@@ -34,6 +34,7 @@ if TYPE_CHECKING:  # imported where used: `harness inventory` and collection nee
 
 __all__ = [
     "die_with_parent",
+    "is_subreaper",
     "kill_trees",
     "process_tree",
     "session_members",
@@ -44,6 +45,7 @@ __all__ = [
 
 _PR_SET_PDEATHSIG = 1
 _PR_SET_CHILD_SUBREAPER = 36
+_PR_GET_CHILD_SUBREAPER = 37
 _LINUX = sys.platform.startswith("linux")
 # Loaded once, here: a ``preexec_fn`` runs between fork and exec, where
 # loading a library (allocating) is unsafe.
@@ -62,10 +64,22 @@ def _prctl(option: int, value: int) -> bool:
         return False
 
 
-def subreaper() -> bool:
-    """Make this process a child subreaper: orphaned descendants are re-parented
-    to it, not to init. False where unsupported (not Linux)."""
-    return _prctl(_PR_SET_CHILD_SUBREAPER, 1)
+def subreaper(enable: bool = True) -> bool:
+    """Make this process a child subreaper (``enable``; else no longer one): orphaned
+    descendants are re-parented to it, not to init. False where unsupported (not Linux)."""
+    return _prctl(_PR_SET_CHILD_SUBREAPER, int(enable))
+
+
+def is_subreaper() -> bool:
+    """Whether this process is a child subreaper (False where that cannot be read)."""
+    if _libc is None:
+        return False
+    flag = ctypes.c_int(0)
+    try:
+        done = _libc.prctl(_PR_GET_CHILD_SUBREAPER, ctypes.byref(flag), 0, 0, 0) == 0
+    except AttributeError:
+        return False
+    return done and bool(flag.value)
 
 
 def die_with_parent(parent_pid: int, sig: int = signal.SIGKILL) -> bool:

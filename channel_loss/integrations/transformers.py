@@ -484,7 +484,7 @@ class FusedLoss(ObservingLoss):
         if self.refusal is not None:
             raise UnsupportedModelError(self.refusal)
         head = _output_embeddings(model) if model is not None else self.head
-        if head is not self.head:
+        if _forwarded_to(head) is not self.head:
             # The new head's output would be added to (or replace) the empty logits of the
             # patched one: a LoRA delta on lm_head got no gradient, then a shape error.
             self._refuse(
@@ -820,6 +820,21 @@ def _output_embeddings(model):
     """``model.get_output_embeddings()``, or None where it has none."""
     get_head = getattr(model, "get_output_embeddings", None)
     return get_head() if callable(get_head) else None
+
+
+#: Wrappers whose forward is their wrapped module's: torch.compile's and activation
+#: checkpointing's. A head wrapped by one after patching still runs the patched forward.
+_FORWARDING = ("_orig_mod", "_checkpoint_wrapped_module")
+
+
+def _forwarded_to(module):
+    """The module ``module``'s forward ends in, through ``_FORWARDING`` wrappers."""
+    for _ in range(8):  # a bound: wrappers nest a few deep at most
+        inner = next((getattr(module, a) for a in _FORWARDING if hasattr(module, a)), None)
+        if not isinstance(inner, torch.nn.Module):
+            break
+        module = inner
+    return module
 
 
 def _class_name(obj) -> str:

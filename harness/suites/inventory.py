@@ -40,6 +40,7 @@ import importlib.util
 import io
 import os
 import re
+import sys
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -292,15 +293,23 @@ def _case(item: Any, root: Path) -> CollectedCase:
 
 @contextlib.contextmanager
 def _quiet_in(root: Path) -> Iterator[io.StringIO]:
-    """Output captured, working directory at ``root`` (where pytest applies ``testpaths``)."""
+    """Output captured, working directory at ``root`` (where pytest applies ``testpaths``)
+    and ``root`` importable first, as ``python -m pytest`` started there makes it (the
+    tests ``harness run`` then runs import alike, wherever it was started)."""
     buf = io.StringIO()
     here = os.getcwd()
     os.chdir(root)
+    added = str(root) not in sys.path
+    if added:
+        sys.path.insert(0, str(root))
     try:
         with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(buf):
             yield buf
     finally:
         os.chdir(here)
+        if added:
+            with contextlib.suppress(ValueError):
+                sys.path.remove(str(root))
 
 
 def autoload_disabled(args: Sequence[str] = ()) -> bool:

@@ -373,8 +373,15 @@ def _stop_leftovers(spare: set[int]) -> None:
                     os.waitpid(child.pid, os.WNOHANG)  # the zombies among them
 
 
+def _pytest_env(root: Path) -> dict[str, str]:
+    """The environment of the run's pytest: the root importable first, as ``python -m
+    pytest`` started in the root makes it, wherever the run was started from."""
+    paths = [str(root), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(dict.fromkeys(paths))}
+
+
 def _run_pytest(
-    cmd: list[str], deadline: float, limit_s: float, stop: _Stop, started: Path
+    cmd: list[str], env: dict[str, str], deadline: float, limit_s: float, stop: _Stop, started: Path
 ) -> tuple[int, str]:
     """Run one pytest subprocess in its own process group, output streaming through.
 
@@ -395,7 +402,7 @@ def _run_pytest(
 
     started.unlink(missing_ok=True)
     stop.started = started
-    stop.child = subprocess.Popen(cmd, preexec_fn=in_child)
+    stop.child = subprocess.Popen(cmd, env=env, preexec_fn=in_child)
     proc = stop.child
     if stop.signum is not None:  # the signal came between the groups' check and the start
         stop.interrupt()
@@ -669,8 +676,22 @@ def _execute(run: _Run, stop: _Stop) -> tuple[list[int], list[Path], list[str]]:
     limit_s = max(r.timeout_minutes for r in m.runners) * 60.0
     # The runner's timeout bounds the whole run, not each of its pytest processes.
     deadline = time.monotonic() + limit_s
-    processes.subreaper()  # what a case leaks comes here, to be stopped (_stop_leftovers)
-    before = _descendants()  # a caller's own, where the run is called in-process
+    # What a case leaks comes here, to be stopped (_stop_leftovers); an in-process caller
+    # gets its own state back, and its own processes are spared.
+    was_subreaper = processes.is_subreaper()
+    processes.subreaper()
+    try:
+        return _run_groups(run, stop, deadline, limit_s, _descendants())
+    finally:
+        if not was_subreaper:
+            processes.subreaper(False)
+
+
+def _run_groups(
+    run: _Run, stop: _Stop, deadline: float, limit_s: float, before: set[int]
+) -> tuple[list[int], list[Path], list[str]]:
+    """:func:`_execute`'s loop over the groups."""
+    groups = run.groups
     codes: list[int] = []
     junits: list[Path] = []
     halted: list[str] = []
@@ -690,7 +711,12 @@ def _execute(run: _Run, stop: _Stop) -> tuple[list[int], list[Path], list[str]]:
                 f"{g.workers} worker(s)"
             )
         code, why = _run_pytest(
-            cmd, deadline, limit_s, stop, selection.started_marker(_select_file(run, k))
+            cmd,
+            _pytest_env(run.root),
+            deadline,
+            limit_s,
+            stop,
+            selection.started_marker(_select_file(run, k)),
         )
         _stop_leftovers(before)
         codes.append(code)

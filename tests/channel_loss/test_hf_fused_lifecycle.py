@@ -329,3 +329,32 @@ def test_a_lora_wrapped_head_is_refused_by_its_qualified_class_name():
     wrapped = peft.get_peft_model(model, lora)
     with pytest.raises(UnsupportedModelError, match=r"are peft\.tuners\.lora\.\S*Linear, not a"):
         patch_model(wrapped, fused=True)
+
+
+@pytest.mark.parametrize("wrap", ["compile", "checkpoint"])
+def test_a_head_wrapped_by_a_forwarding_wrapper_after_patching_still_runs_fused(wrap):
+    # The replaced-head check looks through torch.compile's and activation checkpointing's
+    # wrappers: their forward is the patched head's.
+    model = tiny(transformers.LlamaForCausalLM)
+    batch = packed_batch("llama")
+    want_loss, _, want = loss_and_grads(copy.deepcopy(model), batch)
+    with patch_model(model, fused=True):
+        if wrap == "compile":
+            model.lm_head = torch.compile(model.lm_head, backend="eager")
+        else:
+            from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+                apply_activation_checkpointing,
+            )
+
+            apply_activation_checkpointing(model, check_fn=lambda m: m is model.lm_head)
+        for _ in range(2):  # the verifying forward, then a fused one
+            loss, width, grads = loss_and_grads(model, batch)
+            torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=1e-6)
+            check_grads(
+                {
+                    n.replace("._orig_mod", "").replace("._checkpoint_wrapped_module", ""): g
+                    for n, g in grads.items()
+                },
+                want,
+            )
+        assert width == 0

@@ -15,6 +15,7 @@ import pytest
 from suite_project import make_project, manifest
 from test_cli import harness, summary_rows
 
+from harness import processes
 from harness.suites import run as run_module
 from harness.suites.cli import main
 from harness.suites.report import results_from_records
@@ -103,6 +104,24 @@ def test_pytest_paths_given_in_a_subfolder_mean_what_they_mean_there(pytester):
     }
     assert (root / "tests/j.xml").read_bytes() == (root / "tests/out/junit.xml").read_bytes()
     assert not (root / "j.xml").exists()
+
+
+def test_a_run_from_a_subfolder_or_elsewhere_imports_from_the_root(pytester, tmp_path):
+    # pytest runs where the run was started: the root stays importable first, as under
+    # `python -m pytest` there (a package at the root, not installed, no pythonpath).
+    root = make_project(
+        pytester.path,
+        {
+            "pkg/__init__.py": "",
+            "pkg/mod.py": "def f():\n    return 1\n",
+            "tests/a/test_a.py": "from pkg.mod import f\n\ndef test_f():\n    assert f() == 1\n",
+        },
+        {"cpu": manifest("cpu", "cpu", [{"id": "a", "paths": ["tests/a"]}])},
+    )
+    for where, args in ((root / "tests", ()), (tmp_path, ("--root", str(root)))):
+        done = harness(where, *args, "run", "cpu", "--out", str(tmp_path / where.name))
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert outcomes(tmp_path / where.name) == {"tests/a/test_a.py::test_f": "passed"}
 
 
 def test_exitfirst_in_a_combined_flag_leaves_the_rest_not_run(pytester):
@@ -254,6 +273,8 @@ def test_a_case_stopped_at_the_runners_timeout_is_not_run(pytester, monkeypatch,
     }
     assert json.loads((root / "d.json").read_text())["durations"] == {}
     assert "**FAILED**: pytest exited with 124" in out
+    # Called in-process, the run gives its caller back its subreaper state.
+    assert not processes.is_subreaper()
 
 
 def _records(reports: dict[str, list[tuple[str, str]]], finish: int | None) -> Records:
