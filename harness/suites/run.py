@@ -373,15 +373,8 @@ def _stop_leftovers(spare: set[int]) -> None:
                     os.waitpid(child.pid, os.WNOHANG)  # the zombies among them
 
 
-def _pytest_env(root: Path) -> dict[str, str]:
-    """The environment of the run's pytest: the root importable first, as ``python -m
-    pytest`` started in the root makes it, wherever the run was started from."""
-    paths = [str(root), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(dict.fromkeys(paths))}
-
-
 def _run_pytest(
-    cmd: list[str], env: dict[str, str], deadline: float, limit_s: float, stop: _Stop, started: Path
+    cmd: list[str], deadline: float, limit_s: float, stop: _Stop, started: Path
 ) -> tuple[int, str]:
     """Run one pytest subprocess in its own process group, output streaming through.
 
@@ -402,7 +395,7 @@ def _run_pytest(
 
     started.unlink(missing_ok=True)
     stop.started = started
-    stop.child = subprocess.Popen(cmd, env=env, preexec_fn=in_child)
+    stop.child = subprocess.Popen(cmd, preexec_fn=in_child)
     proc = stop.child
     if stop.signum is not None:  # the signal came between the groups' check and the start
         stop.interrupt()
@@ -589,6 +582,16 @@ def _select_file(run: _Run, k: int) -> Path:
     return run.out / f"select-{k}.json"
 
 
+#: ``python -c`` code that runs pytest with the root (its first argument, taken off)
+#: importable first, as ``python -m pytest`` started in the root makes it: only in
+#: pytest's process (xdist's workers copy its ``sys.path``), not in the environment,
+#: where it would shadow what a test's own subprocess or virtualenv installs.
+_PYTEST_FROM_ROOT = (
+    "import sys; sys.path.insert(0, sys.argv.pop(1)); import pytest; "
+    "sys.exit(pytest.console_main())"
+)
+
+
 def _pytest_command(
     run: _Run, k: int, timeout: float | None, group: Sequence[Pair], workers: int
 ) -> list[str]:
@@ -616,8 +619,9 @@ def _pytest_command(
     # The test files are absolute; the root and configuration are pinned (_config_args).
     cmd = [
         sys.executable,
-        "-m",
-        "pytest",
+        "-c",
+        _PYTEST_FROM_ROOT,
+        str(run.root),
         *sorted({str(run.root / c.file) for c, _ in group}),
         *run.opts.pytest_args,
     ]
@@ -711,12 +715,7 @@ def _run_groups(
                 f"{g.workers} worker(s)"
             )
         code, why = _run_pytest(
-            cmd,
-            _pytest_env(run.root),
-            deadline,
-            limit_s,
-            stop,
-            selection.started_marker(_select_file(run, k)),
+            cmd, deadline, limit_s, stop, selection.started_marker(_select_file(run, k))
         )
         _stop_leftovers(before)
         codes.append(code)
