@@ -835,6 +835,9 @@ def run_suite(root: Path, opts: RunOptions) -> int:
                 )
                 write_text(run.out / "summary.md", text)
                 _step_summary(text)
+                # The files a CI job uploads or parses exist on every green run, empty here.
+                report.merge_junit([], run.out / "junit.xml")
+                report.write_summary_json(run.out / "summary.json", run.title, [], {})
                 return EXIT_OK
             codes, junits, halted = _execute(run, stop)
             return _report(run, codes, junits, halted, stop)

@@ -208,6 +208,28 @@ def test_run_changed_from_and_shards(pytester):
     assert summary_rows((root / "out/s1/summary.md").read_text())["total"][:2] == ["2", "2"]
 
 
+def test_a_run_with_nothing_to_run_still_writes_its_report_files(pytester):
+    # Regression: only summary.md was written; a CI step reading junit.xml or summary.json
+    # (an upload, a test reporter) failed on a green run.
+    tests = {"tests/a/test_a.py": "def test_a1():\n    pass\n"}
+    entries = [{"id": "a", "paths": ["tests/a"], "depends_on": ["src/a.py"]}]
+    root = make_project(
+        pytester.path,
+        tests,
+        {"cpu": manifest("cpu", "cpu", entries)},
+        {"src/a.py": "", "README.md": "", ".gitignore": "out/\n"},
+    )
+    commit_all(root)
+    (root / "README.md").write_text("docs only\n")
+    done = harness(root, "run", "cpu", "--changed-from", "main", "--out", "out")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "nothing to run" in (root / "out/summary.md").read_text()
+    summary = json.loads((root / "out/summary.json").read_text())
+    assert (summary["entries"], summary["cases"], summary["total"]["cases"]) == ([], [], 0)
+    junit = ET.parse(root / "out/junit.xml").getroot()
+    assert (junit.tag, junit.get("tests"), list(junit)) == ("testsuites", "0", [])
+
+
 def test_matrix_changed_from_keeps_only_the_affected_shards(pytester, capsys):
     tests = {
         "tests/a/test_a.py": "def test_a1():\n    pass\n\ndef test_a2():\n    pass\n",
