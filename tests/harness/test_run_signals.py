@@ -87,6 +87,21 @@ def wait_for(predicate, timeout: float, what: str) -> None:
         time.sleep(0.2)
 
 
+def signal_once(
+    proc: subprocess.Popen, marker, what: str, signum: int, wait: float = 240
+) -> tuple[str, str]:
+    """Once ``marker`` exists, send ``signum`` to the run ``proc``; its output. The run never
+    outlives the call (killed with its group when it does not end)."""
+    try:
+        wait_for(marker.exists, wait, what)
+        os.kill(proc.pid, signum)
+        return proc.communicate(timeout=60)  # a bound against a hang, not a timing claim
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
 @pytest.mark.parametrize(
     ("how", "signum", "code"),
     [
@@ -168,15 +183,8 @@ def test_signal_during_pytest_startup_stops_it_without_a_traceback(pytester, tmp
     )
     pids_dir = tmp_path_factory.mktemp("pids")
     proc = start_run(root, pids_dir)
-    try:
-        wait_for(lambda: (pids_dir / "pytest").exists(), 240, "pytest to start")
-        pid = int((pids_dir / "pytest").read_text())
-        os.kill(proc.pid, signal.SIGTERM)
-        out, err = proc.communicate(timeout=60)  # a bound against a hang, not a timing claim
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+    out, err = signal_once(proc, pids_dir / "pytest", "pytest to start", signal.SIGTERM)
+    pid = int((pids_dir / "pytest").read_text())
     assert proc.returncode == 143, out + err
     assert "Traceback" not in out + err
     assert not alive(pid)
@@ -213,14 +221,9 @@ def test_signal_during_planning_is_never_lost(pytester, tmp_path_factory):
     )
     pids_dir = tmp_path_factory.mktemp("pids")
     proc = start_run(root, pids_dir)
-    try:
-        wait_for(lambda: (pids_dir / "planning").exists(), 120, "the inventory to start")
-        os.kill(proc.pid, signal.SIGTERM)
-        out, err = proc.communicate(timeout=60)  # a bound against a hang, not a timing claim
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+    out, err = signal_once(
+        proc, pids_dir / "planning", "the inventory to start", signal.SIGTERM, wait=120
+    )
     assert proc.returncode == 143, out + err
     assert "harness: SIGTERM: stopped before any case ran" in out
     assert "Traceback" not in out + err
@@ -284,14 +287,7 @@ def test_a_case_interrupted_while_it_runs_is_not_run_never_passed(pytester, tmp_
     )
     pids_dir = tmp_path_factory.mktemp("pids")
     proc = start_run(root, pids_dir, "--durations-out", "d.json")
-    try:
-        wait_for(lambda: (pids_dir / "slow").exists(), 240, "the case to start")
-        os.kill(proc.pid, signal.SIGINT)
-        out, err = proc.communicate(timeout=60)  # a bound against a hang, not a timing claim
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+    out, err = signal_once(proc, pids_dir / "slow", "the case to start", signal.SIGINT)
     assert proc.returncode == 130, out + err
     (case,) = json.loads((root / "out/summary.json").read_text())["cases"]
     assert case["outcome"] == "not run", case
@@ -319,14 +315,7 @@ def test_cases_of_groups_the_interrupt_left_unstarted_are_not_run(pytester, tmp_
     )
     pids_dir = tmp_path_factory.mktemp("pids")
     proc = start_run(root, pids_dir)
-    try:
-        wait_for(lambda: (pids_dir / "slow").exists(), 240, "the first case to start")
-        os.kill(proc.pid, signal.SIGINT)
-        out, err = proc.communicate(timeout=60)  # a bound against a hang, not a timing claim
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+    out, err = signal_once(proc, pids_dir / "slow", "the first case to start", signal.SIGINT)
     assert proc.returncode == 130, out + err
     assert "interrupted by SIGINT: 1 group(s) of cases not started" in out + err
     cases = json.loads((root / "out/summary.json").read_text())["cases"]
