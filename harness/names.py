@@ -66,13 +66,14 @@ SYMLINK_OUTSIDE_REPOSITORY = "symlink-outside-repository"
 COLLECTION_ERROR = "collection-error"
 BAD_LAUNCH_SPEC = "bad-launch-spec"
 HIDDEN_TESTS = "tests-under-norecursedirs"
+MISSING_DEPENDENCY = "missing-dependency"
 
 #: Problems in a manifest itself: while any is found, ownership cannot be judged.
 MANIFEST_RULES = frozenset({SCHEMA, JSON, PATH, INCLUDE})
 #: Problems of the repository as a whole (which files some suite owns), not of one suite.
 OWNERSHIP_RULES = frozenset({UNOWNED_FILE, UNOWNED_CASE})
 #: Reported by ``harness inventory`` without failing it.
-WARNING_RULES = frozenset({HIDDEN_TESTS})
+WARNING_RULES = frozenset({HIDDEN_TESTS, MISSING_DEPENDENCY})
 #: The rules that make a suite impossible to plan or run as written: ``harness run`` and
 #: ``harness matrix`` refuse a suite with one of these; any other rule (a new one included)
 #: is the inventory's business only.

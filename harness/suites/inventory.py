@@ -24,9 +24,11 @@ default owned by no entry), ``unowned-case``, ``entry-matches-nothing``,
 (manifest problems), ``no-suites`` (no manifest at all),
 ``symlink-outside-repository`` (a collected test file that is a link to a
 file outside the repository), ``collection-error`` (with the file and line)
-and ``bad-launch-spec``; and one warning, which does not fail the inventory,
+and ``bad-launch-spec``; and two warnings, which do not fail the inventory,
 ``tests-under-norecursedirs`` (a test file inside ``testpaths`` that
-``norecursedirs`` hides from pytest and no entry names). The names live in
+``norecursedirs`` hides from pytest and no entry names) and ``missing-dependency``
+(test files that import a top-level module this environment does not have: once per
+module; the files count as owned by the entries naming them). The names live in
 ``harness.names``; ``harness run`` and ``harness matrix`` refuse a suite only
 for the rules in ``harness.names.BLOCKING_RULES``.
 """
@@ -189,7 +191,57 @@ def _collection_error(report: Any, root: Path) -> Problem:
         where = f"line {own[-1]}, raised at {deepest}"
     else:
         where = f"raised at {deepest}" if deepest else ""
-    return Problem(names.COLLECTION_ERROR, file, where, message)
+    rule = names.MISSING_DEPENDENCY if _absent_module(file, message) else names.COLLECTION_ERROR
+    return Problem(rule, file, where, message)
+
+
+# Only the top-level name of "No module named 'x.y'" tells a distribution that is not
+# installed from a missing submodule of an installed one or of the repository's own code.
+_NO_MODULE = re.compile(r"ModuleNotFoundError: No module named '(?P<top>[^'.]+)[^']*'")
+
+
+def _absent_module(file: str, message: str) -> str | None:
+    """The top-level module whose absence kept test module ``file`` from importing, when
+    nothing on the current ``sys.path`` (the collection's) provides it; else None."""
+    m = _NO_MODULE.fullmatch(message)
+    if m is None or not is_test_module(file):
+        return None
+    try:
+        found = importlib.util.find_spec(m["top"]) is not None
+    except (ImportError, ValueError):
+        found = True  # present but broken: the error is the file's, not the environment's
+    return None if found else m["top"]
+
+
+def _missing_dependencies(problems: Iterable[Problem]) -> list[Problem]:
+    """``problems`` with the per-file ``missing-dependency`` problems of each absent module
+    replaced, where the first stood, by one warning naming the module and every test file
+    it keeps from loading."""
+    out: list[Problem | str] = []
+    files: dict[str, list[str]] = {}
+    for p in problems:
+        m = _NO_MODULE.fullmatch(p.message)
+        if p.rule != names.MISSING_DEPENDENCY or m is None:
+            out.append(p)
+        elif m["top"] in files:
+            files[m["top"]].append(p.file)
+        else:
+            files[m["top"]] = [p.file]
+            out.append(m["top"])
+    return [
+        p
+        if isinstance(p, Problem)
+        else Problem(
+            names.MISSING_DEPENDENCY,
+            files[p][0],
+            "",
+            f"module {p!r} is not installed for {sys.executable}: {len(files[p])} test "
+            "file(s) import it, so their cases are not listed here and their entries are "
+            f"taken to own them: {', '.join(files[p])}. Install the tests' dependencies to "
+            "check them; `harness run` fails them until then",
+        )
+        for p in out
+    ]
 
 
 class _Recorder:
@@ -931,7 +983,7 @@ def build_inventory(
         manifests={m.suite: m for m in scope.all},
         cases=found.cases,
         # One problem once, though collection may run twice (testpaths, then entry paths).
-        problems=list(
+        problems=_missing_dependencies(
             dict.fromkeys([*scope.problems, *found.problems, *_spec_problems(found.cases)])
         ),
         inipath=found.inipath,
@@ -940,7 +992,8 @@ def build_inventory(
             **{
                 p.file: p.message
                 for p in found.problems
-                if p.rule == names.COLLECTION_ERROR and is_test_module(p.file)
+                if p.rule in (names.COLLECTION_ERROR, names.MISSING_DEPENDENCY)
+                and is_test_module(p.file)
             },
         },
     )

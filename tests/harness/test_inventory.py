@@ -267,12 +267,62 @@ def test_rule_manifest_not_json(pytester):
 def test_rule_collection_error(pytester):
     tests = {
         "tests/test_a.py": DEVICE_TESTS,
-        "tests/test_broken.py": "import module_that_does_not_exist\n",
+        "tests/test_broken.py": "from os import name_that_os_lacks\n",
     }
     inv = build_inventory(project(pytester, tests))
     (p,) = only(inv, "collection-error")
     assert p.file == "tests/test_broken.py"
-    assert "module_that_does_not_exist" in p.message
+    assert "name_that_os_lacks" in p.message
+
+
+def test_rule_missing_dependency_is_a_warning_grouped_by_module(pytester, capsys):
+    # Regression: in an environment without the tests' dependencies (a lint job with only
+    # the harness installed), every test file importing one was a collection-error, and
+    # `harness inventory` failed with one error per file, ownership unjudged.
+    tests = {
+        "tests/test_a.py": DEVICE_TESTS,
+        "tests/deps/test_one.py": "import absent_distribution_one\n",
+        "tests/deps/test_two.py": "from absent_distribution_one.sub import thing\n",
+        "tests/deps/test_three.py": "import json\nimport absent_distribution_two\n",
+        # Absent submodules of what is there stay errors: a bug, not the environment.
+        "tests/local/helpers_pkg/__init__.py": "",
+        "tests/local/test_local.py": "import helpers_pkg.not_there\n",
+        "tests/local/test_stdlib.py": "import json.not_there\n",
+    }
+    entries = [
+        {"id": "a", "paths": ["tests/test_a.py"]},
+        {"id": "deps", "paths": ["tests/deps"]},
+        {"id": "local", "paths": ["tests/local"]},
+    ]
+    root = project(pytester, tests, entries)
+    inv = build_inventory(root)
+    assert rules(inv) == ["collection-error", "missing-dependency"], [str(p) for p in inv.problems]
+    errors = sorted((p.file, p.message) for p in only(inv, "collection-error"))
+    assert errors == [
+        (
+            "tests/local/test_local.py",
+            "ModuleNotFoundError: No module named 'helpers_pkg.not_there'",
+        ),
+        ("tests/local/test_stdlib.py", "ModuleNotFoundError: No module named 'json.not_there'"),
+    ]
+    one, two = only(inv, "missing-dependency")
+    assert one.file == "tests/deps/test_one.py"
+    assert one.message.startswith("module 'absent_distribution_one' is not installed for ")
+    assert "2 test file(s) import it" in one.message
+    assert "tests/deps/test_one.py, tests/deps/test_two.py." in one.message
+    assert two.file == "tests/deps/test_three.py"
+    assert "module 'absent_distribution_two'" in two.message
+    # The files are owned by their entry, which is not idle.
+    assert {"tests/deps/test_one.py", "tests/deps/test_two.py"} <= set(inv.unloadable)
+
+    for f in ("test_local.py", "test_stdlib.py"):
+        (root / "tests/local" / f).write_text("def test_fixed():\n    pass\n")
+    assert main(["--root", str(root), "inventory", "-q"]) == 0
+    out, err = capsys.readouterr()
+    assert err.count("warning: ") == 2, err
+    assert "error: " not in err, err
+    assert "[missing-dependency] module 'absent_distribution_one'" in err
+    assert "0 problem(s), 2 warning(s)" in out
 
 
 def test_a_session_wide_collection_failure_is_reported_alone(pytester, monkeypatch, tmp_path):
@@ -483,9 +533,9 @@ def test_symlink_leaving_the_repository_is_named_as_such(pytester, tmp_path_fact
     [
         ("import os\n\ndef test_x(:\n    pass\n", "line 3", "SyntaxError: invalid syntax"),
         (
-            "import os\nimport module_that_does_not_exist\n",
+            "import os\nimport json.module_that_does_not_exist\n",
             "line 2",
-            "ModuleNotFoundError: No module named 'module_that_does_not_exist'",
+            "ModuleNotFoundError: No module named 'json.module_that_does_not_exist'",
         ),
         (
             "import helper_that_raises\n",

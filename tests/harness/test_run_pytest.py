@@ -162,6 +162,7 @@ def test_a_named_durations_file_that_is_missing_is_a_usage_error(pytester, capsy
 BROKEN = {
     "tests/a/test_a.py": "def test_ok():\n    pass\n",
     "tests/broken/test_broken.py": "import module_that_does_not_exist\n\ndef test_never():\n    pass\n",
+    "tests/typo/test_typo.py": "from os import name_that_os_lacks\n\ndef test_never():\n    pass\n",
     "tests/gone/test_gone.py": """
         import pytest
 
@@ -174,12 +175,14 @@ BROKEN = {
 
 
 def test_a_file_that_fails_to_collect_fails_its_entry_and_the_rest_runs(pytester, capsys):
-    entries = [{"id": k, "paths": [f"tests/{k}"]} for k in ("a", "broken", "gone")]
+    entries = [{"id": k, "paths": [f"tests/{k}"]} for k in ("a", "broken", "typo", "gone")]
     root = make_project(pytester.path, BROKEN, {"cpu": manifest("cpu", "cpu", entries)})
-    # The inventory names the broken file; a module-level skip is no idle entry.
+    # The inventory names the broken files (a module not installed here only warns); a
+    # module-level skip is no idle entry.
     assert main(["--root", str(root), "inventory", "cpu"]) == 1
     err = capsys.readouterr().err
-    assert "tests/broken/test_broken.py line 1: [collection-error]" in err
+    assert "tests/typo/test_typo.py line 1: [collection-error]" in err
+    assert "tests/broken/test_broken.py: [missing-dependency]" in err
     assert "entry-matches-nothing" not in err
 
     done = harness(root, "run", "cpu", "--out", "out")
@@ -187,14 +190,16 @@ def test_a_file_that_fails_to_collect_fails_its_entry_and_the_rest_runs(pytester
     assert outcomes(root / "out") == {
         "tests/a/test_a.py::test_ok": "passed",
         "tests/broken/test_broken.py": "failed",
+        "tests/typo/test_typo.py": "failed",
         "tests/gone/test_gone.py": "skipped",
     }
+    # A run stays strict: a dependency the inventory only warns about fails the file.
     assert "failed: `tests/broken/test_broken.py` — " in done.stdout
     assert "module_that_does_not_exist" in done.stdout
-    assert "**FAILED**: 1 failed" in done.stdout
+    assert "**FAILED**: 2 failed" in done.stdout
     # harness matrix plans the same cases.
     assert main(["--root", str(root), "matrix", "cpu"]) == 0
-    assert json.loads(capsys.readouterr().out)["include"][0]["cases"] == 3
+    assert json.loads(capsys.readouterr().out)["include"][0]["cases"] == 4
 
 
 SLOW = {
