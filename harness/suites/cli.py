@@ -14,8 +14,10 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
+import os
 import signal
 import sys
 from collections.abc import Callable, Sequence
@@ -333,7 +335,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     ``harness run`` passes the options it does not know, and everything after the first
     ``--``, to pytest, which parses them itself. Usage errors exit 2 (argparse's
-    convention) for every subcommand.
+    convention) for every subcommand; Ctrl-C exits 130 and a closed stdout (``| head``)
+    141, the codes a shell shows for SIGINT and SIGPIPE, without a traceback.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     extra: list[str] = []
@@ -350,7 +353,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.pytest_args = [*unknown, *extra]
     root = (args.root or (Path.cwd() if args.root_is_cwd else find_root())).resolve()
     try:
-        return args.handler(root, args)
+        code = args.handler(root, args)
+        sys.stdout.flush()  # a reader gone (`| head`) shows here, not as an error at exit
+        return code
     except KeyboardInterrupt:  # Ctrl-C: stop without a traceback, with the shell's code
         print(f"harness {args.command}: interrupted", file=sys.stderr)
         return 128 + signal.SIGINT
+    except BrokenPipeError:
+        # What a SIGPIPE would do, without a traceback; stdout goes nowhere from here on,
+        # so that Python's own flush at exit does not fail a second time.
+        with contextlib.suppress(OSError, ValueError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
@@ -885,3 +886,30 @@ def test_inventory_and_run_need_neither_torch_nor_xdist(tmp_path):
     done = harness(root, "run", "cpu", "--out", "out", env=env)
     assert done.returncode == 2, done.stdout + done.stderr
     assert done.stderr.startswith("harness: missing dependency psutil"), done.stderr
+
+
+def test_a_reader_that_stops_early_ends_the_command_quietly(tmp_path):
+    # Regression: `harness inventory --cases | head -1` ended in a BrokenPipeError traceback.
+    root = make_project(
+        tmp_path,
+        {"tests/plain/test_p.py": "def test_ok():\n    pass\n"},
+        {"cpu": manifest("cpu", "cpu", [{"id": "plain", "paths": ["tests/plain"]}])},
+    )
+    env = {k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "harness", "inventory", "--cases"],
+        cwd=root,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+    )
+    proc.stdout.close()  # the reader is gone before anything is written
+    try:
+        err = proc.stderr.read().decode()
+        code = proc.wait(timeout=120)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert "Traceback" not in err, err
+    assert "BrokenPipeError" not in err, err
+    assert code == 128 + signal.SIGPIPE, err  # as a shell shows a process SIGPIPE killed
