@@ -977,6 +977,10 @@ def build_inventory(
     """
     root = root.resolve()
     scope = _load_scope(root, suites)
+    if any(p.rule == names.NO_SUITES for p in scope.problems):
+        # No suite to hold cases against; run outside a repository, a collection would
+        # import every test file below the working directory first.
+        return SuiteInventory(root=root, manifests={}, cases=[], problems=scope.problems)
     found = _collect_for(root, scope, check_ownership)
     inv = SuiteInventory(
         root=root,

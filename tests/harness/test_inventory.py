@@ -502,13 +502,21 @@ def test_entry_outside_testpaths_is_still_collected(pytester):
 @pytest.mark.parametrize("with_dir", [False, True])
 def test_repository_without_suites_is_an_error(pytester, capsys, with_dir):
     # Never "0 case(s), 0 problem(s)" and exit 0.
-    pytester.makepyfile(test_a="def test_a():\n    pass\n")
+    marker = pytester.path / "imported"
+    pytester.makepyfile(
+        test_a="def test_a():\n    pass\n",
+        test_b=f"open({str(marker)!r}, 'w').close()\n",
+    )
     if with_dir:
         (pytester.path / "suites").mkdir()
     assert main(["--root", str(pytester.path), "inventory"]) == 1
     err = capsys.readouterr().err
     assert "suites/: [no-suites]" in err
     assert ("has no suite manifests" if with_dir else "does not exist in") in err
+    # Nothing was collected (outside a repository, everything below the working directory
+    # was, before the inventory said there was no suite).
+    assert not marker.exists()
+    assert err.count("error: ") == 1, err
 
 
 # --------------------------------------------------------------------------- diagnostics
