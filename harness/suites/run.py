@@ -380,7 +380,7 @@ def _run_pytest(
 
     Past ``deadline`` (``time.monotonic()``; the runner's job timeout of
     ``limit_s`` for the whole run) its whole process tree is terminated, then
-    killed: 124. On a stop signal (see :class:`_Stop`) it gets
+    killed: :data:`TIMED_OUT`. On a stop signal (see :class:`_Stop`) it gets
     :data:`INTERRUPT_GRACE_S` to stop by itself; whatever of its tree is left
     then (or outlived it) is terminated, then killed. Returns pytest's exit code and
     why the run stopped it (``""``: it did not), for the cases it left unfinished.
@@ -417,7 +417,7 @@ def _run_pytest(
                 _stop_tree(list(stop.tree.values()))
                 proc.wait()
                 if stop.signum is None:
-                    return 124, f"stopped at the runner's timeout of {limit_s / 60:.0f} min"
+                    return TIMED_OUT, _timed_out(limit_s)
                 code = proc.returncode
                 break
         if stop.signum is not None:
@@ -427,6 +427,16 @@ def _run_pytest(
     finally:
         stop.child = None
         stop.tree.clear()
+
+
+#: The exit code of a pytest group the runner's timeout stopped or never let start
+#: (``timeout``'s convention).
+TIMED_OUT = 124
+
+
+def _timed_out(limit_s: float) -> str:
+    """Why the runner's timeout stopped cases (the ``halted`` reason)."""
+    return f"stopped at the runner's timeout of {limit_s / 60:.0f} min"
 
 
 class _Refused(Exception):
@@ -700,12 +710,19 @@ def _run_groups(
     junits: list[Path] = []
     halted: list[str] = []
     for k, g in enumerate(groups, 1):
-        if stop.signum is not None or (halted and halted[-1]):
-            why = f"interrupted by {stop.name}" if stop.signum is not None else halted[-1]
+        if stop.signum is not None:
+            why = f"interrupted by {stop.name}"
+        elif halted and halted[-1]:
+            why = halted[-1]
+        else:  # a group that ended just in time leaves none for the next
+            why = _timed_out(limit_s) if time.monotonic() >= deadline else ""
+        if why:
             left = len(groups) - k + 1
             _print(f"{why}: {left} group(s) of cases not started")
             # Their cases are not run, for the same reason as the group it stopped.
             halted += [f"{why}, before its group started"] * left
+            if stop.signum is None and TIMED_OUT not in codes:
+                codes.append(TIMED_OUT)
             break
         cmd = _pytest_command(run, k, g.timeout, g.cases, g.workers)
         if len(groups) > 1:
@@ -735,7 +752,9 @@ def _verdict(total: report.EntryRow, codes: Sequence[int], stop: _Stop) -> list[
         verdict.append(f"{total.missing} planned case(s) never ran")
     if not total.passed and not narrowed:
         verdict.append(f"no case passed ({total.skipped} skipped)")
-    bad_codes = [c for c in codes if c not in (0, 1, 5) and stop.signum is None]
+    if TIMED_OUT in codes and stop.signum is None:
+        verdict.append("stopped at the runner's timeout")
+    bad_codes = [c for c in codes if c not in (0, 1, 5, TIMED_OUT) and stop.signum is None]
     if bad_codes:
         verdict.append(f"pytest exited with {', '.join(map(str, bad_codes))}")
     if 1 in codes and not total.failed and stop.signum is None:

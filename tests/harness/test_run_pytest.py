@@ -277,9 +277,63 @@ def test_a_case_stopped_at_the_runners_timeout_is_not_run(pytester, monkeypatch,
         "message": "the run stopped during its call (stopped at the runner's timeout of 10 min)",
     }
     assert json.loads((root / "d.json").read_text())["durations"] == {}
-    assert "**FAILED**: pytest exited with 124" in out
+    assert "**FAILED**: stopped at the runner's timeout" in out
     # Called in-process, the run gives its caller back its subreaper state.
     assert not processes.is_subreaper()
+
+
+class _TimeoutAfterExit:
+    """``time`` for ``harness.suites.run``: the runner's timeout passes once the process
+    whose pid is in ``pid_file`` has ended and been reaped."""
+
+    def __init__(self, pid_file: Path):
+        self.pid_file = pid_file
+
+    def __getattr__(self, name: str):
+        return getattr(time, name)
+
+    def _ended(self) -> bool:
+        try:
+            os.kill(int(self.pid_file.read_text()), 0)
+        except (FileNotFoundError, ValueError):
+            return False
+        except ProcessLookupError:
+            return True
+        return False
+
+    def monotonic(self) -> float:
+        return time.monotonic() + (1e6 if self._ended() else 0.0)
+
+
+def test_the_runners_timeout_bounds_the_whole_run_not_each_group(pytester, monkeypatch, capsys):
+    # Regression: each pytest group had the whole timeout to itself, so N groups could run
+    # N times past the CI job's limit, which then killed the run before its summary.
+    entries = [
+        {"id": "first", "paths": ["tests/first"], "timeout_s": 60},
+        {"id": "second", "paths": ["tests/second"], "timeout_s": 120},
+    ]
+    pid_file = pytester.path / "first-pid"
+    tests = {
+        "tests/first/test_first.py": f"import os\n\ndef test_it():\n    open({str(pid_file)!r}, 'w').write(str(os.getpid()))\n",
+        "tests/second/test_second.py": "def test_it():\n    pass\n",
+    }
+    root = make_project(pytester.path, tests, {"cpu": manifest("cpu", "cpu", entries)})
+    monkeypatch.delenv("PYTEST_ADDOPTS", raising=False)
+    # The first group's pytest ended in time, and left the second none.
+    monkeypatch.setattr(run_module, "time", _TimeoutAfterExit(pid_file))
+    assert main(["--root", str(root), "run", "cpu", "--out", "out"]) == 1
+    out = capsys.readouterr().out
+    cases = {c["nodeid"]: c for c in json.loads((root / "out/summary.json").read_text())["cases"]}
+    assert cases["tests/first/test_first.py::test_it"]["outcome"] == "passed"
+    assert cases["tests/second/test_second.py::test_it"] == {
+        "nodeid": "tests/second/test_second.py::test_it",
+        "outcome": "not run",
+        "seconds": 0.0,
+        "message": "stopped at the runner's timeout of 10 min, before its group started",
+    }
+    assert "1 group(s) of cases not started" in out
+    assert "**FAILED**: stopped at the runner's timeout" in out
+    assert not (root / "out/junit-2.xml").exists()
 
 
 def _records(reports: dict[str, list[tuple[str, str]]], finish: int | None) -> Records:
