@@ -636,17 +636,50 @@ class _Products:
         return dlogits if self.round_logits and dlogits is not None else dl
 
     def grad_hidden(
-        self, dl: torch.Tensor, out: torch.Tensor, row_factor: torch.Tensor | None = None
-    ) -> None:
+        self,
+        dl: torch.Tensor,
+        out: torch.Tensor,
+        row_factor: torch.Tensor | None = None,
+        lifted: bool = False,
+        dl_lift: torch.Tensor | None = None,
+    ) -> torch.Tensor | None:
         """``out = row_factor[:, None] * (dl @ weight)`` in the hidden dtype (``dl`` from
         ``grad_operand``; ``row_factor`` None: no factor); a hidden dtype other than the
-        product's is rounded to once, after the factor."""
+        product's is rounded to once, after the factor.
+
+        ``lifted``: each row is rounded times the power of two :func:`_fp16_lift` gives it
+        (formed in fp32 first), and the factors the rows of ``out`` carry are returned
+        (times ``dl_lift``, the factors ``dl``'s rows already carry); else None."""
+        if lifted:
+            product = _row_scaled(self.mm32(dl, self.weight), row_factor)
+            lift = _fp16_lift(product)
+            out.copy_(product.mul_(lift.unsqueeze(1)))
+            return lift if dl_lift is None else lift * dl_lift
         if dl.dtype == self.weight.dtype == out.dtype:
             product = torch.mm(dl, self.weight, out=out)
             if row_factor is not None:
                 product.mul_(row_factor.unsqueeze(1))
         else:
             out.copy_(_row_scaled(torch.mm(dl, self.weight), row_factor))
+
+
+# fp16's largest finite value is 65504 (just under 2**16); a lifted row's largest magnitude
+# lands in [2**13, 2**14), with room for the upcast and the rounding of what follows.
+_LIFT_TOP = 14
+
+
+def _fp16_lift(rows: torch.Tensor, top: int = _LIFT_TOP) -> torch.Tensor:
+    """Per row of fp32 ``rows``, the power of two that brings its largest magnitude into
+    ``[2**(top - 1), 2**top)``. At the default ``top`` fp16 holds every value of the row
+    down to 2**-10 of its largest with full precision, and more with less (a confident
+    token's gradient, ~1e-6 of another's, would otherwise round to fp16's subnormals or to
+    zero before the loss scale arrives in backward). Rows of zeros or non-finite values get
+    a harmless power too."""
+    if rows.shape[1] == 0:
+        return torch.ones(rows.shape[0], dtype=torch.float32, device=rows.device)
+    _, exponent = torch.frexp(rows.abs().amax(1))  # amax = m * 2**exponent, m in [0.5, 1)
+    shift = (top - exponent).clamp(-100, 100)  # 2**±100: within fp32, far past fp16
+    return torch.ldexp(torch.ones(shift.shape, dtype=torch.float32, device=rows.device), shift)
 
 
 def _accumulator_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -815,9 +848,10 @@ def _chunked_pass(
     chunk_size: int,
     needs: tuple[bool, bool, bool, bool, bool],
     features: _Features = _Features(),
-) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor | None]]:
-    """One walk over the chunks: per-token NLL [N], per-token training loss [N] and the
-    gradients ``needs`` asks for.
+) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor | None], torch.Tensor | None]:
+    """One walk over the chunks: per-token NLL [N], per-token training loss [N], the
+    gradients ``needs`` asks for, and the per-row powers of two an fp16 hidden gradient's
+    rows are stored times (``_fp16_lift``; None for any other).
 
     The chunk math runs as ``_fused.chunk_math`` says: compiled kernels or
     the eager passes. A compilation failure reruns the whole walk eagerly
@@ -840,7 +874,9 @@ def _chunked_pass(
     return _walk(*args, fused=False)
 
 
-def _walk(*args, fused: bool) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor | None]]:
+def _walk(
+    *args, fused: bool
+) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor | None], torch.Tensor | None]:
     """``_chunked_pass`` (same positional arguments) with the chunk math ``fused`` or eager."""
     h, weight, bias, targets, valid, scale, chunk_size, needs, features = args
     n = targets.shape[0]
@@ -860,6 +896,8 @@ def _walk(*args, fused: bool) -> tuple[torch.Tensor, torch.Tensor, list[torch.Te
         rows_of(n, dtype=torch.float32, device=h.device) if features.changes_loss else token_losses
     )
     grad_h = rows_of(h.shape, dtype=h.dtype, device=h.device) if need_h else None
+    # fp16 hidden-gradient rows are stored lifted (see _fp16_lift); skipped rows are zeros.
+    lifts = torch.ones(n, device=h.device) if need_h and h.dtype == torch.float16 else None
     grad_w = zeros(weight, need_w)
     # The standard path sums a full bias's gradient in fp32 (``logits_bias.float()``).
     grad_full = zeros(bias.full, need_full, wide=False)
@@ -889,7 +927,9 @@ def _walk(*args, fused: bool) -> tuple[torch.Tensor, torch.Tensor, list[torch.Te
         # The gradient is row_factor[:, None] * dlogits (row_factor None: dlogits itself).
         row_factor = None
         if fused:
-            dlogits, dl = _fused_dlogits(logits, t, v, row_stats, scale, features, products, needs)
+            dlogits, dl = _fused_dlogits(
+                logits, t, v, row_stats, scale, features, products, needs, lifts is not None
+            )
         else:
             # Folding the row factor into the products needs fp32 operands (a
             # model-dtype operand would be rounded twice) and no full bias
@@ -905,7 +945,14 @@ def _walk(*args, fused: bool) -> tuple[torch.Tensor, torch.Tensor, list[torch.Te
             )
             del cap_slope
         if need_h:
-            span.fill(grad_h, functools.partial(products.grad_hidden, dl, row_factor=row_factor))
+            dl_h, dl_lift = dl, None
+            if lifts is not None and dl.dtype != torch.float32:
+                # The operand is rounded to fp16 too: lift its rows first (max into
+                # [0.5, 1), so that the product stays in range); the weight's keeps dl.
+                dl_lift = _fp16_lift(dlogits, top=0)
+                dl_h = (dlogits * dl_lift.unsqueeze(1)).to(dl.dtype)
+            _fill_grad_hidden(grad_h, lifts, span, products, dl_h, row_factor, dl_lift)
+            del dl_h
         acc = products.accumulated_grad_operand(dlogits, dl)
         if need_w:
             products.addmm32_(grad_w, acc.t(), _row_scaled(h_rows, row_factor))
@@ -919,7 +966,28 @@ def _walk(*args, fused: bool) -> tuple[torch.Tensor, torch.Tensor, list[torch.Te
             products.addmm32_(grad_factor_w, acc.t(), _row_scaled(factor, row_factor))
         # This chunk's model-dtype operand goes before the next chunk makes its own.
         del logits, dlogits, dl, acc, h_rows, row_factor
-    return token_losses, train_losses, [grad_h, grad_w, grad_full, grad_factor, grad_factor_w]
+    grads = [grad_h, grad_w, grad_full, grad_factor, grad_factor_w]
+    return token_losses, train_losses, grads, lifts
+
+
+def _fill_grad_hidden(
+    grad_h: torch.Tensor,
+    lifts: torch.Tensor | None,
+    span: _Span,
+    products: _Products,
+    dl: torch.Tensor,
+    row_factor: torch.Tensor | None,
+    dl_lift: torch.Tensor | None = None,
+) -> None:
+    """Write ``span``'s rows of the hidden gradient, lifted (and their lifts recorded in
+    ``lifts``) where ``lifts`` is given (see ``_Products.grad_hidden``)."""
+
+    def produce(out: torch.Tensor) -> None:
+        lift = products.grad_hidden(dl, out, row_factor, lifted=lifts is not None, dl_lift=dl_lift)
+        if lifts is not None:
+            span.put(lifts, lift)
+
+    span.fill(grad_h, produce)
 
 
 def _eager_dlogits(
@@ -998,15 +1066,16 @@ def _row_scaled(x: torch.Tensor, row_factor: torch.Tensor | None) -> torch.Tenso
     return x if row_factor is None else x * row_factor.unsqueeze(1)
 
 
-def _fused_dlogits(logits, t, v, row_stats, scale, features, products, needs):
+def _fused_dlogits(logits, t, v, row_stats, scale, features, products, needs, keep_fp32):
     """``(fp32 logits gradient or None, its product operand)`` from the compiled kernel.
 
-    The fp32 gradient is written over ``logits`` when the products take fp32
-    or the full bias needs its gradient (``needs[2]``); otherwise the kernel writes the model-dtype
-    operand directly and the fp32 gradient is never formed.
+    The fp32 gradient is written over ``logits`` when the products take fp32,
+    the full bias needs its gradient (``needs[2]``) or ``keep_fp32`` asks for it;
+    otherwise the kernel writes the model-dtype operand directly and the fp32
+    gradient is never formed.
     """
     operand = products.grad_operand_dtype()
-    if operand == torch.float32 or needs[2]:
+    if operand == torch.float32 or needs[2] or keep_fp32:
         dlogits = _fused.dlogits_(logits, t, v, row_stats, scale, features, None)
         return dlogits, products.grad_operand(dlogits)
     return None, _fused.dlogits_(logits, t, v, row_stats, scale, features, operand)
@@ -1024,15 +1093,23 @@ def _keep_graph() -> bool:
 
 
 def _rescaled(
-    g: torch.Tensor, factor: torch.Tensor, dtype: torch.dtype, reuse: bool, in_fp32: bool
+    g: torch.Tensor,
+    factor: torch.Tensor,
+    dtype: torch.dtype,
+    reuse: bool,
+    in_fp32: bool,
+    row_lifts: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``g * factor`` as ``dtype``, written into ``g`` itself when ``reuse``.
+    """``g * factor`` (``g * factor / row_lifts[:, None]`` where ``row_lifts`` is given) as
+    ``dtype``, written into ``g`` itself when ``reuse``.
 
     ``in_fp32``: multiply in fp32 even though ``g`` is low precision (an
     fp16 gradient times a factor that may lie below fp16's range). Otherwise
     the arithmetic is ``g * factor`` in ``g``'s dtype, as autograd would do it.
     Never allocates an fp32 temporary larger than ``_RESCALE_BLOCK`` elements.
     """
+    if row_lifts is not None:
+        in_fp32 = True
     if g.dtype == dtype and not in_fp32:
         return g.mul_(factor) if reuse else g * factor
     if reuse and not in_fp32:
@@ -1040,7 +1117,8 @@ def _rescaled(
     out = g if reuse and g.dtype == dtype else torch.empty(g.shape, dtype=dtype, device=g.device)
     rows = max(1, _RESCALE_BLOCK // max(1, math.prod(g.shape[1:])))
     for s in range(0, g.shape[0], rows):
-        out[s : s + rows] = g[s : s + rows].float() * factor
+        f = factor if row_lifts is None else factor / row_lifts[s : s + rows].unsqueeze(1)
+        out[s : s + rows] = g[s : s + rows].float() * f
     return out
 
 
@@ -1090,7 +1168,7 @@ class _ChunkedCE(torch.autograd.Function):
         bias = _Bias(bias_full, bias_factor, bias_factor_weight, bias_map)
         defer = h.dtype == torch.float16
         scale = torch.ones_like(denom) if defer else denom.reciprocal()
-        token_losses, train_losses, grads = _chunked_pass(
+        token_losses, train_losses, grads, lifts = _chunked_pass(
             h, weight, bias, targets, valid, scale, chunk_size, needs, features
         )
         loss = train_losses.sum() / denom
@@ -1099,7 +1177,10 @@ class _ChunkedCE(torch.autograd.Function):
         inputs = (h, weight, bias_full, bias_factor, bias_factor_weight)
         ctx.dtypes = [None if g is None else x.dtype for g, x in zip(grads, inputs, strict=True)]
         ctx.defer = defer
-        ctx.save_for_backward(denom, *(g for g in grads if g is not None))
+        ctx.lifted = lifts is not None
+        ctx.save_for_backward(
+            denom, *([lifts] if ctx.lifted else []), *(g for g in grads if g is not None)
+        )
         return loss, token_losses
 
     @staticmethod
@@ -1114,6 +1195,7 @@ class _ChunkedCE(torch.autograd.Function):
     @once_differentiable
     def _backward(ctx, grad_loss):
         denom, *saved = ctx.saved_tensors
+        lifts = saved.pop(0) if ctx.lifted else None
         grads = [None] * len(ctx.dtypes)
         if grad_loss is not None:
             # Multiply unconditionally: testing grad_loss == 1 would sync the host.
@@ -1124,7 +1206,12 @@ class _ChunkedCE(torch.autograd.Function):
                 if dtype is not None:
                     g = next(saved_grads)
                     grads[i] = _rescaled(
-                        g, factor, dtype, reuse, in_fp32=ctx.defer and g.dtype != torch.float32
+                        g,
+                        factor,
+                        dtype,
+                        reuse,
+                        in_fp32=ctx.defer and g.dtype != torch.float32,
+                        row_lifts=lifts if i == 0 else None,
                     )
         return (*grads, None, None, None, None, None, None, None)
 
@@ -1487,7 +1574,7 @@ def per_token_cross_entropy(
         bias = _resolve_bias(logits_bias, logits_bias_weight, lead, vocab, hidden_states.device)
         flat_targets = targets.reshape(-1)
         h = hidden_states.reshape(-1, hidden_states.shape[-1])
-        out, _, _ = _chunked_pass(
+        out, _, _, _ = _chunked_pass(
             h,
             weight,
             bias,
