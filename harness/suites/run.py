@@ -597,8 +597,8 @@ def _select_file(run: _Run, k: int) -> Path:
 #: pytest's process (xdist's workers copy its ``sys.path``), not in the environment,
 #: where it would shadow what a test's own subprocess or virtualenv installs.
 _PYTEST_FROM_ROOT = (
-    "import sys; sys.path.insert(0, sys.argv.pop(1)); import pytest; "
-    "sys.exit(pytest.console_main())"
+    "import runpy, sys; sys.path.insert(0, sys.argv.pop(1)); "
+    "runpy.run_module('pytest', run_name='__main__', alter_sys=True)"
 )
 
 

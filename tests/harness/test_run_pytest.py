@@ -498,3 +498,18 @@ def test_coverage_through_harness_run_covers_every_group(pytester):
     done = harness(root, *args)
     assert done.returncode == 1, done.stdout + done.stderr
     assert "pytest exited with 1 though no case failed" in done.stdout, done.stdout
+
+
+def test_a_run_under_python_warnings_as_errors_runs_its_cases(pytester):
+    # Regression: harness run started pytest through pytest.console_main(), which pytest
+    # 9.2 deprecates: each group printed the warning, and under PYTHONWARNINGS=error pytest
+    # died before collecting (every case "missing").
+    root = make_project(
+        pytester.path,
+        {"tests/a/test_a.py": "def test_ok():\n    pass\n"},
+        {"cpu": manifest("cpu", "cpu", [{"id": "a", "paths": ["tests/a"]}])},
+    )
+    done = harness(root, "run", "cpu", "--out", "out", env={"PYTHONWARNINGS": "error"})
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert outcomes(root / "out") == {"tests/a/test_a.py::test_ok": "passed"}
+    assert "console_main" not in done.stdout + done.stderr
