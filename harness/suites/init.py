@@ -86,10 +86,41 @@ class PytestLayout:
     unloadable: tuple[str, ...] = field(default=())
 
 
+# Where pytest reads its configuration from, and what marks the file as one (None: any).
+_PYTEST_CONFIGS = (
+    ("pytest.ini", None),
+    (".pytest.ini", None),
+    ("pyproject.toml", "[tool.pytest"),
+    ("tox.ini", "[pytest]"),
+    ("setup.cfg", "[tool:pytest]"),
+)
+
+
+def pytest_config_in(folder: Path) -> Path | None:
+    """The pytest configuration file in ``folder``, as pytest looks for one; else None."""
+    for name, marker in _PYTEST_CONFIGS:
+        f = folder / name
+        try:
+            if f.is_file() and (marker is None or marker in f.read_text(errors="replace")):
+                return f
+        except OSError:
+            continue
+    return None
+
+
 def read_pytest_layout(root: Path) -> PytestLayout:
     """Ask pytest (the inventory's in-process collect-only run, from ``root`` with
-    no arguments) what it would run; raises ``InitError`` when pytest itself fails."""
+    no arguments) what it would run; raises ``InitError`` when pytest itself fails, or
+    when ``root`` has no pytest configuration and a folder above it has one (``root`` is
+    a subfolder of the project: suites written there would not be found)."""
     root = root.resolve()
+    if pytest_config_in(root) is None:
+        above = next((pytest_config_in(d) for d in root.parents if pytest_config_in(d)), None)
+        if above is not None:
+            raise InitError(
+                f"{root} is inside the project that {above} configures: run harness init "
+                f"in {above.parent} (or pass --root {above.parent})"
+            )
     found = collect(root, None)
     broken = [p for p in found.problems if p.file == "."]
     if broken:

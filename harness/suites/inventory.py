@@ -191,7 +191,8 @@ def _collection_error(report: Any, root: Path) -> Problem:
         where = f"line {own[-1]}, raised at {deepest}"
     else:
         where = f"raised at {deepest}" if deepest else ""
-    rule = names.MISSING_DEPENDENCY if _absent_module(file, message) else names.COLLECTION_ERROR
+    absent = _absent_module(file, message, root)
+    rule = names.MISSING_DEPENDENCY if absent else names.COLLECTION_ERROR
     return Problem(rule, file, where, message)
 
 
@@ -200,12 +201,19 @@ def _collection_error(report: Any, root: Path) -> Problem:
 _NO_MODULE = re.compile(r"ModuleNotFoundError: No module named '(?P<top>[^'.]+)[^']*'")
 
 
-def _absent_module(file: str, message: str) -> str | None:
+def _absent_module(file: str, message: str, root: Path) -> str | None:
     """The top-level module whose absence kept test module ``file`` from importing, when
-    nothing on the current ``sys.path`` (the collection's) provides it; else None."""
+    nothing on the current ``sys.path`` (the collection's) provides it and no folder from
+    the file's up to ``root`` holds a module of that name (the repository's own, imported
+    the wrong way: an error no install mends); else None."""
     m = _NO_MODULE.fullmatch(message)
     if m is None or not is_test_module(file):
         return None
+    for folder in (root / file).parents:
+        if (folder / f"{m['top']}.py").exists() or (folder / m["top"]).is_dir():
+            return None
+        if folder == root:
+            break
     try:
         found = importlib.util.find_spec(m["top"]) is not None
     except (ImportError, ValueError):
@@ -478,7 +486,11 @@ def collect(root: Path, targets: Sequence[str] | None) -> Collection:
     gc.disable()
     try:
         with _quiet_in(root) as out:
-            code = pytest.main(args, plugins=[rec])
+            try:
+                code = pytest.main(args, plugins=[rec])
+            except Exception as exc:  # before its session: a config warning made an error
+                print(f"{type(exc).__name__}: {exc}", file=out)
+                code = pytest.ExitCode.INTERNAL_ERROR
     finally:
         if gc_was_enabled:
             gc.enable()

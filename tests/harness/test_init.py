@@ -249,3 +249,19 @@ def test_init_without_accelerators_names_the_accelerator_cases_it_leaves_unowned
     assert again.returncode == 0, again.stderr
     assert "which no suite written here owns" not in again.stderr
     assert harness(root, "inventory").returncode == 0
+
+
+def test_init_in_a_subfolder_of_a_configured_project_refuses_and_names_the_root(tmp_path):
+    # Regression: run in tests/ it wrote tests/suites/cpu.json (owning "test_a.py"), which
+    # `harness inventory` at the root never found.
+    (tmp_path / "pyproject.toml").write_text('[tool.pytest.ini_options]\ntestpaths = ["tests"]\n')
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests/test_a.py").write_text("def test_a():\n    pass\n")
+    done = harness(tmp_path / "tests", "init")
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert f"inside the project that {tmp_path / 'pyproject.toml'} configures" in done.stderr
+    assert f"--root {tmp_path}" in done.stderr
+    assert not (tmp_path / "tests/suites").exists()
+    done = harness(tmp_path, "init")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert (tmp_path / "suites/cpu.json").exists()

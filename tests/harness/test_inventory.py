@@ -275,6 +275,25 @@ def test_rule_collection_error(pytester):
     assert "name_that_os_lacks" in p.message
 
 
+def test_a_module_of_the_repository_that_does_not_import_stays_an_error(pytester):
+    # Regression: under --import-mode=importlib a test's own folder is not importable, and
+    # `import helpers_here` (tests/helpers_here.py) was "not installed", a warning no
+    # install mends.
+    tests = {
+        "tests/test_a.py": DEVICE_TESTS,
+        "tests/helpers_here.py": "X = 1\n",
+        "tests/deep/test_h.py": "import helpers_here\n",
+    }
+    root = project(pytester, tests)
+    (root / "pyproject.toml").write_text(
+        '[tool.pytest.ini_options]\ntestpaths = ["tests"]\naddopts = "--import-mode=importlib"\n'
+    )
+    inv = build_inventory(root)
+    (p,) = inv.problems
+    assert (p.rule, p.file) == ("collection-error", "tests/deep/test_h.py"), str(p)
+    assert p.message == "ModuleNotFoundError: No module named 'helpers_here'"
+
+
 def test_rule_missing_dependency_is_a_warning_grouped_by_module(pytester, capsys):
     # Regression: in an environment without the tests' dependencies (a lint job with only
     # the harness installed), every test file importing one was a collection-error, and
@@ -641,3 +660,17 @@ def test_default_output_is_one_line_per_entry(pytester, capsys):
     out = capsys.readouterr().out.splitlines()
     assert out[0].split()[:2] == ["CASE", "DEVICE"]
     assert len(out) == 1 + 4 + 1  # header, every case, the count line
+
+
+def test_pytest_failing_before_its_session_is_a_problem_not_a_traceback(pytester, capsys):
+    # Regression: a configuration warning made an error (filterwarnings = error) escaped
+    # pytest.main as an exception: `harness inventory` / `init` ended in a traceback.
+    root = project(pytester)
+    (root / "pyproject.toml").write_text(
+        '[tool.pytest.ini_options]\ntestpaths = ["not_here"]\nfilterwarnings = ["error"]\n'
+    )
+    assert main(["--root", str(root), "inventory"]) == 1
+    err = capsys.readouterr().err
+    assert "[collection-error] pytest exited with 3" in err, err
+    assert "PytestConfigWarning: No files were found in testpaths" in err, err
+    assert "entry-matches-nothing" not in err, err
