@@ -82,7 +82,11 @@ def _add_inventory(sub: argparse._SubParsersAction) -> None:
     inv.add_argument(
         "suites", nargs="*", metavar="SUITE", help="suite names or manifest paths (default: all)"
     )
-    inv.add_argument("--json", action="store_true", help='print {"cases": [...], "errors": [...]}')
+    inv.add_argument(
+        "--json",
+        action="store_true",
+        help='print {"cases": [...], "errors": [...], "warnings": [...]}',
+    )
     inv.add_argument(
         "--cases", action="store_true", help="list every case, not one line per suite entry"
     )

@@ -137,7 +137,9 @@ class SuiteInventory:
         return out
 
     def as_dict(self, suites: Iterable[str] | None = None) -> dict[str, Any]:
-        """JSON form ``{"cases": [...], "errors": [...]}``, limited to ``suites`` when given."""
+        """JSON form ``{"cases": [...], "errors": [...], "warnings": [...]}`` (warnings: the
+        problems of ``harness.names.WARNING_RULES``, which do not fail the inventory),
+        limited to ``suites`` when given."""
         wanted = set(suites) if suites is not None else None
         cases = []
         for c in self.cases:
@@ -154,7 +156,11 @@ class SuiteInventory:
                     "entries": [f"{s}:{e}" for s, e in owners],
                 }
             )
-        return {"cases": cases, "errors": [p.as_dict() for p in self.problems]}
+        return {
+            "cases": cases,
+            "errors": [p.as_dict() for p in self.problems if p.rule not in names.WARNING_RULES],
+            "warnings": [p.as_dict() for p in self.problems if p.rule in names.WARNING_RULES],
+        }
 
 
 # --------------------------------------------------------------------------- collection

@@ -342,6 +342,11 @@ def test_rule_missing_dependency_is_a_warning_grouped_by_module(pytester, capsys
     assert "error: " not in err, err
     assert "[missing-dependency] module 'absent_distribution_one'" in err
     assert "0 problem(s), 2 warning(s)" in out
+    # --json keeps them apart from the errors (a CI step failing on "errors" stays green).
+    assert main(["--root", str(root), "inventory", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["errors"] == []
+    assert [w["rule"] for w in doc["warnings"]] == ["missing-dependency"] * 2
 
 
 def test_a_session_wide_collection_failure_is_reported_alone(pytester, monkeypatch, tmp_path):
@@ -411,7 +416,7 @@ def test_cli_inventory_json_and_exit_codes(pytester, capsys):
     )
     assert main(["--root", str(pytester.path), "inventory", "--json"]) == 1
     doc = json.loads(capsys.readouterr().out)
-    assert set(doc) == {"cases", "errors"}
+    assert set(doc) == {"cases", "errors", "warnings"}
     assert {c["nodeid"] for c in doc["cases"]} >= {
         "tests/test_a.py::test_dev[npu]",
         "tests/x/test_b.py::test_b",
