@@ -677,7 +677,8 @@ def _fp16_lift(rows: torch.Tensor, top: int = _LIFT_TOP) -> torch.Tensor:
     a harmless power too."""
     if rows.shape[1] == 0:
         return torch.ones(rows.shape[0], dtype=torch.float32, device=rows.device)
-    _, exponent = torch.frexp(rows.abs().amax(1))  # amax = m * 2**exponent, m in [0.5, 1)
+    # The largest magnitude without an |rows| temporary; = m * 2**exponent, m in [0.5, 1).
+    _, exponent = torch.frexp(torch.maximum(rows.amax(1), rows.amin(1).neg()))
     shift = (top - exponent).clamp(-100, 100)  # 2**±100: within fp32, far past fp16
     return torch.ldexp(torch.ones(shift.shape, dtype=torch.float32, device=rows.device), shift)
 
@@ -897,7 +898,11 @@ def _walk(
     )
     grad_h = rows_of(h.shape, dtype=h.dtype, device=h.device) if need_h else None
     # fp16 hidden-gradient rows are stored lifted (see _fp16_lift); skipped rows are zeros.
-    lifts = torch.ones(n, device=h.device) if need_h and h.dtype == torch.float16 else None
+    lifts = (
+        torch.ones(n, dtype=torch.float32, device=h.device)
+        if need_h and h.dtype == torch.float16
+        else None
+    )
     grad_w = zeros(weight, need_w)
     # The standard path sums a full bias's gradient in fp32 (``logits_bias.float()``).
     grad_full = zeros(bias.full, need_full, wide=False)
@@ -950,7 +955,13 @@ def _walk(
                 # The operand is rounded to fp16 too: lift its rows first (max into
                 # [0.5, 1), so that the product stays in range); the weight's keeps dl.
                 dl_lift = _fp16_lift(dlogits, top=0)
-                dl_h = (dlogits * dl_lift.unsqueeze(1)).to(dl.dtype)
+                # Lifted in place and back (exact: powers of two), not into an fp32
+                # temporary; rounded over dl where the other products take the fp32
+                # gradient instead ("mixed").
+                reuse = products.accumulated_grad_operand(dlogits, dl) is not dl
+                dl_h = dl if reuse else torch.empty_like(dl)
+                dl_h.copy_(dlogits.mul_(dl_lift.unsqueeze(1)))
+                dlogits.div_(dl_lift.unsqueeze(1))
             _fill_grad_hidden(grad_h, lifts, span, products, dl_h, row_factor, dl_lift)
             del dl_h
         acc = products.accumulated_grad_operand(dlogits, dl)

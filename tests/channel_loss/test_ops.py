@@ -640,6 +640,30 @@ def test_fp16_hidden_gradient_of_confident_tokens_survives_loss_scaling(policy, 
     assert _rel_l2(our_grad, ref) <= 1.5 * std_error, (std_error, _rel_l2(our_grad, ref))
 
 
+def test_fp16_hidden_gradient_does_not_depend_on_the_default_dtype():
+    # Regression: the per-row lifts took the default dtype; under fp16 a lift of 2**16 or
+    # more was inf and backward returned rows of exact zeros (LLM-sized weights: all rows).
+    g = torch.Generator().manual_seed(3)
+    h = torch.randn(32, 16, generator=g).half()
+    w = (0.02 * torch.randn(64, 16, generator=g)).half()
+    targets = torch.randint(0, 64, (32,), generator=g)
+
+    def grad() -> torch.Tensor:
+        x = h.clone().requires_grad_()
+        cl.chunk_cross_entropy(x, w, shift_labels=targets, chunk_size=8).backward()
+        return x.grad
+
+    want = grad()
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float16)
+    try:
+        got = grad()
+    finally:
+        torch.set_default_dtype(previous)
+    assert bool(want.abs().gt(0).any(dim=1).all())
+    assert torch.equal(got, want)
+
+
 def test_fp16_gradient_buffers_stay_fp16():
     """The fp16 fix holds no wider buffer: the saved hidden gradient keeps the input dtype."""
     inputs, labels = make_inputs(lead=(4, 8), H=8, V=40, bias="none", dtype=torch.float16)
