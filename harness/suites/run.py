@@ -429,14 +429,16 @@ def _run_pytest(
         stop.tree.clear()
 
 
-#: The exit code of a pytest group the runner's timeout stopped or never let start
-#: (``timeout``'s convention).
+#: The exit code of a pytest group the runner's timeout stopped (``timeout``'s convention).
 TIMED_OUT = 124
+
+
+_TIMEOUT_REASON = "stopped at the runner's timeout"
 
 
 def _timed_out(limit_s: float) -> str:
     """Why the runner's timeout stopped cases (the ``halted`` reason)."""
-    return f"stopped at the runner's timeout of {limit_s / 60:.0f} min"
+    return f"{_TIMEOUT_REASON} of {limit_s / 60:.0f} min"
 
 
 class _Refused(Exception):
@@ -709,11 +711,14 @@ def _run_groups(
     codes: list[int] = []
     junits: list[Path] = []
     halted: list[str] = []
+    ended = ""  # why pytest itself ended the last group early (-x, --maxfail, pytest.exit)
     for k, g in enumerate(groups, 1):
         if stop.signum is not None:
             why = f"interrupted by {stop.name}"
         elif halted and halted[-1]:
             why = halted[-1]
+        elif ended:  # the caller's -x stops the run, not only the group it came in
+            why = ended
         else:  # a group that ended just in time leaves none for the next
             why = _timed_out(limit_s) if time.monotonic() >= deadline else ""
         if why:
@@ -721,8 +726,6 @@ def _run_groups(
             _print(f"{why}: {left} group(s) of cases not started")
             # Their cases are not run, for the same reason as the group it stopped.
             halted += [f"{why}, before its group started"] * left
-            if stop.signum is None and TIMED_OUT not in codes:
-                codes.append(TIMED_OUT)
             break
         cmd = _pytest_command(run, k, g.timeout, g.cases, g.workers)
         if len(groups) > 1:
@@ -738,10 +741,21 @@ def _run_groups(
         codes.append(code)
         halted.append(why)
         junits.append(run.out / f"junit-{k}.xml")
+        records = selection.read_records(_select_file(run, k))
+        if records.stopped:
+            ended = f"pytest stopped ({records.stopped})"
+        elif code == _PYTEST_INTERRUPTED:
+            ended = "pytest was interrupted (pytest.exit or KeyboardInterrupt in a test)"
     return codes, junits, halted
 
 
-def _verdict(total: report.EntryRow, codes: Sequence[int], stop: _Stop) -> list[str]:
+#: pytest's ``ExitCode.INTERRUPTED`` (pytest is not imported by this process to run).
+_PYTEST_INTERRUPTED = 2
+
+
+def _verdict(
+    total: report.EntryRow, codes: Sequence[int], halted: Sequence[str], stop: _Stop
+) -> list[str]:
     """Why the run is red (empty: green). Cases pytest's own options deselected or left
     unrun (``-k``, ``--lf``, ``-x``, ``--collect-only``) are the caller's choice, not a failure."""
     narrowed = bool(total.deselected or total.not_run)
@@ -752,9 +766,15 @@ def _verdict(total: report.EntryRow, codes: Sequence[int], stop: _Stop) -> list[
         verdict.append(f"{total.missing} planned case(s) never ran")
     if not total.passed and not narrowed:
         verdict.append(f"no case passed ({total.skipped} skipped)")
-    if TIMED_OUT in codes and stop.signum is None:
-        verdict.append("stopped at the runner's timeout")
-    bad_codes = [c for c in codes if c not in (0, 1, 5, TIMED_OUT) and stop.signum is None]
+    timed_out = [h.startswith(_TIMEOUT_REASON) for h in halted]
+    if any(timed_out) and stop.signum is None:
+        verdict.append(_TIMEOUT_REASON)
+    # A group the timeout stopped exits 124 by our hand; any other 124 is pytest's own.
+    bad_codes = [
+        c
+        for c, late in zip(codes, timed_out, strict=False)  # unstarted groups: no code
+        if c not in (0, 1, 5) and not late and stop.signum is None
+    ]
     if bad_codes:
         verdict.append(f"pytest exited with {', '.join(map(str, bad_codes))}")
     if 1 in codes and not total.failed and stop.signum is None:
@@ -791,7 +811,7 @@ def _report(
         shutil.copyfile(junit_all, asked)
     rows = report.summarize([(c.nodeid, e.id, c.cards) for c, e in run.cases], results)
     table = report.render(rows, run.title, time.monotonic() - run.started)
-    verdict = _verdict(report.totals(rows), codes, stop)
+    verdict = _verdict(report.totals(rows), codes, halted, stop)
     detail = report.failures(results)
     for headline, log in selection.fired(run.out):
         detail += f"- watchdog: {headline}; stacks in {log}\n"

@@ -513,3 +513,38 @@ def test_a_run_under_python_warnings_as_errors_runs_its_cases(pytester):
     assert done.returncode == 0, done.stdout + done.stderr
     assert outcomes(root / "out") == {"tests/a/test_a.py::test_ok": "passed"}
     assert "console_main" not in done.stdout + done.stderr
+
+
+TWO_GROUPS = [
+    {"id": "first", "paths": ["tests/first"], "timeout_s": 60},
+    {"id": "second", "paths": ["tests/second"], "timeout_s": 120},
+]
+
+
+def test_x_stops_the_whole_run_not_only_its_group(pytester):
+    # Regression: -x stopped the pytest of the group where the failure came; the next
+    # group still started and ran its cases.
+    tests = {
+        "tests/first/test_first.py": "def test_fails():\n    assert False\n",
+        "tests/second/test_second.py": "def test_it():\n    pass\n",
+    }
+    root = make_project(pytester.path, tests, {"cpu": manifest("cpu", "cpu", TWO_GROUPS)})
+    done = harness(root, "run", "cpu", "--out", "out", "--", "-x")
+    assert done.returncode == 1, done.stdout + done.stderr
+    cases = {c["nodeid"]: c for c in json.loads((root / "out/summary.json").read_text())["cases"]}
+    assert cases["tests/first/test_first.py::test_fails"]["outcome"] == "failed"
+    second = cases["tests/second/test_second.py::test_it"]
+    assert second["outcome"] == "not run", second
+    assert second["message"].startswith("pytest stopped (stopping after 1 failures")
+    assert second["message"].endswith(", before its group started")
+    assert not (root / "out/junit-2.xml").exists()
+
+
+def test_a_pytest_that_exits_124_itself_is_not_the_runners_timeout(pytester):
+    # Regression: exit status 124 of pytest's own was reported as the runner's timeout.
+    tests = {"tests/first/test_first.py": "import os\n\ndef test_it():\n    os._exit(124)\n"}
+    root = make_project(pytester.path, tests, {"cpu": manifest("cpu", "cpu", TWO_GROUPS[:1])})
+    done = harness(root, "run", "cpu", "--out", "out", "--", "-p", "no:xdist")
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "pytest exited with 124" in done.stdout
+    assert "runner's timeout" not in done.stdout
