@@ -342,6 +342,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     convention) for every subcommand; Ctrl-C exits 130 and a closed stdout (``| head``)
     141, the codes a shell shows for SIGINT and SIGPIPE, without a traceback.
     """
+    try:
+        code = _main(argv)
+        if sys.stdout is not None:  # a closed stdout (`>&-`) has none
+            sys.stdout.flush()  # a reader gone (`| head`) shows here, not as an error at exit
+        return code
+    except BrokenPipeError:
+        # What a SIGPIPE would do, without a traceback; stdout goes nowhere from here on,
+        # so that Python's own flush at exit does not fail a second time.
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
+
+
+def _main(argv: Sequence[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     extra: list[str] = []
     if "--" in argv:
@@ -357,15 +371,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.pytest_args = [*unknown, *extra]
     root = (args.root or (Path.cwd() if args.root_is_cwd else find_root())).resolve()
     try:
-        code = args.handler(root, args)
-        sys.stdout.flush()  # a reader gone (`| head`) shows here, not as an error at exit
-        return code
+        return args.handler(root, args)
     except KeyboardInterrupt:  # Ctrl-C: stop without a traceback, with the shell's code
         print(f"harness {args.command}: interrupted", file=sys.stderr)
         return 128 + signal.SIGINT
-    except BrokenPipeError:
-        # What a SIGPIPE would do, without a traceback; stdout goes nowhere from here on,
-        # so that Python's own flush at exit does not fail a second time.
-        with contextlib.suppress(OSError, ValueError):
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 128 + signal.SIGPIPE

@@ -888,7 +888,8 @@ def test_inventory_and_run_need_neither_torch_nor_xdist(tmp_path):
     assert done.stderr.startswith("harness: missing dependency psutil"), done.stderr
 
 
-def test_a_reader_that_stops_early_ends_the_command_quietly(tmp_path):
+@pytest.mark.parametrize("args", [["inventory", "--cases"], ["--version"]])
+def test_a_reader_that_stops_early_ends_the_command_quietly(tmp_path, args):
     # Regression: `harness inventory --cases | head -1` ended in a BrokenPipeError traceback.
     root = make_project(
         tmp_path,
@@ -897,7 +898,7 @@ def test_a_reader_that_stops_early_ends_the_command_quietly(tmp_path):
     )
     env = {k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "harness", "inventory", "--cases"],
+        [sys.executable, "-m", "harness", *args],
         cwd=root,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -913,3 +914,24 @@ def test_a_reader_that_stops_early_ends_the_command_quietly(tmp_path):
     assert "Traceback" not in err, err
     assert "BrokenPipeError" not in err, err
     assert code == 128 + signal.SIGPIPE, err  # as a shell shows a process SIGPIPE killed
+
+
+def test_a_closed_stdout_is_no_traceback(tmp_path):
+    # Regression: with stdout closed (`>&-`, sys.stdout None) the flush added for `| head`
+    # raised AttributeError.
+    root = make_project(
+        tmp_path,
+        {"tests/plain/test_p.py": "def test_ok():\n    pass\n"},
+        {"cpu": manifest("cpu", "cpu", [{"id": "plain", "paths": ["tests/plain"]}])},
+    )
+    env = {k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"}
+    done = subprocess.run(
+        ["sh", "-c", f'"{sys.executable}" -m harness inventory >&-'],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    assert "Traceback" not in done.stderr, done.stderr
+    assert done.returncode == 0, done.stderr
