@@ -28,7 +28,7 @@ import json
 import os
 import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -86,22 +86,52 @@ class PytestLayout:
     unloadable: tuple[str, ...] = field(default=())
 
 
-# Where pytest reads its configuration from, and what marks the file as one (None: any).
-_PYTEST_CONFIGS = (
-    ("pytest.ini", None),
-    (".pytest.ini", None),
-    ("pyproject.toml", "[tool.pytest"),
-    ("tox.ini", "[pytest]"),
-    ("setup.cfg", "[tool:pytest]"),
+def _toml_has(text: str, *path: str) -> bool:
+    """Whether TOML ``text`` has the table ``path`` (False for a file that is no TOML)."""
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10: a header line is as near as the standard library gets
+        head = f"[{'.'.join(path)}"
+        return any(line.strip().startswith((f"{head}]", f"{head}.")) for line in text.splitlines())
+    try:
+        doc: object = tomllib.loads(text)
+    except tomllib.TOMLDecodeError:
+        return False
+    for key in path:
+        if not isinstance(doc, dict) or key not in doc:
+            return False
+        doc = doc[key]
+    return True
+
+
+def _ini_has(text: str, section: str) -> bool:
+    return any(line.strip() == f"[{section}]" for line in text.splitlines())
+
+
+# Where pytest reads its configuration from, in pytest's order, and what makes the file
+# one: pytest.toml / .pytest.toml / pytest.ini / .pytest.ini always; pyproject.toml with
+# [tool.pytest] (pytest 9) or [tool.pytest.ini_options]; tox.ini with [pytest]; setup.cfg
+# with [tool:pytest].
+_PYTEST_CONFIGS: tuple[tuple[str, Callable[[str], bool]], ...] = (
+    ("pytest.toml", lambda text: True),
+    (".pytest.toml", lambda text: True),
+    ("pytest.ini", lambda text: True),
+    (".pytest.ini", lambda text: True),
+    (
+        "pyproject.toml",
+        lambda text: _toml_has(text, "tool", "pytest"),
+    ),
+    ("tox.ini", lambda text: _ini_has(text, "pytest")),
+    ("setup.cfg", lambda text: _ini_has(text, "tool:pytest")),
 )
 
 
 def pytest_config_in(folder: Path) -> Path | None:
     """The pytest configuration file in ``folder``, as pytest looks for one; else None."""
-    for name, marker in _PYTEST_CONFIGS:
+    for name, is_config in _PYTEST_CONFIGS:
         f = folder / name
         try:
-            if f.is_file() and (marker is None or marker in f.read_text(errors="replace")):
+            if f.is_file() and is_config(f.read_text(errors="replace")):
                 return f
         except OSError:
             continue

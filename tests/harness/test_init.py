@@ -13,6 +13,7 @@ import textwrap
 from pathlib import Path
 
 import jsonschema
+import pytest
 import yaml
 
 from harness.suites.manifest import load_schema
@@ -265,3 +266,30 @@ def test_init_in_a_subfolder_of_a_configured_project_refuses_and_names_the_root(
     done = harness(tmp_path, "init")
     assert done.returncode == 0, done.stdout + done.stderr
     assert (tmp_path / "suites/cpu.json").exists()
+
+
+@pytest.mark.parametrize(
+    ("files", "where", "refused"),
+    [
+        # pytest 9 reads pytest.toml first: a subproject with its own is a project.
+        (
+            {"pyproject.toml": "[tool.pytest.ini_options]\n", "sub/pytest.toml": "[pytest]\n"},
+            "sub",
+            False,
+        ),
+        # ... and a pytest.toml above a subfolder configures it.
+        ({"pytest.toml": "[pytest]\n"}, "sub", True),
+        # Another tool's table named like pytest's is no pytest configuration.
+        ({"pyproject.toml": "[tool.pytest_env]\nX = '1'\n"}, "sub", False),
+    ],
+)
+def test_init_reads_pytest_configuration_files_as_pytest_does(tmp_path, files, where, refused):
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    (tmp_path / where / "tests").mkdir(parents=True)
+    (tmp_path / where / "tests/test_a.py").write_text("def test_a():\n    pass\n")
+    done = harness(tmp_path / where, "init")
+    assert done.returncode == (1 if refused else 0), done.stdout + done.stderr
+    assert ("inside the project that" in done.stderr) == refused, done.stderr
+    assert (tmp_path / where / "suites/cpu.json").exists() != refused
