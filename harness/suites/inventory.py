@@ -197,7 +197,8 @@ def _collection_error(report: Any, root: Path) -> Problem:
         where = f"line {own[-1]}, raised at {deepest}"
     else:
         where = f"raised at {deepest}" if deepest else ""
-    absent = _absent_module(file, message, root)
+    raised_in = [name for name, _ in frames[-1:]]
+    absent = _absent_module(file, message, root, raised_in)
     rule = names.MISSING_DEPENDENCY if absent else names.COLLECTION_ERROR
     return Problem(rule, file, where, message)
 
@@ -207,19 +208,24 @@ def _collection_error(report: Any, root: Path) -> Problem:
 _NO_MODULE = re.compile(r"ModuleNotFoundError: No module named '(?P<top>[^'.]+)[^']*'")
 
 
-def _absent_module(file: str, message: str, root: Path) -> str | None:
+def _absent_module(
+    file: str, message: str, root: Path, raised_in: Sequence[str] = ()
+) -> str | None:
     """The top-level module whose absence kept test module ``file`` from importing, when
     nothing on the current ``sys.path`` (the collection's) provides it and no folder from
-    the file's up to ``root`` holds a module of that name (the repository's own, imported
-    the wrong way: an error no install mends); else None."""
+    the file's, or from that of the repository file that raised (``raised_in``), up to
+    ``root`` holds a module or package of that name (the repository's own, imported the
+    wrong way: an error no install mends); else None."""
     m = _NO_MODULE.fullmatch(message)
     if m is None or not is_test_module(file):
         return None
-    for folder in (root / file).parents:
-        if (folder / f"{m['top']}.py").exists() or (folder / m["top"]).is_dir():
-            return None
-        if folder == root:
-            break
+    top = m["top"]
+    for start in (file, *raised_in):
+        for folder in (root / start).parents:
+            if (folder / f"{top}.py").exists() or (folder / top / "__init__.py").exists():
+                return None
+            if folder == root:
+                break
     try:
         found = importlib.util.find_spec(m["top"]) is not None
     except (ImportError, ValueError):

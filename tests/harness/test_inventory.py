@@ -283,15 +283,21 @@ def test_a_module_of_the_repository_that_does_not_import_stays_an_error(pytester
         "tests/test_a.py": DEVICE_TESTS,
         "tests/helpers_here.py": "X = 1\n",
         "tests/deep/test_h.py": "import helpers_here\n",
+        # A test folder named like the library it tests is no module of that name.
+        "tests/nosuchlib/test_t.py": "import nosuchlib\n",
     }
     root = project(pytester, tests)
     (root / "pyproject.toml").write_text(
         '[tool.pytest.ini_options]\ntestpaths = ["tests"]\naddopts = "--import-mode=importlib"\n'
     )
     inv = build_inventory(root)
-    (p,) = inv.problems
-    assert (p.rule, p.file) == ("collection-error", "tests/deep/test_h.py"), str(p)
-    assert p.message == "ModuleNotFoundError: No module named 'helpers_here'"
+    got = sorted((p.rule, p.file, p.message) for p in inv.problems)
+    assert got[0] == (
+        "collection-error",
+        "tests/deep/test_h.py",
+        "ModuleNotFoundError: No module named 'helpers_here'",
+    ), got
+    assert [(r, f) for r, f, _ in got[1:]] == [("missing-dependency", "tests/nosuchlib/test_t.py")]
 
 
 def test_rule_missing_dependency_is_a_warning_grouped_by_module(pytester, capsys):
@@ -307,6 +313,11 @@ def test_rule_missing_dependency_is_a_warning_grouped_by_module(pytester, capsys
         "tests/local/helpers_pkg/__init__.py": "",
         "tests/local/test_local.py": "import helpers_pkg.not_there\n",
         "tests/local/test_stdlib.py": "import json.not_there\n",
+        # ... and so does a sibling that a helper (the file that raised) imports so.
+        "tests/local/lib/__init__.py": "",
+        "tests/local/lib/helper.py": "import utils_sib\n",
+        "tests/local/lib/utils_sib.py": "",
+        "tests/local/test_lib.py": "from lib import helper\n",
     }
     entries = [
         {"id": "a", "paths": ["tests/test_a.py"]},
@@ -318,6 +329,7 @@ def test_rule_missing_dependency_is_a_warning_grouped_by_module(pytester, capsys
     assert rules(inv) == ["collection-error", "missing-dependency"], [str(p) for p in inv.problems]
     errors = sorted((p.file, p.message) for p in only(inv, "collection-error"))
     assert errors == [
+        ("tests/local/test_lib.py", "ModuleNotFoundError: No module named 'utils_sib'"),
         (
             "tests/local/test_local.py",
             "ModuleNotFoundError: No module named 'helpers_pkg.not_there'",
@@ -334,7 +346,7 @@ def test_rule_missing_dependency_is_a_warning_grouped_by_module(pytester, capsys
     # The files are owned by their entry, which is not idle.
     assert {"tests/deps/test_one.py", "tests/deps/test_two.py"} <= set(inv.unloadable)
 
-    for f in ("test_local.py", "test_stdlib.py"):
+    for f in ("test_local.py", "test_stdlib.py", "test_lib.py"):
         (root / "tests/local" / f).write_text("def test_fixed():\n    pass\n")
     assert main(["--root", str(root), "inventory", "-q"]) == 0
     out, err = capsys.readouterr()
