@@ -165,10 +165,12 @@ def _settings_from(config: pytest.Config) -> Settings:
         except ValueError as exc:
             raise pytest.UsageError(str(exc)) from None
     lease_dir, lease_dir_source = resolve_lease_dir(opt("harness_lease_dir"))
-    try:
-        check_lease_dir(lease_dir, lease_dir_source)  # once here, not as an error per test
-    except LeaseError as exc:
-        raise pytest.UsageError(str(exc)) from None
+    # A collect-only session (`--co`, the inventory, the planner) leases nothing.
+    if not opt("collectonly"):
+        try:
+            check_lease_dir(lease_dir, lease_dir_source)  # once here, not per test
+        except LeaseError as exc:
+            raise pytest.UsageError(str(exc)) from None
     return Settings(
         timeout=opt("harness_timeout"),
         lease_dir=lease_dir,

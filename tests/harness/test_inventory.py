@@ -361,17 +361,26 @@ def test_rule_missing_dependency_is_a_warning_grouped_by_module(pytester, capsys
     assert [w["rule"] for w in doc["warnings"]] == ["missing-dependency"] * 2
 
 
-def test_a_session_wide_collection_failure_is_reported_alone(pytester, monkeypatch, tmp_path):
-    # Regression: an unusable lease folder stops pytest's whole session (a usage error);
-    # the inventory named it, then called every entry entry-matches-nothing.
+def test_a_session_wide_collection_failure_is_reported_alone(pytester, monkeypatch):
+    # Regression: a usage error stops pytest's whole session (here a bad simulated card
+    # inventory); the inventory named it, then called every entry entry-matches-nothing.
     root = project(pytester)
-    (tmp_path / "file").write_text("")
-    monkeypatch.setenv("HARNESS_LEASE_DIR", str(tmp_path / "file" / "leases"))
+    monkeypatch.setenv("HARNESS_CARDS", "gpu0")
     inv = build_inventory(root)
     assert rules(inv) == ["collection-error"], [str(p) for p in inv.problems]
     (p,) = inv.problems
     assert p.message.startswith("pytest exited with 4"), p.message
-    assert "lease directory" in p.message, p.message
+    assert "HARNESS_CARDS" in p.message, p.message
+
+
+def test_an_unusable_lease_folder_does_not_stop_the_inventory(pytester, monkeypatch, tmp_path):
+    # Regression: the launch plugin refused an unusable lease folder in every session,
+    # collect-only ones too: `harness inventory` / `matrix` failed, leasing nothing.
+    root = project(pytester)
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("HARNESS_LEASE_DIR", str(tmp_path / "file" / "leases"))
+    inv = build_inventory(root)
+    assert inv.problems == [], [str(p) for p in inv.problems]
 
 
 def test_rule_bad_launch_spec(pytester):
