@@ -949,6 +949,7 @@ def _walk(
                 else None
             )
             del cap_slope
+        acc = products.accumulated_grad_operand(dlogits, dl)
         if need_h:
             dl_h, dl_lift = dl, None
             if lifts is not None and dl.dtype != torch.float32:
@@ -958,13 +959,11 @@ def _walk(
                 # Lifted in place and back (exact: powers of two), not into an fp32
                 # temporary; rounded over dl where the other products take the fp32
                 # gradient instead ("mixed").
-                reuse = products.accumulated_grad_operand(dlogits, dl) is not dl
-                dl_h = dl if reuse else torch.empty_like(dl)
+                dl_h = dl if acc is not dl else torch.empty_like(dl)
                 dl_h.copy_(dlogits.mul_(dl_lift.unsqueeze(1)))
                 dlogits.div_(dl_lift.unsqueeze(1))
             _fill_grad_hidden(grad_h, lifts, span, products, dl_h, row_factor, dl_lift)
             del dl_h
-        acc = products.accumulated_grad_operand(dlogits, dl)
         if need_w:
             products.addmm32_(grad_w, acc.t(), _row_scaled(h_rows, row_factor))
         if need_full:

@@ -145,7 +145,7 @@ def read_pytest_layout(root: Path) -> PytestLayout:
     a subfolder of the project: suites written there would not be found)."""
     root = root.resolve()
     if pytest_config_in(root) is None:
-        above = next((pytest_config_in(d) for d in root.parents if pytest_config_in(d)), None)
+        above = next(filter(None, map(pytest_config_in, root.parents)), None)
         if above is not None:
             raise InitError(
                 f"{root} is inside the project that {above} configures: run harness init "

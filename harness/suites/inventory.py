@@ -227,10 +227,10 @@ def _absent_module(
             if folder == root:
                 break
     try:
-        found = importlib.util.find_spec(m["top"]) is not None
+        found = importlib.util.find_spec(top) is not None
     except (ImportError, ValueError):
         found = True  # present but broken: the error is the file's, not the environment's
-    return None if found else m["top"]
+    return None if found else top
 
 
 def _missing_dependencies(problems: Iterable[Problem]) -> list[Problem]:
