@@ -676,10 +676,23 @@ def _config_args(run: _Run) -> list[str]:
     return out + plugin_args(given)
 
 
-def _execute(run: _Run, stop: _Stop) -> tuple[list[int], list[Path], list[str]]:
-    """Phase 3: one pytest process per group (:func:`run_groups`), until a stop signal or the
-    runner's timeout; their exit codes and JUnit files, and why the run stopped each group,
-    those it never started included (``""``: it did not)."""
+@dataclass
+class _Ran:
+    """What phase 3 left for the report, group by group (see :func:`_execute`)."""
+
+    #: The exit code of each group's pytest, for the groups started.
+    codes: list[int] = field(default_factory=list)
+    #: Their JUnit files.
+    junits: list[Path] = field(default_factory=list)
+    #: Their outcome records.
+    records: list[selection.Records] = field(default_factory=list)
+    #: Why the run stopped each group, those it never started included (``""``: it did not).
+    halted: list[str] = field(default_factory=list)
+
+
+def _execute(run: _Run, stop: _Stop) -> _Ran:
+    """Phase 3: one pytest process per group (:func:`run_groups`), until a stop signal, the
+    runner's timeout, or pytest's own stop (``-x``, ``pytest.exit``)."""
     m = run.manifest
     groups = run.groups
     sizes = [g.workers for g in groups]
@@ -703,14 +716,11 @@ def _execute(run: _Run, stop: _Stop) -> tuple[list[int], list[Path], list[str]]:
             processes.subreaper(False)
 
 
-def _run_groups(
-    run: _Run, stop: _Stop, deadline: float, limit_s: float, before: set[int]
-) -> tuple[list[int], list[Path], list[str]]:
+def _run_groups(run: _Run, stop: _Stop, deadline: float, limit_s: float, before: set[int]) -> _Ran:
     """:func:`_execute`'s loop over the groups."""
     groups = run.groups
-    codes: list[int] = []
-    junits: list[Path] = []
-    halted: list[str] = []
+    ran = _Ran()
+    halted = ran.halted
     ended = ""  # why pytest itself ended the last group early (-x, --maxfail, pytest.exit)
     for k, g in enumerate(groups, 1):
         if stop.signum is not None:
@@ -738,26 +748,26 @@ def _run_groups(
             cmd, deadline, limit_s, stop, selection.started_marker(_select_file(run, k))
         )
         _stop_leftovers(before)
-        codes.append(code)
-        halted.append(why)
-        junits.append(run.out / f"junit-{k}.xml")
         records = selection.read_records(_select_file(run, k))
+        ran.codes.append(code)
+        ran.junits.append(run.out / f"junit-{k}.xml")
+        ran.records.append(records)
+        halted.append(why)
         if records.stopped:
             ended = f"pytest stopped ({records.stopped})"
-        elif code == _PYTEST_INTERRUPTED:
-            ended = "pytest was interrupted (pytest.exit or KeyboardInterrupt in a test)"
-    return codes, junits, halted
+        elif records.interrupted or code == _PYTEST_INTERRUPTED:
+            ended = f"pytest was interrupted ({records.interrupted or 'exit status 2'})"
+    return ran
 
 
 #: pytest's ``ExitCode.INTERRUPTED`` (pytest is not imported by this process to run).
 _PYTEST_INTERRUPTED = 2
 
 
-def _verdict(
-    total: report.EntryRow, codes: Sequence[int], halted: Sequence[str], stop: _Stop
-) -> list[str]:
+def _verdict(total: report.EntryRow, ran: _Ran, stop: _Stop) -> list[str]:
     """Why the run is red (empty: green). Cases pytest's own options deselected or left
-    unrun (``-k``, ``--lf``, ``-x``, ``--collect-only``) are the caller's choice, not a failure."""
+    unrun (``-k``, ``--lf``, ``-x``, ``--collect-only``) are the caller's choice, not a failure;
+    a case that ends the session (``pytest.exit``, even with status 0) is."""
     narrowed = bool(total.deselected or total.not_run)
     verdict = [f"interrupted by {stop.name}"] if stop.signum is not None else []
     if total.failed:
@@ -766,18 +776,25 @@ def _verdict(
         verdict.append(f"{total.missing} planned case(s) never ran")
     if not total.passed and not narrowed:
         verdict.append(f"no case passed ({total.skipped} skipped)")
-    timed_out = [h.startswith(_TIMEOUT_REASON) for h in halted]
+    timed_out = [h.startswith(_TIMEOUT_REASON) for h in ran.halted]
     if any(timed_out) and stop.signum is None:
         verdict.append(_TIMEOUT_REASON)
+    if stop.signum is None:
+        # The runner's own stops (a signal, its timeout) are said above.
+        verdict += [
+            f"a case ended pytest's session ({r.interrupted})"
+            for r, why in zip(ran.records, ran.halted, strict=False)
+            if r.interrupted and not why
+        ]
     # A group the timeout stopped exits 124 by our hand; any other 124 is pytest's own.
     bad_codes = [
         c
-        for c, late in zip(codes, timed_out, strict=False)  # unstarted groups: no code
+        for c, late in zip(ran.codes, timed_out, strict=False)  # unstarted groups: no code
         if c not in (0, 1, 5) and not late and stop.signum is None
     ]
     if bad_codes:
         verdict.append(f"pytest exited with {', '.join(map(str, bad_codes))}")
-    if 1 in codes and not total.failed and stop.signum is None:
+    if 1 in ran.codes and not total.failed and stop.signum is None:
         # Exit 1 is "tests failed"; with none failed, something else failed the run
         # (pytest-cov's --cov-fail-under, say), which pytest reported above.
         verdict.append("pytest exited with 1 though no case failed (see its output)")
@@ -790,19 +807,18 @@ def _write_summary(run: _Run, text: str) -> None:
     _step_summary(text)
 
 
-def _report(
-    run: _Run, codes: Sequence[int], junits: Sequence[Path], halted: Sequence[str], stop: _Stop
-) -> int:
+def _report(run: _Run, ran: _Ran, stop: _Stop) -> int:
     """Phase 4: merge the JUnit files, write the summaries (partial after a stop
     signal or the runner's timeout: the cases of the pytest it stopped, and of those it
     never started, are not run) and durations; the exit code."""
     junit_all = run.out / "junit.xml"
-    report.merge_junit(junits, junit_all)
+    report.merge_junit(ran.junits, junit_all)
     results: dict[str, report.CaseRow] = {}
     asked: str | None = None
-    for k, g in enumerate(run.groups, 1):
-        records = selection.read_records(_select_file(run, k))
-        why = halted[k - 1] if k <= len(halted) else ""
+    for k, g in enumerate(run.groups):
+        # A group never started has no records: its cases are not run, for its halted reason.
+        records = ran.records[k] if k < len(ran.records) else selection.Records()
+        why = ran.halted[k] if k < len(ran.halted) else ""
         results.update(report.results_from_records([c.nodeid for c, _ in g.cases], records, why))
         asked = records.options.get("junitxml") or asked
     if asked:
@@ -811,7 +827,7 @@ def _report(
         shutil.copyfile(junit_all, asked)
     rows = report.summarize([(c.nodeid, e.id, c.cards) for c, e in run.cases], results)
     table = report.render(rows, run.title, time.monotonic() - run.started)
-    verdict = _verdict(report.totals(rows), codes, halted, stop)
+    verdict = _verdict(report.totals(rows), ran, stop)
     detail = report.failures(results)
     for headline, log in selection.fired(run.out):
         detail += f"- watchdog: {headline}; stacks in {log}\n"
@@ -878,8 +894,7 @@ def run_suite(root: Path, opts: RunOptions) -> int:
                 report.merge_junit([], run.out / "junit.xml")
                 report.write_summary_json(run.out / "summary.json", run.title, [], {})
                 return EXIT_OK
-            codes, junits, halted = _execute(run, stop)
-            return _report(run, codes, junits, halted, stop)
+            return _report(run, _execute(run, stop), stop)
 
 
 def _step_summary(text: str) -> None:

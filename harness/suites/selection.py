@@ -239,6 +239,11 @@ class _Outcomes:
             message="" if report.passed else _message(report),
         )
 
+    def pytest_keyboard_interrupt(self, excinfo: pytest.ExceptionInfo[BaseException]) -> None:
+        # pytest.exit or KeyboardInterrupt: from a case, or from the runner's SIGINT.
+        if not self.worker:
+            self.record(interrupted=f"{excinfo.typename}: {excinfo.value}")
+
     def pytest_sessionfinish(self, session: pytest.Session, exitstatus: int) -> None:
         if not self.worker:
             stopped = session.shouldstop or session.shouldfail
@@ -447,6 +452,9 @@ class Records:
     finish: int | None = None
     #: Why pytest stopped early (``-x``, ``--maxfail``), ``""`` when it did not.
     stopped: str = ""
+    #: ``pytest.exit`` or ``KeyboardInterrupt`` ended the session (``"Exit: <reason>"``),
+    #: ``""`` when neither did.
+    interrupted: str = ""
 
 
 def read_records(select_file: Path) -> Records:
@@ -473,4 +481,6 @@ def read_records(select_file: Path) -> Records:
                 )
             elif "finish" in ev:
                 out.finish, out.stopped = int(ev["finish"]), ev["stopped"]
+            elif "interrupted" in ev:
+                out.interrupted = ev["interrupted"]
     return out

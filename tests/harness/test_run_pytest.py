@@ -548,3 +548,24 @@ def test_a_pytest_that_exits_124_itself_is_not_the_runners_timeout(pytester):
     assert done.returncode == 1, done.stdout + done.stderr
     assert "pytest exited with 124" in done.stdout
     assert "runner's timeout" not in done.stdout
+
+
+def test_a_case_that_ends_the_session_with_status_0_fails_the_run(pytester):
+    # Regression: pytest.exit(returncode=0) in a case left that case and every later one
+    # "not run" (as after the caller's -x) and the run green.
+    tests = {
+        "tests/first/test_first.py": (
+            "import pytest\n\ndef test_it():\n    pytest.exit('abort on purpose', returncode=0)\n"
+        ),
+        "tests/second/test_second.py": "def test_it():\n    pass\n",
+    }
+    root = make_project(pytester.path, tests, {"cpu": manifest("cpu", "cpu", TWO_GROUPS)})
+    done = harness(root, "run", "cpu", "--out", "out", "--", "-p", "no:xdist")
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "**FAILED**: a case ended pytest's session (Exit: abort on purpose)" in done.stdout
+    cases = {c["nodeid"]: c for c in json.loads((root / "out/summary.json").read_text())["cases"]}
+    second = cases["tests/second/test_second.py::test_it"]
+    assert second["outcome"] == "not run", second
+    assert second["message"] == (
+        "pytest was interrupted (Exit: abort on purpose), before its group started"
+    )
