@@ -250,6 +250,8 @@ def plan_cases(
 INTERRUPT_GRACE_S = 30.0
 #: Between SIGTERM and SIGKILL when a process tree is stopped.
 KILL_AFTER_S = 5.0
+#: How long a process pytest's tree left behind gets to end by itself before it is stopped.
+LEFTOVER_GRACE_S = 2.0
 #: The signals that stop a run: exit code 128 + signal number (130, 143, 129).
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
@@ -360,17 +362,24 @@ def _stop_leftovers(spare: set[int]) -> None:
         for p in processes.process_tree(os.getpid(), own_session=False)
         if p.pid != os.getpid() and p.pid not in spare
     ]
+    # pytest's own helpers (multiprocessing's resource tracker) end once it has: not leftovers.
+    left = processes.wait_gone(left, LEFTOVER_GRACE_S, reap=lambda: _reap_children(spare))
     if left:
         pids = ", ".join(str(p.pid) for p in left)
         _print(f"{len(left)} process(es) outlived pytest (pid {pids}); stopping them")
         _stop_tree(left)
+    _reap_children(spare)
+
+
+def _reap_children(spare: set[int]) -> None:
+    """Wait for this process's exited children, other than those in ``spare``."""
     import psutil
 
     with contextlib.suppress(psutil.Error):
         for child in psutil.Process().children():
             if child.pid not in spare:  # a caller's child is the caller's to wait for
                 with contextlib.suppress(ChildProcessError, OSError):
-                    os.waitpid(child.pid, os.WNOHANG)  # the zombies among them
+                    os.waitpid(child.pid, os.WNOHANG)
 
 
 def _run_pytest(

@@ -364,3 +364,47 @@ def test_a_process_a_passing_plain_case_leaked_does_not_outlive_the_run(pytester
     finally:
         if alive(stubborn):
             os.kill(stubborn, signal.SIGKILL)
+
+
+# Ends by itself once the pytest process that started it has: it reads its pipe to EOF,
+# then takes a moment to clean up, as multiprocessing's resource tracker does.
+TRACKER = """
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    HELPER = "import os, sys, time\\nwhile os.read(int(sys.argv[1]), 1024):\\n    pass\\ntime.sleep(0.3)\\n"
+    KEEP = []
+
+    def test_starts_a_helper_that_ends_with_pytest():
+        r, w = os.pipe()
+        child = subprocess.Popen(
+            [sys.executable, "-c", HELPER, str(r)], pass_fds=(r,), start_new_session=True
+        )
+        os.close(r)
+        KEEP.append(w)  # open until this process exits
+        Path(os.environ["PIDS_DIR"], "helper").write_text(str(child.pid))
+"""
+
+
+def test_a_helper_that_ends_with_pytest_is_not_a_leftover(pytester, tmp_path_factory):
+    # Regression: "process(es) outlived pytest" named multiprocessing's resource tracker,
+    # which ends by itself once pytest has, and stopped it in the middle of its cleanup.
+    root = make_project(
+        pytester.path,
+        {"tests/helper/test_h.py": TRACKER},
+        {"cpu": manifest("cpu", "cpu", [{"id": "helper", "paths": ["tests/helper"]}])},
+    )
+    pids_dir = tmp_path_factory.mktemp("pids")
+    proc = start_run(root, pids_dir, "--", "-p", "no:xdist")
+    try:
+        out, err = proc.communicate(timeout=240)  # a bound against a hang, not a timing claim
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    helper = int((pids_dir / "helper").read_text())
+    assert proc.returncode == 0, out + err
+    assert "outlived pytest" not in out + err
+    assert not alive(helper)
