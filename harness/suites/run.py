@@ -588,7 +588,8 @@ def _holder(text: str) -> str:
 def _prepare_out(run: _Run) -> None:
     """Phase 2: the output folder, cleared of a previous run's watchdog logs, with ``plan.json``."""
     run.out.mkdir(parents=True, exist_ok=True)
-    for stale in [*run.out.glob("watchdog-*.log"), *run.out.glob("select-*.jsonl")]:
+    stale_files = ["watchdog-*.log", "select-*.jsonl", "last-failed.json"]
+    for stale in [f for pattern in stale_files for f in run.out.glob(pattern)]:
         stale.unlink()  # a previous run's; this run reports its own
     doc = {
         "suite": run.manifest.suite,
@@ -626,6 +627,7 @@ def _pytest_command(
             "group": k,
             "groups": len(run.groups),
             "cases": {c.nodeid: deadline for c, _ in group},
+            "run": [c.nodeid for c, _ in run.cases],  # the whole run's (--lf spans the groups)
             "entries": {c.nodeid: e.id for c, e in group},
         },
         indent=None,

@@ -26,7 +26,7 @@ import json
 import os
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -263,6 +263,8 @@ def pytest_configure(config: pytest.Config) -> None:
     config.pluginmanager.register(outcomes, "harness-outcomes")
     if not outcomes.worker:
         outcomes.options()
+        if sel.get("group", 1) == 1 and config.getoption("lf", False):
+            _snapshot_last_failed(config, Path(sel["root"]), _last_failed_file(path))
     config.stash[_EXIT_HOOK] = hook = _on_watchdog_exit(config, outcomes)
     watchdog.exit_hooks.append(hook)
 
@@ -277,6 +279,48 @@ def _ignored(config: pytest.Config, path: Path) -> bool:
         if p in paths or any(fnmatch.fnmatch(str(p), g) for g in globs):
             return True
     return False
+
+
+def _last_failed_file(select_file: Path) -> Path:
+    """Where the run's first group keeps the failures ``--lf`` reruns, as the run found them."""
+    return select_file.with_name("last-failed.json")
+
+
+def _snapshot_last_failed(config: pytest.Config, root: Path, target: Path) -> None:
+    """Keep pytest's record of failed node ids (``cache/lastfailed``) as the run starts, as
+    case ids: each group's pytest rewrites it, and a later group must see the run's."""
+    from harness.suites.manifest import rel
+
+    cache = getattr(config, "cache", None)
+    failed = cache.get("cache/lastfailed", {}) if cache is not None else {}
+    ids = []
+    for key in failed:
+        file, sep, tail = str(key).partition("::")
+        ids.append(rel(config.rootpath / file, root) + sep + tail)
+    target.write_text(json.dumps(sorted(ids)), encoding="utf-8")
+
+
+def _has_failure(ids: Iterable[str], failed: set[str]) -> bool:
+    """Whether a case of ``ids``, or its file or class (a failed collection), failed last."""
+    return any(
+        cid[:i] in failed
+        for cid in ids
+        for i in [len(cid), *(i for i in range(len(cid)) if cid.startswith("::", i))]
+    )
+
+
+def _no_failure_to_rerun(config: pytest.Config, sel: dict[str, Any]) -> bool:
+    """``--lf`` across the run's groups, as one pytest over the whole run would do it: when
+    the run's cases hold a failure to rerun and none is among this group's, the group has
+    nothing to run (its pytest alone would rerun every case, finding no failure)."""
+    if not config.getoption("lf", False):
+        return False
+    try:
+        path = _last_failed_file(Path(config.getoption("harness_select")))
+        failed = set(json.loads(path.read_text(encoding="utf-8")))
+    except (OSError, ValueError):
+        return False
+    return _has_failure(sel.get("run", ()), failed) and not _has_failure(sel["cases"], failed)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -300,6 +344,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         item.stash[_DEADLINE] = wanted[cid]
         if cid in entries:
             item.user_properties.append(("harness.entry", entries[cid]))
+    if keep and _no_failure_to_rerun(config, sel):
+        ignored += keep
+        keep = []
     if drop or ignored:
         if drop:
             config.hook.pytest_deselected(items=drop)

@@ -569,3 +569,33 @@ def test_a_case_that_ends_the_session_with_status_0_fails_the_run(pytester):
     assert second["message"] == (
         "pytest was interrupted (Exit: abort on purpose), before its group started"
     )
+
+
+@pytest.mark.parametrize("failing", ["first", "second"])
+def test_last_failed_reruns_the_runs_failures_not_every_case_of_the_other_groups(pytester, failing):
+    # Regression: each group is its own pytest, and pytest's --lf reruns every case of a
+    # selection holding none of the recorded failures: the group without the failure ran
+    # in full.
+    tests = {
+        f"tests/{g}/test_{g}.py": (
+            f"import os\n\ndef test_flaky():\n    assert not os.environ.get('FAIL_{g.upper()}')\n\n"
+            "def test_fine():\n    pass\n"
+        )
+        for g in ("first", "second")
+    }
+    root = make_project(pytester.path, tests, {"cpu": manifest("cpu", "cpu", TWO_GROUPS)})
+    failed = harness(root, "run", "cpu", "--out", "out", env={f"FAIL_{failing.upper()}": "1"})
+    assert failed.returncode == 1, failed.stdout + failed.stderr
+    again = harness(root, "run", "cpu", "--out", "out", "--", "--lf")
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert outcomes(root / "out") == {
+        f"tests/{g}/test_{g}.py::{t}": "passed"
+        if (g, t) == (failing, "test_flaky")
+        else "deselected"
+        for g in ("first", "second")
+        for t in ("test_flaky", "test_fine")
+    }
+    # With no failure recorded anywhere, --lf reruns everything, as pytest's does.
+    everything = harness(root, "run", "cpu", "--out", "out", "--", "--lf")
+    assert everything.returncode == 0, everything.stdout + everything.stderr
+    assert set(outcomes(root / "out").values()) == {"passed"}
