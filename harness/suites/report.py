@@ -215,11 +215,17 @@ def results_from_records(
     return out
 
 
-def merge_junit(paths: Sequence[Path], target: Path) -> None:
-    """Write one ``<testsuites>`` file holding every ``<testsuite>`` of ``paths`` (unreadable ones skipped)."""
+def merge_junit(paths: Sequence[Path], target: Path, unreported: Sequence[CaseRow] = ()) -> None:
+    """Write one ``<testsuites>`` file holding every ``<testsuite>`` of ``paths`` (unreadable ones
+    skipped) and, in a ``<testsuite name="harness run">`` of its own, the ``unreported`` cases
+    pytest's JUnit files lack (its process was killed, or it never collected them), each with
+    its outcome: failed as ``failure``, missing as ``error``, not run as ``skipped``."""
     merged = ET.Element("testsuites")
+    suites = list(_readable_suites(paths))
+    if unreported:
+        suites.append(_unreported_suite(unreported))
     totals = dict.fromkeys(("tests", "failures", "errors", "skipped"), 0)
-    for s in _readable_suites(paths):
+    for s in suites:
         merged.append(s)
         for k in totals:
             totals[k] += int(s.get(k, 0) or 0)
@@ -227,6 +233,37 @@ def merge_junit(paths: Sequence[Path], target: Path) -> None:
         merged.set(k, str(v))
     target.parent.mkdir(parents=True, exist_ok=True)
     ET.ElementTree(merged).write(target, encoding="utf-8", xml_declaration=True)
+
+
+#: How a case pytest did not report is written in JUnit, by outcome (passed: no child).
+_JUNIT_CHILD = {"failed": "failure", "missing": "error", "not run": "skipped", "skipped": "skipped"}
+
+
+def _unreported_suite(rows: Sequence[CaseRow]) -> ET.Element:
+    suite = ET.Element("testsuite", name="harness run")
+    counts = dict.fromkeys(("failure", "error", "skipped"), 0)
+    for row in rows:
+        classname, name = junit_key(row.nodeid)
+        case = ET.SubElement(
+            suite, "testcase", classname=classname, name=name, time=f"{row.seconds:.3f}"
+        )
+        child = _JUNIT_CHILD.get(row.outcome)
+        if child is not None:
+            ET.SubElement(case, child, message=f"{row.outcome}: {row.message}".rstrip(": "))
+            counts[child] += 1
+    suite.set("tests", str(len(rows)))
+    suite.set("failures", str(counts["failure"]))
+    suite.set("errors", str(counts["error"]))
+    suite.set("skipped", str(counts["skipped"]))
+    return suite
+
+
+def junit_lacks(junit: Path, rows: Iterable[CaseRow]) -> list[CaseRow]:
+    """The cases of one pytest process (``rows``) its JUnit file ``junit`` does not hold: every
+    one not deselected when the file is absent or unreadable (the process was killed, or never
+    started), else those missing (never reported)."""
+    wrote = next(_readable_suites([junit]), None) is not None
+    return [r for r in rows if r.outcome != "deselected" and (not wrote or r.outcome == "missing")]
 
 
 def summarize(

@@ -588,7 +588,7 @@ def _holder(text: str) -> str:
 def _prepare_out(run: _Run) -> None:
     """Phase 2: the output folder, cleared of a previous run's watchdog logs, with ``plan.json``."""
     run.out.mkdir(parents=True, exist_ok=True)
-    stale_files = ["watchdog-*.log", "select-*.jsonl", "last-failed.json"]
+    stale_files = ["watchdog-*.log", "select-*.jsonl", "junit-*.xml", "last-failed.json"]
     for stale in [f for pattern in stale_files for f in run.out.glob(pattern)]:
         stale.unlink()  # a previous run's; this run reports its own
     doc = {
@@ -823,15 +823,18 @@ def _report(run: _Run, ran: _Ran, stop: _Stop) -> int:
     signal or the runner's timeout: the cases of the pytest it stopped, and of those it
     never started, are not run) and durations; the exit code."""
     junit_all = run.out / "junit.xml"
-    report.merge_junit(ran.junits, junit_all)
     results: dict[str, report.CaseRow] = {}
+    unreported: list[report.CaseRow] = []
     asked: str | None = None
     for k, g in enumerate(run.groups):
         # A group never started has no records: its cases are not run, for its halted reason.
         records = ran.records[k] if k < len(ran.records) else selection.Records()
         why = ran.halted[k] if k < len(ran.halted) else ""
-        results.update(report.results_from_records([c.nodeid for c, _ in g.cases], records, why))
+        rows = report.results_from_records([c.nodeid for c, _ in g.cases], records, why)
+        results.update(rows)
+        unreported += report.junit_lacks(run.out / f"junit-{k + 1}.xml", rows.values())
         asked = records.options.get("junitxml") or asked
+    report.merge_junit(ran.junits, junit_all, unreported)
     if asked:
         # The run's own JUnit path replaced the caller's --junitxml: they get the merged file.
         Path(asked).parent.mkdir(parents=True, exist_ok=True)

@@ -18,7 +18,7 @@ from test_cli import harness, summary_rows
 from harness import processes
 from harness.suites import run as run_module
 from harness.suites.cli import main
-from harness.suites.report import results_from_records
+from harness.suites.report import junit_key, read_junit, results_from_records
 from harness.suites.selection import Records
 
 TESTS = {
@@ -529,8 +529,13 @@ def test_x_stops_the_whole_run_not_only_its_group(pytester):
         "tests/second/test_second.py": "def test_it():\n    pass\n",
     }
     root = make_project(pytester.path, tests, {"cpu": manifest("cpu", "cpu", TWO_GROUPS)})
+    (root / "out").mkdir()
+    (root / "out/junit-2.xml").write_text("<testsuite tests='0'/>")  # an earlier run's
     done = harness(root, "run", "cpu", "--out", "out", "--", "-x")
     assert done.returncode == 1, done.stdout + done.stderr
+    # JUnit holds the case of the group never started, as not run (skipped).
+    junit = read_junit([root / "out/junit.xml"])
+    assert junit[junit_key("tests/second/test_second.py::test_it")].outcome == "skipped"
     cases = {c["nodeid"]: c for c in json.loads((root / "out/summary.json").read_text())["cases"]}
     assert cases["tests/first/test_first.py::test_fails"]["outcome"] == "failed"
     second = cases["tests/second/test_second.py::test_it"]
@@ -599,3 +604,39 @@ def test_last_failed_reruns_the_runs_failures_not_every_case_of_the_other_groups
     everything = harness(root, "run", "cpu", "--out", "out", "--", "--lf")
     assert everything.returncode == 0, everything.stdout + everything.stderr
     assert set(outcomes(root / "out").values()) == {"passed"}
+
+
+def test_junit_holds_the_cases_of_a_pytest_that_died(pytester):
+    # Regression: pytest writes its JUnit file as its session ends; a pytest killed (the
+    # runner's timeout) or dying (os._exit in a case) left none, and the merged junit.xml
+    # was empty and green while the summary and the exit code were red.
+    tests = {
+        "tests/first/test_first.py": (
+            "import os\n\ndef test_ok():\n    pass\n\ndef test_dies():\n    os._exit(3)\n\n"
+            "def test_after():\n    pass\n"
+        ),
+        "tests/second/test_second.py": "def test_never_collected():\n    pass\n",
+    }
+    root = make_project(pytester.path, tests, {"cpu": manifest("cpu", "cpu", TWO_GROUPS)})
+    # The second group's file goes between planning and its pytest: never collected.
+    (root / "conftest.py").write_text(
+        "import os\n\ndef pytest_configure(config):\n"
+        "    if os.path.exists('tests/first/.done'):\n"
+        "        os.remove('tests/second/test_second.py')\n"
+        "    elif 'harness_select' in vars(config.option) and config.option.harness_select:\n"
+        "        open('tests/first/.done', 'w').close()\n"
+    )
+    done = harness(root, "run", "cpu", "--out", "out", "--", "-p", "no:xdist")
+    assert done.returncode == 1, done.stdout + done.stderr
+    summary = outcomes(root / "out")
+    junit = read_junit([root / "out/junit.xml"])
+    assert {n: junit[junit_key(n)].outcome for n in summary} == {
+        "tests/first/test_first.py::test_ok": "passed",
+        "tests/first/test_first.py::test_dies": "failed",
+        "tests/first/test_first.py::test_after": "failed",  # missing: an error in JUnit
+        "tests/second/test_second.py::test_never_collected": "failed",
+    }, summary
+    assert {c: summary[c] for c in summary if "second" in c or "after" in c} == {
+        "tests/first/test_first.py::test_after": "missing",
+        "tests/second/test_second.py::test_never_collected": "missing",
+    }
