@@ -503,6 +503,9 @@ def collect(root: Path, targets: Sequence[str] | None) -> Collection:
             except Exception as exc:  # before its session: a config warning made an error
                 print(f"{type(exc).__name__}: {exc}", file=out)
                 code = pytest.ExitCode.INTERNAL_ERROR
+            except SystemExit as exc:  # sys.exit() in a conftest pytest loads before its session
+                print(f"SystemExit({exc.code!r}) while pytest loaded the project", file=out)
+                code = pytest.ExitCode.INTERNAL_ERROR
     finally:
         if gc_was_enabled:
             gc.enable()

@@ -700,3 +700,14 @@ def test_pytest_failing_before_its_session_is_a_problem_not_a_traceback(pytester
     assert "[collection-error] pytest exited with 3" in err, err
     assert "PytestConfigWarning: No files were found in testpaths" in err, err
     assert "entry-matches-nothing" not in err, err
+
+
+def test_sys_exit_in_a_conftest_is_a_problem_not_a_silent_exit(pytester, capsys):
+    # Regression: SystemExit from a conftest pytest loads before its session escaped
+    # pytest.main: `harness inventory` exited with the conftest's code and said nothing.
+    root = project(pytester)
+    (root / "conftest.py").write_text("import sys\n\nsys.exit(3)\n")
+    assert main(["--root", str(root), "inventory"]) == 1
+    err = capsys.readouterr().err
+    assert "[collection-error] pytest exited with 3" in err, err
+    assert "SystemExit(3) while pytest loaded the project" in err, err
