@@ -593,8 +593,27 @@ class FusedLoss(ObservingLoss):
                 )
             except ValueError as error:
                 self._refuse(f"its logits {tuple(logits.shape)} do not fit {formula}: {error}")
-            excess = (own - observed.token_losses).abs() - atol - rtol * own.abs()
-            excess = excess.masked_fill(~observed.scored, -1.0).reshape(-1)
+            ours = observed.token_losses
+            scored = observed.scored
+            if not bool((own.isfinite() == ours.isfinite())[scored].all()):
+                at = int(((own.isfinite() != ours.isfinite()) & scored).reshape(-1).nonzero()[0])
+                self._refuse(
+                    f"the logits it passes to loss_function are not {formula} of the hidden "
+                    f"states its output embeddings receive: at token {at} its cross-entropy is "
+                    f"{float(own.reshape(-1)[at]):.6g}, the fused one {float(ours.reshape(-1)[at]):.6g}"
+                )
+            if not bool(ours[scored].isfinite().all()):
+                # A non-finite batch (an overflow a loss scaler skips) verifies nothing; the
+                # unpatched model's loss is not finite either: verification waits, as for a
+                # batch without scored targets.
+                return
+            # Rounding the model's logits to their dtype moves a cross-entropy by up to eps x
+            # the row's largest |logit| (its log-sum-exp and its target's logit, half each).
+            rounding = torch.finfo(logits.dtype).eps * torch.maximum(
+                logits.detach().amax(-1), -logits.detach().amin(-1)
+            ).float().reshape(own.shape)
+            excess = (own - ours).abs() - atol - rtol * own.abs() - rounding
+            excess = excess.masked_fill(~scored, -1.0).reshape(-1)
             worst = int(excess.argmax())
             if float(excess[worst]) > 0:
                 self._refuse(
@@ -605,8 +624,10 @@ class FusedLoss(ObservingLoss):
                 )
             if not self.label_smoothing:
                 reference = self.original(*args, **kwargs)
+                # The loss is a weighted mean of the tokens' (each weight <= 1): their bound holds.
+                bound = float(rounding[scored].max())
                 if not torch.allclose(
-                    loss.detach().float(), reference.detach().float(), rtol=rtol, atol=atol
+                    loss.detach().float(), reference.detach().float(), rtol=rtol, atol=atol + bound
                 ):
                     name = getattr(self.original, "__name__", type(self.original).__name__)
                     self._refuse(
@@ -752,13 +773,15 @@ def patch_model(model, *, fused: bool = False, chunk_size: int | None = None) ->
     batch: the output embeddings still compute real logits, the model
     transforms them as it does, and the per-token cross-entropy of those
     logits must equal the chunked op's (rtol = atol = 1e-4 for fp32 logits,
-    5e-2 bf16, 1e-2 fp16), and the model's own loss function on them must
-    give the op's loss. Otherwise every fused forward raises
+    5e-2 bf16, 1e-2 fp16, plus the dtype's eps times the token's largest
+    |logit|, what rounding the logits can move it by), and the model's own
+    loss function on them must give the op's loss. Otherwise every fused forward raises
     ``UnsupportedModelError`` naming the model class and what differed (a
     head that is not ``lm_head(hidden)``, an unknown transform, a custom
     loss, a loss computed without ``loss_function``). A forward whose targets
     are all ``ignore_index`` verifies nothing: it returns the op's loss (0.0,
-    zero gradients) and verification waits for the next forward. Verification
+    zero gradients) and verification waits for the next forward; so does one
+    whose scored losses are not finite, the model's own too. Verification
     is local to the process (no collective, so it cannot hang): under DDP a
     rank whose batch scores nothing defers it to a later batch of its own
     while the others verify; its loss still uses the same parameters, so

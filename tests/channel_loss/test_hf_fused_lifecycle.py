@@ -82,6 +82,102 @@ def test_a_real_difference_is_still_refused_after_unscored_batches():
             model(**batch.inputs, labels=batch.labels)
 
 
+def test_a_first_batch_with_non_finite_activations_defers_verification():
+    # An inf activation in step 1 (an fp16 overflow a loss scaler skips) refused the model
+    # for good, blaming its loss_function ("gives nan on its own logits").
+    model = tiny(transformers.LlamaForCausalLM)
+    batch = packed_batch("llama")
+    want_loss, _, _ = loss_and_grads(model, batch)
+
+    def overflow(module, args, output):
+        hidden = output[0] if isinstance(output, tuple) else output
+        hidden = hidden.index_fill(1, torch.tensor([3]), float("inf"))
+        return (hidden, *output[1:]) if isinstance(output, tuple) else hidden
+
+    with patch_model(model, fused=True) as handle:
+        hook = model.model.layers[0].register_forward_hook(overflow)
+        try:
+            assert model(**batch.inputs, labels=batch.labels).loss.isnan()
+        finally:
+            hook.remove()
+        assert not handle.loss.verified
+        assert handle.loss.refusal is None
+        loss = model(**batch.inputs, labels=batch.labels).loss  # verifies now, and passes
+        assert handle.loss.verified
+    torch.testing.assert_close(loss.detach(), want_loss, rtol=1e-5, atol=1e-6)
+
+
+class NaNLogits(transformers.LlamaForCausalLM):
+    """A model that spoils its own logits at one token, its hidden states finite."""
+
+    def forward(self, input_ids=None, labels=None, **kwargs):
+        logits = self.lm_head(self.model(input_ids=input_ids).last_hidden_state)
+        logits = logits.index_fill(1, torch.tensor([3]), float("nan"))
+        loss = self.loss_function(logits, labels, self.config.vocab_size, **kwargs)
+        return transformers.modeling_outputs.CausalLMOutputWithPast(loss=loss, logits=logits)
+
+
+def test_logits_non_finite_where_the_fused_ones_are_finite_are_refused():
+    model = tiny(NaNLogits)
+    batch = packed_batch("llama")
+    with (
+        patch_model(model, fused=True) as handle,
+        pytest.raises(UnsupportedModelError, match=r"its cross-entropy is nan, the fused one \d"),
+    ):
+        model(**batch.inputs, labels=batch.labels)
+    assert handle.loss.refusal is not None
+
+
+@pytest.mark.parametrize("policy", ["fp32", "model_dtype"])
+def test_large_bf16_logits_near_a_tie_pass_the_verifying_forward(policy):
+    # bf16 rounds logits near 40 to a multiple of 0.25: two logits 0.19 apart became a tie,
+    # the model's own cross-entropy ln 2 = 0.693 against the fused (fp32 logits) 0.603, and
+    # the per-token tolerance (0.05 + 0.05 x CE) refused a correct model.
+    from channel_loss.ops import gemm_policy
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+    model = transformers.LlamaForCausalLM(config)
+    with torch.no_grad():
+        u = torch.randn(32)
+        model.lm_head.weight[0] = 20 * u / u.norm()
+        model.lm_head.weight[1] = model.lm_head.weight[0] + 0.05 * torch.randn(32)
+    model = model.to(torch.bfloat16).train()
+    ids = torch.randint(2, 64, (4, 64))
+    with torch.no_grad():
+        top = model(input_ids=ids).logits.float()[:, :-1, 0]
+    labels = torch.full_like(ids, IGNORE)
+    labels[:, 1:] = torch.where(
+        top > 13, 0, IGNORE
+    )  # the near-tied token, where its logit is large
+    assert int((labels != IGNORE).sum()) > 10
+    assert float(top.max()) > 32
+    with gemm_policy(policy), patch_model(model, fused=True) as handle:
+        model(input_ids=ids, labels=labels)
+        assert handle.loss.verified
+
+
+def test_a_real_difference_is_refused_in_bf16():
+    # The allowance for the logits' rounding grows with their size; a doubling does more.
+    model = tiny(DoubledLogits)
+    with torch.no_grad():
+        model.lm_head.weight *= 20  # logits of a few units, as a trained model's (std ~0.2 here)
+    model = model.to(torch.bfloat16)
+    batch = packed_batch("llama")
+    with (
+        patch_model(model, fused=True),
+        pytest.raises(UnsupportedModelError, match=r"refuses DoubledLogits: the logits"),
+    ):
+        model(**batch.inputs, labels=batch.labels)
+
+
 @pytest.mark.launch(nproc=2, timeout=240)
 def test_ddp_ranks_whose_first_batch_is_unscored_keep_training():
     # Verification is rank-local: the rank with the unscored batch refused and the job died
