@@ -157,7 +157,8 @@ def results_from_records(
     ``halted`` says why ``harness run`` stopped that pytest itself (a stop signal, the
     runner's timeout), ``""`` when it did not. A case that started and never finished is
     ``not run`` when the run was stopped (by ``harness run``, an interrupt, ``pytest.exit``),
-    and ``failed`` when its pytest process died on its own while running it; never ``passed``.
+    and ``failed`` when its pytest process died on its own while running it, or ended without
+    reporting it (an xdist worker that could not send its report); never ``passed``.
     """
     opts = records.options
     outcomes = [_phases(phases)[0] for phases in records.reports.values()]
@@ -165,10 +166,10 @@ def results_from_records(
     maxfail = int(opts.get("maxfail", 0) or 0)
     # A case left unfinished by a pytest that went on to exit (pytest.exit in it) stopped
     # the run there: the cases after it are not run, as after -x.
-    exited_in_a_case = UNFINISHED in outcomes and records.finish is not None
+    exited_in_a_case = UNFINISHED in outcomes and bool(records.interrupted)
     stopped = (
         bool(halted)
-        or exited_in_a_case
+        or bool(records.interrupted)
         or bool(records.stopped)
         or bool(opts.get("collectonly"))
         or bool(opts.get("setuponly"))
@@ -179,7 +180,8 @@ def results_from_records(
         halted
         or records.stopped
         or ("--setup-only" if opts.get("setuponly") else "")
-        or (f"pytest exited {records.finish} during a case" if exited_in_a_case else "")
+        or (f"{records.interrupted} during a case" if exited_in_a_case else "")
+        or records.interrupted
     )
     out = {}
     for n in nodeids:
@@ -189,15 +191,19 @@ def results_from_records(
                 out[n] = CaseRow(n, outcome, seconds, message)
             elif opts.get("setuponly") and not halted:
                 out[n] = CaseRow(n, "not run", 0.0, "set up, never called (--setup-only)")
-            elif stopped or records.finish is not None:  # not died: stopped (pytest.exit, say)
-                why = why_stopped or (
-                    f"pytest exited {records.finish}" if records.finish is not None else ""
-                )
-                why = f" ({why})" if why else ""
+            elif stopped:
+                why = f" ({why_stopped})" if why_stopped else ""
                 out[n] = CaseRow(n, "not run", 0.0, f"the run stopped during its {message}{why}")
-            else:
+            elif records.finish is None:
                 out[n] = CaseRow(
                     n, "failed", seconds, f"its pytest process died during its {message}"
+                )
+            else:  # an xdist worker that could not send its report (it crashed), say
+                out[n] = CaseRow(
+                    n,
+                    "failed",
+                    seconds,
+                    f"pytest ended (exit status {records.finish}) without reporting its {message}",
                 )
         elif n in records.deselected:
             out[n] = CaseRow(n, "deselected")

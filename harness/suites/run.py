@@ -588,9 +588,13 @@ def _holder(text: str) -> str:
 def _prepare_out(run: _Run) -> None:
     """Phase 2: the output folder, cleared of a previous run's watchdog logs, with ``plan.json``."""
     run.out.mkdir(parents=True, exist_ok=True)
-    stale_files = ["watchdog-*.log", "select-*.jsonl", "junit-*.xml", "last-failed.json"]
+    # A previous run's: this run reports its own, and one that dies early leaves none of them.
+    stale_files = [
+        *("watchdog-*.log", "select-*.jsonl", "junit-*.xml", "last-failed.json"),
+        *("junit.xml", "summary.md", "summary.json"),
+    ]
     for stale in [f for pattern in stale_files for f in run.out.glob(pattern)]:
-        stale.unlink()  # a previous run's; this run reports its own
+        stale.unlink()
     doc = {
         "suite": run.manifest.suite,
         "shard": run.opts.shard,

@@ -240,9 +240,8 @@ class _Outcomes:
         )
 
     def pytest_keyboard_interrupt(self, excinfo: pytest.ExceptionInfo[BaseException]) -> None:
-        # pytest.exit or KeyboardInterrupt: from a case, or from the runner's SIGINT.
-        if not self.worker:
-            self.record(interrupted=f"{excinfo.typename}: {excinfo.value}")
+        # pytest.exit or KeyboardInterrupt: from a case (in a worker too), or the runner's SIGINT.
+        self.record(interrupted=f"{excinfo.typename}: {excinfo.value}")
 
     def pytest_sessionfinish(self, session: pytest.Session, exitstatus: int) -> None:
         if not self.worker:
@@ -504,6 +503,12 @@ class Records:
     interrupted: str = ""
 
 
+def _text(message: str) -> str:
+    """``message`` as UTF-8 can hold it: a lone surrogate (from a file name or output decoded
+    with ``surrogateescape``) is written as its escape, ``\\udcff``."""
+    return message.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def read_records(select_file: Path) -> Records:
     """Merge the outcome records every process of the pytest run for ``select_file`` wrote
     (a truncated last line, from a process that was killed, is skipped)."""
@@ -521,13 +526,13 @@ def read_records(select_file: Path) -> Records:
             elif "deselected" in ev:
                 out.deselected.update(ev["deselected"])
             elif "collect" in ev:
-                out.collect.setdefault(ev["collect"], (ev["outcome"], ev["message"]))
+                out.collect.setdefault(ev["collect"], (ev["outcome"], _text(ev["message"])))
             elif "report" in ev:
                 out.reports.setdefault(ev["report"], []).append(
-                    (ev["when"], ev["outcome"], float(ev["seconds"]), ev["message"])
+                    (ev["when"], ev["outcome"], float(ev["seconds"]), _text(ev["message"]))
                 )
             elif "finish" in ev:
-                out.finish, out.stopped = int(ev["finish"]), ev["stopped"]
+                out.finish, out.stopped = int(ev["finish"]), _text(ev["stopped"])
             elif "interrupted" in ev:
-                out.interrupted = ev["interrupted"]
+                out.interrupted = _text(ev["interrupted"])
     return out

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -368,16 +369,21 @@ def test_only_a_case_whose_call_and_teardown_passed_passed():
     unfinished = {n: reports[n] for n in ("in its call", "in its teardown")}
     for finish, halted in [(None, ""), (2, ""), (0, ""), (None, "stopped at the runner's timeout")]:
         got = results_from_records(unfinished, _records(unfinished, finish), halted)
-        want = "failed" if (finish, halted) == (None, "") else "not run"
+        # Exit status 0 with a case never finished and no pytest.exit: a worker that could
+        # not send its report (xdist then exits 0), a failure.
+        want = "failed" if (finish, halted) in [(None, ""), (0, "")] else "not run"
         assert {r.outcome for r in got.values()} == {want}, (finish, halted, got)
     assert finished["in its teardown"].message == "its pytest process died during its teardown"
+    got = results_from_records(unfinished, _records(unfinished, 0))
+    assert got["in its call"].message == "pytest ended (exit status 0) without reporting its call"
     # pytest.exit in a case: the cases after it were collected and never reported.
     exited = {"before": done, "exits": [done[0]], "after": []}
     records = _records({n: p for n, p in exited.items() if p}, 0)
     records.collected.add("after")
+    records.interrupted = "Exit: abort"
     got = results_from_records(exited, records)
     assert [got[n].outcome for n in exited] == ["passed", "not run", "not run"], got
-    assert got["after"].message == "pytest exited 0 during a case", got
+    assert got["after"].message == "Exit: abort during a case", got
     set_up = {"set up": [done[0], done[2]]}  # --setup-only / --setup-plan: never called
     records = _records(set_up, 0)
     records.options["setuponly"] = True
@@ -640,3 +646,59 @@ def test_junit_holds_the_cases_of_a_pytest_that_died(pytester):
         "tests/first/test_first.py::test_after": "missing",
         "tests/second/test_second.py::test_never_collected": "missing",
     }
+
+
+def test_a_failure_message_with_a_lone_surrogate_is_reported(pytester):
+    # Regression: the summary could not be written (UnicodeEncodeError after the tests), and
+    # the previous run's PASSED summary.md and summary.json stayed in the output folder.
+    # Under xdist the worker cannot send such a report at all (execnet: "strings must be
+    # utf-8 encodable"); pytest then exits 0 with the case never reported: it fails too.
+    tests = {
+        "tests/a/test_a.py": (
+            "def test_fine():\n    pass\n\n"
+            "def test_surrogate():\n    assert False, 'name ' + b'x\\xff'.decode('utf-8', 'surrogateescape')\n"
+        )
+    }
+    entries = [{"id": "a", "paths": ["tests/a"]}]
+    root = make_project(pytester.path, tests, {"cpu": manifest("cpu", "cpu", entries)})
+    fine = harness(root, "run", "cpu", "--out", "out", "-k", "fine")
+    assert fine.returncode == 0, fine.stdout + fine.stderr
+    for workers in ("0", "2"):
+        # pytest prints the message's byte as it is: not UTF-8 output.
+        run = ["run", "cpu", "--out", "out", "-k", "surrogate", "--", "-n", workers]
+        done = subprocess.run(
+            [sys.executable, "-m", "harness", *run],
+            cwd=root,
+            capture_output=True,
+            text=True,
+            errors="replace",
+            timeout=240,
+            env={k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"},
+        )
+        assert done.returncode == 1, done.stdout + done.stderr
+        assert "Traceback" not in done.stderr, done.stderr
+        summary = (root / "out/summary.md").read_text(encoding="utf-8")
+        assert "**FAILED**: 1 failed" in summary
+        if workers == "0":
+            assert "name x\\udcff" in summary, summary
+        cases = json.loads((root / "out/summary.json").read_text())["cases"]
+        surrogate = [c for c in cases if c["nodeid"].endswith("test_surrogate")]
+        assert [c["outcome"] for c in surrogate] == ["failed"], (workers, surrogate)
+
+
+def test_a_run_that_dies_before_its_summary_leaves_no_earlier_summary(pytester):
+    tests = {"tests/a/test_a.py": "def test_fine():\n    pass\n"}
+    entries = [{"id": "a", "paths": ["tests/a"]}]
+    root = make_project(pytester.path, tests, {"cpu": manifest("cpu", "cpu", entries)})
+    assert harness(root, "run", "cpu", "--out", "out").returncode == 0
+    assert (root / "out/summary.md").exists()
+    # The caller's own conftest kills the run's process as its pytest ends.
+    (root / "conftest.py").write_text(
+        "import os, signal\n\ndef pytest_unconfigure(config):\n"
+        "    if getattr(config.option, 'harness_select', None):\n"
+        "        os.kill(os.getppid(), signal.SIGKILL)\n"
+    )
+    done = harness(root, "run", "cpu", "--out", "out", "--", "-p", "no:xdist")
+    assert done.returncode == -signal.SIGKILL, done.stdout + done.stderr
+    assert not (root / "out/summary.md").exists()
+    assert not (root / "out/summary.json").exists()
