@@ -624,6 +624,7 @@ def _pytest_command(
     """The pytest command line for group ``k``; writes its selection file."""
     select_file = _select_file(run, k)
     deadline = timeout or PLAIN_CASE_DEADLINE_S
+    files = sorted({str(run.root / c.file) for c, _ in group})
     write_json(
         select_file,
         {
@@ -633,6 +634,7 @@ def _pytest_command(
             "cases": {c.nodeid: deadline for c, _ in group},
             "run": [c.nodeid for c, _ in run.cases],  # the whole run's (--lf spans the groups)
             "entries": {c.nodeid: e.id for c, e in group},
+            "files": files,  # the paths below; any other is the caller's, and narrows the group
         },
         indent=None,
     )
@@ -649,7 +651,7 @@ def _pytest_command(
         "-c",
         _PYTEST_FROM_ROOT,
         str(run.root),
-        *sorted({str(run.root / c.file) for c, _ in group}),
+        *files,
         *run.opts.pytest_args,
     ]
     cmd += _config_args(run)

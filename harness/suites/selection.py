@@ -322,6 +322,31 @@ def _no_failure_to_rerun(config: pytest.Config, sel: dict[str, Any]) -> bool:
     return _has_failure(sel.get("run", ()), failed) and not _has_failure(sel["cases"], failed)
 
 
+def _callers_args(config: pytest.Config, sel: dict[str, Any]) -> list[str]:
+    """The paths and node ids the caller gave pytest, next to those ``harness run`` gave."""
+    args = list(config.args)
+    for own in sel.get("files", ()):
+        if own in args:
+            args.remove(own)
+    return args
+
+
+def _named(item: pytest.Item, args: Sequence[str], cwd: Path) -> bool:
+    """Whether ``item`` is one that ``args`` (paths and node ids, as pytest reads them from
+    ``cwd``) select: under a named folder or file, and its name, class or
+    parametrization named."""
+    path = Path(os.path.abspath(item.path))
+    tail = item.nodeid.partition("::")[2]
+    for arg in args:
+        where, sep, name = arg.partition("::")
+        named = Path(os.path.abspath(cwd / where))
+        if path != named and named not in path.parents:
+            continue
+        if not sep or tail == name or tail.startswith((f"{name}::", f"{name}[")):
+            return True
+    return False
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     sel = _load(config)
     if sel is None:
@@ -329,6 +354,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     root = Path(sel["root"])
     wanted: dict[str, Any] = sel["cases"]
     entries: dict[str, str] = sel.get("entries", {})
+    # pytest collects the union of the run's files and the caller's: the caller's narrow it.
+    callers = _callers_args(config, sel)
+    cwd = config.invocation_params.dir
     keep, drop, ignored, seen = [], [], [], set()
     for item in items:
         cid = _case_id(item, root)
@@ -336,7 +364,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             drop.append(item)
             continue
         seen.add(cid)
-        if _ignored(config, Path(os.path.abspath(item.path))):
+        if _ignored(config, Path(os.path.abspath(item.path))) or (
+            callers and not _named(item, callers, cwd)
+        ):
             ignored.append(item)
             continue
         keep.append(item)

@@ -702,3 +702,34 @@ def test_a_run_that_dies_before_its_summary_leaves_no_earlier_summary(pytester):
     assert done.returncode == -signal.SIGKILL, done.stdout + done.stderr
     assert not (root / "out/summary.md").exists()
     assert not (root / "out/summary.json").exists()
+
+
+def test_paths_and_node_ids_given_to_pytest_narrow_the_run(pytester):
+    # Regression: pytest collected the union of the run's files and the caller's node id:
+    # `harness run cpu -- FILE::TEST` ran the whole suite.
+    tests = {
+        "tests/first/test_first.py": "def test_a():\n    pass\n\ndef test_b():\n    pass\n",
+        "tests/second/test_second.py": (
+            "import pytest\n\n@pytest.mark.parametrize('x', [1, 2])\ndef test_p(x):\n    pass\n\n"
+            "class TestK:\n    def test_m(self):\n        pass\n"
+        ),
+    }
+    root = make_project(pytester.path, tests, {"cpu": manifest("cpu", "cpu", TWO_GROUPS)})
+    cases = [
+        "tests/first/test_first.py::test_a",
+        "tests/first/test_first.py::test_b",
+        "tests/second/test_second.py::test_p[1]",
+        "tests/second/test_second.py::test_p[2]",
+        "tests/second/test_second.py::TestK::test_m",
+    ]
+    for cwd, args, ran in [
+        (root, ["tests/first/test_first.py::test_b"], {1}),
+        (root, ["tests/second/test_second.py::test_p"], {2, 3}),
+        (root, ["tests/second/test_second.py::TestK", "tests/first"], {0, 1, 4}),
+        (root / "tests", ["second/test_second.py::test_p[2]"], {3}),
+    ]:
+        done = harness(cwd, "run", "cpu", "--out", str(root / "out"), "--", *args)
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert outcomes(root / "out") == {
+            c: "passed" if i in ran else "deselected" for i, c in enumerate(cases)
+        }, args
