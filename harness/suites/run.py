@@ -537,7 +537,15 @@ def claim_out(out: Path, title: str) -> Iterator[None]:
     names that run and the way out (``--out``)."""
     if out.exists() and not out.is_dir():
         raise _Refused(f"harness run: --out {out} is not a folder")
-    out.mkdir(parents=True, exist_ok=True)
+    elsewhere = "give the run a folder it can write: --out DIR"
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise _Refused(
+            f"harness run: cannot make the output folder {out} ({e}); {elsewhere}"
+        ) from None
+    if not os.access(out, os.W_OK | os.X_OK):  # a read-only file system: EROFS, for root too
+        raise _Refused(f"harness run: cannot write in the output folder {out}; {elsewhere}")
     try:
         fd = os.open(out / OUT_LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
         writable = True

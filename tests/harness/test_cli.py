@@ -574,6 +574,9 @@ def test_matrix_refuses_non_finite_recorded_durations(pytester, capsys):
         (["run", "cpu", "--shard", "+1/2"], "--shard takes I/N, e.g. 2/4; got '+1/2'"),
         # A file as the output folder was a FileExistsError traceback.
         (["run", "cpu", "--out", "pyproject.toml"], "pyproject.toml is not a folder"),
+        # A folder that cannot be made or written was an OSError traceback, exit 1.
+        (["run", "cpu", "--out", "pyproject.toml/sub"], "cannot make the output folder"),
+        (["run", "cpu", "--out", "/proc/harness-out"], "cannot make the output folder"),
         (["matrix", "cpu", "--shards", ""], "--shards: expected an integer >= 1, got ''"),
         (["inventory", "--bogus"], "unrecognized arguments: --bogus"),
         (["matrix", "cpu", "--", "-x"], "only `harness run` takes pytest arguments"),
