@@ -45,6 +45,10 @@ class _Armed:
     raised: bool = False
 
 
+#: The longest the watch thread sleeps at once; it then looks at its deadlines again.
+_LONGEST_WAIT_S = 3600.0
+
+
 class Watchdog:
     """The deadlines of the phases of this process's work (a test's setup,
     call or teardown), on a thread of its own rather than faulthandler's single
@@ -159,7 +163,9 @@ class Watchdog:
                 if wake is None:
                     self._lock.wait()
                 elif wake > now:
-                    self._lock.wait(wake - now)
+                    # A deadline years away (a manifest's timeout_s may be any number) would
+                    # overflow the wait (OverflowError past threading.TIMEOUT_MAX): wake sooner.
+                    self._lock.wait(min(wake - now, _LONGEST_WAIT_S))
 
     def _exit(self, armed: _Armed) -> NoReturn:
         headline = _headline(armed)

@@ -182,3 +182,19 @@ def test_nested_phases_each_keep_their_own_deadline():
         watchdog.bounding("outer", 1.0, grace=30.0, what="outer", error=_overdue),
     ):
         _inner_phase_then_sleep()
+
+
+def test_a_deadline_years_away_keeps_the_watchdog_watching():
+    # Regression: timeout_s = 1e10 (valid in a manifest) overflowed the watch thread's wait
+    # (OverflowError: timestamp out of range): the thread died, and no deadline was kept.
+    import time
+
+    from harness.watchdog import watchdog
+
+    with watchdog.bounding("far", 1e10, grace=30.0, what="far", error=_overdue):
+        time.sleep(0.2)
+        with (
+            pytest.raises(_Overdue, match=r"near ran past 0\.5 s"),
+            watchdog.bounding("near", 0.5, grace=30.0, what="near", error=_overdue),
+        ):
+            time.sleep(30)
