@@ -199,12 +199,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--version", action=_VersionAction, nargs=0, help="print the harness version and exit"
     )
-    p.add_argument(
-        "--root",
-        type=Path,
-        default=None,
-        help="repository root (default: the nearest directory above the working one with suites/)",
+    root_help = (
+        "repository root (default: the nearest directory above the working one with suites/)"
     )
+    p.add_argument("--root", type=Path, default=None, help=root_help)
     # What a subcommand's parser may change with set_defaults: whether it passes unknown
     # options and `--` arguments to pytest, and whether the repository root defaults to the
     # working directory instead of the nearest one above it with suites/.
@@ -212,6 +210,9 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for add in SUBCOMMANDS:
         add(sub)
+    for command in sub.choices.values():
+        # Before or after the subcommand alike (`harness init --root DIR`, as messages say).
+        command.add_argument("--root", type=Path, default=argparse.SUPPRESS, help=root_help)
     return p
 
 

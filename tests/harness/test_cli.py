@@ -938,3 +938,21 @@ def test_a_closed_stdout_is_no_traceback(tmp_path):
     )
     assert "Traceback" not in done.stderr, done.stderr
     assert done.returncode == 0, done.stderr
+
+
+@pytest.mark.parametrize("command", [["inventory", "-q"], ["matrix", "cpu"], ["init"]])
+def test_root_goes_before_or_after_the_subcommand(pytester, capsys, command):
+    # Regression: `harness init` refused in a subfolder with "(or pass --root DIR)", and
+    # `harness init --root DIR` was "unrecognized arguments: --root".
+    root = make_project(
+        pytester.path,
+        {"tests/t/test_t.py": "def test_t():\n    pass\n"},
+        {"cpu": manifest("cpu", "cpu", [{"id": "t", "paths": ["tests/t"]}])},
+    )
+    outputs = []
+    for args in (["--root", str(root), *command], [*command, "--root", str(root)]):
+        code = main(args)
+        outputs.append((code, *capsys.readouterr()))
+    assert outputs[0] == outputs[1]
+    # init finds the manifest written by hand, not its own: it names it (not --root).
+    assert outputs[0][0] == (2 if command == ["init"] else 0), outputs[0]
