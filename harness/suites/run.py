@@ -489,6 +489,20 @@ class _Run:
         )
 
 
+def _disables_the_plugin(args: Sequence[str]) -> bool:
+    """Whether ``args`` or ``PYTEST_ADDOPTS`` hold ``-p no:harness`` (pytest itself refuses the
+    run when a configuration file's ``addopts`` does: see ``selection.pytest_configure``)."""
+    tokens = list(args)
+    with contextlib.suppress(ValueError):  # unbalanced quotes: pytest says so
+        tokens += shlex.split(os.environ.get("PYTEST_ADDOPTS", ""))
+    names = {"no:harness", f"no:{selection.LAUNCH_PLUGIN}"}
+    for k, arg in enumerate(tokens):
+        value = tokens[k + 1] if arg == "-p" and k + 1 < len(tokens) else arg[2:]
+        if arg.startswith("-p") and value.strip() in names:
+            return True
+    return False
+
+
 def _plan_run(root: Path, opts: RunOptions, started: float) -> _Run:
     """Phase 1: load the suite, narrow it (``--changed-from``), cut the shard, drop what
     exceeds ``--max-cards``. Raises ``_Refused`` when the suite cannot be planned."""
@@ -496,6 +510,11 @@ def _plan_run(root: Path, opts: RunOptions, started: float) -> _Run:
         shard = parse_shard(opts.shard) if opts.shard is not None else None
     except PlanError as e:
         raise _Refused(f"harness run: {e}") from None
+    if _disables_the_plugin(opts.pytest_args):
+        raise _Refused(
+            f"harness run: -p no:harness disables the pytest plugin the run needs "
+            f"({selection.LAUNCH_PLUGIN}): launched cases would run unlaunched; drop it"
+        )
     loaded = load_suite(root, opts.suite, "run")
     if loaded is None:
         raise _Refused("")

@@ -37,6 +37,9 @@ from harness.names import OPT_JUNIT, OPT_SELECT, OPT_WORKERS
 from harness.spec import is_launched
 from harness.watchdog import WATCHDOG_GRACE_S, watchdog
 
+#: The launch side's pytest plugin, which every run of a suite needs.
+LAUNCH_PLUGIN = "harness.launcher.plugin"
+
 # The watchdog allows a case as long again as its deadline, at most a minute,
 # for setup, call and teardown together, and as long again after interrupting it.
 
@@ -257,6 +260,14 @@ def pytest_configure(config: pytest.Config) -> None:
     sel = _load(config)
     if sel is None:
         return
+    loaded = {getattr(p, "__name__", "") for p in config.pluginmanager.get_plugins()}
+    if LAUNCH_PLUGIN not in loaded:
+        # The run's plan counts launched cases' ranks and cards: without the plugin they
+        # would run in this process, unlaunched.
+        raise pytest.UsageError(
+            f"harness run needs its pytest plugin {LAUNCH_PLUGIN}, which is disabled "
+            "(-p no:harness, in the arguments, addopts or PYTEST_ADDOPTS)"
+        )
     path = Path(config.getoption("harness_select"))
     outcomes = _Outcomes(config, sel, path.with_name(f"{path.name}.{os.getpid()}.jsonl"))
     config.pluginmanager.register(outcomes, "harness-outcomes")

@@ -578,6 +578,9 @@ def test_matrix_refuses_non_finite_recorded_durations(pytester, capsys):
         (["run", "cpu", "--out", "pyproject.toml/sub"], "cannot make the output folder"),
         (["run", "cpu", "--out", "/proc/harness-out"], "cannot make the output folder"),
         (["matrix", "cpu", "--shards", ""], "--shards: expected an integer >= 1, got ''"),
+        # Launched cases ran in pytest's own process, unlaunched (a 2-rank case failed).
+        (["run", "cpu", "--", "-p", "no:harness"], "-p no:harness disables the pytest plugin"),
+        (["run", "cpu", "-pno:harness"], "-p no:harness disables the pytest plugin"),
         (["inventory", "--bogus"], "unrecognized arguments: --bogus"),
         (["matrix", "cpu", "--", "-x"], "only `harness run` takes pytest arguments"),
     ],

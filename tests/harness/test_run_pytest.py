@@ -733,3 +733,19 @@ def test_paths_and_node_ids_given_to_pytest_narrow_the_run(pytester):
         assert outcomes(root / "out") == {
             c: "passed" if i in ran else "deselected" for i, c in enumerate(cases)
         }, args
+
+
+def test_a_configuration_that_disables_the_harness_plugin_fails_the_run(pytester):
+    # Regression: with `-p no:harness` the run's launched cases ran in pytest's own process
+    # (a 2-rank case: "Default process group has not been initialized").
+    tests = {"tests/a/test_a.py": "def test_a():\n    pass\n"}
+    root = make_project(
+        pytester.path, tests, {"cpu": manifest("cpu", "cpu", [{"id": "a", "paths": ["tests/a"]}])}
+    )
+    (root / "pyproject.toml").write_text('[tool.pytest.ini_options]\naddopts = "-p no:harness"\n')
+    done = harness(root, "run", "cpu", "--out", "out")
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert (
+        "harness run needs its pytest plugin harness.launcher.plugin" in done.stdout + done.stderr
+    )
+    assert outcomes(root / "out") == {"tests/a/test_a.py::test_a": "missing"}
