@@ -149,7 +149,8 @@ def read_pytest_layout(root: Path) -> PytestLayout:
         if above is not None:
             raise InitError(
                 f"{root} is inside the project that {above} configures: run harness init "
-                f"in {above.parent} (or pass --root {above.parent})"
+                f"in {above.parent} (or pass --root {above.parent})",
+                EXIT_USAGE,  # where it was run, not what the project holds
             )
     found = collect(root, None)
     broken = [p for p in found.problems if p.file == "."]
