@@ -230,7 +230,11 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     reason = missing_cards(spec.device, spec.cards)
     if reason is not None:
         if spec.device in settings.require:
-            _fail(f"{reason}, and --harness-require {spec.device} is given")
+            # `harness run` of an accelerator suite sets it: a runner without its cards fails.
+            _fail(
+                f"{reason}, and --harness-require {spec.device} is set (`harness run` sets it "
+                f"for a {spec.device} suite; --max-cards N runs only what fits)"
+            )
         _skip_at_test(reason)
     if spec.cards and not is_launched(item):
         _lease_card_in_process(item, spec, settings)

@@ -282,12 +282,12 @@ def test_devices_skip_missing_accelerators_with_a_reason(device_project):
         (
             "npu",
             "test_each_device[[]npu[]]",
-            "needs 1 npu card; this host has none, and --harness-require npu is given",
+            "needs 1 npu card; this host has none, and --harness-require npu is set (`harness run` sets it*",
         ),
         (
             "cuda,npu",
             "test_two_cuda_cards",
-            "needs 2 cuda cards; this host has 1 (cuda:0), and --harness-require cuda is given",
+            "needs 2 cuda cards; this host has 1 (cuda:0), and --harness-require cuda is set (`harness run` sets it*",
         ),
     ],
     ids=["npu", "cuda"],
