@@ -39,35 +39,46 @@ class ChangeSelection:
     reason: str
 
 
-def _git(root: Path, *args: str) -> str | None:
+def _git(root: Path, *args: str) -> tuple[str | None, str]:
+    """git's output, or ``None`` and why it failed (its first line of error)."""
     try:
         done = subprocess.run(
             ["git", "-C", str(root), *args], capture_output=True, text=True, timeout=60, check=False
         )
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return done.stdout if done.returncode == 0 else None
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return None, f"git {args[0]}: {e}"
+    if done.returncode == 0:
+        return done.stdout, ""
+    error = (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[0]
+    return None, f"git {args[0]}: {error}"
 
 
-def changed_files(root: Path, ref: str) -> list[str] | None:
+def changed_files(root: Path, ref: str) -> tuple[list[str] | None, str]:
     """Repository-relative files that differ between the merge base of ``ref``
     and ``HEAD`` and the working tree (committed, staged, unstaged and untracked
-    changes; renames count as both names). ``None`` when git cannot tell."""
-    base = _git(root, "merge-base", ref, "HEAD")
+    changes; renames count as both names), and ``""``; or ``None`` and why git
+    cannot tell (an unknown ref, no merge base, not a repository)."""
+    base, why = _git(root, "merge-base", ref, "HEAD")
     if base is None:
-        return None
-    diff = _git(root, "diff", "--name-only", "--no-renames", base.strip())
-    untracked = _git(root, "ls-files", "--others", "--exclude-standard")
-    if diff is None or untracked is None:
-        return None
-    return sorted({line for line in (diff + untracked).splitlines() if line})
+        return None, why or f"no merge base of {ref} and HEAD"
+    diff, why = _git(root, "diff", "--name-only", "--no-renames", base.strip())
+    if diff is None:
+        return None, why
+    untracked, why = _git(root, "ls-files", "--others", "--exclude-standard")
+    if untracked is None:
+        return None, why
+    return sorted({line for line in (diff + untracked).splitlines() if line}), ""
 
 
-def select(entries: Sequence[Entry], changed: Iterable[str] | None) -> ChangeSelection:
-    """The entries a change makes run (see the module docstring for the rules)."""
+def select(
+    entries: Sequence[Entry], changed: Iterable[str] | None, unknown: str = ""
+) -> ChangeSelection:
+    """The entries a change makes run (see the module docstring for the rules); every entry
+    when ``changed`` is ``None`` (``unknown`` says why)."""
     all_ids = frozenset(e.id for e in entries)
     if changed is None:
-        return ChangeSelection(all_ids, True, "changed files unknown: running every entry")
+        why = f" ({unknown})" if unknown else ""
+        return ChangeSelection(all_ids, True, f"changed files unknown{why}: running every entry")
     changed = list(changed)
     for f in changed:
         for pattern in RUN_EVERYTHING:

@@ -292,7 +292,7 @@ def _cmd_matrix(root: Path, args: argparse.Namespace) -> int:
         )
         selected = None
         if args.changed_from:
-            sel = changes.select(m.entries, changes.changed_files(root, args.changed_from))
+            sel = changes.select(m.entries, *changes.changed_files(root, args.changed_from))
             print(
                 f"harness matrix: --changed-from {args.changed_from}: {sel.reason}", file=sys.stderr
             )

@@ -307,7 +307,8 @@ def test_changed_files_from_a_real_git_repo(repo):
     (repo / "tests/new").mkdir()
     (repo / "tests/new/test_n.py").write_text("")  # untracked
     git(repo, "mv", "channel_loss/meter.py", "channel_loss/meter2.py")  # staged rename: both names
-    got = changed_files(repo, "main")
+    got, why = changed_files(repo, "main")
+    assert why == ""
     assert got == [
         "README.md",
         "channel_loss/meter.py",
@@ -326,18 +327,24 @@ def test_changes_since_the_merge_base_only(repo):
     git(repo, "commit", "-qam", "main only")
     git(repo, "checkout", "-q", "feature")
     (repo / "channel_loss/ops.py").write_text("x = 3\n")
-    assert changed_files(repo, "main") == ["channel_loss/ops.py"]
+    assert changed_files(repo, "main") == (["channel_loss/ops.py"], "")
 
 
 def test_harness_change_in_git_runs_everything(repo):
     (repo / "harness").mkdir()
     (repo / "harness/x.py").write_text("")
-    assert select(ENTRIES, changed_files(repo, "main")).everything
+    assert select(ENTRIES, *changed_files(repo, "main")).everything
 
 
-def test_unknown_ref_runs_everything(repo):
-    assert changed_files(repo, "no-such-ref") is None
-    assert select(ENTRIES, changed_files(repo, "no-such-ref")).everything
+def test_unknown_ref_runs_everything_and_says_what_git_said(repo):
+    # The reason was "changed files unknown", whatever git had said (a typo'd ref, say).
+    files, why = changed_files(repo, "no-such-ref")
+    assert files is None
+    assert why.startswith("git merge-base: fatal: "), why
+    assert "no-such-ref" in why, why
+    sel = select(ENTRIES, files, why)
+    assert sel.everything
+    assert sel.reason == f"changed files unknown ({why}): running every entry"
 
 
 # --------------------------------------------------------------------------- one planner
