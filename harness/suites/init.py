@@ -24,6 +24,7 @@ repository, else the schema's canonical ``$id``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -271,10 +272,12 @@ def render(
         "entries": _entries(paths),
     }
     files[f"{SUITES_DIR}/cpu.json"] = _dump(cpu)
-    unowned = sorted({d for _, d in layout.cases if d != "cpu" and d not in accelerators})
+    on_disk = _suites_on_disk(suites_dir)  # suite -> device, those init does not write
+    owned = {*accelerators, *on_disk.values()}
+    unowned = sorted({d for _, d in layout.cases if d != "cpu" and d not in owned})
     if unowned:
         notes.append(
-            f"collected cases run on {', '.join(unowned)}, which no suite written here owns "
+            f"collected cases run on {', '.join(unowned)}, which no suite owns "
             "(`harness inventory` reports them as unowned-case): add "
             f"--accelerators {','.join(unowned)} to write their suites"
         )
@@ -321,10 +324,27 @@ def render(
             )
     if workflows:
         suites = [(_suite_for(d), d) for d in accelerators]
+        written = {name for name, _ in suites}
+        # The accelerator suites already there get theirs too (init writes cpu's always).
+        suites += [
+            (name, d) for name, d in sorted(on_disk.items()) if d != "cpu" and name not in written
+        ]
         files.update(
             init_workflows(root, suites, cpu_timeout_minutes=CPU_RUNNER["timeout_minutes"])
         )
     return files
+
+
+def _suites_on_disk(suites_dir: Path) -> dict[str, str]:
+    """The suites in ``suites_dir`` and their devices (unreadable manifests left out:
+    ``harness inventory`` names them)."""
+    out = {}
+    for path in sorted(suites_dir.glob("*.json")):
+        with contextlib.suppress(OSError, ValueError):
+            doc = json.loads(path.read_text(encoding="utf-8"))
+            if isinstance(doc, dict) and isinstance(doc.get("suite"), str):
+                out[doc["suite"]] = str(doc.get("device", "cpu"))
+    return out
 
 
 def write(root: Path, files: dict[str, str], force: bool) -> list[tuple[str, str]]:
@@ -392,7 +412,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--workflows",
         action="store_true",
-        help="also write .github/workflows/harness-SUITE.yml for each suite",
+        help="also write .github/workflows/harness-SUITE.yml for each suite: those written "
+        "and those already in suites/",
     )
     p.add_argument(
         "--force", action="store_true", help="overwrite files that exist with other content"

@@ -244,12 +244,22 @@ def test_init_without_accelerators_names_the_accelerator_cases_it_leaves_unowned
     )
     done = harness(root, "init")
     assert done.returncode == 0, done.stderr
-    assert "collected cases run on cuda, npu, which no suite written here owns" in done.stderr
+    assert "collected cases run on cuda, npu, which no suite owns" in done.stderr
     assert "--accelerators cuda,npu" in done.stderr
     again = harness(root, "init", "--accelerators", "cuda,npu", "--force")
     assert again.returncode == 0, again.stderr
-    assert "which no suite written here owns" not in again.stderr
+    assert "which no suite owns" not in again.stderr
     assert harness(root, "inventory").returncode == 0
+    # Regression: a later plain init said so again though gpu.json and npu.json own them,
+    # and its --workflows wrote cpu's workflow only.
+    later = harness(root, "init", "--workflows")
+    assert later.returncode == 0, later.stderr
+    assert "which no suite owns" not in later.stderr
+    assert {p.name for p in (root / ".github/workflows").iterdir()} == {
+        "harness-cpu.yml",
+        "harness-gpu.yml",
+        "harness-npu.yml",
+    }
 
 
 def test_init_in_a_subfolder_of_a_configured_project_refuses_and_names_the_root(tmp_path):
@@ -294,6 +304,6 @@ def test_init_reads_pytest_configuration_files_as_pytest_does(tmp_path, files, w
     (tmp_path / where / "tests").mkdir(parents=True)
     (tmp_path / where / "tests/test_a.py").write_text("def test_a():\n    pass\n")
     done = harness(tmp_path / where, "init")
-    assert done.returncode == (1 if refused else 0), done.stdout + done.stderr
+    assert done.returncode == (2 if refused else 0), done.stdout + done.stderr
     assert ("inside the project that" in done.stderr) == refused, done.stderr
     assert (tmp_path / where / "suites/cpu.json").exists() != refused
