@@ -635,6 +635,11 @@ def _select_file(run: _Run, k: int) -> Path:
     return run.out / f"select-{k}.json"
 
 
+def _junit_file(run: _Run, k: int) -> Path:
+    """Where group ``k``'s pytest writes its JUnit XML."""
+    return run.out / f"junit-{k}.xml"
+
+
 #: ``python -c`` code that runs pytest with the root (its first argument, taken off)
 #: importable first, as ``python -m pytest`` started in the root makes it: only in
 #: pytest's process (xdist's workers copy its ``sys.path``), not in the environment,
@@ -665,7 +670,7 @@ def _pytest_command(
         },
         indent=None,
     )
-    junit = run.out / f"junit-{k}.xml"
+    junit = _junit_file(run, k)
     junit.unlink(missing_ok=True)
     # The caller's pytest arguments as they are: pytest parses them. The run's own choices
     # (JUnit path, xdist workers) go through the selection plugin, which applies them only
@@ -726,8 +731,6 @@ class _Ran:
 
     #: The exit code of each group's pytest, for the groups started.
     codes: list[int] = field(default_factory=list)
-    #: Their JUnit files.
-    junits: list[Path] = field(default_factory=list)
     #: Their outcome records.
     records: list[selection.Records] = field(default_factory=list)
     #: Why the run stopped each group, those it never started included (``""``: it did not).
@@ -794,7 +797,6 @@ def _run_groups(run: _Run, stop: _Stop, deadline: float, limit_s: float, before:
         _stop_leftovers(before)
         records = selection.read_records(_select_file(run, k))
         ran.codes.append(code)
-        ran.junits.append(run.out / f"junit-{k}.xml")
         ran.records.append(records)
         halted.append(why)
         if records.stopped:
@@ -859,15 +861,16 @@ def _report(run: _Run, ran: _Ran, stop: _Stop) -> int:
     results: dict[str, report.CaseRow] = {}
     unreported: list[report.CaseRow] = []
     asked: str | None = None
-    for k, g in enumerate(run.groups):
+    for k, g in enumerate(run.groups, 1):
         # A group never started has no records: its cases are not run, for its halted reason.
-        records = ran.records[k] if k < len(ran.records) else selection.Records()
-        why = ran.halted[k] if k < len(ran.halted) else ""
+        records = ran.records[k - 1] if k <= len(ran.records) else selection.Records()
+        why = ran.halted[k - 1] if k <= len(ran.halted) else ""
         rows = report.results_from_records([c.nodeid for c, _ in g.cases], records, why)
         results.update(rows)
-        unreported += report.junit_lacks(run.out / f"junit-{k + 1}.xml", rows.values())
+        unreported += report.junit_lacks(_junit_file(run, k), rows.values())
         asked = records.options.get("junitxml") or asked
-    report.merge_junit(ran.junits, junit_all, unreported)
+    started = [_junit_file(run, k) for k in range(1, len(ran.records) + 1)]
+    report.merge_junit(started, junit_all, unreported)
     if asked:
         # The run's own JUnit path replaced the caller's --junitxml: they get the merged file.
         Path(asked).parent.mkdir(parents=True, exist_ok=True)

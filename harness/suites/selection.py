@@ -33,6 +33,7 @@ from typing import IO, Any
 
 import pytest
 
+from harness.jsonio import write_json
 from harness.names import OPT_JUNIT, OPT_SELECT, OPT_WORKERS
 from harness.spec import is_launched
 from harness.watchdog import WATCHDOG_GRACE_S, watchdog
@@ -307,7 +308,7 @@ def _snapshot_last_failed(config: pytest.Config, root: Path, target: Path) -> No
     for key in failed:
         file, sep, tail = str(key).partition("::")
         ids.append(rel(config.rootpath / file, root) + sep + tail)
-    target.write_text(json.dumps(sorted(ids)), encoding="utf-8")
+    write_json(target, sorted(ids), indent=None)
 
 
 def _has_failure(ids: Iterable[str], failed: set[str]) -> bool:
