@@ -343,10 +343,35 @@ _VERIFY_TOLERANCE = {
     torch.bfloat16: (5e-2, 5e-2),
     torch.float16: (1e-2, 1e-2),
 }
+# The loss function's result against the mean of the cross-entropies of the same logits:
+# two fp32 reductions of the same values, whatever the logits' dtype.
+_LOSS_RTOL = 1e-4
 # Models verified once (per head and transform) stay verified for later patches.
 _VERIFIED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 # Set by fused_causal_lm_loss: fuse this forward even in eval mode.
 _FORCE_FUSED: ContextVar[bool] = ContextVar("channel_loss_force_fused", default=False)
+
+
+def _rounding_allowance(
+    logits: torch.Tensor, targets: torch.Tensor, scored: torch.Tensor
+) -> torch.Tensor:
+    """Per token, how far rounding the model's logits to their dtype can move its
+    cross-entropy: ``eps x (sum_i p_i |z_i| + |z_target|)`` (the log-sum-exp moves by the
+    probability-weighted change of the logits, the target's logit by its own), with ``eps``
+    two units of rounding. Logits that carry no probability (a ``-inf`` mask) add nothing.
+    Float32, ``targets``' shape; row blocks bound the memory it takes."""
+    eps = torch.finfo(logits.dtype).eps if logits.dtype.is_floating_point else 0.0
+    z = logits.reshape(-1, logits.shape[-1])
+    t = torch.where(scored, targets, 0).reshape(-1)
+    out = torch.empty(z.shape[0], dtype=torch.float32, device=z.device)
+    step = max(1, (1 << 22) // max(z.shape[-1], 1))
+    for s in range(0, z.shape[0], step):
+        block = z[s : s + step].float()
+        p = torch.softmax(block, -1)
+        spread = torch.where(p > 0, p * block.abs(), 0.0).sum(-1)
+        own = block.gather(-1, t[s : s + step, None]).squeeze(-1).abs()
+        out[s : s + step] = eps * (spread + own)
+    return out.reshape(targets.shape)
 
 
 @dataclass
@@ -607,11 +632,7 @@ class FusedLoss(ObservingLoss):
                 # unpatched model's loss is not finite either: verification waits, as for a
                 # batch without scored targets.
                 return
-            # Rounding the model's logits to their dtype moves a cross-entropy by up to eps x
-            # the row's largest |logit| (its log-sum-exp and its target's logit, half each).
-            rounding = torch.finfo(logits.dtype).eps * torch.maximum(
-                logits.detach().amax(-1), -logits.detach().amin(-1)
-            ).float().reshape(own.shape)
+            rounding = _rounding_allowance(logits.detach(), observed.targets, scored)
             excess = (own - ours).abs() - atol - rtol * own.abs() - rounding
             excess = excess.masked_fill(~scored, -1.0).reshape(-1)
             worst = int(excess.argmax())
@@ -624,10 +645,13 @@ class FusedLoss(ObservingLoss):
                 )
             if not self.label_smoothing:
                 reference = self.original(*args, **kwargs)
-                # The loss is a weighted mean of the tokens' (each weight <= 1): their bound holds.
-                bound = float(rounding[scored].max())
+                # The mean cross-entropy of the model's own logits, reduced as the op reduces
+                # its own (the same divisor: scored tokens or num_items_in_batch): the loss
+                # function must give it, from the same logits, with no rounding between them.
+                own_sum, ours_sum = own[scored].double().sum(), ours[scored].double().sum()
+                expected = loss.detach().double() * (own_sum / ours_sum if ours_sum else 1.0)
                 if not torch.allclose(
-                    loss.detach().float(), reference.detach().float(), rtol=rtol, atol=atol + bound
+                    expected.float(), reference.detach().float(), rtol=_LOSS_RTOL, atol=0.0
                 ):
                     name = getattr(self.original, "__name__", type(self.original).__name__)
                     self._refuse(
@@ -773,9 +797,9 @@ def patch_model(model, *, fused: bool = False, chunk_size: int | None = None) ->
     batch: the output embeddings still compute real logits, the model
     transforms them as it does, and the per-token cross-entropy of those
     logits must equal the chunked op's (rtol = atol = 1e-4 for fp32 logits,
-    5e-2 bf16, 1e-2 fp16, plus the dtype's eps times the token's largest
-    |logit|, what rounding the logits can move it by), and the model's own
-    loss function on them must give the op's loss. Otherwise every fused forward raises
+    5e-2 bf16, 1e-2 fp16, plus what rounding the logits to their dtype can
+    move it by), and the model's own loss function on them must give their
+    mean cross-entropy, reduced as the op reduces its own. Otherwise every fused forward raises
     ``UnsupportedModelError`` naming the model class and what differed (a
     head that is not ``lm_head(hidden)``, an unknown transform, a custom
     loss, a loss computed without ``loss_function``). A forward whose targets

@@ -117,6 +117,61 @@ class NaNLogits(transformers.LlamaForCausalLM):
         return transformers.modeling_outputs.CausalLMOutputWithPast(loss=loss, logits=logits)
 
 
+class MaskedAndCapped(transformers.LlamaForCausalLM):
+    """Masks its last vocabulary row with -inf (as models mask padded rows) and softcaps
+    its logits at 5, announced by no config field."""
+
+    def forward(self, input_ids=None, labels=None, **kwargs):
+        z = self.lm_head(self.model(input_ids=input_ids).last_hidden_state)
+        z = 5 * torch.tanh(z / 5)
+        z = torch.cat([z[..., :-1], torch.full_like(z[..., -1:], float("-inf"))], -1)
+        loss = self.loss_function(z, labels, self.config.vocab_size, **kwargs)
+        return transformers.modeling_outputs.CausalLMOutputWithPast(loss=loss, logits=z)
+
+
+def test_a_masked_vocabulary_row_does_not_hide_a_transform():
+    # Regression: the allowance for the logits' rounding was eps x the row's largest
+    # |logit|: one -inf made it infinite, and every transform (here a softcap) verified,
+    # the fused loss 5.73 against the model's 5.06.
+    model = tiny(MaskedAndCapped)
+    with torch.no_grad():
+        model.lm_head.weight *= 20
+    batch = packed_batch("llama")
+    labels = batch.labels.masked_fill(batch.labels == VOCAB - 1, IGNORE)  # never the masked id
+    with (
+        patch_model(model, fused=True),
+        pytest.raises(UnsupportedModelError, match=r"refuses MaskedAndCapped: the logits"),
+    ):
+        model(**batch.inputs, labels=labels)
+
+
+def test_a_loss_function_that_is_not_the_mean_cross_entropy_is_refused_in_bf16():
+    # Regression: the loss check allowed the tokens' largest rounding allowance as an
+    # absolute error (0.47 at logits of 60): a doubled loss (0.70 against 0.35) verified.
+    model = tiny(transformers.LlamaForCausalLM)
+    with torch.no_grad():
+        model.lm_head.weight *= 120
+    model = model.to(torch.bfloat16)
+    batch = packed_batch("llama")
+    with torch.no_grad():  # targets the model predicts: a small loss next to large logits
+        logits = model(**batch.inputs).logits
+    labels = batch.labels.clone()
+    labels[:, 1:] = torch.where(batch.labels[:, 1:] == IGNORE, IGNORE, logits[:, :-1].argmax(-1))
+    assert float(logits.float().abs().max()) > 40
+    own = model.loss_function
+
+    def doubled(*args, **kwargs):
+        return 2 * own(*args, **kwargs)
+
+    model.loss_function = doubled
+    scored = int((labels[:, 1:] != IGNORE).sum())
+    with (
+        patch_model(model, fused=True),
+        pytest.raises(UnsupportedModelError, match=r"its loss_function doubled gives"),
+    ):
+        model(**batch.inputs, labels=labels, num_items_in_batch=torch.tensor(8 * scored))
+
+
 def test_logits_non_finite_where_the_fused_ones_are_finite_are_refused():
     model = tiny(NaNLogits)
     batch = packed_batch("llama")
