@@ -822,6 +822,11 @@ def _verdict(total: report.EntryRow, ran: _Ran, stop: _Stop) -> list[str]:
         verdict.append(f"{total.missing} planned case(s) never ran")
     if not total.passed and not narrowed:
         verdict.append(f"no case passed ({total.skipped} skipped)")
+    if any(r.options.get("narrowed") for r in ran.records) and not any(
+        r.collected for r in ran.records
+    ):
+        # A path outside the suite, say: pytest alone would have run it.
+        verdict.append("the paths and node ids given to pytest select no case of the run")
     timed_out = [h.startswith(_TIMEOUT_REASON) for h in ran.halted]
     if any(timed_out) and stop.signum is None:
         verdict.append(_TIMEOUT_REASON)

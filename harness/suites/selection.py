@@ -212,6 +212,8 @@ class _Outcomes:
                 "setuponly": bool(opt("setuponly", False)),
                 "last_failed": bool(opt("lf", False)),
                 "maxfail": int(opt("maxfail", 0) or 0),
+                # The caller named paths or node ids: planned cases outside them are deselected.
+                "narrowed": bool(_callers_args(self.config, _load(self.config) or {})),
                 "junitxml": self.config.stash.get(_CALLER_JUNIT, None),
             }
         )
@@ -269,6 +271,12 @@ def pytest_configure(config: pytest.Config) -> None:
             f"harness run needs its pytest plugin {LAUNCH_PLUGIN}, which is disabled "
             "(-p no:harness, in the arguments, addopts or PYTEST_ADDOPTS)"
         )
+    # The caller's paths and node ids replace the run's files (pytest would collect the
+    # union, and a file subsumes a node id in it): pytest selects, and reports a name that
+    # is not found, as it would alone; the group keeps only its own cases of what it collects.
+    callers = _callers_args(config, sel)
+    if callers:
+        config.args[:] = callers
     path = Path(config.getoption("harness_select"))
     outcomes = _Outcomes(config, sel, path.with_name(f"{path.name}.{os.getpid()}.jsonl"))
     config.pluginmanager.register(outcomes, "harness-outcomes")
@@ -331,32 +339,39 @@ def _no_failure_to_rerun(config: pytest.Config, sel: dict[str, Any]) -> bool:
         failed = set(json.loads(path.read_text(encoding="utf-8")))
     except (OSError, ValueError):
         return False
-    return _has_failure(sel.get("run", ()), failed) and not _has_failure(sel["cases"], failed)
+    run = sel.get("run", ())
+    callers = _callers_args(config, sel)
+    if callers:  # the caller's paths and node ids narrowed the run: their cases are its cases
+        if config.getoption("pyargs", False):
+            return False  # module names: this group's pytest decides alone
+        cwd, root = config.invocation_params.dir, Path(sel["root"])
+        run = [cid for cid in run if any(_selects(a, cid, cwd, root) for a in callers)]
+    return _has_failure(run, failed) and not _has_failure(sel["cases"], failed)
+
+
+def _selects(arg: str, cid: str, cwd: Path, root: Path) -> bool:
+    """Whether the path or node id ``arg`` (as pytest reads it from ``cwd``) selects the
+    case ``cid`` (relative to ``root``): under the named folder or file, and its name,
+    class or parametrization named."""
+    where, sep, name = arg.partition("::")
+    file, _, tail = cid.partition("::")
+    named, path = Path(os.path.abspath(cwd / where)), Path(os.path.abspath(root / file))
+    if path != named and named not in path.parents:
+        return False
+    return not sep or tail == name or tail.startswith((f"{name}::", f"{name}["))
 
 
 def _callers_args(config: pytest.Config, sel: dict[str, Any]) -> list[str]:
-    """The paths and node ids the caller gave pytest, next to those ``harness run`` gave."""
+    """The paths and node ids the caller gave pytest, next to the files ``harness run`` gave
+    (none once the caller's have replaced them)."""
+    own = list(sel.get("files", ()))
     args = list(config.args)
-    for own in sel.get("files", ()):
-        if own in args:
-            args.remove(own)
+    if not any(a in own for a in args):
+        return args if args != own else []
+    for a in own:
+        if a in args:
+            args.remove(a)
     return args
-
-
-def _named(item: pytest.Item, args: Sequence[str], cwd: Path) -> bool:
-    """Whether ``item`` is one that ``args`` (paths and node ids, as pytest reads them from
-    ``cwd``) select: under a named folder or file, and its name, class or
-    parametrization named."""
-    path = Path(os.path.abspath(item.path))
-    tail = item.nodeid.partition("::")[2]
-    for arg in args:
-        where, sep, name = arg.partition("::")
-        named = Path(os.path.abspath(cwd / where))
-        if path != named and named not in path.parents:
-            continue
-        if not sep or tail == name or tail.startswith((f"{name}::", f"{name}[")):
-            return True
-    return False
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -366,9 +381,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     root = Path(sel["root"])
     wanted: dict[str, Any] = sel["cases"]
     entries: dict[str, str] = sel.get("entries", {})
-    # pytest collects the union of the run's files and the caller's: the caller's narrow it.
-    callers = _callers_args(config, sel)
-    cwd = config.invocation_params.dir
     keep, drop, ignored, seen = [], [], [], set()
     for item in items:
         cid = _case_id(item, root)
@@ -376,9 +388,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             drop.append(item)
             continue
         seen.add(cid)
-        if _ignored(config, Path(os.path.abspath(item.path))) or (
-            callers and not _named(item, callers, cwd)
-        ):
+        if _ignored(config, Path(os.path.abspath(item.path))):
             ignored.append(item)
             continue
         keep.append(item)

@@ -749,3 +749,39 @@ def test_a_configuration_that_disables_the_harness_plugin_fails_the_run(pytester
         "harness run needs its pytest plugin harness.launcher.plugin" in done.stdout + done.stderr
     )
     assert outcomes(root / "out") == {"tests/a/test_a.py::test_a": "missing"}
+
+
+def test_names_given_to_pytest_are_found_or_the_run_is_red(pytester):
+    # Regression: the run's own files went to pytest next to the caller's, and a file
+    # subsumes a node id in it: a misspelled node id, a module given by --pyargs, a path
+    # outside the suite, and --lf with a path each ran nothing, green.
+    tests = {
+        "tests/__init__.py": "",
+        "tests/a/__init__.py": "",
+        "tests/a/test_a.py": "def test_ok():\n    pass\n\ndef test_bad():\n    assert False\n",
+        "tests/b/__init__.py": "",
+        "tests/b/test_b.py": "def test_b1():\n    pass\n\ndef test_b2():\n    pass\n",
+        "tests/c/test_c.py": "def test_c():\n    pass\n",  # in no entry
+    }
+    entries = [{"id": k, "paths": [f"tests/{k}"]} for k in "ab"]
+    root = make_project(pytester.path, tests, {"cpu": manifest("cpu", "cpu", entries)})
+    b = {"tests/b/test_b.py::test_b1": "passed", "tests/b/test_b.py::test_b2": "passed"}
+    a = {"tests/a/test_a.py::test_ok": "deselected", "tests/a/test_a.py::test_bad": "deselected"}
+
+    def run(*args):
+        return harness(root, "run", "cpu", "--out", "out", "--", "-p", "no:xdist", *args)
+
+    typo = run("tests/b/test_b.py::test_b9")
+    assert typo.returncode == 1, typo.stdout + typo.stderr
+    assert "not found" in typo.stdout + typo.stderr
+    assert "pytest exited with 4" in typo.stdout
+    outside = run("tests/c/test_c.py")
+    assert outside.returncode == 1, outside.stdout + outside.stderr
+    assert "the paths and node ids given to pytest select no case of the run" in outside.stdout
+    module = run("--pyargs", "tests.b.test_b")
+    assert module.returncode == 0, module.stdout + module.stderr
+    assert outcomes(root / "out") == {**a, **b}
+    assert run().returncode == 1  # records test_bad as failed
+    rerun = run("--lf", "tests/b")  # pytest alone: no failure there, so all of tests/b runs
+    assert rerun.returncode == 0, rerun.stdout + rerun.stderr
+    assert outcomes(root / "out") == {**a, **b}
