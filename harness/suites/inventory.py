@@ -276,6 +276,7 @@ class _Recorder:
         self.scope: list[str] = []
         self.inipath: Path | None = None
         self.interrupted = False
+        self.exited = ""
         #: Test files skipped as a whole at collection (a module-level ``importorskip``): why.
         self.skipped: dict[str, str] = {}
         #: The ``testpaths``, ``norecursedirs`` and ``python_files`` of the configuration.
@@ -288,7 +289,10 @@ class _Recorder:
         }
 
     def pytest_keyboard_interrupt(self, excinfo: Any) -> None:
-        self.interrupted = True
+        if isinstance(excinfo.value, KeyboardInterrupt):  # a signal: the caller asked to stop
+            self.interrupted = True
+        else:  # pytest.exit in a conftest's hook or a test module: the collection is cut short
+            self.exited = f"{excinfo.typename}: {excinfo.value}"
 
     def pytest_collectstart(self, collector: Any) -> None:
         import pytest
@@ -513,8 +517,15 @@ def collect(root: Path, targets: Sequence[str] | None) -> Collection:
             os.environ["PYTEST_ADDOPTS"] = addopts
     if rec.interrupted:
         raise KeyboardInterrupt  # pytest reported it and returned; the caller asked to stop
+    if rec.exited:
+        rec.problems.append(
+            Problem(
+                names.COLLECTION_ERROR, ".", "", f"pytest.exit during collection ({rec.exited})"
+            )
+        )
+        code = pytest.ExitCode.INTERRUPTED
     # 0: collected, 1: some collection error (recorded above), 5: nothing collected.
-    if int(code) not in (0, 1, 5):
+    elif int(code) not in (0, 1, 5):
         tail = "\n".join(out.getvalue().strip().splitlines()[-15:])
         rec.problems.append(
             Problem(names.COLLECTION_ERROR, ".", "", f"pytest exited with {int(code)}:\n{tail}")

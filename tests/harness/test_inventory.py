@@ -711,3 +711,16 @@ def test_sys_exit_in_a_conftest_is_a_problem_not_a_silent_exit(pytester, capsys)
     err = capsys.readouterr().err
     assert "[collection-error] pytest exited with 3" in err, err
     assert "SystemExit(3) while pytest loaded the project" in err, err
+
+
+def test_pytest_exit_during_collection_is_a_problem_not_an_interrupt(pytester, capsys):
+    # Regression: pytest.exit in a conftest hook was taken for Ctrl-C: `harness inventory`
+    # said "interrupted" and exited 130, and so did `harness run`.
+    root = project(pytester)
+    (root / "conftest.py").write_text(
+        "import pytest\n\ndef pytest_collection_finish(session):\n"
+        "    pytest.exit('cut short', returncode=0)\n"
+    )
+    assert main(["--root", str(root), "inventory"]) == 1
+    err = capsys.readouterr().err
+    assert "[collection-error] pytest.exit during collection (Exit: cut short)" in err, err
