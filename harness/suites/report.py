@@ -223,15 +223,18 @@ def results_from_records(
     return out
 
 
-def merge_junit(paths: Sequence[Path], target: Path, unreported: Sequence[CaseRow] = ()) -> None:
+def merge_junit(
+    paths: Sequence[Path], target: Path, unreported: Sequence[CaseRow] = (), prefix: str = ""
+) -> None:
     """Write one ``<testsuites>`` file holding every ``<testsuite>`` of ``paths`` (unreadable ones
     skipped) and, in a ``<testsuite name="harness run">`` of its own, the ``unreported`` cases
     pytest's JUnit files lack (its process was killed, or it never collected them), each with
-    its outcome: failed as ``failure``, missing as ``error``, not run as ``skipped``."""
+    its outcome: failed as ``failure``, missing as ``error``, not run as ``skipped`` (named as
+    pytest names them, with the run's ``--junit-prefix``, ``prefix``)."""
     merged = ET.Element("testsuites")
     suites = list(_readable_suites(paths))
     if unreported:
-        suites.append(_unreported_suite(unreported))
+        suites.append(_unreported_suite(unreported, prefix))
     totals = dict.fromkeys(("tests", "failures", "errors", "skipped"), 0)
     for s in suites:
         merged.append(s)
@@ -247,17 +250,22 @@ def merge_junit(paths: Sequence[Path], target: Path, unreported: Sequence[CaseRo
 _JUNIT_CHILD = {"failed": "failure", "missing": "error", "not run": "skipped", "skipped": "skipped"}
 
 
-def _unreported_suite(rows: Sequence[CaseRow]) -> ET.Element:
+def _unreported_suite(rows: Sequence[CaseRow], prefix: str) -> ET.Element:
     suite = ET.Element("testsuite", name="harness run")
     counts = dict.fromkeys(("failure", "error", "skipped"), 0)
     for row in rows:
-        classname, name = junit_key(row.nodeid)
+        classname, name = _junit_name(row.nodeid, prefix)
         case = ET.SubElement(
-            suite, "testcase", classname=classname, name=name, time=f"{row.seconds:.3f}"
+            suite,
+            "testcase",
+            classname=_xml_text(classname),
+            name=_xml_text(name),
+            time=f"{row.seconds:.3f}",
         )
         child = _JUNIT_CHILD.get(row.outcome)
         if child is not None:
-            ET.SubElement(case, child, message=f"{row.outcome}: {row.message}".rstrip(": "))
+            message = _xml_text(f"{row.outcome}: {row.message}".rstrip(": "))
+            ET.SubElement(case, child, message=message)
             counts[child] += 1
     suite.set("tests", str(len(rows)))
     suite.set("failures", str(counts["failure"]))
@@ -266,12 +274,30 @@ def _unreported_suite(rows: Sequence[CaseRow]) -> ET.Element:
     return suite
 
 
-def junit_lacks(junit: Path, rows: Iterable[CaseRow]) -> list[CaseRow]:
-    """The cases of one pytest process (``rows``) its JUnit file ``junit`` does not hold: every
-    one not deselected when the file is absent or unreadable (the process was killed, or never
-    started), else those missing (never reported)."""
-    wrote = next(_readable_suites([junit]), None) is not None
-    return [r for r in rows if r.outcome != "deselected" and (not wrote or r.outcome == "missing")]
+def junit_lacks(junit: Path, rows: Iterable[CaseRow], prefix: str = "") -> list[CaseRow]:
+    """The cases of one pytest process (``rows``) its JUnit file ``junit`` does not hold
+    (``prefix``: its ``--junit-prefix``), deselected ones left out: all of them when the file is
+    absent or unreadable (the process was killed, or never started)."""
+    held = set(read_junit([junit]))
+    return [
+        r for r in rows if r.outcome != "deselected" and _junit_name(r.nodeid, prefix) not in held
+    ]
+
+
+def _junit_name(nodeid: str, prefix: str) -> tuple[str, str]:
+    classname, name = junit_key(nodeid)
+    return (f"{prefix}.{classname}" if prefix else classname), name
+
+
+#: Characters XML 1.0 cannot hold (and DEL), as pytest's junitxml leaves them out.
+_NOT_XML = re.compile(
+    "[^\u0009\u000a\u000d\u0020-\u007e\u0080-\ud7ff\ue000-\ufffd\U00010000-\U0010ffff]"
+)
+
+
+def _xml_text(text: str) -> str:
+    """``text`` with each character XML cannot hold written as ``#xHH`` (as pytest does)."""
+    return _NOT_XML.sub(lambda m: f"#x{ord(m.group()):02X}", text)
 
 
 def summarize(

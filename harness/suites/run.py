@@ -866,16 +866,18 @@ def _report(run: _Run, ran: _Ran, stop: _Stop) -> int:
     results: dict[str, report.CaseRow] = {}
     unreported: list[report.CaseRow] = []
     asked: str | None = None
+    prefix = ""  # the caller's --junit-prefix, the same for every group
     for k, g in enumerate(run.groups, 1):
         # A group never started has no records: its cases are not run, for its halted reason.
         records = ran.records[k - 1] if k <= len(ran.records) else selection.Records()
         why = ran.halted[k - 1] if k <= len(ran.halted) else ""
         rows = report.results_from_records([c.nodeid for c, _ in g.cases], records, why)
         results.update(rows)
-        unreported += report.junit_lacks(_junit_file(run, k), rows.values())
+        prefix = records.options.get("junit_prefix") or prefix
+        unreported += report.junit_lacks(_junit_file(run, k), rows.values(), prefix)
         asked = records.options.get("junitxml") or asked
     started = [_junit_file(run, k) for k in range(1, len(ran.records) + 1)]
-    report.merge_junit(started, junit_all, unreported)
+    report.merge_junit(started, junit_all, unreported, prefix)
     if asked:
         # The run's own JUnit path replaced the caller's --junitxml: they get the merged file.
         Path(asked).parent.mkdir(parents=True, exist_ok=True)

@@ -215,6 +215,7 @@ class _Outcomes:
                 # The caller named paths or node ids: planned cases outside them are deselected.
                 "narrowed": bool(_callers_args(self.config, _load(self.config) or {})),
                 "junitxml": self.config.stash.get(_CALLER_JUNIT, None),
+                "junit_prefix": opt("junitprefix", None) or "",
             }
         )
 

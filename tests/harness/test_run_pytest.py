@@ -618,8 +618,9 @@ def test_junit_holds_the_cases_of_a_pytest_that_died(pytester):
     # was empty and green while the summary and the exit code were red.
     tests = {
         "tests/first/test_first.py": (
-            "import os\n\ndef test_ok():\n    pass\n\ndef test_dies():\n    os._exit(3)\n\n"
-            "def test_after():\n    pass\n"
+            "import os\n\ndef test_ok():\n    pass\n\n"
+            "def test_control():\n    assert False, 'col\\x1bor \\x07bell'\n\n"
+            "def test_dies():\n    os._exit(3)\n\ndef test_after():\n    pass\n"
         ),
         "tests/second/test_second.py": "def test_never_collected():\n    pass\n",
     }
@@ -632,12 +633,23 @@ def test_junit_holds_the_cases_of_a_pytest_that_died(pytester):
         "    elif 'harness_select' in vars(config.option) and config.option.harness_select:\n"
         "        open('tests/first/.done', 'w').close()\n"
     )
-    done = harness(root, "run", "cpu", "--out", "out", "--", "-p", "no:xdist")
+    # Named as pytest names them (its --junit-prefix too), and well-formed XML: a control
+    # character in a message (an ANSI colour) made the file unreadable.
+    done = harness(root, "run", "cpu", "--out", "out", "--", "-p", "no:xdist", "--junit-prefix=pre")
     assert done.returncode == 1, done.stdout + done.stderr
     summary = outcomes(root / "out")
     junit = read_junit([root / "out/junit.xml"])
-    assert {n: junit[junit_key(n)].outcome for n in summary} == {
+
+    def key(n):
+        classname, name = junit_key(n)
+        return f"pre.{classname}", name
+
+    assert junit[key("tests/first/test_first.py::test_control")].message == (
+        "failed: AssertionError: col#x1Bor #x07bell"
+    )
+    assert {n: junit[key(n)].outcome for n in summary} == {
         "tests/first/test_first.py::test_ok": "passed",
+        "tests/first/test_first.py::test_control": "failed",
         "tests/first/test_first.py::test_dies": "failed",
         "tests/first/test_first.py::test_after": "failed",  # missing: an error in JUnit
         "tests/second/test_second.py::test_never_collected": "failed",
