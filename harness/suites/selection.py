@@ -132,6 +132,10 @@ def pytest_cmdline_main(config: pytest.Config) -> Any:
     # made none.
     if not _is_worker(config):
         _set_workers(config.option, config)
+        if _group(config.option)[0] > 1 and getattr(config.option, "cacheclear", False):
+            # The caller's --cache-clear is the run's: the first group cleared the cache, and
+            # a later one would drop the failures the groups before it recorded.
+            config.option.cacheclear = False
         junit = config.getoption("harness_junit")
         if junit:
             asked = getattr(config.option, "xmlpath", None)

@@ -797,3 +797,19 @@ def test_names_given_to_pytest_are_found_or_the_run_is_red(pytester):
     rerun = run("--lf", "tests/b")  # pytest alone: no failure there, so all of tests/b runs
     assert rerun.returncode == 0, rerun.stdout + rerun.stderr
     assert outcomes(root / "out") == {**a, **b}
+
+
+def test_cache_clear_clears_the_cache_once_per_run(pytester):
+    # Regression: each group's pytest got the caller's --cache-clear: the last group cleared
+    # the failures the groups before it recorded, and a later --lf missed them.
+    tests = {
+        f"tests/{g}/test_{g}.py": "def test_bad():\n    assert False\n" for g in ("first", "second")
+    }
+    root = make_project(pytester.path, tests, {"cpu": manifest("cpu", "cpu", TWO_GROUPS)})
+    done = harness(root, "run", "cpu", "--out", "out", "--", "-p", "no:xdist", "--cache-clear")
+    assert done.returncode == 1, done.stdout + done.stderr
+    lastfailed = json.loads((root / ".pytest_cache/v/cache/lastfailed").read_text())
+    assert set(lastfailed) == {
+        "tests/first/test_first.py::test_bad",
+        "tests/second/test_second.py::test_bad",
+    }
