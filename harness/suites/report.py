@@ -286,7 +286,7 @@ def junit_lacks(junit: Path, rows: Iterable[CaseRow], prefix: str = "") -> list[
 
 def _junit_name(nodeid: str, prefix: str) -> tuple[str, str]:
     classname, name = junit_key(nodeid)
-    return (f"{prefix}.{classname}" if prefix else classname), name
+    return ".".join(filter(None, (prefix, classname))), name
 
 
 #: Characters XML 1.0 cannot hold (and DEL), as pytest's junitxml leaves them out.

@@ -823,7 +823,8 @@ def _verdict(total: report.EntryRow, ran: _Ran, stop: _Stop) -> list[str]:
     if not total.passed and not narrowed:
         verdict.append(f"no case passed ({total.skipped} skipped)")
     if any(r.options.get("narrowed") for r in ran.records) and not any(
-        r.collected for r in ran.records
+        r.collected or r.deselected
+        for r in ran.records  # -k after the paths: the caller's
     ):
         # A path outside the suite, say: pytest alone would have run it.
         verdict.append("the paths and node ids given to pytest select no case of the run")

@@ -130,12 +130,12 @@ def pytest_cmdline_main(config: pytest.Config) -> Any:
     # Before xdist and junitxml read their options (as pytest parsed them from the command
     # line, addopts and PYTEST_ADDOPTS): the run's own choices apply only where the caller
     # made none.
+    if _group(config.option)[0] > 1 and getattr(config.option, "cacheclear", False):
+        # The caller's --cache-clear is the run's: the first group cleared the cache, and a
+        # later one (its xdist workers too) would drop what the groups before it recorded.
+        config.option.cacheclear = False
     if not _is_worker(config):
         _set_workers(config.option, config)
-        if _group(config.option)[0] > 1 and getattr(config.option, "cacheclear", False):
-            # The caller's --cache-clear is the run's: the first group cleared the cache, and
-            # a later one would drop the failures the groups before it recorded.
-            config.option.cacheclear = False
         junit = config.getoption("harness_junit")
         if junit:
             asked = getattr(config.option, "xmlpath", None)
@@ -410,7 +410,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             config.hook.pytest_deselected(items=ignored)
         items[:] = keep
     missing = sorted(n for n in set(wanted) - seen if "::" in n)  # a bare file: it failed to import
-    if missing and not _is_worker(config):  # report once, on the controller
+    # Reported once, on the controller; cases outside the caller's paths are deselected.
+    if missing and not _is_worker(config) and not _callers_args(config, sel):
         shown = "\n  ".join(missing[:20])
         more = f"\n  ... and {len(missing) - 20} more" if len(missing) > 20 else ""
         print(

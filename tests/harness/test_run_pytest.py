@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
@@ -797,6 +798,11 @@ def test_names_given_to_pytest_are_found_or_the_run_is_red(pytester):
     rerun = run("--lf", "tests/b")  # pytest alone: no failure there, so all of tests/b runs
     assert rerun.returncode == 0, rerun.stdout + rerun.stderr
     assert outcomes(root / "out") == {**a, **b}
+    # A path whose cases pytest's own -k then deselects: the caller's choice, green.
+    none = run("tests/b", "-k", "nomatch")
+    assert none.returncode == 0, none.stdout + none.stderr
+    assert set(outcomes(root / "out").values()) == {"deselected"}
+    assert "were not collected" not in none.stderr  # outside the paths: deselected, not missing
 
 
 def test_cache_clear_clears_the_cache_once_per_run(pytester):
@@ -805,11 +811,32 @@ def test_cache_clear_clears_the_cache_once_per_run(pytester):
     tests = {
         f"tests/{g}/test_{g}.py": "def test_bad():\n    assert False\n" for g in ("first", "second")
     }
+    tests["tests/first/test_first.py"] += (
+        "\ndef test_stores(request):\n    request.config.cache.set('my/key', 1)\n"
+    )
     root = make_project(pytester.path, tests, {"cpu": manifest("cpu", "cpu", TWO_GROUPS)})
-    done = harness(root, "run", "cpu", "--out", "out", "--", "-p", "no:xdist", "--cache-clear")
-    assert done.returncode == 1, done.stdout + done.stderr
-    lastfailed = json.loads((root / ".pytest_cache/v/cache/lastfailed").read_text())
-    assert set(lastfailed) == {
-        "tests/first/test_first.py::test_bad",
-        "tests/second/test_second.py::test_bad",
+    for workers in ("0", "2"):  # xdist's workers clear the cache too, unless told not to
+        done = harness(root, "run", "cpu", "--out", "out", "--", "-n", workers, "--cache-clear")
+        assert done.returncode == 1, done.stdout + done.stderr
+        lastfailed = json.loads((root / ".pytest_cache/v/cache/lastfailed").read_text())
+        assert set(lastfailed) == {
+            "tests/first/test_first.py::test_bad",
+            "tests/second/test_second.py::test_bad",
+        }, workers
+        assert (root / ".pytest_cache/v/my/key").exists(), workers
+
+
+def test_junit_names_a_file_that_fails_to_import_once_under_a_prefix(pytester):
+    # Regression: pytest names a file-level case classname PFX; the added case was "PFX."
+    # and, not found, written a second time.
+    tests = {
+        "tests/a/test_a.py": "raise ImportError('broken on purpose')\n",
+        "tests/b/test_b.py": "def test_b():\n    pass\n",
     }
+    entries = [{"id": k, "paths": [f"tests/{k}"]} for k in "ab"]
+    root = make_project(pytester.path, tests, {"cpu": manifest("cpu", "cpu", entries)})
+    done = harness(root, "run", "cpu", "--out", "out", "--", "--junit-prefix=PFX")
+    assert done.returncode == 1, done.stdout + done.stderr
+    cases = json.loads((root / "out/summary.json").read_text())["cases"]
+    testcases = list(ET.parse(root / "out/junit.xml").getroot().iter("testcase"))
+    assert len(testcases) == len(cases) == 2, [t.attrib for t in testcases]
