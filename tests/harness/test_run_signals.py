@@ -326,6 +326,27 @@ def test_cases_of_groups_the_interrupt_left_unstarted_are_not_run(pytester, tmp_
     assert "never ran" not in (root / "out/summary.md").read_text()
 
 
+def run_one_file(
+    path, entry: str, source: str, pids_dir, *args: str
+) -> tuple[subprocess.Popen, str, str]:
+    """A suite of one entry holding ``source`` as ``tests/ENTRY/test_x.py``, run to its end by
+    ``harness run`` (``args`` after the suite); the run and its output. The run never
+    outlives the call (killed with its group when it does not end)."""
+    root = make_project(
+        path,
+        {f"tests/{entry}/test_x.py": source},
+        {"cpu": manifest("cpu", "cpu", [{"id": entry, "paths": [f"tests/{entry}"]}])},
+    )
+    proc = start_run(root, pids_dir, *args)
+    try:
+        out, err = proc.communicate(timeout=240)  # a bound against a hang, not a timing claim
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    return proc, out, err
+
+
 LEAKY = """
     import os
     import subprocess
@@ -343,19 +364,8 @@ LEAKY = """
 def test_a_process_a_passing_plain_case_leaked_does_not_outlive_the_run(pytester, tmp_path_factory):
     # Regression: a daemon a plain case started in a session of its own outlived a green
     # run (re-parented to init); only a signal to the run stopped such processes.
-    root = make_project(
-        pytester.path,
-        {"tests/leak/test_l.py": LEAKY},
-        {"cpu": manifest("cpu", "cpu", [{"id": "leak", "paths": ["tests/leak"]}])},
-    )
     pids_dir = tmp_path_factory.mktemp("pids")
-    proc = start_run(root, pids_dir)
-    try:
-        out, err = proc.communicate(timeout=240)  # a bound against a hang, not a timing claim
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+    proc, out, err = run_one_file(pytester.path, "leak", LEAKY, pids_dir)
     stubborn = int((pids_dir / "stubborn").read_text())
     try:
         assert proc.returncode == 0, out + err
@@ -391,19 +401,10 @@ TRACKER = """
 def test_a_helper_that_ends_with_pytest_is_not_a_leftover(pytester, tmp_path_factory):
     # Regression: "process(es) outlived pytest" named multiprocessing's resource tracker,
     # which ends by itself once pytest has, and stopped it in the middle of its cleanup.
-    root = make_project(
-        pytester.path,
-        {"tests/helper/test_h.py": TRACKER},
-        {"cpu": manifest("cpu", "cpu", [{"id": "helper", "paths": ["tests/helper"]}])},
-    )
     pids_dir = tmp_path_factory.mktemp("pids")
-    proc = start_run(root, pids_dir, "--", "-p", "no:xdist")
-    try:
-        out, err = proc.communicate(timeout=240)  # a bound against a hang, not a timing claim
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+    proc, out, err = run_one_file(
+        pytester.path, "helper", TRACKER, pids_dir, "--", "-p", "no:xdist"
+    )
     helper = int((pids_dir / "helper").read_text())
     assert proc.returncode == 0, out + err
     assert "outlived pytest" not in out + err
