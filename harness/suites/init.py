@@ -38,7 +38,16 @@ from harness.errors import HarnessError
 from harness.jsonio import write_text
 from harness.names import EXIT_FAILED, EXIT_OK, EXIT_USAGE
 from harness.suites.inventory import collect, is_test_module
-from harness.suites.manifest import SCHEMA_FILE, SUITES_DIR, load_schema, rel, validate
+from harness.suites.manifest import (
+    SCHEMA_FILE,
+    SUITES_DIR,
+    ManifestError,
+    load_manifest,
+    load_schema,
+    rel,
+    suite_files,
+    validate,
+)
 from harness.suites.workflows import init_workflows
 
 
@@ -272,7 +281,7 @@ def render(
         "entries": _entries(paths),
     }
     files[f"{SUITES_DIR}/cpu.json"] = _dump(cpu)
-    on_disk = _suites_on_disk(suites_dir)  # suite -> device, those init does not write
+    on_disk = _suites_on_disk(root)  # suite -> device, those init does not write
     owned = {*accelerators, *on_disk.values()}
     unowned = sorted({d for _, d in layout.cases if d != "cpu" and d not in owned})
     if unowned:
@@ -335,15 +344,14 @@ def render(
     return files
 
 
-def _suites_on_disk(suites_dir: Path) -> dict[str, str]:
-    """The suites in ``suites_dir`` and their devices (unreadable manifests left out:
+def _suites_on_disk(root: Path) -> dict[str, str]:
+    """The repository's suites and their devices (manifests that do not load left out:
     ``harness inventory`` names them)."""
     out = {}
-    for path in sorted(suites_dir.glob("*.json")):
-        with contextlib.suppress(OSError, ValueError):
-            doc = json.loads(path.read_text(encoding="utf-8"))
-            if isinstance(doc, dict) and isinstance(doc.get("suite"), str):
-                out[doc["suite"]] = str(doc.get("device", "cpu"))
+    for path in suite_files(root):
+        with contextlib.suppress(ManifestError):
+            manifest = load_manifest(path, root)
+            out[manifest.suite] = manifest.device
     return out
 
 
