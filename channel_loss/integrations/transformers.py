@@ -352,15 +352,23 @@ _VERIFIED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _FORCE_FUSED: ContextVar[bool] = ContextVar("channel_loss_force_fused", default=False)
 
 
+def _coarser(dtype: torch.dtype, other: torch.dtype | None) -> torch.dtype:
+    """Of two floating dtypes, the one with the larger rounding unit (``dtype`` on a tie
+    or where ``other`` is None or not floating)."""
+    if other is None or not other.is_floating_point or not dtype.is_floating_point:
+        return dtype
+    return other if torch.finfo(other).eps > torch.finfo(dtype).eps else dtype
+
+
 def _rounding_allowance(
-    logits: torch.Tensor, targets: torch.Tensor, scored: torch.Tensor
+    logits: torch.Tensor, targets: torch.Tensor, scored: torch.Tensor, dtype: torch.dtype
 ) -> torch.Tensor:
-    """Per token, how far rounding the model's logits to their dtype can move its
+    """Per token, how far rounding the model's logits to ``dtype`` can move its
     cross-entropy: ``eps x (sum_i p_i |z_i| + |z_target|)`` (the log-sum-exp moves by the
     probability-weighted change of the logits, the target's logit by its own), with ``eps``
     two units of rounding. Logits that carry no probability (a ``-inf`` mask) add nothing.
     Float32, ``targets``' shape; row blocks bound the memory it takes."""
-    eps = torch.finfo(logits.dtype).eps if logits.dtype.is_floating_point else 0.0
+    eps = torch.finfo(dtype).eps if dtype.is_floating_point else 0.0
     z = logits.reshape(-1, logits.shape[-1])
     t = torch.where(scored, targets, 0).reshape(-1)
     out = torch.empty(z.shape[0], dtype=torch.float32, device=z.device)
@@ -382,6 +390,8 @@ class _Pass:
     hidden: torch.Tensor | None = None
     head_calls: int = 0
     loss_calls: int = 0
+    # The dtype the output embeddings rounded the logits to (verifying passes only).
+    head_dtype: torch.dtype | None = None
 
 
 class _PatchedForward:
@@ -557,7 +567,9 @@ class FusedLoss(ObservingLoss):
             )
         state.hidden = hidden
         if state.verifying:
-            return self._head_forward(hidden)  # real logits, to compare with
+            logits = self._head_forward(hidden)  # real logits, to compare with
+            state.head_dtype = logits.dtype
+            return logits
         return hidden.new_empty((*hidden.shape[:-1], 0))
 
     def __call__(self, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -596,7 +608,7 @@ class FusedLoss(ObservingLoss):
         if state.verifying and observed is not None and bool(observed.scored.any()):
             # A batch without a scored target verifies nothing (HF's own loss is 0/0 there):
             # verification waits for the first forward that scores a target.
-            self._verify(call["logits"], loss, observed, args, kwargs)
+            self._verify(call["logits"], loss, observed, state.head_dtype, args, kwargs)
         if observed is not None and self.active:
             record(observed.token_losses, observed.targets, observed.ignore_index)
         return loss
@@ -605,10 +617,17 @@ class FusedLoss(ObservingLoss):
         self.refusal = f"patch_model(fused=True) refuses {self.model_class}: {reason}"
         raise UnsupportedModelError(self.refusal)
 
-    def _verify(self, logits: torch.Tensor, loss: torch.Tensor, observed, args, kwargs) -> None:
-        """Compare the chunked op with the model's own logits and loss on this batch; refuse on a mismatch."""
+    def _verify(
+        self, logits: torch.Tensor, loss: torch.Tensor, observed, head_dtype, args, kwargs
+    ) -> None:
+        """Compare the chunked op with the model's own logits and loss on this batch; refuse on a mismatch.
+
+        The logits are judged at the coarser of their own dtype and ``head_dtype``, the
+        dtype the output embeddings produced them in: a model that upcasts bf16 logits
+        before its loss (``logits.float() / softcap``) still carries bf16 rounding."""
         formula = self.transform.describe(type(self.head).__name__)
-        rtol, atol = _VERIFY_TOLERANCE.get(logits.dtype, (1e-4, 1e-4))
+        rounded = _coarser(logits.dtype, head_dtype)
+        rtol, atol = _VERIFY_TOLERANCE.get(rounded, (1e-4, 1e-4))
         with torch.no_grad():
             try:
                 own = per_token_cross_entropy(
@@ -632,7 +651,7 @@ class FusedLoss(ObservingLoss):
                 # unpatched model's loss is not finite either: verification waits, as for a
                 # batch without scored targets.
                 return
-            rounding = _rounding_allowance(logits.detach(), observed.targets, scored)
+            rounding = _rounding_allowance(logits.detach(), observed.targets, scored, rounded)
             excess = (own - ours).abs() - atol - rtol * own.abs() - rounding
             excess = excess.masked_fill(~scored, -1.0).reshape(-1)
             worst = int(excess.argmax())

@@ -219,6 +219,34 @@ def test_large_bf16_logits_near_a_tie_pass_the_verifying_forward(policy):
         assert handle.loss.verified
 
 
+class UpcastLogits(transformers.LlamaForCausalLM):
+    """Upcasts its bf16 logits before the loss, as transformers' Beam does before its
+    softcap: fp32 logits that carry bf16 rounding."""
+
+    def forward(self, input_ids=None, labels=None, **kwargs):
+        logits = self.lm_head(self.model(input_ids=input_ids).last_hidden_state).float()
+        loss = self.loss_function(logits, labels, self.config.vocab_size, **kwargs)
+        return transformers.modeling_outputs.CausalLMOutputWithPast(loss=loss, logits=logits)
+
+
+@pytest.mark.parametrize("policy", ["fp32", "model_dtype"])
+def test_bf16_logits_upcast_before_the_loss_pass_the_verifying_forward(policy):
+    # Regression: the tolerance followed the dtype of the logits the loss function got
+    # (fp32), not the bf16 the output embeddings rounded them to: a correct model was
+    # refused where the op's logits are not rounded (accelerators, CPUs without bf16
+    # units), "its cross-entropy is 5.83421, the fused one 5.83516" (Beam, bf16).
+    from channel_loss.ops import gemm_policy
+
+    model = tiny(UpcastLogits)
+    with torch.no_grad():
+        model.lm_head.weight *= 20  # logits of a few units, as a trained model's
+    model = model.to(torch.bfloat16)
+    batch = packed_batch("llama")
+    with gemm_policy(policy), patch_model(model, fused=True) as handle:
+        model(**batch.inputs, labels=batch.labels)
+        assert handle.loss.verified
+
+
 def test_a_real_difference_is_refused_in_bf16():
     # The allowance for the logits' rounding grows with their size; a doubling does more.
     model = tiny(DoubledLogits)
