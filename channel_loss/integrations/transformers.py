@@ -545,12 +545,22 @@ class FusedLoss(ObservingLoss):
                 logits = outputs["logits"]
                 outputs["logits"] = logits.new_empty((*logits.shape[:-1], 0))
             elif isinstance(outputs, tuple) and len(outputs) > 1:
-                # return_dict=False with labels: (loss, logits, ...).
-                logits = outputs[1]
+                # return_dict=False with labels: (loss, logits, ...), or (loss, aux_loss,
+                # logits, ...) for a MoE model that returns its router loss.
                 vocab = self.head.weight.shape[0]
-                if isinstance(logits, torch.Tensor) and logits.shape[-1:] == (vocab,):
-                    empty = logits.new_empty((*logits.shape[:-1], 0))
-                    outputs = (outputs[0], empty, *outputs[2:])
+                at = next(
+                    (
+                        i
+                        for i, item in enumerate(outputs[1:3], start=1)
+                        if isinstance(item, torch.Tensor)
+                        and item.dim() > 1
+                        and item.shape[-1:] == (vocab,)
+                    ),
+                    None,
+                )
+                if at is not None:
+                    empty = outputs[at].new_empty((*outputs[at].shape[:-1], 0))
+                    outputs = (*outputs[:at], empty, *outputs[at + 1 :])
         return outputs
 
     def head_forward(self, hidden: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:

@@ -428,18 +428,23 @@ def test_trainer_with_remove_unused_columns_trains_a_fused_model(tmp_path, bf16)
     assert train(fused=True) == pytest.approx(train(fused=False), rel=1e-2 if bf16 else 1e-5)
 
 
-def test_tuple_outputs_of_every_fused_forward_carry_no_logits():
+@pytest.mark.parametrize(("name", "at"), [("llama", 1), ("mixtral", 2)])
+def test_tuple_outputs_of_every_fused_forward_carry_no_logits(name, at):
     # Regression: with return_dict=False the verifying forward returned the real logits
-    # and later fused forwards an empty [..., 0] tensor.
-    model = tiny(transformers.LlamaForCausalLM)
-    batch = packed_batch("llama")
+    # and later fused forwards an empty [..., 0] tensor; a MoE model's tuple is
+    # (loss, aux_loss, logits, ...), and its verifying forward still returned them.
+    model = build(name).train()
+    batch = packed_batch(name)
     want = model(**batch.inputs, labels=batch.labels, return_dict=False)
+    assert want[at].shape[-1] == VOCAB
     with patch_model(model, fused=True) as handle:
         for _ in range(2):
             got = model(**batch.inputs, labels=batch.labels, return_dict=False)
             assert isinstance(got, tuple)
-            assert got[1].shape == (*want[1].shape[:-1], 0)
-            torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-6)
+            assert len(got) == len(want)
+            assert got[at].shape == (*want[at].shape[:-1], 0)
+            for i in range(at):  # the loss, and a MoE model's router loss
+                torch.testing.assert_close(got[i], want[i], rtol=1e-5, atol=1e-6)
         assert handle.loss.verified
 
 
