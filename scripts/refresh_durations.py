@@ -8,8 +8,10 @@ Usage (also ``nox -s durations -- DIR ...``)::
 Each argument is a folder, searched recursively for the output folders of
 ``harness run`` (``plan.json`` next to ``junit.xml``): the suite comes from
 ``plan.json``, each planned case's seconds from the JUnit XML (every case
-that ran, failed and skipped ones included: they took that share of the run
-too). Durations are merged into the checked-in file: cases absent from the
+pytest reported, failed and skipped ones included: they took that share of
+the run too; not the cases ``harness run`` adds for pytest: not run after
+``-x`` or an interrupt, never collected, or in a pytest that was killed).
+Durations are merged into the checked-in file: cases absent from the
 artifacts keep their old value; ``--prune`` drops node ids that the suite no
 longer has.
 
@@ -37,11 +39,15 @@ from harness.suites.plan import default_durations_path, load_durations, write_du
 
 
 def wall_shares(junits: Sequence[Path]) -> dict[tuple[str, str], float]:
-    """Per JUnit ``(classname, name)``: its testsuite's wall time over the sum of that
-    testsuite's case seconds (1.0 where either is missing)."""
+    """Per JUnit ``(classname, name)`` that pytest reported: its testsuite's wall time over
+    the sum of that testsuite's case seconds (1.0 where either is missing). The cases
+    ``harness run`` added for pytest (``report.UNREPORTED_SUITE``: not run, never
+    collected, or in a pytest that was killed) are not in it: they have no figure."""
     factors: dict[tuple[str, str], float] = {}
     for path in junits:
         for suite in ET.parse(path).getroot().iter("testsuite"):
+            if suite.get("name") == report.UNREPORTED_SUITE:
+                continue
             cases = list(suite.iter("testcase"))
             total = sum(float(tc.get("time", 0) or 0) for tc in cases)
             wall = float(suite.get("time", 0) or 0)
@@ -65,9 +71,9 @@ def passed_seconds(out_dir: Path) -> tuple[str, dict[str, float]]:
     results = report.results_for(nodeids, report.read_junit(junits))
     factors = wall_shares(junits)
     return doc["suite"], {
-        n: r.seconds * factors.get(report.junit_key(n), 1.0)
+        n: r.seconds * factors[report.junit_key(n)]
         for n, r in results.items()
-        if r.outcome != "missing"
+        if r.outcome != "missing" and report.junit_key(n) in factors
     }
 
 

@@ -246,12 +246,15 @@ def merge_junit(
     ET.ElementTree(merged).write(target, encoding="utf-8", xml_declaration=True)
 
 
+#: The name of the merged JUnit file's ``<testsuite>`` of cases pytest did not report.
+UNREPORTED_SUITE = "harness run"
+
 #: How a case pytest did not report is written in JUnit, by outcome (passed: no child).
 _JUNIT_CHILD = {"failed": "failure", "missing": "error", "not run": "skipped", "skipped": "skipped"}
 
 
 def _unreported_suite(rows: Sequence[CaseRow], prefix: str) -> ET.Element:
-    suite = ET.Element("testsuite", name="harness run")
+    suite = ET.Element("testsuite", name=UNREPORTED_SUITE)
     counts = dict.fromkeys(("failure", "error", "skipped"), 0)
     for row in rows:
         classname, name = _junit_name(row.nodeid, prefix)

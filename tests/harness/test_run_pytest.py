@@ -552,6 +552,35 @@ def test_x_stops_the_whole_run_not_only_its_group(pytester):
     assert not (root / "out/junit-2.xml").exists()
 
 
+def test_refreshed_durations_keep_the_figures_of_cases_that_did_not_run(pytester):
+    # Regression: scripts/refresh_durations.py took the cases harness run adds to junit.xml
+    # for pytest (not run after -x, never collected) as having run in 0.0 s, overwriting
+    # their recorded figures; a run stopped at the runner's timeout zeroed whole groups.
+    tests = {
+        "tests/first/test_first.py": "def test_fails():\n    assert False\n",
+        "tests/second/test_second.py": "def test_it():\n    pass\n",
+    }
+    root = make_project(pytester.path, tests, {"cpu": manifest("cpu", "cpu", TWO_GROUPS)})
+    recorded = root / "suites/durations/cpu.json"
+    recorded.parent.mkdir(parents=True, exist_ok=True)
+    second = "tests/second/test_second.py::test_it"
+    recorded.write_text(json.dumps({"suite": "cpu", "durations": {second: 5.0}}))
+    done = harness(root, "run", "cpu", "--out", "out", "--", "-x")
+    assert done.returncode == 1, done.stdout + done.stderr
+    script = Path(__file__).resolve().parents[2] / "scripts" / "refresh_durations.py"
+    refresh = subprocess.run(
+        [sys.executable, str(script), "--root", str(root), str(root / "out")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert refresh.returncode == 0, refresh.stdout + refresh.stderr
+    assert "cpu: 1 case(s) ran" in refresh.stdout
+    figures = json.loads(recorded.read_text())["durations"]
+    assert figures[second] == 5.0
+    assert figures["tests/first/test_first.py::test_fails"] > 0
+
+
 def test_a_pytest_that_exits_124_itself_is_not_the_runners_timeout(pytester):
     # Regression: exit status 124 of pytest's own was reported as the runner's timeout.
     tests = {"tests/first/test_first.py": "import os\n\ndef test_it():\n    os._exit(124)\n"}
