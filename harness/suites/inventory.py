@@ -490,8 +490,6 @@ def collect(root: Path, targets: Sequence[str] | None) -> Collection:
     # This process imported the harness before pytest could mark it for assertion
     # rewriting; a project's `filterwarnings = error` must not turn that notice into a failure.
     args += ["-W", "ignore::pytest.PytestAssertRewriteWarning"]
-    if importlib.util.find_spec("xdist") is not None:
-        args += ["-n", "0"]  # never start workers just to collect
     args += [str(root / t) for t in targets or ()]
     # The caller's PYTEST_ADDOPTS is for running tests (a --junitxml there
     # would be overwritten by an empty collect-only report): not for this.

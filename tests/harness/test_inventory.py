@@ -300,6 +300,20 @@ def test_a_module_of_the_repository_that_does_not_import_stays_an_error(pytester
     assert [(r, f) for r, f, _ in got[1:]] == [("missing-dependency", "tests/nosuchlib/test_t.py")]
 
 
+@pytest.mark.parametrize("addopts", ["-p no:xdist", "-n 2"])
+def test_a_project_that_configures_xdist_itself_is_collected(pytester, addopts):
+    # Regression: collection added -n 0 whenever xdist was installed, and a project whose
+    # addopts switch xdist off got "unrecognized arguments: -n" from harness init,
+    # inventory and run. xdist starts no workers under --collect-only anyway.
+    root = project(pytester, {"tests/test_a.py": DEVICE_TESTS})
+    (root / "pyproject.toml").write_text(
+        f'[tool.pytest.ini_options]\ntestpaths = ["tests"]\naddopts = "{addopts}"\n'
+    )
+    inv = build_inventory(root)
+    assert [p.message for p in inv.problems] == []
+    assert len(inv.suite_cases("cpu")) == 2  # test_plain, test_dev[cpu]
+
+
 def test_rule_missing_dependency_is_a_warning_grouped_by_module(pytester, capsys):
     # Regression: in an environment without the tests' dependencies (a lint job with only
     # the harness installed), every test file importing one was a collection-error, and
