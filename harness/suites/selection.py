@@ -545,6 +545,9 @@ class Records:
     options: dict[str, Any] = field(default_factory=dict)
     #: Planned cases pytest collected and kept (after every deselection).
     collected: set[str] = field(default_factory=set)
+    #: Whether a process of the run finished collecting (``collected`` is then final, even
+    #: when empty or when the run was interrupted later).
+    collection_finished: bool = False
     #: Planned cases deselected by pytest's own options or plugins (``-k``, ``-m``, ``--lf``, ...).
     deselected: set[str] = field(default_factory=set)
     #: Collector node id -> (``failed`` | ``skipped``, message): files that failed to import or
@@ -581,6 +584,7 @@ def read_records(select_file: Path) -> Records:
                 out.options = ev["options"]
             elif "collected" in ev:
                 out.collected.update(ev["collected"])
+                out.collection_finished = True
             elif "deselected" in ev:
                 out.deselected.update(ev["deselected"])
             elif "collect" in ev:

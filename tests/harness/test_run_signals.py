@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+import xml.etree.ElementTree as ET
 
 import psutil
 import pytest
@@ -324,6 +325,34 @@ def test_cases_of_groups_the_interrupt_left_unstarted_are_not_run(pytester, tmp_
     assert messages[0] == "interrupted by SIGINT, before its group started", cases
     assert messages[1].startswith("the run stopped during its call"), cases
     assert "never ran" not in (root / "out/summary.md").read_text()
+
+
+def test_cases_outside_the_paths_given_stay_deselected_when_the_run_is_interrupted(
+    pytester, tmp_path_factory
+):
+    # Regression: `harness run cpu -- FILE` interrupted: every case outside FILE was
+    # "missing: never collected" (a JUnit error) instead of deselected, as without the signal.
+    root = make_project(
+        pytester.path,
+        {
+            "tests/slow/test_s.py": UNFINISHED,
+            "tests/slow/test_other.py": "def test_a():\n    pass\n\ndef test_b():\n    pass\n",
+        },
+        {"cpu": manifest("cpu", "cpu", [{"id": "slow", "paths": ["tests/slow"]}])},
+    )
+    pids_dir = tmp_path_factory.mktemp("pids")
+    proc = start_run(root, pids_dir, "--", "tests/slow/test_s.py")
+    out, err = signal_once(proc, pids_dir / "slow", "the case to start", signal.SIGINT)
+    assert proc.returncode == 130, out + err
+    cases = json.loads((root / "out/summary.json").read_text())["cases"]
+    assert {c["nodeid"]: c["outcome"] for c in cases} == {
+        "tests/slow/test_other.py::test_a": "deselected",
+        "tests/slow/test_other.py::test_b": "deselected",
+        "tests/slow/test_s.py::test_slow": "not run",
+    }
+    assert "never ran" not in out + err
+    junit = ET.parse(root / "out/junit.xml").getroot()
+    assert junit.get("errors") == "0"
 
 
 def run_one_file(
