@@ -812,8 +812,9 @@ _PYTEST_INTERRUPTED = 2
 
 def _verdict(total: report.EntryRow, ran: _Ran, stop: _Stop) -> list[str]:
     """Why the run is red (empty: green). Cases pytest's own options deselected or left
-    unrun (``-k``, ``--lf``, ``-x``, ``--collect-only``) are the caller's choice, not a failure;
-    a case that ends the session (``pytest.exit``, even with status 0) is."""
+    unrun (``-k``, ``--lf``, ``-x``, ``--collect-only``) are the caller's choice, not a failure,
+    unless they deselect every case (pytest alone exits 5 when it runs nothing); a case that
+    ends the session (``pytest.exit``, even with status 0) is."""
     narrowed = bool(total.deselected or total.not_run)
     verdict = [f"interrupted by {stop.name}"] if stop.signum is not None else []
     if total.failed:
@@ -828,6 +829,9 @@ def _verdict(total: report.EntryRow, ran: _Ran, stop: _Stop) -> list[str]:
     ):
         # A path outside the suite, say: pytest alone would have run it.
         verdict.append("the paths and node ids given to pytest select no case of the run")
+    elif total.cases and total.deselected == total.cases and stop.signum is None:
+        # -k or -m matching nothing, say: pytest alone exits 5 ("no tests ran").
+        verdict.append("the options given to pytest deselect every case of the run: none ran")
     timed_out = [h.startswith(_TIMEOUT_REASON) for h in ran.halted]
     if any(timed_out) and stop.signum is None:
         verdict.append(_TIMEOUT_REASON)

@@ -827,11 +827,18 @@ def test_names_given_to_pytest_are_found_or_the_run_is_red(pytester):
     rerun = run("--lf", "tests/b")  # pytest alone: no failure there, so all of tests/b runs
     assert rerun.returncode == 0, rerun.stdout + rerun.stderr
     assert outcomes(root / "out") == {**a, **b}
-    # A path whose cases pytest's own -k then deselects: the caller's choice, green.
+    # A path whose cases pytest's own -k then deselects in part: the caller's choice, green.
+    some = run("tests/b", "-k", "b1")
+    assert some.returncode == 0, some.stdout + some.stderr
+    assert outcomes(root / "out") == {**a, **b, "tests/b/test_b.py::test_b2": "deselected"}
+    # ... and in full: nothing ran, where pytest alone exits 5; red (it was PASSED, exit 0).
     none = run("tests/b", "-k", "nomatch")
-    assert none.returncode == 0, none.stdout + none.stderr
+    assert none.returncode == 1, none.stdout + none.stderr
+    assert "the options given to pytest deselect every case of the run: none ran" in none.stdout
+    assert "select no case" not in none.stdout
     assert set(outcomes(root / "out").values()) == {"deselected"}
     assert "were not collected" not in none.stderr  # outside the paths: deselected, not missing
+    assert harness(root, "run", "cpu", "--out", "out", "-k", "nomatch").returncode == 1
 
 
 def test_cache_clear_clears_the_cache_once_per_run(pytester):
