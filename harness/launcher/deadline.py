@@ -13,11 +13,16 @@ from harness.launcher.settings import Settings
 from harness.launcher.spawn import KILL_GRACE_S
 from harness.spec import LaunchSpec
 
+#: The longest process-group timeout: ``timedelta`` and torch's milliseconds hold it
+#: (a schema-valid ``timeout_s`` of 1e300 failed every rank with ``OverflowError``).
+LONGEST_PG_TIMEOUT_S = 30 * 24 * 3600.0
+
 
 def pg_timeout_for(deadline_s: float) -> float:
     """Process-group timeout for a case with this deadline: strictly below it,
-    leaving room (up to 30 s) for the rank to report the timeout error."""
-    return max(0.1, deadline_s - min(30.0, 0.2 * deadline_s))
+    leaving room (up to 30 s) for the rank to report the timeout error, and at most
+    ``LONGEST_PG_TIMEOUT_S`` (30 days)."""
+    return min(LONGEST_PG_TIMEOUT_S, max(0.1, deadline_s - min(30.0, 0.2 * deadline_s)))
 
 
 @dataclass(frozen=True)

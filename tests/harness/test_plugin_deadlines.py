@@ -281,3 +281,36 @@ def test_a_rank_stopped_by_a_signal_is_reported_as_stopped(tmp_path):
     assert "the rank was stopped by a signal" in stack, case.text
     assert "had not started running Python code" not in stack
     assert survivors([read_pids(root / "out")["stopped-rank"]], wait=5) == []
+
+
+FAR = """
+    import pytest
+
+
+    @pytest.mark.launch(nproc=2, timeout=1e300)
+    def test_far():
+        import torch
+        import torch.distributed as dist
+
+        t = torch.ones(1)
+        dist.all_reduce(t)
+        assert t.item() == 2
+
+
+    def test_pg_timeout_is_capped():
+        from harness.launcher.deadline import LONGEST_PG_TIMEOUT_S, pg_timeout_for
+
+        assert pg_timeout_for(1e300) == LONGEST_PG_TIMEOUT_S
+        assert pg_timeout_for(100.0) == 80.0
+"""
+
+
+@pytest.mark.parametrize("reuse", [True, False], ids=["kept", "fresh"])
+def test_a_deadline_past_what_a_process_group_holds_runs_the_case(tmp_path, reuse):
+    # Regression: a schema-valid timeout_s of 1e300 failed every rank with "OverflowError:
+    # Python int too large to convert to C int" (timedelta(seconds=1e300) for the group).
+    root = write_project(tmp_path / "project", {"test_far.py": FAR})
+    args = () if reuse else ("--harness-no-reuse",)
+    session = run_session(root, *args, env=inner_env(root / "out", root / "leases"))
+    assert session.returncode == 0, session.output[-5000:]
+    assert session.case("test_far").status == "passed"
