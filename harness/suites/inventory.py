@@ -41,6 +41,7 @@ import gc
 import importlib.util
 import io
 import os
+import posixpath
 import re
 import sys
 from collections.abc import Iterable, Iterator, Sequence
@@ -831,6 +832,7 @@ def _assign_owners(inv: SuiteInventory, m: Manifest, judged: bool) -> None:
             if not owned_by[e.id] and any(EntryIndex([e]).covers_file(f) for f in inv.unloadable):
                 owned_by[e.id] = 1
         inv.problems.extend(_idle_entries(m, owned_by, matched, first_owner))
+        inv.problems.extend(_dead_paths(inv.root, m, owned_by))
 
 
 def _idle_entries(
@@ -859,6 +861,30 @@ def _idle_entries(
                 m.suite,
             )
         )
+    return out
+
+
+def _dead_paths(root: Path, m: Manifest, owned_by: dict[str, int]) -> list[Problem]:
+    """``entry-matches-nothing`` for each path (no glob) naming no file or folder of an entry
+    that owns cases through its other paths: a misspelled path there would otherwise go
+    unnoticed, and the cases it meant never run. (An entry owning nothing is reported whole.)"""
+    out = []
+    for e in m.entries:
+        if not owned_by[e.id]:
+            continue
+        for j, p in enumerate(e.paths):
+            file = p.split("::", 1)[0]
+            if has_glob(file) or (root / posixpath.normpath(file)).exists():
+                continue
+            out.append(
+                Problem(
+                    names.ENTRY_MATCHES_NOTHING,
+                    e.source,
+                    f"{e.pointer}/paths/{j} (entry {e.id!r})",
+                    f"suite {m.suite!r}: its path {p!r} matches nothing: no such file or folder",
+                    m.suite,
+                )
+            )
     return out
 
 

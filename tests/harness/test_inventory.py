@@ -221,6 +221,28 @@ def test_rule_entry_matches_nothing(pytester):
     assert all(p.file == "suites/cpu.json" for p in found.values())
 
 
+def test_a_misspelled_path_next_to_good_ones_is_reported(pytester):
+    # Regression: an entry {"paths": ["tests", "scripts/chek_x.py"]} owned cases through
+    # "tests", so nothing named the typo: scripts/check_x.py (outside testpaths, owned by
+    # no rule) never ran, and the inventory and the run were green.
+    tests = {"tests/test_a.py": DEVICE_TESTS, "scripts/check_x.py": "def test_x():\n    pass\n"}
+    inv = build_inventory(
+        project(
+            pytester,
+            tests,
+            cpu_entries=[
+                {"id": "all", "paths": ["tests", "scripts/chek_x.py", "tests/*.py", "scripts"]},
+            ],
+        )
+    )
+    (p,) = only(inv, "entry-matches-nothing")
+    assert p.where == "/entries/0/paths/1 (entry 'all')"
+    assert p.message == (
+        "suite 'cpu': its path 'scripts/chek_x.py' matches nothing: no such file or folder"
+    )
+    assert p.file == "suites/cpu.json"
+
+
 def test_accelerator_entry_matching_only_cpu_tests_matches_nothing(pytester):
     tests = {"tests/test_a.py": DEVICE_TESTS, "tests/plain/test_p.py": "def test_p():\n    pass\n"}
     gpu = manifest(
