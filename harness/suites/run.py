@@ -828,7 +828,11 @@ def _verdict(total: report.EntryRow, ran: _Ran, stop: _Stop) -> list[str]:
         for r in ran.records  # -k after the paths: the caller's
     ):
         # A path outside the suite, say: pytest alone would have run it.
-        verdict.append("the paths and node ids given to pytest select no case of the run")
+        missing = sorted({a for r in ran.records for a in r.options.get("not_found", ())})
+        verdict.append(
+            "the paths and node ids given to pytest select no case of the run"
+            + (f" (not found: {', '.join(missing)})" if missing else "")
+        )
     elif total.cases and total.deselected == total.cases and stop.signum is None:
         # -k or -m matching nothing, say: pytest alone exits 5 ("no tests ran").
         verdict.append("the options given to pytest deselect every case of the run: none ran")

@@ -209,6 +209,7 @@ class _Outcomes:
         """What pytest's own options (command line, ``addopts``, ``PYTEST_ADDOPTS``, as
         pytest parsed them) mean for the run's verdict."""
         opt = self.config.getoption
+        callers = _callers_args(self.config, _load(self.config) or {})
         self.record(
             options={
                 "collectonly": bool(opt("collectonly", False)),
@@ -217,7 +218,9 @@ class _Outcomes:
                 "last_failed": bool(opt("lf", False)),
                 "maxfail": int(opt("maxfail", 0) or 0),
                 # The caller named paths or node ids: planned cases outside them are deselected.
-                "narrowed": bool(_callers_args(self.config, _load(self.config) or {})),
+                "narrowed": bool(callers),
+                # ... some of which name no file (pytest says so under -n 0 only).
+                "not_found": [] if opt("pyargs", False) else _not_found(self.config, callers),
                 "junitxml": self.config.stash.get(_CALLER_JUNIT, None),
                 "junit_prefix": opt("junitprefix", None) or "",
             }
@@ -377,6 +380,13 @@ def _callers_args(config: pytest.Config, sel: dict[str, Any]) -> list[str]:
         if a in args:
             args.remove(a)
     return args
+
+
+def _not_found(config: pytest.Config, args: Sequence[str]) -> list[str]:
+    """The paths and node ids of ``args`` whose file or folder does not exist (read from
+    where pytest was started, as pytest reads them)."""
+    base = config.invocation_params.dir
+    return [a for a in args if not (base / a.split("::", 1)[0]).exists()]
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

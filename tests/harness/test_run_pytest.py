@@ -817,6 +817,13 @@ def test_names_given_to_pytest_are_found_or_the_run_is_red(pytester):
     assert typo.returncode == 1, typo.stdout + typo.stderr
     assert "not found" in typo.stdout + typo.stderr
     assert "pytest exited with 4" in typo.stdout
+    # Under xdist pytest says nothing of a path that is not there ("no tests ran"): the
+    # verdict names it.
+    typo_n2 = harness(root, "run", "cpu", "--out", "out", "--", "-n", "2", "tests/b/test_bb.py")
+    assert typo_n2.returncode == 1, typo_n2.stdout + typo_n2.stderr
+    assert "select no case of the run (not found: tests/b/test_bb.py)" in typo_n2.stdout, (
+        typo_n2.stdout
+    )
     outside = run("tests/c/test_c.py")
     assert outside.returncode == 1, outside.stdout + outside.stderr
     assert "the paths and node ids given to pytest select no case of the run" in outside.stdout
