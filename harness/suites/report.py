@@ -213,11 +213,7 @@ def results_from_records(
             out[n] = CaseRow(
                 n, "deselected", 0.0, "--last-failed: its file had no failure to rerun"
             )
-        elif (
-            opts.get("narrowed")
-            and n not in records.collected
-            and (records.collection_finished or records.finish in (0, 1, 5))
-        ):
+        elif opts.get("narrowed") and n not in records.collected and records.collection_finished:
             out[n] = CaseRow(n, "deselected", 0.0, "not among the paths and node ids given")
         elif stopped and (n in records.collected or not records.collected):
             out[n] = CaseRow(n, "not run", 0.0, why_stopped)

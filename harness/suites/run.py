@@ -823,16 +823,17 @@ def _verdict(total: report.EntryRow, ran: _Ran, stop: _Stop) -> list[str]:
         verdict.append(f"{total.missing} planned case(s) never ran")
     if not total.passed and not narrowed:
         verdict.append(f"no case passed ({total.skipped} skipped)")
-    if any(r.options.get("narrowed") for r in ran.records) and not any(
-        r.collected or r.deselected
-        for r in ran.records  # -k after the paths: the caller's
+    absent = sorted({a for r in ran.records for a in r.options.get("not_found", ())})
+    if absent:
+        # Under xdist workers pytest only says "no tests ran".
+        verdict.append(f"paths given to pytest are not there: {', '.join(absent)}")
+    elif (
+        any(r.options.get("narrowed") and r.collection_finished for r in ran.records)
+        and not any(r.collected or r.deselected for r in ran.records)  # -k after the paths
+        and stop.signum is None
     ):
         # A path outside the suite, say: pytest alone would have run it.
-        missing = sorted({a for r in ran.records for a in r.options.get("not_found", ())})
-        verdict.append(
-            "the paths and node ids given to pytest select no case of the run"
-            + (f" (not found: {', '.join(missing)})" if missing else "")
-        )
+        verdict.append("the paths and node ids given to pytest select no case of the run")
     elif total.cases and total.deselected == total.cases and stop.signum is None:
         # -k or -m matching nothing, say: pytest alone exits 5 ("no tests ran").
         verdict.append("the options given to pytest deselect every case of the run: none ran")

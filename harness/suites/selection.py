@@ -200,6 +200,7 @@ class _Outcomes:
         self.planned: dict[str, Any] = sel["cases"]
         self.file = open(path, "w", encoding="utf-8")  # noqa: SIM115 (closed at unconfigure)
         self.worker = _is_worker(config)
+        self.collection_complete = False
 
     def record(self, **event: Any) -> None:
         self.file.write(json.dumps(event) + "\n")
@@ -231,9 +232,17 @@ class _Outcomes:
         if ids:
             self.record(deselected=ids)
 
+    def pytest_collection_modifyitems(self) -> None:
+        # Called only when collection completed; pytest_collection_finish also runs when
+        # collection was interrupted (from a ``finally``), with the items found so far.
+        self.collection_complete = True
+
     @pytest.hookimpl(trylast=True)
     def pytest_collection_finish(self, session: pytest.Session) -> None:
-        self.record(collected=[_case_id(i, self.root) for i in session.items])
+        self.record(
+            collected=[_case_id(i, self.root) for i in session.items],
+            complete=self.collection_complete,
+        )
 
     def pytest_collectreport(self, report: pytest.CollectReport) -> None:
         # Workers collect; xdist passes their failed and skipped reports on to the controller.
@@ -555,8 +564,9 @@ class Records:
     options: dict[str, Any] = field(default_factory=dict)
     #: Planned cases pytest collected and kept (after every deselection).
     collected: set[str] = field(default_factory=set)
-    #: Whether a process of the run finished collecting (``collected`` is then final, even
-    #: when empty or when the run was interrupted later).
+    #: Whether a process of the run completed its collection (``collected`` is then final,
+    #: even when empty or when the run was interrupted later); not when an interrupt or a
+    #: crash ended collection.
     collection_finished: bool = False
     #: Planned cases deselected by pytest's own options or plugins (``-k``, ``-m``, ``--lf``, ...).
     deselected: set[str] = field(default_factory=set)
@@ -594,7 +604,7 @@ def read_records(select_file: Path) -> Records:
                 out.options = ev["options"]
             elif "collected" in ev:
                 out.collected.update(ev["collected"])
-                out.collection_finished = True
+                out.collection_finished |= bool(ev.get("complete"))
             elif "deselected" in ev:
                 out.deselected.update(ev["deselected"])
             elif "collect" in ev:

@@ -793,6 +793,30 @@ def test_a_configuration_that_disables_the_harness_plugin_fails_the_run(pytester
     assert outcomes(root / "out") == {"tests/a/test_a.py::test_a": "missing"}
 
 
+def test_named_cases_whose_collection_crashed_are_never_deselected(pytester):
+    # Regression: both groups collect the caller's paths; in the first, every xdist worker
+    # died importing the other group's file, nothing was collected, and the named cases of
+    # that group were "deselected: not among the paths and node ids given": PASSED, exit 0.
+    tests = {
+        "tests/first/test_first.py": "def test_a():\n    pass\n\ndef test_b():\n    pass\n",
+        "tests/second/test_second.py": (
+            # Dies in the run's own xdist workers (not in this session's, whose run id the
+            # harness process inherits).
+            "import os\n\nrun = os.environ.get('PYTEST_XDIST_TESTRUNUID', '')\n"
+            "if run not in ('', os.environ['OUTER_RUN']):\n    os._exit(0)\n\n"
+            "def test_it():\n    pass\n"
+        ),
+    }
+    root = make_project(pytester.path, tests, {"cpu": manifest("cpu", "cpu", TWO_GROUPS)})
+    outer = {"OUTER_RUN": os.environ.get("PYTEST_XDIST_TESTRUNUID", "")}
+    args = ("--", "-n", "2", "tests/first", "tests/second/test_second.py")
+    done = harness(root, "run", "cpu", "--out", "out", *args, env=outer)
+    assert done.returncode == 1, done.stdout + done.stderr
+    got = outcomes(root / "out")
+    assert got["tests/first/test_first.py::test_a"] == "missing", got
+    assert got["tests/first/test_first.py::test_b"] == "missing", got
+
+
 def test_names_given_to_pytest_are_found_or_the_run_is_red(pytester):
     # Regression: the run's own files went to pytest next to the caller's, and a file
     # subsumes a node id in it: a misspelled node id, a module given by --pyargs, a path
@@ -821,7 +845,7 @@ def test_names_given_to_pytest_are_found_or_the_run_is_red(pytester):
     # verdict names it.
     typo_n2 = harness(root, "run", "cpu", "--out", "out", "--", "-n", "2", "tests/b/test_bb.py")
     assert typo_n2.returncode == 1, typo_n2.stdout + typo_n2.stderr
-    assert "select no case of the run (not found: tests/b/test_bb.py)" in typo_n2.stdout, (
+    assert "paths given to pytest are not there: tests/b/test_bb.py" in typo_n2.stdout, (
         typo_n2.stdout
     )
     outside = run("tests/c/test_c.py")

@@ -355,6 +355,47 @@ def test_cases_outside_the_paths_given_stay_deselected_when_the_run_is_interrupt
     assert junit.get("errors") == "0"
 
 
+SLOW_IMPORT = """
+    import os
+    import sys
+    import time
+    from pathlib import Path
+
+    if any(a.startswith("--harness-select") for a in sys.argv):  # the run's pytest only
+        Path(os.environ["PIDS_DIR"], "slow").write_text(str(os.getpid()))
+        time.sleep(600)
+
+    def test_s():
+        pass
+"""
+
+
+def test_cases_of_a_run_interrupted_while_it_collects_are_not_run(pytester, tmp_path_factory):
+    # Regression (of the fix above): pytest_collection_finish runs even when collection is
+    # interrupted; its empty list was taken as final, and every case, the named ones too,
+    # became "deselected: not among the paths and node ids given" (no JUnit entry).
+    root = make_project(
+        pytester.path,
+        {
+            "tests/slow/test_slow.py": SLOW_IMPORT,
+            "tests/slow/test_x.py": "def test_a():\n    pass\n\ndef test_b():\n    pass\n",
+        },
+        {"cpu": manifest("cpu", "cpu", [{"id": "slow", "paths": ["tests/slow"]}])},
+    )
+    pids_dir = tmp_path_factory.mktemp("pids")
+    args = ("--", "-n", "0", "tests/slow/test_slow.py", "tests/slow/test_x.py::test_a")
+    proc = start_run(root, pids_dir, *args)
+    out, err = signal_once(proc, pids_dir / "slow", "collection to start", signal.SIGINT)
+    assert proc.returncode == 130, out + err
+    cases = json.loads((root / "out/summary.json").read_text())["cases"]
+    assert {c["outcome"] for c in cases} == {"not run"}, cases
+    assert "select no case" not in out + err
+    (added,) = [
+        s for s in ET.parse(root / "out/junit.xml").getroot() if s.get("name") == "harness run"
+    ]
+    assert added.get("skipped") == "3"
+
+
 def run_one_file(
     path, entry: str, source: str, pids_dir, *args: str
 ) -> tuple[subprocess.Popen, str, str]:
