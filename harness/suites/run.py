@@ -474,6 +474,9 @@ class _Run:
     inipath: Path | None = None
     #: The pytest processes the cases run in (:func:`run_groups`), in order.
     groups: list[Group] = field(default_factory=list)
+    #: Whether the run plans every case of the suite (no shard, ``--changed-from`` or
+    #: ``--max-cards`` left one out).
+    whole: bool = True
 
     @property
     def title(self) -> str:
@@ -539,7 +542,8 @@ def _plan_run(root: Path, opts: RunOptions, started: float) -> _Run:
         cases = [(c, e) for c, e in cases if c.cards <= opts.max_cards]
     out = (opts.out or _default_out(root, m.suite, shard)).resolve()
     groups = run_groups(m.device, cases, opts.pytest_args, opts.workers)
-    return _Run(root, opts, m, shard, cases, too_big, out, started, inv.inipath, groups)
+    whole = len(cases) == len(inv.suite_cases(suite_name))
+    return _Run(root, opts, m, shard, cases, too_big, out, started, inv.inipath, groups, whole)
 
 
 #: The lock file in a run's output folder: ``flock``'d by the run that writes there, from before
@@ -810,11 +814,12 @@ def _run_groups(run: _Run, stop: _Stop, deadline: float, limit_s: float, before:
 _PYTEST_INTERRUPTED = 2
 
 
-def _verdict(total: report.EntryRow, ran: _Ran, stop: _Stop) -> list[str]:
+def _verdict(total: report.EntryRow, ran: _Ran, stop: _Stop, whole: bool) -> list[str]:
     """Why the run is red (empty: green). Cases pytest's own options deselected or left
     unrun (``-k``, ``--lf``, ``-x``, ``--collect-only``) are the caller's choice, not a failure,
-    unless they deselect every case (pytest alone exits 5 when it runs nothing); a case that
-    ends the session (``pytest.exit``, even with status 0) is."""
+    unless they deselect every case of a ``whole`` suite (pytest alone exits 5 when it runs
+    nothing; a shard may hold none of the cases a ``-k`` matches); a case that ends the
+    session (``pytest.exit``, even with status 0) is."""
     narrowed = bool(total.deselected or total.not_run)
     verdict = [f"interrupted by {stop.name}"] if stop.signum is not None else []
     if total.failed:
@@ -834,7 +839,7 @@ def _verdict(total: report.EntryRow, ran: _Ran, stop: _Stop) -> list[str]:
     ):
         # A path outside the suite, say: pytest alone would have run it.
         verdict.append("the paths and node ids given to pytest select no case of the run")
-    elif total.cases and total.deselected == total.cases and stop.signum is None:
+    elif whole and total.cases and total.deselected == total.cases and stop.signum is None:
         # -k or -m matching nothing, say: pytest alone exits 5 ("no tests ran").
         verdict.append("the options given to pytest deselect every case of the run: none ran")
     timed_out = [h.startswith(_TIMEOUT_REASON) for h in ran.halted]
@@ -894,7 +899,7 @@ def _report(run: _Run, ran: _Ran, stop: _Stop) -> int:
         shutil.copyfile(junit_all, asked)
     rows = report.summarize([(c.nodeid, e.id, c.cards) for c, e in run.cases], results)
     table = report.render(rows, run.title, time.monotonic() - run.started)
-    verdict = _verdict(report.totals(rows), ran, stop)
+    verdict = _verdict(report.totals(rows), ran, stop, run.whole)
     detail = report.failures(results)
     for headline, log in selection.fired(run.out):
         detail += f"- watchdog: {headline}; stacks in {log}\n"

@@ -870,6 +870,10 @@ def test_names_given_to_pytest_are_found_or_the_run_is_red(pytester):
     assert set(outcomes(root / "out").values()) == {"deselected"}
     assert "were not collected" not in none.stderr  # outside the paths: deselected, not missing
     assert harness(root, "run", "cpu", "--out", "out", "-k", "nomatch").returncode == 1
+    # A shard may hold none of the cases a -k matches: not red for that (it was).
+    for shard in ("1/2", "2/2"):
+        part = harness(root, "run", "cpu", "--shard", shard, "--out", "out", "-k", "test_b1")
+        assert part.returncode == 0, part.stdout + part.stderr
 
 
 def test_cache_clear_clears_the_cache_once_per_run(pytester):
