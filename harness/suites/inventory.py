@@ -41,11 +41,10 @@ import gc
 import importlib.util
 import io
 import os
-import posixpath
 import re
 import sys
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -832,7 +831,7 @@ def _assign_owners(inv: SuiteInventory, m: Manifest, judged: bool) -> None:
             if not owned_by[e.id] and any(EntryIndex([e]).covers_file(f) for f in inv.unloadable):
                 owned_by[e.id] = 1
         inv.problems.extend(_idle_entries(m, owned_by, matched, first_owner))
-        inv.problems.extend(_dead_paths(inv.root, m, owned_by))
+        inv.problems.extend(_dead_paths(inv, m, owned_by))
 
 
 def _idle_entries(
@@ -864,27 +863,36 @@ def _idle_entries(
     return out
 
 
-def _dead_paths(root: Path, m: Manifest, owned_by: dict[str, int]) -> list[Problem]:
-    """``entry-matches-nothing`` for each path (no glob) naming no file or folder of an entry
-    that owns cases through its other paths: a misspelled path there would otherwise go
-    unnoticed, and the cases it meant never run. (An entry owning nothing is reported whole.)"""
+def _dead_paths(inv: SuiteInventory, m: Manifest, owned_by: dict[str, int]) -> list[Problem]:
+    """``entry-matches-nothing`` for each path of an entry that owns cases through its other
+    paths when that path selects no collected case (of any device) and no file that failed to
+    load: a misspelled file, glob or node id there would otherwise go unnoticed, and the cases
+    it meant never run, or run under a later entry's settings. (An entry owning nothing is
+    reported whole.)"""
+    paths = [
+        (e, j, replace(e, paths=(p,), markers=None))
+        for e in m.entries
+        if owned_by[e.id]
+        for j, p in enumerate(e.paths)
+    ]
+    index = EntryIndex([single for _, _, single in paths])
+    alive = {i for c in inv.cases for i in index._selecting(c)}
     out = []
-    for e in m.entries:
-        if not owned_by[e.id]:
+    for i, (e, j, single) in enumerate(paths):
+        if i in alive or any(EntryIndex([single]).covers_file(f) for f in inv.unloadable):
             continue
-        for j, p in enumerate(e.paths):
-            file = p.split("::", 1)[0]
-            if has_glob(file) or (root / posixpath.normpath(file)).exists():
-                continue
-            out.append(
-                Problem(
-                    names.ENTRY_MATCHES_NOTHING,
-                    e.source,
-                    f"{e.pointer}/paths/{j} (entry {e.id!r})",
-                    f"suite {m.suite!r}: its path {p!r} matches nothing: no such file or folder",
-                    m.suite,
-                )
+        p = single.paths[0]
+        absent = not has_glob(p) and not (inv.root / p.split("::", 1)[0]).exists()
+        out.append(
+            Problem(
+                names.ENTRY_MATCHES_NOTHING,
+                e.source,
+                f"{e.pointer}/paths/{j} (entry {e.id!r})",
+                f"suite {m.suite!r}: its path {p!r} matches nothing"
+                + (": no such file or folder" if absent else ": no collected case"),
+                m.suite,
             )
+        )
     return out
 
 

@@ -221,25 +221,34 @@ def test_rule_entry_matches_nothing(pytester):
     assert all(p.file == "suites/cpu.json" for p in found.values())
 
 
-def test_a_misspelled_path_next_to_good_ones_is_reported(pytester):
-    # Regression: an entry {"paths": ["tests", "scripts/chek_x.py"]} owned cases through
-    # "tests", so nothing named the typo: scripts/check_x.py (outside testpaths, owned by
-    # no rule) never ran, and the inventory and the run were green.
-    tests = {"tests/test_a.py": DEVICE_TESTS, "scripts/check_x.py": "def test_x():\n    pass\n"}
-    inv = build_inventory(
-        project(
-            pytester,
-            tests,
-            cpu_entries=[
-                {"id": "all", "paths": ["tests", "scripts/chek_x.py", "tests/*.py", "scripts"]},
-            ],
-        )
-    )
-    (p,) = only(inv, "entry-matches-nothing")
-    assert p.where == "/entries/0/paths/1 (entry 'all')"
-    assert p.message == (
-        "suite 'cpu': its path 'scripts/chek_x.py' matches nothing: no such file or folder"
-    )
+@pytest.mark.parametrize(
+    ("path", "why"),
+    [
+        ("scripts/tset_x.py", "no such file or folder"),
+        ("tests/sub/test_b.py::tset_b", "no collected case"),  # the file is there
+        ("tests/sbu/*.py", "no collected case"),
+        ("./tests/sub", "no collected case"),  # exists, but entries match paths as written
+    ],
+)
+def test_a_misspelled_path_next_to_good_ones_is_reported(pytester, path, why):
+    # Regression: an entry {"paths": ["tests/test_a.py", "scripts/tset_x.py"]} owned cases
+    # through its first path, so nothing named the typo: scripts/test_x.py (outside
+    # testpaths) never ran, and a case under tests/ ran under the catch-all entry's settings.
+    tests = {
+        "tests/test_a.py": DEVICE_TESTS,
+        "tests/sub/test_b.py": "def test_b():\n    pass\n",
+        "scripts/test_x.py": "def test_x():\n    pass\n",
+    }
+    entries = [
+        {"id": "e", "paths": ["tests/test_a.py", path, "tests/*.py"], "timeout_s": 30},
+        {"id": "rest", "paths": ["tests", "scripts"]},
+    ]
+    inv = build_inventory(project(pytester, tests, cpu_entries=entries))
+    found = only(inv, "entry-matches-nothing")
+    assert len(found) == 1, [(p.where, p.message) for p in found]
+    (p,) = found
+    assert p.where == "/entries/0/paths/1 (entry 'e')"
+    assert p.message == f"suite 'cpu': its path {path!r} matches nothing: {why}"
     assert p.file == "suites/cpu.json"
 
 
