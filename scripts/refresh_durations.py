@@ -68,12 +68,19 @@ def passed_seconds(out_dir: Path) -> tuple[str, dict[str, float]]:
         if (out_dir / "junit.xml").is_file()
         else sorted(out_dir.glob("junit-*.xml"))
     )
-    results = report.results_for(nodeids, report.read_junit(junits))
+    # The JUnit names carry the run's --junit-prefix (summary.json records it).
+    summary = out_dir / "summary.json"
+    prefix = (
+        json.loads(summary.read_text(encoding="utf-8")).get("junit_prefix", "")
+        if summary.is_file()
+        else ""
+    )
+    results = report.results_for(nodeids, report.read_junit(junits), prefix)
     factors = wall_shares(junits)
     return doc["suite"], {
-        n: r.seconds * factors[report.junit_key(n)]
+        n: r.seconds * factors[report.junit_key(n, prefix)]
         for n, r in results.items()
-        if r.outcome != "missing" and report.junit_key(n) in factors
+        if r.outcome != "missing" and report.junit_key(n, prefix) in factors
     }
 
 

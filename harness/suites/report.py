@@ -55,13 +55,14 @@ class EntryRow:
     not_run: int = 0
 
 
-def junit_key(nodeid: str) -> tuple[str, str]:
-    """The ``(classname, name)`` pytest's junitxml writes for ``nodeid`` (with no ``junit_prefix``)."""
+def junit_key(nodeid: str, prefix: str = "") -> tuple[str, str]:
+    """The ``(classname, name)`` pytest's junitxml writes for ``nodeid`` under the
+    ``--junit-prefix`` ``prefix`` (none by default)."""
     path, bracket, params = nodeid.partition("[")
     names = path.split("::")
     names[0] = re.sub(r"\.py$", "", names[0].replace("/", "."))
     names[-1] += bracket + params
-    return ".".join(names[:-1]), names[-1]
+    return ".".join(filter(None, (prefix, *names[:-1]))), names[-1]
 
 
 def _suites(root: ET.Element) -> list[ET.Element]:
@@ -107,12 +108,13 @@ def read_junit(paths: Iterable[Path]) -> dict[tuple[str, str], CaseRow]:
 
 
 def results_for(
-    nodeids: Iterable[str], junit: Mapping[tuple[str, str], CaseRow]
+    nodeids: Iterable[str], junit: Mapping[tuple[str, str], CaseRow], prefix: str = ""
 ) -> dict[str, CaseRow]:
-    """Each planned node id's result; ``missing`` when the JUnit has no such case."""
+    """Each planned node id's result (``prefix``: the run's ``--junit-prefix``); ``missing``
+    when the JUnit has no such case."""
     out = {}
     for n in nodeids:
-        r = junit.get(junit_key(n))
+        r = junit.get(junit_key(n, prefix))
         out[n] = CaseRow(n, r.outcome, r.seconds, r.message) if r else CaseRow(n, "missing")
     return out
 
@@ -257,7 +259,7 @@ def _unreported_suite(rows: Sequence[CaseRow], prefix: str) -> ET.Element:
     suite = ET.Element("testsuite", name=UNREPORTED_SUITE)
     counts = dict.fromkeys(("failure", "error", "skipped"), 0)
     for row in rows:
-        classname, name = _junit_name(row.nodeid, prefix)
+        classname, name = junit_key(row.nodeid, prefix)
         case = ET.SubElement(
             suite,
             "testcase",
@@ -283,13 +285,8 @@ def junit_lacks(junit: Path, rows: Iterable[CaseRow], prefix: str = "") -> list[
     absent or unreadable (the process was killed, or never started)."""
     held = set(read_junit([junit]))
     return [
-        r for r in rows if r.outcome != "deselected" and _junit_name(r.nodeid, prefix) not in held
+        r for r in rows if r.outcome != "deselected" and junit_key(r.nodeid, prefix) not in held
     ]
-
-
-def _junit_name(nodeid: str, prefix: str) -> tuple[str, str]:
-    classname, name = junit_key(nodeid)
-    return ".".join(filter(None, (prefix, classname))), name
 
 
 #: Characters XML 1.0 cannot hold (and DEL), as pytest's junitxml leaves them out.
@@ -418,13 +415,19 @@ def failures(results: Mapping[str, CaseRow], limit: int = 30) -> str:
 
 
 def write_summary_json(
-    path: Path, title: str, rows: Sequence[EntryRow], results: Mapping[str, CaseRow]
+    path: Path,
+    title: str,
+    rows: Sequence[EntryRow],
+    results: Mapping[str, CaseRow],
+    junit_prefix: str = "",
 ) -> None:
-    """Machine-readable summary: the table rows and every case's result."""
+    """Machine-readable summary: the table rows, every case's result and the
+    ``--junit-prefix`` its JUnit names carry."""
     doc = {
         "title": title,
         "entries": [asdict(r) for r in rows],
         "total": asdict(totals(rows)),
         "cases": [asdict(r) for r in results.values()],
+        "junit_prefix": junit_prefix,
     }
     write_json(path, doc)

@@ -911,7 +911,7 @@ def _report(run: _Run, ran: _Ran, stop: _Stop) -> int:
         + (f"\n**FAILED**: {'; '.join(verdict)}\n" if verdict else "\n**PASSED**\n")
     )
     _write_summary(run, text)
-    report.write_summary_json(run.out / "summary.json", run.title, rows, results)
+    report.write_summary_json(run.out / "summary.json", run.title, rows, results, prefix)
     if run.opts.durations_out:
         # Passed cases only: a failure (at setup, say) says little about how long the case takes.
         ran = {n: r.seconds for n, r in results.items() if r.outcome == "passed"}

@@ -552,15 +552,21 @@ def test_x_stops_the_whole_run_not_only_its_group(pytester):
     assert not (root / "out/junit-2.xml").exists()
 
 
-def test_refreshed_durations_keep_the_figures_of_cases_that_did_not_run(pytester):
+@pytest.mark.parametrize("prefix", ["", "PFX"])
+def test_refreshed_durations_keep_the_figures_of_cases_that_did_not_run(pytester, prefix):
     # Regression: scripts/refresh_durations.py took the cases harness run adds to junit.xml
     # for pytest (not run after -x, never collected) as having run in 0.0 s, overwriting
     # their recorded figures; a run stopped at the runner's timeout zeroed whole groups.
+    # Under a --junit-prefix in addopts it recorded no figure at all ("0 case(s) ran").
     tests = {
         "tests/first/test_first.py": "def test_fails():\n    assert False\n",
         "tests/second/test_second.py": "def test_it():\n    pass\n",
     }
     root = make_project(pytester.path, tests, {"cpu": manifest("cpu", "cpu", TWO_GROUPS)})
+    if prefix:
+        (root / "pyproject.toml").write_text(
+            f'[tool.pytest.ini_options]\ntestpaths = ["tests"]\naddopts = "--junit-prefix={prefix}"\n'
+        )
     recorded = root / "suites/durations/cpu.json"
     recorded.parent.mkdir(parents=True, exist_ok=True)
     second = "tests/second/test_second.py::test_it"
