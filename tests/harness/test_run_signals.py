@@ -327,23 +327,33 @@ def test_cases_of_groups_the_interrupt_left_unstarted_are_not_run(pytester, tmp_
     assert "never ran" not in (root / "out/summary.md").read_text()
 
 
-def test_cases_outside_the_paths_given_stay_deselected_when_the_run_is_interrupted(
-    pytester, tmp_path_factory
-):
-    # Regression: `harness run cpu -- FILE` interrupted: every case outside FILE was
-    # "missing: never collected" (a JUnit error) instead of deselected, as without the signal.
+def interrupt_narrowed(pytester, tmp_path_factory, slow: str, *pytest_args: str):
+    """``harness run cpu -- PYTEST_ARGS`` over ``tests/slow/test_s.py`` (``slow``, which
+    writes ``PIDS_DIR/slow`` once it runs) and ``tests/slow/test_other.py`` (two passing
+    cases), interrupted with SIGINT once ``slow`` has written: the root and the output."""
     root = make_project(
         pytester.path,
         {
-            "tests/slow/test_s.py": UNFINISHED,
+            "tests/slow/test_s.py": slow,
             "tests/slow/test_other.py": "def test_a():\n    pass\n\ndef test_b():\n    pass\n",
         },
         {"cpu": manifest("cpu", "cpu", [{"id": "slow", "paths": ["tests/slow"]}])},
     )
     pids_dir = tmp_path_factory.mktemp("pids")
-    proc = start_run(root, pids_dir, "--", "tests/slow/test_s.py")
-    out, err = signal_once(proc, pids_dir / "slow", "the case to start", signal.SIGINT)
+    proc = start_run(root, pids_dir, "--", *pytest_args)
+    out, err = signal_once(proc, pids_dir / "slow", "tests/slow/test_s.py", signal.SIGINT)
     assert proc.returncode == 130, out + err
+    return root, out, err
+
+
+def test_cases_outside_the_paths_given_stay_deselected_when_the_run_is_interrupted(
+    pytester, tmp_path_factory
+):
+    # Regression: `harness run cpu -- FILE` interrupted: every case outside FILE was
+    # "missing: never collected" (a JUnit error) instead of deselected, as without the signal.
+    root, out, err = interrupt_narrowed(
+        pytester, tmp_path_factory, UNFINISHED, "tests/slow/test_s.py"
+    )
     cases = json.loads((root / "out/summary.json").read_text())["cases"]
     assert {c["nodeid"]: c["outcome"] for c in cases} == {
         "tests/slow/test_other.py::test_a": "deselected",
@@ -374,19 +384,15 @@ def test_cases_of_a_run_interrupted_while_it_collects_are_not_run(pytester, tmp_
     # Regression (of the fix above): pytest_collection_finish runs even when collection is
     # interrupted; its empty list was taken as final, and every case, the named ones too,
     # became "deselected: not among the paths and node ids given" (no JUnit entry).
-    root = make_project(
-        pytester.path,
-        {
-            "tests/slow/test_slow.py": SLOW_IMPORT,
-            "tests/slow/test_x.py": "def test_a():\n    pass\n\ndef test_b():\n    pass\n",
-        },
-        {"cpu": manifest("cpu", "cpu", [{"id": "slow", "paths": ["tests/slow"]}])},
+    root, out, err = interrupt_narrowed(
+        pytester,
+        tmp_path_factory,
+        SLOW_IMPORT,
+        "-n",
+        "0",
+        "tests/slow/test_s.py",
+        "tests/slow/test_other.py::test_a",
     )
-    pids_dir = tmp_path_factory.mktemp("pids")
-    args = ("--", "-n", "0", "tests/slow/test_slow.py", "tests/slow/test_x.py::test_a")
-    proc = start_run(root, pids_dir, *args)
-    out, err = signal_once(proc, pids_dir / "slow", "collection to start", signal.SIGINT)
-    assert proc.returncode == 130, out + err
     cases = json.loads((root / "out/summary.json").read_text())["cases"]
     assert {c["outcome"] for c in cases} == {"not run"}, cases
     assert "select no case" not in out + err
