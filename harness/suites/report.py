@@ -185,6 +185,7 @@ def results_from_records(
         or (f"{records.interrupted} during a case" if exited_in_a_case else "")
         or records.interrupted
     )
+    outside = set(opts.get("outside") or ())
     out = {}
     for n in nodeids:
         if n in records.reports:
@@ -215,7 +216,12 @@ def results_from_records(
             out[n] = CaseRow(
                 n, "deselected", 0.0, "--last-failed: its file had no failure to rerun"
             )
-        elif opts.get("narrowed") and n not in records.collected and records.collection_finished:
+        elif (
+            opts.get("narrowed")
+            and n not in records.collected
+            and records.collection_finished
+            and (opts.get("outside") is None or n in outside)
+        ):
             out[n] = CaseRow(n, "deselected", 0.0, "not among the paths and node ids given")
         elif stopped and (n in records.collected or not records.collected):
             out[n] = CaseRow(n, "not run", 0.0, why_stopped)

@@ -817,9 +817,10 @@ _PYTEST_INTERRUPTED = 2
 def _verdict(total: report.EntryRow, ran: _Ran, stop: _Stop, whole: bool) -> list[str]:
     """Why the run is red (empty: green). Cases pytest's own options deselected or left
     unrun (``-k``, ``--lf``, ``-x``, ``--collect-only``) are the caller's choice, not a failure,
-    unless they deselect every case of a ``whole`` suite (pytest alone exits 5 when it runs
-    nothing; a shard may hold none of the cases a ``-k`` matches); a case that ends the
-    session (``pytest.exit``, even with status 0) is."""
+    unless they (or the paths given to pytest) leave no case of a ``whole`` suite to run
+    (pytest alone exits 5 when it runs nothing; a shard may hold none of the cases a ``-k``
+    or a path selects); a case that ends the session (``pytest.exit``, even with status 0)
+    is."""
     narrowed = bool(total.deselected or total.not_run)
     verdict = [f"interrupted by {stop.name}"] if stop.signum is not None else []
     if total.failed:
@@ -833,7 +834,8 @@ def _verdict(total: report.EntryRow, ran: _Ran, stop: _Stop, whole: bool) -> lis
         # Under xdist workers pytest only says "no tests ran".
         verdict.append(f"paths given to pytest are not there: {', '.join(absent)}")
     elif (
-        any(r.options.get("narrowed") and r.collection_finished for r in ran.records)
+        whole
+        and any(r.options.get("narrowed") and r.collection_finished for r in ran.records)
         and not any(r.collected or r.deselected for r in ran.records)  # -k after the paths
         and stop.signum is None
     ):

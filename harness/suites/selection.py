@@ -222,6 +222,8 @@ class _Outcomes:
                 "narrowed": bool(callers),
                 # ... some of which name no file (pytest says so under -n 0 only).
                 "not_found": [] if opt("pyargs", False) else _not_found(self.config, callers),
+                # The planned cases those paths leave out (None: modules, not paths).
+                "outside": None if opt("pyargs", False) else self._outside(callers),
                 "junitxml": self.config.stash.get(_CALLER_JUNIT, None),
                 "junit_prefix": opt("junitprefix", None) or "",
             }
@@ -231,6 +233,17 @@ class _Outcomes:
         ids = [cid for cid in (_case_id(i, self.root) for i in items) if cid in self.planned]
         if ids:
             self.record(deselected=ids)
+
+    def _outside(self, callers: Sequence[str]) -> list[str]:
+        """The planned cases none of the caller's paths and node ids selects."""
+        if not callers:
+            return []
+        cwd = self.config.invocation_params.dir
+        return [
+            cid
+            for cid in self.planned
+            if not any(_selects(a, cid, cwd, self.root) for a in callers)
+        ]
 
     def pytest_collection_modifyitems(self) -> None:
         # Called only when collection completed; pytest_collection_finish also runs when

@@ -823,6 +823,31 @@ def test_named_cases_whose_collection_crashed_are_never_deselected(pytester):
     assert got["tests/first/test_first.py::test_b"] == "missing", got
 
 
+def test_a_case_inside_the_paths_given_that_pytest_never_collected_is_missing(pytester):
+    # Regression: under `-- PATH` every planned case pytest did not collect was
+    # "deselected: not among the paths and node ids given", those inside PATH too (a
+    # conftest dropping one, a parametrization that changed): green, where the whole run
+    # says "missing" and is red.
+    tests = {
+        "tests/a/conftest.py": (
+            "def pytest_collection_modifyitems(config, items):\n"
+            "    if not config.option.collectonly:  # the run's pytest, not the inventory\n"
+            "        items[:] = [i for i in items if i.name != 'test_dropped']\n"
+        ),
+        "tests/a/test_a.py": "def test_kept():\n    pass\n\ndef test_dropped():\n    pass\n",
+        "tests/b/test_b.py": "def test_b():\n    pass\n",
+    }
+    entries = [{"id": k, "paths": [f"tests/{k}"]} for k in "ab"]
+    root = make_project(pytester.path, tests, {"cpu": manifest("cpu", "cpu", entries)})
+    done = harness(root, "run", "cpu", "--out", "out", "--", "-n", "0", "tests/a")
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert outcomes(root / "out") == {
+        "tests/a/test_a.py::test_kept": "passed",
+        "tests/a/test_a.py::test_dropped": "missing",
+        "tests/b/test_b.py::test_b": "deselected",
+    }
+
+
 def test_names_given_to_pytest_are_found_or_the_run_is_red(pytester):
     # Regression: the run's own files went to pytest next to the caller's, and a file
     # subsumes a node id in it: a misspelled node id, a module given by --pyargs, a path
@@ -876,10 +901,11 @@ def test_names_given_to_pytest_are_found_or_the_run_is_red(pytester):
     assert set(outcomes(root / "out").values()) == {"deselected"}
     assert "were not collected" not in none.stderr  # outside the paths: deselected, not missing
     assert harness(root, "run", "cpu", "--out", "out", "-k", "nomatch").returncode == 1
-    # A shard may hold none of the cases a -k matches: not red for that (it was).
+    # A shard may hold none of the cases a -k or a path selects: not red for that (it was).
     for shard in ("1/2", "2/2"):
-        part = harness(root, "run", "cpu", "--shard", shard, "--out", "out", "-k", "test_b1")
-        assert part.returncode == 0, part.stdout + part.stderr
+        for pick in (("-k", "test_b1"), ("--", "tests/b/test_b.py::test_b1")):
+            part = harness(root, "run", "cpu", "--shard", shard, "--out", "out", *pick)
+            assert part.returncode == 0, part.stdout + part.stderr
 
 
 def test_cache_clear_clears_the_cache_once_per_run(pytester):
