@@ -235,7 +235,8 @@ class _Outcomes:
             self.record(deselected=ids)
 
     def _outside(self, callers: Sequence[str]) -> list[str]:
-        """The planned cases none of the caller's paths and node ids selects."""
+        """The planned cases none of the caller's paths and node ids selects, or that the
+        caller's ``--ignore`` / ``--ignore-glob`` leave out of them."""
         if not callers:
             return []
         cwd = self.config.invocation_params.dir
@@ -243,6 +244,7 @@ class _Outcomes:
             cid
             for cid in self.planned
             if not any(_selects(a, cid, cwd, self.root) for a in callers)
+            or _ignored(self.config, Path(os.path.abspath(self.root / cid.split("::", 1)[0])))
         ]
 
     def pytest_collection_modifyitems(self) -> None:

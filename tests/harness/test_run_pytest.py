@@ -846,6 +846,14 @@ def test_a_case_inside_the_paths_given_that_pytest_never_collected_is_missing(py
         "tests/a/test_a.py::test_dropped": "missing",
         "tests/b/test_b.py::test_b": "deselected",
     }
+    # What the caller's --ignore leaves out of their paths is their choice too (the first
+    # version of this fix called it missing, the run red).
+    for ignore in ("--ignore=tests/b", "--ignore-glob=*/b/*"):
+        done = harness(root, "run", "cpu", "--out", "out", "--", "-n", "0", "tests/b", ignore)
+        assert done.returncode == 1, done.stdout + done.stderr  # nothing of the run ran
+        assert outcomes(root / "out")["tests/b/test_b.py::test_b"] == "deselected"
+        done = harness(root, "run", "cpu", "--out", "out", "--", "tests", ignore)
+        assert outcomes(root / "out")["tests/b/test_b.py::test_b"] == "deselected"
 
 
 def test_names_given_to_pytest_are_found_or_the_run_is_red(pytester):
