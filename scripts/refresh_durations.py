@@ -76,11 +76,11 @@ def passed_seconds(out_dir: Path) -> tuple[str, dict[str, float]]:
         else ""
     )
     results = report.results_for(nodeids, report.read_junit(junits), prefix)
+    # Only cases pytest reported have a share (a case absent from the JUnit has none).
     factors = wall_shares(junits)
+    keys = {n: report.junit_key(n, prefix) for n in nodeids}
     return doc["suite"], {
-        n: r.seconds * factors[report.junit_key(n, prefix)]
-        for n, r in results.items()
-        if r.outcome != "missing" and report.junit_key(n, prefix) in factors
+        n: r.seconds * factors[keys[n]] for n, r in results.items() if keys[n] in factors
     }
 
 

@@ -828,10 +828,16 @@ def _assign_owners(inv: SuiteInventory, m: Manifest, judged: bool) -> None:
         # An entry naming a file that fails to import or skips as a whole is not idle: a run
         # reports it (failed or skipped) through that file.
         for e in m.entries:
-            if not owned_by[e.id] and any(EntryIndex([e]).covers_file(f) for f in inv.unloadable):
+            if not owned_by[e.id] and _covers_unloadable(inv, e):
                 owned_by[e.id] = 1
         inv.problems.extend(_idle_entries(m, owned_by, matched, first_owner))
         inv.problems.extend(_dead_paths(inv, m, owned_by))
+
+
+def _covers_unloadable(inv: SuiteInventory, entry: Entry) -> bool:
+    """Whether ``entry`` names a test file that failed to import or skips as a whole (a run
+    reports it, failed or skipped, through that file)."""
+    return any(EntryIndex([entry]).covers_file(f) for f in inv.unloadable)
 
 
 def _idle_entries(
@@ -879,7 +885,7 @@ def _dead_paths(inv: SuiteInventory, m: Manifest, owned_by: dict[str, int]) -> l
     alive = {i for c in inv.cases for i in index._selecting(c)}
     out = []
     for i, (e, j, single) in enumerate(paths):
-        if i in alive or any(EntryIndex([single]).covers_file(f) for f in inv.unloadable):
+        if i in alive or _covers_unloadable(inv, single):
             continue
         p = single.paths[0]
         absent = not has_glob(p) and not (inv.root / p.split("::", 1)[0]).exists()

@@ -185,7 +185,8 @@ def results_from_records(
         or (f"{records.interrupted} during a case" if exited_in_a_case else "")
         or records.interrupted
     )
-    outside = set(opts.get("outside") or ())
+    # The planned cases the caller's paths leave out (None: not known, under --pyargs).
+    outside = None if opts.get("outside") is None else set(opts["outside"])
     out = {}
     for n in nodeids:
         if n in records.reports:
@@ -220,7 +221,7 @@ def results_from_records(
             opts.get("narrowed")
             and n not in records.collected
             and records.collection_finished
-            and (opts.get("outside") is None or n in outside)
+            and (outside is None or n in outside)
         ):
             out[n] = CaseRow(n, "deselected", 0.0, "not among the paths and node ids given")
         elif stopped and (n in records.collected or not records.collected):
