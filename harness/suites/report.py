@@ -286,13 +286,21 @@ def _unreported_suite(rows: Sequence[CaseRow], prefix: str) -> ET.Element:
     return suite
 
 
-def junit_lacks(junit: Path, rows: Iterable[CaseRow], prefix: str = "") -> list[CaseRow]:
+def junit_lacks(
+    junit: Path, rows: Iterable[CaseRow], prefix: str = "", aliases: Mapping[str, str] | None = None
+) -> list[CaseRow]:
     """The cases of one pytest process (``rows``) its JUnit file ``junit`` does not hold
-    (``prefix``: its ``--junit-prefix``), deselected ones left out: all of them when the file is
-    absent or unreadable (the process was killed, or never started)."""
+    (``prefix``: its ``--junit-prefix``; ``aliases``: pytest's node id -> case id where they
+    differ), deselected ones left out: all of them when the file is absent or unreadable (the
+    process was killed, or never started)."""
     held = set(read_junit([junit]))
+    aliased = {cid for n, cid in (aliases or {}).items() if junit_key(n, prefix) in held}
     return [
-        r for r in rows if r.outcome != "deselected" and junit_key(r.nodeid, prefix) not in held
+        r
+        for r in rows
+        if r.outcome != "deselected"
+        and junit_key(r.nodeid, prefix) not in held
+        and r.nodeid not in aliased
     ]
 
 

@@ -274,6 +274,8 @@ class _Stop:
         #: Exists once the running pytest's session has started (``selection.started_marker``).
         self.started: Path | None = None
         self.tree: dict[int, psutil.Process] = {}
+        #: The terminal the running pytest holds (``None``: none; see :func:`_run_pytest`).
+        self.terminal: int | None = None
         #: While planning (the in-process inventory) a second signal raises.
         self.planning = True
         self._previous: dict[int, Any] = {}
@@ -397,9 +399,15 @@ def _run_pytest(
     # Its own process group: a Ctrl-C to ours reaches it once, through _Stop.
     # And it dies with us, even when we are SIGKILLed (then nothing stops it).
     me = os.getpid()
+    # Run from a terminal, in the foreground: the terminal goes with pytest to its group, as
+    # it would be pytest's alone (--pdb, breakpoint() read it; a background group reading
+    # it is stopped), and so does the terminal's Ctrl-C (see _run_groups).
+    stop.terminal = tty = _foreground_terminal()
 
     def in_child() -> None:
         os.setpgrp()
+        if tty is not None:
+            _give_terminal(tty, os.getpgrp())
         processes.die_with_parent(me)
 
     started.unlink(missing_ok=True)
@@ -416,6 +424,8 @@ def _run_pytest(
                 code = proc.wait(timeout=max(0.0, min(1.0, deadline - time.monotonic())))
                 break
             except subprocess.TimeoutExpired:
+                if tty is not None:
+                    _follow_job_control(proc.pid, tty)
                 if time.monotonic() < deadline:
                     continue
                 if stop.signum is None:
@@ -434,8 +444,50 @@ def _run_pytest(
             return code, f"interrupted by {stop.name}"
         return code, ""
     finally:
+        if tty is not None:
+            _give_terminal(tty, os.getpgrp())
         stop.child = None
         stop.tree.clear()
+
+
+def _foreground_terminal() -> int | None:
+    """stdin's descriptor when it is a terminal whose foreground group is this process's
+    (a run started from a shell, not in the background), else ``None``."""
+    try:
+        fd = sys.stdin.fileno()
+        return fd if os.isatty(fd) and os.tcgetpgrp(fd) == os.getpgrp() else None
+    except (AttributeError, OSError, ValueError):  # no stdin, or not a file
+        return None
+
+
+def _give_terminal(fd: int, pgrp: int) -> None:
+    """Make ``pgrp`` the foreground group of the terminal ``fd``, from any group (SIGTTOU,
+    which stops a background group that tries, is blocked meanwhile)."""
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTTOU})
+    try:
+        with contextlib.suppress(OSError):  # the terminal is gone (hung up)
+            os.tcsetpgrp(fd, pgrp)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+def _follow_job_control(pid: int, fd: int) -> None:
+    """pytest, holding the terminal, was stopped (Ctrl-Z): take the terminal back and stop
+    this run's group too, so the shell gets its prompt; once continued (``fg``), give it
+    back and continue pytest's group."""
+    import psutil
+
+    try:
+        if psutil.Process(pid).status() != psutil.STATUS_STOPPED:
+            return
+    except psutil.Error:
+        return
+    _give_terminal(fd, os.getpgrp())
+    os.killpg(os.getpgrp(), signal.SIGTSTP)  # returns once the shell continues us
+    if os.tcgetpgrp(fd) == os.getpgrp():  # continued in the foreground (fg), not bg
+        _give_terminal(fd, pid)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pid, signal.SIGCONT)
 
 
 #: The exit code of a pytest group the runner's timeout stopped (``timeout``'s convention).
@@ -800,6 +852,14 @@ def _run_groups(run: _Run, stop: _Stop, deadline: float, limit_s: float, before:
         )
         _stop_leftovers(before)
         records = selection.read_records(_select_file(run, k))
+        if (
+            stop.terminal is not None
+            and stop.signum is None
+            and code == _PYTEST_INTERRUPTED
+            and records.interrupted.startswith("KeyboardInterrupt")
+        ):
+            # The terminal's Ctrl-C went to pytest, which held the terminal: the run's stop.
+            stop.signum, why = signal.SIGINT, f"interrupted by {signal.SIGINT.name}"
         ran.codes.append(code)
         ran.records.append(records)
         halted.append(why)
@@ -830,17 +890,16 @@ def _verdict(total: report.EntryRow, ran: _Ran, stop: _Stop, whole: bool) -> lis
     if not total.passed and not narrowed:
         verdict.append(f"no case passed ({total.skipped} skipped)")
     absent = sorted({a for r in ran.records for a in r.options.get("not_found", ())})
+    # A file outside the suite, a misspelled test name, a link to a planned file: pytest
+    # alone would have run what they name. (A shard may hold no case of a path.)
+    unmatched = sorted({a for r in ran.records for a in r.options.get("selecting_nothing", ())})
     if absent:
         # Under xdist workers pytest only says "no tests ran".
         verdict.append(f"paths given to pytest are not there: {', '.join(absent)}")
-    elif (
-        whole
-        and any(r.options.get("narrowed") and r.collection_finished for r in ran.records)
-        and not any(r.collected or r.deselected for r in ran.records)  # -k after the paths
-        and stop.signum is None
-    ):
-        # A path outside the suite, say: pytest alone would have run it.
-        verdict.append("the paths and node ids given to pytest select no case of the run")
+    elif whole and unmatched and stop.signum is None:
+        verdict.append(
+            f"the paths and node ids given to pytest select no case of the run: {', '.join(unmatched)}"
+        )
     elif whole and total.cases and total.deselected == total.cases and stop.signum is None:
         # -k or -m matching nothing, say: pytest alone exits 5 ("no tests ran").
         verdict.append("the options given to pytest deselect every case of the run: none ran")
@@ -891,7 +950,9 @@ def _report(run: _Run, ran: _Ran, stop: _Stop) -> int:
         rows = report.results_from_records([c.nodeid for c, _ in g.cases], records, why)
         results.update(rows)
         prefix = records.options.get("junit_prefix") or prefix
-        unreported += report.junit_lacks(_junit_file(run, k), rows.values(), prefix)
+        unreported += report.junit_lacks(
+            _junit_file(run, k), rows.values(), prefix, records.aliases
+        )
         asked = records.options.get("junitxml") or asked
     started = [_junit_file(run, k) for k in range(1, len(ran.records) + 1)]
     report.merge_junit(started, junit_all, unreported, prefix)

@@ -210,7 +210,8 @@ class _Outcomes:
         """What pytest's own options (command line, ``addopts``, ``PYTEST_ADDOPTS``, as
         pytest parsed them) mean for the run's verdict."""
         opt = self.config.getoption
-        callers = _callers_args(self.config, _load(self.config) or {})
+        sel = _load(self.config) or {}
+        callers = _callers_args(self.config, sel)
         self.record(
             options={
                 "collectonly": bool(opt("collectonly", False)),
@@ -222,6 +223,10 @@ class _Outcomes:
                 "narrowed": bool(callers),
                 # ... some of which name no file (pytest says so under -n 0 only).
                 "not_found": [] if opt("pyargs", False) else _not_found(self.config, callers),
+                # ... or select no case of the run.
+                "selecting_nothing": []
+                if opt("pyargs", False)
+                else _selecting_nothing(self.config, callers, sel),
                 # The planned cases those paths leave out (None: modules, not paths).
                 "outside": None if opt("pyargs", False) else self._outside(callers),
                 "junitxml": self.config.stash.get(_CALLER_JUNIT, None),
@@ -254,9 +259,13 @@ class _Outcomes:
 
     @pytest.hookimpl(trylast=True)
     def pytest_collection_finish(self, session: pytest.Session) -> None:
+        ids = {i.nodeid: _case_id(i, self.root) for i in session.items}
         self.record(
-            collected=[_case_id(i, self.root) for i in session.items],
+            collected=list(ids.values()),
             complete=self.collection_complete,
+            # pytest's node ids that are not the case's: a path reached through a link to
+            # the repository, which pytest names from its rootdir ("../../link/tests/...").
+            aliases={n: cid for n, cid in ids.items() if n != cid},
         )
 
     def pytest_collectreport(self, report: pytest.CollectReport) -> None:
@@ -384,13 +393,34 @@ def _no_failure_to_rerun(config: pytest.Config, sel: dict[str, Any]) -> bool:
 def _selects(arg: str, cid: str, cwd: Path, root: Path) -> bool:
     """Whether the path or node id ``arg`` (as pytest reads it from ``cwd``) selects the
     case ``cid`` (relative to ``root``): under the named folder or file, and its name,
-    class or parametrization named."""
+    class or parametrization named. The path is read as case ids are (:func:`case_id`): a
+    symlinked file inside ``root`` is its own file, not the one it points to."""
+    from harness.suites.manifest import rel
+
     where, sep, name = arg.partition("::")
     file, _, tail = cid.partition("::")
-    named, path = Path(os.path.abspath(cwd / where)), Path(os.path.abspath(root / file))
-    if path != named and named not in path.parents:
+    named = rel(Path(os.path.abspath(cwd / where)), root)
+    if named != "." and file != named and not file.startswith(f"{named}/"):
         return False
     return not sep or tail == name or tail.startswith((f"{name}::", f"{name}["))
+
+
+def _selecting_nothing(
+    config: pytest.Config, args: Sequence[str], sel: dict[str, Any]
+) -> list[str]:
+    """The paths and node ids of ``args`` that exist but select no case of the whole run
+    (a file outside the suite, a misspelled test name, a link to a planned file), each
+    with what it is when it is a link: pytest alone would have run what they name."""
+    cwd, root = config.invocation_params.dir, Path(sel["root"])
+    run = sel.get("run", ())
+    out = []
+    for a in args:
+        if not (cwd / a.split("::", 1)[0]).exists() or any(_selects(a, c, cwd, root) for c in run):
+            continue
+        link = Path(os.path.abspath(cwd / a.split("::", 1)[0]))
+        linked = [p for p in (link, *link.parents) if p.is_symlink()]
+        out.append(f"{a} (a symlink to {linked[0].resolve()})" if linked else a)
+    return out
 
 
 def _callers_args(config: pytest.Config, sel: dict[str, Any]) -> list[str]:
@@ -590,6 +620,9 @@ class Records:
     collect: dict[str, tuple[str, str]] = field(default_factory=dict)
     #: Node id -> its phases' ``(when, outcome, seconds, message)``.
     reports: dict[str, list[tuple[str, str, float, str]]] = field(default_factory=dict)
+    #: pytest's node id -> the case id, where they differ (a path through a link to the
+    #: repository); ``reports`` are by case id.
+    aliases: dict[str, str] = field(default_factory=dict)
     #: pytest's exit status, ``None`` when the session never finished (killed, crashed).
     finish: int | None = None
     #: Why pytest stopped early (``-x``, ``--maxfail``), ``""`` when it did not.
@@ -619,6 +652,7 @@ def read_records(select_file: Path) -> Records:
                 out.options = ev["options"]
             elif "collected" in ev:
                 out.collected.update(ev["collected"])
+                out.aliases.update(ev.get("aliases", {}))
                 out.collection_finished |= bool(ev.get("complete"))
             elif "deselected" in ev:
                 out.deselected.update(ev["deselected"])
@@ -632,4 +666,6 @@ def read_records(select_file: Path) -> Records:
                 out.finish, out.stopped = int(ev["finish"]), _text(ev["stopped"])
             elif "interrupted" in ev:
                 out.interrupted = _text(ev["interrupted"])
+    for nodeid in set(out.aliases) & set(out.reports):
+        out.reports.setdefault(out.aliases[nodeid], []).extend(out.reports.pop(nodeid))
     return out

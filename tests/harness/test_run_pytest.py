@@ -916,6 +916,41 @@ def test_names_given_to_pytest_are_found_or_the_run_is_red(pytester):
             assert part.returncode == 0, part.stdout + part.stderr
 
 
+def test_a_path_selecting_no_case_next_to_one_that_does_makes_the_run_red(pytester, tmp_path):
+    # Regression: a path or node id that selects no planned case, given next to one that
+    # does, was dropped in silence and the run was green: a file outside the suite, a
+    # misspelled test name under xdist, a symlink to a planned file (pytest collects it
+    # under the link's name; the target's cases were "deselected").
+    tests = {
+        "tests/a/test_a.py": "def test_a():\n    pass\n",
+        "tests/b/test_b.py": "def test_b1():\n    pass\n\ndef test_b2():\n    pass\n",
+        "tests/c/test_c.py": "def test_c():\n    pass\n",  # in no entry
+    }
+    entries = [{"id": k, "paths": [f"tests/{k}"]} for k in "ab"]
+    root = make_project(pytester.path, tests, {"cpu": manifest("cpu", "cpu", entries)})
+    (root / "link_b.py").symlink_to(root / "tests/b/test_b.py")
+    verdict = "the paths and node ids given to pytest select no case of the run: "
+    for workers, arg, named, a in (
+        ("0", "tests/c/test_c.py", "tests/c/test_c.py", "passed"),
+        # pytest's collection fails ("not found"; said only under -n 0): nothing ran.
+        ("2", "tests/b/test_b.py::test_b9", "tests/b/test_b.py::test_b9", "missing"),
+        ("0", "link_b.py", f"link_b.py (a symlink to {root / 'tests/b/test_b.py'})", "passed"),
+    ):
+        done = harness(root, "run", "cpu", "--out", "out", "--", "-n", workers, "tests/a", arg)
+        assert done.returncode == 1, done.stdout + done.stderr
+        assert verdict + named in done.stdout, done.stdout
+        assert outcomes(root / "out")["tests/a/test_a.py::test_a"] == a
+    # The repository reached through a link from outside names its own files: selected.
+    (tmp_path / "repo").symlink_to(root)
+    done = harness(root, "run", "cpu", "--out", "out", "--", str(tmp_path / "repo/tests/b"))
+    assert done.returncode == 0, done.stdout + done.stderr
+    got = outcomes(root / "out")
+    assert got["tests/b/test_b.py::test_b1"] == got["tests/b/test_b.py::test_b2"] == "passed", got
+    assert got["tests/a/test_a.py::test_a"] == "deselected", got
+    # ... each once in JUnit (pytest names them from its rootdir, not as the run does).
+    assert len(list(ET.parse(root / "out/junit.xml").getroot().iter("testcase"))) == 2
+
+
 def test_cache_clear_clears_the_cache_once_per_run(pytester):
     # Regression: each group's pytest got the caller's --cache-clear: the last group cleared
     # the failures the groups before it recorded, and a later --lf missed them.

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import os
+import pty
+import select
 import signal
 import subprocess
 import sys
@@ -485,3 +487,64 @@ def test_a_helper_that_ends_with_pytest_is_not_a_leftover(pytester, tmp_path_fac
     assert proc.returncode == 0, out + err
     assert "outlived pytest" not in out + err
     assert not alive(helper)
+
+
+def _in_a_terminal(cwd, args, answers, timeout=180.0):
+    """Run ``harness ARGS`` in ``cwd`` as a shell would in a terminal (a pseudo-terminal,
+    the run's group in its foreground); ``answers``: (bytes awaited, bytes typed) in turn.
+    Returns the exit status and everything the terminal showed."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "GITHUB_"))}
+    pid, fd = pty.fork()
+    if pid == 0:  # pragma: no cover (the child execs)
+        os.chdir(cwd)
+        os.execve(sys.executable, [sys.executable, "-m", "harness", *args], env)
+    seen, pending, end = b"", list(answers), time.monotonic() + timeout
+    try:
+        while time.monotonic() < end:
+            if not select.select([fd], [], [], 1.0)[0]:
+                continue
+            try:
+                chunk = os.read(fd, 65536)
+            except OSError:  # EIO: the terminal's last process is gone
+                break
+            if not chunk:
+                break
+            seen += chunk
+            if pending and pending[0][0] in seen:
+                os.write(fd, pending.pop(0)[1])
+        else:
+            os.kill(pid, signal.SIGKILL)
+    finally:
+        _, status = os.waitpid(pid, 0)
+        os.close(fd)
+    return os.waitstatus_to_exitcode(status), seen.decode("utf-8", "replace")
+
+
+def test_a_run_in_a_terminal_gives_pytest_the_terminal(pytester):
+    # Regression: pytest ran in a background process group of the terminal: --pdb (or
+    # breakpoint()) was stopped by SIGTTIN at its prompt, and the run hung until the
+    # runner's timeout, deaf to what was typed.
+    tests = {
+        "tests/a/test_a.py": "def test_fails():\n    assert False\n",
+        "tests/b/test_b.py": (
+            "import time\n\ndef test_sleeps():\n    print('sleeping', flush=True)\n"
+            "    time.sleep(120)\n"
+        ),
+    }
+    entries = [{"id": k, "paths": [f"tests/{k}"]} for k in "ab"]
+    root = make_project(pytester.path, tests, {"cpu": manifest("cpu", "cpu", entries)})
+    code, shown = _in_a_terminal(
+        root,
+        ["run", "cpu", "--out", "out", "--", "-n", "0", "--pdb", "tests/a"],
+        [(b"(Pdb)", b"c\n")],
+    )
+    assert code == 1, shown
+    assert "**FAILED**: 1 failed" in shown, shown
+    # The terminal's Ctrl-C now goes to pytest, and still stops the run as a SIGINT does.
+    code, shown = _in_a_terminal(
+        root,
+        ["run", "cpu", "--out", "out", "--", "-n", "0", "-s", "tests/b"],
+        [(b"sleeping", b"\x03")],
+    )
+    assert code == 130, shown
+    assert "interrupted by SIGINT" in shown, shown
