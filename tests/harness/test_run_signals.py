@@ -530,8 +530,12 @@ def test_a_run_in_a_terminal_gives_pytest_the_terminal(pytester):
             "import time\n\ndef test_sleeps():\n    print('sleeping', flush=True)\n"
             "    time.sleep(120)\n"
         ),
+        "tests/c/test_c.py": (
+            "import time\n\ndef test_naps():\n    print('sleeping', flush=True)\n"
+            "    time.sleep(3)\n"
+        ),
     }
-    entries = [{"id": k, "paths": [f"tests/{k}"]} for k in "ab"]
+    entries = [{"id": k, "paths": [f"tests/{k}"]} for k in "abc"]
     root = make_project(pytester.path, tests, {"cpu": manifest("cpu", "cpu", entries)})
     code, shown = _in_a_terminal(
         root,
@@ -548,3 +552,13 @@ def test_a_run_in_a_terminal_gives_pytest_the_terminal(pytester):
     )
     assert code == 130, shown
     assert "interrupted by SIGINT" in shown, shown
+    # Ctrl-Z stops pytest's group, and the run takes the terminal back to stop too (here,
+    # with no shell above it, the kernel drops that stop: the run goes on at once).
+    code, shown = _in_a_terminal(
+        root,
+        ["run", "cpu", "--out", "out", "--", "-n", "0", "-s", "tests/c"],
+        [(b"sleeping", b"\x1a")],
+        timeout=120,
+    )
+    assert code == 0, shown
+    assert "**PASSED**" in shown, shown
