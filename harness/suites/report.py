@@ -213,7 +213,7 @@ def results_from_records(
             out[n] = CaseRow(n, "deselected")
         elif (broken := _collect_problem(n, records.collect)) is not None:
             out[n] = CaseRow(n, broken[0], 0.0, broken[1])
-        elif opts.get("last_failed") and n not in records.collected:
+        elif n.partition("::")[0] in records.last_failed_skipped:
             out[n] = CaseRow(
                 n, "deselected", 0.0, "--last-failed: its file had no failure to rerun"
             )

@@ -217,7 +217,6 @@ class _Outcomes:
                 "collectonly": bool(opt("collectonly", False)),
                 # --setup-plan implies it: set up and torn down, never called.
                 "setuponly": bool(opt("setuponly", False)),
-                "last_failed": bool(opt("lf", False)),
                 "maxfail": int(opt("maxfail", 0) or 0),
                 # The caller named paths or node ids: planned cases outside them are deselected.
                 "narrowed": bool(callers),
@@ -267,6 +266,15 @@ class _Outcomes:
             # the repository, which pytest names from its rootdir ("../../link/tests/...").
             aliases={n: cid for n, cid in ids.items() if n != cid},
         )
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_make_collect_report(self, collector: pytest.Collector) -> Any:
+        report = yield
+        if isinstance(collector, pytest.File) and _skipped_by_last_failed(self.config, collector):
+            from harness.suites.manifest import rel
+
+            self.record(last_failed_skipped=rel(collector.path, self.root))
+        return report
 
     def pytest_collectreport(self, report: pytest.CollectReport) -> None:
         # Workers collect; xdist passes their failed and skipped reports on to the controller.
@@ -339,6 +347,19 @@ def _ignored(config: pytest.Config, path: Path) -> bool:
         if p in paths or any(fnmatch.fnmatch(str(p), g) for g in globs):
             return True
     return False
+
+
+def _skipped_by_last_failed(config: pytest.Config, file: pytest.File) -> bool:
+    """Whether pytest's ``--lf`` left ``file`` uncollected: once a file holding a recorded
+    failure is collected, it skips the files without one (with no failure recorded, or
+    none collected yet, it skips nothing)."""
+    lf = config.pluginmanager.get_plugin("lfplugin")
+    paths = getattr(lf, "_last_failed_paths", None)  # pytest's own; absent: nothing skipped
+    return (
+        paths is not None
+        and config.pluginmanager.has_plugin("lfplugin-collskip")
+        and file.path not in paths
+    )
 
 
 def _last_failed_file(select_file: Path) -> Path:
@@ -620,6 +641,8 @@ class Records:
     collect: dict[str, tuple[str, str]] = field(default_factory=dict)
     #: Node id -> its phases' ``(when, outcome, seconds, message)``.
     reports: dict[str, list[tuple[str, str, float, str]]] = field(default_factory=dict)
+    #: Files (case ids) pytest's ``--lf`` did not collect: none of their cases failed last.
+    last_failed_skipped: set[str] = field(default_factory=set)
     #: pytest's node id -> the case id, where they differ (a path through a link to the
     #: repository); ``reports`` are by case id.
     aliases: dict[str, str] = field(default_factory=dict)
@@ -654,6 +677,8 @@ def read_records(select_file: Path) -> Records:
                 out.collected.update(ev["collected"])
                 out.aliases.update(ev.get("aliases", {}))
                 out.collection_finished |= bool(ev.get("complete"))
+            elif "last_failed_skipped" in ev:
+                out.last_failed_skipped.add(ev["last_failed_skipped"])
             elif "deselected" in ev:
                 out.deselected.update(ev["deselected"])
             elif "collect" in ev:

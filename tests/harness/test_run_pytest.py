@@ -648,6 +648,47 @@ def test_last_failed_reruns_the_runs_failures_not_every_case_of_the_other_groups
     assert set(outcomes(root / "out").values()) == {"passed"}
 
 
+def test_last_failed_calls_a_planned_case_never_collected_missing(pytester):
+    # Regression: under --lf every planned case pytest did not collect was "deselected: its
+    # file had no failure to rerun", also where pytest ran every case (no failure recorded)
+    # and the case was simply not there: green, where the run without --lf is red.
+    vanish = (
+        "import sys\nimport pytest\n\n"
+        "# The inventory runs inside harness run; its pytest does not: one id fewer there.\n"
+        "IDS = ['keep'] + (['vanish'] if 'harness.suites.run' in sys.modules else [])\n\n"
+        "@pytest.mark.parametrize('v', IDS)\ndef test_v(v):\n    pass\n"
+    )
+    tests = {
+        "tests/test_a.py": (
+            "import os\n\ndef test_flaky():\n    assert not os.environ.get('FAIL')\n\n"
+            "def test_fine():\n    pass\n"
+        ),
+        "tests/test_b.py": "def test_b():\n    pass\n",
+        "tests/test_vanish.py": vanish,
+    }
+    entries = [{"id": "all", "paths": ["tests"]}]
+    root = make_project(pytester.path, tests, {"cpu": manifest("cpu", "cpu", entries)})
+    gone = "tests/test_vanish.py::test_v[vanish]"
+    failed = harness(root, "run", "cpu", "--out", "out", "--", "-n", "0", env={"FAIL": "1"})
+    assert failed.returncode == 1, failed.stdout + failed.stderr
+    assert outcomes(root / "out")[gone] == "missing"
+    # A failure to rerun: pytest skips the files without one, their cases deselected.
+    rerun = harness(root, "run", "cpu", "--out", "out", "--", "-n", "0", "--lf")
+    assert rerun.returncode == 0, rerun.stdout + rerun.stderr
+    cases = {c["nodeid"]: c for c in json.loads((root / "out/summary.json").read_text())["cases"]}
+    assert cases["tests/test_a.py::test_flaky"]["outcome"] == "passed"
+    assert cases["tests/test_a.py::test_fine"]["outcome"] == "deselected"
+    for skipped in ("tests/test_b.py::test_b", gone, "tests/test_vanish.py::test_v[keep]"):
+        assert cases[skipped]["outcome"] == "deselected", cases[skipped]
+        assert cases[skipped]["message"] == "--last-failed: its file had no failure to rerun"
+    # None recorded: pytest runs every case, and the one it never collected is missing.
+    for workers in ("0", "2"):
+        everything = harness(root, "run", "cpu", "--out", "out", "--", "-n", workers, "--lf")
+        assert everything.returncode == 1, everything.stdout + everything.stderr
+        assert "1 planned case(s) never ran" in everything.stdout, everything.stdout
+        assert outcomes(root / "out")[gone] == "missing"
+
+
 def test_junit_holds_the_cases_of_a_pytest_that_died(pytester):
     # Regression: pytest writes its JUnit file as its session ends; a pytest killed (the
     # runner's timeout) or dying (os._exit in a case) left none, and the merged junit.xml
