@@ -223,15 +223,15 @@ def _open_dir(path: str, source: str, *, create: bool = True) -> _Dir:
         if not create:
             raise fail("does not exist") from None
         try:
-            os.makedirs(path)
+            # Not left to the umask (000 made it 777, which the check below refuses).
+            os.makedirs(path, mode=0o700)
         except FileExistsError:
             pass  # another process made it meanwhile
         except OSError as exc:
             raise fail(f"cannot be created ({exc.strerror})") from None
         else:
-            if shared:
-                with contextlib.suppress(OSError):
-                    os.chmod(path, _SHARED_MODE)
+            with contextlib.suppress(OSError):
+                os.chmod(path, _SHARED_MODE if shared else 0o700)
         try:
             st = os.lstat(path)
         except OSError as exc:
@@ -324,7 +324,8 @@ def _open_lease_file(
     """Open file ``name`` of the lease directory without following links.
 
     Raises ``LeaseFileError`` (naming the file) for a symbolic link, a file
-    with other links (a planted hard link to someone's file), anything not a
+    with other links opened to ``write`` (a planted hard link to someone's file; one
+    opened to read may have them: its lock is still its holder's), anything not a
     plain file, or one we may not open; ``FileNotFoundError`` when it is
     missing and ``create`` is False. Only a file created here is chmod'ed
     (to ``mode``).
@@ -365,7 +366,7 @@ def _open_lease_file(
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise LeaseFileError(f"lease file {path} is not a plain file: remove it")
-        if st.st_nlink != 1:
+        if st.st_nlink != 1 and write:  # reading (a holder's lock, its record) harms no one
             raise LeaseFileError(
                 f"lease file {path} has {st.st_nlink} links (a hard link to another file, "
                 "which the harness never writes): remove it"
@@ -457,7 +458,7 @@ def _locked_by_another(where: _Dir, name: str, *, besides: str | None = None) ->
         except _Unreadable:
             return file
         except LeaseFileError:
-            continue  # a planted link or odd file: no harness holds a lease through it
+            continue  # a symbolic link or odd file: no harness holds a lease through it
         try:
             if not _try_lock(fd, fcntl.LOCK_SH):
                 return file
@@ -1001,6 +1002,17 @@ def _promised_to_others(where: _Dir, ticket: _Ticket | None, wants: list[Want]) 
     return promised
 
 
+def _unreadable(where: _Dir, file: str) -> str | None:
+    """Why the lease file ``file`` cannot be read (its owner's mode), ``None`` when it can."""
+    try:
+        os.close(_open_lease_file(where, file, create=False, write=False))
+    except _Unreadable as exc:
+        return str(exc)
+    except (OSError, LeaseError):
+        pass
+    return None
+
+
 def _timeout_message(where: _Dir, short: list[Want], waited: float, ticket: _Ticket | None) -> str:
     lines = [f"lease wait timed out after {waited:.1f} s (lease dir {where.path}):"]
     for want in short:
@@ -1008,6 +1020,8 @@ def _timeout_message(where: _Dir, short: list[Want], waited: float, ticket: _Tic
         for name in want.names:
             file = _locked_by_another(where, name)
             state = describe_holder(_read_holder(where, name)) if file else "free"
+            if file and (unreadable := _unreadable(where, file)):
+                state = f"counted as held, whether or not it is: {unreadable}"
             lines.append(f"    {name}: {state}")
     wanted = {name for want in short for name in want.names}
     forged: list[str] = []

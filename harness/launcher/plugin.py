@@ -50,6 +50,8 @@ from harness.launcher.deadline import choose_deadline
 from harness.launcher.enclosing import CASE_ENV, EnclosingCase
 from harness.launcher.launch import LaunchError, run_case
 from harness.launcher.lease import (
+    LEASE_DIR_ENV,
+    LEASE_DIR_OPTION,
     Lease,
     LeaseError,
     acquire,
@@ -76,6 +78,8 @@ SETTINGS_KEY = pytest.StashKey[Settings]()
 #: How to deactivate this config's settings (``harness.launcher.settings.active``).
 ACTIVATION_KEY = pytest.StashKey["contextvars.Token[Settings]"]()
 SPEC_KEY = pytest.StashKey[LaunchSpec]()
+#: Why the default lease directory is unusable, when it is (see ``_settings_from``).
+_LEASE_DIR_PROBLEM = pytest.StashKey[str]()
 CARD_LEASE_KEY = pytest.StashKey["_HeldCard"]()
 #: pytest-timeout's timeout of a launched test (its marker or ini), in seconds
 TIMEOUT_KEY = pytest.StashKey[float]()
@@ -170,7 +174,11 @@ def _settings_from(config: pytest.Config) -> Settings:
         try:
             check_lease_dir(lease_dir, lease_dir_source)  # once here, not per test
         except LeaseError as exc:
-            raise pytest.UsageError(str(exc)) from None
+            if lease_dir_source in (LEASE_DIR_OPTION, f"${LEASE_DIR_ENV}"):
+                raise pytest.UsageError(str(exc)) from None
+            # The host-wide default, which nobody here chose (another user made it, say):
+            # a session that launches nothing is not stopped; each lease fails with this.
+            config.stash[_LEASE_DIR_PROBLEM] = str(exc)
     return Settings(
         timeout=opt("harness_timeout"),
         lease_dir=lease_dir,
@@ -210,7 +218,8 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
     )
     if settings.require:
         line += f"; required: {','.join(sorted(settings.require))}"
-    return [line]
+    problem = config.stash.get(_LEASE_DIR_PROBLEM, None)
+    return [line] + ([f"harness: cases that lease cards or process slots will fail: {problem}"] if problem else [])
 
 
 # Not tryfirst: skip / xfail marks (evaluated by pytest's tryfirst hook) win

@@ -867,11 +867,16 @@ def _run_groups(run: _Run, stop: _Stop, deadline: float, limit_s: float, before:
             ended = f"pytest stopped ({records.stopped})"
         elif records.interrupted or code == _PYTEST_INTERRUPTED:
             ended = f"pytest was interrupted ({records.interrupted or 'exit status 2'})"
+        elif code == _PYTEST_USAGE_ERROR:
+            # Its command line or configuration (the same for every group): said once.
+            ended = "pytest stopped on a usage error (exit status 4)"
     return ran
 
 
 #: pytest's ``ExitCode.INTERRUPTED`` (pytest is not imported by this process to run).
 _PYTEST_INTERRUPTED = 2
+#: pytest's ``ExitCode.USAGE_ERROR``.
+_PYTEST_USAGE_ERROR = 4
 
 
 def _verdict(total: report.EntryRow, ran: _Ran, stop: _Stop, whole: bool) -> list[str]:

@@ -5,6 +5,7 @@ host lease cards from the same place.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import stat
 import subprocess
@@ -78,6 +79,45 @@ def test_a_planted_hard_link_leaves_its_target_alone(shared_dir, victim):
     assert_untouched(victim)
     assert isinstance(error, leases.LeaseFileError), error
     assert "has 2 links" in str(error)
+
+
+def test_a_held_lock_file_given_a_second_link_is_still_held(shared_dir):
+    # Regression: another user's lock file with a second hard link (its owner made one, or
+    # anyone where protected_hardlinks is off) counted as free: two sessions held one slot.
+    theirs = shared_dir / "slot-0.u4242.lock"
+    fd = os.open(theirs, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # its holder's lease
+        os.link(theirs, shared_dir / "another-name")
+        error = lease_and_catch(shared_dir, [slot_want(1, 1)], timeout=0.5)
+        assert isinstance(error, leases.LeaseTimeout), error
+        assert "slot:0: held by a process that left no record" in str(error)
+    finally:
+        os.close(fd)
+    assert lease_and_catch(shared_dir, [slot_want(1, 1)]) is None  # released: free
+
+
+def test_a_lock_file_nobody_else_may_read_is_named_when_a_wait_times_out(shared_dir, monkeypatch):
+    # Regression: the timeout said "held by a process that left no record", with no word of
+    # the file counted as held because its owner's mode hides it.
+    theirs = shared_dir / "slot-0.u4242.lock"
+    theirs.write_text("")
+    theirs.chmod(0)
+    if os.geteuid() == 0:  # root opens any file: the open another user would make, refused
+        real_open = os.open
+
+        def refused(path, *args, **kwargs):
+            if path == theirs.name:
+                raise PermissionError(13, "Permission denied", path)
+            return real_open(path, *args, **kwargs)
+
+        monkeypatch.setattr(os, "open", refused)
+    error = lease_and_catch(shared_dir, [slot_want(1, 1)], timeout=0.3)
+    assert isinstance(error, leases.LeaseTimeout), error
+    assert (
+        f"slot:0: counted as held, whether or not it is: cannot open lease file {theirs}: "
+        "Permission denied"
+    ) in str(error), error
 
 
 def test_planted_queue_files_leave_their_targets_alone(shared_dir, victim, tmp_path):
@@ -213,6 +253,41 @@ def test_a_lease_dir_that_is_not_writable_is_one_usage_error(card_project, tmp_p
     assert_one_usage_error(
         result, f"harness lease directory {locked}", "--harness-lease-dir", "is not writable"
     )
+
+
+def test_an_unusable_default_lease_dir_stops_only_the_cases_that_lease(
+    card_project, tmp_path, monkeypatch
+):
+    # Regression: the host-wide default, made by another user (or left unusable), stopped
+    # every pytest session with the plugin installed, those of projects that lease nothing
+    # too, with exit 4.
+    tmp = tmp_path / "host-tmp"
+    tmp.mkdir()
+    (tmp / "harness-leases").mkdir()
+    (tmp / "harness-leases").chmod(0o777)  # no sticky bit: refused
+    monkeypatch.setenv("TMPDIR", str(tmp))
+    result = card_project.runpytest_subprocess("-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1, errors=3)
+    problem = f"harness lease directory {tmp}/harness-leases (set by the default"
+    result.stdout.fnmatch_lines(
+        [f"harness: cases that lease cards or process slots will fail: {problem}*"]
+    )
+    assert result.stdout.str().count("is world-writable without the sticky bit") >= 4
+
+
+def test_a_lease_dir_the_harness_creates_is_usable_whatever_the_umask(card_project, tmp_path):
+    # Regression: under umask 000 the harness made a named lease directory 777, then
+    # refused it (world-writable without the sticky bit), in that session and every later one.
+    named = tmp_path / "not-yet" / "leases"
+    old = os.umask(0)
+    try:
+        result = card_project.runpytest_subprocess(
+            f"--harness-lease-dir={named}", "-p", "no:cacheprovider"
+        )
+    finally:
+        os.umask(old)
+    result.assert_outcomes(passed=4)
+    assert stat.S_IMODE(named.stat().st_mode) == 0o700
 
 
 # -- unrelated projects on one host exclude each other for cards ---------------

@@ -689,6 +689,27 @@ def test_last_failed_calls_a_planned_case_never_collected_missing(pytester):
         assert outcomes(root / "out")[gone] == "missing"
 
 
+def test_a_usage_error_stops_the_run_at_its_first_group(pytester, tmp_path):
+    # Regression: each group's pytest met the same usage error (an unusable lease dir, a
+    # bad option) and said it again; the run went on starting groups.
+    tests = {f"tests/{g}/test_{g}.py": "def test_it():\n    pass\n" for g in ("first", "second")}
+    root = make_project(pytester.path, tests, {"cpu": manifest("cpu", "cpu", TWO_GROUPS)})
+    (tmp_path / "a-file").write_text("")
+    done = harness(
+        root, "run", "cpu", "--out", "out", env={"HARNESS_LEASE_DIR": str(tmp_path / "a-file")}
+    )
+    assert done.returncode == 1, done.stdout + done.stderr
+    said = done.stdout + done.stderr
+    assert said.count(f"harness lease directory {tmp_path / 'a-file'}") == 1, said
+    cases = {c["nodeid"]: c for c in json.loads((root / "out/summary.json").read_text())["cases"]}
+    second = cases["tests/second/test_second.py::test_it"]
+    assert second["outcome"] == "not run", second
+    assert second["message"] == (
+        "pytest stopped on a usage error (exit status 4), before its group started"
+    )
+    assert "pytest exited with 4" in done.stdout
+
+
 def test_junit_holds_the_cases_of_a_pytest_that_died(pytester):
     # Regression: pytest writes its JUnit file as its session ends; a pytest killed (the
     # runner's timeout) or dying (os._exit in a case) left none, and the merged junit.xml
