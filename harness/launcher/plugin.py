@@ -219,7 +219,11 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
     if settings.require:
         line += f"; required: {','.join(sorted(settings.require))}"
     problem = config.stash.get(_LEASE_DIR_PROBLEM, None)
-    return [line] + ([f"harness: cases that lease cards or process slots will fail: {problem}"] if problem else [])
+    return [line] + (
+        [f"harness: cases that lease cards or process slots will fail: {problem}"]
+        if problem
+        else []
+    )
 
 
 # Not tryfirst: skip / xfail marks (evaluated by pytest's tryfirst hook) win

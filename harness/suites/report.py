@@ -429,6 +429,20 @@ def failures(results: Mapping[str, CaseRow], limit: int = 30) -> str:
     return "\n".join(lines) + ("\n" if lines else "")
 
 
+def unplanned(nodeids: Iterable[str], suite: str, limit: int = 30) -> str:
+    """The cases the caller's paths collected that no entry of ``suite`` holds, one per line
+    (at most ``limit``): pytest alone would have run them."""
+    ids = sorted(nodeids)
+    lines = [
+        f"- not in suite {suite}, not run: `{n}` (collected under the paths given to pytest; "
+        "`harness inventory` says whether an entry of any suite owns it)"
+        for n in ids[:limit]
+    ]
+    if len(ids) > limit:
+        lines.append(f"- ... and {len(ids) - limit} more not in suite {suite}")
+    return "\n".join(lines) + ("\n" if lines else "")
+
+
 def write_summary_json(
     path: Path,
     title: str,

@@ -972,6 +972,10 @@ def _report(run: _Run, ran: _Ran, stop: _Stop) -> int:
     for headline, log in selection.fired(run.out):
         detail += f"- watchdog: {headline}; stacks in {log}\n"
     not_here = run.not_here
+    if run.whole:  # a part's (a shard's) other cases are collected too: no news
+        not_here += report.unplanned(
+            {c for r in ran.records for c in r.unplanned}, run.manifest.suite
+        )
     text = (
         table
         + ("\n" + detail if detail else "")

@@ -488,6 +488,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if keep and _no_failure_to_rerun(config, sel):
         ignored += keep
         keep = []
+    outcomes = config.pluginmanager.get_plugin("harness-outcomes")
+    if drop and outcomes is not None and _callers_args(config, sel):
+        # Cases the caller's paths collect that the run does not hold (a file no entry of
+        # the suite owns, say): pytest alone would run them; the summary names them.
+        others = {_case_id(i, root) for i in drop} - set(sel.get("run", ()))
+        if others:
+            outcomes.record(unplanned=sorted(others))
     if drop or ignored:
         if drop:
             config.hook.pytest_deselected(items=drop)
@@ -641,6 +648,9 @@ class Records:
     collect: dict[str, tuple[str, str]] = field(default_factory=dict)
     #: Node id -> its phases' ``(when, outcome, seconds, message)``.
     reports: dict[str, list[tuple[str, str, float, str]]] = field(default_factory=dict)
+    #: Cases the caller's paths collected that are none of the run's (owned by no entry of
+    #: the suite, or by another part of it: a shard, ``--changed-from``).
+    unplanned: set[str] = field(default_factory=set)
     #: Files (case ids) pytest's ``--lf`` did not collect: none of their cases failed last.
     last_failed_skipped: set[str] = field(default_factory=set)
     #: pytest's node id -> the case id, where they differ (a path through a link to the
@@ -677,6 +687,8 @@ def read_records(select_file: Path) -> Records:
                 out.collected.update(ev["collected"])
                 out.aliases.update(ev.get("aliases", {}))
                 out.collection_finished |= bool(ev.get("complete"))
+            elif "unplanned" in ev:
+                out.unplanned.update(ev["unplanned"])
             elif "last_failed_skipped" in ev:
                 out.last_failed_skipped.add(ev["last_failed_skipped"])
             elif "deselected" in ev:

@@ -1013,6 +1013,34 @@ def test_a_path_selecting_no_case_next_to_one_that_does_makes_the_run_red(pytest
     assert len(list(ET.parse(root / "out/junit.xml").getroot().iter("testcase"))) == 2
 
 
+def test_cases_the_paths_given_collect_outside_the_suite_are_named(pytester):
+    # Regression: a test file in a folder given to pytest that no entry owns was dropped
+    # without a word, the run green; pytest alone would have run it.
+    tests = {
+        "tests/a/test_one.py": "def test_x():\n    pass\n",
+        "tests/a/test_new.py": "def test_new():\n    assert False\n",
+        "tests/b/test_b.py": "def test_b():\n    pass\n",
+    }
+    entries = [
+        {"id": "one", "paths": ["tests/a/test_one.py"]},
+        {"id": "b", "paths": ["tests/b"]},
+    ]
+    root = make_project(pytester.path, tests, {"cpu": manifest("cpu", "cpu", entries)})
+    note = "- not in suite cpu, not run: `tests/a/test_new.py::test_new` (collected under"
+    for workers in ("0", "2"):
+        done = harness(root, "run", "cpu", "--out", "out", "--", "-n", workers, "tests/a")
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert note in done.stdout, done.stdout
+        assert note in (root / "out/summary.md").read_text()
+    # Without paths the run gives pytest its own files only; a shard's paths collect the
+    # other shards' cases: no note.
+    done = harness(root, "run", "cpu", "--out", "out")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "not in suite" not in done.stdout
+    done = harness(root, "run", "cpu", "--shard", "1/2", "--out", "out", "--", "tests")
+    assert "not in suite" not in done.stdout, done.stdout
+
+
 def test_cache_clear_clears_the_cache_once_per_run(pytester):
     # Regression: each group's pytest got the caller's --cache-clear: the last group cleared
     # the failures the groups before it recorded, and a later --lf missed them.
