@@ -13,9 +13,11 @@ On request, ``--accelerators cuda,npu`` adds one suite per accelerator
 list, ``suites/cases/accelerator.json``, and ``--workflows`` GitHub Actions
 workflows for every suite written.
 
-Writing is idempotent: a file whose content would not change is left alone;
-one that exists with other content is never overwritten without ``--force``
-(exit 2, naming it). Nothing is written unless every file can be.
+Writing is idempotent: a file whose content would not change is left alone; a
+suite manifest you changed (one that still loads) is kept as it is, and its
+workflow follows it; any other file that exists with other content is never
+overwritten without ``--force`` (exit 2, naming it). Nothing is written unless
+every file can be.
 The manifests validate against the schema inside the installed harness;
 their ``$schema`` points at it (relative path when it lies inside the
 repository, else the schema's canonical ``$id``).
@@ -41,6 +43,7 @@ from harness.suites.inventory import collect, is_test_module
 from harness.suites.manifest import (
     SCHEMA_FILE,
     SUITES_DIR,
+    Manifest,
     ManifestError,
     load_manifest,
     load_schema,
@@ -253,12 +256,15 @@ def render(
     accelerators: Sequence[str],
     workflows: bool,
     notes: list[str] | None = None,
+    force: bool = False,
 ) -> dict[str, str]:
     """Every file ``harness init`` would write: repository-relative path -> content.
 
     Each suite gets only the entries ``harness inventory`` accepts (:func:`runs_on`); an
-    accelerator suite with none is not written, and why goes to ``notes``. Raises
-    ``InitError`` when pytest found no test file to own.
+    accelerator suite with none is not written, and why goes to ``notes``. A suite
+    manifest already in ``suites/`` that loads is yours: kept as it is (said in ``notes``;
+    its workflow follows it), unless ``force``. Raises ``InitError`` when pytest found no
+    test file to own.
     """
     notes = [] if notes is None else notes
     all_paths = owned_paths(layout)
@@ -331,6 +337,18 @@ def render(
             raise InitError(
                 "harness init produced an invalid manifest: " + "; ".join(map(str, problems))
             )
+    cpu_minutes = CPU_RUNNER["timeout_minutes"]
+    manifests = [p for p in files if Path(p).parent == Path(SUITES_DIR)]  # not the case list
+    for path in [] if force else manifests:
+        kept = _kept(root, path, files[path])
+        if kept is not None:
+            del files[path]
+            notes.append(
+                f"{path} exists with other content: kept as it is (--force rewrites it "
+                "from pytest's configuration)"
+            )
+            if kept.suite == "cpu":
+                cpu_minutes = max(r.timeout_minutes for r in kept.runners)
     if workflows:
         suites = [(_suite_for(d), d) for d in accelerators]
         written = {name for name, _ in suites}
@@ -338,10 +356,21 @@ def render(
         suites += [
             (name, d) for name, d in sorted(on_disk.items()) if d != "cpu" and name not in written
         ]
-        files.update(
-            init_workflows(root, suites, cpu_timeout_minutes=CPU_RUNNER["timeout_minutes"])
-        )
+        files.update(init_workflows(root, suites, cpu_timeout_minutes=cpu_minutes))
     return files
+
+
+def _kept(root: Path, path: str, text: str) -> Manifest | None:
+    """The suite manifest at ``path`` when it exists with content other than ``text`` and
+    loads (it is the repository's own); ``None`` otherwise (a broken one is refused by
+    :func:`write`, as any file with other content)."""
+    target = root / path
+    try:
+        if target.read_text(encoding="utf-8") == text:
+            return None
+        return load_manifest(target, root)
+    except (OSError, ManifestError):
+        return None
 
 
 def _suites_on_disk(root: Path) -> dict[str, str]:
@@ -435,7 +464,7 @@ def cmd_init(root: Path, args: argparse.Namespace) -> int:
     try:
         layout = read_pytest_layout(root)
         notes: list[str] = []
-        files = render(root, layout, args.accelerators, args.workflows, notes)
+        files = render(root, layout, args.accelerators, args.workflows, notes, args.force)
         actions = write(root, files, args.force)
     except InitError as e:
         print(f"harness init: {e}", file=sys.stderr)

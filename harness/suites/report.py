@@ -220,8 +220,9 @@ def results_from_records(
         elif (
             opts.get("narrowed")
             and n not in records.collected
-            and records.collection_finished
-            and (outside is None or n in outside)
+            # Outside the paths given whatever pytest collected (a name it did not find
+            # ended its collection, say); under --pyargs only a finished collection tells.
+            and (n in outside if outside is not None else records.collection_finished)
         ):
             out[n] = CaseRow(n, "deselected", 0.0, "not among the paths and node ids given")
         elif stopped and (n in records.collected or not records.collected):

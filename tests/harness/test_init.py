@@ -104,7 +104,9 @@ def test_follows_python_files_without_testpaths(tmp_path):
     assert sorted(p for e in doc["entries"] for p in e["paths"]) == ["check_top.py", "checks"]
 
 
-def test_refuses_to_overwrite_without_force(tmp_path):
+def test_keeps_your_manifest_and_refuses_to_overwrite_other_files_without_force(tmp_path):
+    # Regression: a suite you had edited made `harness init --workflows` refuse (exit 2),
+    # and --force dropped your edits: no way to add the workflows to a customized suite.
     root = write(tmp_path, {"tests/test_a.py": "def test_a():\n    pass\n"})
     assert harness(root, "init").returncode == 0
     edited = (
@@ -114,11 +116,18 @@ def test_refuses_to_overwrite_without_force(tmp_path):
     )
     (root / "suites" / "cpu.json").write_text(edited)
 
-    refused = harness(root, "init")
-    assert refused.returncode == 2
-    assert "suites/cpu.json exists with other content" in refused.stderr
-    assert "--force" in refused.stderr
+    kept = harness(root, "init", "--workflows")
+    assert kept.returncode == 0, kept.stderr
+    assert "suites/cpu.json exists with other content: kept as it is" in kept.stderr
     assert (root / "suites" / "cpu.json").read_text() == edited
+    workflow = (root / ".github/workflows/harness-cpu.yml").read_text()
+    assert "timeout-minutes: 55" in workflow, workflow  # follows your suite (45) + 10
+
+    (root / ".github/workflows/harness-cpu.yml").write_text(workflow + "# mine\n")
+    refused = harness(root, "init", "--workflows")
+    assert refused.returncode == 2
+    assert ".github/workflows/harness-cpu.yml exists with other content" in refused.stderr
+    assert "--force" in refused.stderr
 
     forced = harness(root, "init", "--force")
     assert forced.returncode == 0, forced.stderr

@@ -1001,7 +1001,11 @@ def test_a_path_selecting_no_case_next_to_one_that_does_makes_the_run_red(pytest
         done = harness(root, "run", "cpu", "--out", "out", "--", "-n", workers, "tests/a", arg)
         assert done.returncode == 1, done.stdout + done.stderr
         assert verdict + named in done.stdout, done.stdout
-        assert outcomes(root / "out")["tests/a/test_a.py::test_a"] == a
+        got = outcomes(root / "out")
+        assert got["tests/a/test_a.py::test_a"] == a
+        # Outside every path given: deselected, also where pytest's collection failed
+        # (it was missing: "2 planned case(s) never ran").
+        assert got["tests/b/test_b.py::test_b2"] == "deselected", got
     # The repository reached through a link from outside names its own files: selected.
     (tmp_path / "repo").symlink_to(root)
     done = harness(root, "run", "cpu", "--out", "out", "--", str(tmp_path / "repo/tests/b"))
