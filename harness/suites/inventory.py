@@ -48,6 +48,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from harness import names
 from harness.spec import LaunchSpec, is_launched, launch_refusal, spec_for_item
 from harness.suites.manifest import (
@@ -114,7 +116,7 @@ class SuiteInventory:
     #: The pytest configuration file the collection used (``None``: none found).
     inipath: Path | None = None
     #: Test files that yield no case: repository-relative file -> why (an import error, or a
-    #: module-level skip).
+    #: module-level skip; a folder whose conftest skips at module level is one too).
     unloadable: dict[str, str] = field(default_factory=dict)
 
     def suite_cases(self, suite: str) -> list[tuple[CollectedCase, Entry]]:
@@ -277,7 +279,8 @@ class _Recorder:
         self.inipath: Path | None = None
         self.interrupted = False
         self.exited = ""
-        #: Test files skipped as a whole at collection (a module-level ``importorskip``): why.
+        #: Test files (and folders, by their conftest) skipped as a whole at collection (a
+        #: module-level ``importorskip``): why.
         self.skipped: dict[str, str] = {}
         #: The ``testpaths``, ``norecursedirs`` and ``python_files`` of the configuration.
         self.layout: dict[str, list[str]] = {}
@@ -294,9 +297,18 @@ class _Recorder:
         else:  # pytest.exit in a conftest's hook or a test module: the collection is cut short
             self.exited = f"{excinfo.typename}: {excinfo.value}"
 
-    def pytest_collectstart(self, collector: Any) -> None:
-        import pytest
+    @pytest.hookimpl(wrapper=True)
+    def pytest_load_initial_conftests(self) -> Any:
+        # A folder named on the command line has its conftest loaded before the session, where
+        # pytest lets a module-level skip escape as a traceback; that skip dropped, collection
+        # loads the conftest again and reports the folder skipped, as when pytest reaches the
+        # folder from above (harness run does the same: harness.suites.selection).
+        try:
+            return (yield)
+        except pytest.skip.Exception:
+            return None
 
+    def pytest_collectstart(self, collector: Any) -> None:
         if isinstance(collector, pytest.File):
             self.files.append(rel(Path(str(collector.path)), self.root))
 
@@ -307,7 +319,9 @@ class _Recorder:
                 problem not in self.problems
             ):  # a failing conftest is reported for each node it spoils
                 self.problems.append(problem)
-        elif report.skipped and is_test_module(report.nodeid):
+        elif report.skipped and (
+            is_test_module(report.nodeid) or _skipped_folder(report.nodeid, self.root)
+        ):
             longrepr = report.longrepr
             reason = (
                 longrepr[2] if isinstance(longrepr, tuple) and len(longrepr) == 3 else str(longrepr)
@@ -323,6 +337,12 @@ class _Recorder:
 def is_test_module(nodeid: str) -> bool:
     """True when a collector's node id is a test module (a ``.py`` file, not a conftest)."""
     return "::" not in nodeid and nodeid.endswith(".py") and not nodeid.endswith("conftest.py")
+
+
+def _skipped_folder(nodeid: str, root: Path) -> bool:
+    """True when a skipped collector's node id is a folder below ``root`` (its
+    ``conftest.py`` skips at module level): like a test module's skip, it is one skipped case."""
+    return "::" not in nodeid and nodeid not in ("", ".") and (root / nodeid).is_dir()
 
 
 def case_id(item: Any, root: Path) -> str:
@@ -440,7 +460,7 @@ class Collection:
     files: list[str] = field(default_factory=list)
     scope: list[str] = field(default_factory=list)
     inipath: Path | None = None
-    #: Test files skipped as a whole at collection: why.
+    #: Test files and folders skipped as a whole at collection: why.
     skipped: dict[str, str] = field(default_factory=dict)
     #: The ``testpaths``, ``norecursedirs`` and ``python_files`` of the configuration.
     layout: dict[str, list[str]] = field(default_factory=dict)
@@ -469,8 +489,6 @@ def collect(root: Path, targets: Sequence[str] | None) -> Collection:
     Problems: files that failed to import (with the line), or pytest itself
     failing, with the tail of its output.
     """
-    import pytest
-
     if targets is not None and not targets:
         return Collection()
     rec = _Recorder(root)

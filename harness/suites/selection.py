@@ -102,7 +102,13 @@ def pytest_load_initial_conftests(early_config: pytest.Config, parser, args) -> 
             if group < groups:
                 # The threshold is the whole run's: the last group checks it.
                 known.cov_fail_under = 0
-    return (yield)
+    try:
+        return (yield)
+    except pytest.skip.Exception:
+        # A planned folder whose conftest skips at module level (its one case, as the
+        # inventory's): pytest loads that conftest again as it collects the folder, and
+        # reports the folder skipped instead of a traceback before the session.
+        return None
 
 
 def _set_workers(options: Any, config: pytest.Config) -> None:

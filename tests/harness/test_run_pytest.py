@@ -204,6 +204,36 @@ def test_a_file_that_fails_to_collect_fails_its_entry_and_the_rest_runs(pytester
     assert json.loads(capsys.readouterr().out)["include"][0]["cases"] == 4
 
 
+SKIPPED_FOLDER = {
+    "tests/a/test_a.py": "def test_a():\n    pass\n",
+    "tests/c/conftest.py": 'import pytest\n\npytest.skip("skip dir", allow_module_level=True)\n',
+    "tests/c/test_c.py": "def test_c():\n    pass\n",
+}
+
+
+@pytest.mark.parametrize("paths", [["tests/a", "tests/c"], ["tests"]], ids=["named", "parent"])
+def test_a_folder_whose_conftest_skips_is_one_skipped_case(pytester, paths):
+    # Named on pytest's command line, the folder's conftest is loaded before the session,
+    # where its skip escaped as a traceback; reached from above, the folder held no case.
+    # (A subprocess: in this one the escaping skip would skip the test, not fail it.)
+    entries = [{"id": f"e{i}", "paths": [p]} for i, p in enumerate(paths)]
+    root = make_project(pytester.path, SKIPPED_FOLDER, {"cpu": manifest("cpu", "cpu", entries)})
+    done = harness(root, "inventory", "cpu")  # no idle entry either
+    assert done.returncode == 0, done.stdout + done.stderr
+
+    done = harness(root, "run", "cpu", "--out", "out")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "Traceback" not in done.stdout + done.stderr
+    # Skipped as a whole, as a test module's module-level skip is: one case, the folder.
+    assert outcomes(root / "out") == {"tests/a/test_a.py::test_a": "passed", "tests/c": "skipped"}
+    (case,) = [
+        c
+        for c in json.loads((root / "out/summary.json").read_text())["cases"]
+        if c["nodeid"] == "tests/c"
+    ]
+    assert "skip dir" in case["message"]
+
+
 SLOW = {
     "tests/s/test_s.py": """
         import os
