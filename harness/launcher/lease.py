@@ -222,14 +222,23 @@ def _open_dir(path: str, source: str, *, create: bool = True) -> _Dir:
     except (FileNotFoundError, NotADirectoryError):
         if not create:
             raise fail("does not exist") from None
+        made = []  # the folders this call creates, the lease directory's parents included
+        parent = path
+        while not os.path.lexists(parent) and parent != os.path.dirname(parent):
+            made.append(parent)
+            parent = os.path.dirname(parent)
         try:
-            # Not left to the umask (000 made it 777, which the check below refuses).
             os.makedirs(path, mode=0o700)
         except FileExistsError:
             pass  # another process made it meanwhile
         except OSError as exc:
             raise fail(f"cannot be created ({exc.strerror})") from None
         else:
+            # Not left to the umask (000 made them 777: anyone could rename the lease
+            # directory away, or it was refused below).
+            for folder in made[1:]:
+                with contextlib.suppress(OSError):
+                    os.chmod(folder, stat.S_IMODE(os.stat(folder).st_mode) & ~0o022)
             with contextlib.suppress(OSError):
                 os.chmod(path, _SHARED_MODE if shared else 0o700)
         try:
@@ -399,7 +408,9 @@ def _owner(where: _Dir, name: str) -> str:
         st = os.stat(name, dir_fd=where.fd, follow_symlinks=False)
     except OSError:
         return ""
-    return f" (owner {_user(st.st_uid)}, mode {stat.S_IMODE(st.st_mode):o}; its owner can chmod 666 it)"
+    # Lock files are for others to look at (644); queue files for them to write (666).
+    mode = "644" if _LOCK_RE.fullmatch(name) else "666"
+    return f" (owner {_user(st.st_uid)}, mode {stat.S_IMODE(st.st_mode):o}; its owner can chmod {mode} it)"
 
 
 @dataclass(frozen=True)
@@ -460,12 +471,31 @@ def _locked_by_another(where: _Dir, name: str, *, besides: str | None = None) ->
         except LeaseFileError:
             continue  # a symbolic link or odd file: no harness holds a lease through it
         try:
+            if not _named_for(fd, file):
+                continue
             if not _try_lock(fd, fcntl.LOCK_SH):
                 return file
             fcntl.flock(fd, fcntl.LOCK_UN)
         finally:
             os.close(fd)
     return None
+
+
+def _named_for(fd: int, file: str) -> bool:
+    """Whether the open lease file ``fd`` is a lock file as its name ``file`` says. One with
+    other links must also be owned by the user its name gives and hold no waiter's record:
+    anyone may link a queue file (mode 666), whose waiter holds its lock, under a lock
+    file's name."""
+    st = os.fstat(fd)
+    if st.st_nlink == 1:
+        return True
+    named = _LOCK_RE.fullmatch(file)
+    record = _read_record(fd)
+    return (
+        named is not None
+        and st.st_uid == int(named.group(2))
+        and not (record is not None and "ticket" in record)
+    )
 
 
 class _Lock:

@@ -14,10 +14,11 @@ list, ``suites/cases/accelerator.json``, and ``--workflows`` GitHub Actions
 workflows for every suite written.
 
 Writing is idempotent: a file whose content would not change is left alone; a
-suite manifest you changed (one that still loads) is kept as it is, and its
-workflow follows it; any other file that exists with other content is never
-overwritten without ``--force`` (exit 2, naming it). Nothing is written unless
-every file can be.
+suite manifest you changed (one that still loads, for the same device) or a case
+list that still validates is yours and kept as it is, ``--force`` or not (delete
+it to have it written anew), and the cpu workflow follows the kept cpu suite; any
+other file that exists with other content is never overwritten without
+``--force`` (exit 2, naming it). Nothing is written unless every file can be.
 The manifests validate against the schema inside the installed harness;
 their ``$schema`` points at it (relative path when it lies inside the
 repository, else the schema's canonical ``$id``).
@@ -256,15 +257,15 @@ def render(
     accelerators: Sequence[str],
     workflows: bool,
     notes: list[str] | None = None,
-    force: bool = False,
 ) -> dict[str, str]:
     """Every file ``harness init`` would write: repository-relative path -> content.
 
     Each suite gets only the entries ``harness inventory`` accepts (:func:`runs_on`); an
     accelerator suite with none is not written, and why goes to ``notes``. A suite
-    manifest already in ``suites/`` that loads is yours: kept as it is (said in ``notes``;
-    its workflow follows it), unless ``force``. Raises ``InitError`` when pytest found no
-    test file to own.
+    manifest already in ``suites/`` that loads (for the same device), or a case list that
+    validates, is yours: kept as it is, ``--force`` or not (said in ``notes``; the cpu
+    workflow follows the kept cpu suite). Raises ``InitError`` when pytest found no test
+    file to own.
     """
     notes = [] if notes is None else notes
     all_paths = owned_paths(layout)
@@ -338,17 +339,17 @@ def render(
                 "harness init produced an invalid manifest: " + "; ".join(map(str, problems))
             )
     cpu_minutes = CPU_RUNNER["timeout_minutes"]
-    manifests = [p for p in files if Path(p).parent == Path(SUITES_DIR)]  # not the case list
-    for path in [] if force else manifests:
+    for path in [p for p in files if p.startswith(f"{SUITES_DIR}/")]:
         kept = _kept(root, path, files[path])
-        if kept is not None:
-            del files[path]
-            notes.append(
-                f"{path} exists with other content: kept as it is (--force rewrites it "
-                "from pytest's configuration)"
-            )
-            if kept.suite == "cpu":
-                cpu_minutes = max(r.timeout_minutes for r in kept.runners)
+        if kept is None:
+            continue
+        del files[path]
+        notes.append(
+            f"{path} exists with other content: kept as it is (delete it to have it "
+            "written anew from pytest's configuration)"
+        )
+        if isinstance(kept, Manifest) and kept.suite == "cpu":
+            cpu_minutes = max(r.timeout_minutes for r in kept.runners)
     if workflows:
         suites = [(_suite_for(d), d) for d in accelerators]
         written = {name for name, _ in suites}
@@ -360,17 +361,31 @@ def render(
     return files
 
 
-def _kept(root: Path, path: str, text: str) -> Manifest | None:
-    """The suite manifest at ``path`` when it exists with content other than ``text`` and
-    loads (it is the repository's own); ``None`` otherwise (a broken one is refused by
-    :func:`write`, as any file with other content)."""
+def _kept(root: Path, path: str, text: str) -> Manifest | bool | None:
+    """The repository's own version of the suite file ``path`` (``text``: what init would
+    write), kept: a manifest that loads, for the same suite and device (the
+    :class:`Manifest`), or a case list that validates (True); ``None`` when the file is
+    absent, the same, or broken (then :func:`write` refuses it, as any file with other
+    content, unless ``--force``)."""
     target = root / path
     try:
-        if target.read_text(encoding="utf-8") == text:
+        current = target.read_bytes()
+        if current == text.encode("utf-8"):
             return None
-        return load_manifest(target, root)
-    except (OSError, ManifestError):
+        doc = json.loads(current.decode("utf-8"))
+    except (OSError, ValueError):  # absent, not UTF-8, not JSON
         return None
+    if not isinstance(doc, dict):
+        return None
+    wanted = json.loads(text)
+    if "suite" not in wanted:
+        return not validate(doc, root, path, "caseList") or None
+    try:
+        loaded = load_manifest(target, root)
+    except ManifestError:
+        return None
+    # Another device under the name init writes for this one is not the suite asked for.
+    return loaded if loaded.device == wanted["device"] else None
 
 
 def _suites_on_disk(root: Path) -> dict[str, str]:
@@ -396,7 +411,7 @@ def write(root: Path, files: dict[str, str], force: bool) -> list[tuple[str, str
         target = root / path
         if not target.exists():
             actions.append((path, "written"))
-        elif target.read_text(encoding="utf-8") == text:
+        elif target.read_bytes() == text.encode("utf-8"):
             actions.append((path, "unchanged"))
         else:
             clashes.append(path)
@@ -453,7 +468,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "and those already in suites/",
     )
     p.add_argument(
-        "--force", action="store_true", help="overwrite files that exist with other content"
+        "--force",
+        action="store_true",
+        help="overwrite files that exist with other content (not your suite manifests and "
+        "case list that still load: delete one to have it written anew)",
     )
     # init writes suites/, so it starts where it is asked to, not at an existing suites/ above.
     p.set_defaults(handler=cmd_init, root_is_cwd=True)
@@ -464,7 +482,7 @@ def cmd_init(root: Path, args: argparse.Namespace) -> int:
     try:
         layout = read_pytest_layout(root)
         notes: list[str] = []
-        files = render(root, layout, args.accelerators, args.workflows, notes, args.force)
+        files = render(root, layout, args.accelerators, args.workflows, notes)
         actions = write(root, files, args.force)
     except InitError as e:
         print(f"harness init: {e}", file=sys.stderr)

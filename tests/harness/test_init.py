@@ -123,15 +123,27 @@ def test_keeps_your_manifest_and_refuses_to_overwrite_other_files_without_force(
     workflow = (root / ".github/workflows/harness-cpu.yml").read_text()
     assert "timeout-minutes: 55" in workflow, workflow  # follows your suite (45) + 10
 
-    (root / ".github/workflows/harness-cpu.yml").write_text(workflow + "# mine\n")
+    (root / ".github/workflows/harness-cpu.yml").write_text(
+        workflow.replace("timeout-minutes: 55", "timeout-minutes: 40")  # as before the edit
+    )
     refused = harness(root, "init", "--workflows")
     assert refused.returncode == 2
     assert ".github/workflows/harness-cpu.yml exists with other content" in refused.stderr
     assert "--force" in refused.stderr
-
-    forced = harness(root, "init", "--force")
+    # --force rewrites the workflow for your suite, which it keeps (it dropped your edit).
+    forced = harness(root, "init", "--workflows", "--force")
     assert forced.returncode == 0, forced.stderr
+    assert (root / "suites" / "cpu.json").read_text() == edited
+    assert "timeout-minutes: 55" in (root / ".github/workflows/harness-cpu.yml").read_text()
+    # Deleted, it is written anew from pytest's configuration.
+    (root / "suites" / "cpu.json").unlink()
+    assert harness(root, "init").returncode == 0
     assert manifest(root, "cpu.json")["runner"]["timeout_minutes"] == 30
+    # A manifest that is not UTF-8 is refused as any other content (it was a traceback).
+    (root / "suites" / "cpu.json").write_bytes(b'{"suite": "cpu", \xff}')
+    broken = harness(root, "init")
+    assert broken.returncode == 2, broken.stderr
+    assert "suites/cpu.json exists with other content" in broken.stderr
 
 
 def test_accelerator_suites_share_one_case_list_and_get_workflows(tmp_path):
@@ -168,6 +180,22 @@ def test_accelerator_suites_share_one_case_list_and_get_workflows(tmp_path):
     gpu = yaml.safe_load((workflows / "harness-gpu.yml").read_text())
     assert gpu["jobs"]["suite"]["if"].startswith("needs.plan.outputs.trusted == 'true' && ")
     assert "head.repo.full_name == github.repository" in gpu["jobs"]["plan"]["outputs"]["trusted"]
+
+    # The case list you add cases to is kept, --force or not (--force overwrote it); a suite
+    # you moved to another device is not the one asked for: refused (it was kept, exit 0).
+    cases = root / "suites/cases/accelerator.json"
+    mine = json.loads(cases.read_text())
+    mine["entries"].append({"id": "more", "paths": ["tests/test_plain.py"]})
+    cases.write_text(json.dumps(mine, indent=2))
+    again = harness(root, "init", "--accelerators", "gpu,npu", "--workflows", "--force")
+    assert again.returncode == 0, again.stderr
+    assert "suites/cases/accelerator.json exists with other content: kept" in again.stderr
+    assert json.loads(cases.read_text()) == mine
+    gpu_json = root / "suites/gpu.json"
+    gpu_json.write_text(gpu_json.read_text().replace('"device": "cuda"', '"device": "npu"'))
+    moved = harness(root, "init", "--accelerators", "gpu,npu")
+    assert moved.returncode == 2, moved.stderr
+    assert "suites/gpu.json exists with other content" in moved.stderr
 
 
 def test_usage_errors_exit_2(tmp_path):

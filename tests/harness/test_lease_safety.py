@@ -6,6 +6,7 @@ host lease cards from the same place.
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import stat
 import subprocess
@@ -81,11 +82,13 @@ def test_a_planted_hard_link_leaves_its_target_alone(shared_dir, victim):
     assert "has 2 links" in str(error)
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to make another user's files")
 def test_a_held_lock_file_given_a_second_link_is_still_held(shared_dir):
     # Regression: another user's lock file with a second hard link (its owner made one, or
     # anyone where protected_hardlinks is off) counted as free: two sessions held one slot.
     theirs = shared_dir / "slot-0.u4242.lock"
     fd = os.open(theirs, os.O_RDWR | os.O_CREAT, 0o644)
+    os.fchown(fd, 4242, 4242)  # uid 4242's lock file (root makes it here)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)  # its holder's lease
         os.link(theirs, shared_dir / "another-name")
@@ -95,6 +98,23 @@ def test_a_held_lock_file_given_a_second_link_is_still_held(shared_dir):
     finally:
         os.close(fd)
     assert lease_and_catch(shared_dir, [slot_want(1, 1)]) is None  # released: free
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to make another user's files")
+def test_a_queue_file_linked_under_a_lock_files_name_holds_nothing(shared_dir):
+    # Regression (of the fix above): anyone may link a queue file (mode 666) under a lock
+    # file's name; its waiter's own lock then made the resource "held" by that waiter, who
+    # timed out waiting for itself.
+    waiter = shared_dir / "waiter-0.lock"
+    fd = os.open(waiter, os.O_RDWR | os.O_CREAT, 0o666)
+    os.fchown(fd, 4242, 4242)
+    try:
+        os.write(fd, json.dumps({"ticket": 1, "pid": os.getpid(), "holder": "w"}).encode())
+        fcntl.flock(fd, fcntl.LOCK_EX)  # a waiter, alive
+        os.link(waiter, shared_dir / "slot-0.u4242.lock")
+        assert lease_and_catch(shared_dir, [slot_want(1, 1)], timeout=0.5) is None
+    finally:
+        os.close(fd)
 
 
 def test_a_lock_file_nobody_else_may_read_is_named_when_a_wait_times_out(shared_dir, monkeypatch):
@@ -118,6 +138,7 @@ def test_a_lock_file_nobody_else_may_read_is_named_when_a_wait_times_out(shared_
         f"slot:0: counted as held, whether or not it is: cannot open lease file {theirs}: "
         "Permission denied"
     ) in str(error), error
+    assert "its owner can chmod 644 it" in str(error)  # others read a lock file, never write it
 
 
 def test_planted_queue_files_leave_their_targets_alone(shared_dir, victim, tmp_path):
@@ -288,6 +309,8 @@ def test_a_lease_dir_the_harness_creates_is_usable_whatever_the_umask(card_proje
         os.umask(old)
     result.assert_outcomes(passed=4)
     assert stat.S_IMODE(named.stat().st_mode) == 0o700
+    # ... and the folders made for it are no one else's to write (a rename moved it away).
+    assert stat.S_IMODE(named.parent.stat().st_mode) == 0o755
 
 
 # -- unrelated projects on one host exclude each other for cards ---------------
