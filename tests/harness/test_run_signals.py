@@ -542,28 +542,16 @@ def test_a_run_in_a_terminal_gives_pytest_the_terminal(pytester):
     }
     entries = [{"id": k, "paths": [f"tests/{k}"]} for k in "abc"]
     root = make_project(pytester.path, tests, {"cpu": manifest("cpu", "cpu", entries)})
-    code, shown = _in_a_terminal(
-        root,
-        ["run", "cpu", "--out", "out", "--", "-n", "0", "--pdb", "tests/a"],
-        [(b"(Pdb)", b"c\n")],
-    )
-    assert code == 1, shown
-    assert "**FAILED**: 1 failed" in shown, shown
-    # The terminal's Ctrl-C now goes to pytest, and still stops the run as a SIGINT does.
-    code, shown = _in_a_terminal(
-        root,
-        ["run", "cpu", "--out", "out", "--", "-n", "0", "-s", "tests/b"],
-        [(b"sleeping", b"\x03")],
-    )
-    assert code == 130, shown
-    assert "interrupted by SIGINT" in shown, shown
-    # Ctrl-Z stops pytest's group, and the run takes the terminal back to stop too (here,
-    # with no shell above it, the kernel drops that stop: the run goes on at once).
-    code, shown = _in_a_terminal(
-        root,
-        ["run", "cpu", "--out", "out", "--", "-n", "0", "-s", "tests/c"],
-        [(b"sleeping", b"\x1a")],
-        timeout=120,
-    )
-    assert code == 0, shown
-    assert "**PASSED**" in shown, shown
+    for args, typed, code, said in (
+        (["--pdb", "tests/a"], (b"(Pdb)", b"c\n"), 1, "**FAILED**: 1 failed"),
+        # The terminal's Ctrl-C now goes to pytest, and still stops the run as a SIGINT does.
+        (["-s", "tests/b"], (b"sleeping", b"\x03"), 130, "interrupted by SIGINT"),
+        # Ctrl-Z stops pytest's group, and the run takes the terminal back to stop too (here,
+        # with no shell above it, the kernel drops that stop: the run goes on at once).
+        (["-s", "tests/c"], (b"sleeping", b"\x1a"), 0, "**PASSED**"),
+    ):
+        got, shown = _in_a_terminal(
+            root, ["run", "cpu", "--out", "out", "--", "-n", "0", *args], [typed], timeout=120
+        )
+        assert got == code, shown
+        assert said in shown, shown
