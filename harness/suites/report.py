@@ -62,7 +62,8 @@ def junit_key(nodeid: str, prefix: str = "") -> tuple[str, str]:
     names = path.split("::")
     names[0] = re.sub(r"\.py$", "", names[0].replace("/", "."))
     names[-1] += bracket + params
-    return ".".join(filter(None, (prefix, *names[:-1]))), names[-1]
+    # As pytest joins them: an empty file part (a path outside its rootdir) stays, "".TestC.
+    return ".".join([prefix, *names[:-1]] if prefix else names[:-1]), names[-1]
 
 
 def _suites(root: ET.Element) -> list[ET.Element]:

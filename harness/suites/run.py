@@ -274,8 +274,6 @@ class _Stop:
         #: Exists once the running pytest's session has started (``selection.started_marker``).
         self.started: Path | None = None
         self.tree: dict[int, psutil.Process] = {}
-        #: The terminal the running pytest holds (``None``: none; see :func:`_run_pytest`).
-        self.terminal: int | None = None
         #: While planning (the in-process inventory) a second signal raises.
         self.planning = True
         self._previous: dict[int, Any] = {}
@@ -399,20 +397,18 @@ def _run_pytest(
     # Its own process group: a Ctrl-C to ours reaches it once, through _Stop.
     # And it dies with us, even when we are SIGKILLed (then nothing stops it).
     me = os.getpid()
-    # Run from a terminal, in the foreground: the terminal goes with pytest to its group, as
-    # it would be pytest's alone (--pdb, breakpoint() read it; a background group reading
-    # it is stopped), and so does the terminal's Ctrl-C (see _run_groups).
-    stop.terminal = tty = _foreground_terminal()
 
     def in_child() -> None:
         os.setpgrp()
-        if tty is not None:
-            _give_terminal(tty, os.getpgrp())
         processes.die_with_parent(me)
 
     started.unlink(missing_ok=True)
     stop.started = started
-    stop.child = subprocess.Popen(cmd, preexec_fn=in_child)
+    # pytest's group is not the terminal's foreground group: reading the terminal would stop
+    # it (SIGTTIN) and hang the run. Without one, a breakpoint() or input() under -s ends
+    # at once (EOF); --pdb is refused (harness.suites.selection).
+    stdin = subprocess.DEVNULL if _is_terminal(sys.stdin) else None
+    stop.child = subprocess.Popen(cmd, preexec_fn=in_child, stdin=stdin)
     proc = stop.child
     if stop.signum is not None:  # the signal came between the groups' check and the start
         stop.interrupt()
@@ -424,8 +420,6 @@ def _run_pytest(
                 code = proc.wait(timeout=max(0.0, min(1.0, deadline - time.monotonic())))
                 break
             except subprocess.TimeoutExpired:
-                if tty is not None:
-                    _follow_job_control(proc.pid, tty)
                 if time.monotonic() < deadline:
                     continue
                 if stop.signum is None:
@@ -444,50 +438,16 @@ def _run_pytest(
             return code, f"interrupted by {stop.name}"
         return code, ""
     finally:
-        if tty is not None:
-            _give_terminal(tty, os.getpgrp())
         stop.child = None
         stop.tree.clear()
 
 
-def _foreground_terminal() -> int | None:
-    """stdin's descriptor when it is a terminal whose foreground group is this process's
-    (a run started from a shell, not in the background), else ``None``."""
+def _is_terminal(stream: Any) -> bool:
+    """Whether ``stream`` (``sys.stdin``, which may be None or not a file) is a terminal."""
     try:
-        fd = sys.stdin.fileno()
-        return fd if os.isatty(fd) and os.tcgetpgrp(fd) == os.getpgrp() else None
-    except (AttributeError, OSError, ValueError):  # no stdin, or not a file
-        return None
-
-
-def _give_terminal(fd: int, pgrp: int) -> None:
-    """Make ``pgrp`` the foreground group of the terminal ``fd``, from any group (SIGTTOU,
-    which stops a background group that tries, is blocked meanwhile)."""
-    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTTOU})
-    try:
-        with contextlib.suppress(OSError):  # the terminal is gone (hung up)
-            os.tcsetpgrp(fd, pgrp)
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, old)
-
-
-def _follow_job_control(pid: int, fd: int) -> None:
-    """pytest, holding the terminal, was stopped (Ctrl-Z): take the terminal back and stop
-    this run's group too, so the shell gets its prompt; once continued (``fg``), give it
-    back and continue pytest's group."""
-    import psutil
-
-    try:
-        if psutil.Process(pid).status() != psutil.STATUS_STOPPED:
-            return
-    except psutil.Error:
-        return
-    _give_terminal(fd, os.getpgrp())
-    os.killpg(os.getpgrp(), signal.SIGTSTP)  # returns once the shell continues us
-    if os.tcgetpgrp(fd) == os.getpgrp():  # continued in the foreground (fg), not bg
-        _give_terminal(fd, pid)
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(pid, signal.SIGCONT)
+        return os.isatty(stream.fileno())
+    except (AttributeError, OSError, ValueError):
+        return False
 
 
 #: The exit code of a pytest group the runner's timeout stopped (``timeout``'s convention).
@@ -852,14 +812,6 @@ def _run_groups(run: _Run, stop: _Stop, deadline: float, limit_s: float, before:
         )
         _stop_leftovers(before)
         records = selection.read_records(_select_file(run, k))
-        if (
-            stop.terminal is not None
-            and stop.signum is None
-            and code == _PYTEST_INTERRUPTED
-            and records.interrupted.startswith("KeyboardInterrupt")
-        ):
-            # The terminal's Ctrl-C went to pytest, which held the terminal: the run's stop.
-            stop.signum, why = signal.SIGINT, f"interrupted by {signal.SIGINT.name}"
         ran.codes.append(code)
         ran.records.append(records)
         halted.append(why)

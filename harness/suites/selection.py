@@ -318,6 +318,14 @@ def pytest_configure(config: pytest.Config) -> None:
     sel = _load(config)
     if sel is None:
         return
+    for flag, dest in (("--pdb", "usepdb"), ("--trace", "trace")):
+        if config.getoption(dest, False):
+            # harness run holds the terminal; pytest, in a process group of its own, would
+            # be stopped (SIGTTIN) at the debugger's prompt.
+            raise pytest.UsageError(
+                f"harness run cannot give pytest's {flag} the terminal: debug with pytest "
+                f"itself, which runs launched cases the same way: python -m pytest -n 0 {flag} PATH"
+            )
     loaded = {getattr(p, "__name__", "") for p in config.pluginmanager.get_plugins()}
     if LAUNCH_PLUGIN not in loaded:
         # The run's plan counts launched cases' ranks and cards: without the plugin they
@@ -425,8 +433,10 @@ def _selects(arg: str, cid: str, cwd: Path, root: Path) -> bool:
     from harness.suites.manifest import rel
 
     where, sep, name = arg.partition("::")
-    file, _, tail = cid.partition("::")
+    file, has_name, tail = cid.partition("::")
     named = rel(Path(os.path.abspath(cwd / where)), root)
+    if not has_name and named.startswith(f"{file}/"):
+        return True  # inside a folder that is one case (its conftest skips it whole)
     if named != "." and file != named and not file.startswith(f"{named}/"):
         return False
     return not sep or tail == name or tail.startswith((f"{name}::", f"{name}["))
@@ -470,6 +480,7 @@ def _not_found(config: pytest.Config, args: Sequence[str]) -> list[str]:
     return [a for a in args if not (base / a.split("::", 1)[0]).exists()]
 
 
+@pytest.hookimpl(trylast=True)  # after pytest's -k, -m and --deselect: what they leave
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     sel = _load(config)
     if sel is None:

@@ -232,6 +232,10 @@ def test_a_folder_whose_conftest_skips_is_one_skipped_case(pytester, paths):
         if c["nodeid"] == "tests/c"
     ]
     assert "skip dir" in case["message"]
+    # A file inside that folder selects its case (it was "select no case of the run").
+    done = harness(root, "run", "cpu", "--out", "out", "--", "tests/c/test_c.py")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert outcomes(root / "out")["tests/c"] == "skipped"
 
 
 SLOW = {
@@ -1015,7 +1019,10 @@ def test_a_path_selecting_no_case_next_to_one_that_does_makes_the_run_red(pytest
     # under the link's name; the target's cases were "deselected").
     tests = {
         "tests/a/test_a.py": "def test_a():\n    pass\n",
-        "tests/b/test_b.py": "def test_b1():\n    pass\n\ndef test_b2():\n    pass\n",
+        "tests/b/test_b.py": (
+            "def test_b1():\n    pass\n\ndef test_b2():\n    pass\n\n"
+            "class TestK:\n    def test_k(self):\n        pass\n"
+        ),
         "tests/c/test_c.py": "def test_c():\n    pass\n",  # in no entry
     }
     entries = [{"id": k, "paths": [f"tests/{k}"]} for k in "ab"]
@@ -1038,13 +1045,17 @@ def test_a_path_selecting_no_case_next_to_one_that_does_makes_the_run_red(pytest
         assert got["tests/b/test_b.py::test_b2"] == "deselected", got
     # The repository reached through a link from outside names its own files: selected.
     (tmp_path / "repo").symlink_to(root)
-    done = harness(root, "run", "cpu", "--out", "out", "--", str(tmp_path / "repo/tests/b"))
-    assert done.returncode == 0, done.stdout + done.stderr
-    got = outcomes(root / "out")
-    assert got["tests/b/test_b.py::test_b1"] == got["tests/b/test_b.py::test_b2"] == "passed", got
-    assert got["tests/a/test_a.py::test_a"] == "deselected", got
-    # ... each once in JUnit (pytest names them from its rootdir, not as the run does).
-    assert len(list(ET.parse(root / "out/junit.xml").getroot().iter("testcase"))) == 2
+    for prefix in ((), ("--junit-prefix=P",)):
+        linked = str(tmp_path / "repo/tests/b/test_b.py")
+        done = harness(root, "run", "cpu", "--out", "out", "--", linked, *prefix)
+        assert done.returncode == 0, done.stdout + done.stderr
+        got = outcomes(root / "out")
+        b = ("test_b1", "test_b2", "TestK::test_k")
+        assert {got[f"tests/b/test_b.py::{t}"] for t in b} == {"passed"}, got
+        assert got["tests/a/test_a.py::test_a"] == "deselected", got
+        # ... each once in JUnit (pytest names them from its rootdir, a class ".TestK").
+        cases = list(ET.parse(root / "out/junit.xml").getroot().iter("testcase"))
+        assert len(cases) == 3, [c.attrib for c in cases]
 
 
 def test_cases_the_paths_given_collect_outside_the_suite_are_named(pytester):
@@ -1066,6 +1077,11 @@ def test_cases_the_paths_given_collect_outside_the_suite_are_named(pytester):
         assert done.returncode == 0, done.stdout + done.stderr
         assert note in done.stdout, done.stdout
         assert note in (root / "out/summary.md").read_text()
+    # What pytest's own -k or --deselect leaves out, pytest alone would not run: no note.
+    for narrowing in (("-k", "test_x"), ("--deselect", "tests/a/test_new.py::test_new")):
+        done = harness(root, "run", "cpu", "--out", "out", "--", "tests/a", *narrowing)
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert "not in suite" not in done.stdout, done.stdout
     # Without paths the run gives pytest its own files only; a shard's paths collect the
     # other shards' cases: no note.
     done = harness(root, "run", "cpu", "--out", "out")

@@ -525,9 +525,9 @@ def _in_a_terminal(cwd, args, answers, timeout=180.0):
     return os.waitstatus_to_exitcode(status), seen.decode("utf-8", "replace")
 
 
-def test_a_run_in_a_terminal_gives_pytest_the_terminal(pytester):
-    # Regression: pytest ran in a background process group of the terminal: --pdb (or
-    # breakpoint()) was stopped by SIGTTIN at its prompt, and the run hung until the
+def test_a_run_in_a_terminal_never_waits_on_it(pytester):
+    # Regression: pytest, in a process group of its own, read the terminal (--pdb, or
+    # breakpoint() / input() under -s): stopped by SIGTTIN, it hung the run until the
     # runner's timeout, deaf to what was typed.
     tests = {
         "tests/a/test_a.py": "def test_fails():\n    assert False\n",
@@ -535,23 +535,20 @@ def test_a_run_in_a_terminal_gives_pytest_the_terminal(pytester):
             "import time\n\ndef test_sleeps():\n    print('sleeping', flush=True)\n"
             "    time.sleep(120)\n"
         ),
-        "tests/c/test_c.py": (
-            "import time\n\ndef test_naps():\n    print('sleeping', flush=True)\n"
-            "    time.sleep(3)\n"
-        ),
+        "tests/c/test_c.py": "def test_asks():\n    breakpoint()\n    input('more? ')\n",
     }
     entries = [{"id": k, "paths": [f"tests/{k}"]} for k in "abc"]
     root = make_project(pytester.path, tests, {"cpu": manifest("cpu", "cpu", entries)})
     for args, typed, code, said in (
-        (["--pdb", "tests/a"], (b"(Pdb)", b"c\n"), 1, "**FAILED**: 1 failed"),
-        # The terminal's Ctrl-C now goes to pytest, and still stops the run as a SIGINT does.
-        (["-s", "tests/b"], (b"sleeping", b"\x03"), 130, "interrupted by SIGINT"),
-        # Ctrl-Z stops pytest's group, and the run takes the terminal back to stop too (here,
-        # with no shell above it, the kernel drops that stop: the run goes on at once).
-        (["-s", "tests/c"], (b"sleeping", b"\x1a"), 0, "**PASSED**"),
+        (["--pdb", "tests/a"], [], 1, "harness run cannot give pytest's --pdb the terminal"),
+        (["--trace", "tests/a"], [], 1, "python -m pytest -n 0 --trace PATH"),
+        # Its stdin is not the terminal: the debugger and input() read an end of file.
+        (["-s", "tests/c"], [], 1, "**FAILED**: 1 failed"),
+        # The terminal's Ctrl-C reaches the run's group, which stops pytest's.
+        (["-s", "tests/b"], [(b"sleeping", b"\x03")], 130, "interrupted by SIGINT"),
     ):
         got, shown = _in_a_terminal(
-            root, ["run", "cpu", "--out", "out", "--", "-n", "0", *args], [typed], timeout=120
+            root, ["run", "cpu", "--out", "out", "--", "-n", "0", *args], typed, timeout=120
         )
         assert got == code, shown
         assert said in shown, shown
