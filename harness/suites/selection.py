@@ -207,6 +207,8 @@ class _Outcomes:
         self.file = open(path, "w", encoding="utf-8")  # noqa: SIM115 (closed at unconfigure)
         self.worker = _is_worker(config)
         self.collection_complete = False
+        #: Planned cases pytest's own options or plugins deselected (``-k``, ``--lf``, ...).
+        self.deselected: set[str] = set()
 
     def record(self, **event: Any) -> None:
         self.file.write(json.dumps(event) + "\n")
@@ -242,6 +244,7 @@ class _Outcomes:
     def pytest_deselected(self, items: Sequence[pytest.Item]) -> None:
         ids = [cid for cid in (_case_id(i, self.root) for i in items) if cid in self.planned]
         if ids:
+            self.deselected.update(ids)
             self.record(deselected=ids)
 
     def _outside(self, callers: Sequence[str]) -> list[str]:
@@ -518,6 +521,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if ignored:
             config.hook.pytest_deselected(items=ignored)
         items[:] = keep
+    if outcomes is not None:  # pytest's -k, -m, --deselect came first (this hook is last)
+        seen |= outcomes.deselected
     missing = sorted(n for n in set(wanted) - seen if "::" in n)  # a bare file: it failed to import
     # Reported once, on the controller; cases outside the caller's paths are deselected.
     if missing and not _is_worker(config) and not _callers_args(config, sel):

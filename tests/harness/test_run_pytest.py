@@ -1082,6 +1082,10 @@ def test_cases_the_paths_given_collect_outside_the_suite_are_named(pytester):
         done = harness(root, "run", "cpu", "--out", "out", "--", "tests/a", *narrowing)
         assert done.returncode == 0, done.stdout + done.stderr
         assert "not in suite" not in done.stdout, done.stdout
+    # pytest's -k now comes first: what it deselects was collected (a note said it was not).
+    done = harness(root, "run", "cpu", "--out", "out", "-k", "test_x", "--", "-n", "0")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "were not collected" not in done.stderr, done.stderr
     # Without paths the run gives pytest its own files only; a shard's paths collect the
     # other shards' cases: no note.
     done = harness(root, "run", "cpu", "--out", "out")
