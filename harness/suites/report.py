@@ -289,14 +289,19 @@ def _unreported_suite(rows: Sequence[CaseRow], prefix: str) -> ET.Element:
 
 
 def junit_lacks(
-    junit: Path, rows: Iterable[CaseRow], prefix: str = "", aliases: Mapping[str, str] | None = None
+    junit: Path,
+    rows: Iterable[CaseRow],
+    prefix: str = "",
+    aliases: Mapping[str, Iterable[str]] | None = None,
 ) -> list[CaseRow]:
     """The cases of one pytest process (``rows``) its JUnit file ``junit`` does not hold
-    (``prefix``: its ``--junit-prefix``; ``aliases``: pytest's node id -> case id where they
-    differ), deselected ones left out: all of them when the file is absent or unreadable (the
-    process was killed, or never started)."""
+    (``prefix``: its ``--junit-prefix``; ``aliases``: pytest's node id -> the case ids it
+    names, where they differ), deselected ones left out: all of them when the file is absent
+    or unreadable (the process was killed, or never started)."""
     held = set(read_junit([junit]))
-    aliased = {cid for n, cid in (aliases or {}).items() if junit_key(n, prefix) in held}
+    aliased = {
+        cid for n, cids in (aliases or {}).items() if junit_key(n, prefix) in held for cid in cids
+    }
     return [
         r
         for r in rows

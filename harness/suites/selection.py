@@ -136,6 +136,15 @@ def pytest_cmdline_main(config: pytest.Config) -> Any:
     # Before xdist and junitxml read their options (as pytest parsed them from the command
     # line, addopts and PYTEST_ADDOPTS): the run's own choices apply only where the caller
     # made none.
+    for flag, dest in (("--pdb", "usepdb"), ("--trace", "trace")):
+        if config.getoption("harness_select", None) and getattr(config.option, dest, False):
+            # harness run holds the terminal; pytest, in a process group of its own, would
+            # be stopped (SIGTTIN) at the debugger's prompt. (Before xdist, which refuses
+            # them next to the run's workers with advice that leads here.)
+            raise pytest.UsageError(
+                f"harness run cannot give pytest's {flag} the terminal: debug with pytest "
+                f"itself, which runs launched cases the same way: python -m pytest -n 0 {flag} PATH"
+            )
     if _group(config.option)[0] > 1 and getattr(config.option, "cacheclear", False):
         # The caller's --cache-clear is the run's: the first group cleared the cache, and a
         # later one (its xdist workers too) would drop what the groups before it recorded.
@@ -209,6 +218,8 @@ class _Outcomes:
         self.collection_complete = False
         #: Planned cases pytest's own options or plugins deselected (``-k``, ``--lf``, ...).
         self.deselected: set[str] = set()
+        #: Files pytest's ``--lf`` did not collect.
+        self.last_failed_skipped: set[str] = set()
 
     def record(self, **event: Any) -> None:
         self.file.write(json.dumps(event) + "\n")
@@ -267,14 +278,22 @@ class _Outcomes:
 
     @pytest.hookimpl(trylast=True)
     def pytest_collection_finish(self, session: pytest.Session) -> None:
-        ids = {i.nodeid: _case_id(i, self.root) for i in session.items}
+        ids = [(i.nodeid, _case_id(i, self.root)) for i in session.items]
         self.record(
-            collected=list(ids.values()),
+            collected=[cid for _, cid in ids],
             complete=self.collection_complete,
             # pytest's node ids that are not the case's: a path reached through a link to
-            # the repository, which pytest names from its rootdir ("../../link/tests/...").
-            aliases={n: cid for n, cid in ids.items() if n != cid},
+            # the repository, which pytest names without its file ("::test_x"), so that two
+            # files' cases may share one.
+            aliases=[[n, cid] for n, cid in ids if n != cid],
         )
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_makereport(self, item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
+        report = yield
+        # Travels with the report (xdist passes it on): its case, whatever pytest's node id.
+        report.harness_case = _case_id(item, self.root)
+        return report
 
     @pytest.hookimpl(wrapper=True)
     def pytest_make_collect_report(self, collector: pytest.Collector) -> Any:
@@ -282,6 +301,7 @@ class _Outcomes:
         if isinstance(collector, pytest.File) and _skipped_by_last_failed(self.config, collector):
             from harness.suites.manifest import rel
 
+            self.last_failed_skipped.add(rel(collector.path, self.root))
             self.record(last_failed_skipped=rel(collector.path, self.root))
         return report
 
@@ -296,7 +316,7 @@ class _Outcomes:
         if self.worker:
             return
         self.record(
-            report=report.nodeid,
+            report=getattr(report, "harness_case", report.nodeid),
             when=report.when,
             outcome=report.outcome,
             seconds=float(report.duration or 0.0),
@@ -321,14 +341,6 @@ def pytest_configure(config: pytest.Config) -> None:
     sel = _load(config)
     if sel is None:
         return
-    for flag, dest in (("--pdb", "usepdb"), ("--trace", "trace")):
-        if config.getoption(dest, False):
-            # harness run holds the terminal; pytest, in a process group of its own, would
-            # be stopped (SIGTTIN) at the debugger's prompt.
-            raise pytest.UsageError(
-                f"harness run cannot give pytest's {flag} the terminal: debug with pytest "
-                f"itself, which runs launched cases the same way: python -m pytest -n 0 {flag} PATH"
-            )
     loaded = {getattr(p, "__name__", "") for p in config.pluginmanager.get_plugins()}
     if LAUNCH_PLUGIN not in loaded:
         # The run's plan counts launched cases' ranks and cards: without the plugin they
@@ -523,6 +535,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         items[:] = keep
     if outcomes is not None:  # pytest's -k, -m, --deselect came first (this hook is last)
         seen |= outcomes.deselected
+        seen |= {n for n in wanted if n.partition("::")[0] in outcomes.last_failed_skipped}
     missing = sorted(n for n in set(wanted) - seen if "::" in n)  # a bare file: it failed to import
     # Reported once, on the controller; cases outside the caller's paths are deselected.
     if missing and not _is_worker(config) and not _callers_args(config, sel):
@@ -675,9 +688,9 @@ class Records:
     unplanned: set[str] = field(default_factory=set)
     #: Files (case ids) pytest's ``--lf`` did not collect: none of their cases failed last.
     last_failed_skipped: set[str] = field(default_factory=set)
-    #: pytest's node id -> the case id, where they differ (a path through a link to the
-    #: repository); ``reports`` are by case id.
-    aliases: dict[str, str] = field(default_factory=dict)
+    #: pytest's node id -> the case ids it names, where they differ (a path through a link
+    #: to the repository: two files' cases may share one); ``reports`` are by case id.
+    aliases: dict[str, set[str]] = field(default_factory=dict)
     #: pytest's exit status, ``None`` when the session never finished (killed, crashed).
     finish: int | None = None
     #: Why pytest stopped early (``-x``, ``--maxfail``), ``""`` when it did not.
@@ -707,7 +720,8 @@ def read_records(select_file: Path) -> Records:
                 out.options = ev["options"]
             elif "collected" in ev:
                 out.collected.update(ev["collected"])
-                out.aliases.update(ev.get("aliases", {}))
+                for nodeid, cid in ev.get("aliases", ()):
+                    out.aliases.setdefault(nodeid, set()).add(cid)
                 out.collection_finished |= bool(ev.get("complete"))
             elif "unplanned" in ev:
                 out.unplanned.update(ev["unplanned"])
@@ -726,5 +740,7 @@ def read_records(select_file: Path) -> Records:
             elif "interrupted" in ev:
                 out.interrupted = _text(ev["interrupted"])
     for nodeid in set(out.aliases) & set(out.reports):
-        out.reports.setdefault(out.aliases[nodeid], []).extend(out.reports.pop(nodeid))
+        # Reports carry their case; those xdist makes itself (a crashed worker's) do not.
+        if len(cases := out.aliases[nodeid]) == 1:
+            out.reports.setdefault(next(iter(cases)), []).extend(out.reports.pop(nodeid))
     return out

@@ -709,6 +709,7 @@ def test_last_failed_calls_a_planned_case_never_collected_missing(pytester):
     # A failure to rerun: pytest skips the files without one, their cases deselected.
     rerun = harness(root, "run", "cpu", "--out", "out", "--", "-n", "0", "--lf")
     assert rerun.returncode == 0, rerun.stdout + rerun.stderr
+    assert "were not collected" not in rerun.stderr, rerun.stderr  # skipped by --lf
     cases = {c["nodeid"]: c for c in json.loads((root / "out/summary.json").read_text())["cases"]}
     assert cases["tests/test_a.py::test_flaky"]["outcome"] == "passed"
     assert cases["tests/test_a.py::test_fine"]["outcome"] == "deselected"
@@ -1093,6 +1094,28 @@ def test_cases_the_paths_given_collect_outside_the_suite_are_named(pytester):
     assert "not in suite" not in done.stdout
     done = harness(root, "run", "cpu", "--shard", "1/2", "--out", "out", "--", "tests")
     assert "not in suite" not in done.stdout, done.stdout
+
+
+def test_cases_of_two_files_reached_through_a_link_keep_their_own_results(pytester, tmp_path):
+    # Regression: outside its rootdir pytest names a file's cases without the file
+    # ("::test_dup"); two files' cases shared one name, one file's went missing and the
+    # other's failure was pinned on the file that passed.
+    tests = {
+        "tests/test_a.py": "def test_dup():\n    assert 0, 'a fails'\n",
+        "tests/test_b.py": "def test_dup():\n    pass\n",
+    }
+    entries = [{"id": "all", "paths": ["tests"]}]
+    root = make_project(pytester.path, tests, {"cpu": manifest("cpu", "cpu", entries)})
+    (tmp_path / "repo").symlink_to(root)
+    files = [str(tmp_path / f"repo/tests/test_{k}.py") for k in "ab"]
+    for workers in ("0", "2"):
+        done = harness(root, "run", "cpu", "--out", "out", "--", "-n", workers, *files)
+        assert done.returncode == 1, done.stdout + done.stderr
+        assert outcomes(root / "out") == {
+            "tests/test_a.py::test_dup": "failed",
+            "tests/test_b.py::test_dup": "passed",
+        }
+        assert len(list(ET.parse(root / "out/junit.xml").getroot().iter("testcase"))) == 2
 
 
 def test_cache_clear_clears_the_cache_once_per_run(pytester):

@@ -539,16 +539,19 @@ def test_a_run_in_a_terminal_never_waits_on_it(pytester):
     }
     entries = [{"id": k, "paths": [f"tests/{k}"]} for k in "abc"]
     root = make_project(pytester.path, tests, {"cpu": manifest("cpu", "cpu", entries)})
+    refused = "harness run cannot give pytest's --pdb the terminal"
     for args, typed, code, said in (
-        (["--pdb", "tests/a"], [], 1, "harness run cannot give pytest's --pdb the terminal"),
-        (["--trace", "tests/a"], [], 1, "python -m pytest -n 0 --trace PATH"),
+        (["-n", "0", "--pdb", "tests/a"], [], 1, refused),
+        # Not xdist's "incompatible with distributing tests; try using -n0", which led here.
+        (["--pdb", "tests/a"], [], 1, refused),
+        (["-n", "0", "--trace", "tests/a"], [], 1, "python -m pytest -n 0 --trace PATH"),
         # Its stdin is not the terminal: the debugger and input() read an end of file.
-        (["-s", "tests/c"], [], 1, "**FAILED**: 1 failed"),
+        (["-n", "0", "-s", "tests/c"], [], 1, "**FAILED**: 1 failed"),
         # The terminal's Ctrl-C reaches the run's group, which stops pytest's.
-        (["-s", "tests/b"], [(b"sleeping", b"\x03")], 130, "interrupted by SIGINT"),
+        (["-n", "0", "-s", "tests/b"], [(b"sleeping", b"\x03")], 130, "interrupted by SIGINT"),
     ):
         got, shown = _in_a_terminal(
-            root, ["run", "cpu", "--out", "out", "--", "-n", "0", *args], typed, timeout=120
+            root, ["run", "cpu", "--out", "out", "--", *args], typed, timeout=120
         )
         assert got == code, shown
         assert said in shown, shown
