@@ -301,8 +301,9 @@ class _Outcomes:
         if isinstance(collector, pytest.File) and _skipped_by_last_failed(self.config, collector):
             from harness.suites.manifest import rel
 
-            self.last_failed_skipped.add(rel(collector.path, self.root))
-            self.record(last_failed_skipped=rel(collector.path, self.root))
+            file = rel(collector.path, self.root)
+            self.last_failed_skipped.add(file)
+            self.record(last_failed_skipped=file)
         return report
 
     def pytest_collectreport(self, report: pytest.CollectReport) -> None:
@@ -467,10 +468,10 @@ def _selecting_nothing(
     run = sel.get("run", ())
     out = []
     for a in args:
-        if not (cwd / a.split("::", 1)[0]).exists() or any(_selects(a, c, cwd, root) for c in run):
+        path = Path(os.path.abspath(cwd / a.split("::", 1)[0]))
+        if not path.exists() or any(_selects(a, c, cwd, root) for c in run):
             continue
-        link = Path(os.path.abspath(cwd / a.split("::", 1)[0]))
-        linked = [p for p in (link, *link.parents) if p.is_symlink()]
+        linked = [p for p in (path, *path.parents) if p.is_symlink()]
         out.append(f"{a} (a symlink to {linked[0].resolve()})" if linked else a)
     return out
 
