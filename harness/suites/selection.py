@@ -451,8 +451,10 @@ def _selects(arg: str, cid: str, cwd: Path, root: Path) -> bool:
     where, sep, name = arg.partition("::")
     file, has_name, tail = cid.partition("::")
     named = rel(Path(os.path.abspath(cwd / where)), root)
-    if not has_name and named.startswith(f"{file}/"):
-        return True  # inside a folder that is one case (its conftest skips it whole)
+    if not has_name and (named == file or named.startswith(f"{file}/")):
+        # The file or folder is one case (it failed to import, or skips whole): a node id in
+        # it, or a path inside it, names that case.
+        return True
     if named != "." and file != named and not file.startswith(f"{named}/"):
         return False
     return not sep or tail == name or tail.startswith((f"{name}::", f"{name}["))

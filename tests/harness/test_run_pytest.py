@@ -199,6 +199,13 @@ def test_a_file_that_fails_to_collect_fails_its_entry_and_the_rest_runs(pytester
     assert "failed: `tests/broken/test_broken.py` — " in done.stdout
     assert "module_that_does_not_exist" in done.stdout
     assert "**FAILED**: 2 failed" in done.stdout
+    # A node id in a file that is one case names that case (it "selected no case").
+    for file, said in (
+        ("broken/test_broken.py", "**FAILED**: 1 failed\n"),
+        ("gone/test_gone.py", "**PASSED**"),
+    ):
+        done = harness(root, "run", "cpu", "--out", "out", "--", f"tests/{file}::test_never")
+        assert said in done.stdout, done.stdout
     # harness matrix plans the same cases.
     assert main(["--root", str(root), "matrix", "cpu"]) == 0
     assert json.loads(capsys.readouterr().out)["include"][0]["cases"] == 4
