@@ -378,8 +378,8 @@ def _kept(root: Path, path: str, text: str) -> Manifest | bool | None:
     if not isinstance(doc, dict):
         return None
     wanted = json.loads(text)
-    if "suite" not in wanted:
-        return not validate(doc, root, path, "caseList") or None
+    if "suite" not in wanted:  # the shared case list
+        return None if validate(doc, root, path, "caseList") else True
     try:
         loaded = load_manifest(target, root)
     except ManifestError:
