@@ -427,27 +427,34 @@ def render(rows: Sequence[EntryRow], title: str, wall_s: float | None = None) ->
 def failures(results: Mapping[str, CaseRow], limit: int = 30) -> str:
     """The failed and missing cases, one per line (at most ``limit``), for the log."""
     bad = [r for r in results.values() if r.outcome in ("failed", "missing")]
-    lines = [
-        f"- {r.outcome}: `{r.nodeid}`" + (f" — {r.message}" if r.message else "")
-        for r in bad[:limit]
-    ]
-    if len(bad) > limit:
-        lines.append(f"- ... and {len(bad) - limit} more")
-    return "\n".join(lines) + ("\n" if lines else "")
+    return _bullets(
+        [f"- {r.outcome}: `{r.nodeid}`" + (f" — {r.message}" if r.message else "") for r in bad],
+        limit,
+        "more",
+    )
 
 
 def unplanned(nodeids: Iterable[str], suite: str, limit: int = 30) -> str:
     """The cases the caller's paths collected that no entry of ``suite`` holds, one per line
     (at most ``limit``): pytest alone would have run them."""
-    ids = sorted(nodeids)
-    lines = [
-        f"- not in suite {suite}, not run: `{n}` (collected under the paths given to pytest; "
-        "`harness inventory` says whether an entry of any suite owns it)"
-        for n in ids[:limit]
-    ]
-    if len(ids) > limit:
-        lines.append(f"- ... and {len(ids) - limit} more not in suite {suite}")
-    return "\n".join(lines) + ("\n" if lines else "")
+    return _bullets(
+        [
+            f"- not in suite {suite}, not run: `{n}` (collected under the paths given to pytest; "
+            "`harness inventory` says whether an entry of any suite owns it)"
+            for n in sorted(nodeids)
+        ],
+        limit,
+        f"more not in suite {suite}",
+    )
+
+
+def _bullets(lines: Sequence[str], limit: int, more: str) -> str:
+    """The first ``limit`` of ``lines``, then "- ... and N {more}" for the rest; each line
+    ends with a newline ("" for none)."""
+    shown = list(lines[:limit])
+    if len(lines) > limit:
+        shown.append(f"- ... and {len(lines) - limit} {more}")
+    return "".join(f"{line}\n" for line in shown)
 
 
 def write_summary_json(

@@ -231,6 +231,7 @@ class _Outcomes:
         opt = self.config.getoption
         sel = _load(self.config) or {}
         callers = _callers_args(self.config, sel)
+        modules = bool(opt("pyargs", False))  # --pyargs: module names, not paths
         self.record(
             options={
                 "collectonly": bool(opt("collectonly", False)),
@@ -240,13 +241,13 @@ class _Outcomes:
                 # The caller named paths or node ids: planned cases outside them are deselected.
                 "narrowed": bool(callers),
                 # ... some of which name no file (pytest says so under -n 0 only).
-                "not_found": [] if opt("pyargs", False) else _not_found(self.config, callers),
+                "not_found": [] if modules else _not_found(self.config, callers),
                 # ... or select no case of the run.
                 "selecting_nothing": []
-                if opt("pyargs", False)
+                if modules
                 else _selecting_nothing(self.config, callers, sel),
                 # The planned cases those paths leave out (None: modules, not paths).
-                "outside": None if opt("pyargs", False) else self._outside(callers),
+                "outside": None if modules else self._outside(callers),
                 "junitxml": self.config.stash.get(_CALLER_JUNIT, None),
                 "junit_prefix": opt("junitprefix", None) or "",
             }
@@ -524,7 +525,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         ignored += keep
         keep = []
     outcomes = config.pluginmanager.get_plugin("harness-outcomes")
-    if drop and outcomes is not None and _callers_args(config, sel):
+    callers = _callers_args(config, sel)
+    if drop and outcomes is not None and callers:
         # Cases the caller's paths collect that the run does not hold (a file no entry of
         # the suite owns, say): pytest alone would run them; the summary names them.
         others = {_case_id(i, root) for i in drop} - set(sel.get("run", ()))
@@ -541,7 +543,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         seen |= {n for n in wanted if n.partition("::")[0] in outcomes.last_failed_skipped}
     missing = sorted(n for n in set(wanted) - seen if "::" in n)  # a bare file: it failed to import
     # Reported once, on the controller; cases outside the caller's paths are deselected.
-    if missing and not _is_worker(config) and not _callers_args(config, sel):
+    if missing and not _is_worker(config) and not callers:
         shown = "\n  ".join(missing[:20])
         more = f"\n  ... and {len(missing) - 20} more" if len(missing) > 20 else ""
         print(
