@@ -447,8 +447,20 @@ class ChannelLossMeter:
         """
         if self._step is not None:
             raise RuntimeError("load_state_dict() inside a step")
+        if not isinstance(state, Mapping):
+            raise ValueError(
+                f"ChannelLossMeter state must be a mapping; got {type(state).__name__}"
+            )
         if state.get("version") != 1:
             raise ValueError(f"unknown ChannelLossMeter state version {state.get('version')!r}")
+        lacking = [key for key in ("sources", "next_step") if key not in state]
+        if lacking:
+            raise ValueError(f"ChannelLossMeter state lacks {', '.join(map(repr, lacking))}")
+        if not isinstance(state["sources"], (list, tuple)):
+            raise ValueError(
+                "ChannelLossMeter state 'sources' must be a list of [source, name] pairs; got "
+                f"{type(state['sources']).__name__}"
+            )
         slots: dict[SourceId, int] = {}
         names: list[str] = []
         for entry in state["sources"]:

@@ -82,7 +82,7 @@ def resolve_targets(
     synchronisation (see ``_require``). ``ignore_index`` must be an integer
     (a bool is not: ``True`` would silently ignore class 1).
     """
-    check_int(ignore_index, "ignore_index")
+    check_int(ignore_index, "ignore_index", minimum=-(2**63), maximum=2**63 - 1)  # int64 targets
     if labels is None and shift_labels is None:
         raise ValueError("pass labels or shift_labels; got neither")
     if shift_labels is not None:
@@ -241,7 +241,7 @@ def _resolve_bias(
                 f"{logits_bias.dtype} and {logits_bias_weight.dtype}"
             )
     padded = logits_bias.reshape((1,) * (len(lead) + 1 - logits_bias.dim()) + logits_bias.shape)
-    rows = padded.reshape(-1, width)
+    rows = padded.flatten(0, -2)  # not reshape(-1, width): a factored width may be 0
     if tuple(padded.shape[:-1]) == tuple(lead):
         row_of_token = None
     else:
@@ -1489,7 +1489,7 @@ def chunk_cross_entropy(
         denom = torch.ones((), dtype=torch.float32, device=valid.device)
     else:
         denom = _denominator(num_items_in_batch, valid)
-    h = hidden_states.reshape(-1, hidden_states.shape[-1])
+    h = hidden_states.flatten(0, -2)  # not reshape(-1, H): H may be 0
     inputs = (h, weight, bias.full, bias.factor, bias.factor_weight)
     grad_on = torch.is_grad_enabled()
     needs = tuple(grad_on and t is not None and t.requires_grad for t in inputs)
@@ -1557,12 +1557,13 @@ def per_token_cross_entropy(
             else _check_chunk_size(chunk_size)
         )
         targets = resolve_targets(lead, labels, shift_labels, ignore_index, vocab, "logits")
-        flat_logits = logits.detach().reshape(-1, vocab)
+        flat_logits = logits.detach().flatten(0, -2)  # V may be 0
         flat_targets = targets.reshape(-1)
         valid = flat_targets != ignore_index
-        out = torch.empty(flat_targets.shape[0], dtype=torch.float32, device=logits.device)
+        out = torch.zeros(flat_targets.shape[0], dtype=torch.float32, device=logits.device)
         with torch.no_grad():
-            for s, e in _chunks(flat_targets.shape[0], chunk_size):
+            # V == 0: every target is ignored (``resolve_targets``), every loss 0.0.
+            for s, e in _chunks(flat_targets.shape[0] if vocab else 0, chunk_size):
                 # .float() of fp32 logits is the caller's tensor: clone before the in-place softmax.
                 chunk = flat_logits[s:e].to(torch.float32, copy=True)
                 _final_logits_(chunk, features, keep_cap_slope=False)
@@ -1583,7 +1584,7 @@ def per_token_cross_entropy(
     with torch.no_grad(), own_precision:
         bias = _resolve_bias(logits_bias, logits_bias_weight, lead, vocab, hidden_states.device)
         flat_targets = targets.reshape(-1)
-        h = hidden_states.reshape(-1, hidden_states.shape[-1])
+        h = hidden_states.flatten(0, -2)  # not reshape(-1, H): H may be 0
         out, _, _, _ = _chunked_pass(
             h,
             weight,

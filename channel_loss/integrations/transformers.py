@@ -1079,6 +1079,36 @@ class ObservingOutputsLoss:
         return loss
 
 
+class _FusedSmoothing:
+    """A Trainer's ``compute_loss`` under ``ChannelLossCallback.attach``: a training call on a
+    model that carries an active ``patch_model(model, fused=True)`` runs with the Trainer's
+    label smoother off and the fused loss smoothing by its ``epsilon`` instead (the labels
+    then reach the model, which never forms the logits); every other call (evaluation,
+    prediction, an unpatched model) runs as it would unattached. Nothing outlives the call:
+    the smoother and the fused loss's smoothing are restored when it returns."""
+
+    def __init__(self, trainer, compute_loss) -> None:
+        self.trainer = trainer
+        self.compute_loss = compute_loss
+
+    def __call__(self, model, inputs, *args: Any, **kwargs: Any):
+        trainer = self.trainer
+        smoother = getattr(trainer, "label_smoother", None)
+        fused = None
+        if smoother is not None and model.training:
+            fused = _fused_patch_of(_unwrap(model, fused=False)[0])
+        if fused is None:
+            return self.compute_loss(model, inputs, *args, **kwargs)
+        before = fused.label_smoothing
+        fused.label_smoothing = float(smoother.epsilon)
+        trainer.label_smoother = None
+        try:
+            return self.compute_loss(model, inputs, *args, **kwargs)
+        finally:
+            trainer.label_smoother = smoother
+            fused.label_smoothing = before
+
+
 class ChannelLossCallback(TrainerCallback):
     """Runs a ``ChannelLossMeter``'s steps alongside the Trainer and logs its metrics.
 
@@ -1117,11 +1147,12 @@ class ChannelLossCallback(TrainerCallback):
     smoother, and a ``compute_loss_func``, are wrapped to observe the
     per-token cross-entropy (NLL) of ``outputs.logits`` against the labels
     shifted by one (the causal-LM convention; the loss itself is unchanged).
-    When the model carries ``patch_model(model, fused=True)``, the label
-    smoother is switched off instead and the fused loss applies the smoothing (the
-    Trainer then normalises it by ``num_items_in_batch`` as its smoother
-    does), so label smoothing keeps the memory saving. Attach after
-    patching and before ``train()``.
+    When the model carries ``patch_model(model, fused=True)``, each training
+    ``compute_loss`` call runs with the label smoother switched off and the fused
+    loss applying the smoothing (normalised by ``num_items_in_batch`` as the
+    Trainer's smoother does), so label smoothing keeps the memory saving;
+    evaluation and prediction keep the Trainer's smoother, as unattached, and
+    the model keeps no smoothing after the call. Attach before ``train()``.
 
     ``interval_from_logging_steps=True`` sets ``meter.interval`` at train
     begin to the Trainer's resolved ``state.logging_steps`` (an int also
@@ -1150,16 +1181,13 @@ class ChannelLossCallback(TrainerCallback):
         self._attached = True
         smoother = getattr(trainer, "label_smoother", None)
         if smoother is not None and not isinstance(smoother, ObservingOutputsLoss):
-            fused = _fused_patch_of(_unwrap(trainer.model, fused=False)[0])
-            if fused is not None:
-                fused.label_smoothing = float(smoother.epsilon)
-                trainer.label_smoother = None
-            else:
-                ignore_index = getattr(smoother, "ignore_index", -100)
-                trainer.label_smoother = ObservingOutputsLoss(smoother, ignore_index=ignore_index)
+            ignore_index = getattr(smoother, "ignore_index", -100)
+            trainer.label_smoother = ObservingOutputsLoss(smoother, ignore_index=ignore_index)
         compute = getattr(trainer, "compute_loss_func", None)
         if compute is not None and not isinstance(compute, ObservingOutputsLoss):
             trainer.compute_loss_func = ObservingOutputsLoss(compute, always_shift=True)
+        if not isinstance(getattr(trainer, "compute_loss", None), _FusedSmoothing):
+            trainer.compute_loss = _FusedSmoothing(trainer, trainer.compute_loss)
         return self
 
     def _close_step(self) -> None:

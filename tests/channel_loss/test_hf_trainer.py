@@ -105,12 +105,12 @@ def test_label_smoothing_with_gradient_accumulation_logs_channel_metrics(tmp_pat
     trainer, recorder = make_trainer(tmp_path / "run", meter, label_smoothing_factor=0.1)
     with patch_model(trainer.model, fused=fused) as handle:
         ChannelLossCallback(meter).attach(trainer)
-        if fused:  # the fused loss smooths: the memory saving stays
-            assert trainer.label_smoother is None
-            assert handle.loss.label_smoothing == 0.1
-        else:
-            assert isinstance(trainer.label_smoother, ObservingOutputsLoss)
+        assert isinstance(trainer.label_smoother, ObservingOutputsLoss)
         trainer.train()
+        if fused:  # the fused loss smoothed (the labels reached the model: no logits formed)
+            assert handle.loss.verified
+            assert handle.loss.label_smoothing == 0.0  # only while the Trainer computes a loss
+        assert isinstance(trainer.label_smoother, ObservingOutputsLoss)
     logs = train_logs(recorder)
     assert_channel_metrics(logs, 2)
     got = [log["loss"] for log in logs]
@@ -118,6 +118,38 @@ def test_label_smoothing_with_gradient_accumulation_logs_channel_metrics(tmp_pat
         assert got == pytest.approx(want, rel=1e-5)
     else:
         assert got == want
+
+
+def test_fused_label_smoothing_stays_with_the_trainer_that_asked_for_it(tmp_path):
+    # attach once switched the Trainer's smoother off for good and left the smoothing on the
+    # model: evaluate() lost it (its eval_loss was the unsmoothed one), and the model kept
+    # smoothing in every later training forward, under another Trainer or none.
+    data = PackedDataset([packed_batch(seed=s, rows=((5, 7, 3),)) for s in range(2)])
+    one = {"label_smoothing_factor": 0.1, "per_device_eval_batch_size": 1}
+    plain, _ = make_trainer(tmp_path / "plain", None, **one)
+    want = plain.evaluate(eval_dataset=data)["eval_loss"]
+
+    meter = ChannelLossMeter()
+    trainer, _ = make_trainer(tmp_path / "run", meter, **one)
+    model = trainer.model
+    with patch_model(model, fused=True) as handle:
+        ChannelLossCallback(meter).attach(trainer)
+        assert trainer.evaluate(eval_dataset=data)["eval_loss"] == want
+        trainer.train()
+        assert handle.loss.label_smoothing == 0.0
+        batch = collate([data[0]])
+        model.train()
+        with torch.no_grad():
+            loss = model(
+                input_ids=batch["input_ids"],
+                position_ids=batch["position_ids"],
+                labels=batch["labels"],
+            ).loss
+            model.eval()
+            logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
+        targets = torch.nn.functional.pad(batch["labels"], (0, 1), value=-100)[..., 1:]
+        unsmoothed = torch.nn.functional.cross_entropy(logits[0].float(), targets[0])
+        assert float(loss) == pytest.approx(float(unsmoothed), rel=1e-5)
 
 
 def test_compute_loss_func_is_observed(tmp_path):

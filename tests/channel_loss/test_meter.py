@@ -432,6 +432,16 @@ def test_load_state_dict_rejects_a_registry_that_would_merge_sources():
         with pytest.raises(ValueError, match=needle):
             meter.load_state_dict({**good, "sources": sources})
         assert meter.state_dict() == good  # unchanged
+    # Regression: a missing key was a bare KeyError, a list an AttributeError.
+    for bad, needle in [
+        ({"version": 1, "sources": []}, "lacks 'next_step'"),
+        ({"version": 1, "next_step": 1}, "lacks 'sources'"),
+        ({**good, "sources": "ab"}, "'sources' must be a list"),
+        ([], "must be a mapping; got list"),
+    ]:
+        with pytest.raises(ValueError, match=needle):
+            meter.load_state_dict(bad)
+        assert meter.state_dict() == good
 
 
 def test_paired_samples_repeat_the_pair_id():

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import gc
+import math
 import subprocess
 import sys
 import textwrap
@@ -169,10 +170,43 @@ def test_non_uniform_upstream_gradient():
 def test_a_bad_ignore_index_is_named(bad):
     # Regression: None raised AttributeError deep inside; True was taken for class 1.
     inputs, labels = make_inputs(lead=(2, 8), H=4, V=7, bias="none")
-    with pytest.raises(ValueError, match=r"ignore_index must be an int; got "):
+    with pytest.raises(ValueError, match=r"ignore_index must be an int( .*)?; got "):
         cl.chunk_cross_entropy(**inputs, labels=labels, ignore_index=bad)
-    with pytest.raises(ValueError, match=r"ignore_index must be an int; got "):
+    with pytest.raises(ValueError, match=r"ignore_index must be an int( .*)?; got "):
         cl.per_token_cross_entropy(logits=torch.randn(2, 8, 7), labels=labels, ignore_index=bad)
+
+
+@pytest.mark.parametrize("bad", [2**63, 2**64, -(2**63) - 1])
+def test_an_ignore_index_beyond_int64_is_named(bad):
+    # Regression: accepted by the int check, then "OverflowError: int too big to convert".
+    inputs, labels = make_inputs(lead=(2, 8), H=4, V=7, bias="none")
+    with pytest.raises(ValueError, match=r"ignore_index must be an int >= -\d+ and <= \d+; got "):
+        cl.chunk_cross_entropy(**inputs, labels=labels, ignore_index=bad)
+
+
+def test_zero_width_hidden_states_and_logits_are_scored_as_torch_scores_them():
+    # Regression: H = 0 (every logit 0, each loss log V) and V = 0 (every target ignored)
+    # crashed in reshape(-1, 0); F.linear and F.cross_entropy take them.
+    torch.manual_seed(0)
+    targets = torch.randint(0, 5, (2, 3))
+    h = torch.randn(2, 3, 0, requires_grad=True)
+    w = torch.randn(5, 0, requires_grad=True)
+    loss = cl.chunk_cross_entropy(h, w, shift_labels=targets)
+    expected = F.cross_entropy(F.linear(h, w).reshape(-1, 5), targets.reshape(-1))
+    assert torch.equal(loss.detach(), expected.detach())
+    loss.backward()
+    assert h.grad.shape == h.shape
+    assert w.grad.shape == w.shape
+    per_token = cl.per_token_cross_entropy(hidden_states=h, weight=w, shift_labels=targets)
+    assert torch.equal(per_token, torch.full((2, 3), math.log(5)))
+    bias, bias_weight = torch.randn(2, 3, 0), torch.randn(5, 0)  # a factored bias of width 0
+    with_bias = cl.chunk_cross_entropy(
+        h, w, shift_labels=targets, logits_bias=bias, logits_bias_weight=bias_weight
+    )
+    assert torch.equal(with_bias, loss)
+    ignored = torch.full((2, 3), -100)
+    none = cl.per_token_cross_entropy(logits=torch.zeros(2, 3, 0), shift_labels=ignored)
+    assert torch.equal(none, torch.zeros(2, 3))
 
 
 def test_num_items_in_batch_never_overwritten():
