@@ -2,8 +2,9 @@
 
 The public names are resolved on first use (module ``__getattr__``): the
 suite side (``harness.suites``) imports only the shared ground
-(``harness/*.py``), so ``harness inventory`` / ``run`` / ``matrix`` never load the launcher and
-its pool keeper (with its exit hook) unless something launches ranks.
+(``harness/*.py``); ``harness inventory`` / ``run`` / ``matrix`` load the launcher only
+through pytest's collection, which needs its plugin (its pool keeper then idle: it starts
+no process unless something launches ranks).
 """
 
 from __future__ import annotations

@@ -1,5 +1,7 @@
-"""The harness's exception base class: every error the harness raises on purpose derives
-from ``HarnessError``, so a caller can tell the harness's refusals from a bug."""
+"""The harness's exception base class: the harness's own error classes (a launch that failed,
+a lease wait that timed out, a refused launch spec, ...) derive from ``HarnessError``, so a
+caller can tell those refusals from a bug. A bad argument to a function raises ``ValueError``
+or ``TypeError``, as Python's own functions do."""
 
 from __future__ import annotations
 

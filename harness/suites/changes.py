@@ -2,8 +2,8 @@
 
 It never narrows unsafely: when the changed files cannot be determined (an
 unknown ref, a shallow clone without the merge base, no git), or when the
-change touches the harness itself, the suites, the build or any
-``conftest.py``, every entry runs. Otherwise an entry runs when a changed
+change touches the harness itself, the suites, the build, pytest's configuration
+or any ``conftest.py``, every entry runs. Otherwise an entry runs when a changed
 file matches one of its ``depends_on`` globs or lies under one of its own test
 paths; an entry without ``depends_on`` always runs.
 """
@@ -17,11 +17,19 @@ from pathlib import Path
 
 from harness.suites.manifest import Entry, path_matches
 
-#: A change to any of these runs everything: they decide what and how every case runs.
+#: A change to any of these runs everything: they decide what and how every case runs (the
+#: harness, the suites, the build and every file pytest may read its configuration from).
 RUN_EVERYTHING: tuple[str, ...] = (
     "harness",
     "suites",
     "pyproject.toml",
+    "setup.py",
+    "setup.cfg",
+    "pytest.ini",
+    ".pytest.ini",
+    "pytest.toml",
+    ".pytest.toml",
+    "tox.ini",
     "noxfile.py",
     "**/conftest.py",
 )
@@ -43,7 +51,12 @@ def _git(root: Path, *args: str) -> tuple[str | None, str]:
     """git's output, or ``None`` and why it failed (its first line of error)."""
     try:
         done = subprocess.run(
-            ["git", "-C", str(root), *args], capture_output=True, text=True, timeout=60, check=False
+            ["git", "-C", str(root), *args],
+            capture_output=True,
+            text=True,
+            errors="surrogateescape",  # a file name that is not UTF-8 is still a name
+            timeout=60,
+            check=False,
         )
     except (OSError, subprocess.TimeoutExpired) as e:
         return None, f"git {args[0]}: {e}"
@@ -53,21 +66,29 @@ def _git(root: Path, *args: str) -> tuple[str | None, str]:
     return None, f"git {args[0]}: {error}"
 
 
+def git_top(root: Path) -> Path | None:
+    """The top folder of the git repository ``root`` lies in; None outside one (or no git)."""
+    out, _ = _git(root, "rev-parse", "--show-toplevel")
+    return Path(out.strip()).resolve() if out and out.strip() else None
+
+
 def changed_files(root: Path, ref: str) -> tuple[list[str] | None, str]:
-    """Repository-relative files that differ between the merge base of ``ref``
-    and ``HEAD`` and the working tree (committed, staged, unstaged and untracked
-    changes; renames count as both names), and ``""``; or ``None`` and why git
-    cannot tell (an unknown ref, no merge base, not a repository)."""
+    """The files below ``root`` that differ between the merge base of ``ref`` and ``HEAD``
+    and the working tree (committed, staged, unstaged and untracked changes; renames count
+    as both names), as paths from ``root`` (the harness's root may be a folder of the git
+    repository: a monorepo's project; changes outside it do not count), and ``""``; or
+    ``None`` and why git cannot tell (an unknown ref, no merge base, not a repository)."""
     base, why = _git(root, "merge-base", ref, "HEAD")
     if base is None:
         return None, why or f"no merge base of {ref} and HEAD"
-    diff, why = _git(root, "diff", "--name-only", "--no-renames", base.strip())
+    # -z: names as they are (git quotes a name with non-ASCII bytes otherwise).
+    diff, why = _git(root, "diff", "--name-only", "-z", "--no-renames", "--relative", base.strip())
     if diff is None:
         return None, why
-    untracked, why = _git(root, "ls-files", "--others", "--exclude-standard")
+    untracked, why = _git(root, "ls-files", "-z", "--others", "--exclude-standard")
     if untracked is None:
         return None, why
-    return sorted({line for line in (diff + untracked).splitlines() if line}), ""
+    return sorted({name for name in (diff + untracked).split("\0") if name}), ""
 
 
 def select(

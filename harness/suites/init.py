@@ -40,6 +40,7 @@ from typing import Any
 from harness.errors import HarnessError
 from harness.jsonio import write_text
 from harness.names import EXIT_FAILED, EXIT_OK, EXIT_USAGE
+from harness.suites.changes import git_top
 from harness.suites.inventory import collect, is_test_module
 from harness.suites.manifest import (
     SCHEMA_FILE,
@@ -351,6 +352,18 @@ def render(
         if isinstance(kept, Manifest) and kept.suite == "cpu":
             cpu_minutes = max(r.timeout_minutes for r in kept.runners)
     if workflows:
+        top = git_top(root)
+        if top is not None and top != root.resolve():
+            # GitHub reads .github/workflows at the repository's top only, and the workflows
+            # run their commands there.
+            raise InitError(
+                f"--workflows: {root} is a folder of the git repository {top}, and GitHub "
+                f"reads workflows only from {top / '.github/workflows'}; the ones init writes "
+                "run from the repository's top. Run `harness init` here without --workflows, "
+                "and write the workflow at the top with `defaults: run: working-directory: "
+                f"{root.resolve().relative_to(top)}`",
+                EXIT_USAGE,
+            )
         suites = [(_suite_for(d), d) for d in accelerators]
         written = {name for name, _ in suites}
         # The accelerator suites already there get theirs too (init writes cpu's always).

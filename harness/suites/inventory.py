@@ -713,10 +713,12 @@ class EntryIndex:
         for segment in set(path.split("/")):
             yield from self.globs.get(segment, ())
 
-    def covers_file(self, path: str) -> bool:
-        """True when some entry's path (a node id's file part included) is ``path`` or a directory above it."""
+    def covers_file(self, path: str, *, node_ids: bool = True) -> bool:
+        """True when some entry's path (a node id's file part included, unless not
+        ``node_ids``: then only entries that hold the whole file) is ``path`` or a
+        directory above it."""
         dirs = _ancestors(path)
-        if any(d in self.by_path or d in self.id_files for d in dirs):
+        if any(d in self.by_path or (node_ids and d in self.id_files) for d in dirs):
             return True
         return any(rx.match(a) for rx, _ in self._globs_for(path) for a in dirs[1:])
 
@@ -789,7 +791,7 @@ def _load_scope(root: Path, suites: Iterable[str] | None) -> _Scope:
     if not all_manifests and not problems:
         # Never "0 case(s), 0 problem(s)": a repository without suites checks nothing.
         why = (
-            "has no suite manifests"
+            f"has no suite manifests (root {root}, the nearest folder holding a {SUITES_DIR}/)"
             if (root / SUITES_DIR).is_dir()
             else f"does not exist in {root}"
         )
@@ -934,8 +936,10 @@ def _ownership_problems(
         fcases = by_file.get(f, [])
         if any(c.nodeid in inv.owners for c in fcases):
             continue
-        if not fcases and covered.covers_file(f):
-            continue  # collects nothing here (e.g. a module-level skip); its entry covers it
+        if all(c.spec is None for c in fcases) and covered.covers_file(f):
+            # Collects nothing here (e.g. a module-level skip), or only cases whose launch
+            # marker is invalid (each a bad-launch-spec problem): its entry covers it.
+            continue
         out.append(
             Problem(
                 names.UNOWNED_FILE,

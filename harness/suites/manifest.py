@@ -200,7 +200,7 @@ def resolve_suite(root: Path, name_or_path: str) -> Path:
                 names.UNKNOWN_SUITE,
                 f"{SUITES_DIR}/",
                 name_or_path,
-                f"no such suite (known: {known})",
+                f"no such suite in {root / SUITES_DIR} (known: {known})",
             )
         ]
     )

@@ -448,6 +448,21 @@ def unplanned(nodeids: Iterable[str], suite: str, limit: int = 30) -> str:
     )
 
 
+def beyond(nodeids: Iterable[str], limit: int = 30) -> str:
+    """The cases pytest collected only with the arguments given to it, one per line (at most
+    ``limit``): the suite's inventory collects without them, so no plan holds them."""
+    return _bullets(
+        [
+            f"- not planned, not run: `{n}` (pytest collected it only with the arguments given "
+            "to it; the suite's inventory collects without them: collect it always, and skip it "
+            "unless your option is given, as pytest's --runslow recipe does)"
+            for n in sorted(nodeids)
+        ],
+        limit,
+        "more not planned",
+    )
+
+
 def _bullets(lines: Sequence[str], limit: int, more: str) -> str:
     """The first ``limit`` of ``lines``, then "- ... and N {more}" for the rest; each line
     ends with a newline ("" for none)."""

@@ -48,7 +48,13 @@ from harness import names, processes
 from harness.jsonio import write_json, write_text
 from harness.names import EXIT_FAILED, EXIT_OK, EXIT_USAGE
 from harness.suites import changes, report, selection
-from harness.suites.inventory import CollectedCase, SuiteInventory, build_inventory, plugin_args
+from harness.suites.inventory import (
+    CollectedCase,
+    EntryIndex,
+    SuiteInventory,
+    build_inventory,
+    plugin_args,
+)
 from harness.suites.manifest import Entry, Manifest
 from harness.suites.plan import PlanError, parse_shard, plan_suite, write_durations
 
@@ -489,6 +495,8 @@ class _Run:
     #: Whether the run plans every case of the suite (no shard, ``--changed-from`` or
     #: ``--max-cards`` left one out).
     whole: bool = True
+    #: Every case the inventory collected, of any suite or none.
+    inventoried: frozenset[str] = frozenset()
 
     @property
     def title(self) -> str:
@@ -555,7 +563,10 @@ def _plan_run(root: Path, opts: RunOptions, started: float) -> _Run:
     out = (opts.out or _default_out(root, m.suite, shard)).resolve()
     groups = run_groups(m.device, cases, opts.pytest_args, opts.workers)
     whole = len(cases) == len(inv.suite_cases(suite_name))
-    return _Run(root, opts, m, shard, cases, too_big, out, started, inv.inipath, groups, whole)
+    inventoried = frozenset(c.nodeid for c in inv.cases)
+    return _Run(
+        root, opts, m, shard, cases, too_big, out, started, inv.inipath, groups, whole, inventoried
+    )
 
 
 #: The lock file in a run's output folder: ``flock``'d by the run that writes there, from before
@@ -682,6 +693,7 @@ def _pytest_command(
             "cases": {c.nodeid: deadline for c, _ in group},
             "run": [c.nodeid for c, _ in run.cases],  # the whole run's (--lf spans the groups)
             "entries": {c.nodeid: e.id for c, e in group},
+            "inventoried": sorted(run.inventoried),  # every case the inventory collected
             "files": files,  # the paths below; any other is the caller's, and narrows the group
         },
         indent=None,
@@ -822,6 +834,10 @@ def _run_groups(run: _Run, stop: _Stop, deadline: float, limit_s: float, before:
         elif code == _PYTEST_USAGE_ERROR:
             # Its command line or configuration (the same for every group): said once.
             ended = "pytest stopped on a usage error (exit status 4)"
+            if not records.options:
+                # Before its session was configured: its cases never ran for that reason
+                # (not "missing"; a planned file gone, found missing later, still is).
+                halted[-1] = halted[-1] or ended
     return ran
 
 
@@ -831,7 +847,21 @@ _PYTEST_INTERRUPTED = 2
 _PYTEST_USAGE_ERROR = 4
 
 
-def _verdict(total: report.EntryRow, ran: _Ran, stop: _Stop, whole: bool) -> list[str]:
+def _unplanned(run: _Run, ran: _Ran) -> tuple[set[str], set[str]]:
+    """The cases pytest collected that the suite's inventory lacks, in two kinds: those in
+    files an entry of the suite holds whole (only the arguments given to pytest collect
+    them: a conftest option, --doctest-modules), and, where paths were given to pytest,
+    the others (under those paths, in files no entry of the suite owns)."""
+    unplanned = {c for r in ran.records for c in r.unplanned}
+    index = EntryIndex(run.manifest.entries)
+    beyond = {c for c in unplanned if index.covers_file(c.split("::", 1)[0], node_ids=False)}
+    narrowed = any(r.options.get("narrowed") for r in ran.records)
+    return beyond, (unplanned - beyond if narrowed else set())
+
+
+def _verdict(
+    total: report.EntryRow, ran: _Ran, stop: _Stop, whole: bool, beyond: set[str]
+) -> list[str]:
     """Why the run is red (empty: green). Cases pytest's own options deselected or left
     unrun (``-k``, ``--lf``, ``-x``, ``--collect-only``) are the caller's choice, not a failure,
     unless they (or the paths given to pytest) leave no case of a ``whole`` suite to run
@@ -844,6 +874,10 @@ def _verdict(total: report.EntryRow, ran: _Ran, stop: _Stop, whole: bool) -> lis
         verdict.append(f"{total.failed} failed")
     if total.missing:
         verdict.append(f"{total.missing} planned case(s) never ran")
+    if beyond:
+        verdict.append(
+            f"{len(beyond)} case(s) collected only with the arguments given to pytest were not run"
+        )
     if not total.passed and not narrowed:
         verdict.append(f"no case passed ({total.skipped} skipped)")
     absent = sorted({a for r in ran.records for a in r.options.get("not_found", ())})
@@ -877,7 +911,12 @@ def _verdict(total: report.EntryRow, ran: _Ran, stop: _Stop, whole: bool) -> lis
         if c not in (0, 1, 5) and not late and stop.signum is None
     ]
     if bad_codes:
-        verdict.append(f"pytest exited with {', '.join(map(str, bad_codes))}")
+        usage = (
+            " (a usage error: see pytest's message above)"
+            if _PYTEST_USAGE_ERROR in bad_codes
+            else ""
+        )
+        verdict.append(f"pytest exited with {', '.join(map(str, bad_codes))}{usage}")
     if 1 in ran.codes and not total.failed and stop.signum is None:
         # Exit 1 is "tests failed"; with none failed, something else failed the run
         # (pytest-cov's --cov-fail-under, say), which pytest reported above.
@@ -919,15 +958,12 @@ def _report(run: _Run, ran: _Ran, stop: _Stop) -> int:
         shutil.copyfile(junit_all, asked)
     rows = report.summarize([(c.nodeid, e.id, c.cards) for c, e in run.cases], results)
     table = report.render(rows, run.title, time.monotonic() - run.started)
-    verdict = _verdict(report.totals(rows), ran, stop, run.whole)
+    beyond, outside = _unplanned(run, ran)
+    verdict = _verdict(report.totals(rows), ran, stop, run.whole, beyond)
     detail = report.failures(results)
     for headline, log in selection.fired(run.out):
         detail += f"- watchdog: {headline}; stacks in {log}\n"
-    not_here = run.not_here
-    if run.whole:  # a part's (a shard's) other cases are collected too: no news
-        not_here += report.unplanned(
-            {c for r in ran.records for c in r.unplanned}, run.manifest.suite
-        )
+    not_here = run.not_here + report.beyond(beyond) + report.unplanned(outside, run.manifest.suite)
     text = (
         table
         + ("\n" + detail if detail else "")

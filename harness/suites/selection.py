@@ -526,12 +526,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         keep = []
     outcomes = config.pluginmanager.get_plugin("harness-outcomes")
     callers = _callers_args(config, sel)
-    if drop and outcomes is not None and callers:
-        # Cases the caller's paths collect that the run does not hold (a file no entry of
-        # the suite owns, say): pytest alone would run them; the summary names them.
-        others = {_case_id(i, root) for i in drop} - set(sel.get("run", ()))
-        if others:
-            outcomes.record(unplanned=sorted(others))
+    if drop and outcomes is not None:
+        # Cases pytest collected that the suite's inventory lacks: under paths given to
+        # pytest that no entry of the suite owns, or collected only with the arguments given
+        # (a conftest option that adds cases, --doctest-modules). pytest alone would run
+        # them; the summary names them (`harness run` tells the two apart).
+        unplanned = {_case_id(i, root) for i in drop} - set(sel.get("inventoried", ()))
+        if unplanned:
+            outcomes.record(unplanned=sorted(unplanned))
     if drop or ignored:
         if drop:
             config.hook.pytest_deselected(items=drop)
@@ -688,8 +690,8 @@ class Records:
     collect: dict[str, tuple[str, str]] = field(default_factory=dict)
     #: Node id -> its phases' ``(when, outcome, seconds, message)``.
     reports: dict[str, list[tuple[str, str, float, str]]] = field(default_factory=dict)
-    #: Cases the caller's paths collected that are none of the run's (owned by no entry of
-    #: the suite, or by another part of it: a shard, ``--changed-from``).
+    #: Cases pytest collected that the suite's inventory lacks (under paths given to pytest
+    #: that no entry of the suite owns, or only with the arguments given): never planned.
     unplanned: set[str] = field(default_factory=set)
     #: Files (case ids) pytest's ``--lf`` did not collect: none of their cases failed last.
     last_failed_skipped: set[str] = field(default_factory=set)

@@ -16,10 +16,10 @@ import pytest
 from suite_project import make_project, manifest
 
 from harness.spec import LaunchSpec
-from harness.suites import report
+from harness.suites import changes, report
 from harness.suites.cli import main
 from harness.suites.inventory import CollectedCase
-from harness.suites.manifest import Entry
+from harness.suites.manifest import Entry, load_manifest
 from harness.suites.run import run_groups, worker_count
 
 REPO = Path(__file__).resolve().parents[2]
@@ -207,6 +207,46 @@ def test_run_changed_from_and_shards(pytester):
     planned = [c for c, _ in json.loads((root / "out/s1/plan.json").read_text())["cases"]]
     assert len(planned) == 2
     assert summary_rows((root / "out/s1/summary.md").read_text())["total"][:2] == ["2", "2"]
+
+
+def test_changed_files_are_read_from_the_harness_root(tmp_path):
+    # Regressions: in a monorepo's project folder git's paths (from the repository's top)
+    # matched no entry, and a file name with non-ASCII letters came quoted: both selected
+    # nothing and the run was green. A pytest.ini change did not run everything.
+    top = tmp_path / "mono"
+    project = top / "python"
+    project.mkdir(parents=True)
+    entries = [
+        {"id": "core", "paths": ["tests/core"], "depends_on": ["pkg/core.py"]},
+        {"id": "uni", "paths": ["tests/ä"], "depends_on": ["pkg/ü.py"]},
+    ]
+    make_project(
+        project,
+        {"tests/core/test_core.py": "def test_c():\n    pass\n", "tests/ä/test_ä.py": ""},
+        {"cpu": manifest("cpu", "cpu", entries)},
+        {"pkg/core.py": "", "pkg/ü.py": "", "pytest.ini": "[pytest]\n"},
+    )
+    (top / "README.md").write_text("top\n")
+    commit_all(top)
+    m = load_manifest(project / "suites/cpu.json", project)
+
+    def selected() -> set[str]:
+        return set(changes.select(m.entries, *changes.changed_files(project, "main")).entries)
+
+    (top / "README.md").write_text("outside the project\n")
+    assert changes.changed_files(project, "main") == ([], "")
+    (project / "pkg/core.py").write_text("x = 1\n")
+    assert selected() == {"core"}
+    git(top, "checkout", "-q", "--", ".")
+    (project / "pkg/ü.py").write_text("x = 1\n")
+    (project / "tests/ä/test_new.py").write_text("")  # untracked
+    assert changes.changed_files(project, "main") == (["pkg/ü.py", "tests/ä/test_new.py"], "")
+    assert selected() == {"uni"}
+    git(top, "checkout", "-q", "--", ".")
+    (project / "tests/ä/test_new.py").unlink()
+    (project / "pytest.ini").write_text("[pytest]\nfilterwarnings = error\n")
+    sel = changes.select(m.entries, *changes.changed_files(project, "main"))
+    assert sel.everything, sel.reason
 
 
 def test_a_run_with_nothing_to_run_still_writes_its_report_files(pytester):

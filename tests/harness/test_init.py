@@ -146,6 +146,29 @@ def test_keeps_your_manifest_and_refuses_to_overwrite_other_files_without_force(
     assert "suites/cpu.json exists with other content" in broken.stderr
 
 
+def test_workflows_for_a_folder_of_a_git_repository_are_refused(tmp_path):
+    # Regression: in a monorepo's project folder, --workflows wrote
+    # python/.github/workflows/harness-cpu.yml, which GitHub never reads, without a word.
+    top = tmp_path / "mono"
+    root = write(
+        top / "python",
+        {
+            "pyproject.toml": '[tool.pytest.ini_options]\ntestpaths = ["tests"]\n',
+            "tests/test_plain.py": "def test_plain():\n    pass\n",
+        },
+    )
+    subprocess.run(["git", "init", "-q", str(top)], check=True)
+    done = harness(root, "init", "--workflows")
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert f"is a folder of the git repository {top}" in done.stderr
+    assert "working-directory: python" in done.stderr
+    assert not (root / ".github").exists()
+    assert not (root / "suites").exists()
+    done = harness(root, "init")
+    assert done.returncode == 0, done.stderr
+    assert (root / "suites/cpu.json").is_file()
+
+
 def test_accelerator_suites_share_one_case_list_and_get_workflows(tmp_path):
     root = write(
         tmp_path,

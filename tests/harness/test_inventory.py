@@ -443,6 +443,8 @@ def test_rule_bad_launch_spec(pytester):
     (p,) = only(inv, "bad-launch-spec")
     assert p.where == "tests/test_bad.py::test_zero"
     assert "nproc" in p.message
+    # Regression: a file an entry owns whose only case has a bad marker was also "unowned".
+    assert [str(p) for p in inv.problems if p.rule == "unowned-file"] == []
 
 
 def test_first_matching_entry_owns_and_markers_select(pytester):
@@ -603,6 +605,7 @@ def test_repository_without_suites_is_an_error(pytester, capsys, with_dir):
     err = capsys.readouterr().err
     assert "suites/: [no-suites]" in err
     assert ("has no suite manifests" if with_dir else "does not exist in") in err
+    assert str(pytester.path) in err  # the root it picked
     # Nothing was collected (outside a repository, everything below the working directory
     # was, before the inventory said there was no suite).
     assert not marker.exists()

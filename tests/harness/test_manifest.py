@@ -336,6 +336,8 @@ def test_load_suites_reports_unknown_names(tmp_path):
     assert [m.suite for m in manifests] == ["cpu"]
     assert [p.rule for p in problems] == ["unknown-suite"]
     assert "known: cpu" in problems[0].message
+    # The root it looked in: the nearest folder holding suites/ may not be the one meant.
+    assert f"no such suite in {tmp_path / 'suites'} " in problems[0].message
 
 
 def test_runner_classes_are_sorted_and_budget_defaults_to_three_quarters(tmp_path):

@@ -749,7 +749,15 @@ def test_a_usage_error_stops_the_run_at_its_first_group(pytester, tmp_path):
     assert second["message"] == (
         "pytest stopped on a usage error (exit status 4), before its group started"
     )
-    assert "pytest exited with 4" in done.stdout
+    # Regression: the first group's cases were "missing: never collected" (a --pdb refusal
+    # of a run given one file called every case of the suite missing).
+    first = cases["tests/first/test_first.py::test_it"]
+    assert (first["outcome"], first["message"]) == (
+        "not run",
+        "pytest stopped on a usage error (exit status 4)",
+    )
+    assert "never ran" not in done.stdout
+    assert "pytest exited with 4 (a usage error: see pytest's message above)" in done.stdout
 
 
 def test_junit_holds_the_cases_of_a_pytest_that_died(pytester):
@@ -900,7 +908,7 @@ def test_a_configuration_that_disables_the_harness_plugin_fails_the_run(pytester
     assert (
         "harness run needs its pytest plugin harness.launcher.plugin" in done.stdout + done.stderr
     )
-    assert outcomes(root / "out") == {"tests/a/test_a.py::test_a": "missing"}
+    assert outcomes(root / "out") == {"tests/a/test_a.py::test_a": "not run"}
 
 
 def test_named_cases_whose_collection_crashed_are_never_deselected(pytester):
@@ -1094,13 +1102,47 @@ def test_cases_the_paths_given_collect_outside_the_suite_are_named(pytester):
     done = harness(root, "run", "cpu", "--out", "out", "-k", "test_x", "--", "-n", "0")
     assert done.returncode == 0, done.stdout + done.stderr
     assert "were not collected" not in done.stderr, done.stderr
-    # Without paths the run gives pytest its own files only; a shard's paths collect the
-    # other shards' cases: no note.
+    # Without paths the run gives pytest its own files only: no note. A shard's paths
+    # collect the other shard's cases too: they are the suite's, only the file outside it
+    # is named.
     done = harness(root, "run", "cpu", "--out", "out")
     assert done.returncode == 0, done.stdout + done.stderr
     assert "not in suite" not in done.stdout
-    done = harness(root, "run", "cpu", "--shard", "1/2", "--out", "out", "--", "tests")
-    assert "not in suite" not in done.stdout, done.stdout
+    for shard in ("1/2", "2/2"):
+        done = harness(root, "run", "cpu", "--shard", shard, "--out", "out", "--", "tests")
+        assert done.stdout.count("not in suite") == 1, done.stdout
+        assert note in done.stdout, done.stdout
+
+
+def test_cases_only_the_options_given_collect_make_the_run_red(pytester):
+    # Regression: a conftest option that adds cases (--runslow dropping slow items unless
+    # given) made pytest collect a case the inventory, collected without it, never saw: it
+    # was dropped without a word and the run green, or, with a path, called "not in suite"
+    # though an entry owns its file.
+    tests = {
+        "tests/conftest.py": """
+            def pytest_addoption(parser):
+                parser.addoption("--runslow", action="store_true")
+
+            def pytest_collection_modifyitems(config, items):
+                if not config.getoption("--runslow"):
+                    items[:] = [i for i in items if "slow" not in i.name]
+        """,
+        "tests/a/test_a.py": "def test_fast():\n    pass\n\ndef test_slow():\n    assert 0\n",
+        "tests/b/test_b.py": "def test_b():\n    pass\n",
+    }
+    entries = [{"id": "a", "paths": ["tests/a"]}, {"id": "b", "paths": ["tests/b"]}]
+    root = make_project(pytester.path, tests, {"cpu": manifest("cpu", "cpu", entries)})
+    note = "- not planned, not run: `tests/a/test_a.py::test_slow` (pytest collected it only"
+    for args in (["-n", "0"], ["-n", "2"], ["tests/a"]):
+        done = harness(root, "run", "cpu", "--out", "out", "--", "--runslow", *args)
+        assert done.returncode == 1, done.stdout + done.stderr
+        assert "1 case(s) collected only with the arguments given to pytest" in done.stdout
+        assert note in done.stdout, done.stdout
+        assert "not in suite" not in done.stdout, done.stdout
+    done = harness(root, "run", "cpu", "--out", "out")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "not planned" not in done.stdout, done.stdout
 
 
 def test_cases_of_two_files_reached_through_a_link_keep_their_own_results(pytester, tmp_path):
