@@ -18,7 +18,14 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import IO, Any, NoReturn
 
-__all__ = ["INTERRUPT_SIGNAL", "WATCHDOG_GRACE_S", "Watchdog", "watchdog"]
+__all__ = [
+    "BACKSTOP_MARGIN_S",
+    "INTERRUPT_SIGNAL",
+    "WATCHDOG_GRACE_S",
+    "Watchdog",
+    "share_faulthandler",
+    "watchdog",
+]
 
 
 #: How long past its deadline the watchdog waits, after interrupting the main
@@ -48,6 +55,25 @@ class _Armed:
 #: The longest the watch thread sleeps at once; it then looks at its deadlines again.
 _LONGEST_WAIT_S = 3600.0
 
+#: How long after the watch thread should have stopped the process faulthandler's C timer
+#: does it (see ``Watchdog.backstop``).
+BACKSTOP_MARGIN_S = 5.0
+
+#: The latest backstop faulthandler takes (its timer overflows far beyond a year).
+_LONGEST_BACKSTOP_S = 365 * 86400.0
+
+
+def _stderr_copy() -> int | None:
+    try:
+        return os.dup(2)
+    except OSError:  # no stderr at all
+        return None
+
+
+#: This process's stderr as it was when the harness was loaded: pytest loads its plugins
+#: before its capture replaces fd 2 with a file that dies with the process.
+_STDERR = _stderr_copy()
+
 
 class Watchdog:
     """The deadlines of the phases of this process's work (a test's setup,
@@ -69,6 +95,14 @@ class Watchdog:
     (pytester's in-process runs) keeps the outer deadline armed, and a phase
     whose disarming was cut short by its own interruption is replaced by the
     owner's next one instead of stopping the process later.
+
+    The watch thread needs the GIL, which native code that never releases it
+    holds (a catastrophic regular expression, a C extension's loop): with
+    ``backstop`` (the default) faulthandler's timer, a C thread, is also set
+    to stop the process ``BACKSTOP_MARGIN_S`` after the thread should have
+    (every thread's stack on stderr, exit status 1; the exit hooks cannot run).
+    Code that uses faulthandler's single timer itself (pytest's
+    ``faulthandler_timeout``) turns it off (:func:`share_faulthandler`).
     """
 
     def __init__(self) -> None:
@@ -79,6 +113,24 @@ class Watchdog:
         self._installed = False
         self.exit_log: IO[str] | None = None
         self.exit_hooks: list[Callable[[str], None]] = []
+        self.backstop = True
+        self._backstop_set = False
+
+    def _set_backstop(self) -> None:
+        """Set faulthandler's timer for the earliest stop of the phases armed (under the lock)."""
+        stops = [a.start + a.seconds + a.grace for a in self._armed.values()]
+        seconds = min(stops) - time.monotonic() + BACKSTOP_MARGIN_S if stops else None
+        if (
+            self.backstop
+            and _STDERR is not None
+            and seconds is not None
+            and seconds < _LONGEST_BACKSTOP_S
+        ):
+            faulthandler.dump_traceback_later(max(seconds, 0.001), exit=True, file=_STDERR)
+            self._backstop_set = True
+        elif self._backstop_set:
+            faulthandler.cancel_dump_traceback_later()
+            self._backstop_set = False
 
     def _arm(self, key: object, armed: _Armed) -> None:
         with self._lock:
@@ -90,6 +142,7 @@ class Watchdog:
                 self._previous = signal.signal(INTERRUPT_SIGNAL, self._on_signal)
                 self._installed = True
             self._armed[key] = armed
+            self._set_backstop()
             if self._thread is None:
                 self._thread = threading.Thread(
                     target=self._watch, name="harness-watchdog", daemon=True
@@ -101,6 +154,7 @@ class Watchdog:
         """``key``'s phase is over (it ended, or failed at its deadline)."""
         with self._lock:
             self._armed.pop(key, None)
+            self._set_backstop()
             if not self._armed and self._installed:
                 signal.signal(INTERRUPT_SIGNAL, self._previous)
                 self._installed = False
@@ -201,3 +255,13 @@ def _stacks() -> str:
 
 #: This process's watchdog (one per process: one main thread to interrupt).
 watchdog = Watchdog()
+
+
+def share_faulthandler(config: Any) -> None:
+    """Leave faulthandler's one timer to pytest's ``faulthandler_timeout`` where the pytest
+    ``config`` sets it (> 0): the watchdog then keeps no backstop (see :class:`Watchdog`)."""
+    try:
+        timeout = float(config.getini("faulthandler_timeout") or 0)
+    except ValueError:  # -p no:faulthandler: pytest does not use the timer
+        timeout = 0.0
+    watchdog.backstop = not timeout > 0

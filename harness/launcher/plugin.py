@@ -72,7 +72,7 @@ from harness.launcher.supervisor import tie_to_controller
 from harness.launcher.target import FunctionRef, conftests_for
 from harness.spec import ACCELERATORS, LaunchSpec, is_launched, launch_refusal, spec_for_item
 from harness.validation import check_int, check_seconds
-from harness.watchdog import WATCHDOG_GRACE_S, watchdog
+from harness.watchdog import WATCHDOG_GRACE_S, share_faulthandler, watchdog
 
 SETTINGS_KEY = pytest.StashKey[Settings]()
 #: How to deactivate this config's settings (``harness.launcher.settings.active``).
@@ -148,6 +148,7 @@ def pytest_configure(config: pytest.Config) -> None:
     phases = _FixtureDeadlines(config)
     config.pluginmanager.register(phases, "harness-fixture-deadlines")
     watchdog.exit_hooks.append(phases.on_exit)
+    share_faulthandler(config)
 
 
 def _settings_from(config: pytest.Config) -> Settings:

@@ -99,6 +99,57 @@ def test_hanging_fixtures_of_a_launched_case_fail_at_the_case_deadline(tmp_path)
     assert session.seconds < 50, session.output
 
 
+GIL_BOUND = """
+    import re
+
+    import pytest
+
+
+    @pytest.fixture
+    def holds_the_gil():
+        # Catastrophic backtracking: C code that never releases the GIL for hours.
+        re.match(r"(a+)+$", "a" * 48 + "b")
+
+
+    @pytest.mark.launch(nproc=1, timeout=1)
+    def test_fixture_in_native_code(holds_the_gil):
+        pass
+"""
+
+
+def test_native_code_holding_the_gil_is_stopped_by_the_backstop(tmp_path):
+    # Regression: the watch thread needs the GIL, which the stuck fixture holds: the
+    # process ran on, far past every stated bound (no output, no exit).
+    root = write_project(tmp_path / "project", {"test_gil.py": GIL_BOUND})
+    session = run_session(root, env=inner_env(root / "out", root / "leases"), timeout=120)
+    # The case deadline 1 s, the watchdog's grace 1 s, then the backstop's margin.
+    assert session.returncode == 1, session.output
+    assert session.seconds < 60, session.output
+    assert "Timeout (0:00:0" in session.output, session.output
+    assert "in holds_the_gil" in session.output, session.output
+
+
+def test_a_planned_case_in_native_code_fails_and_the_run_goes_on(pytester):
+    # The same under `harness run`: the case ran until the runner's timeout stopped the
+    # whole run, every later group "not run".
+    stuck = 're.match(r"(a+)+$", "a" * 48 + "b")'
+    tests = {
+        "tests/s/test_s.py": f"import re\n\ndef test_ok():\n    pass\n\ndef test_stuck():\n    {stuck}\n",
+        "tests/t/test_t.py": "def test_then():\n    pass\n",
+    }
+    entries = [
+        {"id": "s", "paths": ["tests/s"], "timeout_s": 0.5},
+        {"id": "t", "paths": ["tests/t"], "timeout_s": 30},
+    ]
+    root = make_project(pytester.path, tests, {"cpu": manifest("cpu", "cpu", entries)})
+    done = harness(root, "run", "cpu", "--out", "out", timeout=120)
+    assert done.returncode == 1, done.stdout + done.stderr
+    rows = summary_rows((root / "out/summary.md").read_text())
+    assert rows["s"][:3] == ["2", "1", "1"], done.stdout  # test_ok kept its pass
+    assert rows["t"][:3] == ["1", "1", "0"], done.stdout  # the next group ran
+    assert "in test_stuck" in done.stdout + done.stderr
+
+
 CASES = """
     import time
 
