@@ -35,6 +35,7 @@ Example (custom loop)::
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import logging
 import sys
@@ -1079,34 +1080,63 @@ class ObservingOutputsLoss:
         return loss
 
 
-class _FusedSmoothing:
-    """A Trainer's ``compute_loss`` under ``ChannelLossCallback.attach``: a training call on a
-    model that carries an active ``patch_model(model, fused=True)`` runs with the Trainer's
-    label smoother off and the fused loss smoothing by its ``epsilon`` instead (the labels
-    then reach the model, which never forms the logits); every other call (evaluation,
-    prediction, an unpatched model) runs as it would unattached. Nothing outlives the call:
-    the smoother and the fused loss's smoothing are restored when it returns."""
+@functools.cache
+def _fused_smoothing_base() -> type:
+    """The class ``attach`` puts right above ``transformers.Trainer`` in a Trainer's class
+    (see ``_with_fused_smoothing``); made on first use (``Trainer`` imports accelerate)."""
+    from transformers import Trainer
 
-    def __init__(self, trainer, compute_loss) -> None:
-        self.trainer = trainer
-        self.compute_loss = compute_loss
+    class FusedSmoothingTrainer(Trainer):
+        """The Trainer's own ``compute_loss``, on a training call with the labels and a model
+        that carries an active ``patch_model(model, fused=True)``, runs with the label
+        smoother off (so the labels reach the model, which never forms the logits) and the
+        fused loss smoothing by the smoother's ``epsilon``; both are restored when it
+        returns. A subclass's own ``compute_loss`` code around ``super().compute_loss``,
+        or instead of it, sees the smoother as it is, and no smoothing on the model."""
 
-    def __call__(self, model, inputs, *args: Any, **kwargs: Any):
-        trainer = self.trainer
-        smoother = getattr(trainer, "label_smoother", None)
-        fused = None
-        if smoother is not None and model.training:
-            fused = _fused_patch_of(_unwrap(model, fused=False)[0])
-        if fused is None:
-            return self.compute_loss(model, inputs, *args, **kwargs)
-        before = fused.label_smoothing
-        fused.label_smoothing = float(smoother.epsilon)
-        trainer.label_smoother = None
-        try:
-            return self.compute_loss(model, inputs, *args, **kwargs)
-        finally:
-            trainer.label_smoother = smoother
-            fused.label_smoothing = before
+        def compute_loss(self, model, inputs, *args: Any, **kwargs: Any):
+            smoother = self.label_smoother
+            fused = None
+            if (
+                smoother is not None
+                and self.compute_loss_func is None  # it, not the smoother, makes the loss
+                and model.training
+                and "labels" in inputs
+            ):
+                fused = _fused_patch_of(_unwrap(model, fused=False)[0])
+            if fused is None:
+                return super().compute_loss(model, inputs, *args, **kwargs)
+            before = fused.label_smoothing
+            fused.label_smoothing = float(smoother.epsilon)
+            self.label_smoother = None
+            try:
+                return super().compute_loss(model, inputs, *args, **kwargs)
+            finally:
+                self.label_smoother = smoother
+                fused.label_smoothing = before
+
+    return FusedSmoothingTrainer
+
+
+@functools.cache
+def _fused_smoothing_class(cls: type) -> type:
+    """``cls`` with ``_fused_smoothing_base()`` between it and ``transformers.Trainer``: a
+    subclass's ``super().compute_loss`` reaches it (Python's method resolution order)."""
+    return type(
+        cls.__name__,
+        (cls, _fused_smoothing_base()),
+        {"__module__": cls.__module__, "__qualname__": cls.__qualname__, "__doc__": cls.__doc__},
+    )
+
+
+def _with_fused_smoothing(trainer) -> None:
+    """Give ``trainer`` the fused label smoothing of ``_fused_smoothing_base`` (once)."""
+    from transformers import Trainer
+
+    if isinstance(trainer, _fused_smoothing_base()) or not isinstance(trainer, Trainer):
+        return
+    with contextlib.suppress(TypeError):  # a class hierarchy it cannot join: smoother as is
+        trainer.__class__ = _fused_smoothing_class(type(trainer))
 
 
 class ChannelLossCallback(TrainerCallback):
@@ -1147,12 +1177,15 @@ class ChannelLossCallback(TrainerCallback):
     smoother, and a ``compute_loss_func``, are wrapped to observe the
     per-token cross-entropy (NLL) of ``outputs.logits`` against the labels
     shifted by one (the causal-LM convention; the loss itself is unchanged).
-    When the model carries ``patch_model(model, fused=True)``, each training
-    ``compute_loss`` call runs with the label smoother switched off and the fused
-    loss applying the smoothing (normalised by ``num_items_in_batch`` as the
-    Trainer's smoother does), so label smoothing keeps the memory saving;
-    evaluation and prediction keep the Trainer's smoother, as unattached, and
-    the model keeps no smoothing after the call. Attach before ``train()``.
+    When the model carries ``patch_model(model, fused=True)``, the Trainer's own
+    ``compute_loss`` (directly, or through a subclass's ``super().compute_loss``)
+    runs a training call with the label smoother switched off and the fused loss
+    applying the smoothing (normalised by ``num_items_in_batch`` as the Trainer's
+    smoother does), so label smoothing keeps the memory saving; for that the
+    trainer gets a class of its own (its class, with a step above
+    ``transformers.Trainer``). Evaluation and prediction keep the smoother, as
+    unattached; a subclass's own code sees the smoother as it is; the model keeps
+    no smoothing after the call. Attach before ``train()``.
 
     ``interval_from_logging_steps=True`` sets ``meter.interval`` at train
     begin to the Trainer's resolved ``state.logging_steps`` (an int also
@@ -1186,8 +1219,8 @@ class ChannelLossCallback(TrainerCallback):
         compute = getattr(trainer, "compute_loss_func", None)
         if compute is not None and not isinstance(compute, ObservingOutputsLoss):
             trainer.compute_loss_func = ObservingOutputsLoss(compute, always_shift=True)
-        if not isinstance(getattr(trainer, "compute_loss", None), _FusedSmoothing):
-            trainer.compute_loss = _FusedSmoothing(trainer, trainer.compute_loss)
+        if smoother is not None:
+            _with_fused_smoothing(trainer)
         return self
 
     def _close_step(self) -> None:

@@ -152,6 +152,53 @@ def test_fused_label_smoothing_stays_with_the_trainer_that_asked_for_it(tmp_path
         assert float(loss) == pytest.approx(float(unsmoothed), rel=1e-5)
 
 
+class _OwnSmoother(transformers.Trainer):
+    """Calls the label smoother itself, as many recipes do."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        inputs.pop("source_ids"), inputs.pop("tail")
+        labels = inputs.pop("labels")
+        outputs = model(**inputs)
+        loss = self.label_smoother(outputs, labels, shift_labels=True)
+        return (loss, outputs) if return_outputs else loss
+
+
+class _ModelLoss(transformers.Trainer):
+    """Ignores label smoothing: the model's own loss."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        inputs.pop("source_ids"), inputs.pop("tail")
+        outputs = model(**inputs)
+        return (outputs.loss, outputs) if return_outputs else outputs.loss
+
+
+@pytest.mark.parametrize("trainer_class", [_OwnSmoother, _ModelLoss])
+def test_a_compute_loss_of_its_own_trains_as_it_would_unattached(tmp_path, trainer_class):
+    # Regression: attach switched the smoother off around the whole overriding compute_loss
+    # (one calling self.label_smoother got None: TypeError) and smoothed the model's own loss
+    # (one ignoring smoothing trained on a smoothed loss).
+    def losses(folder, attach):
+        torch.manual_seed(0)
+        args = transformers.TrainingArguments(
+            output_dir=str(tmp_path / folder), max_steps=2, per_device_train_batch_size=1,
+            logging_steps=1, report_to=[], use_cpu=True, save_strategy="no", disable_tqdm=True,
+            remove_unused_columns=False, seed=0, label_smoothing_factor=0.1,
+        )  # fmt: skip
+        data = PackedDataset([packed_batch(seed=s, rows=((5, 7, 3),)) for s in range(2)])
+        recorder = Recorder()
+        trainer = trainer_class(
+            model=tiny_llama(seed=8).train(), args=args, train_dataset=data,
+            data_collator=collate, callbacks=[recorder],
+        )  # fmt: skip
+        if attach:
+            patch_model(trainer.model, fused=True)
+            ChannelLossCallback(ChannelLossMeter()).attach(trainer)
+        trainer.train()
+        return [log["loss"] for log in train_logs(recorder)]
+
+    assert losses("attached", True) == pytest.approx(losses("plain", False), rel=1e-6)
+
+
 def test_compute_loss_func_is_observed(tmp_path):
     def compute_loss_func(outputs, labels, num_items_in_batch=None):
         logits = outputs["logits"].float()
