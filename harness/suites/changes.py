@@ -10,6 +10,7 @@ paths; an entry without ``depends_on`` always runs.
 
 from __future__ import annotations
 
+import posixpath
 import subprocess
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -72,23 +73,64 @@ def git_top(root: Path) -> Path | None:
     return Path(out.strip()).resolve() if out and out.strip() else None
 
 
+#: Files above the harness's root (in a folder of the git repository) that pytest or the
+#: build read for it: a change to one runs everything.
+READ_FROM_ABOVE: frozenset[str] = frozenset(
+    {
+        "conftest.py",
+        "pyproject.toml",
+        "setup.py",
+        "setup.cfg",
+        "pytest.ini",
+        ".pytest.ini",
+        "pytest.toml",
+        ".pytest.toml",
+        "tox.ini",
+    }
+)
+
+
 def changed_files(root: Path, ref: str) -> tuple[list[str] | None, str]:
-    """The files below ``root`` that differ between the merge base of ``ref`` and ``HEAD``
-    and the working tree (committed, staged, unstaged and untracked changes; renames count
-    as both names), as paths from ``root`` (the harness's root may be a folder of the git
-    repository: a monorepo's project; changes outside it do not count), and ``""``; or
-    ``None`` and why git cannot tell (an unknown ref, no merge base, not a repository)."""
-    base, why = _git(root, "merge-base", ref, "HEAD")
+    """The files that differ between the merge base of ``ref`` and ``HEAD`` and the working
+    tree (committed, staged, unstaged and untracked changes; renames count as both names),
+    as paths from ``root``, and ``""``; or ``None`` and why git cannot tell (an unknown
+    ref, no merge base, not a repository).
+
+    The harness's root may be a folder of the git repository (a monorepo's project): of
+    the changes outside it only those to a file of :data:`READ_FROM_ABOVE` in a folder
+    above it count (``../conftest.py``); the rest belong to other projects."""
+    top = git_top(root)
+    if top is None:
+        return None, f"{root} is not in a git repository"
+    base, why = _git(top, "merge-base", ref, "HEAD")
     if base is None:
         return None, why or f"no merge base of {ref} and HEAD"
     # -z: names as they are (git quotes a name with non-ASCII bytes otherwise).
-    diff, why = _git(root, "diff", "--name-only", "-z", "--no-renames", "--relative", base.strip())
+    diff, why = _git(top, "diff", "--name-only", "-z", "--no-renames", base.strip())
     if diff is None:
         return None, why
-    untracked, why = _git(root, "ls-files", "-z", "--others", "--exclude-standard")
+    untracked, why = _git(top, "ls-files", "-z", "--others", "--exclude-standard")
     if untracked is None:
         return None, why
-    return sorted({name for name in (diff + untracked).split("\0") if name}), ""
+    try:
+        here = root.resolve().relative_to(top).as_posix()
+    except ValueError:
+        return None, f"{root} is not inside its git repository's top {top}"
+    here = "" if here == "." else here
+    out = set()
+    for name in (diff + untracked).split("\0"):
+        if not name:
+            continue
+        if not here:
+            out.add(name)
+        elif name.startswith(here + "/"):
+            out.add(name[len(here) + 1 :])
+        elif posixpath.basename(name) in READ_FROM_ABOVE:
+            folder = posixpath.dirname(name)
+            if not folder or here.startswith(folder + "/"):
+                up = here.count("/") + 1 - (folder.count("/") + 1 if folder else 0)
+                out.add("../" * up + posixpath.basename(name))
+    return sorted(out), ""
 
 
 def select(
@@ -102,6 +144,8 @@ def select(
         return ChangeSelection(all_ids, True, f"changed files unknown{why}: running every entry")
     changed = list(changed)
     for f in changed:
+        if f.startswith("../"):  # read for the root from a folder above it
+            return ChangeSelection(all_ids, True, f"{f} changed: running every entry")
         for pattern in RUN_EVERYTHING:
             if path_matches(f, pattern):
                 return ChangeSelection(all_ids, True, f"{f} changed: running every entry")

@@ -722,6 +722,10 @@ class EntryIndex:
             return True
         return any(rx.match(a) for rx, _ in self._globs_for(path) for a in dirs[1:])
 
+    def names_id(self, nodeid: str) -> bool:
+        """True when some entry's node-id selector names ``nodeid`` (or a prefix of it)."""
+        return any(p in self.by_id for p in _id_prefixes(nodeid))
+
     def matching(self, case: CollectedCase, suite_device: str) -> list[Entry]:
         """The entries (in manifest order) that select ``case`` in a suite on ``suite_device``."""
         out = []

@@ -250,7 +250,7 @@ def glob_regex(pattern: str) -> re.Pattern[str]:
         else:
             out.append(re.escape(c))
             i += 1
-    return re.compile("".join(out) + r"\Z")
+    return re.compile("".join(out) + r"\Z", re.DOTALL)  # a file name may hold a newline
 
 
 def path_matches(path: str, pattern: str) -> bool:

@@ -848,13 +848,18 @@ _PYTEST_USAGE_ERROR = 4
 
 
 def _unplanned(run: _Run, ran: _Ran) -> tuple[set[str], set[str]]:
-    """The cases pytest collected that the suite's inventory lacks, in two kinds: those in
-    files an entry of the suite holds whole (only the arguments given to pytest collect
-    them: a conftest option, --doctest-modules), and, where paths were given to pytest,
-    the others (under those paths, in files no entry of the suite owns)."""
+    """The cases pytest collected that the suite's inventory lacks, in two kinds: those an
+    entry of the suite holds (its file whole, or by a node id naming the case or its
+    function: only the arguments given to pytest collect them, a conftest option,
+    --doctest-modules), and, where paths were given to pytest, the others (under those
+    paths, owned by no entry of the suite)."""
     unplanned = {c for r in ran.records for c in r.unplanned}
     index = EntryIndex(run.manifest.entries)
-    beyond = {c for c in unplanned if index.covers_file(c.split("::", 1)[0], node_ids=False)}
+    beyond = {
+        c
+        for c in unplanned
+        if index.covers_file(c.split("::", 1)[0], node_ids=False) or index.names_id(c)
+    }
     narrowed = any(r.options.get("narrowed") for r in ran.records)
     return beyond, (unplanned - beyond if narrowed else set())
 

@@ -235,6 +235,12 @@ def test_changed_files_are_read_from_the_harness_root(tmp_path):
 
     (top / "README.md").write_text("outside the project\n")
     assert changes.changed_files(project, "main") == ([], "")
+    # ... but a conftest or pytest configuration above the project is read for it.
+    (top / "conftest.py").write_text("")  # untracked
+    assert changes.changed_files(project, "main") == (["../conftest.py"], "")
+    assert changes.select(m.entries, ["../conftest.py"]).everything
+    (top / "conftest.py").unlink()
+    git(top, "checkout", "-q", "--", ".")
     (project / "pkg/core.py").write_text("x = 1\n")
     assert selected() == {"core"}
     git(top, "checkout", "-q", "--", ".")

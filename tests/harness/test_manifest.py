@@ -233,6 +233,10 @@ def test_depends_on_outside_is_rejected(tmp_path):
         ("harness/x.py", "*", True),  # under a directory that matches
         ("a/b/conftest.py", "**/conftest.py", True),
         ("conftest.py", "**/conftest.py", True),
+        # Regression: a newline in a file name (git -z gives it as it is) matched no glob.
+        ("src/e/new\nline.py", "src/e/**", True),
+        ("a\nb/conftest.py", "**/conftest.py", True),
+        ("src/e/new\nline.py", "src/e/*.py", True),
     ],
 )
 def test_path_matching(path, pattern, hit):

@@ -1130,15 +1130,32 @@ def test_cases_only_the_options_given_collect_make_the_run_red(pytester):
         """,
         "tests/a/test_a.py": "def test_fast():\n    pass\n\ndef test_slow():\n    assert 0\n",
         "tests/b/test_b.py": "def test_b():\n    pass\n",
+        # Held by a node id that names the function: its "slow" variant is the entry's too.
+        "tests/c/test_c.py": """
+            import pytest
+
+            @pytest.mark.parametrize("x", ["fast", "slow"])
+            def test_p(x):
+                assert x != "slow"
+
+            def test_other():
+                pass
+        """,
     }
-    entries = [{"id": "a", "paths": ["tests/a"]}, {"id": "b", "paths": ["tests/b"]}]
+    entries = [
+        {"id": "a", "paths": ["tests/a"]},
+        {"id": "b", "paths": ["tests/b"]},
+        {"id": "c", "paths": ["tests/c/test_c.py::test_p"]},
+        {"id": "other", "paths": ["tests/c/test_c.py::test_other"]},
+    ]
     root = make_project(pytester.path, tests, {"cpu": manifest("cpu", "cpu", entries)})
     note = "- not planned, not run: `tests/a/test_a.py::test_slow` (pytest collected it only"
-    for args in (["-n", "0"], ["-n", "2"], ["tests/a"]):
+    for args in (["-n", "0"], ["-n", "2"], ["tests/a", "tests/c"]):
         done = harness(root, "run", "cpu", "--out", "out", "--", "--runslow", *args)
         assert done.returncode == 1, done.stdout + done.stderr
-        assert "1 case(s) collected only with the arguments given to pytest" in done.stdout
+        assert "2 case(s) collected only with the arguments given to pytest" in done.stdout
         assert note in done.stdout, done.stdout
+        assert "- not planned, not run: `tests/c/test_c.py::test_p[slow]`" in done.stdout
         assert "not in suite" not in done.stdout, done.stdout
     done = harness(root, "run", "cpu", "--out", "out")
     assert done.returncode == 0, done.stdout + done.stderr
