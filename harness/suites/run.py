@@ -1005,12 +1005,16 @@ def run_suite(root: Path, opts: RunOptions) -> int:
             if stop.signum is None:
                 if str(e):
                     print(e, file=sys.stderr)
+                _void_out(
+                    root, opts, f"refused: {str(e).splitlines()[0] if str(e) else 'see above'}"
+                )
                 return EXIT_USAGE
         except KeyboardInterrupt:
             pass
         stop.planning = False
         if run is None or stop.signum is not None:
             _print(f"{stop.name}: stopped before any case ran")
+            _void_out(root, opts, f"interrupted by {stop.name} before any case ran")
             return stop.exit_code
         with contextlib.ExitStack() as held:
             try:
@@ -1032,6 +1036,31 @@ def run_suite(root: Path, opts: RunOptions) -> int:
                 report.write_summary_json(run.out / "summary.json", run.title, [], {})
                 return EXIT_OK
             return _report(run, _execute(run, stop), stop)
+
+
+def _void_out(root: Path, opts: RunOptions, why: str) -> None:
+    """A run refused or stopped while planning (``why``): its output folder, where an earlier
+    run left one, keeps no report of that run (a CI step reading it after a red exit read
+    green files), only this run's red ``summary.md``. Left alone when it is not there, or
+    another run holds it."""
+    suite = Path(opts.suite).stem if opts.suite.endswith(".json") else opts.suite
+    try:
+        shard = parse_shard(opts.shard) if opts.shard is not None else None
+    except PlanError:
+        shard = None
+    out = (opts.out or _default_out(root.resolve(), suite, shard)).resolve()
+    if not out.is_dir():
+        return
+    title = f"harness run {suite}" + (f" (shard {shard[0]}/{shard[1]})" if shard else "")
+    try:
+        with claim_out(out, title):
+            for name in ("summary.md", "summary.json", "junit.xml", "plan.json"):
+                (out / name).unlink(missing_ok=True)
+            text = f"### {title}\n\n**FAILED**: {why}\n"
+            write_text(out / "summary.md", text)
+            _step_summary(text)
+    except (_Refused, OSError):
+        return
 
 
 def _step_summary(text: str) -> None:

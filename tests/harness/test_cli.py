@@ -255,6 +255,26 @@ def test_changed_files_are_read_from_the_harness_root(tmp_path):
     assert sel.everything, sel.reason
 
 
+def test_a_refused_run_leaves_no_earlier_report_in_its_folder(pytester):
+    # Regression: a run refused (exit 2) after a green one left the green reports in place.
+    tests = {"tests/a/test_a.py": "def test_a1():\n    pass\n"}
+    root = make_project(
+        pytester.path, tests, {"cpu": manifest("cpu", "cpu", [{"id": "a", "paths": ["tests/a"]}])}
+    )
+    assert harness(root, "run", "cpu", "--out", "out").returncode == 0
+    assert (root / "out/junit.xml").exists()
+    done = harness(root, "run", "cpu", "--out", "out", "--shard", "3/2")
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert not (root / "out/junit.xml").exists()
+    assert not (root / "out/summary.json").exists()
+    summary = (root / "out/summary.md").read_text()
+    assert summary.startswith("### harness run cpu\n\n**FAILED**: refused: "), summary
+    # A folder that is not there is not made for a refused run.
+    done = harness(root, "run", "cpu", "--out", "elsewhere", "--shard", "3/2")
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert not (root / "elsewhere").exists()
+
+
 def test_a_run_with_nothing_to_run_still_writes_its_report_files(pytester):
     # Regression: only summary.md was written; a CI step reading junit.xml or summary.json
     # (an upload, a test reporter) failed on a green run.

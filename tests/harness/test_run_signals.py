@@ -231,6 +231,23 @@ def test_signal_during_planning_is_never_lost(pytester, tmp_path_factory):
     assert "harness: SIGTERM: stopped before any case ran" in out
     assert "Traceback" not in out + err
     assert not (root / "out").exists()  # no pytest was started
+    # Regression: an earlier run's green reports stayed in its output folder, under the
+    # red exit of this one (a CI step reading them after it read green).
+    folder = root / "out"  # start_run's --out
+    folder.mkdir()
+    for name, text in (("summary.md", "**PASSED**\n"), ("junit.xml", "<testsuites/>")):
+        (folder / name).write_text(text)
+    (pids_dir / "planning").unlink()
+    proc = start_run(root, pids_dir)
+    out, err = signal_once(
+        proc, pids_dir / "planning", "the inventory to start", signal.SIGTERM, wait=120
+    )
+    assert proc.returncode == 143, out + err
+    assert sorted(p.name for p in folder.iterdir() if not p.name.startswith(".")) == ["summary.md"]
+    assert (
+        "**FAILED**: interrupted by SIGTERM before any case ran"
+        in (folder / "summary.md").read_text()
+    )
 
 
 DISPOSITION = """
