@@ -290,6 +290,7 @@ class _Stop:
         ):  # only there can Python handle signals
             for s in STOP_SIGNALS:
                 self._previous[s] = signal.signal(s, self._handle)
+            self._previous[signal.SIGTSTP] = signal.signal(signal.SIGTSTP, self._suspend)
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -308,6 +309,26 @@ class _Stop:
             _stop_tree(list(self.tree.values()))
             return
         self.interrupt()
+
+    def _suspend(self, signum: int, _frame: object) -> None:
+        """Ctrl-Z: suspend pytest, its workers and ranks (in process groups and sessions of
+        their own, the terminal's stop never reaches them), then this process; resume them
+        when it is resumed (``fg`` / ``bg``). Where the kernel does not stop this process
+        (a process group no shell controls) nothing stays stopped."""
+        import psutil
+
+        procs = _tree(self.child.pid) if self.child is not None else []
+        for p in procs:
+            with contextlib.suppress(psutil.Error):
+                p.send_signal(signal.SIGSTOP)
+        signal.signal(signal.SIGTSTP, signal.SIG_DFL)
+        try:
+            os.kill(os.getpid(), signal.SIGTSTP)  # stopped here until SIGCONT
+        finally:
+            signal.signal(signal.SIGTSTP, self._suspend)
+            for p in procs:
+                with contextlib.suppress(psutil.Error):
+                    p.send_signal(signal.SIGCONT)
 
     def interrupt(self) -> None:
         """Stop the running pytest: SIGINT to its group once its session has started

@@ -9,6 +9,7 @@ summary and exit 128 + the signal number without a traceback.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pty
@@ -572,3 +573,62 @@ def test_a_run_in_a_terminal_never_waits_on_it(pytester):
         )
         assert got == code, shown
         assert said in shown, shown
+
+
+def test_ctrl_z_suspends_pytest_and_its_ranks_with_the_run(pytester, tmp_path_factory):
+    # Regression: Ctrl-Z stopped `harness run` alone; pytest and its ranks, in process
+    # groups and sessions of their own, ran on (and kept their leases) while the job
+    # showed "Stopped".
+    pids_dir = tmp_path_factory.mktemp("pids")
+    test = (
+        "import os, time\nfrom pathlib import Path\n\n"
+        "def test_sleeps():\n"
+        "    Path(os.environ['PIDS_DIR'], 'pytest').write_text(str(os.getpid()))\n"
+        "    print('sleeping', flush=True)\n"
+        "    time.sleep(120)\n"
+    )
+    root = make_project(
+        pytester.path,
+        {"tests/b/test_b.py": test},
+        {"cpu": manifest("cpu", "cpu", [{"id": "b", "paths": ["tests/b"]}])},
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "GITHUB_"))}
+    env.update(PIDS_DIR=str(pids_dir), PS1="$ ", TERM="dumb")
+    pid, fd = pty.fork()
+    if pid == 0:  # pragma: no cover (the child execs)
+        os.chdir(root)
+        os.execve("/bin/bash", ["bash", "--norc", "--noprofile", "-i"], env)
+    seen = b""
+
+    def until(needle: bytes, timeout: float = 60.0) -> None:
+        nonlocal seen
+        end = time.monotonic() + timeout
+        while needle not in seen and time.monotonic() < end:
+            if select.select([fd], [], [], 0.5)[0]:
+                seen += os.read(fd, 65536)
+        assert needle in seen, seen.decode("utf-8", "replace")
+
+    def status(pid: int, want: str, timeout: float = 10.0) -> None:
+        end = time.monotonic() + timeout
+        while psutil.Process(pid).status() != want and time.monotonic() < end:
+            time.sleep(0.1)
+        assert psutil.Process(pid).status() == want
+
+    try:
+        command = f"{sys.executable} -m harness run cpu --out out -- -n 0 -s tests/b\n"
+        os.write(fd, command.encode())
+        until(b"sleeping")
+        tested = int((pids_dir / "pytest").read_text())
+        os.write(fd, b"\x1a")
+        until(b"Stopped")
+        status(tested, psutil.STATUS_STOPPED)
+        os.write(fd, b"fg\n")
+        status(tested, psutil.STATUS_SLEEPING)
+        os.write(fd, b"\x03")
+        until(b"interrupted by SIGINT")
+        os.write(fd, b"exit\n")
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        os.close(fd)
