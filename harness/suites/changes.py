@@ -18,11 +18,8 @@ from pathlib import Path
 
 from harness.suites.manifest import Entry, path_matches
 
-#: A change to any of these runs everything: they decide what and how every case runs (the
-#: harness, the suites, the build and every file pytest may read its configuration from).
-RUN_EVERYTHING: tuple[str, ...] = (
-    "harness",
-    "suites",
+#: The build's files and every file pytest may read its configuration from.
+CONFIG_FILES: tuple[str, ...] = (
     "pyproject.toml",
     "setup.py",
     "setup.cfg",
@@ -31,6 +28,13 @@ RUN_EVERYTHING: tuple[str, ...] = (
     "pytest.toml",
     ".pytest.toml",
     "tox.ini",
+)
+
+#: A change to any of these runs everything: they decide what and how every case runs.
+RUN_EVERYTHING: tuple[str, ...] = (
+    "harness",
+    "suites",
+    *CONFIG_FILES,
     "noxfile.py",
     "**/conftest.py",
 )
@@ -75,19 +79,7 @@ def git_top(root: Path) -> Path | None:
 
 #: Files above the harness's root (in a folder of the git repository) that pytest or the
 #: build read for it: a change to one runs everything.
-READ_FROM_ABOVE: frozenset[str] = frozenset(
-    {
-        "conftest.py",
-        "pyproject.toml",
-        "setup.py",
-        "setup.cfg",
-        "pytest.ini",
-        ".pytest.ini",
-        "pytest.toml",
-        ".pytest.toml",
-        "tox.ini",
-    }
-)
+READ_FROM_ABOVE: frozenset[str] = frozenset({*CONFIG_FILES, "conftest.py"})
 
 
 def changed_files(root: Path, ref: str) -> tuple[list[str] | None, str]:
