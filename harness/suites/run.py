@@ -197,6 +197,11 @@ def run_groups(
     return out
 
 
+def _title(suite: str, shard: tuple[int, int] | None) -> str:
+    """How a run of ``suite`` (one ``shard`` of it) names itself: summaries, logs, locks."""
+    return f"harness run {suite}" + (f" (shard {shard[0]}/{shard[1]})" if shard else "")
+
+
 def _default_out(root: Path, suite: str, shard: tuple[int, int] | None) -> Path:
     name = suite if shard is None else f"{suite}-{shard[0]}of{shard[1]}"
     return root / "out" / "harness" / name
@@ -521,8 +526,7 @@ class _Run:
 
     @property
     def title(self) -> str:
-        shard = f" (shard {self.shard[0]}/{self.shard[1]})" if self.shard else ""
-        return f"harness run {self.manifest.suite}{shard}"
+        return _title(self.manifest.suite, self.shard)
 
     @property
     def not_here(self) -> str:
@@ -1072,7 +1076,7 @@ def _void_out(root: Path, opts: RunOptions, why: str) -> None:
     out = (opts.out or _default_out(root.resolve(), suite, shard)).resolve()
     if not out.is_dir():
         return
-    title = f"harness run {suite}" + (f" (shard {shard[0]}/{shard[1]})" if shard else "")
+    title = _title(suite, shard)
     try:
         with claim_out(out, title):
             for name in ("summary.md", "summary.json", "junit.xml", "plan.json"):
