@@ -1080,63 +1080,58 @@ class ObservingOutputsLoss:
         return loss
 
 
-@functools.cache
-def _fused_smoothing_base() -> type:
-    """The class ``attach`` puts right above ``transformers.Trainer`` in a Trainer's class
-    (see ``_with_fused_smoothing``); made on first use (``Trainer`` imports accelerate)."""
-    from transformers import Trainer
-
-    class FusedSmoothingTrainer(Trainer):
-        """The Trainer's own ``compute_loss``, on a training call with the labels and a model
-        that carries an active ``patch_model(model, fused=True)``, runs with the label
-        smoother off (so the labels reach the model, which never forms the logits) and the
-        fused loss smoothing by the smoother's ``epsilon``; both are restored when it
-        returns. A subclass's own ``compute_loss`` code around ``super().compute_loss``,
-        or instead of it, sees the smoother as it is, and no smoothing on the model."""
-
-        def compute_loss(self, model, inputs, *args: Any, **kwargs: Any):
-            smoother = self.label_smoother
-            fused = None
-            if (
-                smoother is not None
-                and self.compute_loss_func is None  # it, not the smoother, makes the loss
-                and model.training
-                and "labels" in inputs
-            ):
-                fused = _fused_patch_of(_unwrap(model, fused=False)[0])
-            if fused is None:
-                return super().compute_loss(model, inputs, *args, **kwargs)
-            before = fused.label_smoothing
-            fused.label_smoothing = float(smoother.epsilon)
-            self.label_smoother = None
-            try:
-                return super().compute_loss(model, inputs, *args, **kwargs)
-            finally:
-                self.label_smoother = smoother
-                fused.label_smoothing = before
-
-    return FusedSmoothingTrainer
+#: The attribute ``attach`` sets on a trainer whose own ``compute_loss`` may smooth in the
+#: fused loss (see ``_fused_smoothing_compute_loss``).
+_FUSED_SMOOTHING = "_channel_loss_fused_smoothing"
 
 
-@functools.cache
-def _fused_smoothing_class(cls: type) -> type:
-    """``cls`` with ``_fused_smoothing_base()`` between it and ``transformers.Trainer``: a
-    subclass's ``super().compute_loss`` reaches it (Python's method resolution order)."""
-    return type(
-        cls.__name__,
-        (cls, _fused_smoothing_base()),
-        {"__module__": cls.__module__, "__qualname__": cls.__qualname__, "__doc__": cls.__doc__},
-    )
+def _fused_smoothing_compute_loss(original):
+    """``transformers.Trainer.compute_loss`` (``original``) as ``attach`` leaves it: on a
+    trainer ``attach`` marked, a training call with the labels on a model that carries an
+    active ``patch_model(model, fused=True)`` runs with the label smoother off (so the labels
+    reach the model, which never forms the logits) and the fused loss smoothing by the
+    smoother's ``epsilon``; both are restored when it returns. Any other trainer, or call,
+    runs ``original`` as it is; a subclass's own ``compute_loss`` code around
+    ``super().compute_loss``, or instead of it, sees the smoother as it is."""
+
+    @functools.wraps(original)
+    def compute_loss(self, model, inputs, *args: Any, **kwargs: Any):
+        smoother = getattr(self, "label_smoother", None)
+        fused = None
+        if (
+            getattr(self, _FUSED_SMOOTHING, False)
+            and smoother is not None
+            and getattr(self, "compute_loss_func", None) is None  # it makes the loss then
+            and model.training
+            and "labels" in inputs
+        ):
+            fused = _fused_patch_of(_unwrap(model, fused=False)[0])
+        if fused is None:
+            return original(self, model, inputs, *args, **kwargs)
+        before = fused.label_smoothing
+        fused.label_smoothing = float(smoother.epsilon)
+        self.label_smoother = None
+        try:
+            return original(self, model, inputs, *args, **kwargs)
+        finally:
+            self.label_smoother = smoother
+            fused.label_smoothing = before
+
+    compute_loss.__channel_loss__ = True
+    return compute_loss
 
 
 def _with_fused_smoothing(trainer) -> None:
-    """Give ``trainer`` the fused label smoothing of ``_fused_smoothing_base`` (once)."""
+    """Mark ``trainer`` for ``_fused_smoothing_compute_loss``, which wraps
+    ``transformers.Trainer.compute_loss`` once per process (a subclass's ``super()`` call
+    reaches it; the trainer keeps its own class)."""
     from transformers import Trainer
 
-    if isinstance(trainer, _fused_smoothing_base()) or not isinstance(trainer, Trainer):
+    if not isinstance(trainer, Trainer):
         return
-    with contextlib.suppress(TypeError):  # a class hierarchy it cannot join: smoother as is
-        trainer.__class__ = _fused_smoothing_class(type(trainer))
+    if not getattr(Trainer.compute_loss, "__channel_loss__", False):
+        Trainer.compute_loss = _fused_smoothing_compute_loss(Trainer.compute_loss)
+    setattr(trainer, _FUSED_SMOOTHING, True)
 
 
 class ChannelLossCallback(TrainerCallback):
@@ -1181,9 +1176,9 @@ class ChannelLossCallback(TrainerCallback):
     ``compute_loss`` (directly, or through a subclass's ``super().compute_loss``)
     runs a training call with the label smoother switched off and the fused loss
     applying the smoothing (normalised by ``num_items_in_batch`` as the Trainer's
-    smoother does), so label smoothing keeps the memory saving; for that the
-    trainer gets a class of its own (its class, with a step above
-    ``transformers.Trainer``). Evaluation and prediction keep the smoother, as
+    smoother does), so label smoothing keeps the memory saving; for that
+    ``transformers.Trainer.compute_loss`` is wrapped once per process, acting on
+    attached trainers only. Evaluation and prediction keep the smoother, as
     unattached; a subclass's own code sees the smoother as it is; the model keeps
     no smoothing after the call. Attach before ``train()``.
 

@@ -199,6 +199,20 @@ def test_a_compute_loss_of_its_own_trains_as_it_would_unattached(tmp_path, train
     assert losses("attached", True) == pytest.approx(losses("plain", False), rel=1e-6)
 
 
+def test_an_attached_trainer_keeps_its_class(tmp_path):
+    # Regression: attach swapped the trainer's class for a made-up one of the same name:
+    # `type(trainer) is MyTrainer` was False, and pickle could not find the class by name.
+    trainer, _ = make_trainer(tmp_path, ChannelLossMeter(), label_smoothing_factor=0.1)
+    cls = type(trainer)
+    with patch_model(trainer.model, fused=True):
+        ChannelLossCallback(ChannelLossMeter()).attach(trainer)
+        ChannelLossCallback(ChannelLossMeter()).attach(trainer)
+    assert type(trainer) is cls
+    # Wrapped once, whatever the number of attaches.
+    assert transformers.Trainer.compute_loss.__wrapped__.__name__ == "compute_loss"
+    assert not hasattr(transformers.Trainer.compute_loss.__wrapped__, "__channel_loss__")
+
+
 def test_compute_loss_func_is_observed(tmp_path):
     def compute_loss_func(outputs, labels, num_items_in_batch=None):
         logits = outputs["logits"].float()
