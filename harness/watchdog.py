@@ -23,7 +23,7 @@ __all__ = [
     "INTERRUPT_SIGNAL",
     "WATCHDOG_GRACE_S",
     "Watchdog",
-    "share_faulthandler",
+    "faulthandler_free",
     "watchdog",
 ]
 
@@ -47,6 +47,8 @@ class _Armed:
     why: str
     error: Callable[[str], BaseException]
     start: float
+    #: Whether faulthandler's timer is free for the backstop while this phase is armed.
+    backstop: bool = True
     interrupted: bool = False
     signalled: bool = False
     raised: bool = False
@@ -101,8 +103,9 @@ class Watchdog:
     ``backstop`` (the default) faulthandler's timer, a C thread, is also set
     to stop the process ``BACKSTOP_MARGIN_S`` after the thread should have
     (every thread's stack on stderr, exit status 1; the exit hooks cannot run).
-    Code that uses faulthandler's single timer itself (pytest's
-    ``faulthandler_timeout``) turns it off (:func:`share_faulthandler`).
+    A phase armed with ``backstop=False`` (its session uses faulthandler's
+    single timer itself: pytest's ``faulthandler_timeout``, see
+    :func:`faulthandler_free`) keeps the timer untouched while it is armed.
     """
 
     def __init__(self) -> None:
@@ -113,7 +116,6 @@ class Watchdog:
         self._installed = False
         self.exit_log: IO[str] | None = None
         self.exit_hooks: list[Callable[[str], None]] = []
-        self.backstop = True
         self._backstop_set = False
 
     def _set_backstop(self) -> None:
@@ -121,7 +123,7 @@ class Watchdog:
         stops = [a.start + a.seconds + a.grace for a in self._armed.values()]
         seconds = min(stops) - time.monotonic() + BACKSTOP_MARGIN_S if stops else None
         if (
-            self.backstop
+            all(a.backstop for a in self._armed.values())
             and _STDERR is not None
             and seconds is not None
             and seconds < _LONGEST_BACKSTOP_S
@@ -172,13 +174,15 @@ class Watchdog:
         why: str = "",
         error: Callable[[str], BaseException],
         start: float | None = None,
+        backstop: bool = True,
     ) -> Iterator[None]:
         """Bound ``key``'s phase, the body (run in the main thread), replacing
         the phase ``key`` had armed; disarmed however the body ends.
         ``seconds`` count from ``start`` (a ``time.monotonic()``; default: now).
-        The messages read ``{what} ran past {seconds} s {why}``."""
+        The messages read ``{what} ran past {seconds} s {why}``. ``backstop``:
+        see the class docstring."""
         now = time.monotonic() if start is None else start
-        self._arm(key, _Armed(seconds, grace, what, why, error, now))
+        self._arm(key, _Armed(seconds, grace, what, why, error, now, backstop))
         try:
             yield
         finally:
@@ -257,11 +261,10 @@ def _stacks() -> str:
 watchdog = Watchdog()
 
 
-def share_faulthandler(config: Any) -> None:
-    """Leave faulthandler's one timer to pytest's ``faulthandler_timeout`` where the pytest
-    ``config`` sets it (> 0): the watchdog then keeps no backstop (see :class:`Watchdog`)."""
+def faulthandler_free(config: Any) -> bool:
+    """Whether the pytest session of ``config`` leaves faulthandler's one timer free (its
+    ``faulthandler_timeout`` is not set): the ``backstop`` of its phases."""
     try:
-        timeout = float(config.getini("faulthandler_timeout") or 0)
+        return not float(config.getini("faulthandler_timeout") or 0) > 0
     except ValueError:  # -p no:faulthandler: pytest does not use the timer
-        timeout = 0.0
-    watchdog.backstop = not timeout > 0
+        return True

@@ -72,7 +72,7 @@ from harness.launcher.supervisor import tie_to_controller
 from harness.launcher.target import FunctionRef, conftests_for
 from harness.spec import ACCELERATORS, LaunchSpec, is_launched, launch_refusal, spec_for_item
 from harness.validation import check_int, check_seconds
-from harness.watchdog import WATCHDOG_GRACE_S, share_faulthandler, watchdog
+from harness.watchdog import WATCHDOG_GRACE_S, faulthandler_free, watchdog
 
 SETTINGS_KEY = pytest.StashKey[Settings]()
 #: How to deactivate this config's settings (``harness.launcher.settings.active``).
@@ -148,7 +148,6 @@ def pytest_configure(config: pytest.Config) -> None:
     phases = _FixtureDeadlines(config)
     config.pluginmanager.register(phases, "harness-fixture-deadlines")
     watchdog.exit_hooks.append(phases.on_exit)
-    share_faulthandler(config)
 
 
 def _settings_from(config: pytest.Config) -> Settings:
@@ -343,6 +342,7 @@ class _FixtureDeadlines:
             what=f"{item.nodeid}: {phase} (fixtures of a launched case)",
             why=f"(the case deadline, {deadline.source})",
             error=lambda message: pytest.fail.Exception(message, pytrace=True),
+            backstop=faulthandler_free(self.config),
         )
 
     def on_exit(self, headline: str) -> None:

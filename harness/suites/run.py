@@ -295,7 +295,6 @@ class _Stop:
         ):  # only there can Python handle signals
             for s in STOP_SIGNALS:
                 self._previous[s] = signal.signal(s, self._handle)
-            self._previous[signal.SIGTSTP] = signal.signal(signal.SIGTSTP, self._suspend)
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -314,26 +313,6 @@ class _Stop:
             _stop_tree(list(self.tree.values()))
             return
         self.interrupt()
-
-    def _suspend(self, signum: int, _frame: object) -> None:
-        """Ctrl-Z: suspend pytest, its workers and ranks (in process groups and sessions of
-        their own, the terminal's stop never reaches them), then this process; resume them
-        when it is resumed (``fg`` / ``bg``). Where the kernel does not stop this process
-        (a process group no shell controls) nothing stays stopped."""
-        import psutil
-
-        procs = _tree(self.child.pid) if self.child is not None else []
-        for p in procs:
-            with contextlib.suppress(psutil.Error):
-                p.send_signal(signal.SIGSTOP)
-        signal.signal(signal.SIGTSTP, signal.SIG_DFL)
-        try:
-            os.kill(os.getpid(), signal.SIGTSTP)  # stopped here until SIGCONT
-        finally:
-            signal.signal(signal.SIGTSTP, self._suspend)
-            for p in procs:
-                with contextlib.suppress(psutil.Error):
-                    p.send_signal(signal.SIGCONT)
 
     def interrupt(self) -> None:
         """Stop the running pytest: SIGINT to its group once its session has started
@@ -1066,13 +1045,14 @@ def run_suite(root: Path, opts: RunOptions) -> int:
 def _void_out(root: Path, opts: RunOptions, why: str) -> None:
     """A run refused or stopped while planning (``why``): its output folder, where an earlier
     run left one, keeps no report of that run (a CI step reading it after a red exit read
-    green files), only this run's red ``summary.md``. Left alone when it is not there, or
-    another run holds it."""
+    green files), only this run's red ``summary.md``. Left alone when it is not there, when
+    another run holds it, or when a ``--shard`` that does not parse leaves the run no folder
+    of its own (the whole suite's is another run's)."""
     suite = Path(opts.suite).stem if opts.suite.endswith(".json") else opts.suite
     try:
         shard = parse_shard(opts.shard) if opts.shard is not None else None
     except PlanError:
-        shard = None
+        return
     out = (opts.out or _default_out(root.resolve(), suite, shard)).resolve()
     if not out.is_dir():
         return

@@ -36,7 +36,7 @@ import pytest
 from harness.jsonio import write_json
 from harness.names import OPT_JUNIT, OPT_SELECT, OPT_WORKERS
 from harness.spec import is_launched
-from harness.watchdog import WATCHDOG_GRACE_S, share_faulthandler, watchdog
+from harness.watchdog import WATCHDOG_GRACE_S, faulthandler_free, watchdog
 
 #: The launch side's pytest plugin, which every run of a suite needs.
 LAUNCH_PLUGIN = "harness.launcher.plugin"
@@ -366,7 +366,6 @@ def pytest_configure(config: pytest.Config) -> None:
             _snapshot_last_failed(config, Path(sel["root"]), _last_failed_file(path))
     config.stash[_EXIT_HOOK] = hook = _on_watchdog_exit(config, outcomes)
     watchdog.exit_hooks.append(hook)
-    share_faulthandler(config)
 
 
 def _ignored(config: pytest.Config, path: Path) -> bool:
@@ -611,6 +610,7 @@ def _bounded(item: pytest.Item) -> Iterator[None]:
         what=item.nodeid,
         why=f"(deadline {deadline:g} s)",
         error=_deadline_failure,
+        backstop=faulthandler_free(item.config),
     ):
         yield
 

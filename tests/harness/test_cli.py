@@ -263,14 +263,20 @@ def test_a_refused_run_leaves_no_earlier_report_in_its_folder(pytester):
     )
     assert harness(root, "run", "cpu", "--out", "out").returncode == 0
     assert (root / "out/junit.xml").exists()
-    done = harness(root, "run", "cpu", "--out", "out", "--shard", "3/2")
+    done = harness(root, "run", "cpu", "--out", "out", "--", "-p", "no:harness")
     assert done.returncode == 2, done.stdout + done.stderr
     assert not (root / "out/junit.xml").exists()
     assert not (root / "out/summary.json").exists()
     summary = (root / "out/summary.md").read_text()
     assert summary.startswith("### harness run cpu\n\n**FAILED**: refused: "), summary
+    # A --shard that does not parse names no folder: the whole suite's default one is kept.
+    assert harness(root, "run", "cpu").returncode == 0
+    done = harness(root, "run", "cpu", "--shard", "0/2")
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "**PASSED**" in (root / "out/harness/cpu/summary.md").read_text()
+    assert (root / "out/harness/cpu/junit.xml").exists()
     # A folder that is not there is not made for a refused run.
-    done = harness(root, "run", "cpu", "--out", "elsewhere", "--shard", "3/2")
+    done = harness(root, "run", "cpu", "--out", "elsewhere", "--", "-p", "no:harness")
     assert done.returncode == 2, done.stdout + done.stderr
     assert not (root / "elsewhere").exists()
 

@@ -203,6 +203,30 @@ def test_planned_cases_keep_their_deadline_and_the_verdicts_earned_before_a_hang
     assert "Timeout (0:00:00.500000)!" in output
 
 
+def test_a_nested_session_leaves_the_outer_faulthandler_timeout_alone(pytester):
+    # Regression: the backstop was one switch per process, set by the last session
+    # configured: a nested in-process session (pytester) turned it back on, and the outer
+    # session's faulthandler_timeout dump never came.
+    nested = (
+        "import time\n\n"
+        "def test_1_nested(pytester):\n"
+        "    pytester.makepyfile('def test_x(): pass')\n"
+        "    pytester.runpytest_inprocess('-p', 'no:cacheprovider').assert_outcomes(passed=1)\n\n"
+        "def test_2_slow():\n"
+        "    time.sleep(3)\n"
+    )
+    root = make_project(
+        pytester.path,
+        {"tests/c/test_c.py": nested},
+        {"cpu": manifest("cpu", "cpu", [{"id": "c", "paths": ["tests/c"], "timeout_s": 60}])},
+    )
+    with (root / "pyproject.toml").open("a") as f:
+        f.write('faulthandler_timeout = 1\naddopts = "-p pytester"\n')
+    done = harness(root, "run", "cpu", "--out", "out", "--", "-n", "0", timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "Timeout (0:00:01)!" in done.stdout + done.stderr, done.stdout + done.stderr
+
+
 class _Overdue(Exception):
     pass
 
