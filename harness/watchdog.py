@@ -119,19 +119,19 @@ class Watchdog:
         self._backstop_set = False
 
     def _set_backstop(self) -> None:
-        """Set faulthandler's timer for the earliest stop of the phases armed (under the lock)."""
+        """Set faulthandler's timer for the earliest stop of the phases armed (under the lock).
+
+        While a phase armed without ``backstop`` is armed, the timer is its session's: it
+        is neither set nor cancelled (pytest may have set it since this process did)."""
+        free = all(a.backstop for a in self._armed.values())
         stops = [a.start + a.seconds + a.grace for a in self._armed.values()]
         seconds = min(stops) - time.monotonic() + BACKSTOP_MARGIN_S if stops else None
-        if (
-            all(a.backstop for a in self._armed.values())
-            and _STDERR is not None
-            and seconds is not None
-            and seconds < _LONGEST_BACKSTOP_S
-        ):
+        if free and _STDERR is not None and seconds is not None and seconds < _LONGEST_BACKSTOP_S:
             faulthandler.dump_traceback_later(max(seconds, 0.001), exit=True, file=_STDERR)
             self._backstop_set = True
         elif self._backstop_set:
-            faulthandler.cancel_dump_traceback_later()
+            if free:  # nobody else's: ours is stale
+                faulthandler.cancel_dump_traceback_later()
             self._backstop_set = False
 
     def _arm(self, key: object, armed: _Armed) -> None:

@@ -1052,7 +1052,9 @@ def _void_out(root: Path, opts: RunOptions, why: str) -> None:
     try:
         shard = parse_shard(opts.shard) if opts.shard is not None else None
     except PlanError:
-        return
+        if opts.out is None:
+            return
+        shard = None
     out = (opts.out or _default_out(root.resolve(), suite, shard)).resolve()
     if not out.is_dir():
         return

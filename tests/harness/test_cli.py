@@ -269,6 +269,12 @@ def test_a_refused_run_leaves_no_earlier_report_in_its_folder(pytester):
     assert not (root / "out/summary.json").exists()
     summary = (root / "out/summary.md").read_text()
     assert summary.startswith("### harness run cpu\n\n**FAILED**: refused: "), summary
+    # With --out the folder is the run's own, whatever its --shard.
+    assert harness(root, "run", "cpu", "--out", "out").returncode == 0
+    done = harness(root, "run", "cpu", "--out", "out", "--shard", "3/2")
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert not (root / "out/junit.xml").exists()
+    assert "**FAILED**: refused: " in (root / "out/summary.md").read_text()
     # A --shard that does not parse names no folder: the whole suite's default one is kept.
     assert harness(root, "run", "cpu").returncode == 0
     done = harness(root, "run", "cpu", "--shard", "0/2")

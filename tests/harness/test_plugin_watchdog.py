@@ -227,6 +227,47 @@ def test_a_nested_session_leaves_the_outer_faulthandler_timeout_alone(pytester):
     assert "Timeout (0:00:01)!" in done.stdout + done.stderr, done.stdout + done.stderr
 
 
+INNER_WITH_TIMEOUT = """
+    INNER = \'\'\'
+    import time
+
+    import pytest
+
+
+    @pytest.fixture
+    def slow():
+        time.sleep(3)
+
+
+    @pytest.mark.launch(nproc=1)
+    def test_inner(slow):  # its fixtures: a phase of the nested session's own
+        pass
+    \'\'\'
+
+
+    def test_outer(pytester):
+        pytester.makeini("[pytest]\\nfaulthandler_timeout = 1\\n")
+        pytester.makepyfile(test_inner=INNER)
+        pytester.runpytest_inprocess("-p", "no:cacheprovider", "-s").assert_outcomes(passed=1)
+"""
+
+
+def test_an_outer_session_leaves_a_nested_faulthandler_timeout_alone(pytester):
+    # Regression: the outer session's phase held the backstop; the nested session's own
+    # phase cancelled that timer, which was by then pytest's for the nested test: its
+    # faulthandler_timeout dump never came.
+    root = make_project(
+        pytester.path,
+        {"tests/n/test_n.py": INNER_WITH_TIMEOUT},
+        {"cpu": manifest("cpu", "cpu", [{"id": "n", "paths": ["tests/n"], "timeout_s": 60}])},
+    )
+    with (root / "pyproject.toml").open("a") as f:
+        f.write('addopts = "-p pytester"\n')
+    done = harness(root, "run", "cpu", "--out", "out", "--", "-n", "0", "-s", timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "Timeout (0:00:01)!" in done.stdout + done.stderr, done.stdout + done.stderr
+
+
 class _Overdue(Exception):
     pass
 
