@@ -2,8 +2,9 @@
 
 It never narrows unsafely: when the changed files cannot be determined (an
 unknown ref, a shallow clone without the merge base, no git), or when the
-change touches the harness itself, the suites, the build, pytest's configuration
-or any ``conftest.py``, every entry runs. Otherwise an entry runs when a changed
+change touches the harness itself, the suites, the build, pytest's configuration,
+any ``conftest.py`` or anything outside the harness's root (a monorepo's other
+folders), every entry runs. Otherwise an entry runs when a changed
 file matches one of its ``depends_on`` globs or lies under one of its own test
 paths; an entry without ``depends_on`` always runs.
 """
@@ -71,32 +72,39 @@ def _git(root: Path, *args: str) -> tuple[str | None, str]:
     return None, f"git {args[0]}: {error}"
 
 
-def git_top(root: Path) -> Path | None:
-    """The top folder of the git repository ``root`` lies in; None outside one (or no git)."""
-    out, _ = _git(root, "rev-parse", "--show-toplevel")
-    return Path(out.strip()).resolve() if out and out.strip() else None
+def git_top(root: Path) -> tuple[Path | None, str]:
+    """The top folder of the git repository ``root`` lies in, and ``""``; or None and what
+    git said (not a repository, no git at all)."""
+    out, why = _git(root, "rev-parse", "--show-toplevel")
+    if out and out.strip():
+        return Path(out.strip()).resolve(), ""
+    return None, why or f"git rev-parse: no top folder for {root}"
 
 
-#: Files above the harness's root (in a folder of the git repository) that pytest or the
-#: build read for it: a change to one runs everything.
-READ_FROM_ABOVE: frozenset[str] = frozenset({*CONFIG_FILES, "conftest.py"})
+def in_git_folder(root: Path) -> Path | None:
+    """The top of the git repository whose folder (not its top) ``root`` is, found without
+    git (a ``.git`` entry in a folder above); None at a repository's top or outside one."""
+    here = root.resolve()
+    if (here / ".git").exists():
+        return None
+    return next((d for d in here.parents if (d / ".git").exists()), None)
 
 
 def changed_files(root: Path, ref: str) -> tuple[list[str] | None, str]:
     """The files that differ between the merge base of ``ref`` and ``HEAD`` and the working
-    tree (committed, staged, unstaged and untracked changes; renames count as both names),
-    as paths from ``root``, and ``""``; or ``None`` and why git cannot tell (an unknown
-    ref, no merge base, not a repository).
+    tree (committed, staged, unstaged and untracked changes; renames count as both names;
+    a submodule as its folder), as paths from ``root``, and ``""``; or ``None`` and why git
+    cannot tell (an unknown ref, no merge base, not a repository, no git).
 
-    The harness's root may be a folder of the git repository (a monorepo's project): of
-    the changes outside it only those to a file of :data:`READ_FROM_ABOVE` in a folder
-    above it count (``../conftest.py``); the rest belong to other projects."""
-    top = git_top(root)
+    The harness's root may be a folder of the git repository (a monorepo's project): a
+    change outside it is given as a path from the root (``../libs/x.py``), and runs every
+    entry (:func:`select`): a test may read anything in the repository."""
+    top, why = git_top(root)
     if top is None:
-        return None, f"{root} is not in a git repository"
+        return None, why
     base, why = _git(top, "merge-base", ref, "HEAD")
     if base is None:
-        return None, why or f"no merge base of {ref} and HEAD"
+        return None, f"no merge base of {ref} and HEAD ({why}; a shallow clone lacks it)"
     # -z: names as they are (git quotes a name with non-ASCII bytes otherwise).
     diff, why = _git(top, "diff", "--name-only", "-z", "--no-renames", base.strip())
     if diff is None:
@@ -108,21 +116,10 @@ def changed_files(root: Path, ref: str) -> tuple[list[str] | None, str]:
         here = root.resolve().relative_to(top).as_posix()
     except ValueError:
         return None, f"{root} is not inside its git repository's top {top}"
-    here = "" if here == "." else here
-    out = set()
-    for name in (diff + untracked).split("\0"):
-        if not name:
-            continue
-        if not here:
-            out.add(name)
-        elif name.startswith(here + "/"):
-            out.add(name[len(here) + 1 :])
-        elif posixpath.basename(name) in READ_FROM_ABOVE:
-            folder = posixpath.dirname(name)
-            if not folder or here.startswith(folder + "/"):
-                up = here.count("/") + 1 - (folder.count("/") + 1 if folder else 0)
-                out.add("../" * up + posixpath.basename(name))
-    return sorted(out), ""
+    names = {name for name in (diff + untracked).split("\0") if name}
+    if here == ".":
+        return sorted(names), ""
+    return sorted(posixpath.relpath(name, here) for name in names), ""
 
 
 def select(
@@ -136,11 +133,11 @@ def select(
         return ChangeSelection(all_ids, True, f"changed files unknown{why}: running every entry")
     changed = list(changed)
     for f in changed:
-        if f.startswith("../"):  # read for the root from a folder above it
-            return ChangeSelection(all_ids, True, f"{f} changed: running every entry")
-        for pattern in RUN_EVERYTHING:
-            if path_matches(f, pattern):
-                return ChangeSelection(all_ids, True, f"{f} changed: running every entry")
+        if f.startswith("../") or any(path_matches(f, p) for p in RUN_EVERYTHING):
+            # Outside the root (a monorepo's other folders: a test may read them), or what
+            # decides how every case runs.
+            shown = f if f.isprintable() else repr(f)
+            return ChangeSelection(all_ids, True, f"{shown} changed: running every entry")
     chosen = set()
     for e in entries:
         if e.depends_on is None:

@@ -40,7 +40,7 @@ from typing import Any
 from harness.errors import HarnessError
 from harness.jsonio import write_text
 from harness.names import EXIT_FAILED, EXIT_OK, EXIT_USAGE
-from harness.suites.changes import git_top
+from harness.suites.changes import in_git_folder
 from harness.suites.inventory import collect, is_test_module
 from harness.suites.manifest import (
     SCHEMA_FILE,
@@ -352,8 +352,8 @@ def render(
         if isinstance(kept, Manifest) and kept.suite == "cpu":
             cpu_minutes = max(r.timeout_minutes for r in kept.runners)
     if workflows:
-        top = git_top(root)
-        if top is not None and top != root.resolve():
+        top = in_git_folder(root)
+        if top is not None:
             # GitHub reads .github/workflows at the repository's top only, and the workflows
             # run their commands there.
             raise InitError(

@@ -255,9 +255,12 @@ def glob_regex(pattern: str) -> re.Pattern[str]:
 
 def path_matches(path: str, pattern: str) -> bool:
     """True when repository-relative ``path`` is ``pattern``, lies under the directory
-    ``pattern``, or matches the glob ``pattern`` (or lies under a directory matching it)."""
+    ``pattern``, or matches the glob ``pattern`` (or lies under a directory matching it);
+    ``DIR/**`` also matches ``DIR`` itself (git names a changed submodule by its folder)."""
     pattern = pattern.rstrip("/")
     if pattern in ("", "."):
+        return True
+    if pattern.endswith("/**") and path_matches(path, pattern[:-3]):
         return True
     if has_glob(pattern):
         rx = glob_regex(pattern)

@@ -233,12 +233,15 @@ def test_changed_files_are_read_from_the_harness_root(tmp_path):
     def selected() -> set[str]:
         return set(changes.select(m.entries, *changes.changed_files(project, "main")).entries)
 
+    # A change outside the project may be read by its tests (a conftest, a library beside
+    # it): every entry runs.
     (top / "README.md").write_text("outside the project\n")
-    assert changes.changed_files(project, "main") == ([], "")
-    # ... but a conftest or pytest configuration above the project is read for it.
+    assert changes.changed_files(project, "main") == (["../README.md"], "")
     (top / "conftest.py").write_text("")  # untracked
-    assert changes.changed_files(project, "main") == (["../conftest.py"], "")
-    assert changes.select(m.entries, ["../conftest.py"]).everything
+    assert changes.changed_files(project, "main") == (["../README.md", "../conftest.py"], "")
+    sel = changes.select(m.entries, *changes.changed_files(project, "main"))
+    assert sel.everything, sel.reason
+    assert sel.reason == "../README.md changed: running every entry"
     (top / "conftest.py").unlink()
     git(top, "checkout", "-q", "--", ".")
     (project / "pkg/core.py").write_text("x = 1\n")

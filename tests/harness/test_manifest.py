@@ -237,6 +237,9 @@ def test_depends_on_outside_is_rejected(tmp_path):
         ("src/e/new\nline.py", "src/e/**", True),
         ("a\nb/conftest.py", "**/conftest.py", True),
         ("src/e/new\nline.py", "src/e/*.py", True),
+        # Regression: git names a changed submodule by its folder, which DIR/** missed.
+        ("libs/util", "libs/util/**", True),
+        ("libs/utility", "libs/util/**", False),
     ],
 )
 def test_path_matching(path, pattern, hit):
