@@ -102,9 +102,15 @@ def changed_files(root: Path, ref: str) -> tuple[list[str] | None, str]:
     top, why = git_top(root)
     if top is None:
         return None, why
+    outer, _ = _git(top, "rev-parse", "--show-superproject-working-tree")
+    if outer and outer.strip():
+        # What changed in the superproject around it (a library beside it) is not seen here.
+        return None, f"{top} is a submodule of {outer.strip()}, whose changes it cannot see"
     base, why = _git(top, "merge-base", ref, "HEAD")
     if base is None:
-        return None, f"no merge base of {ref} and HEAD ({why}; a shallow clone lacks it)"
+        if why.endswith("exit status 1"):  # git found both and no common ancestor
+            why = f"no merge base of {ref} and HEAD (a shallow clone lacks it: fetch more)"
+        return None, why
     # -z: names as they are (git quotes a name with non-ASCII bytes otherwise).
     diff, why = _git(top, "diff", "--name-only", "-z", "--no-renames", base.strip())
     if diff is None:
@@ -133,7 +139,7 @@ def select(
         return ChangeSelection(all_ids, True, f"changed files unknown{why}: running every entry")
     changed = list(changed)
     for f in changed:
-        if f.startswith("../") or any(path_matches(f, p) for p in RUN_EVERYTHING):
+        if f == ".." or f.startswith("../") or any(path_matches(f, p) for p in RUN_EVERYTHING):
             # Outside the root (a monorepo's other folders: a test may read them), or what
             # decides how every case runs.
             shown = f if f.isprintable() else repr(f)

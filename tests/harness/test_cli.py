@@ -258,6 +258,32 @@ def test_changed_files_are_read_from_the_harness_root(tmp_path):
     assert sel.everything, sel.reason
 
 
+def test_a_root_in_a_submodule_runs_everything(tmp_path):
+    # Regression: a project checked out as a submodule saw only its own history: a library
+    # beside it in the superproject changed, and the change selected nothing (green).
+    project = tmp_path / "project"
+    project.mkdir()
+    entries = [{"id": "core", "paths": ["tests"], "depends_on": ["pkg/**"]}]
+    make_project(
+        project,
+        {"tests/test_a.py": "def test_a():\n    pass\n"},
+        {"cpu": manifest("cpu", "cpu", entries)},
+        {"pkg/a.py": ""},
+    )
+    commit_all(project)
+    top = tmp_path / "super"
+    (top / "libs").mkdir(parents=True)
+    (top / "libs/x.py").write_text("a = 1\n")
+    commit_all(top)
+    file_ok = ("-c", "protocol.file.allow=always")
+    git(top, *file_ok, "submodule", "-q", "add", str(project), "proj")
+    git(top, "-c", "user.email=t@e", "-c", "user.name=t", "commit", "-qm", "sub")
+    (top / "libs/x.py").write_text("a = 2\n")
+    changed, why = changes.changed_files(top / "proj", "main")
+    assert changed is None
+    assert "is a submodule of" in why, why
+
+
 def test_a_refused_run_leaves_no_earlier_report_in_its_folder(pytester):
     # Regression: a run refused (exit 2) after a green one left the green reports in place.
     tests = {"tests/a/test_a.py": "def test_a1():\n    pass\n"}
