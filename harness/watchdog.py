@@ -58,7 +58,7 @@ class _Armed:
 _LONGEST_WAIT_S = 3600.0
 
 #: How long after the watch thread should have stopped the process faulthandler's C timer
-#: does it (see ``Watchdog.backstop``).
+#: does it (see :class:`Watchdog`).
 BACKSTOP_MARGIN_S = 5.0
 
 #: The latest backstop faulthandler takes (its timer overflows far beyond a year).
