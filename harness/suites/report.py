@@ -454,8 +454,9 @@ def beyond(nodeids: Iterable[str], limit: int = 30) -> str:
     return _bullets(
         [
             f"- not planned, not run: `{n}` (pytest collected it only with the arguments given "
-            "to it; the suite's inventory collects without them: collect it always, and skip it "
-            "unless your option is given, as pytest's --runslow recipe does)"
+            "to it, after `--` or in PYTEST_ADDOPTS; the suite's inventory collects without "
+            "them: collect it always, and skip it unless your option is given, as pytest's "
+            "--runslow recipe does)"
             for n in sorted(nodeids)
         ],
         limit,

@@ -502,6 +502,8 @@ class _Run:
     whole: bool = True
     #: Every case the inventory collected, of any suite or none.
     inventoried: frozenset[str] = frozenset()
+    #: Every case the suite holds (the run's, and those a shard or a narrowing left out).
+    suite_cases: list[Pair] = field(default_factory=list)
 
     @property
     def title(self) -> str:
@@ -569,8 +571,9 @@ def _plan_run(root: Path, opts: RunOptions, started: float) -> _Run:
     whole = len(cases) == len(inv.suite_cases(suite_name))
     inventoried = frozenset(c.nodeid for c in inv.cases)
     return _Run(
-        root, opts, m, shard, cases, too_big, out, started, inv.inipath, groups, whole, inventoried
-    )
+        root, opts, m, shard, cases, too_big, out, started, inv.inipath, groups, whole,
+        inventoried, inv.suite_cases(suite_name),
+    )  # fmt: skip
 
 
 #: The lock file in a run's output folder: ``flock``'d by the run that writes there, from before
@@ -697,7 +700,7 @@ def _pytest_command(
             "cases": {c.nodeid: deadline for c, _ in group},
             "run": [c.nodeid for c, _ in run.cases],  # the whole run's (--lf spans the groups)
             "entries": {c.nodeid: e.id for c, e in group},
-            "inventoried": sorted(run.inventoried),  # every case the inventory collected
+            "suite": sorted(c.nodeid for c, _ in run.suite_cases),  # every shard's
             "files": files,  # the paths below; any other is the caller's, and narrows the group
         },
         indent=None,
@@ -861,7 +864,7 @@ def _unplanned(run: _Run, ran: _Ran) -> tuple[set[str], set[str]]:
     index = EntryIndex(run.manifest.entries)
     beyond = {
         c
-        for c in unplanned
+        for c in unplanned - run.inventoried
         if index.covers_file(c.split("::", 1)[0], node_ids=False) or index.names_id(c)
     }
     narrowed = any(r.options.get("narrowed") for r in ran.records)
@@ -885,7 +888,8 @@ def _verdict(
         verdict.append(f"{total.missing} planned case(s) never ran")
     if beyond:
         verdict.append(
-            f"{len(beyond)} case(s) collected only with the arguments given to pytest were not run"
+            f"{len(beyond)} case(s) collected only with the arguments given to pytest "
+            "(after `--`, PYTEST_ADDOPTS) were not run"
         )
     if not total.passed and not narrowed:
         verdict.append(f"no case passed ({total.skipped} skipped)")

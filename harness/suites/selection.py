@@ -220,6 +220,9 @@ class _Outcomes:
         self.deselected: set[str] = set()
         #: Files pytest's ``--lf`` did not collect.
         self.last_failed_skipped: set[str] = set()
+        #: Case id -> pytest's node id of the cases pytest collected that the suite does
+        #: not hold (set by the selection hook, recorded at the end of collection).
+        self.unplanned: dict[str, str] = {}
 
     def record(self, **event: Any) -> None:
         self.file.write(json.dumps(event) + "\n")
@@ -279,6 +282,13 @@ class _Outcomes:
 
     @pytest.hookimpl(trylast=True)
     def pytest_collection_finish(self, session: pytest.Session) -> None:
+        unplanned = set(self.unplanned)
+        lf = self.config.pluginmanager.get_plugin("lfplugin")
+        if self.config.getoption("lf", False) and getattr(lf, "_previously_failed_count", 0):
+            # --lf kept only the cases that failed last: it would have deselected the rest.
+            unplanned = {c for c in unplanned if self.unplanned[c] in lf.lastfailed}
+        if unplanned:
+            self.record(unplanned=sorted(unplanned))
         ids = [(i.nodeid, _case_id(i, self.root)) for i in session.items]
         self.record(
             collected=[cid for _, cid in ids],
@@ -527,13 +537,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     outcomes = config.pluginmanager.get_plugin("harness-outcomes")
     callers = _callers_args(config, sel)
     if drop and outcomes is not None:
-        # Cases pytest collected that the suite's inventory lacks: under paths given to
-        # pytest that no entry of the suite owns, or collected only with the arguments given
-        # (a conftest option that adds cases, --doctest-modules). pytest alone would run
-        # them; the summary names them (`harness run` tells the two apart).
-        unplanned = {_case_id(i, root) for i in drop} - set(sel.get("inventoried", ()))
-        if unplanned:
-            outcomes.record(unplanned=sorted(unplanned))
+        # Cases pytest collected that the suite does not hold: under paths given to pytest
+        # that no entry of the suite owns, or collected only with the arguments given (a
+        # conftest option that adds cases, --doctest-modules). pytest alone would run them;
+        # the summary names them (`harness run` tells the two apart). Recorded once --lf,
+        # which deselects after this hook, has had its say (``_Outcomes``).
+        suite = set(sel.get("suite", ()))
+        outcomes.unplanned = {
+            cid: i.nodeid for i in drop if (cid := _case_id(i, root)) not in suite
+        }
     if drop or ignored:
         if drop:
             config.hook.pytest_deselected(items=drop)

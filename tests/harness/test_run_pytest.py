@@ -1162,6 +1162,52 @@ def test_cases_only_the_options_given_collect_make_the_run_red(pytester):
     assert "not planned" not in done.stdout, done.stdout
 
 
+def test_last_failed_and_a_shared_file_keep_the_not_planned_rule_honest(pytester):
+    # Regressions of the first "not planned" rule: --lf, which deselects after the harness's
+    # hook, left cases it would drop counted as not planned (a false red); another suite's
+    # case in a file shared by node-id entries lost its "not in suite" note.
+    tests = {
+        "tests/conftest.py": """
+            def pytest_addoption(parser):
+                parser.addoption("--runslow", action="store_true")
+
+            def pytest_collection_modifyitems(config, items):
+                if not config.getoption("--runslow"):
+                    items[:] = [i for i in items if "slow" not in i.name]
+        """,
+        "tests/a/test_a.py": """
+            import os
+
+            def test_flaky():
+                assert os.environ.get("FIXED")
+
+            def test_slow():
+                pass
+        """,
+        "tests/s/test_s.py": "def test_one():\n    pass\n\ndef test_two():\n    pass\n",
+    }
+    cpu = [
+        {"id": "a", "paths": ["tests/a"]},
+        {"id": "one", "paths": ["tests/s/test_s.py::test_one"]},
+    ]
+    other = [{"id": "two", "paths": ["tests/s/test_s.py::test_two"]}]
+    root = make_project(
+        pytester.path,
+        tests,
+        {"cpu": manifest("cpu", "cpu", cpu), "other": manifest("other", "cpu", other)},
+    )
+    assert harness(root, "run", "cpu", "--out", "out", "--", "-n", "0").returncode == 1
+    done = harness(
+        root, "run", "cpu", "--out", "out", "--", "-n", "0", "--lf", "--runslow",
+        env={"FIXED": "1"},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "not planned" not in done.stdout, done.stdout
+    done = harness(root, "run", "cpu", "--out", "out", "--", "-n", "0", "tests/s/test_s.py")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "- not in suite cpu, not run: `tests/s/test_s.py::test_two`" in done.stdout
+
+
 def test_cases_of_two_files_reached_through_a_link_keep_their_own_results(pytester, tmp_path):
     # Regression: outside its rootdir pytest names a file's cases without the file
     # ("::test_dup"); two files' cases shared one name, one file's went missing and the
