@@ -1114,20 +1114,25 @@ def test_cases_the_paths_given_collect_outside_the_suite_are_named(pytester):
         assert note in done.stdout, done.stdout
 
 
+#: A conftest that adds cases with an option: without --runslow it drops the slow items
+#: (pytest's own recipe skips them instead, which the inventory sees).
+DROPS_SLOW_UNLESS_RUNSLOW = """
+    def pytest_addoption(parser):
+        parser.addoption("--runslow", action="store_true")
+
+    def pytest_collection_modifyitems(config, items):
+        if not config.getoption("--runslow"):
+            items[:] = [i for i in items if "slow" not in i.name]
+"""
+
+
 def test_cases_only_the_options_given_collect_make_the_run_red(pytester):
     # Regression: a conftest option that adds cases (--runslow dropping slow items unless
     # given) made pytest collect a case the inventory, collected without it, never saw: it
     # was dropped without a word and the run green, or, with a path, called "not in suite"
     # though an entry owns its file.
     tests = {
-        "tests/conftest.py": """
-            def pytest_addoption(parser):
-                parser.addoption("--runslow", action="store_true")
-
-            def pytest_collection_modifyitems(config, items):
-                if not config.getoption("--runslow"):
-                    items[:] = [i for i in items if "slow" not in i.name]
-        """,
+        "tests/conftest.py": DROPS_SLOW_UNLESS_RUNSLOW,
         "tests/a/test_a.py": "def test_fast():\n    pass\n\ndef test_slow():\n    assert 0\n",
         "tests/b/test_b.py": "def test_b():\n    pass\n",
         # Held by a node id that names the function: its "slow" variant is the entry's too.
@@ -1167,14 +1172,7 @@ def test_last_failed_and_a_shared_file_keep_the_not_planned_rule_honest(pytester
     # hook, left cases it would drop counted as not planned (a false red); another suite's
     # case in a file shared by node-id entries lost its "not in suite" note.
     tests = {
-        "tests/conftest.py": """
-            def pytest_addoption(parser):
-                parser.addoption("--runslow", action="store_true")
-
-            def pytest_collection_modifyitems(config, items):
-                if not config.getoption("--runslow"):
-                    items[:] = [i for i in items if "slow" not in i.name]
-        """,
+        "tests/conftest.py": DROPS_SLOW_UNLESS_RUNSLOW,
         "tests/a/test_a.py": """
             import os
 
