@@ -27,7 +27,7 @@ from harness.names import EXIT_FAILED, EXIT_OK, EXIT_USAGE, WARNING_RULES
 from harness.suites import changes
 from harness.suites.init import add_parser as _add_init
 from harness.suites.inventory import SuiteInventory, build_inventory
-from harness.suites.manifest import find_root
+from harness.suites.manifest import find_root, suite_name
 from harness.suites.plan import PlanError, plan_suite
 from harness.suites.run import RunOptions, load_suite, run_suite
 
@@ -265,7 +265,7 @@ def _print_inventory(
 
 
 def _cmd_inventory(root: Path, args: argparse.Namespace) -> int:
-    names = [Path(s).stem if s.endswith(".json") else s for s in args.suites]
+    names = [suite_name(s) for s in args.suites]
     inv = build_inventory(root, args.suites or None)
     if args.json:
         print(json.dumps(inv.as_dict(names or None), indent=1))

@@ -62,6 +62,7 @@ from harness.suites.manifest import (
     load_suites,
     marker_expression,
     rel,
+    suite_name,
 )
 
 
@@ -812,7 +813,7 @@ def _load_scope(root: Path, suites: Iterable[str] | None) -> _Scope:
         return _Scope(all_manifests, list(all_manifests), problems, ok)
     # Unknown names are problems; a suite named by path (suites/x.json) is its stem.
     problems += [p for p in load_suites(root, suites)[1] if p.rule == names.UNKNOWN_SUITE]
-    wanted = {Path(s).stem if s.endswith(".json") else s for s in suites}
+    wanted = {suite_name(s) for s in suites}
     problems = [p for p in problems if p.suite in wanted or p.rule == names.UNKNOWN_SUITE]
     return _Scope(all_manifests, [m for m in all_manifests if m.suite in wanted], problems, ok)
 

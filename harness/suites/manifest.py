@@ -181,6 +181,11 @@ def suite_files(root: Path) -> list[Path]:
     return sorted((root / SUITES_DIR).glob("*.json"))
 
 
+def suite_name(name_or_path: str) -> str:
+    """The suite a command-line argument names: ``gpu``, or the stem of ``suites/gpu.json``."""
+    return Path(name_or_path).stem if name_or_path.endswith(".json") else name_or_path
+
+
 def resolve_suite(root: Path, name_or_path: str) -> Path:
     """The manifest file for a suite name (``gpu``) or path (``suites/gpu.json``).
 

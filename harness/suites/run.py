@@ -55,7 +55,7 @@ from harness.suites.inventory import (
     build_inventory,
     plugin_args,
 )
-from harness.suites.manifest import Entry, Manifest
+from harness.suites.manifest import Entry, Manifest, suite_name
 from harness.suites.plan import PlanError, parse_shard, plan_suite, write_durations
 
 if TYPE_CHECKING:  # imported where used: the inventory and the planner need no psutil
@@ -214,7 +214,7 @@ def load_suite(root: Path, suite: str, command: str) -> tuple[str, SuiteInventor
     inventory job's business: only problems that make this suite unplannable
     or unrunnable count here.
     """
-    name = Path(suite).stem if suite.endswith(".json") else suite
+    name = suite_name(suite)
     inv = build_inventory(root, [suite], check_ownership=False)
     # A test file that fails to import is reported by the run, as that entry's failure; a
     # conftest (or pytest itself) that fails spoils every case.
@@ -502,8 +502,9 @@ class _Run:
     whole: bool = True
     #: Every case the inventory collected, of any suite or none.
     inventoried: frozenset[str] = frozenset()
-    #: Every case the suite holds (the run's, and those a shard or a narrowing left out).
-    suite_cases: list[Pair] = field(default_factory=list)
+    #: Every case the suite holds, sorted (the run's, and those a shard or a narrowing left
+    #: out).
+    suite_ids: tuple[str, ...] = ()
 
     @property
     def title(self) -> str:
@@ -553,7 +554,8 @@ def _plan_run(root: Path, opts: RunOptions, started: float) -> _Run:
         # The shard is cut from the whole suite, as `harness matrix` planned it,
         # and only then narrowed: re-partitioning the narrowed cases would move
         # them between shards (onto runners with fewer cards, say).
-        cases = plan_cases(root, m, inv.suite_cases(suite_name), opts.durations, shard)
+        owned = inv.suite_cases(suite_name)
+        cases = plan_cases(root, m, owned, opts.durations, shard)
     except PlanError as e:
         raise _Refused(f"harness run: {e}") from None
     if opts.changed_from:
@@ -568,11 +570,11 @@ def _plan_run(root: Path, opts: RunOptions, started: float) -> _Run:
         cases = [(c, e) for c, e in cases if c.cards <= opts.max_cards]
     out = (opts.out or _default_out(root, m.suite, shard)).resolve()
     groups = run_groups(m.device, cases, opts.pytest_args, opts.workers)
-    whole = len(cases) == len(inv.suite_cases(suite_name))
+    whole = len(cases) == len(owned)
     inventoried = frozenset(c.nodeid for c in inv.cases)
     return _Run(
         root, opts, m, shard, cases, too_big, out, started, inv.inipath, groups, whole,
-        inventoried, inv.suite_cases(suite_name),
+        inventoried, tuple(sorted(c.nodeid for c, _ in owned)),
     )  # fmt: skip
 
 
@@ -646,13 +648,17 @@ def _holder(text: str) -> str:
     return text or "starting"
 
 
+#: The reports a run leaves in its output folder for people and CI.
+_REPORT_FILES = ("junit.xml", "summary.md", "summary.json")
+
+
 def _prepare_out(run: _Run) -> None:
     """Phase 2: the output folder, cleared of a previous run's watchdog logs, with ``plan.json``."""
     run.out.mkdir(parents=True, exist_ok=True)
     # A previous run's: this run reports its own, and one that dies early leaves none of them.
     stale_files = [
         *("watchdog-*.log", "select-*.jsonl", "junit-*.xml", "last-failed.json"),
-        *("junit.xml", "summary.md", "summary.json"),
+        *_REPORT_FILES,
     ]
     for stale in [f for pattern in stale_files for f in run.out.glob(pattern)]:
         stale.unlink()
@@ -700,7 +706,7 @@ def _pytest_command(
             "cases": {c.nodeid: deadline for c, _ in group},
             "run": [c.nodeid for c, _ in run.cases],  # the whole run's (--lf spans the groups)
             "entries": {c.nodeid: e.id for c, e in group},
-            "suite": sorted(c.nodeid for c, _ in run.suite_cases),  # every shard's
+            "suite": run.suite_ids,  # every shard's
             "files": files,  # the paths below; any other is the caller's, and narrows the group
         },
         indent=None,
@@ -855,11 +861,11 @@ _PYTEST_USAGE_ERROR = 4
 
 
 def _unplanned(run: _Run, ran: _Ran) -> tuple[set[str], set[str]]:
-    """The cases pytest collected that the suite's inventory lacks, in two kinds: those an
-    entry of the suite holds (its file whole, or by a node id naming the case or its
-    function: only the arguments given to pytest collect them, a conftest option,
-    --doctest-modules), and, where paths were given to pytest, the others (under those
-    paths, owned by no entry of the suite)."""
+    """The cases pytest collected that the suite does not hold, in two kinds: those the
+    inventory lacks and an entry of the suite holds (its file whole, or by a node id naming
+    the case or its function: only the arguments given to pytest collect them, a conftest
+    option, --doctest-modules), and, where paths were given to pytest, the others (under
+    those paths, of another suite or none)."""
     unplanned = {c for r in ran.records for c in r.unplanned}
     index = EntryIndex(run.manifest.entries)
     beyond = {
@@ -1052,7 +1058,7 @@ def _void_out(root: Path, opts: RunOptions, why: str) -> None:
     green files), only this run's red ``summary.md``. Left alone when it is not there, when
     another run holds it, or when a ``--shard`` that does not parse leaves the run no folder
     of its own (the whole suite's is another run's)."""
-    suite = Path(opts.suite).stem if opts.suite.endswith(".json") else opts.suite
+    suite = suite_name(opts.suite)
     try:
         shard = parse_shard(opts.shard) if opts.shard is not None else None
     except PlanError:
@@ -1065,7 +1071,7 @@ def _void_out(root: Path, opts: RunOptions, why: str) -> None:
     title = _title(suite, shard)
     try:
         with claim_out(out, title):
-            for name in ("summary.md", "summary.json", "junit.xml", "plan.json"):
+            for name in (*_REPORT_FILES, "plan.json"):
                 (out / name).unlink(missing_ok=True)
             text = f"### {title}\n\n**FAILED**: {why}\n"
             write_text(out / "summary.md", text)

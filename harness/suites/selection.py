@@ -235,6 +235,7 @@ class _Outcomes:
         sel = _load(self.config) or {}
         callers = _callers_args(self.config, sel)
         modules = bool(opt("pyargs", False))  # --pyargs: module names, not paths
+        absent = [] if modules else _not_found(self.config, callers)
         self.record(
             options={
                 "collectonly": bool(opt("collectonly", False)),
@@ -244,11 +245,11 @@ class _Outcomes:
                 # The caller named paths or node ids: planned cases outside them are deselected.
                 "narrowed": bool(callers),
                 # ... some of which name no file (pytest says so under -n 0 only).
-                "not_found": [] if modules else _not_found(self.config, callers),
+                "not_found": absent,
                 # ... or select no case of the run.
                 "selecting_nothing": []
                 if modules
-                else _selecting_nothing(self.config, callers, sel),
+                else _selecting_nothing(self.config, [a for a in callers if a not in absent], sel),
                 # The planned cases those paths leave out (None: modules, not paths).
                 "outside": None if modules else self._outside(callers),
                 "junitxml": self.config.stash.get(_CALLER_JUNIT, None),
@@ -474,16 +475,17 @@ def _selects(arg: str, cid: str, cwd: Path, root: Path) -> bool:
 def _selecting_nothing(
     config: pytest.Config, args: Sequence[str], sel: dict[str, Any]
 ) -> list[str]:
-    """The paths and node ids of ``args`` that exist but select no case of the whole run
-    (a file outside the suite, a misspelled test name, a link to a planned file), each
-    with what it is when it is a link: pytest alone would have run what they name."""
+    """The paths and node ids of ``args`` (each one that exists: see :func:`_not_found`)
+    that select no case of the whole run (a file outside the suite, a misspelled test name,
+    a link to a planned file), each with what it is when it is a link: pytest alone would
+    have run what they name."""
     cwd, root = config.invocation_params.dir, Path(sel["root"])
     run = sel.get("run", ())
     out = []
     for a in args:
-        path = Path(os.path.abspath(cwd / a.split("::", 1)[0]))
-        if not path.exists() or any(_selects(a, c, cwd, root) for c in run):
+        if any(_selects(a, c, cwd, root) for c in run):
             continue
+        path = Path(os.path.abspath(cwd / a.split("::", 1)[0]))
         linked = [p for p in (path, *path.parents) if p.is_symlink()]
         out.append(f"{a} (a symlink to {linked[0].resolve()})" if linked else a)
     return out
@@ -703,8 +705,8 @@ class Records:
     collect: dict[str, tuple[str, str]] = field(default_factory=dict)
     #: Node id -> its phases' ``(when, outcome, seconds, message)``.
     reports: dict[str, list[tuple[str, str, float, str]]] = field(default_factory=dict)
-    #: Cases pytest collected that the suite's inventory lacks (under paths given to pytest
-    #: that no entry of the suite owns, or only with the arguments given): never planned.
+    #: Cases pytest collected that the suite does not hold (under paths given to pytest, of
+    #: another suite or none, or collected only with the arguments given): never planned.
     unplanned: set[str] = field(default_factory=set)
     #: Files (case ids) pytest's ``--lf`` did not collect: none of their cases failed last.
     last_failed_skipped: set[str] = field(default_factory=set)
