@@ -1139,11 +1139,11 @@ def test_capability_probes_are_invisible_to_dispatch_modes(monkeypatch):
     """What this torch can do (the in-place softmax, ``out_dtype``) is
     probed once per process, outside any active dispatch mode: an operation counter sees
     the same work on the first call of a process as on later calls."""
-    from channel_loss import ops
+    from channel_loss import _gemm, ops
 
     inputs, labels = make_inputs(lead=(24,), H=8, V=40, bias="factored", seed=3)
     low = {k: v.detach().bfloat16().requires_grad_() for k, v in inputs.items()}
-    monkeypatch.setattr(ops, "_PROBED", {})
+    monkeypatch.setattr(_gemm, "_PROBED", {})
     seen = []
     for _ in range(2):
         with MatmulCounter() as counter, LiveBytes() as mem:
@@ -1151,5 +1151,5 @@ def test_capability_probes_are_invisible_to_dispatch_modes(monkeypatch):
             with ops.gemm_policy("model_dtype"):
                 run_loss(low, labels, observe=True, chunk_size=5)
         seen.append((counter.matmuls, counter.flops, mem.created))
-    assert ops._PROBED  # the first pass did probe
+    assert _gemm._PROBED  # the first pass did probe
     assert seen[0] == seen[1]
