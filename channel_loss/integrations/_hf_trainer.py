@@ -16,6 +16,7 @@ from transformers import TrainerCallback
 from channel_loss.integrations._hf_fused import _fused_patch_of
 from channel_loss.integrations._hf_models import _unwrap
 from channel_loss.integrations._hf_observe import ObservingOutputsLoss
+from channel_loss.integrations._hf_trl import has_trl_fused_head, observe_trl_fused_head
 from channel_loss.meter import ChannelLossMeter, columns_from_metrics, metrics_from_columns
 from channel_loss.validation import is_int
 
@@ -164,6 +165,7 @@ class ChannelLossCallback(TrainerCallback):
         self.interval_from_logging_steps = interval_from_logging_steps
         self._in_step = False
         self._attached = False
+        self._trl_hook = None
         self._pending: list[dict[str, float]] = []
 
     def attach(self, trainer) -> ChannelLossCallback:
@@ -178,6 +180,16 @@ class ChannelLossCallback(TrainerCallback):
         flow = [i for i, cb in enumerate(callbacks) if type(cb).__name__ == "DefaultFlowCallback"]
         callbacks.insert(flow[-1] + 1 if flow else 0, self)
         self._attached = True
+        model = trainer.model
+        if has_trl_fused_head(
+            model.get_base_model() if hasattr(model, "get_base_model") else model
+        ):
+            # TRL's SFT / DPO loss: its fused LM head's per-token log-probabilities.
+            if self._trl_hook is None:
+                self._trl_hook = observe_trl_fused_head(trainer, _fused_patch_of)
+            trl = True
+        else:
+            trl = False
         smoother = getattr(trainer, "label_smoother", None)
         if smoother is not None and not isinstance(smoother, ObservingOutputsLoss):
             ignore_index = getattr(smoother, "ignore_index", -100)
@@ -185,7 +197,7 @@ class ChannelLossCallback(TrainerCallback):
         compute = getattr(trainer, "compute_loss_func", None)
         if compute is not None and not isinstance(compute, ObservingOutputsLoss):
             trainer.compute_loss_func = ObservingOutputsLoss(compute, always_shift=True)
-        if smoother is not None:
+        if smoother is not None and not trl:  # TRL never reaches Trainer.compute_loss's smoother
             _with_fused_smoothing(trainer)
         return self
 

@@ -68,6 +68,7 @@ from channel_loss.integrations._hf_models import (
 )
 from channel_loss.integrations._hf_observe import ObservingLoss, ObservingOutputsLoss
 from channel_loss.integrations._hf_trainer import ChannelLossCallback, merge_step_metrics
+from channel_loss.integrations._hf_trl import has_trl_fused_head, trl_fused_refusal
 from channel_loss.integrations._hf_verify import _VERIFIED
 
 __all__ = [
@@ -268,6 +269,8 @@ def patch_model(model, *, fused: bool = False, chunk_size: int | None = None) ->
         return LossPatch(target, loss, saved)
 
     name = type(target).__name__
+    if has_trl_fused_head(target):
+        raise UnsupportedModelError(trl_fused_refusal(name))
     head = _output_embeddings(target)
     if not isinstance(head, torch.nn.Linear) or type(head).forward is not torch.nn.Linear.forward:
         raise UnsupportedModelError(
