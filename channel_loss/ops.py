@@ -67,6 +67,19 @@ _COMPILE_NOTE = (
     "O(chunk_size x V) memory bound (it grows with the token count like full logits)"
 )
 _EAGER: dict[Callable, Callable] = {}
+_FUNC_TRANSFORMS = (
+    "chunk_cross_entropy does not support torch.func transforms (grad, jvp, vjp, vmap, "
+    "jacrev, ...): its gradients are formed in the forward pass by a custom autograd.Function. "
+    "Differentiate it with loss.backward() or torch.autograd.grad, or, inside torch.func, "
+    "use F.cross_entropy of the logits"
+)
+
+
+def _under_func_transform() -> bool:
+    """Whether a ``torch.func`` transform is active (torch's own error would only say that
+    the autograd.Function lacks ``setup_context``)."""
+    probe = getattr(torch._C, "_are_functorch_transforms_active", None)
+    return bool(probe()) if probe is not None else False
 
 
 def _eager_under_compile(fn: Callable) -> Callable:
@@ -157,7 +170,9 @@ def chunk_cross_entropy(
     per-token losses of this very pass are recorded; loss and gradients are
     bitwise the same with or without a scope.
 
-    Not differentiable twice (second-order gradients raise). Under
+    Not differentiable twice (second-order gradients raise), and not under
+    ``torch.func`` transforms (``grad``, ``jvp``, ``vmap``, ...: ``RuntimeError``
+    naming the op and the alternatives). Under
     ``torch.compile`` the call runs eagerly (one graph break; with
     ``fullgraph=True`` compilation fails naming this op), which keeps the
     memory bound; inside, the per-chunk softmax / CE / gradient math runs as
@@ -176,6 +191,8 @@ def chunk_cross_entropy(
     pass ``.full_tensor()``).
     """
     features = _checked_arguments(locals())
+    if _under_func_transform():
+        raise RuntimeError(_FUNC_TRANSFORMS)
     if reduction == "sum" and num_items_in_batch is not None:
         raise ValueError(
             "num_items_in_batch divides the summed loss: pass it with reduction='mean' "

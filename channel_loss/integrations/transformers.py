@@ -272,11 +272,16 @@ def patch_model(model, *, fused: bool = False, chunk_size: int | None = None) ->
     if has_trl_fused_head(target):
         raise UnsupportedModelError(trl_fused_refusal(name))
     head = _output_embeddings(target)
+    # An activation-checkpointing wrapper forwards to the module inside: patch that one,
+    # exactly as patching first and wrapping after does.
+    while isinstance(getattr(head, "_checkpoint_wrapped_module", None), torch.nn.Module):
+        head = head._checkpoint_wrapped_module
     if not isinstance(head, torch.nn.Linear) or type(head).forward is not torch.nn.Linear.forward:
         raise UnsupportedModelError(
             f"patch_model(fused=True) refuses {name}: its output embeddings are "
             f"{_class_name(head)}, not a plain torch.nn.Linear (the fused path computes "
-            "F.linear(hidden, weight, bias) chunk by chunk); use fused=False"
+            "F.linear(hidden, weight, bias) chunk by chunk); a torch.compile wrapper may be "
+            "applied after patch_model, not before; otherwise use fused=False"
         )
     transform = LogitTransform.of(target)
     loss = FusedLoss(original, model=target, head=head, transform=transform, chunk_size=chunk_size)
