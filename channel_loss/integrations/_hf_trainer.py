@@ -11,12 +11,15 @@ import warnings
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+import torch
 from transformers import TrainerCallback
 
+from channel_loss.errors import ChannelLossMetadataError
 from channel_loss.integrations._hf_fused import _fused_patch_of
 from channel_loss.integrations._hf_models import _unwrap
 from channel_loss.integrations._hf_observe import ObservingOutputsLoss
 from channel_loss.integrations._hf_trl import has_trl_fused_head, observe_trl_fused_head
+from channel_loss.layout import PackedLayout
 from channel_loss.meter import ChannelLossMeter, columns_from_metrics, metrics_from_columns
 from channel_loss.validation import is_int
 
@@ -106,6 +109,58 @@ def _with_fused_smoothing(trainer) -> None:
     setattr(trainer, _FUSED_SMOOTHING, True)
 
 
+def batch_layout(inputs: Mapping[str, Any], tail_padding_length=0) -> PackedLayout:
+    """The ``PackedLayout`` of a Trainer batch: from ``position_ids`` where it has them
+    (packed or padding-free rows; samples start at position 0, the last
+    ``tail_padding_length`` positions of a row are padding), else one sample per row of
+    ``attention_mask`` (right padding: the zeros after a row's ones; TRL's DPO batch).
+    Raises ``ChannelLossMetadataError`` for a batch with neither, or left padding."""
+    position_ids = inputs.get("position_ids")
+    if position_ids is not None:
+        return PackedLayout.from_position_ids(position_ids, tail_padding_length=tail_padding_length)
+    mask = inputs.get("attention_mask")
+    if mask is None or mask.dim() != 2:
+        raise ChannelLossMetadataError(
+            "the batch has neither position_ids nor a [B, T] attention_mask to take its layout from"
+        )
+    mask = mask.detach().to("cpu", torch.bool)
+    if bool((mask[:, 1:] & ~mask[:, :-1]).any()):
+        raise ChannelLossMetadataError(
+            "the batch's attention_mask is not right-padded (a 1 after a 0 in a row): give "
+            "position_ids, or open meter.micro_batch with your own layout"
+        )
+    positions = torch.arange(mask.shape[1]).expand(mask.shape)
+    return PackedLayout.from_position_ids(
+        positions, tail_padding_length=(mask.shape[1] - mask.sum(1)).tolist()
+    )
+
+
+def _open_micro_batches(trainer, meter: ChannelLossMeter, key: str) -> None:
+    """Wrap ``trainer.compute_loss`` (on the instance) to measure each training call: see
+    ``ChannelLossCallback.attach(source_ids_key=...)``."""
+    original = trainer.compute_loss
+    if getattr(original, "__channel_loss_micro_batches__", False):
+        return
+
+    @functools.wraps(original)
+    def compute_loss(model, inputs, *args: Any, **kwargs: Any):
+        source_ids = inputs.pop(key, None)
+        tail = inputs.pop("tail_padding_length", 0)
+        if not model.training:
+            return original(model, inputs, *args, **kwargs)
+        if source_ids is None:
+            raise KeyError(
+                f"ChannelLossCallback.attach(source_ids_key={key!r}): the training batch has no "
+                f"{key!r} (its keys: {sorted(inputs)}); have the collator add one source id per "
+                "sample, and set remove_unused_columns=False"
+            )
+        with meter.micro_batch(source_ids=source_ids, layout=batch_layout(inputs, tail)):
+            return original(model, inputs, *args, **kwargs)
+
+    compute_loss.__channel_loss_micro_batches__ = True
+    trainer.compute_loss = compute_loss
+
+
 class ChannelLossCallback(TrainerCallback):
     """Runs a ``ChannelLossMeter``'s steps alongside the Trainer and logs its metrics.
 
@@ -121,9 +176,11 @@ class ChannelLossCallback(TrainerCallback):
     What the training code must still do:
 
     * wrap each micro-batch's forward + loss in ``meter.micro_batch(
-      source_ids=..., layout=...)`` (in a ``Trainer`` subclass's
-      ``compute_loss``, only while ``model.training``), with the loss observed
-      by ``patch_model(model)`` or computed by ``patch_model(model, fused=True)``;
+      source_ids=..., layout=...)``: ``attach(trainer, source_ids_key=...)``
+      does it from the batch, or a ``Trainer`` subclass's ``compute_loss``
+      (only while ``model.training``), with the loss observed by
+      ``patch_model(model)`` or computed by ``patch_model(model, fused=True)``
+      (TRL's trainers: neither, ``attach`` observes TRL's fused LM head);
     * keep the per-sample ``source_ids`` in the batch (``remove_unused_columns
       =False`` or a collator that adds them) and pop them before the forward;
     * under DDP, build the meter with ``dp_group`` (and ``sp_group`` under
@@ -144,7 +201,12 @@ class ChannelLossCallback(TrainerCallback):
     smoother, and a ``compute_loss_func``, are wrapped to observe the
     per-token cross-entropy (NLL) of ``outputs.logits`` against the labels
     shifted by one (the causal-LM convention; the loss itself is unchanged).
-    When the model carries ``patch_model(model, fused=True)``, the Trainer's own
+    With TRL's ``SFTTrainer`` / ``DPOTrainer``, whose loss comes from TRL's fused
+    LM head (``trl.trainer.utils.add_fused_lm_head``), ``attach`` records the
+    per-token NLL of that head's log-probabilities on every gradient-taking
+    forward (the same pass; loss and gradients untouched) and refuses a model
+    that also carries ``patch_model(model, fused=True)`` (``UnsupportedModelError``
+    naming TRL). When the model carries ``patch_model(model, fused=True)``, the Trainer's own
     ``compute_loss`` (directly, or through a subclass's ``super().compute_loss``)
     runs a training call with the label smoother switched off and the fused loss
     applying the smoothing (normalised by ``num_items_in_batch`` as the Trainer's
@@ -168,11 +230,20 @@ class ChannelLossCallback(TrainerCallback):
         self._trl_hook = None
         self._pending: list[dict[str, float]] = []
 
-    def attach(self, trainer) -> ChannelLossCallback:
+    def attach(self, trainer, *, source_ids_key: str | None = None) -> ChannelLossCallback:
         """Put this callback right after the Trainer's flow callback, before every reporter.
 
         Also makes the Trainer's own loss paths observable (label smoothing,
-        ``compute_loss_func``): see the class docstring.
+        ``compute_loss_func``) and TRL's fused LM head: see the class docstring.
+
+        ``source_ids_key`` (e.g. ``"source_ids"``): the batch key under which the
+        collator puts one source id per sample. Given, ``attach`` also opens
+        ``meter.micro_batch`` around every training ``compute_loss`` call itself, so
+        no Trainer subclass is needed: it pops the key (and ``tail_padding_length``,
+        when the batch has it) and takes the layout from the batch (``batch_layout``).
+        A training batch without the key raises ``KeyError`` (the Trainer's
+        ``remove_unused_columns`` drops unknown columns: set it False). Evaluation
+        batches lose the key and are not measured.
         """
         callbacks = trainer.callback_handler.callbacks
         if self in callbacks:
@@ -199,6 +270,8 @@ class ChannelLossCallback(TrainerCallback):
             trainer.compute_loss_func = ObservingOutputsLoss(compute, always_shift=True)
         if smoother is not None and not trl:  # TRL never reaches Trainer.compute_loss's smoother
             _with_fused_smoothing(trainer)
+        if source_ids_key is not None:
+            _open_micro_batches(trainer, self.meter, source_ids_key)
         return self
 
     def _close_step(self) -> None:

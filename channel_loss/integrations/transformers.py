@@ -67,7 +67,11 @@ from channel_loss.integrations._hf_models import (
     _unwrap,
 )
 from channel_loss.integrations._hf_observe import ObservingLoss, ObservingOutputsLoss
-from channel_loss.integrations._hf_trainer import ChannelLossCallback, merge_step_metrics
+from channel_loss.integrations._hf_trainer import (
+    ChannelLossCallback,
+    batch_layout,
+    merge_step_metrics,
+)
 from channel_loss.integrations._hf_trl import has_trl_fused_head, trl_fused_refusal
 from channel_loss.integrations._hf_verify import _VERIFIED
 
@@ -79,6 +83,7 @@ __all__ = [
     "ObservingLoss",
     "ObservingOutputsLoss",
     "UnsupportedModelError",
+    "batch_layout",
     "fused_causal_lm_loss",
     "merge_step_metrics",
     "patch_model",

@@ -101,7 +101,8 @@ class DPOCollator:
 
 
 def layout_of(inputs) -> PackedLayout:
-    """Packed (``position_ids``) or padded rows (``attention_mask``), one sample per row then."""
+    """Packed (``position_ids``) or padded rows (``attention_mask``), one sample per row then:
+    written out here, the reference for ``batch_layout``."""
     if "position_ids" in inputs:
         return PackedLayout.from_position_ids(inputs["position_ids"])
     mask = inputs["attention_mask"]
@@ -146,8 +147,11 @@ class Grads(transformers.TrainerCallback):
         )
 
 
-def run(kind: str, tmp_path, *, observe: bool, **config):
-    """One TRL run: (logged losses, gradients per step, metrics per step, reference per step)."""
+def run(kind: str, tmp_path, *, observe: bool, short: bool = False, **config):
+    """One TRL run: (logged losses, gradients per step, metrics per step, reference per step).
+
+    ``short``: TRL's own trainer class, measured by ``attach(source_ids_key=...)`` (no
+    reference then)."""
     torch.manual_seed(0)
     model = tiny_llama(seed=8, tie_word_embeddings=False).train()
     distributed = dist.is_available() and dist.is_initialized()
@@ -191,14 +195,14 @@ def run(kind: str, tmp_path, *, observe: bool, **config):
             trl.trainer.dpo_trainer.DataCollatorForPreference(pad_token_id=VOCAB - 2)
         )
         extra = {"ref_model": copy.deepcopy(model)}
-    trainer = ChannelLossTrainer(
+    trainer = (base if short else ChannelLossTrainer)(
         model=model, args=args, train_dataset=data, processing_class=word_tokenizer(),
         data_collator=collator, callbacks=[grads], **extra,
     )  # fmt: skip
     if kind == "sft":
         trainer.data_collator = SFTCollator(trainer.data_collator)
     if observe:
-        ChannelLossCallback(meter).attach(trainer)
+        ChannelLossCallback(meter).attach(trainer, source_ids_key="source_ids" if short else None)
     trainer.train()
     logs = [e for e in trainer.state.log_history if "loss" in e]
     metrics = [{k: v for k, v in e.items() if k.startswith("channel_loss")} for e in logs]
@@ -210,6 +214,10 @@ def test_trl_trainer_per_source_metrics_with_loss_and_gradients_bitwise_unchange
     losses, grads, metrics, references = run(kind, tmp_path, observe=True)
     plain_losses, plain_grads, plain_metrics, _ = run(kind, tmp_path, observe=False)
     assert losses == plain_losses
+    # The short recipe (no Trainer subclass) measures the same.
+    short_losses, _, short_metrics, _ = run(kind, tmp_path / "short", observe=True, short=True)
+    assert short_losses == losses
+    assert short_metrics == metrics
     assert len(grads) == len(plain_grads) == 3
     for step, plain in zip(grads, plain_grads, strict=True):
         assert step.keys() == plain.keys()
