@@ -1177,7 +1177,9 @@ def test_torch_func_transforms_get_an_error_naming_the_op(transform):
     assert torch.isfinite(got).all()
 
 
-def test_a_nan_in_an_ignored_rows_hidden_state_stays_out_of_loss_and_gradients_on_the_cpu():
+def test_a_nan_in_an_ignored_rows_hidden_state_stays_out_of_loss_and_gradients_on_the_cpu(
+    monkeypatch,
+):
     """The decision (docs/channel_loss.md, "Non-finite values in ignored rows"): on the CPU
     an ignored row is never read, so its NaN reaches neither the loss nor any gradient; the
     result is bitwise the one with that row zeroed. The standard path's loss is finite too,
@@ -1207,4 +1209,18 @@ def test_a_nan_in_an_ignored_rows_hidden_state_stays_out_of_loss_and_gradients_o
     x.requires_grad_()
     F.cross_entropy(F.linear(x, wt).float(), y).backward()
     assert wt.grad.isnan().any()  # what the standard path does, for contrast
+    assert x.grad[2].isnan().all()
+
+    # Accelerators compute every row (finding the scored ones would sync the host): there
+    # the NaN propagates as in the standard path. That walk, forced on the CPU:
+    from channel_loss import _walk
+
+    monkeypatch.setattr(_walk, "_skips_ignored", lambda device: False)
+    x, wt = h.clone(), w.clone().requires_grad_()
+    x[2] = float("nan")
+    x.requires_grad_()
+    loss = cl.chunk_cross_entropy(x, wt, shift_labels=y)
+    loss.backward()
+    assert torch.equal(loss.detach(), nan_loss)
+    assert wt.grad.isnan().any()
     assert x.grad[2].isnan().all()
