@@ -27,8 +27,9 @@ merging logging windows), so the meter, the HF callback and the demo agree.
 
 from __future__ import annotations
 
+import hashlib
 import logging
-import re
+import unicodedata
 import zlib
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -64,7 +65,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-_NAME = re.compile(r"[^A-Za-z0-9_.-]")
 _LOSS = next(i for i, c in enumerate(COLUMNS) if c.name == "loss_sum")
 _TOKENS = next(i for i, c in enumerate(COLUMNS) if c.name == "tokens")
 #: Metric families that are not a column: the mean CE (``{prefix}/{name}``),
@@ -127,9 +127,32 @@ def columns_from_metrics(
     return columns, metrics.get(metric_key(prefix, DROPPED), 0.0)
 
 
-def sanitise_name(name: str) -> str:
-    """``name`` with every character outside ``[A-Za-z0-9_.-]`` replaced by ``_`` (``"_"`` if empty)."""
-    return _NAME.sub("_", name) or "_"
+def _allowed(char: str, ascii_only: bool) -> bool:
+    if char in "_.-":
+        return True
+    if ascii_only:
+        return char.isascii() and char.isalnum()
+    # Letters, marks (the vowel signs of Devanagari, combining accents) and digits: a name
+    # in any script stays readable.
+    return unicodedata.category(char)[0] in "LMN"
+
+
+def sanitise_name(name: str, *, ascii_only: bool = False) -> str:
+    """The metric name of a source called ``name``; the same in every process and run.
+
+    ``name`` itself when every character is allowed: a Unicode letter, mark or
+    digit, ``_``, ``.`` or ``-`` (with ``ascii_only``, only ``[A-Za-z0-9_.-]``).
+    Otherwise each other character becomes ``_`` and ``-`` plus the first 8 hex
+    digits of the SHA-256 of ``name`` (UTF-8) are appended, so names that differ
+    only in replaced characters stay distinct (``"a b"`` -> ``"a_b-c8687a08"``;
+    ``ascii_only``: ``"日本語"`` -> ``"___-77710aed"``). The result holds only
+    allowed characters, so it is its own metric name.
+    """
+    kept = "".join(c if _allowed(c, ascii_only) else "_" for c in name)
+    if kept == name and name:
+        return name
+    digest = hashlib.sha256(name.encode("utf-8", "surrogatepass")).hexdigest()[:8]
+    return f"{kept or '_'}-{digest}"
 
 
 @dataclass
@@ -239,8 +262,10 @@ class ChannelLossMeter:
     work at all and return ``{}``.
 
     Metrics, per source ``name`` (the source's name when one is given, else
-    ``str(source_id)``, sanitised to ``[A-Za-z0-9_.-]``; a name already taken
-    by another source gets ``_2``, ``_3``, ... once and for good):
+    ``str(source_id)``, made a metric name by ``sanitise_name``: readable in any
+    script, with a stable hash suffix where a character was replaced, ASCII-only
+    with ``ascii_names=True``; a name still taken by another source gets
+    ``_2``, ``_3``, ... once and for good):
     ``{prefix}/{name}`` mean CE (absent when none of its targets was scored),
     ``{prefix}_tokens/{name}``, ``{prefix}_samples/{name}``,
     ``{prefix}_weighted/{name}`` (its loss sum over all scored tokens of the
@@ -279,8 +304,10 @@ class ChannelLossMeter:
         interval: int = 1,
         prefix: str = "channel_loss",
         ignore_index: int = -100,
+        ascii_names: bool = False,
     ):
         self.strict = strict
+        self.ascii_names = bool(ascii_names)
         # A fractional interval (the Trainer's logging_steps < 1 form) is the caller's to convert.
         self.interval = check_int(interval, "interval", minimum=1)
         self.prefix = prefix
@@ -478,10 +505,11 @@ class ChannelLossMeter:
                     f"ChannelLossMeter state gives sources {other!r} and {key!r} the same metric "
                     f"name {name!r}; one would overwrite the other"
                 )
-            if name != sanitise_name(name):
+            if name != sanitise_name(name, ascii_only=self.ascii_names):
+                allowed = "[A-Za-z0-9_.-]" if self.ascii_names else "letters, marks, digits, _.-"
                 raise ValueError(
                     f"ChannelLossMeter state: the name {name!r} of source {key!r} is not a metric "
-                    "name (characters outside [A-Za-z0-9_.-])"
+                    f"name (characters outside {allowed})"
                 )
             slots[key] = len(names)
             names.append(name)
@@ -490,7 +518,7 @@ class ChannelLossMeter:
         self._next_step = next_step
 
     def _register(self, key: SourceId, name: str) -> int:
-        base = sanitise_name(name or str(key))
+        base = sanitise_name(name or str(key), ascii_only=self.ascii_names)
         unique, suffix = base, 2
         while unique in self._taken:
             unique, suffix = f"{base}_{suffix}", suffix + 1

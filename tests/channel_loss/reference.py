@@ -18,8 +18,9 @@ mode without a formula here fails loudly.
 
 from __future__ import annotations
 
+import hashlib
 import math
-import re
+import unicodedata
 
 import torch
 
@@ -157,7 +158,14 @@ def reference_global_index(case: PackedCase, world: int, rank: int, mode: str) -
 
 
 def sanitised(name) -> str:
-    return re.sub(r"[^A-Za-z0-9_.-]", "_", str(name))
+    """The documented metric name of ``name``: itself when it holds only letters, marks and
+    digits of any script and ``_.-``; else those kept, the others ``_``, then ``-`` and the
+    first 8 hex digits of the SHA-256 of the name."""
+    name = str(name)
+    kept = "".join(c if c in "_.-" or unicodedata.category(c)[0] in "LMN" else "_" for c in name)
+    if kept == name and name:
+        return name
+    return f"{kept or '_'}-{hashlib.sha256(name.encode()).hexdigest()[:8]}"
 
 
 def reference_metrics(

@@ -542,3 +542,26 @@ def test_a_head_wrapped_by_a_forwarding_wrapper_after_patching_still_runs_fused(
                 want,
             )
         assert width == 0
+
+
+def test_a_head_wrapped_for_activation_checkpointing_before_patching_runs_fused():
+    """Regression: checkpoint_wrapper(lm_head) applied before patch_model(fused=True) was
+    refused with "use fused=False", though it is the wrapping-after case's very set-up."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        apply_activation_checkpointing,
+    )
+
+    model = tiny(transformers.LlamaForCausalLM)
+    batch = packed_batch("llama")
+    want_loss, _, want = loss_and_grads(copy.deepcopy(model), batch)
+    apply_activation_checkpointing(model, check_fn=lambda m: m is model.lm_head)
+    with patch_model(model, fused=True):
+        for _ in range(2):  # the verifying forward, then a fused one
+            loss, width, grads = loss_and_grads(model, batch)
+            torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=1e-6)
+            check_grads(
+                {n.replace("._checkpoint_wrapped_module", ""): g for n, g in grads.items()}, want
+            )
+        assert width == 0
+    assert type(model.lm_head).__name__ == "CheckpointWrapper"
+    assert "forward" not in vars(model.lm_head._checkpoint_wrapped_module)  # patch removed

@@ -32,8 +32,16 @@ from tests.channel_loss.test_transformers import (  # noqa: E402
 )
 
 
-def make_trainer(tmp_path, meter, *, max_steps=2, logging_steps=1, **args):
-    """A Trainer whose compute_loss wraps each training micro-batch in ``meter.micro_batch``."""
+def short_collate(items):
+    """``collate`` with the tail under the key ``attach(source_ids_key=...)`` reads."""
+    batch = collate(items)
+    batch["tail_padding_length"] = batch.pop("tail")
+    return batch
+
+
+def make_trainer(tmp_path, meter, *, max_steps=2, logging_steps=1, short=False, **args):
+    """A Trainer whose compute_loss wraps each training micro-batch in ``meter.micro_batch``
+    (``short``: a plain Trainer, for ``attach(trainer, source_ids_key=...)`` to do it)."""
     torch.manual_seed(0)
     model = tiny_llama(seed=8).train()
     compute_loss_func = args.pop("compute_loss_func", None)
@@ -57,8 +65,9 @@ def make_trainer(tmp_path, meter, *, max_steps=2, logging_steps=1, **args):
     )  # fmt: skip
     data = PackedDataset([packed_batch(seed=s, rows=((5, 7, 3),)) for s in range(2 * max_steps)])
     recorder = Recorder()
-    trainer = ChannelLossTrainer(
-        model=model, args=training_args, train_dataset=data, data_collator=collate,
+    trainer = (transformers.Trainer if short else ChannelLossTrainer)(
+        model=model, args=training_args, train_dataset=data,
+        data_collator=short_collate if short else collate,
         callbacks=[recorder], compute_loss_func=compute_loss_func,
     )  # fmt: skip
     return trainer, recorder
@@ -91,6 +100,33 @@ def test_real_trainer_logs_channel_loss_keys_before_every_reporter(tmp_path):
     history = [h for h in trainer.state.log_history if "loss" in h]
     assert all("channel_loss/web" in h for h in history)
     assert not callback._pending
+
+
+def test_attach_with_source_ids_key_needs_no_trainer_subclass(tmp_path):
+    """The short recipe (a collator with source ids, attach(source_ids_key=...)) logs what
+    the Trainer-subclass recipe logs, with the same training losses."""
+    meter = ChannelLossMeter()
+    trainer, recorder = make_trainer(tmp_path / "subclass", meter)
+    ChannelLossCallback(meter).attach(trainer)
+    with patch_model(trainer.model):
+        trainer.train()
+    want = train_logs(recorder)
+
+    short, short_recorder = make_trainer(tmp_path / "short", None, short=True)
+    ChannelLossCallback(ChannelLossMeter()).attach(short, source_ids_key="source_ids")
+    with patch_model(short.model):
+        short.train()
+    got = train_logs(short_recorder)
+    assert_channel_metrics(got, 2)
+    assert [{k: v for k, v in log.items() if k != "train_runtime"} for log in got] == [
+        {k: v for k, v in log.items() if k != "train_runtime"} for log in want
+    ]
+
+    # A training batch without the key is an error naming it, not a silent drop.
+    bare, _ = make_trainer(tmp_path / "bare", None, short=True)
+    ChannelLossCallback(ChannelLossMeter()).attach(bare, source_ids_key="sources")
+    with patch_model(bare.model), pytest.raises(KeyError, match=r"has no 'sources'"):
+        bare.train()
 
 
 @pytest.mark.parametrize("fused", [False, True], ids=["observer", "fused"])
@@ -258,3 +294,17 @@ def test_interval_follows_fractional_logging_steps(tmp_path):
     assert [log["step"] for log in trainer.state.log_history if "loss" in log] == [2, 4]
     assert_channel_metrics(logs, 2)
     assert not callback._pending
+
+
+def test_batch_layout_reads_packed_rows_and_right_padded_rows():
+    from channel_loss import ChannelLossMetadataError
+    from channel_loss.integrations.transformers import batch_layout
+
+    packed = batch_layout({"position_ids": torch.tensor([[0, 1, 2, 0, 1, 0, 0]])}, 1)
+    assert packed.seqlens.tolist() == [3, 2, 1]  # the last position is the declared tail
+    padded = batch_layout({"attention_mask": torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]])})
+    assert padded.seqlens.tolist() == [3, 2]  # one sample per row, the zeros are padding
+    with pytest.raises(ChannelLossMetadataError, match="right-padded"):
+        batch_layout({"attention_mask": torch.tensor([[0, 1, 1]])})
+    with pytest.raises(ChannelLossMetadataError, match="neither position_ids"):
+        batch_layout({"input_ids": torch.zeros(1, 3, dtype=torch.long)})

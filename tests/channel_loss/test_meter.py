@@ -8,6 +8,7 @@ plain-loop reference. The last tests use the real ops.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import random
 
@@ -80,25 +81,45 @@ def test_zero_supervision_source_reports_samples_but_no_mean():
     assert got["channel_loss_tokens/seen"] == 2.0
 
 
+def _hashed(name: str, kept: str) -> str:
+    """The documented metric name of a source whose name had characters replaced."""
+    return f"{kept}-{hashlib.sha256(name.encode()).hexdigest()[:8]}"
+
+
 def test_names_are_sanitised_and_collisions_get_stable_suffixes():
     meter = ChannelLossMeter(prefix="cl")
     case = make_case(
-        [[1, 1, 1, 1]], source_ids=["a/b", "a_b", 7, "x"], rng=random.Random(2), scored_fraction=1.0
+        [[1, 1, 1, 1, 1]],
+        source_ids=["a/b", "a_b", 7, "x", "a_b-" + _hashed("a/b", "a_b")[4:]],
+        rng=random.Random(2),
+        scored_fraction=1.0,
     )
     meter.begin_step()
     run_micro_batch(meter, case, source_names={7: "a b", "x": "x y"})
     first = meter.end_step()
     names = {key.split("/", 1)[1] for key in first if key.startswith("cl_samples/")}
-    assert names == {"a_b", "a_b_2", "a_b_3", "x_y"}
+    # Names that differ only in replaced characters stay apart by their hash suffix; a
+    # literal name equal to one of them still gets the numbered suffix.
+    a_slash, a_space, x_space = _hashed("a/b", "a_b"), _hashed("a b", "a_b"), _hashed("x y", "x_y")
+    assert names == {a_slash, "a_b", a_space, x_space, a_slash + "_2"}
     state = meter.state_dict()
-    assert state["sources"] == [["a/b", "a_b"], ["a_b", "a_b_2"], [7, "a_b_3"], ["x", "x_y"]]
+    assert state["sources"] == [
+        ["a/b", a_slash],
+        ["a_b", "a_b"],
+        [7, a_space],
+        ["x", x_space],
+        [a_slash, a_slash + "_2"],
+    ]
 
     # A restarted meter keeps every name, even when sources arrive in another order,
     # and a name given later does not rename a registered source.
     restored = ChannelLossMeter(prefix="cl")
     restored.load_state_dict(state)
     shuffled = make_case(
-        [[1, 1, 1, 1]], source_ids=["x", 7, "a_b", "a/b"], rng=random.Random(2), scored_fraction=1.0
+        [[1, 1, 1, 1, 1]],
+        source_ids=[a_slash, "x", 7, "a_b", "a/b"],
+        rng=random.Random(2),
+        scored_fraction=1.0,
     )
     restored.begin_step()
     run_micro_batch(restored, shuffled, source_names={"a/b": "renamed"})
@@ -106,6 +127,40 @@ def test_names_are_sanitised_and_collisions_get_stable_suffixes():
         f"cl_samples/{n}" for n in names
     }
     assert restored.state_dict()["sources"] == state["sources"]
+
+
+def test_unicode_source_names_stay_readable_distinct_and_stable():
+    """Regression: every non-ASCII character became ``_``, so ``日本語`` and ``中文字`` were
+    ``___`` and ``____2`` (which one got the suffix depended on arrival order)."""
+    names = ["日本語", "中文字", "हिन्दी", "Ünïcödé", "emoji 🙂"]
+
+    def metric_names(order, **kwargs):
+        meter = ChannelLossMeter(**kwargs)
+        case = make_case(
+            [[1] * len(order)], source_ids=order, rng=random.Random(3), scored_fraction=1.0
+        )
+        meter.begin_step()
+        run_micro_batch(meter, case)
+        metrics = meter.end_step()
+        names = dict(meter.state_dict()["sources"])
+        assert {f"channel_loss_samples/{n}" for n in names.values()} <= metrics.keys()
+        return names
+
+    got = metric_names(names)
+    assert got == {
+        "日本語": "日本語",
+        "中文字": "中文字",
+        "हिन्दी": "हिन्दी",
+        "Ünïcödé": "Ünïcödé",
+        "emoji 🙂": _hashed("emoji 🙂", "emoji__"),
+    }
+    assert metric_names(names[::-1]) == got  # the same names whatever the arrival order
+    ascii_names = metric_names(names, ascii_names=True)
+    assert ascii_names["日本語"] == _hashed("日本語", "___")
+    assert ascii_names["中文字"] == _hashed("中文字", "___")
+    assert len(set(ascii_names.values())) == len(names)
+    assert all(n.isascii() for n in ascii_names.values())
+    assert metric_names(names[::-1], ascii_names=True) == ascii_names
 
 
 def test_interval_skips_unsampled_steps_entirely():

@@ -1139,11 +1139,11 @@ def test_capability_probes_are_invisible_to_dispatch_modes(monkeypatch):
     """What this torch can do (the in-place softmax, ``out_dtype``) is
     probed once per process, outside any active dispatch mode: an operation counter sees
     the same work on the first call of a process as on later calls."""
-    from channel_loss import ops
+    from channel_loss import _gemm, ops
 
     inputs, labels = make_inputs(lead=(24,), H=8, V=40, bias="factored", seed=3)
     low = {k: v.detach().bfloat16().requires_grad_() for k, v in inputs.items()}
-    monkeypatch.setattr(ops, "_PROBED", {})
+    monkeypatch.setattr(_gemm, "_PROBED", {})
     seen = []
     for _ in range(2):
         with MatmulCounter() as counter, LiveBytes() as mem:
@@ -1151,5 +1151,76 @@ def test_capability_probes_are_invisible_to_dispatch_modes(monkeypatch):
             with ops.gemm_policy("model_dtype"):
                 run_loss(low, labels, observe=True, chunk_size=5)
         seen.append((counter.matmuls, counter.flops, mem.created))
-    assert ops._PROBED  # the first pass did probe
+    assert _gemm._PROBED  # the first pass did probe
     assert seen[0] == seen[1]
+
+
+@pytest.mark.parametrize("transform", ["grad", "jvp", "vmap"])
+def test_torch_func_transforms_get_an_error_naming_the_op(transform):
+    """Regression: torch.func.grad / jvp raised torch's generic "must override the
+    setup_context staticmethod", naming neither the op nor what to do."""
+    h, w = torch.randn(6, 8), torch.randn(10, 8)
+    y = torch.randint(0, 10, (6,))
+
+    def f(x):
+        return cl.chunk_cross_entropy(x, w, y)
+
+    calls = {
+        "grad": lambda: torch.func.grad(f)(h),
+        "jvp": lambda: torch.func.jvp(f, (h,), (torch.ones_like(h),)),
+        "vmap": lambda: torch.func.vmap(f)(h[None]),
+    }
+    with pytest.raises(RuntimeError, match=r"chunk_cross_entropy does not support torch\.func"):
+        calls[transform]()
+    x = h.clone().requires_grad_()
+    (got,) = torch.autograd.grad(f(x), x)  # the advice works
+    assert torch.isfinite(got).all()
+
+
+def test_a_nan_in_an_ignored_rows_hidden_state_stays_out_of_loss_and_gradients_on_the_cpu(
+    monkeypatch,
+):
+    """The decision (docs/channel_loss.md, "Non-finite values in ignored rows"): on the CPU
+    an ignored row is never read, so its NaN reaches neither the loss nor any gradient; the
+    result is bitwise the one with that row zeroed. The standard path's loss is finite too,
+    but its weight gradient and that row's hidden gradient are NaN (the softmax backward of
+    the row multiplies NaN by its zero upstream)."""
+    torch.manual_seed(4)
+    h, w = torch.randn(6, 8), torch.randn(10, 8)
+    y = torch.randint(0, 10, (6,))
+    y[2] = -100
+    results = []
+    for row in (float("nan"), 0.0):
+        x, wt = h.clone(), w.clone().requires_grad_()
+        x[2] = row
+        x.requires_grad_()
+        loss = cl.chunk_cross_entropy(x, wt, shift_labels=y)
+        loss.backward()
+        results.append((loss.detach(), x.grad, wt.grad))
+    (nan_loss, nan_dh, nan_dw), (zero_loss, zero_dh, zero_dw) = results
+    assert torch.equal(nan_loss, zero_loss)
+    assert torch.isfinite(nan_loss)
+    assert torch.equal(nan_dw, zero_dw)
+    assert torch.equal(nan_dh, zero_dh)
+    assert not nan_dh[2].any()
+
+    x, wt = h.clone(), w.clone().requires_grad_()
+    x[2] = float("nan")
+    x.requires_grad_()
+    F.cross_entropy(F.linear(x, wt).float(), y).backward()
+    assert wt.grad.isnan().any()  # what the standard path does, for contrast
+    assert x.grad[2].isnan().all()
+
+    # Accelerators compute every row (finding the scored ones would sync the host): there
+    # the NaN propagates as in the standard path. That walk, forced on the CPU:
+    from channel_loss import _walk
+
+    monkeypatch.setattr(_walk, "_skips_ignored", lambda device: False)
+    x, wt = h.clone(), w.clone().requires_grad_()
+    x[2] = float("nan")
+    x.requires_grad_()
+    loss = cl.chunk_cross_entropy(x, wt, shift_labels=y)
+    loss.backward()
+    assert torch.equal(loss.detach(), nan_loss)
+    assert wt.grad.isnan().any()
+    assert x.grad[2].isnan().all()
