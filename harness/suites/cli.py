@@ -212,7 +212,13 @@ def _parser() -> argparse.ArgumentParser:
         add(sub)
     for command in sub.choices.values():
         # Before or after the subcommand alike (`harness init --root DIR`, as messages say).
-        command.add_argument("--root", type=Path, default=argparse.SUPPRESS, help=root_help)
+        here = "the working directory" if command.get_default("root_is_cwd") else None
+        command.add_argument(
+            "--root",
+            type=Path,
+            default=argparse.SUPPRESS,
+            help=f"repository root (default: {here})" if here else root_help,
+        )
     return p
 
 

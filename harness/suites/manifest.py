@@ -90,13 +90,15 @@ class ManifestError(HarnessError):
 
 @dataclass(frozen=True)
 class Runner:
-    """A class of CI runner: its ``runs-on`` labels, cards, job timeout and shard budget."""
+    """A class of CI runner: its ``runs-on`` labels, cards, job timeout and shard budget,
+    and the ``container`` (``image``, ``options``) its jobs run in (None: on the host)."""
 
     labels: tuple[str, ...]
     cards: int
     timeout_minutes: int
     budget_minutes: float
     name: str
+    container: dict[str, str] | None = field(default=None, hash=False)
 
     @property
     def budget_s(self) -> float:
@@ -471,7 +473,8 @@ def _compile_markers(expr: str) -> str | None:
     return None
 
 
-def _runners(doc: dict[str, Any]) -> tuple[Runner, ...]:
+def read_runners(doc: dict[str, Any]) -> tuple[Runner, ...]:
+    """The runner classes of a valid manifest document, by ascending cards."""
     raw = doc["runner"]
     items = raw if isinstance(raw, list) else [raw]
     out = []
@@ -484,6 +487,7 @@ def _runners(doc: dict[str, Any]) -> tuple[Runner, ...]:
                 timeout_minutes=timeout,
                 budget_minutes=float(r.get("budget_minutes", timeout * DEFAULT_BUDGET_FRACTION)),
                 name=r.get("name") or "-".join(r["labels"]),
+                container=r.get("container"),
             )
         )
     return tuple(sorted(out, key=lambda r: r.cards))
@@ -606,7 +610,7 @@ def load_manifest(path: Path, root: Path) -> Manifest:
     return Manifest(
         suite=doc["suite"],
         device=doc["device"],
-        runners=_runners(doc),
+        runners=read_runners(doc),
         entries=tuple(entries),
         path=name,
         includes=tuple(dict.fromkeys(included)),
