@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import jsonschema
+from pathspec.patterns.gitignore.basic import GitIgnoreBasicPattern
 
 from harness import names
 from harness.errors import HarnessError
@@ -225,39 +226,22 @@ def has_glob(pattern: str) -> bool:
 # than the patterns in use thrashes (inventory time went superlinear past 1,024).
 @functools.cache
 def glob_regex(pattern: str) -> re.Pattern[str]:
-    """Compile a repository-relative glob: ``*`` and ``?`` stay within one path
-    segment, ``**`` spans any number of segments (``a/**/b`` also matches ``a/b``)."""
-    out = []
-    i, n = 0, len(pattern)
-    while i < n:
-        c = pattern[i]
-        if pattern.startswith("**/", i):
-            out.append("(?:.*/)?")
-            i += 3
-        elif pattern.startswith("**", i):
-            out.append(".*")
-            i += 2
-        elif c == "*":
-            out.append("[^/]*")
-            i += 1
-        elif c == "?":
-            out.append("[^/]")
-            i += 1
-        elif c == "[":
-            j = pattern.find("]", i + 2)
-            if j < 0:
-                out.append(re.escape(c))
-                i += 1
-            else:
-                body = pattern[i + 1 : j]
-                if body.startswith("!"):
-                    body = "^" + body[1:]
-                out.append(f"[{body}]")
-                i = j + 1
-        else:
-            out.append(re.escape(c))
-            i += 1
-    return re.compile("".join(out) + r"\Z", re.DOTALL)  # a file name may hold a newline
+    """Compile a repository-relative glob by git's wildmatch rules (pathspec): ``*`` and
+    ``?`` stay within one path segment, ``**`` spans any number of segments (``a/**/b``
+    also matches ``a/b``). ``match`` it against a path: a match may end at a ``/`` (the
+    path lies under a directory the glob names).
+
+    Unlike a ``.gitignore`` line, the glob is a path from the repository root even without
+    a ``/`` (``*.py`` is the top-level files, not every ``.py`` file), ``!`` and ``#`` are
+    characters, and ``*`` matches a newline in a file name (git gives names as they are).
+    """
+    text = pattern.rstrip("/")
+    if "/" not in text:
+        text = "/" + text  # anchored at the root
+    elif text.startswith(("!", "#")):
+        text = "\\" + text  # not a negation, not a comment
+    regex, _ = GitIgnoreBasicPattern.pattern_to_regex(text)
+    return re.compile(regex, re.DOTALL)
 
 
 def path_matches(path: str, pattern: str) -> bool:

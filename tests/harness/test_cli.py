@@ -1065,6 +1065,7 @@ def test_root_goes_before_or_after_the_subcommand(pytester, capsys, command):
         pytester.path,
         {"tests/t/test_t.py": "def test_t():\n    pass\n"},
         {"cpu": manifest("cpu", "cpu", [{"id": "t", "paths": ["tests/t"]}])},
+        {".gitignore": "out/\n"},  # else init's first run appends it, and the second does not
     )
     outputs = []
     for args in (["--root", str(root), *command], [*command, "--root", str(root)]):
