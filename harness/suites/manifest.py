@@ -31,7 +31,7 @@ import os
 import posixpath
 import re
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -72,13 +72,7 @@ class Problem:
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready form."""
-        return {
-            "rule": self.rule,
-            "file": self.file,
-            "where": self.where,
-            "message": self.message,
-            "suite": self.suite,
-        }
+        return asdict(self)
 
 
 class ManifestError(HarnessError):
@@ -355,21 +349,13 @@ def pointer(parts: Iterable[Any]) -> str:
     return out or "<root>"
 
 
-@functools.lru_cache(maxsize=4)
-def _schema_at(path: str) -> dict[str, Any]:
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
-
-
-def load_schema(root: Path | None = None) -> dict[str, Any]:
-    """The manifest JSON Schema shipped inside this package (``harness/suites/schema.json``).
-
-    ``root`` is accepted for callers that pass the repository; the schema never
-    comes from it, so every repository validates against the installed harness.
-    """
+@functools.cache
+def load_schema() -> dict[str, Any]:
+    """The manifest JSON Schema shipped inside this package (``harness/suites/schema.json``):
+    every repository validates against the installed harness's."""
     path = Path(__file__).resolve().parent / SCHEMA_FILE
     try:
-        return _schema_at(str(path))
+        return json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError as e:
         raise ManifestError(
             [Problem(names.SCHEMA, str(path), "", "schema missing from the harness package")]
