@@ -50,6 +50,7 @@ from harness.suites.manifest import (
     Manifest,
     ManifestError,
     load_manifest,
+    path_matches,
     rel,
     suite_files,
     validate,
@@ -193,12 +194,12 @@ def owned_paths(layout: PytestLayout) -> list[str]:
     files, a top-level file by name; nested paths dropped. Sorted.
     """
     files = layout.files
-    candidates = [t for t in layout.testpaths if any(_under(f, t) for f in files)]
+    candidates = [t for t in layout.testpaths if any(path_matches(f, t) for f in files)]
     if not candidates:
         candidates = [f if "/" not in f else f.rsplit("/", 1)[0] for f in files]
     kept: list[str] = []
     for c in sorted(set(candidates), key=lambda p: (p.count("/"), p)):
-        if not any(_under(c, k) for k in kept):
+        if not any(path_matches(c, k) for k in kept):
             kept.append(c)
     return sorted(kept)
 
@@ -207,13 +208,9 @@ def runs_on(layout: PytestLayout, path: str, device: str) -> bool:
     """True when a suite on ``device`` would own something under ``path``: a case of that
     device, or a file that yields no case (the run reports it); ``harness inventory`` calls
     an entry owning neither ``entry-matches-nothing``."""
-    return any(d == device and _under(f, path) for f, d in layout.cases) or any(
-        _under(f, path) for f in layout.unloadable
+    return any(d == device and path_matches(f, path) for f, d in layout.cases) or any(
+        path_matches(f, path) for f in layout.unloadable
     )
-
-
-def _under(path: str, top: str) -> bool:
-    return top in (".", "") or path == top or path.startswith(top.rstrip("/") + "/")
 
 
 def _entry_id(path: str) -> str:

@@ -16,21 +16,10 @@ by default are collected too, by name, as ``harness run`` will. Ownership rules:
 - Matching is indexed (:class:`EntryIndex`): the work grows linearly with the
   number of cases and entries (``scripts/bench/inventory.py``).
 
-Rules (each problem names the rule, the file and the case):
-``cpu-case-needs-cards``, ``accelerator-case-without-cards``, ``wrong-device``,
-``case-exceeds-runner-cards``, ``unowned-file`` (a file pytest collects by
-default owned by no entry), ``unowned-case``, ``entry-matches-nothing``,
-``duplicate-entry-id``, ``schema`` / ``json`` / ``path`` / ``include``
-(manifest problems), ``no-suites`` (no manifest at all),
-``symlink-outside-repository`` (a collected test file that is a link to a
-file outside the repository), ``collection-error`` (with the file and line)
-and ``bad-launch-spec``; and two warnings, which do not fail the inventory,
-``tests-under-norecursedirs`` (a test file inside ``testpaths`` that
-``norecursedirs`` hides from pytest and no entry names) and ``missing-dependency``
-(test files that import a top-level module this environment does not have: once per
-module; the files count as owned by the entries naming them). The names live in
-``harness.names``; ``harness run`` and ``harness matrix`` refuse a suite only
-for the rules in ``harness.names.BLOCKING_RULES``.
+Each rule is a function returning :class:`~harness.suites.manifest.Problem` values (the
+rule, the file and the case), called from :func:`build_inventory`; the rule names, and
+which of them block ``harness run`` / ``harness matrix`` or only warn, live in
+``harness.names`` (the list, with what each means: docs/suites.md).
 """
 
 from __future__ import annotations
