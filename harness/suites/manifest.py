@@ -573,6 +573,19 @@ def load_manifest(path: Path, root: Path) -> Manifest:
                 f"suite {doc['suite']!r} must match the file name {path.stem!r}",
             )
         )
+    runners = read_runners(doc)
+    raw = doc["runner"] if isinstance(doc["runner"], list) else [doc["runner"]]
+    if len({json.dumps(r.get("container"), sort_keys=True) for r in raw}) > 1:
+        # One shard job runs every class's shards: its container is the suite's.
+        problems.append(
+            Problem(
+                names.SCHEMA,
+                name,
+                "/runner",
+                "every runner class of a suite runs its shard jobs in the same container "
+                "(or none): give each the same `container`",
+            )
+        )
     included: list[str] = []
     entries = _expand(doc["entries"], path, root, (name,), problems, included)
     if problems:
@@ -580,7 +593,7 @@ def load_manifest(path: Path, root: Path) -> Manifest:
     return Manifest(
         suite=doc["suite"],
         device=doc["device"],
-        runners=read_runners(doc),
+        runners=runners,
         entries=tuple(entries),
         path=name,
         includes=tuple(dict.fromkeys(included)),

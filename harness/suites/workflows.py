@@ -273,21 +273,12 @@ def gate_job(suite: str, needs: Sequence[str], *, planned: bool) -> str:
 
 
 def _container(runners: Sequence[Any]) -> str:
-    """The shard job's ``container:`` from the runner classes' ``container`` (image and
-    options; None: the job runs on the host): written out when every class has the same,
-    else looked up by the matrix row's ``runner_name``."""
-    specs = {r.name: r.container for r in runners}
-    if not any(specs.values()):
+    """The shard job's ``container:``: the runner classes' ``container`` (image and
+    options; one for all classes of a suite, the manifest checks), or none: on the host."""
+    spec = next((r.container for r in runners if r.container), None)
+    if spec is None:
         return ""
-    if len({json.dumps(c, sort_keys=True) for c in specs.values()}) == 1:
-        spec = next(iter(specs.values()))
-        return "    container:\n" + "".join(
-            f"      {k}: {json.dumps(v)}\n" for k, v in spec.items()
-        )
-    # "} }": the expression ends at the first "}}", wherever it is.
-    table = json.dumps({n: c for n, c in specs.items() if c}).replace("}}", "} }")
-    expr = "${{ fromJSON('" + table.replace("'", "''") + "')[matrix.runner_name] || '' }}"
-    return f"    container: {json.dumps(expr)}\n"
+    return "    container:\n" + "".join(f"      {k}: {json.dumps(v)}\n" for k, v in spec.items())
 
 
 def accelerator_workflow(

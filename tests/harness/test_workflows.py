@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from harness.suites import init, workflows
-from harness.suites.manifest import Runner, load_manifest, suite_files, validate
+from harness.suites.manifest import ManifestError, Runner, load_manifest, suite_files, validate
 from harness.suites.plan import PlannedCase, plan
 
 REPO = Path(__file__).resolve().parents[2]
@@ -690,7 +690,8 @@ def _tool(name: str) -> str | None:
 
 @pytest.fixture(scope="module")
 def workflow_dirs(tmp_path_factory) -> list[Path]:
-    """This repository's workflows, and those `harness init --workflows` writes."""
+    """This repository's workflows, those `harness init --workflows` writes, and one with a
+    runner container."""
     root = tmp_path_factory.mktemp("init-yml")
     (root / "pyproject.toml").write_text("[project]\nname = 'x'\nversion = '0'\n")
     # init writes an accelerator suite only for a device some collected case runs on.
@@ -708,7 +709,13 @@ def workflow_dirs(tmp_path_factory) -> list[Path]:
         if path.startswith(".github/"):
             (root / path).parent.mkdir(parents=True, exist_ok=True)
             (root / path).write_text(text)
-    return [WORKFLOWS, root / ".github" / "workflows"]
+    # And a suite whose runners run in a container.
+    boxed = tmp_path_factory.mktemp("container-yml")
+    runner = Runner(("self-hosted", "gpu"), 1, 30, 20, "gpu-1", {"image": "x/y:1", "options": "-t"})
+    text = workflows.accelerator_workflow("gpu", "cuda", workflows.REPO_INSTALL, runners=[runner])
+    (boxed / ".github/workflows").mkdir(parents=True)
+    (boxed / ".github/workflows/gpu.yml").write_text(text)
+    return [WORKFLOWS, root / ".github" / "workflows", boxed / ".github/workflows"]
 
 
 def test_zizmor_reports_no_high_findings(workflow_dirs):
@@ -938,28 +945,33 @@ def test_the_install_line_of_a_generated_workflow_installs_the_harness(harness_r
 
 
 def test_a_runner_container_is_rendered_into_its_shard_jobs(tmp_path):
-    """A runner's ``container`` (image, options) in the manifest: the shard jobs run in it,
-    one block when every runner class has the same, else looked up by the row's runner."""
+    """A runner's ``container`` (image, options) in the manifest: the shard jobs run in it
+    (one job runs every runner class's shards, so a suite has one container or none)."""
     doc = json.loads((REPO / "suites/gpu.json").read_text())
     image = {"image": "nvcr.io/nvidia/pytorch:25.01-py3", "options": "--gpus all --ipc host"}
     for runner in doc["runner"]:
         runner["container"] = image
+    write_suite = (tmp_path / "suites/gpu.json").write_text
     (tmp_path / "suites").mkdir()
-    (tmp_path / "suites/gpu.json").write_text(json.dumps(doc))
+    (tmp_path / "suites/cases").mkdir()
+    shutil.copy(REPO / "suites/cases/accelerator.json", tmp_path / "suites/cases")
+    write_suite(json.dumps(doc))
+    assert [r.container for r in load_manifest(tmp_path / "suites/gpu.json", tmp_path).runners] == [
+        image,
+        image,
+    ]
     (text,) = workflows.repository_workflows(tmp_path).values()
     jobs = _parsed(text)["jobs"]
     assert jobs["suite"]["container"] == image
     assert all("container" not in jobs[j] for j in ("plan", "gate"))  # GitHub-hosted
+    # Two containers for one shard job, or a container without its image: the manifest
+    # names the bad value.
     doc["runner"][1]["container"] = {"image": "other:1"}
-    del doc["runner"][0]["container"]
-    (tmp_path / "suites/gpu.json").write_text(json.dumps(doc))
-    (text,) = workflows.repository_workflows(tmp_path).values()
-    expr = _parsed(text)["jobs"]["suite"]["container"]
-    for name, want in (("gpu-4", {"image": "other:1"}), ("gpu-1", "")):
-        assert evaluate(expr, {"matrix": {"runner_name": name}}) == want, name
-    # And the manifest says so, or names the bad value.
+    write_suite(json.dumps(doc))
+    with pytest.raises(ManifestError) as e:
+        load_manifest(tmp_path / "suites/gpu.json", tmp_path)
+    assert [(p.file, p.where) for p in e.value.problems] == [("suites/gpu.json", "/runner")]
     doc["runner"][1]["container"] = {"options": "--gpus all"}
-    (tmp_path / "suites/gpu.json").write_text(json.dumps(doc))
     problems = validate(doc, tmp_path, "suites/gpu.json")
     assert [p.where for p in problems] == ["/runner/1/container"], problems
 
