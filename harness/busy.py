@@ -143,10 +143,11 @@ def addoption(parser) -> None:
     )
 
 
-def check_busy_cards(config, devices: Iterable[str]) -> None:
-    """The session-start check, for the plugin's ``pytest_collection_finish`` (``devices``:
-    the accelerator types the collected cases run on). Names each process outside this run
-    holding a card of those devices: a warning line, or under ``fail`` a stop (exit 1)
+def check_busy_cards(config, devices: Iterable[str] | None = None) -> None:
+    """The session-start check, for the plugin's ``pytest_sessionstart`` (which runs in
+    xdist's controller too, before any worker starts; ``devices``: the accelerator types to
+    check, default every one whose tool is on ``PATH``). Names each process outside this
+    run holding a card of those devices: a warning line, or under ``fail`` a stop (exit 1)
     before any test runs. Nothing on xdist workers (their controller checked)."""
     import pytest
 
@@ -158,7 +159,9 @@ def check_busy_cards(config, devices: Iterable[str]) -> None:
     found: list[str] = []
     notes: list[str] = []
     own = own_processes()
-    for device in sorted(set(devices) & BUSY_QUERIES.keys()):
+    for device in sorted(
+        BUSY_QUERIES.keys() if devices is None else set(devices) & BUSY_QUERIES.keys()
+    ):
         try:
             found += map(str, card_users(device, own) or ())
         except BusyCheckError as e:

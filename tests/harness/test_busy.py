@@ -59,8 +59,8 @@ def pytest_addoption(parser):
     busy.addoption(parser)
 
 
-def pytest_collection_finish(session):
-    busy.check_busy_cards(session.config, {"cuda", "npu"})
+def pytest_sessionstart(session):
+    busy.check_busy_cards(session.config)
 """
 
 
@@ -115,6 +115,11 @@ def test_a_card_held_outside_the_run_is_named_and_fails_in_strict_mode(
     assert failed.ret == 1
     assert named in failed.stdout.str() + failed.stderr.str()
     assert "1 passed" not in failed.stdout.str()  # nothing ran
+
+    # Under xdist: checked once, by the controller (whose workers are its own processes).
+    spread = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-n", "2")
+    assert spread.ret == 0
+    assert spread.stdout.str().count(named) == 1, spread.stdout.str()
 
     off = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-o", "harness_busy_cards=off")
     assert off.ret == 0
