@@ -438,7 +438,8 @@ def write(root: Path, files: dict[str, str], force: bool) -> list[tuple[str, str
     | "overwritten")``.
 
     Refuses (``InitError`` with code 2, nothing written) when a file exists
-    with other content (more than an appended ending) and ``force`` is false.
+    with other content (``.gitignore``: more than the line init appends) and ``force``
+    is false.
     """
     clashes = []
     actions = []
@@ -449,7 +450,7 @@ def write(root: Path, files: dict[str, str], force: bool) -> list[tuple[str, str
             actions.append((path, "written"))
         elif (old := target.read_bytes()) == new:
             actions.append((path, "unchanged"))
-        elif new.startswith(old):
+        elif path == ".gitignore" and new.startswith(old):  # init only adds a line there
             actions.append((path, "appended"))
         else:
             clashes.append(path)

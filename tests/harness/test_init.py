@@ -393,6 +393,14 @@ def test_ignores_the_run_output_and_points_schema_only_at_what_exists(tmp_path):
     again = harness(root, "init")
     assert again.returncode == 0, again.stderr
     assert (root / ".gitignore").read_text() == "*.pyc\nout/\n"  # once
+    # Only .gitignore is appended to: a workflow you cut short (its gate job deleted) is
+    # yours, refused without --force like any other edit.
+    assert harness(root, "init", *WORKFLOWS).returncode == 0
+    workflow = root / ".github/workflows/harness-cpu.yml"
+    workflow.write_text(workflow.read_text().split("\n  gate:")[0])
+    refused = harness(root, "init", *WORKFLOWS)
+    assert refused.returncode == 2, refused.stderr
+    assert "harness-cpu.yml exists with other content" in refused.stderr
     (tmp_path / "fresh").mkdir()
     fresh = write(tmp_path / "fresh", {"tests/test_a.py": "def test_a():\n    pass\n"})
     assert harness(fresh, "init").returncode == 0
