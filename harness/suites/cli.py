@@ -212,7 +212,13 @@ def _parser() -> argparse.ArgumentParser:
         add(sub)
     for command in sub.choices.values():
         # Before or after the subcommand alike (`harness init --root DIR`, as messages say).
-        command.add_argument("--root", type=Path, default=argparse.SUPPRESS, help=root_help)
+        here = "the working directory" if command.get_default("root_is_cwd") else None
+        command.add_argument(
+            "--root",
+            type=Path,
+            default=argparse.SUPPRESS,
+            help=f"repository root (default: {here})" if here else root_help,
+        )
     return p
 
 
@@ -297,9 +303,10 @@ def _cmd_matrix(root: Path, args: argparse.Namespace) -> int:
                 f"harness matrix: --changed-from {args.changed_from}: {sel.reason}", file=sys.stderr
             )
             selected = sel.entries
+        rows = result.matrix(selected)
         # allow_nan=False: a value that is not a number is an error here, never invalid JSON for CI.
         text = json.dumps(
-            result.matrix(selected),
+            rows,
             indent=args.indent,
             separators=None if args.indent else (",", ":"),
             allow_nan=False,
@@ -308,12 +315,18 @@ def _cmd_matrix(root: Path, args: argparse.Namespace) -> int:
         print(f"harness matrix: {e}", file=sys.stderr)
         return EXIT_USAGE
     print(text)
-    loads = ", ".join(f"{s.label} {s.load / 60:.1f} min" for s in result.shards)
-    print(
-        f"harness matrix: {suite}: {len(owned)} case(s) in {len(result.shards)} shard(s): {loads}; "
-        f"longest/mean {result.balance():.3f}",
-        file=sys.stderr,
-    )
+    if selected is None:
+        loads = ", ".join(f"{s.label} {s.load / 60:.1f} min" for s in result.shards)
+        planned = f"{len(owned)} case(s) in {len(result.shards)} shard(s): {loads}; "
+        planned += f"longest/mean {result.balance():.3f}"
+    else:  # what the matrix holds: the affected cases' shards, not the whole suite's
+        kept = rows["include"]
+        loads = ", ".join(f"{r['shard']} {r['estimated_minutes']:.1f} min" for r in kept)
+        planned = (
+            f"{sum(r['cases'] for r in kept)} affected case(s) in {len(kept)} of "
+            f"{len(result.shards)} shard(s)" + (f": {loads}" if kept else "")
+        )
+    print(f"harness matrix: {suite}: {planned}", file=sys.stderr)
     return EXIT_OK
 
 

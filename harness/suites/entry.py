@@ -21,6 +21,7 @@ from harness.names import EXIT_USAGE
 REQUIREMENTS: tuple[tuple[str, str], ...] = (
     ("pytest", "pytest"),
     ("jsonschema", "jsonschema"),
+    ("pathspec", "pathspec"),
 )
 #: What ``harness run`` needs besides: it stops pytest's process tree, and the cases it
 #: launches are supervised, with psutil (imported where used, so that the inventory, the

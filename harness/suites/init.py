@@ -20,8 +20,10 @@ it to have it written anew), and the cpu workflow follows the kept cpu suite; an
 other file that exists with other content is never overwritten without
 ``--force`` (exit 2, naming it). Nothing is written unless every file can be.
 The manifests validate against the schema inside the installed harness;
-their ``$schema`` points at it (relative path when it lies inside the
-repository, else the schema's canonical ``$id``).
+their ``$schema`` points at it by a relative path when it lies inside the
+repository (a virtualenv there), and is left out otherwise (a path into one
+machine's site-packages would be wrong on the next). ``.gitignore`` gets
+``out/`` (where ``harness run`` writes) appended when nothing in it names it.
 """
 
 from __future__ import annotations
@@ -48,12 +50,12 @@ from harness.suites.manifest import (
     Manifest,
     ManifestError,
     load_manifest,
-    load_schema,
+    path_matches,
     rel,
     suite_files,
     validate,
 )
-from harness.suites.workflows import init_workflows
+from harness.suites.workflows import HarnessSourceError, harness_source, init_workflows
 
 
 def _suite_for(device: str) -> str:
@@ -105,9 +107,8 @@ def _toml_has(text: str, *path: str) -> bool:
     """Whether TOML ``text`` has the table ``path`` (False for a file that is no TOML)."""
     try:
         import tomllib
-    except ImportError:  # Python 3.10: a header line is as near as the standard library gets
-        head = f"[{'.'.join(path)}"
-        return any(line.strip().startswith((f"{head}]", f"{head}.")) for line in text.splitlines())
+    except ImportError:  # Python 3.10: pytest's own TOML reader there
+        import tomli as tomllib
     try:
         doc: object = tomllib.loads(text)
     except tomllib.TOMLDecodeError:
@@ -193,12 +194,12 @@ def owned_paths(layout: PytestLayout) -> list[str]:
     files, a top-level file by name; nested paths dropped. Sorted.
     """
     files = layout.files
-    candidates = [t for t in layout.testpaths if any(_under(f, t) for f in files)]
+    candidates = [t for t in layout.testpaths if any(path_matches(f, t) for f in files)]
     if not candidates:
         candidates = [f if "/" not in f else f.rsplit("/", 1)[0] for f in files]
     kept: list[str] = []
     for c in sorted(set(candidates), key=lambda p: (p.count("/"), p)):
-        if not any(_under(c, k) for k in kept):
+        if not any(path_matches(c, k) for k in kept):
             kept.append(c)
     return sorted(kept)
 
@@ -207,13 +208,9 @@ def runs_on(layout: PytestLayout, path: str, device: str) -> bool:
     """True when a suite on ``device`` would own something under ``path``: a case of that
     device, or a file that yields no case (the run reports it); ``harness inventory`` calls
     an entry owning neither ``entry-matches-nothing``."""
-    return any(d == device and _under(f, path) for f, d in layout.cases) or any(
-        _under(f, path) for f in layout.unloadable
+    return any(d == device and path_matches(f, path) for f, d in layout.cases) or any(
+        path_matches(f, path) for f in layout.unloadable
     )
-
-
-def _under(path: str, top: str) -> bool:
-    return top in (".", "") or path == top or path.startswith(top.rstrip("/") + "/")
 
 
 def _entry_id(path: str) -> str:
@@ -232,16 +229,27 @@ def _entries(paths: Sequence[str]) -> list[dict[str, Any]]:
     return out
 
 
-def schema_ref(root: Path, manifest_dir: Path) -> str:
-    """``$schema`` for a manifest in ``manifest_dir``: the bundled schema's path
-    relative to it when the installed harness lies inside ``root``, else the
-    schema's canonical ``$id``."""
+def schema_ref(root: Path, manifest_dir: Path) -> dict[str, str]:
+    """``{"$schema": path}`` for a manifest in ``manifest_dir``: the installed schema's path
+    relative to it when the installed harness lies inside ``root``; else ``{}`` (nothing
+    there would resolve on another machine)."""
     schema = Path(__file__).resolve().parent / SCHEMA_FILE
-    try:
-        schema.relative_to(root.resolve())
-    except ValueError:
-        return str(load_schema()["$id"])
-    return os.path.relpath(schema, manifest_dir.resolve()).replace(os.sep, "/")
+    if not schema.is_relative_to(root.resolve()):
+        return {}
+    return {"$schema": os.path.relpath(schema, manifest_dir.resolve()).replace(os.sep, "/")}
+
+
+#: What ``harness init`` adds to ``.gitignore``: ``harness run``'s output folder.
+IGNORED = "out/"
+
+
+def _gitignore(root: Path) -> str | None:
+    """``.gitignore`` with :data:`IGNORED` appended; None when a line already names it."""
+    path = root / ".gitignore"
+    text = path.read_text(encoding="utf-8") if path.is_file() else ""
+    if any(line.strip().strip("/") == IGNORED.strip("/") for line in text.splitlines()):
+        return None
+    return text + ("\n" if text and not text.endswith("\n") else "") + IGNORED + "\n"
 
 
 def _dump(doc: dict[str, Any]) -> str:
@@ -258,6 +266,7 @@ def render(
     accelerators: Sequence[str],
     workflows: bool,
     notes: list[str] | None = None,
+    harness_ref: str | None = None,
 ) -> dict[str, str]:
     """Every file ``harness init`` would write: repository-relative path -> content.
 
@@ -265,8 +274,9 @@ def render(
     accelerator suite with none is not written, and why goes to ``notes``. A suite
     manifest already in ``suites/`` that loads (for the same device), or a case list that
     validates, is yours: kept as it is, ``--force`` or not (said in ``notes``; the cpu
-    workflow follows the kept cpu suite). Raises ``InitError`` when pytest found no test
-    file to own.
+    workflow follows the kept cpu suite). The workflows install the harness from where the
+    installed one came from, or ``harness_ref``. Raises ``InitError`` when pytest found no
+    test file to own, or the workflows have no harness ref to install from.
     """
     notes = [] if notes is None else notes
     all_paths = owned_paths(layout)
@@ -280,7 +290,7 @@ def render(
     source = _source(layout, root)
     files: dict[str, str] = {}
     cpu = {
-        "$schema": schema_ref(root, suites_dir),
+        **schema_ref(root, suites_dir),
         "suite": "cpu",
         "description": f"Written by `harness init` from pytest's configuration ({source}): "
         "every collected test that runs on CPU.",
@@ -289,8 +299,8 @@ def render(
         "entries": _entries(paths),
     }
     files[f"{SUITES_DIR}/cpu.json"] = _dump(cpu)
-    on_disk = _suites_on_disk(root)  # suite -> device, those init does not write
-    owned = {*accelerators, *on_disk.values()}
+    on_disk = _suites_on_disk(root)  # suite -> manifest
+    owned = {*accelerators, *(m.device for m in on_disk.values())}
     unowned = sorted({d for _, d in layout.cases if d != "cpu" and d not in owned})
     if unowned:
         notes.append(
@@ -308,7 +318,7 @@ def render(
     if accelerators:
         files[f"{SUITES_DIR}/{SHARED_CASES}"] = _dump(
             {
-                "$schema": schema_ref(root, (suites_dir / SHARED_CASES).parent),
+                **schema_ref(root, (suites_dir / SHARED_CASES).parent),
                 "description": "Device-sensitive cases shared by the accelerator suites: each suite keeps "
                 "the variants for its own device.",
                 "entries": _entries(shared),
@@ -319,7 +329,7 @@ def render(
             suite = _suite_for(device)
             files[f"{SUITES_DIR}/{suite}.json"] = _dump(
                 {
-                    "$schema": schema_ref(root, suites_dir),
+                    **schema_ref(root, suites_dir),
                     "suite": suite,
                     "description": f"{device} runners: the shared accelerator case list, {device} variants.",
                     "device": device,
@@ -364,13 +374,24 @@ def render(
                 f"{root.resolve().relative_to(top)}`",
                 EXIT_USAGE,
             )
-        suites = [(_suite_for(d), d) for d in accelerators]
-        written = {name for name, _ in suites}
+        try:
+            source = harness_source(harness_ref)
+        except HarnessSourceError as e:
+            raise InitError(f"--workflows: {e}", EXIT_USAGE) from None
+        suites: list[tuple[str, str, Sequence[Any]]] = [
+            (_suite_for(d), d, ()) for d in accelerators
+        ]
+        written = {name for name, _, _ in suites}
         # The accelerator suites already there get theirs too (init writes cpu's always).
         suites += [
-            (name, d) for name, d in sorted(on_disk.items()) if d != "cpu" and name not in written
+            (name, m.device, m.runners)
+            for name, m in sorted(on_disk.items())
+            if m.device != "cpu" and name not in written
         ]
-        files.update(init_workflows(root, suites, cpu_timeout_minutes=cpu_minutes))
+        files.update(init_workflows(root, suites, cpu_timeout_minutes=cpu_minutes, source=source))
+    gitignore = _gitignore(root)
+    if gitignore is not None:
+        files[".gitignore"] = gitignore
     return files
 
 
@@ -401,31 +422,36 @@ def _kept(root: Path, path: str, text: str) -> Manifest | bool | None:
     return loaded if loaded.device == wanted["device"] else None
 
 
-def _suites_on_disk(root: Path) -> dict[str, str]:
-    """The repository's suites and their devices (manifests that do not load left out:
+def _suites_on_disk(root: Path) -> dict[str, Manifest]:
+    """The repository's suites by name (manifests that do not load left out:
     ``harness inventory`` names them)."""
     out = {}
     for path in suite_files(root):
         with contextlib.suppress(ManifestError):
             manifest = load_manifest(path, root)
-            out[manifest.suite] = manifest.device
+            out[manifest.suite] = manifest
     return out
 
 
 def write(root: Path, files: dict[str, str], force: bool) -> list[tuple[str, str]]:
-    """Write ``files`` under ``root``; returns ``(path, "written" | "unchanged" | "overwritten")``.
+    """Write ``files`` under ``root``; returns ``(path, "written" | "unchanged" | "appended"
+    | "overwritten")``.
 
     Refuses (``InitError`` with code 2, nothing written) when a file exists
-    with other content and ``force`` is false.
+    with other content (``.gitignore``: more than the line init appends) and ``force``
+    is false.
     """
     clashes = []
     actions = []
     for path, text in files.items():
         target = root / path
+        new = text.encode("utf-8")
         if not target.exists():
             actions.append((path, "written"))
-        elif target.read_bytes() == text.encode("utf-8"):
+        elif (old := target.read_bytes()) == new:
             actions.append((path, "unchanged"))
+        elif path == ".gitignore" and new.startswith(old):  # init only adds a line there
+            actions.append((path, "appended"))
         else:
             clashes.append(path)
             actions.append((path, "overwritten"))
@@ -481,6 +507,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "and those already in suites/",
     )
     p.add_argument(
+        "--harness-ref",
+        metavar="REF",
+        help="the commit or tag of the harness's git repository the workflows install "
+        "(default: the commit the installed harness came from, when it knows one)",
+    )
+    p.add_argument(
         "--force",
         action="store_true",
         help="overwrite files that exist with other content (not your suite manifests and "
@@ -495,7 +527,7 @@ def cmd_init(root: Path, args: argparse.Namespace) -> int:
     try:
         layout = read_pytest_layout(root)
         notes: list[str] = []
-        files = render(root, layout, args.accelerators, args.workflows, notes)
+        files = render(root, layout, args.accelerators, args.workflows, notes, args.harness_ref)
         actions = write(root, files, args.force)
     except InitError as e:
         print(f"harness init: {e}", file=sys.stderr)

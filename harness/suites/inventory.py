@@ -16,21 +16,10 @@ by default are collected too, by name, as ``harness run`` will. Ownership rules:
 - Matching is indexed (:class:`EntryIndex`): the work grows linearly with the
   number of cases and entries (``scripts/bench/inventory.py``).
 
-Rules (each problem names the rule, the file and the case):
-``cpu-case-needs-cards``, ``accelerator-case-without-cards``, ``wrong-device``,
-``case-exceeds-runner-cards``, ``unowned-file`` (a file pytest collects by
-default owned by no entry), ``unowned-case``, ``entry-matches-nothing``,
-``duplicate-entry-id``, ``schema`` / ``json`` / ``path`` / ``include``
-(manifest problems), ``no-suites`` (no manifest at all),
-``symlink-outside-repository`` (a collected test file that is a link to a
-file outside the repository), ``collection-error`` (with the file and line)
-and ``bad-launch-spec``; and two warnings, which do not fail the inventory,
-``tests-under-norecursedirs`` (a test file inside ``testpaths`` that
-``norecursedirs`` hides from pytest and no entry names) and ``missing-dependency``
-(test files that import a top-level module this environment does not have: once per
-module; the files count as owned by the entries naming them). The names live in
-``harness.names``; ``harness run`` and ``harness matrix`` refuse a suite only
-for the rules in ``harness.names.BLOCKING_RULES``.
+Each rule is a function returning :class:`~harness.suites.manifest.Problem` values (the
+rule, the file and the case), called from :func:`build_inventory`; the rule names, and
+which of them block ``harness run`` / ``harness matrix`` or only warn, live in
+``harness.names`` (the list, with what each means: docs/suites.md).
 """
 
 from __future__ import annotations
@@ -267,24 +256,51 @@ def _missing_dependencies(problems: Iterable[Problem]) -> list[Problem]:
     ]
 
 
-class _Recorder:
-    """pytest plugin object: records the test files pytest collects (by its own
-    rules), the items, collection errors, and the configuration it used."""
+@dataclass(eq=False)  # compared by identity: its subclass _Recorder is a registered plugin
+class Collection:
+    """What one in-process collect-only pytest run saw.
+
+    ``files``: the test files pytest collected by its own rules
+    (``python_files``, ``testpaths``, ``norecursedirs``, ``--ignore``);
+    ``scope``: the paths it collected from (its arguments, or ``testpaths``);
+    ``inipath``: the configuration file it used.
+    """
+
+    cases: list[CollectedCase] = field(default_factory=list)
+    problems: list[Problem] = field(default_factory=list)
+    files: list[str] = field(default_factory=list)
+    scope: list[str] = field(default_factory=list)
+    inipath: Path | None = None
+    #: Test files and folders skipped as a whole at collection: why.
+    skipped: dict[str, str] = field(default_factory=dict)
+    #: The ``testpaths``, ``norecursedirs`` and ``python_files`` of the configuration.
+    layout: dict[str, list[str]] = field(default_factory=dict)
+    #: pytest stopped the whole session (a usage or internal error): what it collected says
+    #: nothing about which entries own cases.
+    failed: bool = False
+
+    def extend(self, other: Collection) -> None:
+        """Add another run's findings (cases already seen are not repeated)."""
+        seen = {c.nodeid for c in self.cases}
+        self.cases += [c for c in other.cases if c.nodeid not in seen]
+        self.problems += other.problems
+        self.skipped.update(other.skipped)
+        self.layout = self.layout or other.layout
+        self.files = list(dict.fromkeys([*self.files, *other.files]))
+        self.inipath = self.inipath or other.inipath
+        self.failed = self.failed or other.failed
+
+
+class _Recorder(Collection):
+    """pytest plugin object: records into a :class:`Collection` the test files pytest
+    collects (by its own rules), the items, collection errors, and the configuration it
+    used."""
 
     def __init__(self, root: Path):
+        super().__init__()
         self.root = root
-        self.cases: list[CollectedCase] = []
-        self.problems: list[Problem] = []
-        self.files: list[str] = []
-        self.scope: list[str] = []
-        self.inipath: Path | None = None
         self.interrupted = False
         self.exited = ""
-        #: Test files (and folders, by their conftest) skipped as a whole at collection (a
-        #: module-level ``importorskip``): why.
-        self.skipped: dict[str, str] = {}
-        #: The ``testpaths``, ``norecursedirs`` and ``python_files`` of the configuration.
-        self.layout: dict[str, list[str]] = {}
 
     def pytest_configure(self, config: Any) -> None:
         self.inipath = config.inipath
@@ -446,41 +462,6 @@ def plugin_args(args: Sequence[str] = ()) -> list[str]:
     return out
 
 
-@dataclass
-class Collection:
-    """What one in-process collect-only pytest run saw.
-
-    ``files``: the test files pytest collected by its own rules
-    (``python_files``, ``testpaths``, ``norecursedirs``, ``--ignore``);
-    ``scope``: the paths it collected from (its arguments, or ``testpaths``);
-    ``inipath``: the configuration file it used.
-    """
-
-    cases: list[CollectedCase] = field(default_factory=list)
-    problems: list[Problem] = field(default_factory=list)
-    files: list[str] = field(default_factory=list)
-    scope: list[str] = field(default_factory=list)
-    inipath: Path | None = None
-    #: Test files and folders skipped as a whole at collection: why.
-    skipped: dict[str, str] = field(default_factory=dict)
-    #: The ``testpaths``, ``norecursedirs`` and ``python_files`` of the configuration.
-    layout: dict[str, list[str]] = field(default_factory=dict)
-    #: pytest stopped the whole session (a usage or internal error): what it collected says
-    #: nothing about which entries own cases.
-    failed: bool = False
-
-    def extend(self, other: Collection) -> None:
-        """Add another run's findings (cases already seen are not repeated)."""
-        seen = {c.nodeid for c in self.cases}
-        self.cases += [c for c in other.cases if c.nodeid not in seen]
-        self.problems += other.problems
-        self.skipped.update(other.skipped)
-        self.layout = self.layout or other.layout
-        self.files = list(dict.fromkeys([*self.files, *other.files]))
-        self.inipath = self.inipath or other.inipath
-        self.failed = self.failed or other.failed
-
-
 def collect(root: Path, targets: Sequence[str] | None) -> Collection:
     """Collect with pytest, in-process and collect-only, from ``root`` with the
     repository's pytest configuration: ``targets`` (repository-relative files or
@@ -547,16 +528,8 @@ def collect(root: Path, targets: Sequence[str] | None) -> Collection:
         rec.problems.append(
             Problem(names.COLLECTION_ERROR, ".", "", f"pytest exited with {int(code)}:\n{tail}")
         )
-    return Collection(
-        rec.cases,
-        rec.problems,
-        rec.files,
-        rec.scope,
-        rec.inipath,
-        rec.skipped,
-        rec.layout,
-        failed=int(code) not in (0, 1, 5),
-    )
+    rec.failed = int(code) not in (0, 1, 5)
+    return rec
 
 
 def _under(path: str, roots: set[str]) -> bool:

@@ -31,11 +31,12 @@ import os
 import posixpath
 import re
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import jsonschema
+from pathspec.patterns.gitignore.basic import GitIgnoreBasicPattern
 
 from harness import names
 from harness.errors import HarnessError
@@ -71,13 +72,7 @@ class Problem:
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready form."""
-        return {
-            "rule": self.rule,
-            "file": self.file,
-            "where": self.where,
-            "message": self.message,
-            "suite": self.suite,
-        }
+        return asdict(self)
 
 
 class ManifestError(HarnessError):
@@ -90,13 +85,15 @@ class ManifestError(HarnessError):
 
 @dataclass(frozen=True)
 class Runner:
-    """A class of CI runner: its ``runs-on`` labels, cards, job timeout and shard budget."""
+    """A class of CI runner: its ``runs-on`` labels, cards, job timeout and shard budget,
+    and the ``container`` (``image``, ``options``) its jobs run in (None: on the host)."""
 
     labels: tuple[str, ...]
     cards: int
     timeout_minutes: int
     budget_minutes: float
     name: str
+    container: dict[str, str] | None = field(default=None, hash=False)
 
     @property
     def budget_s(self) -> float:
@@ -223,39 +220,22 @@ def has_glob(pattern: str) -> bool:
 # than the patterns in use thrashes (inventory time went superlinear past 1,024).
 @functools.cache
 def glob_regex(pattern: str) -> re.Pattern[str]:
-    """Compile a repository-relative glob: ``*`` and ``?`` stay within one path
-    segment, ``**`` spans any number of segments (``a/**/b`` also matches ``a/b``)."""
-    out = []
-    i, n = 0, len(pattern)
-    while i < n:
-        c = pattern[i]
-        if pattern.startswith("**/", i):
-            out.append("(?:.*/)?")
-            i += 3
-        elif pattern.startswith("**", i):
-            out.append(".*")
-            i += 2
-        elif c == "*":
-            out.append("[^/]*")
-            i += 1
-        elif c == "?":
-            out.append("[^/]")
-            i += 1
-        elif c == "[":
-            j = pattern.find("]", i + 2)
-            if j < 0:
-                out.append(re.escape(c))
-                i += 1
-            else:
-                body = pattern[i + 1 : j]
-                if body.startswith("!"):
-                    body = "^" + body[1:]
-                out.append(f"[{body}]")
-                i = j + 1
-        else:
-            out.append(re.escape(c))
-            i += 1
-    return re.compile("".join(out) + r"\Z", re.DOTALL)  # a file name may hold a newline
+    """Compile a repository-relative glob by git's wildmatch rules (pathspec): ``*`` and
+    ``?`` stay within one path segment, ``**`` spans any number of segments (``a/**/b``
+    also matches ``a/b``). ``match`` it against a path: a match may end at a ``/`` (the
+    path lies under a directory the glob names).
+
+    Unlike a ``.gitignore`` line, the glob is a path from the repository root even without
+    a ``/`` (``*.py`` is the top-level files, not every ``.py`` file), ``!`` and ``#`` are
+    characters, and ``*`` matches a newline in a file name (git gives names as they are).
+    """
+    text = pattern.rstrip("/")
+    if "/" not in text:
+        text = "/" + text  # anchored at the root
+    elif text.startswith(("!", "#")):
+        text = "\\" + text  # not a negation, not a comment
+    regex, _ = GitIgnoreBasicPattern.pattern_to_regex(text)
+    return re.compile(regex, re.DOTALL)
 
 
 def path_matches(path: str, pattern: str) -> bool:
@@ -369,21 +349,13 @@ def pointer(parts: Iterable[Any]) -> str:
     return out or "<root>"
 
 
-@functools.lru_cache(maxsize=4)
-def _schema_at(path: str) -> dict[str, Any]:
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
-
-
-def load_schema(root: Path | None = None) -> dict[str, Any]:
-    """The manifest JSON Schema shipped inside this package (``harness/suites/schema.json``).
-
-    ``root`` is accepted for callers that pass the repository; the schema never
-    comes from it, so every repository validates against the installed harness.
-    """
+@functools.cache
+def load_schema() -> dict[str, Any]:
+    """The manifest JSON Schema shipped inside this package (``harness/suites/schema.json``):
+    every repository validates against the installed harness's."""
     path = Path(__file__).resolve().parent / SCHEMA_FILE
     try:
-        return _schema_at(str(path))
+        return json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError as e:
         raise ManifestError(
             [Problem(names.SCHEMA, str(path), "", "schema missing from the harness package")]
@@ -471,7 +443,8 @@ def _compile_markers(expr: str) -> str | None:
     return None
 
 
-def _runners(doc: dict[str, Any]) -> tuple[Runner, ...]:
+def read_runners(doc: dict[str, Any]) -> tuple[Runner, ...]:
+    """The runner classes of a valid manifest document, by ascending cards."""
     raw = doc["runner"]
     items = raw if isinstance(raw, list) else [raw]
     out = []
@@ -484,6 +457,7 @@ def _runners(doc: dict[str, Any]) -> tuple[Runner, ...]:
                 timeout_minutes=timeout,
                 budget_minutes=float(r.get("budget_minutes", timeout * DEFAULT_BUDGET_FRACTION)),
                 name=r.get("name") or "-".join(r["labels"]),
+                container=r.get("container"),
             )
         )
     return tuple(sorted(out, key=lambda r: r.cards))
@@ -599,6 +573,19 @@ def load_manifest(path: Path, root: Path) -> Manifest:
                 f"suite {doc['suite']!r} must match the file name {path.stem!r}",
             )
         )
+    runners = read_runners(doc)
+    raw = doc["runner"] if isinstance(doc["runner"], list) else [doc["runner"]]
+    if len({json.dumps(r.get("container"), sort_keys=True) for r in raw}) > 1:
+        # One shard job runs every class's shards: its container is the suite's.
+        problems.append(
+            Problem(
+                names.SCHEMA,
+                name,
+                "/runner",
+                "every runner class of a suite runs its shard jobs in the same container "
+                "(or none): give each the same `container`",
+            )
+        )
     included: list[str] = []
     entries = _expand(doc["entries"], path, root, (name,), problems, included)
     if problems:
@@ -606,7 +593,7 @@ def load_manifest(path: Path, root: Path) -> Manifest:
     return Manifest(
         suite=doc["suite"],
         device=doc["device"],
-        runners=_runners(doc),
+        runners=runners,
         entries=tuple(entries),
         path=name,
         includes=tuple(dict.fromkeys(included)),

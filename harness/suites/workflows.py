@@ -4,10 +4,13 @@
 ``.github/workflows/gpu.yml`` and ``npu.yml`` are this module's output too (a test compares
 them), so a fix to the template reaches every copy. The rules every rendered workflow keeps:
 
-- the required checks always run (no path filters); on a pull request the plan job runs
+- each workflow ends in one gate job of a stable name (``SUITE gate``, :func:`gate_job`):
+  ``if: always()``, ``needs`` every other job, red unless each succeeded; it is the
+  required check;
+- no path filters; on a pull request the plan job runs
   ``harness matrix SUITE --changed-from origin/BASE``, and when the change needs no shard
   (``{"include": []}``, e.g. a docs-only pull request) the shard job is skipped by its
-  ``if:`` without taking a self-hosted runner, while the plan job still reports;
+  ``if:`` without taking a self-hosted runner, and the gate passes;
 - pull requests from forks never reach self-hosted runners unless a maintainer adds
   :data:`OPT_IN_LABEL` (it opts in the commit labelled, not later pushes);
 - a new push to a pull request cancels its older run; a label event never cancels a run:
@@ -17,15 +20,24 @@ them), so a fix to the template reaches every copy. The rules every rendered wor
 - on self-hosted runners nothing is installed into the image's (externally managed) Python:
   a virtualenv over it (``--system-site-packages``, so the image's own torch is used) holds
   the harness and the project;
-- the harness comes from the checkout (``./harness`` here) or a pinned git ref, never from
-  a package name anyone could register on the public index.
+- the harness comes from the checkout (``./harness`` here) or a git commit the installed
+  harness knows it came from (:func:`harness_source`), never from a guessed tag or a
+  package name anyone could register on the public index.
 """
 
 from __future__ import annotations
 
+import json
+import re
+import subprocess
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+from urllib.request import url2pathname
+
+from harness.errors import HarnessError
 
 #: The label a maintainer sets on a pull request from a fork to run its accelerator shards.
 OPT_IN_LABEL = "ci:accelerators"
@@ -41,10 +53,105 @@ ACTIONS = {
 #: ``torch`` is the multi-GB CUDA build.
 CPU_TORCH = "torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu"
 
-#: Where ``harness init`` workflows install the harness from: this project's repository at a
-#: git ref, the installed harness's release tag (replace it by a commit SHA to pin it
-#: immutably).
-HARNESS_GIT = "git+https://github.com/channel-loss/channel-loss@{ref}#subdirectory=harness"
+#: The repository the harness is developed in (its ``harness/`` folder is the distribution).
+HARNESS_REPO = "https://github.com/channel-loss/channel-loss"
+#: The harness distribution's name (not on the public index: never installed by name).
+DISTRIBUTION = "pytest-accel-harness"
+
+
+class HarnessSourceError(HarnessError):
+    """The installed harness cannot say which commit it came from, and no ref was given."""
+
+
+@dataclass(frozen=True)
+class HarnessSource:
+    """Where a workflow installs the harness from: ``git+URL@REF#subdirectory=SUB``."""
+
+    url: str
+    ref: str
+    subdirectory: str = "harness"
+
+    def requirement(self) -> str:
+        """The pip requirement, shell-quoted (a local ``file:///`` URL as
+        ``file://localhost/``: pip before 24 refuses a URL without a host)."""
+        url = re.sub(r"^file:///", "file://localhost/", self.url)
+        return f'"{DISTRIBUTION} @ git+{url}@{self.ref}#subdirectory={self.subdirectory}"'
+
+
+def _git(folder: Path, *args: str) -> str | None:
+    try:
+        done = subprocess.run(
+            ["git", "-C", str(folder), *args], capture_output=True, text=True, timeout=30
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return done.stdout.strip() if done.returncode == 0 else None
+
+
+def _https(url: str) -> str:
+    """A remote's URL as pip can fetch it on a CI runner: scp-like ``git@host:o/r`` (which
+    pip does not read, and which needs a key the runner lacks) becomes ``https://host/o/r``."""
+    m = re.fullmatch(r"[\w.-]+@([\w.-]+):(?!//)(.+)", url)
+    return f"https://{m[1]}/{m[2]}" if m else url
+
+
+def _checkout_source(folder: Path) -> tuple[str | None, str | None, str]:
+    """``(remote URL, HEAD commit, subdirectory)`` of the git checkout holding ``folder``;
+    the URL is that of a remote whose branch holds the commit (None when none does: a
+    commit no remote has cannot be installed from one)."""
+    commit = _git(folder, "rev-parse", "HEAD")
+    sub = (_git(folder, "rev-parse", "--show-prefix") or "harness/").rstrip("/") or "."
+    branches = _git(folder, "branch", "-r", "--contains", "HEAD", "--format=%(refname:short)")
+    for branch in (branches or "").splitlines():
+        url = _git(folder, "remote", "get-url", branch.split("/", 1)[0])
+        if url:
+            return _https(url), commit, sub
+    return None, commit, sub
+
+
+def _direct_url() -> dict[str, Any] | None:
+    from importlib import metadata
+
+    try:
+        text = metadata.distribution(DISTRIBUTION).read_text("direct_url.json")
+    except metadata.PackageNotFoundError:
+        return None
+    return json.loads(text) if text else None
+
+
+def harness_source(
+    ref: str | None = None, direct_url: dict[str, Any] | None = None
+) -> HarnessSource:
+    """Where the installed harness came from, as a pinned git source (PEP 610's
+    ``direct_url.json``, ``direct_url`` when given): the commit a git install recorded, or the
+    HEAD commit of the local checkout it was installed from, with the URL of a remote holding
+    it. ``ref`` (``harness init --harness-ref``) replaces the commit. Raises
+    :class:`HarnessSourceError` when neither says where an install can come from: a workflow
+    never gets a guessed ref."""
+    info = _direct_url() if direct_url is None else direct_url
+    url, commit, sub = None, None, "harness"
+    if info:
+        sub = info.get("subdirectory", sub)
+        vcs = info.get("vcs_info") or {}
+        if vcs.get("vcs") == "git":
+            url, commit = info.get("url"), vcs.get("commit_id")
+        elif "dir_info" in info and str(info.get("url", "")).startswith("file:"):
+            url, commit, sub = _checkout_source(Path(url2pathname(urlparse(info["url"]).path)))
+    if ref:
+        return HarnessSource(url or HARNESS_REPO, ref, sub)
+    if url and commit:
+        return HarnessSource(url, commit, sub)
+    came = (
+        f"the local checkout at commit {commit}, which no remote branch holds"
+        if commit
+        else "no git commit (a wheel, or a copied source tree)"
+    )
+    raise HarnessSourceError(
+        f"the installed harness came from {came}: the workflows would install it from a ref "
+        f"that may not exist; pass --harness-ref REF (a commit or tag of {HARNESS_REPO}), or "
+        "install the harness from git (pip install "
+        f'"{DISTRIBUTION} @ git+{HARNESS_REPO}@COMMIT#subdirectory=harness")'
+    )
 
 
 @dataclass(frozen=True)
@@ -52,18 +159,15 @@ class Install:
     """How a workflow installs what it runs.
 
     ``packages``: the ``pip install`` arguments for the project and the harness (e.g.
-    ``-e ".[test]" ./harness``); ``cache_paths``: the files whose hash keys the pip cache of
+    ``-e ".[test]" ./harness``), for the jobs that plan or run a whole CPU suite;
+    ``shard_packages``: those of an accelerator shard job, when running the suite needs less
+    (default: ``packages``); ``cache_paths``: the files whose hash keys the pip cache of
     GitHub-hosted runners.
     """
 
     packages: str
     cache_paths: Sequence[str] = ("pyproject.toml",)
-
-
-def harness_requirement(ref: str) -> str:
-    """The pip requirement (shell-quoted) ``harness init`` workflows install the harness
-    with: :data:`HARNESS_GIT` at the git ``ref``."""
-    return f'"pytest-accel-harness @ {HARNESS_GIT.format(ref=ref)}"'
+    shard_packages: str | None = None
 
 
 _CONCURRENCY = f"""\
@@ -119,14 +223,81 @@ def _upload(name: str, path: str) -> str:
     )
 
 
+#: What the gate accepts from an empty plan: ``harness matrix`` prints this when nothing runs.
+EMPTY_MATRIX = '{"include":[]}'
+
+
+def gate_job(suite: str, needs: Sequence[str], *, planned: bool) -> str:
+    """The suite's required check: a job of a stable name (``SUITE gate``) that runs after
+    every other job whatever they did (``if: always()``) and fails unless each succeeded or
+    was skipped for an empty plan. A failed or cancelled job is red; a skipped shard job is
+    green only when the plan had no shard (``planned``: the workflow has a plan job, whose
+    untrusted run with shards planned is red: the shards were not run)."""
+    untrusted = (
+        f"""          if [ "$TRUSTED" != true ] && [ "$MATRIX" != '{EMPTY_MATRIX}' ]; then
+            echo "::error::shards were planned and not run: a pull request from a fork runs them once a maintainer adds the label {OPT_IN_LABEL}"
+            exit 1
+          fi
+"""
+        if planned
+        else ""
+    )
+    plan_env = (
+        "          TRUSTED: ${{ needs.plan.outputs.trusted }}\n"
+        "          MATRIX: ${{ needs.plan.outputs.matrix }}\n"
+        if planned
+        else ""
+    )
+    return f"""
+  # The required check (branch protection): the shard jobs' names change with the plan, and a
+  # job skipped by its `if:` counts as passed, so this one job gathers them all.
+  gate:
+    name: {suite} gate
+    if: always()
+    needs: [{", ".join(needs)}]
+    runs-on: ubuntu-latest
+    timeout-minutes: 5
+    steps:
+      - name: Every job succeeded (a shard job skipped for an empty plan counts)
+        env:
+          RESULTS: ${{{{ join(needs.*.result, ' ') }}}}
+{plan_env}        run: |
+          echo "jobs: $RESULTS"
+          for result in $RESULTS; do
+            if [ "$result" != success ] && [ "$result" != skipped ]; then
+              echo "::error::a job of the suite ended $result"
+              exit 1
+            fi
+          done
+{untrusted}"""
+
+
+def _container(runners: Sequence[Any]) -> str:
+    """The shard job's ``container:``: the runner classes' ``container`` (image and
+    options; one for all classes of a suite, the manifest checks), or none: on the host."""
+    spec = next((r.container for r in runners if r.container), None)
+    if spec is None:
+        return ""
+    return "    container:\n" + "".join(f"      {k}: {json.dumps(v)}\n" for k, v in spec.items())
+
+
 def accelerator_workflow(
-    suite: str, device: str, install: Install, *, name: str | None = None, header: str = ""
+    suite: str,
+    device: str,
+    install: Install,
+    *,
+    name: str | None = None,
+    header: str = "",
+    runners: Sequence[Any] = (),
 ) -> str:
-    """The workflow of an accelerator suite: a GitHub-hosted plan job (``harness matrix``)
-    and one self-hosted shard job per matrix row (``harness run --shard``).
+    """The workflow of an accelerator suite: a GitHub-hosted plan job (``harness matrix``),
+    one self-hosted shard job per matrix row (``harness run --shard``), and the gate
+    (:func:`gate_job`), the check to require.
 
     ``name`` is the workflow's name (default ``suite``); ``header``, comment lines (each
-    starting with ``#``) put above the generated description.
+    starting with ``#``) put above the generated description; ``runners``, the suite's
+    runner classes (:class:`~harness.suites.manifest.Runner`), whose ``container`` the
+    shard job runs in.
     """
     from harness.devices import device_type
 
@@ -134,9 +305,10 @@ def accelerator_workflow(
     return f"""\
 {header}# {title} CI: a plan job turns suites/{suite}.json into a matrix of shards
 # (`harness matrix`, balanced on recorded durations, each shard within its runner's budget);
-# each shard job runs `harness run --shard` for its shard on its self-hosted runner.
+# each shard job runs `harness run --shard` for its shard on its self-hosted runner; the
+# gate job `{suite} gate` fails unless every shard passed: make it the required check.
 # No path filters: on a pull request the plan covers only what the change needs
-# (`--changed-from`); when that is nothing, no shard job starts and the plan job still reports.
+# (`--changed-from`); when that is nothing, no shard job starts and the gate passes.
 #
 # Pull requests from forks never reach the self-hosted runners: the plan job (GitHub-hosted)
 # marks such a run untrusted and the shard jobs do not start, unless a maintainer adds the
@@ -207,14 +379,14 @@ jobs:
     # `harness run` stops pytest at matrix.timeout_minutes and still writes its summary; the
     # job's own limit adds time for checkout and install.
     timeout-minutes: ${{{{ matrix.job_timeout_minutes }}}}
-    steps:
+{_container(runners)}    steps:
 {_checkout(full_history=True)}      - name: Install into a virtualenv over the image's Python
         run: |
           # The image's Python is externally managed and ships torch for {title}: a venv over
           # its packages adds only what is missing and leaves the image untouched. Self-hosted
           # runners keep pip's cache between jobs.
           python3 -m venv --system-site-packages "$RUNNER_TEMP/venv"
-          "$RUNNER_TEMP/venv/bin/python" -m pip install {install.packages}
+          "$RUNNER_TEMP/venv/bin/python" -m pip install {install.shard_packages or install.packages}
           echo "$RUNNER_TEMP/venv/bin" >> "$GITHUB_PATH"
       - name: {title} suite, shard ${{{{ matrix.shard }}}}
         env:
@@ -228,7 +400,7 @@ jobs:
             python -m harness run {suite} --shard "$SHARD" --out "$out"
           fi
       # plan.json + JUnit XML: the recorded durations are refreshed from a push run's artifacts.
-{_upload(f"harness-{suite}-${{{{ strategy.job-index }}}}", "out/harness/")}"""
+{_upload(f"harness-{suite}-${{{{ strategy.job-index }}}}", "out/harness/")}{gate_job(suite, ["plan", "suite"], planned=True)}"""
 
 
 def cpu_workflow(
@@ -238,8 +410,9 @@ def cpu_workflow(
     ``harness run cpu`` (``--changed-from`` on pull requests). ``timeout_minutes`` is the
     suite's runner timeout; the job's own limit is 10 minutes above it."""
     return f"""\
-{header}# The inventory and the CPU suite on every pull request and push. No path filters: this is
-# a required check; on a pull request `--changed-from` decides what it tests.
+{header}# The inventory and the CPU suite on every pull request and push; the gate job `cpu gate` is
+# the check to require. No path filters: on a pull request `--changed-from` decides what it
+# tests.
 name: {name}
 
 on:
@@ -276,11 +449,17 @@ jobs:
           else
             python -m harness run cpu --out out/harness/cpu
           fi
-{_upload("harness-cpu", "out/harness/cpu")}"""
+{_upload("harness-cpu", "out/harness/cpu")}{gate_job("cpu", ["cpu"], planned=False)}"""
 
 
-#: This repository's own install: the project with its test extra, the harness from the checkout.
-REPO_INSTALL = Install('-e ".[test]" ./harness', ("pyproject.toml", "harness/pyproject.toml"))
+#: This repository's own install: the project with its test extra, the harness from the
+#: checkout; a shard job gets only what the accelerator cases import (the `test` extra's
+#: requirements, a test checks: not its linters, nox or the workflow auditors).
+REPO_INSTALL = Install(
+    '-e ".[test]" ./harness',
+    ("pyproject.toml", "harness/pyproject.toml"),
+    shard_packages='-e ".[hf,plot,peft]" ./harness "hypothesis>=6.100" numpy',
+)
 
 
 #: This repository's root (the harness package is its ``harness/`` folder).
@@ -292,55 +471,46 @@ def repository_workflows(root: Path = REPO_ROOT) -> dict[str, str]:
     one per suite in ``root/suites/*.json`` whose device is an accelerator (a new device's
     suite gets its workflow from the same template, and a test finds it missing)."""
     from harness.devices import ACCELERATOR_NAMES
-    from harness.suites.manifest import read_json, suite_files
+    from harness.suites.manifest import read_json, read_runners, suite_files
 
     out = {}
     for path in suite_files(root):
-        device = read_json(path, root).get("device")
-        if device in ACCELERATOR_NAMES:
+        doc = read_json(path, root)
+        if doc.get("device") in ACCELERATOR_NAMES:
             out[f".github/workflows/{path.stem}.yml"] = accelerator_workflow(
-                path.stem, device, REPO_INSTALL
+                path.stem, doc["device"], REPO_INSTALL, runners=read_runners(doc)
             )
     return out
 
 
-def _harness_version() -> str | None:
-    from importlib import metadata
-
-    try:
-        return metadata.version("pytest-accel-harness")
-    except metadata.PackageNotFoundError:
-        return None
-
-
 def init_workflows(
-    root: Path, suites: Sequence[tuple[str, str]], *, cpu_timeout_minutes: int
+    root: Path,
+    suites: Sequence[tuple[str, str, Sequence[Any]]],
+    *,
+    cpu_timeout_minutes: int,
+    source: HarnessSource,
 ) -> dict[str, str]:
     """What ``harness init --workflows`` writes for the repository at ``root``:
     ``.github/workflows/harness-SUITE.yml`` -> content, for the cpu suite and each
-    ``(suite, device)`` accelerator suite.
+    ``(suite, device, runners)`` accelerator suite.
 
-    The harness is installed from its git repository at the installed harness's release
-    tag, the project itself (when ``root`` has a ``pyproject.toml`` or ``setup.py``) from
-    the checkout.
+    The harness is installed from ``source`` (:func:`harness_source`), the project itself
+    (when ``root`` has a ``pyproject.toml`` or ``setup.py``) from the checkout.
     """
-    version = _harness_version()
-    # A source tree without metadata has no release to name: its default branch, to pin.
-    harness = harness_requirement(f"v{version}" if version else "main")
     project = [f for f in ("pyproject.toml", "setup.py") if (root / f).exists()]
-    packages = harness + (" -e ." if project else "")
+    packages = source.requirement() + (" -e ." if project else "")
     install = Install(packages, tuple(project) or ("**/requirements*.txt",))
     header = (
         "# Written by `harness init`. Add your project's test extra to the pip install lines\n"
-        '# (e.g. -e ".[test]"); pin the harness ref to a commit SHA to make it immutable.\n'
+        '# (e.g. -e ".[test]").\n'
     )
     files = {
         ".github/workflows/harness-cpu.yml": cpu_workflow(
             install, timeout_minutes=cpu_timeout_minutes, header=header
         )
     }
-    for suite, device in suites:
+    for suite, device, runners in suites:
         files[f".github/workflows/harness-{suite}.yml"] = accelerator_workflow(
-            suite, device, install, name=f"harness-{suite}", header=header
+            suite, device, install, name=f"harness-{suite}", header=header, runners=runners
         )
     return files

@@ -33,6 +33,11 @@ def test_readme_quick_check_runs():
     assert len(obs) == 1
     assert obs[0].token_losses.shape == namespace["labels"].shape
     assert not obs[0].token_losses.requires_grad
+    # What its comment says (regression: it said "0.0 where ignored" with nothing ignored):
+    # labels are shifted by one, so position 2 (target labels[3], ignored) and 7 (no next
+    # label) are 0.0, every other position is scored.
+    zero = (obs[0].token_losses == 0).nonzero().flatten().tolist()
+    assert zero == [2, 7]
 
 
 def test_plain_pytorch_example_runs(capsys):

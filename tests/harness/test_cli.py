@@ -355,18 +355,25 @@ def test_matrix_changed_from_keeps_only_the_affected_shards(pytester, capsys):
     )
     commit_all(root)
 
+    said = []
+
     def matrix() -> dict:
         assert (
             main(["--root", str(root), "matrix", "cpu", "--shards", "2", "--changed-from", "main"])
             == 0
         )
-        return json.loads(capsys.readouterr().out)
+        out = capsys.readouterr()
+        said.append(out.err.splitlines()[-1])
+        return json.loads(out.out)
 
     (root / "README.md").write_text("docs only\n")
     # Nothing selected: an empty matrix, for a job `if:` to skip (the required check still reports).
     assert matrix() == {"include": []}
+    # Regression: the stderr line still planned the whole suite (4 cases in 2 shards).
+    assert said[-1] == "harness matrix: cpu: 0 affected case(s) in 0 of 2 shard(s)"
     (root / "src/b.py").write_text("changed = True\n")
     rows = matrix()["include"]
+    assert said[-1].startswith("harness matrix: cpu: 2 affected case(s) in 2 of 2 shard(s): 1/2 ")
     whole = {
         r["shard"]: r
         for r in json.loads(
@@ -1058,6 +1065,7 @@ def test_root_goes_before_or_after_the_subcommand(pytester, capsys, command):
         pytester.path,
         {"tests/t/test_t.py": "def test_t():\n    pass\n"},
         {"cpu": manifest("cpu", "cpu", [{"id": "t", "paths": ["tests/t"]}])},
+        {".gitignore": "out/\n"},  # else init's first run appends it, and the second does not
     )
     outputs = []
     for args in (["--root", str(root), *command], [*command, "--root", str(root)]):

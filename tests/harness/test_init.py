@@ -33,6 +33,11 @@ def test_world(device):
 """
 
 
+#: `--workflows` with the harness ref pinned: the harness these tests run is an editable
+#: install of a checkout whose commit no remote may hold (see test_workflows for the source).
+WORKFLOWS = ("--workflows", "--harness-ref", "0123456789abcdef0123456789abcdef01234567")
+
+
 def harness(root: Path, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "harness", *args],
@@ -117,7 +122,7 @@ def test_keeps_your_manifest_and_refuses_to_overwrite_other_files_without_force(
     )
     (root / "suites" / "cpu.json").write_text(edited)
 
-    kept = harness(root, "init", "--workflows")
+    kept = harness(root, "init", *WORKFLOWS)
     assert kept.returncode == 0, kept.stderr
     assert "suites/cpu.json exists with other content: kept as it is" in kept.stderr
     assert (root / "suites" / "cpu.json").read_text() == edited
@@ -127,12 +132,12 @@ def test_keeps_your_manifest_and_refuses_to_overwrite_other_files_without_force(
     (root / ".github/workflows/harness-cpu.yml").write_text(
         workflow.replace("timeout-minutes: 55", "timeout-minutes: 40")  # as before the edit
     )
-    refused = harness(root, "init", "--workflows")
+    refused = harness(root, "init", *WORKFLOWS)
     assert refused.returncode == 2
     assert ".github/workflows/harness-cpu.yml exists with other content" in refused.stderr
     assert "--force" in refused.stderr
     # --force rewrites the workflow for your suite, which it keeps (it dropped your edit).
-    forced = harness(root, "init", "--workflows", "--force")
+    forced = harness(root, "init", *WORKFLOWS, "--force")
     assert forced.returncode == 0, forced.stderr
     assert (root / "suites" / "cpu.json").read_text() == edited
     assert "timeout-minutes: 55" in (root / ".github/workflows/harness-cpu.yml").read_text()
@@ -162,7 +167,7 @@ def test_workflows_for_a_folder_of_a_git_repository_are_refused(tmp_path):
     # Told without git itself (a first version asked git, and wrote when git was missing).
     env = {**os.environ, "PATH": str(Path(sys.executable).parent)}
     done = subprocess.run(
-        [sys.executable, "-m", "harness", "init", "--workflows"],
+        [sys.executable, "-m", "harness", "init", *WORKFLOWS],
         cwd=root, capture_output=True, text=True, timeout=180, env=env,
     )  # fmt: skip
     assert done.returncode == 2, done.stdout + done.stderr
@@ -184,7 +189,7 @@ def test_accelerator_suites_share_one_case_list_and_get_workflows(tmp_path):
             "tests/test_ranks.py": LAUNCHED_DEVICE_TEST,
         },
     )
-    done = harness(root, "init", "--accelerators", "gpu,npu", "--workflows")
+    done = harness(root, "init", "--accelerators", "gpu,npu", *WORKFLOWS)
     assert done.returncode == 0, done.stderr
     shared = manifest(root, "cases/accelerator.json")
     assert [e["paths"] for e in shared["entries"]] == [["tests"]]
@@ -216,7 +221,7 @@ def test_accelerator_suites_share_one_case_list_and_get_workflows(tmp_path):
     mine = json.loads(cases.read_text())
     mine["entries"].append({"id": "more", "paths": ["tests/test_plain.py"]})
     cases.write_text(json.dumps(mine, indent=2))
-    again = harness(root, "init", "--accelerators", "gpu,npu", "--workflows", "--force")
+    again = harness(root, "init", "--accelerators", "gpu,npu", *WORKFLOWS, "--force")
     assert again.returncode == 0, again.stderr
     assert "suites/cases/accelerator.json exists with other content: kept" in again.stderr
     assert json.loads(cases.read_text()) == mine
@@ -245,10 +250,10 @@ def test_a_project_without_tests_is_told_so(tmp_path):
 
 def test_written_cpu_workflow_caches_and_outlasts_the_harness_deadline(tmp_path):
     root = write(tmp_path, {"tests/test_a.py": "def test_a():\n    pass\n"})
-    assert harness(root, "init", "--workflows").returncode == 0
+    assert harness(root, "init", *WORKFLOWS).returncode == 0
     doc = yaml.safe_load((root / ".github" / "workflows" / "harness-cpu.yml").read_text())
     assert doc["concurrency"]["cancel-in-progress"] == "${{ github.event_name == 'pull_request' }}"
-    (job,) = doc["jobs"].values()
+    job = doc["jobs"]["cpu"]
     assert job["timeout-minutes"] > manifest(root, "cpu.json")["runner"]["timeout_minutes"]
     setup = next(
         s for s in job["steps"] if str(s.get("uses", "")).startswith("actions/setup-python")
@@ -318,7 +323,7 @@ def test_init_without_accelerators_names_the_accelerator_cases_it_leaves_unowned
     assert harness(root, "inventory").returncode == 0
     # Regression: a later plain init said so again though gpu.json and npu.json own them,
     # and its --workflows wrote cpu's workflow only.
-    later = harness(root, "init", "--workflows")
+    later = harness(root, "init", *WORKFLOWS)
     assert later.returncode == 0, later.stderr
     assert "which no suite owns" not in later.stderr
     assert {p.name for p in (root / ".github/workflows").iterdir()} == {
@@ -373,3 +378,40 @@ def test_init_reads_pytest_configuration_files_as_pytest_does(tmp_path, files, w
     assert done.returncode == (2 if refused else 0), done.stdout + done.stderr
     assert ("inside the project that" in done.stderr) == refused, done.stderr
     assert (tmp_path / where / "suites/cpu.json").exists() != refused
+
+
+def test_ignores_the_run_output_and_points_schema_only_at_what_exists(tmp_path):
+    # Regression: init left out/ (where `harness run` writes) out of .gitignore, and the
+    # manifests of a repository outside the harness's own pointed $schema at a URL that
+    # serves nothing.
+    root = write(tmp_path, {"tests/test_a.py": "def test_a():\n    pass\n", ".gitignore": "*.pyc"})
+    done = harness(root, "init")
+    assert done.returncode == 0, done.stderr
+    assert (root / ".gitignore").read_text() == "*.pyc\nout/\n"
+    assert "appended" in done.stdout
+    assert "$schema" not in manifest(root, "cpu.json")  # the installed schema is outside root
+    again = harness(root, "init")
+    assert again.returncode == 0, again.stderr
+    assert (root / ".gitignore").read_text() == "*.pyc\nout/\n"  # once
+    # Only .gitignore is appended to: a workflow you cut short (its gate job deleted) is
+    # yours, refused without --force like any other edit.
+    assert harness(root, "init", *WORKFLOWS).returncode == 0
+    workflow = root / ".github/workflows/harness-cpu.yml"
+    workflow.write_text(workflow.read_text().split("\n  gate:")[0])
+    refused = harness(root, "init", *WORKFLOWS)
+    assert refused.returncode == 2, refused.stderr
+    assert "harness-cpu.yml exists with other content" in refused.stderr
+    (tmp_path / "fresh").mkdir()
+    fresh = write(tmp_path / "fresh", {"tests/test_a.py": "def test_a():\n    pass\n"})
+    assert harness(fresh, "init").returncode == 0
+    assert (fresh / ".gitignore").read_text() == "out/\n"
+
+
+def test_help_names_the_working_directory_as_the_root(tmp_path):
+    # Regression: `harness init --help` gave --root the other commands' default (the nearest
+    # folder above with suites/), though init starts where it is run.
+    done = harness(tmp_path, "init", "--help")
+    assert done.returncode == 0
+    assert "--harness-ref" in done.stdout
+    root_help = " ".join(done.stdout.rsplit("--root ROOT", 1)[1].split())
+    assert root_help.startswith("repository root (default: the working directory)"), root_help

