@@ -98,8 +98,9 @@ def read_junit(
             continue
         cases = list(suite)
         total = sum(tc.time or 0.0 for tc in cases)
-        wall = float(suite.time or 0.0)
-        factor = wall / total if wall_shares and total > 0 and wall > 0 else 1.0
+        wall = float(suite.time or 0.0) if wall_shares else 0.0
+        # Cases pytest timed at 0.000 s each (a few quick ones) share the wall equally.
+        factor, even = (wall / total, 0.0) if total > 0 else (0.0, wall / max(1, len(cases)))
         for tc in cases:
             key = (tc.classname or "", tc.name or "")
             bad = [r for r in tc.result if isinstance(r, (Failure, Error))]
@@ -112,7 +113,8 @@ def read_junit(
                 else ("passed", "")
             )
             prev = out.get(key)
-            seconds = (tc.time or 0.0) * factor + (prev.seconds if prev else 0.0)
+            own = tc.time or 0.0
+            seconds = (own * factor + even if wall > 0 else own) + (prev.seconds if prev else 0.0)
             if prev is not None and prev.outcome == "failed":
                 outcome, msg = prev.outcome, prev.message
             out[key] = CaseRow("", outcome, seconds, (msg or "").split("\n")[0][:200])

@@ -361,16 +361,24 @@ def test_matrix_changed_from_keeps_only_the_affected_shards(pytester, capsys):
     )
     commit_all(root)
 
+    said = []
+
     def matrix() -> dict:
         assert (
             main(["--root", str(root), "matrix", "cpu", "--shards", "2", "--changed-from", "main"])
             == 0
         )
-        return json.loads(capsys.readouterr().out)
+        out, err = capsys.readouterr()
+        said.append(err)
+        return json.loads(out)
 
     (root / "README.md").write_text("docs only\n")
     # Nothing selected: an empty matrix, for a job `if:` to skip (the required check still reports).
     assert matrix() == {"include": []}
+    # Regression (issue 44): its stderr line still planned the whole suite ("4 case(s) in 2
+    # shard(s)").
+    assert "harness matrix: cpu: nothing to run (no shard)" in said[-1], said[-1]
+    assert "shard(s):" not in said[-1], said[-1]
     (root / "src/b.py").write_text("changed = True\n")
     rows = matrix()["include"]
     whole = {
@@ -479,7 +487,7 @@ def test_run_and_inventory_with_plugin_autoload_disabled(pytester):
     assert done.returncode == 0, done.stdout + done.stderr
     rows = summary_rows((root / "out/summary.md").read_text())
     assert rows["total"][:5] == ["3", "3", "0", "0", "0"]
-    assert "2 workers [2 items]" in done.stdout  # xdist was loaded and used
+    assert "2 workers [3 items]" in done.stdout  # xdist was loaded and used
 
 
 def test_changed_from_keeps_the_shards_of_the_whole_suite(pytester, capsys):
@@ -767,6 +775,22 @@ def test_read_junit_outcomes_and_missing(tmp_path):
     assert rows == [report.EntryRow("e", 5, 1, 2, 1, 1, 2, 3.5)]
 
 
+def test_wall_shares_of_cases_pytest_timed_at_zero(tmp_path):
+    # Regression: quick cases pytest timed at 0.000 s got a share of 0.0 s of their run's
+    # wall time (the planner then took them as free).
+    xml = tmp_path / "j.xml"
+    xml.write_text(
+        '<testsuites><testsuite name="pytest" time="2.0">'
+        '<testcase classname="t.test_a" name="test_1" time="0.000"/>'
+        '<testcase classname="t.test_a" name="test_2" time="0.000"/>'
+        '</testsuite><testsuite name="harness run" time="0">'
+        '<testcase classname="t.test_a" name="test_3" time="0"><skipped message="not run"/></testcase>'
+        "</testsuite></testsuites>"
+    )
+    shares = report.read_junit([xml], wall_shares=True)
+    assert {k[1]: r.seconds for k, r in shares.items()} == {"test_1": 1.0, "test_2": 1.0}
+
+
 # --------------------------------------------------------------------------- workers
 
 
@@ -932,7 +956,7 @@ def test_the_dependency_check_is_what_the_command_imports():
         re.split(r"[<>=!~ ;\[]", spec, maxsplit=1)[0].lower()
         for spec in _pyproject()["project"]["dependencies"]
     }
-    modules = {"pytest-xdist": "xdist"}
+    modules = {"pytest-xdist": "xdist", "pytest-timeout": "pytest_timeout"}
     probe = (
         "import sys, harness.suites.cli\n"
         f"print(' '.join(d for d in {sorted(declared)!r} if {modules!r}.get(d, d) in sys.modules))"
@@ -943,8 +967,9 @@ def test_the_dependency_check_is_what_the_command_imports():
     assert done.returncode == 0, done.stderr
     assert {dist for _, dist in REQUIREMENTS} == set(done.stdout.split())
     assert {(modules.get(d, d), d) for d in done.stdout.split()} == set(REQUIREMENTS)
-    # `harness run` also needs psutil, imported where used (not by the import above).
-    assert {dist for _, dist in RUN_REQUIREMENTS} == {"psutil"} <= declared
+    # `harness run` also needs psutil, imported where used (not by the import above), and
+    # pytest-timeout, which the run's pytest loads (each planned case's deadline).
+    assert {dist for _, dist in RUN_REQUIREMENTS} == {"psutil", "pytest-timeout"} <= declared
 
 
 def test_inventory_and_run_need_neither_torch_nor_xdist(tmp_path):
