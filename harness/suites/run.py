@@ -133,19 +133,29 @@ def worker_count(
     pytest_args: Sequence[str],
     requested: int | None = None,
 ) -> int:
-    """xdist workers for running ``cases``, sized so that the run's own cases never
-    wait for each other's leases: at most ``slots // (most ranks of a case)``
-    (slots: ``--harness-max-procs``, else the CPUs this process may use) and, on
-    accelerators, ``leasable cards // (most cards of a case)``; never more than
-    there are cases, never fewer than one. ``requested`` (``--workers``) wins."""
+    """xdist workers for running ``cases``, sized so that the run's own cases do not wait
+    for each other's leases: at most ``slots // (most ranks of a case)`` (slots:
+    ``--harness-max-procs``, else the CPUs this process may use) and, on accelerators,
+    ``leasable cards // (most cards of a case)``, counting only the cases that are not
+    *wide* (launched on more than half the slots, or needing more than half the cards)
+    when there are any: one 8-rank case does not make a 4-slot run serial; it waits for its
+    lease (first come, first served) and the launch plugin routes launched cases to as few
+    workers as can hold them. Never more than there are cases, never fewer than one.
+    ``requested`` (``--workers``) wins."""
     if requested:
         return max(1, requested)
     slots = _slots(pytest_args)
+    cards = leasable_cards(device)
+
+    def wide(c: CollectedCase) -> bool:
+        return (c.launched and 2 * c.nproc > slots) or (device != "cpu" and 2 * c.cards > cards)
+
+    sizing = [c for c in cases if not wide(c)] or list(cases)
     # Two workers each running a 2-rank case on 2 slots: one of them waits out
     # its lease timeout. Size for the largest case instead.
-    n = slots // max((c.nproc for c in cases if c.launched), default=1)
+    n = slots // max((c.nproc for c in sizing if c.launched), default=1)
     if device != "cpu":
-        n = min(n, leasable_cards(device) // max((c.cards for c in cases), default=1))
+        n = min(n, cards // max((c.cards for c in sizing), default=1))
     return max(1, min(n, len(cases)))
 
 

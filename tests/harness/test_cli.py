@@ -815,6 +815,17 @@ def test_workers_sized_to_leasable_cards(monkeypatch):
     assert worker_count("cpu", cpu, [], requested=5) == 5
 
 
+def test_one_wide_case_does_not_make_the_whole_run_serial():
+    # An 8-rank case on a 4-slot runner: the 2-rank and plain cases keep 2 workers (the
+    # run was split over two pytest processes for this; now the wide case waits for its
+    # lease in the run's one pytest).
+    narrow = [CollectedCase(f"t::r{i}", "t", LaunchSpec(nproc=2), True, None) for i in range(6)]
+    plain = [CollectedCase(f"t::p{i}", "t", LaunchSpec(), False, None) for i in range(3)]
+    wide = [CollectedCase("t::big", "t", LaunchSpec(nproc=8), True, None)]
+    assert worker_count("cpu", [*narrow, *wide, *plain], ["--harness-max-procs", "4"]) == 2
+    assert worker_count("cpu", wide, ["--harness-max-procs", "4"]) == 1
+
+
 def test_workers_never_let_the_runs_own_cases_starve_each_other(monkeypatch):
     # Workers <= slots / most ranks of a case, cards / most cards of a case.
     two_ranks = [CollectedCase(f"t::r{i}", "t", LaunchSpec(nproc=2), True, None) for i in range(10)]
@@ -825,8 +836,9 @@ def test_workers_never_let_the_runs_own_cases_starve_each_other(monkeypatch):
         worker_count("cpu", plain, ["--harness-max-procs", "2"]) == 2
     )  # plain cases take no slot lease
     monkeypatch.setenv("HARNESS_CARDS", "cuda:0,1,2,3")
+    # A case needing every card does not make the run serial: it waits for its lease.
     mixed = [*cases_needing(1, 5), *cases_needing(4, 1)]
-    assert worker_count("cuda", mixed, ["--harness-max-procs", "16"]) == 1
+    assert worker_count("cuda", mixed, ["--harness-max-procs", "16"]) == 4
     assert (
         worker_count(
             "cuda", [*cases_needing(1, 5), *cases_needing(2, 1)], ["--harness-max-procs", "16"]
@@ -862,6 +874,27 @@ def test_run_sizes_workers_to_its_largest_case(pytester, tmp_path_factory):
     )
     assert done.returncode == 0, done.stdout + done.stderr
     assert "4 case(s) in 1 entry on cpu; up to 1 xdist worker(s)" in done.stdout
+    assert summary_rows((root / "out/summary.md").read_text())["total"][:3] == ["4", "4", "0"]
+
+
+def test_a_wide_case_runs_beside_the_others_in_one_pytest(pytester, tmp_path_factory):
+    # The widest case no longer runs in a pytest process of its own: it waits for its slots
+    # while the plain cases run on the run's two workers.
+    body = (
+        "import pytest\n\n@pytest.mark.launch(nproc=2)\ndef test_wide():\n"
+        "    import torch.distributed as dist\n    assert dist.get_world_size() == 2\n"
+        + "".join(f"\n\ndef test_plain_{i}():\n    pass\n" for i in range(3))
+    )
+    root = make_project(
+        pytester.path,
+        {"tests/w/test_w.py": body},
+        {"cpu": manifest("cpu", "cpu", [{"id": "w", "paths": ["tests/w"]}])},
+    )
+    lease = tmp_path_factory.mktemp("leases")
+    args = ["--harness-max-procs", "2", f"--harness-lease-dir={lease}"]
+    done = harness(root, "run", "cpu", "--out", "out", "--", *args)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "4 case(s) in 1 entry on cpu; up to 2 xdist worker(s)" in done.stdout
     assert summary_rows((root / "out/summary.md").read_text())["total"][:3] == ["4", "4", "0"]
 
 
