@@ -121,18 +121,6 @@ def read_junit(
     return out
 
 
-def results_for(
-    nodeids: Iterable[str], junit: Mapping[tuple[str, str], CaseRow], prefix: str = ""
-) -> dict[str, CaseRow]:
-    """Each planned node id's result (``prefix``: the run's ``--junit-prefix``); ``missing``
-    when the JUnit has no such case."""
-    out = {}
-    for n in nodeids:
-        r = junit.get(junit_key(n, prefix))
-        out[n] = CaseRow(n, r.outcome, r.seconds, r.message) if r else CaseRow(n, "missing")
-    return out
-
-
 #: What :func:`_phases` returns for a case that started and never finished.
 UNFINISHED = "unfinished"
 

@@ -777,8 +777,6 @@ def _execute(run: _Run, stop: _Stop) -> _Ran:
             processes.subreaper(False)
 
 
-#: pytest's ``ExitCode.INTERRUPTED`` (pytest is not imported by this process to run).
-_PYTEST_INTERRUPTED = 2
 #: pytest's ``ExitCode.USAGE_ERROR``.
 _PYTEST_USAGE_ERROR = 4
 
