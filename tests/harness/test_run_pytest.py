@@ -429,7 +429,7 @@ def test_only_a_case_whose_call_and_teardown_passed_passed():
 
 
 def test_a_second_run_into_the_same_output_folder_is_refused(pytester, tmp_path):
-    # Both runs wrote and read back out/select-1.json.*.jsonl (and the second cleared the
+    # Both runs wrote and read back out/select.json.*.jsonl (and the second cleared the
     # first's records): each reported a mix of the two runs' outcomes.
     root = slow_project(pytester.path)
     started = tmp_path / "started"
