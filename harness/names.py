@@ -8,6 +8,7 @@ from __future__ import annotations
 
 __all__ = [
     "BLOCKING_RULES",
+    "DEFAULT_CASE_TIMEOUT_S",
     "EXIT_FAILED",
     "EXIT_OK",
     "EXIT_USAGE",
@@ -16,7 +17,6 @@ __all__ = [
     "OPT_MAX_PROCS",
     "OPT_REQUIRE",
     "OPT_SELECT",
-    "OPT_TIMEOUT",
     "OPT_WORKERS",
     "OWNERSHIP_RULES",
     "WARNING_RULES",
@@ -31,10 +31,15 @@ EXIT_FAILED = 1
 #: Bad arguments, or a suite that cannot be planned (argparse's convention for usage errors).
 EXIT_USAGE = 2
 
+# --------------------------------------------------------------------------- deadlines
+
+#: The deadline (seconds) of a case that names none: ``harness run`` gives it to a planned
+#: case whose entry sets no ``timeout_s`` (and that neither the case nor the project bounds
+#: through pytest-timeout), as the case's ``timeout`` marker.
+DEFAULT_CASE_TIMEOUT_S = 300.0
+
 # --------------------------------------------------------------------------- pytest options
 
-#: The launch plugin's per-case deadline (seconds) for cases whose spec sets none.
-OPT_TIMEOUT = "--harness-timeout"
 #: The launch plugin's process-slot count (default: the CPUs this process may use).
 OPT_MAX_PROCS = "--harness-max-procs"
 #: The launch plugin's "fail, don't skip, where these accelerators are absent".

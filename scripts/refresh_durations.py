@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import xml.etree.ElementTree as ET
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -38,31 +37,12 @@ from harness.suites.manifest import find_root
 from harness.suites.plan import default_durations_path, load_durations, write_durations
 
 
-def wall_shares(junits: Sequence[Path]) -> dict[tuple[str, str], float]:
-    """Per JUnit ``(classname, name)`` that pytest reported: its testsuite's wall time over
-    the sum of that testsuite's case seconds (1.0 where either is missing). The cases
-    ``harness run`` added for pytest (``report.UNREPORTED_SUITE``: not run, never
-    collected, or in a pytest that was killed) are not in it: they have no figure."""
-    factors: dict[tuple[str, str], float] = {}
-    for path in junits:
-        for suite in ET.parse(path).getroot().iter("testsuite"):
-            if suite.get("name") == report.UNREPORTED_SUITE:
-                continue
-            cases = list(suite.iter("testcase"))
-            total = sum(float(tc.get("time", 0) or 0) for tc in cases)
-            wall = float(suite.get("time", 0) or 0)
-            factor = wall / total if total > 0 and wall > 0 else 1.0
-            for tc in cases:
-                factors[(tc.get("classname", ""), tc.get("name", ""))] = factor
-    return factors
-
-
 def passed_seconds(out_dir: Path) -> tuple[str, dict[str, float]]:
     """The suite of one ``harness run`` output folder and the shares of its wall time
     of the cases that ran (see the module docstring)."""
     doc = json.loads((out_dir / "plan.json").read_text(encoding="utf-8"))
     nodeids = [c[0] for c in doc["cases"]]
-    # The merged junit.xml holds every pytest run's testsuite; the per-run files the same.
+    # junit.xml (an earlier harness left per-group junit-N.xml files beside it).
     junits = (
         [out_dir / "junit.xml"]
         if (out_dir / "junit.xml").is_file()
@@ -75,13 +55,10 @@ def passed_seconds(out_dir: Path) -> tuple[str, dict[str, float]]:
         if summary.is_file()
         else ""
     )
-    results = report.results_for(nodeids, report.read_junit(junits), prefix)
     # Only cases pytest reported have a share (a case absent from the JUnit has none).
-    factors = wall_shares(junits)
+    shares = report.read_junit(junits, wall_shares=True)
     keys = {n: report.junit_key(n, prefix) for n in nodeids}
-    return doc["suite"], {
-        n: r.seconds * factors[keys[n]] for n, r in results.items() if keys[n] in factors
-    }
+    return doc["suite"], {n: shares[k].seconds for n, k in keys.items() if k in shares}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -4,8 +4,8 @@
   cases, devices, most ranks and cards; ``--cases``: every case with its device, ranks,
   cards and owning entries); exit 1 naming the rule, file and case of each problem
   (warnings are printed and do not fail it).
-- ``harness run SUITE [--shard I/N] [--changed-from REF] [--durations-out FILE] [PYTEST_ARGS]
-  [-- PYTEST_ARGS]``: what it does not know is pytest's.
+- ``harness run SUITE [--shard I/N] [--changed-from REF] [--durations-out FILE]
+  [--timeout-minutes M] [PYTEST_ARGS] [-- PYTEST_ARGS]``: what it does not know is pytest's.
 - ``harness matrix SUITE [--shards N | --target-minutes M] [--changed-from REF]``: the
   GitHub Actions matrix JSON, on one line (ready for ``$GITHUB_OUTPUT``); with
   ``--changed-from``, only the shards the change affects (``{"include": []}`` when none).
@@ -148,6 +148,13 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
         metavar="N",
         help="run only cases needing at most N cards (a machine smaller than the suite's runners); "
         "the others are listed as not run",
+    )
+    run.add_argument(
+        "--timeout-minutes",
+        type=number(float, minimum=0, above=True),
+        metavar="M",
+        help="stop the run after M minutes (default: the runner's timeout_minutes in CI, "
+        "where CI is set; no limit elsewhere)",
     )
     # pytest's options, and everything after `--`, pass through to pytest.
     run.set_defaults(handler=_cmd_run, takes_pytest_args=True)
@@ -342,6 +349,7 @@ def _cmd_run(root: Path, args: argparse.Namespace) -> int:
             out=args.out,
             workers=args.workers,
             max_cards=args.max_cards,
+            timeout_minutes=args.timeout_minutes,
             pytest_args=args.pytest_args,
         ),
     )

@@ -22,11 +22,16 @@ REQUIREMENTS: tuple[tuple[str, str], ...] = (
     ("pytest", "pytest"),
     ("jsonschema", "jsonschema"),
     ("pathspec", "pathspec"),
+    ("junitparser", "junitparser"),
 )
 #: What ``harness run`` needs besides: it stops pytest's process tree, and the cases it
 #: launches are supervised, with psutil (imported where used, so that the inventory, the
 #: planner and ``init`` work without it).
-RUN_REQUIREMENTS: tuple[tuple[str, str], ...] = (("psutil", "psutil"),)
+RUN_REQUIREMENTS: tuple[tuple[str, str], ...] = (
+    ("psutil", "psutil"),
+    # The planned cases' deadlines (pytest-timeout's markers, in the run's pytest).
+    ("pytest_timeout", "pytest-timeout"),
+)
 
 
 def _command(argv: Sequence[str]) -> str | None:

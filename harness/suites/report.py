@@ -9,10 +9,11 @@ runner's timeout) and ``missing`` (never collected, or collected and never repor
 that did not stop: a failure). A case whose pytest process died on its own while running it
 failed. A file that fails to import fails each planned case in it.
 
-JUnit XML is an output (merged for CI); :func:`read_junit` and :func:`junit_key` read it
-back for tools that only have the XML (``scripts/refresh_durations.py``): pytest names a
-``testcase`` by ``classname`` (the node id's path with ``/`` -> ``.`` and no ``.py``, plus
-any classes) and ``name`` (the function with its parameters).
+JUnit XML is an output: pytest's own file, which :func:`complete_junit` completes with the
+planned cases it lacks. :func:`read_junit` and :func:`junit_key` read it back (with
+``junitparser``) for tools that only have the XML (``scripts/refresh_durations.py``,
+``.ci/run``): pytest names a ``testcase`` by ``classname`` (the node id's path with ``/`` ->
+``.`` and no ``.py``, plus any classes) and ``name`` (the function with its parameters).
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ import xml.etree.ElementTree as ET
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+from junitparser import Error, Failure, JUnitXml, Skipped, TestCase, TestSuite
 
 from harness.jsonio import write_json
 from harness.suites.selection import Records
@@ -66,57 +69,55 @@ def junit_key(nodeid: str, prefix: str = "") -> tuple[str, str]:
     return ".".join([prefix, *names[:-1]] if prefix else names[:-1]), names[-1]
 
 
-def _suites(root: ET.Element) -> list[ET.Element]:
-    return [root] if root.tag == "testsuite" else list(root.iter("testsuite"))
-
-
-def _readable_suites(paths: Iterable[Path]) -> Iterator[ET.Element]:
-    """Every ``<testsuite>`` of the JUnit files in ``paths``; unreadable or absent files are skipped."""
+def _junit_suites(paths: Iterable[Path]) -> Iterator[TestSuite]:
+    """Every ``<testsuite>`` of the JUnit files in ``paths``; unreadable or absent files are
+    skipped."""
     for p in paths:
         try:
-            root = ET.parse(p).getroot()
-        except (OSError, ET.ParseError):
+            xml = JUnitXml.fromfile(str(p))
+        except (OSError, ET.ParseError, ValueError):
             continue
-        yield from _suites(root)
+        yield from [xml] if isinstance(xml, TestSuite) else xml
 
 
-def read_junit(paths: Iterable[Path]) -> dict[tuple[str, str], CaseRow]:
+def read_junit(
+    paths: Iterable[Path], *, wall_shares: bool = False
+) -> dict[tuple[str, str], CaseRow]:
     """Outcome per ``(classname, name)`` from JUnit files; unreadable or absent files are skipped.
 
     ``failure`` or ``error`` anywhere in a testcase (call or teardown) makes it
-    failed; otherwise ``skipped`` makes it skipped (xfail included).
+    failed; otherwise ``skipped`` makes it skipped (xfail included). With
+    ``wall_shares``, only the cases pytest reported (not those of :data:`UNREPORTED_SUITE`)
+    and each one's seconds scaled so that the cases of one ``<testsuite>`` add up to its
+    ``time``, the wall time of the pytest run (xdist runs cases side by side): each case's
+    share of that run.
     """
     out: dict[tuple[str, str], CaseRow] = {}
-    for suite in _readable_suites(paths):
-        for tc in suite.iter("testcase"):
-            key = (tc.get("classname", ""), tc.get("name", ""))
-            bad = tc.find("failure") if tc.find("failure") is not None else tc.find("error")
-            skip = tc.find("skipped")
-            if bad is not None:
-                outcome, msg = "failed", bad.get("message", "")
-            elif skip is not None:
-                outcome, msg = "skipped", skip.get("message", "")
-            else:
-                outcome, msg = "passed", ""
+    for suite in _junit_suites(paths):
+        if wall_shares and suite.name == UNREPORTED_SUITE:
+            continue
+        cases = list(suite)
+        total = sum(tc.time or 0.0 for tc in cases)
+        wall = float(suite.time or 0.0) if wall_shares else 0.0
+        # Cases pytest timed at 0.000 s each (a few quick ones) share the wall equally.
+        factor, even = (wall / total, 0.0) if total > 0 else (0.0, wall / max(1, len(cases)))
+        for tc in cases:
+            key = (tc.classname or "", tc.name or "")
+            bad = [r for r in tc.result if isinstance(r, (Failure, Error))]
+            skip = [r for r in tc.result if isinstance(r, Skipped)]
+            outcome, msg = (
+                ("failed", bad[0].message)
+                if bad
+                else ("skipped", skip[0].message)
+                if skip
+                else ("passed", "")
+            )
             prev = out.get(key)
-            seconds = float(tc.get("time", 0) or 0) + (prev.seconds if prev else 0.0)
+            own = tc.time or 0.0
+            seconds = (own * factor + even if wall > 0 else own) + (prev.seconds if prev else 0.0)
             if prev is not None and prev.outcome == "failed":
                 outcome, msg = prev.outcome, prev.message
-            out[key] = CaseRow(
-                "", outcome, seconds, (msg or "").splitlines()[0][:200] if msg else ""
-            )
-    return out
-
-
-def results_for(
-    nodeids: Iterable[str], junit: Mapping[tuple[str, str], CaseRow], prefix: str = ""
-) -> dict[str, CaseRow]:
-    """Each planned node id's result (``prefix``: the run's ``--junit-prefix``); ``missing``
-    when the JUnit has no such case."""
-    out = {}
-    for n in nodeids:
-        r = junit.get(junit_key(n, prefix))
-        out[n] = CaseRow(n, r.outcome, r.seconds, r.message) if r else CaseRow(n, "missing")
+            out[key] = CaseRow("", outcome, seconds, (msg or "").split("\n")[0][:200])
     return out
 
 
@@ -234,81 +235,55 @@ def results_from_records(
     return out
 
 
-def merge_junit(
-    paths: Sequence[Path], target: Path, unreported: Sequence[CaseRow] = (), prefix: str = ""
-) -> None:
-    """Write one ``<testsuites>`` file holding every ``<testsuite>`` of ``paths`` (unreadable ones
-    skipped) and, in a ``<testsuite name="harness run">`` of its own, the ``unreported`` cases
-    pytest's JUnit files lack (its process was killed, or it never collected them), each with
-    its outcome: failed as ``failure``, missing as ``error``, not run as ``skipped`` (named as
-    pytest names them, with the run's ``--junit-prefix``, ``prefix``)."""
-    merged = ET.Element("testsuites")
-    suites = list(_readable_suites(paths))
-    if unreported:
-        suites.append(_unreported_suite(unreported, prefix))
-    totals = dict.fromkeys(("tests", "failures", "errors", "skipped"), 0)
-    for s in suites:
-        merged.append(s)
-        for k in totals:
-            totals[k] += int(s.get(k, 0) or 0)
-    for k, v in totals.items():
-        merged.set(k, str(v))
-    target.parent.mkdir(parents=True, exist_ok=True)
-    ET.ElementTree(merged).write(target, encoding="utf-8", xml_declaration=True)
-
-
-#: The name of the merged JUnit file's ``<testsuite>`` of cases pytest did not report.
+#: The name of the ``<testsuite>`` :func:`complete_junit` adds for the cases pytest did not report.
 UNREPORTED_SUITE = "harness run"
 
 #: How a case pytest did not report is written in JUnit, by outcome (passed: no child).
-_JUNIT_CHILD = {"failed": "failure", "missing": "error", "not run": "skipped", "skipped": "skipped"}
+_JUNIT_CHILD = {"failed": Failure, "missing": Error, "not run": Skipped, "skipped": Skipped}
 
 
-def _unreported_suite(rows: Sequence[CaseRow], prefix: str) -> ET.Element:
-    suite = ET.Element("testsuite", name=UNREPORTED_SUITE)
-    counts = dict.fromkeys(("failure", "error", "skipped"), 0)
-    for row in rows:
-        classname, name = junit_key(row.nodeid, prefix)
-        case = ET.SubElement(
-            suite,
-            "testcase",
-            classname=_xml_text(classname),
-            name=_xml_text(name),
-            time=f"{row.seconds:.3f}",
-        )
-        child = _JUNIT_CHILD.get(row.outcome)
-        if child is not None:
-            message = _xml_text(f"{row.outcome}: {row.message}".rstrip(": "))
-            ET.SubElement(case, child, message=message)
-            counts[child] += 1
-    suite.set("tests", str(len(rows)))
-    suite.set("failures", str(counts["failure"]))
-    suite.set("errors", str(counts["error"]))
-    suite.set("skipped", str(counts["skipped"]))
-    return suite
-
-
-def junit_lacks(
+def complete_junit(
     junit: Path,
     rows: Iterable[CaseRow],
     prefix: str = "",
     aliases: Mapping[str, Iterable[str]] | None = None,
-) -> list[CaseRow]:
-    """The cases of one pytest process (``rows``) its JUnit file ``junit`` does not hold
-    (``prefix``: its ``--junit-prefix``; ``aliases``: pytest's node id -> the case ids it
-    names, where they differ), deselected ones left out: all of them when the file is absent
-    or unreadable (the process was killed, or never started)."""
+) -> None:
+    """Complete pytest's JUnit file ``junit`` (written anew when pytest left none: it was
+    killed, or never started) with the cases of ``rows`` it does not hold, deselected ones
+    aside, in a ``<testsuite name="harness run">`` of their own, each with its outcome:
+    failed as ``failure``, missing as ``error``, not run as ``skipped`` (named as pytest
+    names them, with the run's ``--junit-prefix``, ``prefix``; ``aliases``: pytest's node id
+    -> the case ids it names, where they differ)."""
+    xml = JUnitXml()
+    for suite in _junit_suites([junit]):
+        xml.add_testsuite(suite)
     held = set(read_junit([junit]))
     aliased = {
         cid for n, cids in (aliases or {}).items() if junit_key(n, prefix) in held for cid in cids
     }
-    return [
+    lacking = [
         r
         for r in rows
         if r.outcome != "deselected"
         and junit_key(r.nodeid, prefix) not in held
         and r.nodeid not in aliased
     ]
+    if lacking:
+        suite = TestSuite(UNREPORTED_SUITE)
+        for row in lacking:
+            classname, name = junit_key(row.nodeid, prefix)
+            case = TestCase(_xml_text(name), _xml_text(classname), row.seconds)
+            child = _JUNIT_CHILD.get(row.outcome)
+            if child is not None:
+                case.result = [child(_xml_text(f"{row.outcome}: {row.message}".rstrip(": ")))]
+            suite.add_testcase(case)
+        suite.update_statistics()
+        xml.add_testsuite(suite)
+    # The totals of the suites as they are (pytest's times are its run's wall time).
+    for attr in ("tests", "failures", "errors", "skipped"):
+        setattr(xml, attr, sum(int(getattr(s, attr) or 0) for s in xml))
+    junit.parent.mkdir(parents=True, exist_ok=True)
+    xml.write(str(junit))
 
 
 #: Characters XML 1.0 cannot hold (and DEL), as pytest's junitxml leaves them out.

@@ -1,23 +1,23 @@
 """``harness run``: run a suite's planned cases through pytest and the harness plugin.
 
 The suite is inventoried in-process (collect only), planned and cut to the
-requested shard, narrowed by ``--changed-from``, then run in a
-pytest subprocess per distinct entry ``timeout_s`` (passed as
-``--harness-timeout``) and size class (the widest cases apart), with xdist
-workers sized per process to the cards (accelerator suites) or process slots
-(cpu) this host can lease, and ``-p harness.suites.selection`` so that exactly
-the planned cases run and their outcomes are recorded by node id. Accelerator suites
-pass ``--harness-require DEVICE``: a runner without cards goes red, not green.
+requested shard, narrowed by ``--changed-from``, then run in ONE pytest subprocess
+with xdist workers sized to the cards (accelerator suites) or process slots (cpu)
+this host can lease, and ``-p harness.suites.selection`` so that exactly the planned
+cases run, each under its entry's ``timeout_s`` (pytest-timeout's ``timeout`` marker,
+added per case), and their outcomes are recorded by node id. Accelerator suites pass
+``--harness-require DEVICE``: a runner without cards goes red, not green.
 
 The suite is planned as ``harness matrix`` plans it: a shard ``I/N`` is cut
 from the whole suite before ``--changed-from`` narrows it. pytest gets the
 project's configuration file by name (``-c``; a space-separated option value
 after ``--`` cannot make it look elsewhere) and, with plugin autoloading off,
 the plugins the harness needs (``-p``). Workers are sized so the run's own
-cases never wait for each other's leases. SIGINT / SIGTERM / SIGHUP (or
-Ctrl-C to the group) stop the whole run: pytest (in its own process group)
-is interrupted, then its tree is terminated and killed; the partial summary
-is written and the exit code is 128 + the signal number.
+cases never wait for each other's leases. The run is bounded by its runner's
+``timeout_minutes`` only in CI (``CI`` set) or by ``--timeout-minutes M``.
+SIGINT / SIGTERM / SIGHUP (or Ctrl-C to the group) stop the whole run: pytest (in
+its own process group) is interrupted, then its tree is terminated and killed; the
+partial summary is written and the exit code is 128 + the signal number.
 
 Outputs, in ``--out`` (default ``out/harness/<suite>[-<i>of<n>]``):
 ``junit.xml``, ``summary.md``, ``summary.json``, ``plan.json``; the summary
@@ -52,6 +52,7 @@ from harness.suites.inventory import (
     CollectedCase,
     EntryIndex,
     SuiteInventory,
+    autoload_disabled,
     build_inventory,
     plugin_args,
 )
@@ -60,10 +61,6 @@ from harness.suites.plan import PlanError, parse_shard, plan_suite, write_durati
 
 if TYPE_CHECKING:  # imported where used: the inventory and the planner need no psutil
     import psutil
-
-#: Deadline of a plain (in-process) case whose entry sets no ``timeout_s``;
-#: the watchdog fires this long plus a grace after the case starts.
-PLAIN_CASE_DEADLINE_S = 600.0
 
 _XDIST_INSTALLED = importlib.util.find_spec("xdist") is not None
 
@@ -80,6 +77,9 @@ class RunOptions:
     out: Path | None = None
     workers: int | None = None
     max_cards: int | None = None
+    #: The run's budget in minutes (``--timeout-minutes``); ``None``: the runner's
+    #: ``timeout_minutes`` in CI (``CI`` set), no budget elsewhere.
+    timeout_minutes: float | None = None
     pytest_args: list[str] = field(default_factory=list)
 
 
@@ -133,68 +133,30 @@ def worker_count(
     pytest_args: Sequence[str],
     requested: int | None = None,
 ) -> int:
-    """xdist workers for running ``cases``, sized so that the run's own cases never
-    wait for each other's leases: at most ``slots // (most ranks of a case)``
-    (slots: ``--harness-max-procs``, else the CPUs this process may use) and, on
-    accelerators, ``leasable cards // (most cards of a case)``; never more than
-    there are cases, never fewer than one. ``requested`` (``--workers``) wins."""
+    """xdist workers for running ``cases``, sized so that the run's own cases do not wait
+    for each other's leases: at most ``slots // (most ranks of a case)`` (slots:
+    ``--harness-max-procs``, else the CPUs this process may use) and, on accelerators,
+    ``leasable cards // (most cards of a case)``, counting only the cases that are not
+    *wide* (launched on more than half the slots, or needing more than half the cards)
+    when there are any: one 8-rank case does not make a 4-slot run serial; it waits for its
+    lease (first come, first served) and the launch plugin routes launched cases to as few
+    workers as can hold them. Never more than there are cases, never fewer than one.
+    ``requested`` (``--workers``) wins."""
     if requested:
         return max(1, requested)
-    slots = _slots(pytest_args)
-    # Two workers each running a 2-rank case on 2 slots: one of them waits out
-    # its lease timeout. Size for the largest case instead.
-    n = slots // max((c.nproc for c in cases if c.launched), default=1)
-    if device != "cpu":
-        n = min(n, leasable_cards(device) // max((c.cards for c in cases), default=1))
-    return max(1, min(n, len(cases)))
-
-
-@dataclass(frozen=True)
-class Group:
-    """The cases one pytest process runs: one entry ``timeout_s``, one size class, its workers."""
-
-    timeout: float | None
-    wide: bool
-    cases: list[tuple[CollectedCase, Entry]]
-    workers: int
-
-
-def run_groups(
-    device: str,
-    cases: Sequence[tuple[CollectedCase, Entry]],
-    pytest_args: Sequence[str] = (),
-    requested: int | None = None,
-) -> list[Group]:
-    """The planned cases in pytest processes, shortest timeout first: one per entry
-    ``timeout_s`` and, within it, the *wide* cases (more than half the process slots, or
-    on accelerators more than half the cards) apart from the rest when that gives the
-    rest more workers, so that one 8-rank case does not size a whole 4-slot run to one
-    worker; each group sized by :func:`worker_count`. With ``requested`` (``--workers``)
-    the caller sized the run: no split."""
     slots = _slots(pytest_args)
     cards = leasable_cards(device)
 
     def wide(c: CollectedCase) -> bool:
         return (c.launched and 2 * c.nproc > slots) or (device != "cpu" and 2 * c.cards > cards)
 
-    def size(group: Sequence[tuple[CollectedCase, Entry]]) -> int:
-        return worker_count(device, [c for c, _ in group], pytest_args, requested)
-
-    by_timeout: dict[float | None, list[tuple[CollectedCase, Entry]]] = {}
-    for c, e in cases:
-        by_timeout.setdefault(e.timeout_s, []).append((c, e))
-    out: list[Group] = []
-    for timeout, group in sorted(by_timeout.items(), key=lambda kv: kv[0] or 0):
-        narrow = [(c, e) for c, e in group if not wide(c)]
-        broad = [(c, e) for c, e in group if wide(c)]
-        if requested or not narrow or not broad or size(narrow) <= size(group):
-            out.append(Group(timeout, False, group, size(group)))
-        else:
-            out += [
-                Group(timeout, False, narrow, size(narrow)),
-                Group(timeout, True, broad, size(broad)),
-            ]
-    return out
+    sizing = [c for c in cases if not wide(c)] or list(cases)
+    # Two workers each running a 2-rank case on 2 slots: one of them waits out
+    # its lease timeout. Size for the largest case instead.
+    n = slots // max((c.nproc for c in sizing if c.launched), default=1)
+    if device != "cpu":
+        n = min(n, cards // max((c.cards for c in sizing), default=1))
+    return max(1, min(n, len(cases)))
 
 
 def _title(suite: str, shard: tuple[int, int] | None) -> str:
@@ -394,12 +356,11 @@ def _reap_children(spare: set[int]) -> None:
 
 
 def _run_pytest(
-    cmd: list[str], deadline: float, limit_s: float, stop: _Stop, started: Path
+    cmd: list[str], budget: Budget | None, stop: _Stop, started: Path
 ) -> tuple[int, str]:
-    """Run one pytest subprocess in its own process group, output streaming through.
+    """Run the pytest subprocess in its own process group, output streaming through.
 
-    Past ``deadline`` (``time.monotonic()``; the runner's job timeout of
-    ``limit_s`` for the whole run) its whole process tree is terminated, then
+    Past the run's ``budget`` (None: none) its whole process tree is terminated, then
     killed: :data:`TIMED_OUT`. On a stop signal (see :class:`_Stop`) it gets
     :data:`INTERRUPT_GRACE_S` to stop by itself; whatever of its tree is left
     then (or outlived it) is terminated, then killed. Returns pytest's exit code and
@@ -415,13 +376,14 @@ def _run_pytest(
 
     started.unlink(missing_ok=True)
     stop.started = started
+    deadline = time.monotonic() + budget.seconds if budget else float("inf")
     # pytest's group is not the terminal's foreground group: reading the terminal would stop
     # it (SIGTTIN) and hang the run. Without one, a breakpoint() or input() under -s ends
     # at once (EOF); --pdb is refused (harness.suites.selection).
     stdin = subprocess.DEVNULL if _is_terminal(sys.stdin) else None
     stop.child = subprocess.Popen(cmd, preexec_fn=in_child, stdin=stdin)
     proc = stop.child
-    if stop.signum is not None:  # the signal came between the groups' check and the start
+    if stop.signum is not None:  # the signal came between planning and the start
         stop.interrupt()
     try:
         while True:
@@ -433,15 +395,13 @@ def _run_pytest(
             except subprocess.TimeoutExpired:
                 if time.monotonic() < deadline:
                     continue
-                if stop.signum is None:
-                    _print(
-                        f"pytest ran past {limit_s / 60:.0f} min (the runner's timeout); stopping it"
-                    )
+                if stop.signum is None and budget is not None:
+                    _print(f"pytest ran past {budget.name}; stopping it")
                 stop.snapshot()
                 _stop_tree(list(stop.tree.values()))
                 proc.wait()
-                if stop.signum is None:
-                    return TIMED_OUT, _timed_out(limit_s)
+                if stop.signum is None and budget is not None:
+                    return TIMED_OUT, budget.reason
                 code = proc.returncode
                 break
         if stop.signum is not None:
@@ -465,12 +425,38 @@ def _is_terminal(stream: Any) -> bool:
 TIMED_OUT = 124
 
 
-_TIMEOUT_REASON = "stopped at the runner's timeout"
+_TIMEOUT_REASON = "stopped at"
 
 
-def _timed_out(limit_s: float) -> str:
-    """Why the runner's timeout stopped cases (the ``halted`` reason)."""
-    return f"{_TIMEOUT_REASON} of {limit_s / 60:.0f} min"
+@dataclass(frozen=True)
+class Budget:
+    """How long a whole run may take: ``seconds``, and what set it (``name``)."""
+
+    seconds: float
+    name: str
+
+    @property
+    def reason(self) -> str:
+        """Why the cases the budget stopped did not run (the ``halted`` reason)."""
+        return f"{_TIMEOUT_REASON} {self.name}"
+
+
+def in_ci() -> bool:
+    """Whether this process runs in CI: ``CI`` set (GitHub Actions, GitLab, most CI
+    services set ``CI=true``), other than empty, ``0`` or ``false``."""
+    return os.environ.get("CI", "").strip().lower() not in ("", "0", "false")
+
+
+def run_budget(m: Manifest, minutes: float | None) -> Budget | None:
+    """The run's budget: ``--timeout-minutes`` (``minutes``) when given, else in CI
+    (:func:`in_ci`) its runner's ``timeout_minutes`` (the longest of its runners), else
+    none: a local run is not cut short by a CI job's limit."""
+    if minutes is not None:
+        return Budget(minutes * 60.0, f"--timeout-minutes {minutes:g}")
+    if in_ci():
+        limit = max(r.timeout_minutes for r in m.runners)
+        return Budget(limit * 60.0, f"the runner's timeout of {limit:g} min (CI is set)")
+    return None
 
 
 class _Refused(Exception):
@@ -495,8 +481,10 @@ class _Run:
     started: float
     #: The pytest configuration file the inventory found (``None``: none).
     inipath: Path | None = None
-    #: The pytest processes the cases run in (:func:`run_groups`), in order.
-    groups: list[Group] = field(default_factory=list)
+    #: xdist workers for the run's pytest (:func:`worker_count`).
+    workers: int = 1
+    #: How long the run may take (:func:`run_budget`; None: no bound).
+    budget: Budget | None = None
     #: Whether the run plans every case of the suite (no shard, ``--changed-from`` or
     #: ``--max-cards`` left one out).
     whole: bool = True
@@ -569,12 +557,13 @@ def _plan_run(root: Path, opts: RunOptions, started: float) -> _Run:
         too_big = [c for c, _ in cases if c.cards > opts.max_cards]
         cases = [(c, e) for c, e in cases if c.cards <= opts.max_cards]
     out = (opts.out or _default_out(root, m.suite, shard)).resolve()
-    groups = run_groups(m.device, cases, opts.pytest_args, opts.workers)
+    workers = worker_count(m.device, [c for c, _ in cases], opts.pytest_args, opts.workers)
+    budget = run_budget(m, opts.timeout_minutes)
     whole = len(cases) == len(owned)
     inventoried = frozenset(c.nodeid for c in inv.cases)
     return _Run(
-        root, opts, m, shard, cases, too_big, out, started, inv.inipath, groups, whole,
-        inventoried, tuple(sorted(c.nodeid for c, _ in owned)),
+        root, opts, m, shard, cases, too_big, out, started, inv.inipath, workers, budget,
+        whole, inventoried, tuple(sorted(c.nodeid for c, _ in owned)),
     )  # fmt: skip
 
 
@@ -653,11 +642,12 @@ _REPORT_FILES = ("junit.xml", "summary.md", "summary.json")
 
 
 def _prepare_out(run: _Run) -> None:
-    """Phase 2: the output folder, cleared of a previous run's watchdog logs, with ``plan.json``."""
+    """Phase 2: the output folder, cleared of a previous run's files, with ``plan.json``."""
     run.out.mkdir(parents=True, exist_ok=True)
     # A previous run's: this run reports its own, and one that dies early leaves none of them.
+    # (An earlier harness's per-group files and logs too.)
     stale_files = [
-        *("watchdog-*.log", "select-*.jsonl", "junit-*.xml", "last-failed.json"),
+        *("select.json*", "backstop-*.log", "watchdog-*.log", "select-*", "junit-*.xml"),
         *_REPORT_FILES,
     ]
     for stale in [f for pattern in stale_files for f in run.out.glob(pattern)]:
@@ -670,14 +660,9 @@ def _prepare_out(run: _Run) -> None:
     write_json(run.out / "plan.json", doc)
 
 
-def _select_file(run: _Run, k: int) -> Path:
-    """The planned cases of group ``k`` (read by ``harness.suites.selection``)."""
-    return run.out / f"select-{k}.json"
-
-
-def _junit_file(run: _Run, k: int) -> Path:
-    """Where group ``k``'s pytest writes its JUnit XML."""
-    return run.out / f"junit-{k}.xml"
+def _select_file(run: _Run) -> Path:
+    """The planned cases (read by ``harness.suites.selection``)."""
+    return run.out / "select.json"
 
 
 #: ``python -c`` code that runs pytest with the root (its first argument, taken off)
@@ -690,47 +675,33 @@ _PYTEST_FROM_ROOT = (
 )
 
 
-def _pytest_command(
-    run: _Run, k: int, timeout: float | None, group: Sequence[Pair], workers: int
-) -> list[str]:
-    """The pytest command line for group ``k``; writes its selection file."""
-    select_file = _select_file(run, k)
-    deadline = timeout or PLAIN_CASE_DEADLINE_S
-    files = sorted({str(run.root / c.file) for c, _ in group})
+def _pytest_command(run: _Run) -> list[str]:
+    """The pytest command line of the run; writes its selection file."""
+    select_file = _select_file(run)
+    files = sorted({str(run.root / c.file) for c, _ in run.cases})
     write_json(
         select_file,
         {
             "root": str(run.root),
-            "group": k,
-            "groups": len(run.groups),
-            "cases": {c.nodeid: deadline for c, _ in group},
-            "run": [c.nodeid for c, _ in run.cases],  # the whole run's (--lf spans the groups)
-            "entries": {c.nodeid: e.id for c, e in group},
+            # Each planned case's deadline: its entry's timeout_s (None: the default).
+            "cases": {c.nodeid: e.timeout_s for c, e in run.cases},
+            "entries": {c.nodeid: e.id for c, e in run.cases},
             "suite": run.suite_ids,  # every shard's
-            "files": files,  # the paths below; any other is the caller's, and narrows the group
+            "files": files,  # the paths below; any other is the caller's, and narrows the run
         },
         indent=None,
     )
-    junit = _junit_file(run, k)
-    junit.unlink(missing_ok=True)
     # The caller's pytest arguments as they are: pytest parses them. The run's own choices
     # (JUnit path, xdist workers) go through the selection plugin, which applies them only
     # where the caller made none (-n) or records the caller's (--junitxml).
     # pytest runs where harness run was started, as the caller's pytest would: their
     # relative paths (--junitxml=, --ignore=, --cov-config=) mean what they mean there.
     # The test files are absolute; the root and configuration are pinned (_config_args).
-    cmd = [
-        sys.executable,
-        "-c",
-        _PYTEST_FROM_ROOT,
-        str(run.root),
-        *files,
-        *run.opts.pytest_args,
-    ]
+    cmd = [sys.executable, "-c", _PYTEST_FROM_ROOT, str(run.root), *files, *run.opts.pytest_args]
     cmd += _config_args(run)
     cmd += ["-p", "harness.suites.selection", f"{names.OPT_SELECT}={select_file}"]
     cmd += [
-        f"{names.OPT_JUNIT}={junit}",
+        f"{names.OPT_JUNIT}={run.out / 'junit.xml'}",
         "-o",
         "junit_duration_report=total",
         "--continue-on-collection-errors",
@@ -739,9 +710,8 @@ def _pytest_command(
         # One case gains nothing from a worker process; more keep the
         # worker boundary even at -n 1, so a case that kills its process
         # fails alone.
-        cmd.append(f"{names.OPT_WORKERS}={min(workers, len(group)) if len(group) > 1 else 0}")
-    if timeout is not None:
-        cmd.append(f"{names.OPT_TIMEOUT}={timeout:g}")
+        n = min(run.workers, len(run.cases)) if len(run.cases) > 1 else 0
+        cmd.append(f"{names.OPT_WORKERS}={n}")
     if run.manifest.device != "cpu":
         cmd.append(f"{names.OPT_REQUIRE}={run.manifest.device}")
     return cmd
@@ -763,99 +733,50 @@ def _config_args(run: _Run) -> list[str]:
     out = [f"--rootdir={run.root}"]
     if run.inipath is not None and not option_values(given, _CONFIG_OPTIONS):
         out += ["-c", str(run.inipath)]
-    return out + plugin_args(given)
+    out += plugin_args(given)
+    if autoload_disabled(given):
+        out += ["-p", selection.TIMEOUT_PLUGIN]  # the planned cases' deadlines
+    return out
 
 
 @dataclass
 class _Ran:
-    """What phase 3 left for the report, group by group (see :func:`_execute`)."""
+    """What phase 3 left for the report (see :func:`_execute`)."""
 
-    #: The exit code of each group's pytest, for the groups started.
-    codes: list[int] = field(default_factory=list)
-    #: Their outcome records.
-    records: list[selection.Records] = field(default_factory=list)
-    #: Why the run stopped each group, those it never started included (``""``: it did not).
-    halted: list[str] = field(default_factory=list)
+    #: The exit code of the run's pytest (None: it never started).
+    code: int | None = None
+    #: Its outcome records.
+    records: selection.Records = field(default_factory=selection.Records)
+    #: Why the run stopped it (``""``: it did not).
+    halted: str = ""
 
 
 def _execute(run: _Run, stop: _Stop) -> _Ran:
-    """Phase 3: one pytest process per group (:func:`run_groups`), until a stop signal, the
-    runner's timeout, or pytest's own stop (``-x``, ``pytest.exit``)."""
+    """Phase 3: the run's pytest, until it ends, a stop signal or the run's budget."""
     m = run.manifest
-    groups = run.groups
-    sizes = [g.workers for g in groups]
     entries = list(dict.fromkeys(e.id for _, e in run.cases))
-    xdist = f"up to {max(sizes)} xdist worker(s) unless pytest's -n says otherwise"
-    _print(
+    budget = f"bounded by {run.budget.name}" if run.budget else "no time budget (CI unset)"
+    print(
         f"{run.title}: {len(run.cases)} case(s) in {len(entries)} entr{'y' if len(entries) == 1 else 'ies'} "
-        f"on {m.device}; {xdist}; output in {run.out}"
+        f"on {m.device}; up to {run.workers} xdist worker(s) unless pytest's -n says otherwise; "
+        f"{budget}; output in {run.out}",
+        flush=True,
     )
-    limit_s = max(r.timeout_minutes for r in m.runners) * 60.0
-    # The runner's timeout bounds the whole run, not each of its pytest processes.
-    deadline = time.monotonic() + limit_s
     # What a case leaks comes here, to be stopped (_stop_leftovers); an in-process caller
     # gets its own state back, and its own processes are spared.
     was_subreaper = processes.is_subreaper()
     processes.subreaper()
     try:
-        return _run_groups(run, stop, deadline, limit_s, _descendants())
+        before = _descendants()
+        started = selection.started_marker(_select_file(run))
+        code, halted = _run_pytest(_pytest_command(run), run.budget, stop, started)
+        _stop_leftovers(before)
+        return _Ran(code, selection.read_records(_select_file(run)), halted)
     finally:
         if not was_subreaper:
             processes.subreaper(False)
 
 
-def _run_groups(run: _Run, stop: _Stop, deadline: float, limit_s: float, before: set[int]) -> _Ran:
-    """:func:`_execute`'s loop over the groups."""
-    groups = run.groups
-    ran = _Ran()
-    halted = ran.halted
-    ended = ""  # why pytest itself ended the last group early (-x, --maxfail, pytest.exit)
-    for k, g in enumerate(groups, 1):
-        if stop.signum is not None:
-            why = f"interrupted by {stop.name}"
-        elif halted and halted[-1]:
-            why = halted[-1]
-        elif ended:  # the caller's -x stops the run, not only the group it came in
-            why = ended
-        else:  # a group that ended just in time leaves none for the next
-            why = _timed_out(limit_s) if time.monotonic() >= deadline else ""
-        if why:
-            left = len(groups) - k + 1
-            _print(f"{why}: {left} group(s) of cases not started")
-            # Their cases are not run, for the same reason as the group it stopped.
-            halted += [f"{why}, before its group started"] * left
-            break
-        cmd = _pytest_command(run, k, g.timeout, g.cases, g.workers)
-        if len(groups) > 1:
-            wide = ", the widest cases" if g.wide else ""
-            _print(
-                f"group {k}/{len(groups)}: {len(g.cases)} case(s){wide}, timeout {g.timeout or 'default'}, "
-                f"{g.workers} worker(s)"
-            )
-        code, why = _run_pytest(
-            cmd, deadline, limit_s, stop, selection.started_marker(_select_file(run, k))
-        )
-        _stop_leftovers(before)
-        records = selection.read_records(_select_file(run, k))
-        ran.codes.append(code)
-        ran.records.append(records)
-        halted.append(why)
-        if records.stopped:
-            ended = f"pytest stopped ({records.stopped})"
-        elif records.interrupted or code == _PYTEST_INTERRUPTED:
-            ended = f"pytest was interrupted ({records.interrupted or 'exit status 2'})"
-        elif code == _PYTEST_USAGE_ERROR:
-            # Its command line or configuration (the same for every group): said once.
-            ended = "pytest stopped on a usage error (exit status 4)"
-            if not records.options:
-                # Before its session was configured: its cases never ran for that reason
-                # (not "missing"; a planned file gone, found missing later, still is).
-                halted[-1] = halted[-1] or ended
-    return ran
-
-
-#: pytest's ``ExitCode.INTERRUPTED`` (pytest is not imported by this process to run).
-_PYTEST_INTERRUPTED = 2
 #: pytest's ``ExitCode.USAGE_ERROR``.
 _PYTEST_USAGE_ERROR = 4
 
@@ -866,14 +787,14 @@ def _unplanned(run: _Run, ran: _Ran) -> tuple[set[str], set[str]]:
     the case or its function: only the arguments given to pytest collect them, a conftest
     option, --doctest-modules), and, where paths were given to pytest, the others (under
     those paths, of another suite or none)."""
-    unplanned = {c for r in ran.records for c in r.unplanned}
+    unplanned = ran.records.unplanned
     index = EntryIndex(run.manifest.entries)
     beyond = {
         c
         for c in unplanned - run.inventoried
         if index.covers_file(c.split("::", 1)[0], node_ids=False) or index.names_id(c)
     }
-    narrowed = any(r.options.get("narrowed") for r in ran.records)
+    narrowed = ran.records.options.get("narrowed")
     return beyond, (unplanned - beyond if narrowed else set())
 
 
@@ -899,10 +820,11 @@ def _verdict(
         )
     if not total.passed and not narrowed:
         verdict.append(f"no case passed ({total.skipped} skipped)")
-    absent = sorted({a for r in ran.records for a in r.options.get("not_found", ())})
+    options = ran.records.options
+    absent = sorted(options.get("not_found", ()))
     # A file outside the suite, a misspelled test name, a link to a planned file: pytest
     # alone would have run what they name. (A shard may hold no case of a path.)
-    unmatched = sorted({a for r in ran.records for a in r.options.get("selecting_nothing", ())})
+    unmatched = sorted(options.get("selecting_nothing", ()))
     if absent:
         # Under xdist workers pytest only says "no tests ran".
         verdict.append(f"paths given to pytest are not there: {', '.join(absent)}")
@@ -913,30 +835,18 @@ def _verdict(
     elif whole and total.cases and total.deselected == total.cases and stop.signum is None:
         # -k or -m matching nothing, say: pytest alone exits 5 ("no tests ran").
         verdict.append("the options given to pytest deselect every case of the run: none ran")
-    timed_out = [h.startswith(_TIMEOUT_REASON) for h in ran.halted]
-    if any(timed_out) and stop.signum is None:
-        verdict.append(_TIMEOUT_REASON)
-    if stop.signum is None:
-        # The runner's own stops (a signal, its timeout) are said above.
-        verdict += [
-            f"a case ended pytest's session ({r.interrupted})"
-            for r, why in zip(ran.records, ran.halted, strict=False)
-            if r.interrupted and not why
-        ]
-    # A group the timeout stopped exits 124 by our hand; any other 124 is pytest's own.
-    bad_codes = [
-        c
-        for c, late in zip(ran.codes, timed_out, strict=False)  # unstarted groups: no code
-        if c not in (0, 1, 5) and not late and stop.signum is None
-    ]
-    if bad_codes:
-        usage = (
-            " (a usage error: see pytest's message above)"
-            if _PYTEST_USAGE_ERROR in bad_codes
-            else ""
-        )
-        verdict.append(f"pytest exited with {', '.join(map(str, bad_codes))}{usage}")
-    if 1 in ran.codes and not total.failed and stop.signum is None:
+    if stop.signum is not None:
+        return verdict  # the run's own stop is said above
+    timed_out = ran.halted.startswith(_TIMEOUT_REASON)
+    if timed_out:
+        verdict.append(ran.halted)
+    elif ran.records.interrupted:
+        verdict.append(f"a case ended pytest's session ({ran.records.interrupted})")
+    # The budget stopped pytest: 124 by our hand; any other 124 is pytest's own.
+    if ran.code not in (None, 0, 1, 5) and not timed_out:
+        usage = " (a usage error: see pytest's message above)" if ran.code == 4 else ""
+        verdict.append(f"pytest exited with {ran.code}{usage}")
+    if ran.code == 1 and not total.failed:
         # Exit 1 is "tests failed"; with none failed, something else failed the run
         # (pytest-cov's --cov-fail-under, say), which pytest reported above.
         verdict.append("pytest exited with 1 though no case failed (see its output)")
@@ -953,35 +863,27 @@ def _report(run: _Run, ran: _Ran, stop: _Stop) -> int:
     """Phase 4: merge the JUnit files, write the summaries (partial after a stop
     signal or the runner's timeout: the cases of the pytest it stopped, and of those it
     never started, are not run) and durations; the exit code."""
-    junit_all = run.out / "junit.xml"
-    results: dict[str, report.CaseRow] = {}
-    unreported: list[report.CaseRow] = []
-    asked: str | None = None
-    prefix = ""  # the caller's --junit-prefix, the same for every group
-    for k, g in enumerate(run.groups, 1):
-        # A group never started has no records: its cases are not run, for its halted reason.
-        records = ran.records[k - 1] if k <= len(ran.records) else selection.Records()
-        why = ran.halted[k - 1] if k <= len(ran.halted) else ""
-        rows = report.results_from_records([c.nodeid for c, _ in g.cases], records, why)
-        results.update(rows)
-        prefix = records.options.get("junit_prefix") or prefix
-        unreported += report.junit_lacks(
-            _junit_file(run, k), rows.values(), prefix, records.aliases
-        )
-        asked = records.options.get("junitxml") or asked
-    started = [_junit_file(run, k) for k in range(1, len(ran.records) + 1)]
-    report.merge_junit(started, junit_all, unreported, prefix)
+    junit = run.out / "junit.xml"
+    records, halted = ran.records, ran.halted
+    if ran.code == _PYTEST_USAGE_ERROR and not records.options:
+        # Before its session was configured: its cases never ran for that reason (not
+        # "missing"; a planned file gone, found missing later, still is).
+        halted = halted or "pytest stopped on a usage error (exit status 4)"
+    results = report.results_from_records([c.nodeid for c, _ in run.cases], records, halted)
+    prefix = records.options.get("junit_prefix") or ""
+    report.complete_junit(junit, results.values(), prefix, records.aliases)
+    asked = records.options.get("junitxml")
     if asked:
-        # The run's own JUnit path replaced the caller's --junitxml: they get the merged file.
+        # The run's own JUnit path replaced the caller's --junitxml: they get its file.
         Path(asked).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(junit_all, asked)
+        shutil.copyfile(junit, asked)
     rows = report.summarize([(c.nodeid, e.id, c.cards) for c, e in run.cases], results)
     table = report.render(rows, run.title, time.monotonic() - run.started)
     beyond, outside = _unplanned(run, ran)
     verdict = _verdict(report.totals(rows), ran, stop, run.whole, beyond)
     detail = report.failures(results)
     for headline, log in selection.fired(run.out):
-        detail += f"- watchdog: {headline}; stacks in {log}\n"
+        detail += f"- backstop: {headline}; stacks in {log}\n"
     not_here = run.not_here + report.beyond(beyond) + report.unplanned(outside, run.manifest.suite)
     text = (
         table
@@ -993,12 +895,21 @@ def _report(run: _Run, ran: _Ran, stop: _Stop) -> int:
     report.write_summary_json(run.out / "summary.json", run.title, rows, results, prefix)
     if run.opts.durations_out:
         # Passed cases only: a failure (at setup, say) says little about how long the case takes.
-        ran = {n: r.seconds for n, r in results.items() if r.outcome == "passed"}
-        write_durations(run.opts.durations_out, run.manifest.suite, ran)
-        _print(f"recorded {len(ran)} duration(s) in {run.opts.durations_out}")
+        passed = {n: r.seconds for n, r in results.items() if r.outcome == "passed"}
+        write_durations(run.opts.durations_out, run.manifest.suite, passed)
+        _print(f"recorded {len(passed)} duration(s) in {run.opts.durations_out}")
+    _verdict_line(run, verdict)
     if stop.signum is not None:
         return stop.exit_code
     return EXIT_FAILED if verdict else EXIT_OK
+
+
+def _verdict_line(run: _Run, verdict: Sequence[str]) -> None:
+    """The run's last line: its verdict and where its reports are (the summary printed above
+    it scrolls away, and so does the header naming the folder)."""
+    files = f"summary {run.out / 'summary.md'}, JUnit {run.out / 'junit.xml'}"
+    said = f"FAILED ({'; '.join(verdict)})" if verdict else "PASSED"
+    print(f"{run.title}: {said}; {files}", flush=True)
 
 
 def run_suite(root: Path, opts: RunOptions) -> int:
@@ -1038,7 +949,6 @@ def run_suite(root: Path, opts: RunOptions) -> int:
                 return EXIT_USAGE
             _prepare_out(run)
             if not run.cases:
-                _print(f"{run.title}: nothing to run")
                 not_here = run.not_here
                 text = f"### {run.title}\n\nnothing to run\n" + (
                     f"\n{not_here}" if not_here else ""
@@ -1046,8 +956,9 @@ def run_suite(root: Path, opts: RunOptions) -> int:
                 write_text(run.out / "summary.md", text)
                 _step_summary(text)
                 # The files a CI job uploads or parses exist on every green run, empty here.
-                report.merge_junit([], run.out / "junit.xml")
+                report.complete_junit(run.out / "junit.xml", [])
                 report.write_summary_json(run.out / "summary.json", run.title, [], {})
+                print(f"{run.title}: nothing to run; summary {run.out / 'summary.md'}", flush=True)
                 return EXIT_OK
             return _report(run, _execute(run, stop), stop)
 

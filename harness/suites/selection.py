@@ -1,65 +1,50 @@
 """pytest plugin that ``harness run`` loads (``-p harness.suites.selection``): run exactly the planned cases.
 
-``--harness-select FILE`` names a JSON file ``{"root": DIR, "cases":
-{nodeid: deadline_s or null}, "entries": {nodeid: entry id}}``. Collected
-items not in it are deselected; each kept one records the suite entry that owns
-it as the JUnit property ``harness.entry`` (``entries`` is optional);
-planned cases that were not collected are reported (``harness run`` counts
-them as missing, never as passed). Each phase of a plain (not launched) case
-with a deadline runs under the process's watchdog
-(``harness.watchdog.watchdog``, a thread of its own, whatever pytest's
-``faulthandler_timeout`` does): past the deadline plus as long again (at most a
-minute) for setup, call and teardown together, the phase it is in fails with
-every thread's stack and the session goes on. A case that does not come back
-from that interruption stops its process: its stacks are written to
-``watchdog-<pid>.log`` next to the selection file and the case is recorded as
-failed (an xdist worker's controller reports it), so the cases that passed
-before keep their verdict. Launched cases are left to the launch plugin, which
-bounds their fixtures and enforces their deadline on the ranks.
+``--harness-select FILE`` names a JSON file ``{"root": DIR, "cases": {nodeid: timeout_s
+or null}, "entries": {nodeid: entry id}, "suite": [nodeid, ...], "files": [path, ...]}``.
+Collected items not in ``cases`` are deselected; each kept one records the suite entry
+that owns it as the JUnit property ``harness.entry`` and gets its deadline as
+pytest-timeout's ``timeout`` marker (:func:`deadline_marker`), which bounds a plain case
+(setup, call and teardown) in its process and which the launch plugin takes as a launched
+case's deadline on its ranks. Planned cases that were not collected are reported
+(``harness run`` counts them as missing, never as passed). What pytest does with each
+planned case is recorded from its own hooks (its reports, its deselections, its exit
+status) by node id, one JSON-lines file per process (:func:`read_records`).
 """
 
 from __future__ import annotations
 
-import contextlib
+import faulthandler
 import fnmatch
 import json
 import os
 import sys
-import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
 import pytest
 
-from harness.jsonio import write_json
-from harness.names import OPT_JUNIT, OPT_SELECT, OPT_WORKERS
-from harness.spec import is_launched
-from harness.watchdog import WATCHDOG_GRACE_S, faulthandler_free, watchdog
+from harness.names import DEFAULT_CASE_TIMEOUT_S, OPT_JUNIT, OPT_SELECT, OPT_WORKERS
 
 #: The launch side's pytest plugin, which every run of a suite needs.
 LAUNCH_PLUGIN = "harness.launcher.plugin"
+#: pytest-timeout's plugin: it enforces each planned case's deadline (its ``timeout`` marker).
+TIMEOUT_PLUGIN = "pytest_timeout"
 
-# The watchdog allows a case as long again as its deadline, at most a minute,
-# for setup, call and teardown together, and as long again after interrupting it.
-
-WATCHDOG_MARK = "harness watchdog:"
-
-#: A selected item's deadline in seconds (``None``: no watchdog).
-_DEADLINE = pytest.StashKey[Any]()
 #: The parsed selection file, read once per process.
 _SELECTION = pytest.StashKey[dict[str, Any]]()
-#: When a plain planned case with a deadline started (``time.monotonic``).
-_STARTED = pytest.StashKey[float]()
-#: The node id of the case this process is running.
-_CURRENT = pytest.StashKey[str]()
-#: The watchdog key of a session's planned plain cases (with its config).
-_WATCHDOG_KEY = "harness run case"
-#: This process's hook on the watchdog stopping it.
-_EXIT_HOOK = pytest.StashKey[Callable[[str], None]]()
 #: The ``--junitxml`` the caller gave pytest (``None``: none), replaced by the run's own.
 _CALLER_JUNIT = pytest.StashKey[Any]()
+#: A plain planned case's backstop (seconds after it starts): see :func:`pytest_runtest_protocol`.
+_BACKSTOP = pytest.StashKey[float]()
+#: This process's backstop log (opened on its first plain planned case).
+_BACKSTOP_LOG = pytest.StashKey[IO[str]]()
+#: How long past its deadline a plain case that pytest-timeout could not interrupt (native
+#: code holding the GIL, a case that swallows the interruption) may run before the backstop
+#: stops its process: as long again as the deadline, at most this.
+BACKSTOP_GRACE_S = 60.0
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -89,19 +74,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def pytest_load_initial_conftests(early_config: pytest.Config, parser, args) -> Any:
     # pytest-cov picks its controller here, from the options parsed so far: the run's
     # worker count must be among them, or a --cov run starts xdist workers under its
-    # single-process controller (INTERNALERROR: no attribute 'configure_node'). And a
-    # group after the first appends to the coverage data of the groups before it, which
-    # pytest-cov would otherwise erase: the last group's report covers the whole run.
-    known = early_config.known_args_namespace
+    # single-process controller (INTERNALERROR: no attribute 'configure_node').
     if not _is_worker(early_config):
-        _set_workers(known, early_config)
-        group, groups = _group(known)
-        if getattr(known, "cov_source", None):
-            if group > 1:
-                known.cov_append = True
-            if group < groups:
-                # The threshold is the whole run's: the last group checks it.
-                known.cov_fail_under = 0
+        _set_workers(early_config.known_args_namespace, early_config)
     try:
         return (yield)
     except pytest.skip.Exception:
@@ -120,17 +95,6 @@ def _set_workers(options: Any, config: pytest.Config) -> None:
         options.numprocesses = workers
 
 
-def _group(known: Any) -> tuple[int, int]:
-    """This pytest's group number in the run and the run's number of groups ((1, 1) when
-    unknown), from its selection file."""
-    path = getattr(known, "harness_select", None)
-    try:
-        doc = json.loads(Path(path).read_text(encoding="utf-8"))
-        return int(doc.get("group", 1)), int(doc.get("groups", 1))
-    except (TypeError, OSError, ValueError, AttributeError):
-        return 1, 1
-
-
 @pytest.hookimpl(wrapper=True, tryfirst=True)
 def pytest_cmdline_main(config: pytest.Config) -> Any:
     # Before xdist and junitxml read their options (as pytest parsed them from the command
@@ -145,10 +109,6 @@ def pytest_cmdline_main(config: pytest.Config) -> Any:
                 f"harness run cannot give pytest's {flag} the terminal: debug with pytest "
                 f"itself, which runs launched cases the same way: python -m pytest -n 0 {flag} PATH"
             )
-    if _group(config.option)[0] > 1 and getattr(config.option, "cacheclear", False):
-        # The caller's --cache-clear is the run's: the first group cleared the cache, and a
-        # later one (its xdist workers too) would drop what the groups before it recorded.
-        config.option.cacheclear = False
     if not _is_worker(config):
         _set_workers(config.option, config)
         junit = config.getoption("harness_junit")
@@ -355,16 +315,21 @@ def pytest_configure(config: pytest.Config) -> None:
     if sel is None:
         return
     loaded = {getattr(p, "__name__", "") for p in config.pluginmanager.get_plugins()}
-    if LAUNCH_PLUGIN not in loaded:
+    for plugin, why in (
         # The run's plan counts launched cases' ranks and cards: without the plugin they
         # would run in this process, unlaunched.
-        raise pytest.UsageError(
-            f"harness run needs its pytest plugin {LAUNCH_PLUGIN}, which is disabled "
-            "(-p no:harness, in the arguments, addopts or PYTEST_ADDOPTS)"
-        )
+        (LAUNCH_PLUGIN, "launched cases would run unlaunched"),
+        # The planned cases' deadlines are its markers: without it nothing bounds them.
+        (TIMEOUT_PLUGIN, "nothing would bound the cases' deadlines"),
+    ):
+        if plugin not in loaded:
+            raise pytest.UsageError(
+                f"harness run needs the pytest plugin {plugin}, which is disabled or not "
+                f"installed (-p no:..., in the arguments, addopts or PYTEST_ADDOPTS): {why}"
+            )
     # The caller's paths and node ids replace the run's files (pytest would collect the
     # union, and a file subsumes a node id in it): pytest selects, and reports a name that
-    # is not found, as it would alone; the group keeps only its own cases of what it collects.
+    # is not found, as it would alone; the run keeps only its own cases of what it collects.
     callers = _callers_args(config, sel)
     if callers:
         config.args[:] = callers
@@ -373,10 +338,6 @@ def pytest_configure(config: pytest.Config) -> None:
     config.pluginmanager.register(outcomes, "harness-outcomes")
     if not outcomes.worker:
         outcomes.options()
-        if sel.get("group", 1) == 1 and config.getoption("lf", False):
-            _snapshot_last_failed(config, Path(sel["root"]), _last_failed_file(path))
-    config.stash[_EXIT_HOOK] = hook = _on_watchdog_exit(config, outcomes)
-    watchdog.exit_hooks.append(hook)
 
 
 def _ignored(config: pytest.Config, path: Path) -> bool:
@@ -402,55 +363,6 @@ def _skipped_by_last_failed(config: pytest.Config, file: pytest.File) -> bool:
         and config.pluginmanager.has_plugin("lfplugin-collskip")
         and file.path not in paths
     )
-
-
-def _last_failed_file(select_file: Path) -> Path:
-    """Where the run's first group keeps the failures ``--lf`` reruns, as the run found them."""
-    return select_file.with_name("last-failed.json")
-
-
-def _snapshot_last_failed(config: pytest.Config, root: Path, target: Path) -> None:
-    """Keep pytest's record of failed node ids (``cache/lastfailed``) as the run starts, as
-    case ids: each group's pytest rewrites it, and a later group must see the run's."""
-    from harness.suites.manifest import rel
-
-    cache = getattr(config, "cache", None)
-    failed = cache.get("cache/lastfailed", {}) if cache is not None else {}
-    ids = []
-    for key in failed:
-        file, sep, tail = str(key).partition("::")
-        ids.append(rel(config.rootpath / file, root) + sep + tail)
-    write_json(target, sorted(ids), indent=None)
-
-
-def _has_failure(ids: Iterable[str], failed: set[str]) -> bool:
-    """Whether a case of ``ids``, or its file or class (a failed collection), failed last."""
-    return any(
-        cid[:i] in failed
-        for cid in ids
-        for i in [len(cid), *(i for i in range(len(cid)) if cid.startswith("::", i))]
-    )
-
-
-def _no_failure_to_rerun(config: pytest.Config, sel: dict[str, Any]) -> bool:
-    """``--lf`` across the run's groups, as one pytest over the whole run would do it: when
-    the run's cases hold a failure to rerun and none is among this group's, the group has
-    nothing to run (its pytest alone would rerun every case, finding no failure)."""
-    if not config.getoption("lf", False):
-        return False
-    try:
-        path = _last_failed_file(Path(config.getoption("harness_select")))
-        failed = set(json.loads(path.read_text(encoding="utf-8")))
-    except (OSError, ValueError):
-        return False
-    run = sel.get("run", ())
-    callers = _callers_args(config, sel)
-    if callers:  # the caller's paths and node ids narrowed the run: their cases are its cases
-        if config.getoption("pyargs", False):
-            return False  # module names: this group's pytest decides alone
-        cwd, root = config.invocation_params.dir, Path(sel["root"])
-        run = [cid for cid in run if any(_selects(a, cid, cwd, root) for a in callers)]
-    return _has_failure(run, failed) and not _has_failure(sel["cases"], failed)
 
 
 def _selects(arg: str, cid: str, cwd: Path, root: Path) -> bool:
@@ -480,7 +392,7 @@ def _selecting_nothing(
     a link to a planned file), each with what it is when it is a link: pytest alone would
     have run what they name."""
     cwd, root = config.invocation_params.dir, Path(sel["root"])
-    run = sel.get("run", ())
+    run = sel["cases"]
     out = []
     for a in args:
         if any(_selects(a, c, cwd, root) for c in run):
@@ -530,12 +442,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             ignored.append(item)
             continue
         keep.append(item)
-        item.stash[_DEADLINE] = wanted[cid]
+        marker = deadline_marker(item, wanted[cid])
+        if marker is not None:
+            item.add_marker(marker)
+        if not _launched(item):
+            timeout = item.get_closest_marker("timeout")
+            seconds = (timeout.args or [timeout.kwargs.get("timeout")])[0] if timeout else None
+            if isinstance(seconds, (int, float)) and seconds > 0:
+                item.stash[_BACKSTOP] = seconds + min(seconds, BACKSTOP_GRACE_S)
         if cid in entries:
             item.user_properties.append(("harness.entry", entries[cid]))
-    if keep and _no_failure_to_rerun(config, sel):
-        ignored += keep
-        keep = []
     outcomes = config.pluginmanager.get_plugin("harness-outcomes")
     callers = _callers_args(config, sel)
     if drop and outcomes is not None:
@@ -584,103 +500,82 @@ def _message(report: pytest.CollectReport | pytest.TestReport) -> str:
     return (text.strip().splitlines() or [""])[0][:200]
 
 
-def _watchdog_log(config: pytest.Config) -> IO[str]:
-    """This process's watchdog file, next to the selection file, made when the
-    watchdog stops the process: its headline and every thread's stack."""
-    path = Path(config.getoption("harness_select")).with_name(f"watchdog-{os.getpid()}.log")
-    return open(path, "w", encoding="utf-8")
+def deadline_marker(item: pytest.Item, timeout_s: float | None) -> pytest.MarkDecorator | None:
+    """pytest-timeout's ``timeout`` marker carrying a planned case's deadline, the one
+    carrier of an entry's ``timeout_s``; ``None`` where the case keeps what it has.
+
+    A ``timeout`` marker of the case's own (on its function, class or module) wins; else
+    the entry's ``timeout_s``; else the project's own pytest-timeout setting (``timeout``
+    ini, ``--timeout``, ``PYTEST_TIMEOUT``); else :data:`~harness.names.DEFAULT_CASE_TIMEOUT_S`.
+    pytest-timeout bounds a plain case's setup, call and teardown (failing it with every
+    thread's stack; the session goes on), and the launch plugin takes the marker as a
+    launched case's deadline on its ranks."""
+    if item.get_closest_marker("timeout") is not None:
+        return None
+    if timeout_s is None:
+        from pytest_timeout import get_env_settings
+
+        if get_env_settings(item.config).timeout:
+            return None
+        timeout_s = DEFAULT_CASE_TIMEOUT_S
+    return pytest.mark.timeout(timeout_s)
 
 
-def _started(item: pytest.Item) -> float | None:
-    return item.stash.get(_STARTED, None)
+def _launched(item: pytest.Item) -> bool:
+    from harness.spec import is_launched
+
+    return is_launched(item)
+
+
+def backstop_log(select_file: Path, pid: int) -> Path:
+    """Where process ``pid`` of the run for ``select_file`` writes the stacks of a plain case
+    its backstop stopped."""
+    return select_file.with_name(f"backstop-{pid}.log")
 
 
 @pytest.hookimpl(wrapper=True)
-def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
-    item.config.stash[_CURRENT] = item.nodeid
-    if item.stash.get(_DEADLINE, None) is not None and not is_launched(item):
-        item.stash[_STARTED] = time.monotonic()
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Any:
+    # pytest-timeout interrupts a plain case at its deadline from a signal handler, which
+    # Python runs between bytecodes: native code holding the GIL (a regex backtracking), or
+    # a case that swallows the interruption, never sees it. faulthandler's timer needs no
+    # GIL: past the backstop it writes every thread's stack and ends the process (an xdist
+    # worker's controller reports the case failed; without workers the run reports it
+    # failed and the rest not run). pytest's own faulthandler_timeout uses the same one
+    # timer: where it is set, it is left alone and there is no backstop.
+    backstop = item.stash.get(_BACKSTOP, None)
+    if backstop is None or float(item.config.getini("faulthandler_timeout") or 0) > 0:
+        return (yield)
+    log = item.config.stash.get(_BACKSTOP_LOG, None)
+    if log is None:
+        path = backstop_log(Path(item.config.getoption("harness_select")), os.getpid())
+        log = item.config.stash[_BACKSTOP_LOG] = open(path, "w", encoding="utf-8")  # noqa: SIM115
+    log.seek(0)
+    log.truncate()
+    log.write(f"{item.nodeid}: stopped {backstop:g} s after it started, past its deadline\n")
+    log.flush()
+    faulthandler.dump_traceback_later(backstop, exit=True, file=log)
     try:
         return (yield)
     finally:
-        if _STARTED in item.stash:
-            del item.stash[_STARTED]
-
-
-@contextlib.contextmanager
-def _bounded(item: pytest.Item) -> Iterator[None]:
-    """A phase of a plain planned case, under what is left of the case's deadline."""
-    started = _started(item)
-    if started is None:
-        yield
-        return
-    deadline = float(item.stash[_DEADLINE])
-    grace = min(deadline, WATCHDOG_GRACE_S)
-    with watchdog.bounding(
-        (_WATCHDOG_KEY, item.config),
-        deadline + grace,
-        start=started,
-        grace=grace,
-        what=item.nodeid,
-        why=f"(deadline {deadline:g} s)",
-        error=_deadline_failure,
-        backstop=faulthandler_free(item.config),
-    ):
-        yield
-
-
-def _deadline_failure(message: str) -> BaseException:
-    return pytest.fail.Exception(f"{WATCHDOG_MARK} {message}", pytrace=True)
-
-
-# Each phase is bounded inside pytest's own call of it, so the failure raised at
-# the deadline is that phase's outcome and the session goes on to the next case.
-@pytest.hookimpl(wrapper=True)
-def pytest_runtest_setup(item: pytest.Item) -> Iterator[None]:
-    with _bounded(item):
-        return (yield)
-
-
-@pytest.hookimpl(wrapper=True)
-def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
-    with _bounded(item):
-        return (yield)
-
-
-@pytest.hookimpl(wrapper=True)
-def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
-    with _bounded(item):
-        return (yield)
-
-
-def _on_watchdog_exit(config: pytest.Config, outcomes: _Outcomes) -> Callable[[str], None]:
-    """What this process leaves behind when the watchdog stops it: the log it
-    writes the stacks to and, on the controller, a failed report of the case
-    it was in (whose earlier phases may have passed)."""
-
-    def on_exit(headline: str) -> None:
-        watchdog.exit_log = _watchdog_log(config)
-        nodeid = config.stash.get(_CURRENT, None)
-        if not outcomes.worker and nodeid is not None:
-            outcomes.record(
-                report=nodeid, when="call", outcome="failed", seconds=0.0, message=headline[:200]
-            )
-
-    return on_exit
+        faulthandler.cancel_dump_traceback_later()
+        log.seek(0)
+        log.truncate()
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
-    hook = config.stash.get(_EXIT_HOOK, None)
-    if hook is not None:
-        watchdog.exit_hooks.remove(hook)
-        watchdog.disarm((_WATCHDOG_KEY, config))
+    log = config.stash.get(_BACKSTOP_LOG, None)
+    if log is not None:  # no backstop fired in this process: nothing to keep
+        log.close()
+        path = Path(log.name)
+        if path.stat().st_size == 0:
+            path.unlink()
 
 
 def fired(folder: Path) -> list[tuple[str, Path]]:
-    """``(headline, file)`` for each watchdog that fired in a run whose selection
-    files are in ``folder`` (a file left non-empty by a process that died)."""
+    """``(headline, file)`` for each backstop that stopped a process of a run whose selection
+    file is in ``folder``."""
     out = []
-    for p in sorted(folder.glob("watchdog-*.log")):
+    for p in sorted(folder.glob("backstop-*.log")):
         text = p.read_text(encoding="utf-8", errors="replace")
         if "\nTimeout (" in text:
             out.append((text.splitlines()[0].strip(), p))

@@ -19,8 +19,8 @@ from harness.spec import LaunchSpec
 from harness.suites import changes, report
 from harness.suites.cli import main
 from harness.suites.inventory import CollectedCase
-from harness.suites.manifest import Entry, load_manifest
-from harness.suites.run import run_groups, worker_count
+from harness.suites.manifest import load_manifest
+from harness.suites.run import worker_count
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -148,8 +148,14 @@ def test_run_end_to_end_cpu_suite_with_a_launched_case(pytester):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["total"]["failed"] == 1
 
-    # The entry with its own timeout_s ran in its own pytest process (--harness-timeout=120).
-    assert re.search(r"group 2/2: 1 case\(s\)(, the widest cases)?, timeout 120,", done.stdout)
+    # One pytest process for every case, the entry with its own timeout_s included (its
+    # deadline travels with each case); the last line says the verdict and names the reports.
+    assert "group" not in done.stdout
+    assert done.stdout.count("harness: harness run") == 0  # the prefix said once
+    assert done.stdout.splitlines()[-1] == (
+        "harness run cpu: FAILED (1 failed); "
+        f"summary {out / 'summary.md'}, JUnit {out / 'junit.xml'}"
+    )
 
     durations = json.loads((root / "d.json").read_text())["durations"]
     assert set(durations) == {
@@ -480,7 +486,7 @@ def test_run_and_inventory_with_plugin_autoload_disabled(pytester):
     assert done.returncode == 0, done.stdout + done.stderr
     rows = summary_rows((root / "out/summary.md").read_text())
     assert rows["total"][:5] == ["3", "3", "0", "0", "0"]
-    assert "2 workers [2 items]" in done.stdout  # xdist was loaded and used
+    assert "2 workers [3 items]" in done.stdout  # xdist was loaded and used
 
 
 def test_changed_from_keeps_the_shards_of_the_whole_suite(pytester, capsys):
@@ -543,9 +549,10 @@ def test_changed_from_keeps_the_shards_of_the_whole_suite(pytester, capsys):
         assert [c.split("::")[1] for c, _ in planned] == expected
 
 
-def test_hung_plain_case_is_stopped_by_the_watchdog(pytester):
+def test_hung_plain_case_is_stopped_by_the_backstop(pytester):
     tests = {
-        # It swallows the interruption at its deadline: only stopping its worker ends it.
+        # It swallows pytest-timeout's interruption at its deadline: only stopping its
+        # worker ends it.
         "tests/h/test_h.py": "import time\n\ndef test_hang():\n    while True:\n        try:\n"
         "            time.sleep(120)\n        except BaseException:\n            pass\n\n"
         "def test_ok():\n    pass\n"
@@ -559,10 +566,10 @@ def test_hung_plain_case_is_stopped_by_the_watchdog(pytester):
     assert done.returncode == 1, done.stdout + done.stderr
     assert summary_rows((root / "out/summary.md").read_text())["h"][:4] == ["2", "1", "1", "0"]
     assert (
-        "- watchdog: tests/h/test_h.py::test_hang ran past 2 s (deadline 1 s); stacks in"
-        in done.stdout
+        "- backstop: tests/h/test_h.py::test_hang: stopped 2 s after it started, past its "
+        "deadline; stacks in" in done.stdout
     )
-    (log,) = (root / "out").glob("watchdog-*.log")
+    (log,) = (root / "out").glob("backstop-*.log")
     assert "Timeout (0:00:02)!" in log.read_text()
     assert "in test_hang" in log.read_text()
 
@@ -759,12 +766,28 @@ def test_read_junit_outcomes_and_missing(tmp_path):
         "</testsuite></testsuites>"
     )
     ids = [f"t/test_a.py::{n}" for n in ("test_ok", "test_f", "test_e", "test_s", "test_gone")]
-    res = report.results_for(ids, report.read_junit([xml, tmp_path / "absent.xml"]))
-    assert [r.outcome for r in res.values()] == ["passed", "failed", "failed", "skipped", "missing"]
+    junit = report.read_junit([xml, tmp_path / "absent.xml"])
+    res = {n: junit[k] for n in ids if (k := report.junit_key(n)) in junit}
+    assert [r.outcome for r in res.values()] == ["passed", "failed", "failed", "skipped"]
+    assert ids[4] not in res
     assert res[ids[1]].message == "boom"
     assert res[ids[0]].seconds == 1.5
-    rows = report.summarize([(n, "e", 2) for n in ids], res)
-    assert rows == [report.EntryRow("e", 5, 1, 2, 1, 1, 2, 3.5)]
+
+
+def test_wall_shares_of_cases_pytest_timed_at_zero(tmp_path):
+    # Regression: quick cases pytest timed at 0.000 s got a share of 0.0 s of their run's
+    # wall time (the planner then took them as free).
+    xml = tmp_path / "j.xml"
+    xml.write_text(
+        '<testsuites><testsuite name="pytest" time="2.0">'
+        '<testcase classname="t.test_a" name="test_1" time="0.000"/>'
+        '<testcase classname="t.test_a" name="test_2" time="0.000"/>'
+        '</testsuite><testsuite name="harness run" time="0">'
+        '<testcase classname="t.test_a" name="test_3" time="0"><skipped message="not run"/></testcase>'
+        "</testsuite></testsuites>"
+    )
+    shares = report.read_junit([xml], wall_shares=True)
+    assert {k[1]: r.seconds for k, r in shares.items()} == {"test_1": 1.0, "test_2": 1.0}
 
 
 # --------------------------------------------------------------------------- workers
@@ -791,28 +814,15 @@ def test_workers_sized_to_leasable_cards(monkeypatch):
     assert worker_count("cpu", cpu, [], requested=5) == 5
 
 
-def test_one_wide_case_does_not_make_the_whole_run_serial(monkeypatch):
-    # An 8-rank case on a 4-slot runner: alone in its group; the 2-rank cases keep 2 workers.
-    entry = Entry("e", ("t",), None, None, 5.0, None, "suites/cpu.json", "/entries/0")
-    narrow = [
-        (CollectedCase(f"t::r{i}", "t", LaunchSpec(nproc=2), True, None), entry) for i in range(6)
-    ]
-    plain = [(CollectedCase(f"t::p{i}", "t", LaunchSpec(), False, None), entry) for i in range(3)]
-    wide = [(CollectedCase("t::big", "t", LaunchSpec(nproc=8), True, None), entry)]
-    groups = run_groups("cpu", [*narrow, *wide, *plain], ["--harness-max-procs", "4"])
-    assert [(g.wide, len(g.cases), g.workers) for g in groups] == [(False, 9, 2), (True, 1, 1)]
-    # On accelerators, a case needing more than half the cards likewise.
-    monkeypatch.setenv("HARNESS_CARDS", "cuda:0,1,2,3")
-    groups = run_groups(
-        "cuda",
-        [*((c, entry) for c in cases_needing(1, 5)), *((c, entry) for c in cases_needing(4, 1))],
-        ["--harness-max-procs", "16"],
-    )
-    assert [(g.wide, len(g.cases), g.workers) for g in groups] == [(False, 5, 4), (True, 1, 1)]
-    # No split where it would not give the rest more workers, nor when --workers sized the run.
-    two = [(CollectedCase("t::two", "t", LaunchSpec(nproc=2), True, None), entry)]
-    assert len(run_groups("cpu", [*plain[:1], *two], ["--harness-max-procs", "2"])) == 1
-    assert len(run_groups("cpu", [*narrow, *wide], ["--harness-max-procs", "4"], requested=2)) == 1
+def test_one_wide_case_does_not_make_the_whole_run_serial():
+    # An 8-rank case on a 4-slot runner: the 2-rank and plain cases keep 2 workers (the
+    # run was split over two pytest processes for this; now the wide case waits for its
+    # lease in the run's one pytest).
+    narrow = [CollectedCase(f"t::r{i}", "t", LaunchSpec(nproc=2), True, None) for i in range(6)]
+    plain = [CollectedCase(f"t::p{i}", "t", LaunchSpec(), False, None) for i in range(3)]
+    wide = [CollectedCase("t::big", "t", LaunchSpec(nproc=8), True, None)]
+    assert worker_count("cpu", [*narrow, *wide, *plain], ["--harness-max-procs", "4"]) == 2
+    assert worker_count("cpu", wide, ["--harness-max-procs", "4"]) == 1
 
 
 def test_workers_never_let_the_runs_own_cases_starve_each_other(monkeypatch):
@@ -825,8 +835,9 @@ def test_workers_never_let_the_runs_own_cases_starve_each_other(monkeypatch):
         worker_count("cpu", plain, ["--harness-max-procs", "2"]) == 2
     )  # plain cases take no slot lease
     monkeypatch.setenv("HARNESS_CARDS", "cuda:0,1,2,3")
+    # A case needing every card does not make the run serial: it waits for its lease.
     mixed = [*cases_needing(1, 5), *cases_needing(4, 1)]
-    assert worker_count("cuda", mixed, ["--harness-max-procs", "16"]) == 1
+    assert worker_count("cuda", mixed, ["--harness-max-procs", "16"]) == 4
     assert (
         worker_count(
             "cuda", [*cases_needing(1, 5), *cases_needing(2, 1)], ["--harness-max-procs", "16"]
@@ -862,6 +873,27 @@ def test_run_sizes_workers_to_its_largest_case(pytester, tmp_path_factory):
     )
     assert done.returncode == 0, done.stdout + done.stderr
     assert "4 case(s) in 1 entry on cpu; up to 1 xdist worker(s)" in done.stdout
+    assert summary_rows((root / "out/summary.md").read_text())["total"][:3] == ["4", "4", "0"]
+
+
+def test_a_wide_case_runs_beside_the_others_in_one_pytest(pytester, tmp_path_factory):
+    # The widest case no longer runs in a pytest process of its own: it waits for its slots
+    # while the plain cases run on the run's two workers.
+    body = (
+        "import pytest\n\n@pytest.mark.launch(nproc=2)\ndef test_wide():\n"
+        "    import torch.distributed as dist\n    assert dist.get_world_size() == 2\n"
+        + "".join(f"\n\ndef test_plain_{i}():\n    pass\n" for i in range(3))
+    )
+    root = make_project(
+        pytester.path,
+        {"tests/w/test_w.py": body},
+        {"cpu": manifest("cpu", "cpu", [{"id": "w", "paths": ["tests/w"]}])},
+    )
+    lease = tmp_path_factory.mktemp("leases")
+    args = ["--harness-max-procs", "2", f"--harness-lease-dir={lease}"]
+    done = harness(root, "run", "cpu", "--out", "out", "--", *args)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "4 case(s) in 1 entry on cpu; up to 2 xdist worker(s)" in done.stdout
     assert summary_rows((root / "out/summary.md").read_text())["total"][:3] == ["4", "4", "0"]
 
 
@@ -956,7 +988,7 @@ def test_the_dependency_check_is_what_the_command_imports():
         re.split(r"[<>=!~ ;\[]", spec, maxsplit=1)[0].lower()
         for spec in _pyproject()["project"]["dependencies"]
     }
-    modules = {"pytest-xdist": "xdist"}
+    modules = {"pytest-xdist": "xdist", "pytest-timeout": "pytest_timeout"}
     probe = (
         "import sys, harness.suites.cli\n"
         f"print(' '.join(d for d in {sorted(declared)!r} if {modules!r}.get(d, d) in sys.modules))"
@@ -967,8 +999,9 @@ def test_the_dependency_check_is_what_the_command_imports():
     assert done.returncode == 0, done.stderr
     assert {dist for _, dist in REQUIREMENTS} == set(done.stdout.split())
     assert {(modules.get(d, d), d) for d in done.stdout.split()} == set(REQUIREMENTS)
-    # `harness run` also needs psutil, imported where used (not by the import above).
-    assert {dist for _, dist in RUN_REQUIREMENTS} == {"psutil"} <= declared
+    # `harness run` also needs psutil, imported where used (not by the import above), and
+    # pytest-timeout, which the run's pytest loads (each planned case's deadline).
+    assert {dist for _, dist in RUN_REQUIREMENTS} == {"psutil", "pytest-timeout"} <= declared
 
 
 def test_inventory_and_run_need_neither_torch_nor_xdist(tmp_path):

@@ -1,16 +1,14 @@
 """Every phase of every case is under a deadline, and the results already earned
 are kept: the fixtures of a launched case (set up and torn down in the pytest
-process) are bounded by the case deadline, pytest's ``faulthandler_timeout``
-does not replace the watchdog of a planned plain case, and a case that hangs
-past its interruption stops only its own process, after the cases before it
-were reported passed."""
+process) are bounded by the case deadline. (``harness run``'s planned plain cases:
+``test_run_pytest.py``.)"""
 
 from __future__ import annotations
 
 import pytest
 from launch_project import inner_env, run_session, write_project
 from suite_project import make_project, manifest
-from test_cli import harness, summary_rows
+from test_cli import harness
 
 FIXTURES = """
     import time
@@ -127,80 +125,6 @@ def test_native_code_holding_the_gil_is_stopped_by_the_backstop(tmp_path):
     assert session.seconds < 60, session.output
     assert "Timeout (0:00:0" in session.output, session.output
     assert "in holds_the_gil" in session.output, session.output
-
-
-def test_a_planned_case_in_native_code_fails_and_the_run_goes_on(pytester):
-    # The same under `harness run`: the case ran until the runner's timeout stopped the
-    # whole run, every later group "not run".
-    stuck = 're.match(r"(a+)+$", "a" * 48 + "b")'
-    tests = {
-        "tests/s/test_s.py": f"import re\n\ndef test_ok():\n    pass\n\ndef test_stuck():\n    {stuck}\n",
-        "tests/t/test_t.py": "def test_then():\n    pass\n",
-    }
-    entries = [
-        {"id": "s", "paths": ["tests/s"], "timeout_s": 0.5},
-        {"id": "t", "paths": ["tests/t"], "timeout_s": 30},
-    ]
-    root = make_project(pytester.path, tests, {"cpu": manifest("cpu", "cpu", entries)})
-    done = harness(root, "run", "cpu", "--out", "out", timeout=120)
-    assert done.returncode == 1, done.stdout + done.stderr
-    rows = summary_rows((root / "out/summary.md").read_text())
-    assert rows["s"][:3] == ["2", "1", "1"], done.stdout  # test_ok kept its pass
-    assert rows["t"][:3] == ["1", "1", "0"], done.stdout  # the next group ran
-    assert "in test_stuck" in done.stdout + done.stderr
-
-
-CASES = """
-    import time
-
-
-    def test_first():
-        pass
-
-
-    def test_hangs():
-        time.sleep(60)
-
-
-    def test_then():
-        pass
-
-
-    def test_stuck():
-        # Swallows the interruption at its deadline: only stopping the process ends it.
-        while True:
-            try:
-                time.sleep(60)
-            except BaseException:
-                pass
-"""
-
-
-def test_planned_cases_keep_their_deadline_and_the_verdicts_earned_before_a_hang(pytester):
-    root = make_project(
-        pytester.path,
-        {"tests/s/test_s.py": CASES},
-        {"cpu": manifest("cpu", "cpu", [{"id": "s", "paths": ["tests/s"], "timeout_s": 1}])},
-    )
-    # pytest's faulthandler_timeout arms faulthandler's one timer for each test.
-    with (root / "pyproject.toml").open("a") as f:
-        f.write("faulthandler_timeout = 0.5\n")
-    done = harness(root, "run", "cpu", "--out", "out", "--", "-p", "no:xdist", timeout=90)
-    output = done.stdout + done.stderr
-    assert done.returncode == 1, output
-    # test_hangs fails at its deadline and the session goes on; test_stuck does
-    # not come back from its interruption and stops pytest: it fails (its setup
-    # had passed), and the cases that passed before it stay passed.
-    summary = (root / "out/summary.md").read_text()
-    assert summary_rows(summary)["s"][:3] == ["4", "2", "2"], summary
-    assert "tests/s/test_s.py::test_hangs ran past 2 s (deadline 1 s); the stacks" in output
-    assert "- watchdog: tests/s/test_s.py::test_stuck ran past 2 s (deadline 1 s); stacks in" in (
-        done.stdout
-    )
-    (log,) = (root / "out").glob("watchdog-*.log")
-    assert "in test_stuck" in log.read_text()
-    # pytest's own faulthandler_timeout still dumped the stacks when it was due.
-    assert "Timeout (0:00:00.500000)!" in output
 
 
 def test_a_nested_session_leaves_the_outer_faulthandler_timeout_alone(pytester):

@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
@@ -302,81 +303,76 @@ class _TimeoutOnceStarted:
         return time.monotonic() + (1e6 if self.started.exists() else 0.0)
 
 
-def test_a_case_stopped_at_the_runners_timeout_is_not_run(pytester, monkeypatch, capsys):
+def _release_when_started(started: Path, after_s: float = 1.0) -> threading.Thread:
+    """A thread that lets the SLOW case end ``after_s`` seconds after it started."""
+
+    def release() -> None:
+        deadline = time.monotonic() + 120
+        while not started.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(after_s)
+        Path(f"{started}.release").write_text("")
+
+    thread = threading.Thread(target=release, daemon=True)
+    thread.start()
+    return thread
+
+
+@pytest.mark.parametrize("ci", ["", "true"])
+def test_the_runners_timeout_bounds_a_run_only_in_ci(pytester, monkeypatch, capsys, ci):
+    # Regression (issue 44): the runner's timeout_minutes, a CI job's budget, stopped local
+    # runs too (`harness run cpu` on a loaded machine: red after 30 min). The budget here
+    # passes as soon as the case starts; the case ends a second later.
     root = slow_project(pytester.path)
     started = root / "started"
     monkeypatch.setenv("STARTED", str(started))
+    monkeypatch.setenv("CI", ci)
     monkeypatch.delenv("PYTEST_ADDOPTS", raising=False)
     monkeypatch.setattr(run_module, "time", _TimeoutOnceStarted(started))
+    _release_when_started(started)
     argv = ["--root", str(root), "run", "cpu", "--out", "out", "--durations-out", "d.json"]
-    assert main(argv) == 1
+    code = main(argv)
     out = capsys.readouterr().out
     assert started.exists()
     (case,) = json.loads((root / "out/summary.json").read_text())["cases"]
+    if not ci:  # a local run: not bounded, the case passes
+        assert code == 0, out
+        assert case["outcome"] == "passed", case
+        assert "no time budget (CI unset)" in out
+        return
+    assert code == 1, out
     assert case == {
         "nodeid": SLOW_ID,
         "outcome": "not run",
         "seconds": 0.0,
-        "message": "the run stopped during its call (stopped at the runner's timeout of 10 min)",
+        "message": "the run stopped during its call "
+        "(stopped at the runner's timeout of 10 min (CI is set))",
     }
     assert json.loads((root / "d.json").read_text())["durations"] == {}
-    assert "**FAILED**: stopped at the runner's timeout" in out
+    assert "**FAILED**: stopped at the runner's timeout of 10 min (CI is set)" in out
     # Called in-process, the run gives its caller back its subreaper state.
     assert not processes.is_subreaper()
 
 
-class _TimeoutAfterExit:
-    """``time`` for ``harness.suites.run``: the runner's timeout passes once the process
-    whose pid is in ``pid_file`` has ended and been reaped."""
-
-    def __init__(self, pid_file: Path):
-        self.pid_file = pid_file
-
-    def __getattr__(self, name: str):
-        return getattr(time, name)
-
-    def _ended(self) -> bool:
-        try:
-            os.kill(int(self.pid_file.read_text()), 0)
-        except (FileNotFoundError, ValueError):
-            return False
-        except ProcessLookupError:
-            return True
-        return False
-
-    def monotonic(self) -> float:
-        return time.monotonic() + (1e6 if self._ended() else 0.0)
-
-
-def test_the_runners_timeout_bounds_the_whole_run_not_each_group(pytester, monkeypatch, capsys):
-    # Regression: each pytest group had the whole timeout to itself, so N groups could run
-    # N times past the CI job's limit, which then killed the run before its summary.
-    entries = [
-        {"id": "first", "paths": ["tests/first"], "timeout_s": 60},
-        {"id": "second", "paths": ["tests/second"], "timeout_s": 120},
-    ]
-    pid_file = pytester.path / "first-pid"
-    tests = {
-        "tests/first/test_first.py": f"import os\n\ndef test_it():\n    open({str(pid_file)!r}, 'w').write(str(os.getpid()))\n",
-        "tests/second/test_second.py": "def test_it():\n    pass\n",
-    }
-    root = make_project(pytester.path, tests, {"cpu": manifest("cpu", "cpu", entries)})
-    monkeypatch.delenv("PYTEST_ADDOPTS", raising=False)
-    # The first group's pytest ended in time, and left the second none.
-    monkeypatch.setattr(run_module, "time", _TimeoutAfterExit(pid_file))
-    assert main(["--root", str(root), "run", "cpu", "--out", "out"]) == 1
-    out = capsys.readouterr().out
-    cases = {c["nodeid"]: c for c in json.loads((root / "out/summary.json").read_text())["cases"]}
-    assert cases["tests/first/test_first.py::test_it"]["outcome"] == "passed"
-    assert cases["tests/second/test_second.py::test_it"] == {
-        "nodeid": "tests/second/test_second.py::test_it",
-        "outcome": "not run",
-        "seconds": 0.0,
-        "message": "stopped at the runner's timeout of 10 min, before its group started",
-    }
-    assert "1 group(s) of cases not started" in out
-    assert "**FAILED**: stopped at the runner's timeout" in out
-    assert not (root / "out/junit-2.xml").exists()
+def test_timeout_minutes_bounds_a_run_anywhere(pytester):
+    # --timeout-minutes takes a fraction of a minute: 0.02 min is 1.2 s, the case takes 120 s.
+    root = slow_project(pytester.path)
+    started = root / "started"
+    t0 = time.monotonic()
+    done = harness(
+        root,
+        "run",
+        "cpu",
+        "--out",
+        "out",
+        "--timeout-minutes",
+        "0.02",
+        env={"STARTED": str(started), "CI": ""},
+    )
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert time.monotonic() - t0 < 60
+    assert "**FAILED**: stopped at --timeout-minutes 0.02" in done.stdout
+    assert outcomes(root / "out") == {SLOW_ID: "not run"}
 
 
 def _records(reports: dict[str, list[tuple[str, str]]], finish: int | None) -> Records:
@@ -433,7 +429,7 @@ def test_only_a_case_whose_call_and_teardown_passed_passed():
 
 
 def test_a_second_run_into_the_same_output_folder_is_refused(pytester, tmp_path):
-    # Both runs wrote and read back out/select-1.json.*.jsonl (and the second cleared the
+    # Both runs wrote and read back out/select.json.*.jsonl (and the second cleared the
     # first's records): each reported a mix of the two runs' outcomes.
     root = slow_project(pytester.path)
     started = tmp_path / "started"
@@ -505,10 +501,9 @@ def test_a_lock_file_naming_a_finished_run_is_not_shown_as_its_holder(tmp_path):
         assert lock.read_text().startswith(f"pid {os.getpid()}: harness run cpu, since ")
 
 
-def test_coverage_through_harness_run_covers_every_group(pytester):
+def test_coverage_through_harness_run_covers_every_case(pytester):
     # Regression: the run's xdist workers were set after pytest-cov had picked its
-    # single-process controller (INTERNALERROR: no attribute 'configure_node' in every
-    # group), and each group's pytest erased the coverage data of the groups before it.
+    # single-process controller (INTERNALERROR: no attribute 'configure_node').
     pytest.importorskip("pytest_cov")
     from coverage import CoverageData
 
@@ -522,7 +517,7 @@ def test_coverage_through_harness_run_covers_every_group(pytester):
     }
     entries = [
         {"id": "a", "paths": ["tests/a"]},
-        {"id": "b", "paths": ["tests/b"], "timeout_s": 120},  # a group of its own
+        {"id": "b", "paths": ["tests/b"], "timeout_s": 120},
     ]
     make_project(root, tests, {"cpu": manifest("cpu", "cpu", entries)})
     (root / "pyproject.toml").write_text(
@@ -531,14 +526,12 @@ def test_coverage_through_harness_run_covers_every_group(pytester):
     done = harness(root, "run", "cpu", "--", "--cov=pkg", "--cov-report=term")
     assert done.returncode == 0, done.stdout + done.stderr
     assert "INTERNALERROR" not in done.stdout + done.stderr
-    assert "group 2/2" in done.stdout + done.stderr, done.stdout
     data = CoverageData(basename=str(root / ".coverage"))
     data.read()
     (mod,) = [f for f in data.measured_files() if f.endswith("mod.py")]
     assert {2, 6} <= set(data.lines(mod)), sorted(data.lines(mod))  # f's body and g's
 
-    # --cov-fail-under is the whole run's: a group before the last, holding part of the
-    # data, does not fail it; the last one does, and the run is red (exit 1 was ignored).
+    # --cov-fail-under fails the run, red though no case failed (exit 1 was ignored).
     args = ["run", "cpu", "--", "--cov=pkg", "--cov-fail-under=100"]
     done = harness(root, *args)
     assert done.returncode == 0, done.stdout + done.stderr
@@ -563,47 +556,41 @@ def test_a_run_under_python_warnings_as_errors_runs_its_cases(pytester):
     assert "console_main" not in done.stdout + done.stderr
 
 
-TWO_GROUPS = [
+TWO_ENTRIES = [
     {"id": "first", "paths": ["tests/first"], "timeout_s": 60},
     {"id": "second", "paths": ["tests/second"], "timeout_s": 120},
 ]
 
 
-def test_x_stops_the_whole_run_not_only_its_group(pytester):
-    # Regression: -x stopped the pytest of the group where the failure came; the next
-    # group still started and ran its cases.
+def test_x_stops_the_run_and_junit_holds_the_cases_not_run(pytester):
     tests = {
         "tests/first/test_first.py": "def test_fails():\n    assert False\n",
         "tests/second/test_second.py": "def test_it():\n    pass\n",
     }
-    root = make_project(pytester.path, tests, {"cpu": manifest("cpu", "cpu", TWO_GROUPS)})
-    (root / "out").mkdir()
-    (root / "out/junit-2.xml").write_text("<testsuite tests='0'/>")  # an earlier run's
-    done = harness(root, "run", "cpu", "--out", "out", "--", "-x")
+    root = make_project(pytester.path, tests, {"cpu": manifest("cpu", "cpu", TWO_ENTRIES)})
+    done = harness(root, "run", "cpu", "--out", "out", "--", "-x", "-n", "0")
     assert done.returncode == 1, done.stdout + done.stderr
-    # JUnit holds the case of the group never started, as not run (skipped).
+    # JUnit holds the case -x left unrun, as not run (skipped).
     junit = read_junit([root / "out/junit.xml"])
     assert junit[junit_key("tests/second/test_second.py::test_it")].outcome == "skipped"
     cases = {c["nodeid"]: c for c in json.loads((root / "out/summary.json").read_text())["cases"]}
     assert cases["tests/first/test_first.py::test_fails"]["outcome"] == "failed"
     second = cases["tests/second/test_second.py::test_it"]
     assert second["outcome"] == "not run", second
-    assert second["message"].startswith("pytest stopped (stopping after 1 failures")
-    assert second["message"].endswith(", before its group started")
-    assert not (root / "out/junit-2.xml").exists()
+    assert second["message"].startswith("stopping after 1 failures"), second
 
 
 @pytest.mark.parametrize("prefix", ["", "PFX"])
 def test_refreshed_durations_keep_the_figures_of_cases_that_did_not_run(pytester, prefix):
     # Regression: scripts/refresh_durations.py took the cases harness run adds to junit.xml
     # for pytest (not run after -x, never collected) as having run in 0.0 s, overwriting
-    # their recorded figures; a run stopped at the runner's timeout zeroed whole groups.
+    # their recorded figures; a run stopped at the runner's timeout zeroed them all.
     # Under a --junit-prefix in addopts it recorded no figure at all ("0 case(s) ran").
     tests = {
         "tests/first/test_first.py": "def test_fails():\n    assert False\n",
         "tests/second/test_second.py": "def test_it():\n    pass\n",
     }
-    root = make_project(pytester.path, tests, {"cpu": manifest("cpu", "cpu", TWO_GROUPS)})
+    root = make_project(pytester.path, tests, {"cpu": manifest("cpu", "cpu", TWO_ENTRIES)})
     if prefix:
         (root / "pyproject.toml").write_text(
             f'[tool.pytest.ini_options]\ntestpaths = ["tests"]\naddopts = "--junit-prefix={prefix}"\n'
@@ -612,7 +599,7 @@ def test_refreshed_durations_keep_the_figures_of_cases_that_did_not_run(pytester
     recorded.parent.mkdir(parents=True, exist_ok=True)
     second = "tests/second/test_second.py::test_it"
     recorded.write_text(json.dumps({"suite": "cpu", "durations": {second: 5.0}}))
-    done = harness(root, "run", "cpu", "--out", "out", "--", "-x")
+    done = harness(root, "run", "cpu", "--out", "out", "--", "-x", "-n", "0")
     assert done.returncode == 1, done.stdout + done.stderr
     script = Path(__file__).resolve().parents[2] / "scripts" / "refresh_durations.py"
     refresh = subprocess.run(
@@ -631,7 +618,7 @@ def test_refreshed_durations_keep_the_figures_of_cases_that_did_not_run(pytester
 def test_a_pytest_that_exits_124_itself_is_not_the_runners_timeout(pytester):
     # Regression: exit status 124 of pytest's own was reported as the runner's timeout.
     tests = {"tests/first/test_first.py": "import os\n\ndef test_it():\n    os._exit(124)\n"}
-    root = make_project(pytester.path, tests, {"cpu": manifest("cpu", "cpu", TWO_GROUPS[:1])})
+    root = make_project(pytester.path, tests, {"cpu": manifest("cpu", "cpu", TWO_ENTRIES[:1])})
     done = harness(root, "run", "cpu", "--out", "out", "--", "-p", "no:xdist")
     assert done.returncode == 1, done.stdout + done.stderr
     assert "pytest exited with 124" in done.stdout
@@ -647,23 +634,20 @@ def test_a_case_that_ends_the_session_with_status_0_fails_the_run(pytester):
         ),
         "tests/second/test_second.py": "def test_it():\n    pass\n",
     }
-    root = make_project(pytester.path, tests, {"cpu": manifest("cpu", "cpu", TWO_GROUPS)})
+    root = make_project(pytester.path, tests, {"cpu": manifest("cpu", "cpu", TWO_ENTRIES)})
     done = harness(root, "run", "cpu", "--out", "out", "--", "-p", "no:xdist")
     assert done.returncode == 1, done.stdout + done.stderr
     assert "**FAILED**: a case ended pytest's session (Exit: abort on purpose)" in done.stdout
     cases = {c["nodeid"]: c for c in json.loads((root / "out/summary.json").read_text())["cases"]}
     second = cases["tests/second/test_second.py::test_it"]
     assert second["outcome"] == "not run", second
-    assert second["message"] == (
-        "pytest was interrupted (Exit: abort on purpose), before its group started"
-    )
+    assert second["message"] == "Exit: abort on purpose during a case", second
 
 
 @pytest.mark.parametrize("failing", ["first", "second"])
-def test_last_failed_reruns_the_runs_failures_not_every_case_of_the_other_groups(pytester, failing):
-    # Regression: each group is its own pytest, and pytest's --lf reruns every case of a
-    # selection holding none of the recorded failures: the group without the failure ran
-    # in full.
+def test_last_failed_reruns_the_runs_failures_only(pytester, failing):
+    # Regression: when the run was split over several pytest processes, pytest's --lf
+    # reran every case of a process whose cases held none of the recorded failures.
     tests = {
         f"tests/{g}/test_{g}.py": (
             f"import os\n\ndef test_flaky():\n    assert not os.environ.get('FAIL_{g.upper()}')\n\n"
@@ -671,7 +655,7 @@ def test_last_failed_reruns_the_runs_failures_not_every_case_of_the_other_groups
         )
         for g in ("first", "second")
     }
-    root = make_project(pytester.path, tests, {"cpu": manifest("cpu", "cpu", TWO_GROUPS)})
+    root = make_project(pytester.path, tests, {"cpu": manifest("cpu", "cpu", TWO_ENTRIES)})
     failed = harness(root, "run", "cpu", "--out", "out", env={f"FAIL_{failing.upper()}": "1"})
     assert failed.returncode == 1, failed.stdout + failed.stderr
     again = harness(root, "run", "cpu", "--out", "out", "--", "--lf")
@@ -731,11 +715,11 @@ def test_last_failed_calls_a_planned_case_never_collected_missing(pytester):
         assert outcomes(root / "out")[gone] == "missing"
 
 
-def test_a_usage_error_stops_the_run_at_its_first_group(pytester, tmp_path):
-    # Regression: each group's pytest met the same usage error (an unusable lease dir, a
-    # bad option) and said it again; the run went on starting groups.
+def test_a_usage_error_leaves_every_case_not_run(pytester, tmp_path):
+    # Regression: a usage error of pytest's (an unusable lease dir, a bad option, a --pdb
+    # refusal) called every planned case missing ("never collected").
     tests = {f"tests/{g}/test_{g}.py": "def test_it():\n    pass\n" for g in ("first", "second")}
-    root = make_project(pytester.path, tests, {"cpu": manifest("cpu", "cpu", TWO_GROUPS)})
+    root = make_project(pytester.path, tests, {"cpu": manifest("cpu", "cpu", TWO_ENTRIES)})
     (tmp_path / "a-file").write_text("")
     done = harness(
         root, "run", "cpu", "--out", "out", env={"HARNESS_LEASE_DIR": str(tmp_path / "a-file")}
@@ -744,18 +728,12 @@ def test_a_usage_error_stops_the_run_at_its_first_group(pytester, tmp_path):
     said = done.stdout + done.stderr
     assert said.count(f"harness lease directory {tmp_path / 'a-file'}") == 1, said
     cases = {c["nodeid"]: c for c in json.loads((root / "out/summary.json").read_text())["cases"]}
-    second = cases["tests/second/test_second.py::test_it"]
-    assert second["outcome"] == "not run", second
-    assert second["message"] == (
-        "pytest stopped on a usage error (exit status 4), before its group started"
-    )
-    # Regression: the first group's cases were "missing: never collected" (a --pdb refusal
-    # of a run given one file called every case of the suite missing).
-    first = cases["tests/first/test_first.py::test_it"]
-    assert (first["outcome"], first["message"]) == (
-        "not run",
-        "pytest stopped on a usage error (exit status 4)",
-    )
+    for g in ("first", "second"):
+        case = cases[f"tests/{g}/test_{g}.py::test_it"]
+        assert (case["outcome"], case["message"]) == (
+            "not run",
+            "pytest stopped on a usage error (exit status 4)",
+        )
     assert "never ran" not in done.stdout
     assert "pytest exited with 4 (a usage error: see pytest's message above)" in done.stdout
 
@@ -772,7 +750,7 @@ def test_junit_holds_the_cases_of_a_pytest_that_died(pytester):
         ),
         "tests/second/test_second.py": "def test_never_collected():\n    pass\n",
     }
-    root = make_project(pytester.path, tests, {"cpu": manifest("cpu", "cpu", TWO_GROUPS)})
+    root = make_project(pytester.path, tests, {"cpu": manifest("cpu", "cpu", TWO_ENTRIES)})
     # The second group's file goes between planning and its pytest: never collected.
     (root / "conftest.py").write_text(
         "import os\n\ndef pytest_configure(config):\n"
@@ -874,7 +852,7 @@ def test_paths_and_node_ids_given_to_pytest_narrow_the_run(pytester):
             "class TestK:\n    def test_m(self):\n        pass\n"
         ),
     }
-    root = make_project(pytester.path, tests, {"cpu": manifest("cpu", "cpu", TWO_GROUPS)})
+    root = make_project(pytester.path, tests, {"cpu": manifest("cpu", "cpu", TWO_ENTRIES)})
     cases = [
         "tests/first/test_first.py::test_a",
         "tests/first/test_first.py::test_b",
@@ -906,7 +884,7 @@ def test_a_configuration_that_disables_the_harness_plugin_fails_the_run(pytester
     done = harness(root, "run", "cpu", "--out", "out")
     assert done.returncode == 1, done.stdout + done.stderr
     assert (
-        "harness run needs its pytest plugin harness.launcher.plugin" in done.stdout + done.stderr
+        "harness run needs the pytest plugin harness.launcher.plugin" in done.stdout + done.stderr
     )
     assert outcomes(root / "out") == {"tests/a/test_a.py::test_a": "not run"}
 
@@ -925,7 +903,7 @@ def test_named_cases_whose_collection_crashed_are_never_deselected(pytester):
             "def test_it():\n    pass\n"
         ),
     }
-    root = make_project(pytester.path, tests, {"cpu": manifest("cpu", "cpu", TWO_GROUPS)})
+    root = make_project(pytester.path, tests, {"cpu": manifest("cpu", "cpu", TWO_ENTRIES)})
     outer = {"OUTER_RUN": os.environ.get("PYTEST_XDIST_TESTRUNUID", "")}
     args = ("--", "-n", "2", "tests/first", "tests/second/test_second.py")
     done = harness(root, "run", "cpu", "--out", "out", *args, env=outer)
@@ -1237,7 +1215,7 @@ def test_cache_clear_clears_the_cache_once_per_run(pytester):
     tests["tests/first/test_first.py"] += (
         "\ndef test_stores(request):\n    request.config.cache.set('my/key', 1)\n"
     )
-    root = make_project(pytester.path, tests, {"cpu": manifest("cpu", "cpu", TWO_GROUPS)})
+    root = make_project(pytester.path, tests, {"cpu": manifest("cpu", "cpu", TWO_ENTRIES)})
     for workers in ("0", "2"):  # xdist's workers clear the cache too, unless told not to
         done = harness(root, "run", "cpu", "--out", "out", "--", "-n", workers, "--cache-clear")
         assert done.returncode == 1, done.stdout + done.stderr
@@ -1263,3 +1241,107 @@ def test_junit_names_a_file_that_fails_to_import_once_under_a_prefix(pytester):
     cases = json.loads((root / "out/summary.json").read_text())["cases"]
     testcases = list(ET.parse(root / "out/junit.xml").getroot().iter("testcase"))
     assert len(testcases) == len(cases) == 2, [t.attrib for t in testcases]
+
+
+# --------------------------------------------------------------------------- deadlines
+
+
+def test_a_planned_case_in_native_code_fails_and_the_run_goes_on(pytester):
+    # A regex backtracking in native code: interrupted at its deadline (the run used to go on
+    # until the runner's timeout), the other cases keep their verdicts.
+    stuck = 're.match(r"(a+)+$", "a" * 48 + "b")'
+    tests = {
+        "tests/s/test_s.py": f"import re\n\ndef test_ok():\n    pass\n\ndef test_stuck():\n    {stuck}\n",
+        "tests/t/test_t.py": "def test_then():\n    pass\n",
+    }
+    entries = [
+        {"id": "s", "paths": ["tests/s"], "timeout_s": 0.5},
+        {"id": "t", "paths": ["tests/t"], "timeout_s": 30},
+    ]
+    root = make_project(pytester.path, tests, {"cpu": manifest("cpu", "cpu", entries)})
+    done = harness(root, "run", "cpu", "--out", "out", timeout=120)
+    assert done.returncode == 1, done.stdout + done.stderr
+    rows = summary_rows((root / "out/summary.md").read_text())
+    assert rows["s"][:3] == ["2", "1", "1"], done.stdout  # test_ok kept its pass
+    assert rows["t"][:3] == ["1", "1", "0"], done.stdout
+    assert "- failed: `tests/s/test_s.py::test_stuck` — Failed: Timeout (>0.5s)" in done.stdout
+
+
+DEADLINE_CASES = """
+    import time
+
+
+    def test_first():
+        pass
+
+
+    def test_hangs():
+        time.sleep(60)
+
+
+    def test_then():
+        pass
+
+
+    def test_stuck():
+        # Swallows the interruption at its deadline: only stopping the process ends it.
+        while True:
+            try:
+                time.sleep(60)
+            except BaseException:
+                pass
+"""
+
+
+def test_planned_cases_keep_their_deadline_and_the_verdicts_earned_before_a_hang(pytester):
+    root = make_project(
+        pytester.path,
+        {"tests/s/test_s.py": DEADLINE_CASES},
+        {"cpu": manifest("cpu", "cpu", [{"id": "s", "paths": ["tests/s"], "timeout_s": 1}])},
+    )
+    done = harness(root, "run", "cpu", "--out", "out", "--", "-p", "no:xdist", timeout=90)
+    output = done.stdout + done.stderr
+    assert done.returncode == 1, output
+    # test_hangs fails at its deadline (pytest-timeout's marker, from the entry's
+    # timeout_s) and the session goes on; test_stuck does not come back from its
+    # interruption and the backstop stops pytest: it fails, and the cases that passed
+    # before it stay passed.
+    summary = (root / "out/summary.md").read_text()
+    assert summary_rows(summary)["s"][:3] == ["4", "2", "2"], summary
+    assert "Timeout (>1.0s) from pytest-timeout" in output
+    assert "- backstop: tests/s/test_s.py::test_stuck: stopped 2 s after it started" in summary
+    (log,) = (root / "out").glob("backstop-*.log")
+    assert "in test_stuck" in log.read_text()
+
+
+def test_a_case_or_project_timeout_wins_over_the_default_deadline(pytester):
+    # The one carrier of a planned case's deadline is pytest-timeout's marker: the case's
+    # own marker wins, then the entry's timeout_s, then the project's `timeout` ini, then
+    # the default (names.DEFAULT_CASE_TIMEOUT_S).
+    test = (
+        "import pytest\n\n"
+        "def test_default(request):\n"
+        "    assert request.node.get_closest_marker('timeout').args == ({expect},)\n\n"
+        "@pytest.mark.timeout(7)\n"
+        "def test_own(request):\n"
+        "    assert request.node.get_closest_marker('timeout').args == (7,)\n"
+    )
+    entries = [
+        {"id": "a", "paths": ["tests/a"], "timeout_s": 42},
+        {"id": "b", "paths": ["tests/b"]},
+    ]
+    tests = {
+        "tests/a/test_a.py": test.format(expect=42),
+        "tests/b/test_b.py": test.format(expect=300.0),
+    }
+    root = make_project(pytester.path, tests, {"cpu": manifest("cpu", "cpu", entries)})
+    done = harness(root, "run", "cpu", "--out", "out", "--", "-n", "0")
+    assert done.returncode == 0, done.stdout + done.stderr
+    # The project's own pytest-timeout setting stands where no entry sets one.
+    (root / "tests/b/test_b.py").write_text(
+        "def test_ini(request):\n    assert request.node.get_closest_marker('timeout') is None\n"
+    )
+    with (root / "pyproject.toml").open("a") as f:
+        f.write("timeout = 50\n")
+    done = harness(root, "run", "cpu", "--out", "out", "--", "-n", "0", "tests/b")
+    assert done.returncode == 0, done.stdout + done.stderr
