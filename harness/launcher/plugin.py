@@ -13,8 +13,9 @@ Per test:
   passed, failed naming ``rank N`` (first failure first, with its
   traceback), skipped or xfailed with the ranks' reason. Consecutive cases
   with the same (device, nproc, backend) run on a kept pool of ranks
-  (``harness.launcher.pool``) unless ``--harness-no-reuse`` or ``LaunchSpec.reuse``
-  says otherwise; the pool is closed at the end of the session;
+  (``harness.launcher.pool``) when ``harness_reuse`` / ``--harness-reuse`` or
+  ``LaunchSpec(reuse=True)`` opts in (fresh ranks per case by default); the pool
+  is closed at the end of the session;
 * setup and teardown of a launched test (its fixtures run in this process):
   each bounded by the case deadline through ``harness.watchdog.watchdog``
   (past it the phase fails with this process's stacks and the session goes on).
@@ -60,7 +61,6 @@ from harness.launcher.lease import (
     resolve_lease_dir,
 )
 from harness.launcher.pool import keeper
-from harness.launcher.routing import install as install_routing
 from harness.launcher.settings import (
     DEFAULT_LEASE_TIMEOUT_S,
     DEFAULT_TIMEOUT_S,
@@ -126,23 +126,35 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "lacks fails instead of being skipped",
     )
     group.addoption(
-        "--harness-no-reuse",
+        "--harness-reuse",
         action="store_true",
+        default=None,
+        help="run consecutive launched cases with the same (device, nproc, backend) on a "
+        "kept pool of ranks (ini harness_reuse; default: fresh ranks per case)",
+    )
+    group.addoption(
+        "--harness-no-reuse",
+        action="store_false",
+        dest="harness_reuse",
+        default=None,
+        help="fresh rank processes for every launched case, whatever harness_reuse says",
+    )
+    parser.addini(
+        "harness_reuse",
+        type="bool",
         default=False,
-        help="start fresh rank processes for every launched case instead of "
-        "running consecutive cases on a kept pool of ranks",
+        help="run consecutive launched cases on kept rank pools (LaunchSpec.reuse=None cases)",
     )
 
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers",
-        "launch(spec=None, *, device=None, nproc=1, timeout=None, backend=None, reuse=True): "
+        "launch(spec=None, *, device=None, nproc=1, timeout=None, backend=None, reuse=None): "
         "run the test body in LaunchSpec.nproc rank processes with torch.distributed initialised",
     )
     tie_to_controller(worker=hasattr(config, "workerinput"))
     settings = _settings_from(config)
-    install_routing(config, settings)
     config.stash[SETTINGS_KEY] = settings
     config.stash[ACTIVATION_KEY] = active.set(settings)
     phases = _FixtureDeadlines(config)
@@ -168,6 +180,10 @@ def _settings_from(config: pytest.Config) -> Settings:
             parse_cards(os.environ["HARNESS_CARDS"])
         except ValueError as exc:
             raise pytest.UsageError(str(exc)) from None
+    # --harness-reuse / --harness-no-reuse, else the ini (default: fresh ranks per case).
+    reuse = opt("harness_reuse")
+    if reuse is None:
+        reuse = config.getini("harness_reuse")
     lease_dir, lease_dir_source = resolve_lease_dir(opt("harness_lease_dir"))
     # A collect-only session (`--co`, the inventory, the planner) leases nothing.
     if not opt("collectonly"):
@@ -186,7 +202,7 @@ def _settings_from(config: pytest.Config) -> Settings:
         lease_timeout=opt("harness_lease_timeout"),
         require=require,
         capture=True,
-        reuse=not opt("harness_no_reuse"),
+        reuse=reuse,
     )
 
 
@@ -421,7 +437,7 @@ def _run_on_ranks(
             what=item.nodeid,
             settings=settings,
             default_source=default_source,
-            reuse=spec.reuse and settings.reuse,
+            reuse=settings.reuse if spec.reuse is None else spec.reuse,
             kinds=kinds,
             want_value=False,
             state=None if item.instance is None else dict(vars(item.instance)),

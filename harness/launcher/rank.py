@@ -226,6 +226,8 @@ def _serve(
         rank_coverage.case_started()
         if baseline is not None:
             baseline.restore()
+            if ctx.card is not None:
+                _select_card(ctx)  # the last case may have made another device current
         if message.check:
             _health_gate(conn, ctx, message.seq)
         outcome, baseline = _run_kept(ctx, message.task, baseline)
@@ -496,8 +498,6 @@ def _health_check(ctx: RankContext, seq: int) -> str | None:
         import torch
         import torch.distributed as dist
 
-        if ctx.card is not None:
-            _select_card(ctx)  # the case may have made another device current
         if not dist.is_initialized():
             return "the process group is gone"
         device = torch.device("cpu")

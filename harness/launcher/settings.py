@@ -40,7 +40,7 @@ class Settings:
     lease_timeout: float = DEFAULT_LEASE_TIMEOUT_S
     require: frozenset[str] = frozenset()
     capture: bool = False
-    reuse: bool = True
+    reuse: bool = False
 
     def __post_init__(self) -> None:
         # A relative lease directory means where the session started, not

@@ -79,10 +79,11 @@ def inner_env(out: Path, lease_dir: Path, *, cards: str = "none") -> dict[str, s
     return env
 
 
-def write_project(root: Path, files: dict[str, str]) -> Path:
-    """Write ``files`` (dedented) plus ``recording.py`` and a ``pytest.ini`` pinning the rootdir."""
+def write_project(root: Path, files: dict[str, str], *, reuse: bool = False) -> Path:
+    """Write ``files`` (dedented) plus ``recording.py`` and a ``pytest.ini`` pinning the
+    rootdir (with ``reuse``: opting in to kept rank pools, ``harness_reuse = true``)."""
     root.mkdir(parents=True, exist_ok=True)
-    (root / "pytest.ini").write_text("[pytest]\n")
+    (root / "pytest.ini").write_text("[pytest]\n" + ("harness_reuse = true\n" if reuse else ""))
     (root / "recording.py").write_text(RECORDING)
     for name, text in files.items():
         (root / name).write_text(textwrap.dedent(text))

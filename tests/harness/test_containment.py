@@ -157,7 +157,7 @@ CRASHING_CASES = """
     import pytest
 
 
-    @pytest.mark.launch(nproc=1)
+    @pytest.mark.launch(nproc=1, reuse=True)
     def test_a_kept_pool():
         pass
 
@@ -205,7 +205,7 @@ CRASHING_AFTER_EOF_CASES = """
     import pytest
 
 
-    @pytest.mark.launch(nproc=1)
+    @pytest.mark.launch(nproc=1, reuse=True)
     def test_a_kept_pool():
         pass
 

@@ -305,7 +305,7 @@ def test_a_session_waiting_for_slots_is_not_starved_by_a_kept_pool(tmp_path):
     leases, out = tmp_path / "leases", tmp_path / "out"
     out.mkdir()
     env = inner_env(out, leases)
-    busy_root = write_project(tmp_path / "busy", {"test_busy.py": POOL_SESSION})
+    busy_root = write_project(tmp_path / "busy", {"test_busy.py": POOL_SESSION}, reuse=True)
     waiting_root = write_project(tmp_path / "waiting", {"test_waiting.py": WAITING_SESSION})
     busy = subprocess.Popen(
         pytest_command(busy_root, "--harness-max-procs", "2"),
