@@ -2,7 +2,7 @@
 and CPU process slots.
 
 Every pytest process on the host (xdist workers, concurrent sessions, other
-projects, scripts calling ``harness.launcher.launch``) leases through one
+projects, scripts calling ``harness.launch``) leases through one
 *lease directory*. Each resource has one lock file per user in it::
 
     <lease dir>/cuda-0.u1000.lock   card cuda:0, as leased by uid 1000

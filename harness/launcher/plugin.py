@@ -46,10 +46,20 @@ from harness.devices import (
     runtime_available,
     set_device,
 )
-from harness.launcher.case import conclude, missing_cards, prepare_case
-from harness.launcher.deadline import choose_deadline
-from harness.launcher.enclosing import CASE_ENV, EnclosingCase
-from harness.launcher.launch import LaunchError, run_case
+from harness.launcher.case import (
+    DEFAULT_LEASE_TIMEOUT_S,
+    DEFAULT_TIMEOUT_S,
+    Deadline,
+    LaunchError,
+    Settings,
+    active,
+    choose_deadline,
+    conclude,
+    cpu_count,
+    missing_cards,
+    prepare_case,
+    run_case,
+)
 from harness.launcher.lease import (
     LEASE_DIR_ENV,
     LEASE_DIR_OPTION,
@@ -61,13 +71,7 @@ from harness.launcher.lease import (
     resolve_lease_dir,
 )
 from harness.launcher.pool import keeper
-from harness.launcher.settings import (
-    DEFAULT_LEASE_TIMEOUT_S,
-    DEFAULT_TIMEOUT_S,
-    Settings,
-    active,
-    cpu_count,
-)
+from harness.launcher.rank import CASE_ENV, EnclosingCase
 from harness.launcher.supervisor import tie_to_controller
 from harness.launcher.target import FunctionRef, conftests_for
 from harness.spec import ACCELERATORS, LaunchSpec, is_launched, launch_refusal, spec_for_item
@@ -75,9 +79,10 @@ from harness.validation import check_int, check_seconds
 from harness.watchdog import WATCHDOG_GRACE_S, faulthandler_free, watchdog
 
 SETTINGS_KEY = pytest.StashKey[Settings]()
-#: How to deactivate this config's settings (``harness.launcher.settings.active``).
+#: How to deactivate this config's settings (``harness.launcher.case.active``).
 ACTIVATION_KEY = pytest.StashKey["contextvars.Token[Settings]"]()
-SPEC_KEY = pytest.StashKey[LaunchSpec]()
+#: A test's spec and (launched) deadline, derived once (``_case``).
+CASE_KEY = pytest.StashKey[tuple[LaunchSpec, Deadline]]()
 #: Why the default lease directory is unusable, when it is (see ``_settings_from``).
 _LEASE_DIR_PROBLEM = pytest.StashKey[str]()
 CARD_LEASE_KEY = pytest.StashKey["_HeldCard"]()
@@ -248,10 +253,9 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     if not isinstance(item, pytest.Function):
         return
     try:
-        spec = spec_for_item(item)
+        spec, _ = _case(item)
     except ValueError as exc:
         _fail(f"{item.nodeid}: {exc}")
-    item.stash[SPEC_KEY] = spec
     refusal = launch_refusal(item) if is_launched(item) else None
     if refusal is not None:
         _fail(f"{item.nodeid}: {refusal}")
@@ -346,11 +350,9 @@ class _FixtureDeadlines:
         if not isinstance(item, pytest.Function) or not is_launched(item):
             return contextlib.nullcontext()
         try:
-            spec = item.stash.get(SPEC_KEY, None) or spec_for_item(item)
+            _, deadline = _case(item)
         except ValueError:
             return contextlib.nullcontext()  # the setup fails it, naming the problem
-        settings, default_source = _deadline_settings(item, item.config.stash[SETTINGS_KEY])
-        deadline = choose_deadline(spec, settings, default_source=default_source)
         return watchdog.bounding(
             ("launched case fixtures", self.config),
             deadline.seconds,
@@ -374,13 +376,25 @@ class _FixtureDeadlines:
             sys.__stderr__.flush()
 
 
-def _deadline_settings(item: pytest.Function, settings: Settings) -> tuple[Settings, str]:
-    """The settings a launched case's deadline is chosen from and the name of
-    their default: pytest-timeout's timeout of the test, else ``--harness-timeout``."""
-    timeout = item.stash.get(TIMEOUT_KEY, None)
-    if timeout is None:
-        return settings, "--harness-timeout"
-    return dataclasses.replace(settings, timeout=timeout), f"pytest-timeout's timeout={timeout:g}"
+def _case(item: pytest.Function) -> tuple[LaunchSpec, Deadline]:
+    """The test's spec and its deadline as a launched case, derived once and
+    stashed (``ValueError``: a bad spec). The deadline is ``LaunchSpec.timeout``,
+    else pytest-timeout's timeout of the test, else ``--harness-timeout``."""
+    case = item.stash.get(CASE_KEY, None)
+    if case is None:
+        spec = spec_for_item(item)
+        settings = item.config.stash[SETTINGS_KEY]
+        timeout = item.stash.get(TIMEOUT_KEY, None)
+        if timeout is None:
+            deadline = choose_deadline(spec, settings, default_source="--harness-timeout")
+        else:
+            deadline = choose_deadline(
+                spec,
+                dataclasses.replace(settings, timeout=timeout),
+                default_source=f"pytest-timeout's timeout={timeout:g}",
+            )
+        case = item.stash[CASE_KEY] = (spec, deadline)
+    return case
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -393,7 +407,7 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
         # An async test runs (or fails) as pytest and its async plugins decide,
         # exactly as its in-process twin: nothing here would await it.
         return None
-    spec = pyfuncitem.stash.get(SPEC_KEY, None) or spec_for_item(pyfuncitem)
+    spec, _ = _case(pyfuncitem)
     settings = pyfuncitem.config.stash[SETTINGS_KEY]
     fixtures = {name: pyfuncitem.funcargs[name] for name in pyfuncitem._fixtureinfo.argnames}
     if hasattr(pyfuncitem.obj, "hypothesis"):
@@ -427,7 +441,7 @@ def _run_on_ranks(
         else "Hypothesis example argument"
         for name in kwargs
     }
-    settings, default_source = _deadline_settings(item, settings)
+    _, deadline = _case(item)
     try:
         task, plan = prepare_case(
             FunctionRef.for_test(item),
@@ -436,7 +450,7 @@ def _run_on_ranks(
             spec,
             what=item.nodeid,
             settings=settings,
-            default_source=default_source,
+            deadline=deadline,
             reuse=settings.reuse if spec.reuse is None else spec.reuse,
             kinds=kinds,
             want_value=False,
@@ -548,6 +562,8 @@ def pytest_timeout_set_timer(item: pytest.Item, settings) -> bool | None:
     if not is_launched(item):
         return None
     item.stash[TIMEOUT_KEY] = float(settings.timeout)
+    if CASE_KEY in item.stash:  # set at the call (func_only): the call's deadline is this
+        del item.stash[CASE_KEY]
     return True
 
 

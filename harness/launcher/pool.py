@@ -25,9 +25,9 @@ safe by construction:
   when another process waits for them (checked between cases and, while
   idle, every ``IDLE_CHECK_S``), at session end and at interpreter exit.
 
-The rank side is ``harness.launcher.rank.pool_rank_main``; outcomes, reports and the
-tree kill are the ones every case uses (``harness.launcher.caserun``,
-``harness.launcher.spawn``).
+The rank side is ``harness.launcher.rank.pool_rank_main``; the phases of a
+run, outcomes, reports and the tree kill are the ones every case uses
+(``harness.launcher.ranks``).
 """
 
 from __future__ import annotations
@@ -41,13 +41,12 @@ import tempfile
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from multiprocessing import get_context
 from multiprocessing.connection import wait as wait_any
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from harness.launcher import procs
-from harness.launcher.case import CasePlan, lease_case
-from harness.launcher.caserun import EXIT_WAIT_S, CaseRun
+from harness import processes
 from harness.launcher.coverage import CoverageSpec
 from harness.launcher.lease import Lease, add_yield_hook
 from harness.launcher.outcome import FAILED, CaseOutcome
@@ -62,10 +61,23 @@ from harness.launcher.rank import (
     RunCase,
     pool_rank_main,
 )
+from harness.launcher.ranks import (
+    EXIT_WAIT_S,
+    KILL_GRACE_S,
+    CaseRun,
+    reap_on_sigterm,
+    signals_deferred,
+    spawn_ranks,
+    stop_ranks,
+)
 from harness.launcher.reset import Inherited
-from harness.launcher.signals import reap_on_sigterm, signals_deferred
-from harness.launcher.spawn import KILL_GRACE_S, spawn_ranks, stop_ranks
 from harness.spec import LaunchSpec
+
+if TYPE_CHECKING:
+    from harness.launcher.case import CasePlan
+
+#: What leases a case's process slots and cards (``harness.launcher.case.lease_case``).
+LeaseFor = Callable[["CasePlan"], Lease]
 
 #: How often an idle pool checks whether another process waits for its lease.
 IDLE_CHECK_S = 0.25
@@ -315,7 +327,7 @@ class RankPool:
             if r not in idle
         ]
         ranks = [*self.pids, *(message.pid for message in idle.values())]
-        leftovers = procs.kill_trees(self.pids, grace=KILL_GRACE_S, spare=ranks)
+        leftovers = processes.kill_trees(self.pids, grace=KILL_GRACE_S, spare=ranks)
         if leftovers:
             problems.append(f"pids {[p.pid for p in leftovers]} the case started would not die")
         if problems:
@@ -375,9 +387,10 @@ class PoolKeeper:
         """The pool kept now (None: none)."""
         return self._pool
 
-    def run(self, task: RankTask, plan: CasePlan) -> CaseOutcome:
-        """Run a case on the kept pool for ``plan.spec``, starting one (and leasing
-        for it: ``LeaseTimeout``) when there is none that fits or is healthy.
+    def run(self, task: RankTask, plan: CasePlan, lease_for: LeaseFor) -> CaseOutcome:
+        """Run a case on the kept pool for ``plan.spec``, starting one (leasing
+        for it with ``lease_for``: ``LeaseTimeout``) when there is none that fits
+        or is healthy.
 
         Call it from the main thread only (the one that outlives the pool).
         """
@@ -385,7 +398,7 @@ class PoolKeeper:
             notes: list[str] = []
             self._drop_unfit(plan.spec)
             while True:
-                pool = self._pool or self._start(plan)
+                pool = self._pool or self._start(plan, lease_for)
                 pool.busy = True
                 result = None
                 try:
@@ -416,9 +429,9 @@ class PoolKeeper:
             # its slice: give it back and lease again.
             self._close_locked()
 
-    def _start(self, plan: CasePlan) -> RankPool:
+    def _start(self, plan: CasePlan, lease_for: LeaseFor) -> RankPool:
         """Lease for ``plan`` and start a pool on the lease (kept from now on)."""
-        lease = lease_case(plan.spec, plan.settings, plan.what)
+        lease = lease_for(plan)
         try:
             self._pool = RankPool(plan.spec, lease, capture=plan.settings.capture)
         except BaseException:

@@ -32,6 +32,7 @@ import contextlib
 import faulthandler
 import gc
 import inspect
+import json
 import multiprocessing
 import os
 import pickle
@@ -60,6 +61,56 @@ LAUNCHER_GONE_WAIT_S = 10.0
 STACK_DUMP_SIGNAL = getattr(signal, "SIGUSR1", None)
 _HARNESS_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 _keep: dict[str, Any] = {}
+
+
+#: Environment variable describing the enclosing case to its ranks (JSON).
+CASE_ENV = "HARNESS_CASE"
+#: The longest process-group timeout: ``timedelta`` and torch's milliseconds hold it
+#: (a schema-valid ``timeout_s`` of 1e300 failed every rank with ``OverflowError``).
+LONGEST_PG_TIMEOUT_S = 30 * 24 * 3600.0
+
+
+def pg_timeout_for(deadline_s: float) -> float:
+    """Process-group timeout for a case with this deadline: strictly below it,
+    leaving room (up to 30 s) for the rank to report the timeout error, and at most
+    ``LONGEST_PG_TIMEOUT_S`` (30 days)."""
+    return min(LONGEST_PG_TIMEOUT_S, max(0.1, deadline_s - min(30.0, 0.2 * deadline_s)))
+
+
+@dataclass(frozen=True)
+class EnclosingCase:
+    """The case a set of ranks belongs to, as seen from inside them (``HARNESS_CASE``):
+    a ``harness.launch`` made inside it stays within its ranks, cards and deadline."""
+
+    what: str
+    nproc: int
+    device: str
+    cards: tuple[str, ...]
+    deadline: float  # wall-clock time
+    #: lease directory of the case's own rank slots: nested launches from any
+    #: of its ranks and threads lease from it, so together they never run more
+    #: ranks at once than the case declared (None: no such bound)
+    budget_dir: str | None = None
+
+    def to_env(self) -> str:
+        """The value of ``CASE_ENV`` that ``from_env`` reads back."""
+        return json.dumps(dict(vars(self), cards=list(self.cards)))
+
+    @staticmethod
+    def from_env() -> EnclosingCase | None:
+        """The case whose rank this process is (None: not inside a case)."""
+        raw = os.environ.get(CASE_ENV)
+        if not raw:
+            return None
+        d = json.loads(raw)
+        return EnclosingCase(
+            d["what"],
+            d["nproc"],
+            d["device"],
+            tuple(d["cards"]),
+            d["deadline"],
+            d.get("budget_dir"),
+        )
 
 
 @dataclass(frozen=True)
@@ -480,9 +531,6 @@ def _pg_timeout(ctx: RankContext) -> float:
     from the time the case has left (its deadline minus what spawning and
     imports took), so that a collective blocked from here on raises in the
     rank before the deadline."""
-    from harness.launcher.deadline import pg_timeout_for
-    from harness.launcher.enclosing import EnclosingCase
-
     case = EnclosingCase.from_env()
     if case is None:
         return ctx.pg_timeout_s

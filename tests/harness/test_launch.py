@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 import harness
 from harness import LaunchError, LaunchSpec
-from harness.launcher.deadline import pg_timeout_for
+from harness.launcher.rank import pg_timeout_for
 
 
 def rank_facts(tag: str) -> tuple:
@@ -90,7 +90,7 @@ def test_process_group_timeout_is_below_the_case_deadline(deadline):
 
 
 def test_rank_output_is_kept_to_its_head_and_tail_on_disk(tmp_path):
-    from harness.launcher.output import (
+    from harness.launcher.outcome import (
         OUTPUT_HEAD_BYTES,
         OUTPUT_TAIL_BYTES,
         bound_output,

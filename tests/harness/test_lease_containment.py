@@ -34,8 +34,8 @@ from launch_project import (
 )
 
 from harness.launcher import lease as leases
+from harness.launcher.case import Settings
 from harness.launcher.lease import LeaseDirError, LeaseTimeout, acquire, slot_want
-from harness.launcher.settings import Settings
 
 REPO = str(Path(__file__).resolve().parents[2])
 USERS = ("harness-t1", "harness-t2")

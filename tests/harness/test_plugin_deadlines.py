@@ -300,7 +300,7 @@ FAR = """
 
 
     def test_pg_timeout_is_capped():
-        from harness.launcher.deadline import LONGEST_PG_TIMEOUT_S, pg_timeout_for
+        from harness.launcher.rank import LONGEST_PG_TIMEOUT_S, pg_timeout_for
 
         assert pg_timeout_for(1e300) == LONGEST_PG_TIMEOUT_S
         assert pg_timeout_for(100.0) == 80.0
