@@ -161,8 +161,8 @@ class CaseOutcome:
     cards: tuple[str, ...] = ()
     #: the ranks it ran on: "fresh", or "kept (case N of its pool)"
     ranks: str = "fresh"
-    #: what the harness did around the case worth telling (e.g. kept ranks
-    #: that failed their health check were replaced)
+    #: what the harness did around the case worth telling (e.g. a kept pool
+    #: with a rank gone was replaced)
     notes: list[str] = field(default_factory=list)
 
     def _failures(self) -> list[_Failure]:

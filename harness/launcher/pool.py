@@ -7,11 +7,9 @@ safe by construction:
 
 * **one pool per process, one case at a time.** ``PoolKeeper`` keeps at most
   one ``RankPool``; a case with another key closes it and starts its own.
-* **checked before reuse.** Before each case on a reused pool every rank
-  restores the per-case state (``harness.launcher.reset``) and joins a bounded health
-  check (an all-reduce of ``[1, case number]``, ``rank.HEALTH_TIMEOUT_S``);
-  unless every rank reports a correct result in time the pool is torn down
-  and the case runs on a fresh one (nothing of it has run yet).
+* **restored before reuse.** Before each case on a reused pool every rank
+  restores the per-case state (``harness.launcher.reset``); a pool with a rank
+  gone is replaced by a fresh one before the case starts.
 * **never reused after anything went wrong.** A failing, crashing, overdue or
   interrupted case tears the pool down exactly as a spawn-per-case launch
   stops its ranks (stack dumps, tree kill, reaping); so does a passed case
@@ -50,17 +48,7 @@ from harness import processes
 from harness.launcher.coverage import CoverageSpec
 from harness.launcher.lease import Lease, add_yield_hook
 from harness.launcher.outcome import FAILED, CaseOutcome
-from harness.launcher.rank import (
-    HEALTH_TIMEOUT_S,
-    Exit,
-    Go,
-    Idle,
-    OutcomeWritten,
-    RankTask,
-    Ready,
-    RunCase,
-    pool_rank_main,
-)
+from harness.launcher.rank import Exit, Idle, OutcomeWritten, RankTask, RunCase, pool_rank_main
 from harness.launcher.ranks import (
     EXIT_WAIT_S,
     KILL_GRACE_S,
@@ -95,9 +83,6 @@ MAX_SLICE_S = 8.0
 #: (at once when its slice is used up): the gap between two cases of its own
 #: process is shorter.
 IDLE_YIELD_S = 1.0
-#: Beyond the health check's own bound: time for the ranks to restore their
-#: state and answer on a loaded host.
-READY_SLACK_S = 5.0
 #: How long ranks told to exit get before their trees are killed.
 CLOSE_WAIT_S = 2.0
 
@@ -167,7 +152,7 @@ class RankPool:
         self.capture = capture
         #: False once the pool must not run another case (it is then closed)
         self.usable = True
-        #: why the last health check failed
+        #: why the pool could not take the last case
         self.problem = ""
         self.busy = False
         self.cases = 0
@@ -229,13 +214,12 @@ class RankPool:
     def run(self, task: RankTask, plan: CasePlan) -> CaseOutcome | None:
         """Run one case on the pool, through the phases fresh ranks go through.
 
-        Returns None when a reused pool failed its health check before the
-        case started (``problem`` says why); the pool is then closed. After
+        Returns None when a rank of the pool was gone before the case started
+        (``problem`` says why); the pool is then closed. After
         any other problem the result reports it and the pool is closed too
         (``usable`` is False). Never returns with a rank of a closed pool or
         a process a case started under a kept rank alive.
         """
-        check = self.cases > 0
         self.cases += 1
         case_dir = os.path.join(self._dir, f"case-{self.cases}")
         os.mkdir(case_dir)
@@ -247,7 +231,7 @@ class RankPool:
         try:
             with reap_on_sigterm():
                 try:
-                    if not self._dispatch(task, run, check):
+                    if not self._dispatch(task, run):
                         return None
                     run.supervise(self._procs, self._channels, release=self._release)
                     kept = self._settle(run.result)
@@ -261,34 +245,21 @@ class RankPool:
         finally:
             shutil.rmtree(case_dir, ignore_errors=True)
 
-    def _dispatch(self, task: RankTask, run: CaseRun, check: bool) -> bool:
-        """Hand the case to every rank; on a reused pool, only once all pass the health check."""
+    def _dispatch(self, task: RankTask, run: CaseRun) -> bool:
+        """Hand the case to every rank (False: a rank is gone)."""
         if not self.alive():
             self.problem = "a rank is gone"
             return False
         inherited = Inherited.now()  # what fresh ranks would start with, fixtures' doing included
         for rank, channel in enumerate(self._channels):
-            if not channel.send(
-                RunCase(run.rank_context(rank), task, inherited, self.cases, check)
-            ):
+            if not channel.send(RunCase(run.rank_context(rank), task, inherited)):
                 self.problem = f"rank {rank} is not listening"
                 return False
-        if not check:
-            return True
-        ready = self._collect(Ready, HEALTH_TIMEOUT_S + READY_SLACK_S, until_problem=True)
-        problems = [f"rank {r}: {ready[r].problem}" for r in sorted(ready) if ready[r].problem]
-        problems += [f"rank {r} did not answer" for r in range(self.spec.nproc) if r not in ready]
-        if problems:
-            self.problem = "; ".join(problems)
-            return False
-        return all(channel.send(Go()) for channel in self._channels)
+        return True
 
-    def _collect(
-        self, kind: type[Ready] | type[Idle], timeout: float, *, until_problem: bool = False
-    ) -> dict[int, Any]:
+    def _collect(self, kind: type[Idle], timeout: float) -> dict[int, Any]:
         """Each rank's next message of type ``kind``, waiting at most ``timeout``
-        seconds (ranks that die or close their pipe are left out at once; with
-        ``until_problem`` the wait ends at the first message naming a problem)."""
+        seconds (ranks that die or close their pipe are left out at once)."""
         got: dict[int, Any] = {}
         end = time.monotonic() + timeout
         while True:
@@ -304,7 +275,7 @@ class RankPool:
                 if r not in got and not self._channels[r].closed and self._procs[r].is_alive()
             ]
             left = end - time.monotonic()
-            if not waiting or left <= 0 or (until_problem and any(m.problem for m in got.values())):
+            if not waiting or left <= 0:
                 return got
             wait_any(
                 [self._channels[r] for r in waiting] + [self._procs[r].sentinel for r in waiting],
@@ -390,7 +361,7 @@ class PoolKeeper:
     def run(self, task: RankTask, plan: CasePlan, lease_for: LeaseFor) -> CaseOutcome:
         """Run a case on the kept pool for ``plan.spec``, starting one (leasing
         for it with ``lease_for``: ``LeaseTimeout``) when there is none that fits
-        or is healthy.
+        or has every rank alive.
 
         Call it from the main thread only (the one that outlives the pool).
         """
@@ -413,11 +384,8 @@ class PoolKeeper:
                 if result is not None:
                     result.notes[:0] = notes
                     return result
-                # Only a reused pool is checked, so this loops at most once.
-                notes.append(
-                    f"the kept ranks failed their health check ({pool.problem}); "
-                    "the case ran on fresh ranks"
-                )
+                # A fresh pool's ranks are all there, so this loops at most once.
+                notes.append(f"a kept rank was gone ({pool.problem}); the case ran on fresh ranks")
 
     def _drop_unfit(self, spec: LaunchSpec) -> None:
         """Close the kept pool unless ``spec`` can run on it now."""

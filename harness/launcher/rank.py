@@ -45,7 +45,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
-from harness.devices import Card, device_for_backend, local_index, runtime_available, set_device
+from harness.devices import Card, local_index, runtime_available, set_device
 from harness.launcher import coverage as rank_coverage
 from harness.launcher import groups
 from harness.launcher.coverage import CoverageSpec
@@ -54,8 +54,6 @@ from harness.launcher.reset import Baseline, Inherited, fresh_context
 from harness.launcher.supervisor import split
 from harness.launcher.target import FunctionRef, import_conftests
 
-#: How long a pooled rank's health check waits for its peers.
-HEALTH_TIMEOUT_S = 5.0
 #: How long a pooled rank whose launcher is gone waits for its supervisor to stop it.
 LAUNCHER_GONE_WAIT_S = 10.0
 STACK_DUMP_SIGNAL = getattr(signal, "SIGUSR1", None)
@@ -158,38 +156,22 @@ class RankContext:
     coverage: CoverageSpec | None = None
 
 
-# The kept-rank protocol: launcher -> rank ``RunCase``, ``Go``, ``Exit``;
-# rank -> launcher ``Ready`` (after the health check), ``OutcomeWritten``,
-# ``Idle`` (once the case's state is cleaned up).
+# The kept-rank protocol: launcher -> rank ``RunCase``, ``Exit``;
+# rank -> launcher ``OutcomeWritten``, ``Idle`` (once the case's state is cleaned up).
 
 
 @dataclass(frozen=True)
 class RunCase:
-    """Launcher -> kept rank: run this case (``seq``: the pool's case number;
-    ``check``: run the health check first and wait for ``Go``)."""
+    """Launcher -> kept rank: run this case."""
 
     ctx: RankContext
     task: RankTask
     inherited: Inherited
-    seq: int
-    check: bool
-
-
-@dataclass(frozen=True)
-class Go:
-    """Launcher -> kept rank: every rank passed the health check; run the case."""
 
 
 @dataclass(frozen=True)
 class Exit:
     """Launcher -> kept rank: leave now."""
-
-
-@dataclass(frozen=True)
-class Ready:
-    """Kept rank -> launcher: the health check's verdict (``problem`` None: healthy)."""
-
-    problem: str | None
 
 
 @dataclass(frozen=True)
@@ -242,10 +224,7 @@ def pool_rank_main(
     Per case: the launcher's current environment, working directory and
     ``sys.path`` are taken over (what a fresh rank would inherit), output and
     the stack-dump file go to the case's files, and the state a case can
-    change is restored to the pool's baseline;
-    on a reused pool a bounded health check (an all-reduce every rank must
-    join within ``HEALTH_TIMEOUT_S``) is reported and the launcher's go
-    awaited; then the function runs, in a fresh copy of its test module and a
+    change is restored to the pool's baseline; then the function runs, in a fresh copy of its test module and a
     fresh context, exactly as in a one-case rank, and its outcome is written.
     A failed case ends the rank (its pool is never reused); a passed one is
     cleaned up and the rank reports whether it can run another. Exits with
@@ -279,8 +258,6 @@ def _serve(
             baseline.restore()
             if ctx.card is not None:
                 _select_card(ctx)  # the last case may have made another device current
-        if message.check:
-            _health_gate(conn, ctx, message.seq)
         outcome, baseline = _run_kept(ctx, message.task, baseline)
         outcome.write(ctx.outcome_path)
         # A kept rank may outlive the launcher's coverage report (it combines
@@ -332,18 +309,6 @@ def _launcher_gone() -> NoReturn:
     while time.monotonic() < end:
         time.sleep(0.05)
     os._exit(0)
-
-
-def _health_gate(conn: Any, ctx: RankContext, seq: int) -> None:
-    """Report the health check and wait for ``Go``; any other answer ends the rank."""
-    problem = _health_check(ctx, seq)
-    _send(conn, Ready(problem))
-    try:
-        reply = conn.recv()
-    except (EOFError, OSError):
-        _launcher_gone()
-    if problem is not None or not isinstance(reply, Go):
-        _hard_exit(0)
 
 
 def _run_kept(
@@ -535,38 +500,6 @@ def _pg_timeout(ctx: RankContext) -> float:
     if case is None:
         return ctx.pg_timeout_s
     return min(ctx.pg_timeout_s, pg_timeout_for(max(0.1, case.deadline - time.time())))
-
-
-def _health_check(ctx: RankContext, seq: int) -> str | None:
-    """A bounded all-reduce of ``[1, seq]``: every rank alive, answering, and at
-    the same case. Returns what is wrong, or None."""
-    try:
-        from datetime import timedelta
-
-        import torch
-        import torch.distributed as dist
-
-        if not dist.is_initialized():
-            return "the process group is gone"
-        device = torch.device("cpu")
-        placement = device_for_backend(ctx.backend)
-        if ctx.card is not None and placement.is_accelerator and runtime_available(placement.name):
-            device = placement.collective_device()
-        probe = torch.tensor([1.0, float(seq)], device=device)
-        work = dist.all_reduce(probe, async_op=True)
-        late = f"the health-check all-reduce did not finish within {HEALTH_TIMEOUT_S:g} s"
-        try:
-            if work.wait(timeout=timedelta(seconds=HEALTH_TIMEOUT_S)) is False:
-                return late
-        except RuntimeError as exc:  # how Gloo reports the timeout (or a dead peer)
-            return f"{late} ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})"
-        got = probe.cpu().tolist()
-        want = [float(ctx.world_size), float(ctx.world_size * seq)]
-        if got != want:
-            return f"the health-check all-reduce gave {got}, expected {want}"
-    except Exception as exc:
-        return f"health check failed: {type(exc).__name__}: {exc}"
-    return None
 
 
 def _leftovers(baseline: Baseline | None) -> str | None:
