@@ -5,15 +5,13 @@ raises; a rank that dies first (signal, ``os._exit``, deadline) leaves none,
 and the launcher records how it ended instead. ``CaseOutcome`` turns all of
 that into one status and a report that starts with the first failure.
 
-Each rank's captured output is kept to its head and tail on disk while it runs
-(the middle punched out of the file) and read back the same way, so a chatty
-rank costs neither disk nor memory.
+Each rank's captured output is read back to its head and tail, so a chatty
+rank's output costs no memory (it stays on disk, in the case's directory, until
+the case ends).
 """
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import importlib
 import os
 import pickle
@@ -315,13 +313,9 @@ class CaseOutcome:
 
 
 #: Per rank and case, the first and the last this many bytes of its output
-#: are kept (on disk while it runs); what lies between is dropped and counted.
+#: are kept; what lies between is dropped and counted.
 OUTPUT_HEAD_BYTES = 64 * 1024
 OUTPUT_TAIL_BYTES = 256 * 1024
-
-_FALLOC_FL_KEEP_SIZE = 0x01
-_FALLOC_FL_PUNCH_HOLE = 0x02
-_BLOCK = 4096
 
 
 def file_size(path: str) -> int:
@@ -330,40 +324,6 @@ def file_size(path: str) -> int:
         return os.path.getsize(path)
     except OSError:
         return 0
-
-
-def bound_output(path: str) -> None:
-    """Keep a rank's output file to its first ``OUTPUT_HEAD_BYTES`` and last
-    ``OUTPUT_TAIL_BYTES`` on disk: the middle is punched out (the file keeps
-    its size, the dropped bytes read as NULs and take no space). A file
-    system that cannot punch holes keeps it all; reading stays bounded."""
-    size = file_size(path)
-    if size <= OUTPUT_HEAD_BYTES + OUTPUT_TAIL_BYTES + _BLOCK:
-        return
-    start = -(-OUTPUT_HEAD_BYTES // _BLOCK) * _BLOCK
-    end = (size - OUTPUT_TAIL_BYTES) // _BLOCK * _BLOCK
-    if end <= start or not sys.platform.startswith("linux"):
-        return
-    with contextlib.suppress(OSError, AttributeError):
-        fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
-        try:
-            _libc().fallocate(
-                fd,
-                _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE,
-                ctypes.c_long(start),
-                ctypes.c_long(end - start),
-            )
-        finally:
-            os.close(fd)
-
-
-_libc_handle: list[Any] = []
-
-
-def _libc() -> Any:
-    if not _libc_handle:
-        _libc_handle.append(ctypes.CDLL(None, use_errno=True))
-    return _libc_handle[0]
 
 
 def read_bounded(path: str) -> str:

@@ -46,7 +46,6 @@ from harness.launcher.outcome import (
     OUTPUT_TAIL_BYTES,
     CaseOutcome,
     RankOutcome,
-    bound_output,
     file_size,
     read_bounded,
 )
@@ -246,8 +245,6 @@ class CaseRun:
                 return
             if self.capture:
                 self.stream_output()
-                for rank in pending:
-                    bound_output(self.path(rank, "log"))
             # Exits wake us at once, and so do kept ranks' messages; outcomes of
             # ranks still tearing down are polled.
             waitables: list[Any] = [started[r].sentinel for r in pending]
