@@ -1,21 +1,9 @@
-"""Process trees: finding every process below another, stopping them all, and
-tying a process's life to its parent's.
-
-Shared ground of both rooms of the harness: the launcher stops a case's ranks
-and whatever they started (``harness.launcher``), a rank's supervisor stops
-what its rank left behind (``harness.launcher.supervisor``), ``harness run``
-stops the pytest it started (``harness.suites.run``). One way to stop a tree:
-SIGTERM (with SIGCONT, so a stopped process acts on it), a grace period,
-SIGKILL to whatever still runs, re-collected so that processes forked
-meanwhile are included, then a bounded wait. Waits poll rather than
-``wait()``, so they never reap a child behind the back of the
-``subprocess.Popen`` / ``multiprocessing.Process`` that owns it; a zombie
-counts as gone.
-
-Linux also lets a process be told when its parent dies (``die_with_parent``):
-each level of a run (``harness run``, pytest, its xdist workers, the ranks'
-supervisors) asks for it, so killing any level, even by SIGKILL, takes every
-level below with it.
+"""Process trees: finding every process below another, stopping them all
+(SIGTERM with SIGCONT, a grace, SIGKILL to what still runs and was forked
+meanwhile, a bounded wait), and tying a process's life to its parent's
+(``die_with_parent``). Waits poll instead of ``wait()``ing, so they never reap
+a child behind its ``Popen``'s back; a zombie counts as gone. Shared by the
+launcher, the ranks' supervisors and ``harness run``.
 """
 
 from __future__ import annotations

@@ -1,20 +1,9 @@
-"""A case's lifecycle, for the plugin and ``harness.launch`` alike:
-prepare -> lease -> start ranks -> supervise -> wind down -> outcome.
-
-* prepare (``prepare_case``): the task the ranks run (its arguments pickled
-  once, with an error naming what cannot travel) and the ``CasePlan``: spec,
-  settings, the deadline the caller chose once (``choose_deadline``), fresh
-  or kept ranks;
-* lease (``lease_case``): the case's process slots and cards, host-wide
-  (``harness.launcher.lease``); a nested launch runs on its enclosing case's;
-* start ranks, supervise, wind down (``run_case``): on fresh ranks
-  (``harness.launcher.ranks.run_ranks``) or a kept pool
-  (``harness.launcher.pool``), through the phases of ``ranks.CaseRun``;
-* outcome (``conclude``): what the ranks did mapped to the caller's verdict.
-
-``launch(fn, spec, *args)`` is the public entry for code that starts ranks
-itself. ``Settings`` are the session's (the plugin activates its own;
-``harness.launch`` from a script gets the defaults).
+"""A case's lifecycle, for the plugin and ``harness.launch`` alike: prepare
+(``prepare_case``: the pickled task and the ``CasePlan`` with its deadline,
+chosen once) -> lease (``lease_case``) -> start ranks, supervise, wind down
+(``run_case``: fresh ranks or a kept pool) -> outcome (``conclude``).
+``Settings`` are the session's (the plugin activates its own; a script
+calling ``harness.launch`` gets the defaults).
 """
 
 from __future__ import annotations

@@ -1,43 +1,24 @@
 """Exclusive, crash-safe leases on accelerator cards and CPU process slots.
 
-Every pytest process on the host (xdist workers, concurrent sessions, other
-projects and users, scripts calling ``harness.launch``) leases through one
-*lease directory*, with one lock file per resource::
+Every process on the host that leases (pytest sessions and their xdist workers,
+other projects and users, scripts calling ``harness.launch``) does it through
+one *lease directory*, one lock file per resource (``cuda-0.lock``,
+``slot-3.lock``), created world-writable so that every user leases through
+the same file. A resource is held while some process holds an exclusive
+``flock`` on its file: the OS drops it when the last holder exits, however it
+exits, and ranks that inherited the descriptor keep the lease until they are
+gone. The holder's record (pid, what it runs, since when, its ranks) in the
+file lets a waiter that gives up name who holds what.
 
-    <lease dir>/cuda-0.lock    card cuda:0
-    <lease dir>/slot-3.lock    CPU process slot 3 (slot-0 .. slot-<max_procs-1>)
-    <lease dir>/queue.lock     the waiter at the head of the queue
-
-A resource is held while some process holds an exclusive ``flock`` on its
-file. The OS drops a lock when the last process holding it exits, however it
-exits, so a crashed holder never leaves a stale lease; a rank that inherited
-the descriptor keeps the lease until it is gone too. The holder writes who it
-is (pid, what it runs, since when, its rank pids) into the file, so a waiter
-that gives up can say who holds what. Files are created world-writable (whatever
-the umask) so that every user of the host leases through the same files; the
-default directory is one per host, world-writable and sticky.
-
-**A waiting wide case is not starved.** A lease that cannot be had at once
-takes the exclusive lock on ``queue.lock`` if it can (it is then the *head*)
-and writes what it wants there. Every other lease leaves what the head wants
-alone, so a holder that gives its resources back and leases again at once (a
-kept pool between cases) lines up behind it; an idle pool asks
-``Lease.contended()`` and yields. Two exceptions: what this very process holds
-the head waits for (deferring would deadlock), and waiters behind the head are
-not ordered among themselves (whoever looks first after the head is served
-goes next). Within one process, a wait first asks the *yield hooks*
-(``add_yield_hook``) to free what the process holds idle.
-
-Limits (documented in docs/harness.md): lock files are opened with
-``O_NOFOLLOW`` (a planted symbolic link is refused, never followed) and only
-files this harness created are chmod'ed; beyond that the lease directory is
-trusted. A user who deletes lock files in it (the files they created, in the
-sticky default) can break leases: on hosts whose users do not trust each
-other, give each project its own ``--harness-lease-dir``.
-
-The locks are ``fcntl.flock`` rather than ``filelock.FileLock`` because the
-launcher passes the descriptors to the ranks (filelock hides them) and the
-holder record lives in the lock file (filelock truncates it on every try).
+A waiting lease takes ``queue.lock`` if it can (it is then the *head*) and
+writes what it wants there; every other lease leaves that alone, unless this
+very process holds part of it (deferring would deadlock), so a holder that
+gives back and leases again at once (a kept pool) lines up behind a waiting
+wide case, and an idle pool yields (``Lease.contended()``). Waiters behind the
+head are not ordered. Limits: lock files are opened with ``O_NOFOLLOW`` and
+only files created here are chmod'ed; otherwise the directory is trusted (see
+docs/harness.md). ``flock`` rather than ``filelock``: the descriptors travel
+to the ranks and the record lives in the lock file (filelock truncates it).
 """
 
 from __future__ import annotations

@@ -1,24 +1,7 @@
-"""pytest plugin (entry point ``pytest11: harness``): the ``launch`` marker,
-card and process-slot leasing, and running marked tests in rank processes.
-
-Per test:
-
-* setup (before any fixture): the test's ``LaunchSpec`` is resolved; a test
-  needing cards this host lacks is skipped with the reason, or fails when its
-  device is in ``--harness-require``; a plain (not launched) test
-  parametrized with an accelerator leases one card until its teardown;
-* call, for ``launch``-marked tests: the case leases its cards and process
-  slots (bounded by ``--harness-lease-timeout``), runs the test function in
-  ``nproc`` ranks with the fixture values, and is reported as the ranks ended:
-  passed, failed naming ``rank N`` (first failure first, with its
-  traceback), skipped or xfailed with the ranks' reason. Consecutive cases
-  with the same (device, nproc, backend) run on a kept pool of ranks
-  (``harness.launcher.pool``) when ``harness_reuse`` / ``--harness-reuse`` or
-  ``LaunchSpec(reuse=True)`` opts in (fresh ranks per case by default); the pool
-  is closed at the end of the session;
-* setup and teardown of a launched test (its fixtures run in this process):
-  each bounded by the case deadline through ``harness.watchdog.watchdog``
-  (past it the phase fails with this process's stacks and the session goes on).
+"""The pytest plugin (entry point ``pytest11: harness``): the ``launch`` marker,
+the ``--harness-*`` options, card leases for plain accelerator tests, launched
+tests run on ranks (``harness.launcher.case``), and the fixtures of a launched
+case bounded by its deadline (``harness.watchdog``). See docs/harness.md.
 """
 
 from __future__ import annotations

@@ -1,31 +1,15 @@
-"""Kept rank processes: consecutive launched cases with the same (device,
-nproc, backend) run on one pool of ranks whose process group stays up.
+"""Kept rank processes (opt-in): consecutive launched cases with the same
+(device, nproc, backend) run on one pool of ranks whose process group stays up.
 
-A fresh case pays for spawning interpreters, importing torch and a
-rendezvous (seconds); a pooled one for a few pipe messages. Reuse is made
-safe by construction:
-
-* **one pool per process, one case at a time.** ``PoolKeeper`` keeps at most
-  one ``RankPool``; a case with another key closes it and starts its own.
-* **restored before reuse.** Before each case on a reused pool every rank
-  restores the per-case state (``harness.launcher.reset``); a pool with a rank
-  gone is replaced by a fresh one before the case starts.
-* **never reused after anything went wrong.** A failing, crashing, overdue or
-  interrupted case tears the pool down exactly as a spawn-per-case launch
-  stops its ranks (stack dumps, tree kill, reaping); so does a passed case
-  that left what cannot be reset (threads, process groups, a device error).
-  Processes a case started under a kept rank are stopped when the case ends,
-  so nothing of a case survives it either way.
-* **leases held only while ranks live.** The pool holds its process slots
-  and cards for its whole life (the ranks inherit the lease descriptors, so
-  a crash frees them); it gives them back when closed: on a key change, when
-  this process needs them for something else (``lease.add_yield_hook``),
-  when another process waits for them (checked between cases and, while
-  idle, every ``IDLE_CHECK_S``), at session end and at interpreter exit.
-
-The rank side is ``harness.launcher.rank.pool_rank_main``; the phases of a
-run, outcomes, reports and the tree kill are the ones every case uses
-(``harness.launcher.ranks``).
+One pool per process, one case at a time (``PoolKeeper``); before each case
+the ranks restore the per-case state (``harness.launcher.reset``); a pool
+with a rank gone is replaced before the case. A failing, crashing, overdue or
+interrupted case tears the pool down as fresh ranks are stopped; so does a
+passed case that left what cannot be reset. The pool holds its lease (the
+ranks inherit the descriptors) until it is closed: on a key change, when this
+process needs the resources (``lease.add_yield_hook``), when another process
+waits for them (after the pool's slice, or once idle), at session end and at
+interpreter exit. The rank side is ``harness.launcher.rank.pool_rank_main``.
 """
 
 from __future__ import annotations

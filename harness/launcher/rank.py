@@ -1,29 +1,16 @@
-"""The code that runs inside one rank process.
+"""The code that runs inside one rank process (``rank_main``: one case;
+``pool_rank_main``: a kept rank serving case after case, restoring the
+per-case state of ``harness.launcher.reset`` in between).
 
-A rank: runs under a supervisor (``harness.launcher.supervisor``) that ties
-its life, and that of everything it starts, to the launcher's, sends its output to
-its log file, registers a stack dump on SIGUSR1, sets its environment
-(``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, card
-visibility) before anything imports torch, selects its card, joins the
-process group through a ``FileStore``, runs the function and writes its
-``RankOutcome``. Nothing here imports torch at module level: the spawned
-interpreter imports this module before the environment is set.
-
-Once its outcome is written a rank ends with ``os._exit`` (after flushing its
-output): it never runs interpreter finalisation. Finalisation races the
-process group's C++ threads: a Gloo worker that drops the last reference to a
-tensor takes the GIL to free its Python object, and a thread taking the GIL
-while the interpreter finalises is ended with ``pthread_exit``, whose forced
-unwind through a ``noexcept`` destructor calls ``std::terminate`` ("terminate
-called without an active exception", SIGABRT, sometimes SIGSEGV) -- a crash
-*after* the rank had passed. The process group needs no explicit teardown for
-that exit: the OS closes its sockets and the peers' pending operations fail
-at once, as they would on ``destroy_process_group``, which itself is known to
-hang.
-
-``pool_rank_main`` is the entry of a *pooled* rank: it keeps its process
-group and runs case after case sent by ``harness.launcher.pool``, restoring the
-per-case state (``harness.launcher.reset``) in between.
+A rank splits off its supervisor (``harness.launcher.supervisor``), sends its
+output to its log file, registers a stack dump on SIGUSR1, sets its
+environment before anything imports torch (nothing here imports it at module
+level), selects its card, joins the process group through a ``FileStore``,
+runs the function and writes its ``RankOutcome``. It then leaves with
+``os._exit``: interpreter finalisation races the process group's C++ threads
+(``std::terminate`` after the rank passed), and the OS closing its sockets
+fails the peers' pending operations at once, as ``destroy_process_group``
+(known to hang) would.
 """
 
 from __future__ import annotations

@@ -1,25 +1,12 @@
-"""Rank processes of one case: start them, supervise them, wind them down.
-
-``run_ranks`` is a case on fresh ranks, start to end; a kept pool
-(``harness.launcher.pool``) goes through the same phases of ``CaseRun`` on
-ranks it keeps:
-
-* ``spawn_ranks``: the *spawn* start method (a fork after CUDA was initialised
-  breaks every child), each rank inheriting the lease's descriptors
-  (``InheritedFd``), so the OS keeps the lease while any process of the case
-  lives, even when the launcher dies first;
-* ``CaseRun.rank_context``: what each rank is told (environment, card, files);
-* ``CaseRun.supervise``: wait until every rank reported or exited, the
-  deadline passed, or the others overstayed ``ABANDON_GRACE_S`` after a failure;
-* ``CaseRun.wind_down``: dump the stacks of ranks being stopped, stop every
-  process tree (``stop_ranks``: SIGTERM, SIGKILL after ``KILL_GRACE_S``),
-  reap, collect the (bounded) output.
-
-Ranks rendezvous through a ``FileStore`` in the case's (or pool's) directory,
-so there is no port to race for; each rank's process-group timeout is set
-below the case deadline, so a stuck collective raises inside the rank first.
-While ranks run, SIGTERM reaps them before the process goes
-(``reap_on_sigterm``), and a second Ctrl-C cannot interrupt the reaping
+"""Rank processes of one case: start them (``spawn_ranks``, the *spawn* start
+method, each rank inheriting the lease descriptors), tell each what it needs
+(``CaseRun.rank_context``), supervise them until every rank reported or
+exited, the deadline passed or the others overstayed ``ABANDON_GRACE_S``
+after a failure (``CaseRun.supervise``), then wind down (``CaseRun.wind_down``:
+stack dumps, tree kill, reaping, bounded output). ``run_ranks`` is a case on
+fresh ranks, start to end; a kept pool (``harness.launcher.pool``) goes through
+the same phases. While ranks run, SIGTERM reaps them before the process goes
+(``reap_on_sigterm``) and a second Ctrl-C cannot interrupt the reaping
 (``signals_deferred``).
 """
 
