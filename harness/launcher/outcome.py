@@ -145,9 +145,6 @@ class CaseOutcome:
     timed_out: list[int] = field(default_factory=list)
     #: ranks stopped because they kept running after another rank failed
     abandoned: list[int] = field(default_factory=list)
-    #: ranks (of those timed out or abandoned) found stopped by a signal
-    #: (SIGSTOP, SIGTSTP, a debugger) when their stacks were asked for
-    stopped: list[int] = field(default_factory=list)
     abandon_grace_s: float = 0.0
     #: rank -> its Python stacks, dumped just before it was stopped
     stacks: dict[int, str] = field(default_factory=dict)
@@ -302,13 +299,11 @@ class CaseOutcome:
 
     def _stack_section(self, rank: int, when: str) -> str:
         stack = self.stacks.get(rank, "").rstrip("\n")
-        if rank in self.stopped:
+        if not stack:
             stack = (
-                "(no Python stack: the rank was stopped by a signal -- SIGSTOP, SIGTSTP "
-                "or a debugger -- and could not answer)"
+                "(no Python stack: the rank did not answer the stack-dump signal -- not yet "
+                "running Python code, stuck in native code, or stopped by a signal or a debugger)"
             )
-        elif not stack:
-            stack = "(no Python stack: the rank had not started running Python code yet)"
         return f"--- rank {rank} stack {when} ---\n{stack}"
 
 

@@ -318,9 +318,6 @@ class CaseRun:
     def _dump_stacks(self, started: list[Any], ranks: list[int]) -> None:
         paths = {r: self.path(r, "stacks") for r in ranks}
         for rank in ranks:
-            if stopped(started[rank].pid):
-                self.result.stopped.append(rank)
-                continue
             # Only ranks that registered the dump handler (it creates the file):
             # the signal's default action would kill one that has not.
             if os.path.exists(paths[rank]):
@@ -450,23 +447,6 @@ def signals_deferred() -> Iterator[None]:
                 signal.signal(sig, handler)
         for sig in dict.fromkeys(pending):
             signal.raise_signal(sig)
-
-
-def stopped(pid: int) -> bool:
-    """Whether rank process ``pid`` is stopped by a signal (SIGSTOP, SIGTSTP, a
-    debugger). A rank that runs under a supervisor (``harness.launcher.rank``)
-    is the supervisor's oldest child, which is checked too."""
-    import psutil
-
-    halted = {psutil.STATUS_STOPPED, getattr(psutil, "STATUS_TRACING_STOP", "tracing-stop")}
-    try:
-        proc = psutil.Process(pid)
-        if proc.status() in halted:
-            return True
-        children = sorted(proc.children(), key=lambda p: p.create_time())
-        return bool(children) and children[0].status() in halted
-    except psutil.Error:
-        return False
 
 
 def _has_failure(result: CaseOutcome) -> bool:
