@@ -102,15 +102,6 @@ class DeviceType:
         if self.runtime is not None:
             self.torch_runtime().set_device(index)
 
-    def collective_device(self) -> Any:
-        """The ``torch.device`` a collective of this device's backends takes
-        tensors on: the current card for accelerators, else the host."""
-        import torch
-
-        if self.runtime is None:
-            return torch.device("cpu")
-        return torch.device(self.name, self.torch_runtime().current_device())
-
 
 def _torch_has_gpu_build() -> bool:
     """Whether the installed torch was built for CUDA / ROCm, read from its

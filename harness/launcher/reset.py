@@ -1,24 +1,13 @@
 """Putting a kept rank back, before each case, into the state a fresh rank
-starts the case in -- for the state listed here, and nothing else.
+starts the case in -- for the state listed here (DESIGN's list), nothing else.
 
-What the harness itself set up is taken from the launcher *now*
-(``Inherited``: environment, working directory, ``sys.path``; the temp dir
-follows ``TMPDIR``), so fixtures that set them for the case reach the ranks;
-the process group and the current device are the rank's own
-(``harness.launcher.rank``). ContextVars need no restoring: each case runs in
-a copy of the rank's untouched context (``fresh_context``).
-
-The torch state distributed tests commonly change is one entry of ``FACTS``
-each: RNG seeds, default dtype, grad / inference / anomaly mode, autocast,
-deterministic flags, thread counts, global module hooks. An entry says how
-to read it and how to put it back, or nothing (retire: a rank where it
-changed is not reused, e.g. ``set_num_interop_threads``). Anything else a
-case changes (module-level singletons, logging, signal handlers, ...)
-carries over to the next case on these ranks, as between the tests of one
-pytest process.
-
-Nothing here imports torch at module level: a rank imports this module before
-its environment (``CUDA_VISIBLE_DEVICES`` ...) is set.
+``Inherited``: what the harness set up, taken from the launcher *now*
+(environment, working directory, ``sys.path``; the temp dir follows
+``TMPDIR``). ``FACTS``: the torch state distributed tests commonly change, each
+with how to read it and put it back, or nothing (a rank where it changed is
+retired). ContextVars need no restoring (``fresh_context``). Anything else a
+case changes carries over to the next case on these ranks, as between the
+tests of one pytest process. Nothing here imports torch at module level.
 """
 
 from __future__ import annotations
