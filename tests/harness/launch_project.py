@@ -56,7 +56,10 @@ def record_card_use(case, seconds=1.0):
 
 
 def record_pid(name, pid=None):
-    (out_dir() / f"{name}.pid").write_text(str(pid or os.getpid()))
+    # Written whole or not at all: a reader polling the folder never sees an empty file.
+    tmp = out_dir() / f".{name}.pid.{os.getpid()}"
+    tmp.write_text(str(pid or os.getpid()))
+    os.replace(tmp, out_dir() / f"{name}.pid")
 '''
 
 
