@@ -155,13 +155,6 @@ def _source_of(lease_dir: str) -> str:
     return "the caller"
 
 
-def ensure_lease_dir(lease_dir: str) -> str:
-    """Create ``lease_dir`` if needed, check it is usable (``check_lease_dir``:
-    ``LeaseDirError``) and return it."""
-    check_lease_dir(lease_dir, _source_of(lease_dir))
-    return lease_dir
-
-
 def _open(path: str, *, create: bool = True) -> int:
     """Open lease file ``path`` for reading and writing without following a link;
     only a file created here is chmod'ed (world-writable: every user leases
@@ -404,7 +397,7 @@ def acquire(lease_dir: str, wants: Iterable[Want], *, timeout: float, holder: st
                 f"cannot lease {want.count} {want.what}: only {len(want.names)} exist "
                 f"({', '.join(want.names) or 'none'})"
             )
-    ensure_lease_dir(lease_dir)
+    check_lease_dir(lease_dir, _source_of(lease_dir))
     queue = _open(os.path.join(lease_dir, _QUEUE))
     head = False
     start = time.monotonic()
