@@ -14,20 +14,20 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from harness.devices import DEVICES
+    from harness.launcher.case import LaunchBudgetError, LaunchError, launch
     from harness.launcher.groups import kept_group
-    from harness.launcher.launch import LaunchBudgetError, LaunchError, launch
     from harness.launcher.lease import LeaseTimeout
     from harness.spec import LaunchSpec
 
 #: public name -> the module that defines it
 _HOMES = {
     "DEVICES": "harness.devices",
-    "LaunchBudgetError": "harness.launcher.launch",
-    "LaunchError": "harness.launcher.launch",
+    "LaunchBudgetError": "harness.launcher.case",
+    "LaunchError": "harness.launcher.case",
     "LaunchSpec": "harness.spec",
     "LeaseTimeout": "harness.launcher.lease",
     "kept_group": "harness.launcher.groups",
-    "launch": "harness.launcher.launch",
+    "launch": "harness.launcher.case",
 }
 
 __all__ = [

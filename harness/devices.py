@@ -1,25 +1,12 @@
-"""The device table, which accelerator cards this host has, and how a process is pointed at one.
+"""The device table, the host's cards, and how a process is pointed at one.
 
-``DEVICE_TABLE`` holds one ``DeviceType`` row per device type: its default
-``torch.distributed`` backend, visibility variable, runtime (probe,
-``set_device``, synchronize / RNG state for the pool reset, the device
-collectives take their tensors on) and whether its ranks need cards.
-``LaunchSpec`` validation, ``DEVICES``, the card inventory, the pool reset,
-the backend -> device map and the suite schema's device enum (checked by a
-test) all derive from it; an unknown device or backend raises ``ValueError``.
-
-The inventory comes from the device runtime (``torch.cuda`` / ``torch_npu``)
-unless ``HARNESS_CARDS`` overrides it, e.g. ``HARNESS_CARDS=cuda:0,1,2,3`` to
-run on a subset of the cards, or to exercise the leasing logic on a CPU-only
-machine (a *simulated* inventory). Several device types are separated by ``;``
-(``cuda:0,1;npu:0``); ``none`` or an empty value means "no cards at all".
-
-Card ids are the ids the runtime's visibility variable understands
-(``CUDA_VISIBLE_DEVICES`` / ``ASCEND_RT_VISIBLE_DEVICES``), so a rank is
-pinned to a card by setting that variable to the id.
-
-Nothing here imports torch at module import time: the plugin is loaded into
-every pytest process and torch costs over a second to import.
+``DEVICE_TABLE`` holds one ``DeviceType`` row per device type; ``LaunchSpec``
+validation, ``DEVICES``, the card inventory, the pool reset, the backend ->
+device map and the suite schema's device enum (a test checks) derive from it.
+The inventory comes from the device runtime unless ``HARNESS_CARDS``
+overrides it (``cuda:0,1;npu:0``, ``none``: a subset, or a *simulated*
+inventory on a CPU machine); card ids are what the visibility variable
+understands. Nothing here imports torch at module import time.
 """
 
 from __future__ import annotations
@@ -114,15 +101,6 @@ class DeviceType:
         """Make runtime device ``index`` current in this process (imports torch)."""
         if self.runtime is not None:
             self.torch_runtime().set_device(index)
-
-    def collective_device(self) -> Any:
-        """The ``torch.device`` a collective of this device's backends takes
-        tensors on: the current card for accelerators, else the host."""
-        import torch
-
-        if self.runtime is None:
-            return torch.device("cpu")
-        return torch.device(self.name, self.torch_runtime().current_device())
 
 
 def _torch_has_gpu_build() -> bool:

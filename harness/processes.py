@@ -1,21 +1,9 @@
-"""Process trees: finding every process below another, stopping them all, and
-tying a process's life to its parent's.
-
-Shared ground of both rooms of the harness: the launcher stops a case's ranks
-and whatever they started (``harness.launcher``), a rank's supervisor stops
-what its rank left behind (``harness.launcher.supervisor``), ``harness run``
-stops the pytest it started (``harness.suites.run``). One way to stop a tree:
-SIGTERM (with SIGCONT, so a stopped process acts on it), a grace period,
-SIGKILL to whatever still runs, re-collected so that processes forked
-meanwhile are included, then a bounded wait. Waits poll rather than
-``wait()``, so they never reap a child behind the back of the
-``subprocess.Popen`` / ``multiprocessing.Process`` that owns it; a zombie
-counts as gone.
-
-Linux also lets a process be told when its parent dies (``die_with_parent``):
-each level of a run (``harness run``, pytest, its xdist workers, the ranks'
-supervisors) asks for it, so killing any level, even by SIGKILL, takes every
-level below with it.
+"""Process trees: finding every process below another, stopping them all
+(SIGTERM with SIGCONT, a grace, SIGKILL to what still runs and was forked
+meanwhile, a bounded wait), and tying a process's life to its parent's
+(``die_with_parent``). Waits poll instead of ``wait()``ing, so they never reap
+a child behind its ``Popen``'s back; a zombie counts as gone. Shared by the
+launcher, the ranks' supervisors and ``harness run``.
 """
 
 from __future__ import annotations
@@ -83,15 +71,10 @@ def is_subreaper() -> bool:
 
 
 def die_with_parent(parent_pid: int, sig: int = signal.SIGKILL) -> bool:
-    """Have the kernel send ``sig`` to this process when its parent dies.
-
-    ``parent_pid`` is the parent it must have: when it is already gone (the
-    parent died before the request took effect), this process exits at once
-    with status 1. Returns False where unsupported (not Linux): the caller
-    then needs another way to notice. Note that the kernel acts on the death
-    of the parent *thread* that started this process, and that the request
-    is not inherited by children: each level asks for itself.
-    """
+    """Have the kernel send ``sig`` to this process when its parent dies;
+    exit at once (status 1) when ``parent_pid`` is already gone. False where
+    unsupported (not Linux). The kernel acts on the death of the parent *thread*
+    that started this process, and children do not inherit the request."""
     if not _prctl(_PR_SET_PDEATHSIG, int(sig)):
         return False
     if os.getppid() != parent_pid:
@@ -102,29 +85,22 @@ def die_with_parent(parent_pid: int, sig: int = signal.SIGKILL) -> bool:
 def _gone(proc: psutil.Process) -> bool:
     import psutil
 
-    try:
-        # A zombie is dead; only its parent's wait() is missing (the launcher
-        # reaps its own ranks, init reaps orphans).
+    try:  # a zombie is dead; only its parent's wait() is missing
         return not proc.is_running() or proc.status() == psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return True
 
 
 def session_members(sid: int) -> list[psutil.Process]:
-    """Processes in session ``sid`` other than its leader.
-
-    Only meaningful for a session a rank created: the kernel keeps a pid out
-    of reuse while it names a live session, so members found here are that
-    rank's leftovers.
-    """
+    """Processes in session ``sid`` other than its leader (the kernel keeps a pid
+    out of reuse while it names a live session, so for a session a rank created
+    these are that rank's leftovers)."""
     import psutil
 
     members = []
     for proc in psutil.process_iter():
-        if proc.pid == sid:
-            continue
         with contextlib.suppress(OSError):
-            if os.getsid(proc.pid) == sid:
+            if proc.pid != sid and os.getsid(proc.pid) == sid:
                 members.append(proc)
     return members
 
@@ -138,12 +114,9 @@ def process_tree(root: int, *, own_session: bool) -> list[psutil.Process]:
     procs: dict[int, psutil.Process] = {}
     with contextlib.suppress(psutil.Error):
         proc = psutil.Process(root)
-        procs[root] = proc
-        for child in proc.children(recursive=True):
-            procs[child.pid] = child
-    if own_session:
-        for member in session_members(root):
-            procs.setdefault(member.pid, member)
+        procs = {p.pid: p for p in [proc, *proc.children(recursive=True)]}
+    for member in session_members(root) if own_session else ():
+        procs.setdefault(member.pid, member)
     return [p for p in procs.values() if not _gone(p)]
 
 
@@ -158,12 +131,9 @@ def _signal(procs: Iterable[psutil.Process], sig: int) -> None:
 def wait_gone(
     procs: list[psutil.Process], timeout: float, *, reap: Callable[[], object] | None = None
 ) -> list[psutil.Process]:
-    """Wait until every process in ``procs`` is dead; return those still alive at ``timeout``.
-
-    Polls rather than ``wait()``s (see the module docstring); ``reap`` is
-    called on every poll by a caller that reaps its own children (a
-    subreaper).
-    """
+    """Wait until every process in ``procs`` is dead (polling; ``reap`` is called
+    on every poll by a caller that reaps its own children); return those still
+    alive at ``timeout``."""
     deadline = time.monotonic() + timeout
     alive = [p for p in procs if not _gone(p)]
     while alive and time.monotonic() < deadline:
@@ -182,25 +152,20 @@ def terminate(
     more: Callable[[], Iterable[psutil.Process]] = tuple,
     reap: Callable[[], object] | None = None,
 ) -> list[psutil.Process]:
-    """Stop ``procs``: SIGTERM (and SIGCONT), then after ``grace`` seconds SIGKILL
-    to whatever still runs, together with what ``more()`` finds then (processes
-    forked meanwhile). ``grace`` 0 sends SIGKILL alone. Returns the processes
-    still alive ``kill_wait`` seconds after SIGKILL (stuck in the kernel),
-    normally none."""
+    """Stop ``procs``: SIGTERM (and SIGCONT: a stopped process acts on SIGTERM only
+    once it runs), then after ``grace`` seconds SIGKILL to whatever still runs and
+    what ``more()`` finds then (processes forked meanwhile); ``grace`` 0 sends
+    SIGKILL alone. Returns the processes still alive ``kill_wait`` seconds after
+    SIGKILL (stuck in the kernel), normally none."""
     found = {p.pid: p for p in procs if not _gone(p)}
     if not found:
         return []
     if grace > 0:
         _signal(found.values(), signal.SIGTERM)
-        if hasattr(signal, "SIGCONT"):
-            # A stopped process acts on SIGTERM only once it runs again.
-            _signal(found.values(), signal.SIGCONT)
+        _signal(found.values(), signal.SIGCONT)
         wait_gone(list(found.values()), grace, reap=reap)
-    for p in more():
-        found.setdefault(p.pid, p)
+    found.update((p.pid, p) for p in more() if p.pid not in found)
     alive = [p for p in found.values() if not _gone(p)]
-    if not alive:
-        return []
     _signal(alive, signal.SIGKILL)
     return wait_gone(alive, kill_wait, reap=reap)
 
@@ -214,19 +179,13 @@ def kill_trees(
     spare: Iterable[int] = (),
     reap: Callable[[], object] | None = None,
 ) -> list[psutil.Process]:
-    """Stop every process of the trees rooted at ``roots`` (``process_tree``),
-    the way ``terminate`` does. Pids in ``spare`` are left alone (a kept rank
-    whose leftover children are stopped; a supervisor stopping what is below
-    it). Returns processes still alive ``kill_wait`` seconds after SIGKILL."""
-    roots = list(roots)
-    spared = set(spare)
+    """Stop every process of the trees rooted at ``roots`` (``process_tree``) as
+    ``terminate`` does, leaving the pids in ``spare`` alone. Returns processes
+    still alive ``kill_wait`` seconds after SIGKILL."""
+    roots, spared = list(roots), set(spare)
 
     def collect() -> list[psutil.Process]:
-        return [
-            p
-            for r in roots
-            for p in process_tree(r, own_session=own_session)
-            if p.pid not in spared
-        ]
+        trees = (process_tree(r, own_session=own_session) for r in roots)
+        return [p for tree in trees for p in tree if p.pid not in spared]
 
     return terminate(collect(), grace=grace, kill_wait=kill_wait, more=collect, reap=reap)

@@ -29,7 +29,9 @@ class LaunchSpec:
     is the case deadline in seconds (``None``: the session default);
     ``backend`` overrides the ``torch.distributed`` backend (one the table
     knows; default gloo / nccl / hccl by device);
-    ``reuse=False`` opts the case out of pooled rank processes.
+    ``reuse``: run the case on kept rank processes (True), on fresh ones
+    (False), or as the session says (None: ini ``harness_reuse`` /
+    ``--harness-reuse``, fresh by default).
 
     Invalid values raise ``LaunchSpecError`` (a ``ValueError``) naming the field and the value.
     """
@@ -38,7 +40,7 @@ class LaunchSpec:
     nproc: int = 1
     timeout: float | None = None
     backend: str | None = None
-    reuse: bool = True
+    reuse: bool | None = None
 
     def __post_init__(self) -> None:
         if self.device not in DEVICE_TYPES:
@@ -60,8 +62,8 @@ class LaunchSpec:
                 f"LaunchSpec.backend must be None or one of "
                 f"{', '.join(BACKEND_DEVICES)}; got {self.backend!r}"
             )
-        if not isinstance(self.reuse, bool):
-            raise LaunchSpecError(f"LaunchSpec.reuse must be a bool; got {self.reuse!r}")
+        if self.reuse is not None and not isinstance(self.reuse, bool):
+            raise LaunchSpecError(f"LaunchSpec.reuse must be None or a bool; got {self.reuse!r}")
 
     @property
     def cards(self) -> int:

@@ -78,34 +78,21 @@ _STDERR = _stderr_copy()
 
 
 class Watchdog:
-    """The deadlines of the phases of this process's work (a test's setup,
-    call or teardown), on a thread of its own rather than faulthandler's single
-    timer, which pytest's ``faulthandler_timeout`` (or anything else) re-arms.
+    """The deadlines of the phases of this process's work (a test's setup, call
+    or teardown), on a thread of its own (faulthandler's single timer is
+    pytest's ``faulthandler_timeout``'s).
 
-    Past ``seconds`` the main thread is interrupted: ``error(message)`` is
-    raised where it is (a sleep, a lock, a loop of Python code), so the phase
-    fails with its stack and the process goes on to the next one, keeping the
-    results it earned. A main thread that is still in the phase ``grace``
-    seconds later (stuck in native code, or swallowing the error) is not
-    coming back: each of ``exit_hooks`` is called with the headline, every
-    thread's stack is written to ``exit_log`` (None: this process's stderr)
-    under the headline and a ``Timeout (H:MM:SS)!`` line, and the process
-    exits with status 1.
-
-    Phases are armed by ``key`` (one per owner, e.g. a plugin of one pytest
-    session): arming a key replaces its phase, so a session nested in another
-    (pytester's in-process runs) keeps the outer deadline armed, and a phase
-    whose disarming was cut short by its own interruption is replaced by the
-    owner's next one instead of stopping the process later.
-
-    The watch thread needs the GIL, which native code that never releases it
-    holds (a catastrophic regular expression, a C extension's loop): with
-    ``backstop`` (the default) faulthandler's timer, a C thread, is also set
-    to stop the process ``BACKSTOP_MARGIN_S`` after the thread should have
-    (every thread's stack on stderr, exit status 1; the exit hooks cannot run).
-    A phase armed with ``backstop=False`` (its session uses faulthandler's
-    single timer itself: pytest's ``faulthandler_timeout``, see
-    :func:`faulthandler_free`) keeps the timer untouched while it is armed.
+    Past ``seconds`` the main thread is interrupted (``INTERRUPT_SIGNAL``):
+    ``error(message)`` is raised where it is, the phase fails with its stack
+    and the process goes on. A main thread still in the phase ``grace`` seconds
+    later is not coming back: ``exit_hooks`` are called with the headline,
+    every thread's stack goes to ``exit_log`` (None: stderr) and the process
+    exits with status 1. Phases are armed per ``key`` (one per owner: a nested
+    pytester session keeps the outer deadline armed). Native code holding the
+    GIL starves the thread, so with ``backstop`` faulthandler's C timer also
+    stops the process ``BACKSTOP_MARGIN_S`` later; a phase armed with
+    ``backstop=False`` (its session uses that timer itself, see
+    :func:`faulthandler_free`) leaves the timer alone while armed.
     """
 
     def __init__(self) -> None:

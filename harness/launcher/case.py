@@ -1,36 +1,109 @@
-"""One case: what it needs and how it is run, prepared once for the plugin and
-``harness.launch`` alike (``prepare_case``), and its outcome mapped to the
-caller's verdict (``conclude``).
-
-``harness.launcher.launch.run_case(task, plan)`` runs a prepared case with a
-*rank strategy* (a ``RankStrategy``): fresh ranks (``harness.launcher.fresh``)
-or the kept pool (``harness.launcher.pool``); the strategy leases what the case
-needs (``lease_case``), runs it through the phases of
-``harness.launcher.caserun.CaseRun`` and releases. The jobs around a case live
-in modules of their own: ``deadline`` (how long it may run), ``enclosing``
-(the case as its ranks see it), ``spawn`` (starting and stopping ranks),
-``fds`` (lease descriptors the ranks inherit), ``signals`` (SIGTERM /
-SIGINT while ranks run), ``output`` (bounded rank output) and ``args``
-(pickling what the ranks receive).
+"""A case's lifecycle, for the plugin and ``harness.launch`` alike: prepare
+(``prepare_case``: the pickled task and the ``CasePlan`` with its deadline,
+chosen once) -> lease (``lease_case``) -> start ranks, supervise, wind down
+(``run_case``: fresh ranks or a kept pool) -> outcome (``conclude``).
+``Settings`` are the session's (the plugin activates its own; a script
+calling ``harness.launch`` gets the defaults).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import NoReturn, Protocol
+import contextlib
+import os
+import pickle
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+from typing import Any, NoReturn
 
 from harness.devices import Card, inventory
+from harness.errors import HarnessError
 from harness.launcher import lease as leases
-from harness.launcher.args import pickle_args, pickle_state
-from harness.launcher.deadline import Deadline, choose_deadline
-from harness.launcher.enclosing import EnclosingCase
-from harness.launcher.outcome import FAILED, SKIPPED, XFAILED, CaseOutcome
-from harness.launcher.output import echo_logs
-from harness.launcher.rank import RankTask
-from harness.launcher.settings import Settings
+from harness.launcher.lease import default_lease_dir
+from harness.launcher.outcome import FAILED, SKIPPED, XFAILED, CaseOutcome, echo_logs
+from harness.launcher.pool import keeper
+from harness.launcher.rank import EnclosingCase, RankTask
+from harness.launcher.ranks import KILL_GRACE_S, run_ranks
 from harness.launcher.target import FunctionRef
 from harness.spec import LaunchSpec
+
+DEFAULT_TIMEOUT_S = 300.0
+DEFAULT_LEASE_TIMEOUT_S = 600.0
+
+
+def cpu_count() -> int:
+    """CPUs this process may run on (affinity-aware where the OS tells)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+@dataclass(frozen=True)
+class Settings:
+    """``timeout``: default case deadline (s); ``lease_dir`` (made absolute
+    against the current directory at construction); ``max_procs``: CPU
+    process slots on the host; ``lease_timeout``: bound on a lease wait (s);
+    ``require``: accelerator types whose absence fails instead of skipping;
+    ``capture``: collect rank output into the report instead of streaming it;
+    ``reuse``: run consecutive launched cases on kept rank pools (``harness.launcher.pool``)."""
+
+    timeout: float = DEFAULT_TIMEOUT_S
+    lease_dir: str = field(default_factory=default_lease_dir)
+    max_procs: int = field(default_factory=cpu_count)
+    lease_timeout: float = DEFAULT_LEASE_TIMEOUT_S
+    require: frozenset[str] = frozenset()
+    capture: bool = False
+    reuse: bool = False
+
+    def __post_init__(self) -> None:
+        # A relative lease directory means where the session started, not
+        # wherever a test has changed directory to when it leases.
+        object.__setattr__(self, "lease_dir", os.path.abspath(self.lease_dir))
+
+
+#: The settings of the pytest session this code runs in (unset: none). The
+#: plugin keeps its session's ``Settings`` in ``config.stash`` and activates
+#: them here for the session's length (a ContextVar: nested pytester runs
+#: restore the outer session's on exit by resetting their token).
+active: ContextVar[Settings] = ContextVar("harness_settings")
+
+
+def current() -> Settings:
+    """The active session's settings, else defaults from the environment."""
+    settings = active.get(None)
+    return settings if settings is not None else Settings()
+
+
+@dataclass(frozen=True)
+class Deadline:
+    """A case's deadline in seconds and the words saying where it came from."""
+
+    seconds: float
+    source: str
+
+
+def choose_deadline(
+    spec: LaunchSpec,
+    settings: Settings,
+    *,
+    default_source: str,
+    enclosing: EnclosingCase | None = None,
+) -> Deadline:
+    """``spec.timeout``, else the session default (named ``default_source``);
+    never past what is left of an ``enclosing`` case (minus the kill grace)."""
+    if spec.timeout:
+        deadline = Deadline(spec.timeout, "LaunchSpec.timeout")
+    else:
+        deadline = Deadline(settings.timeout, default_source)
+    if enclosing is not None:
+        remaining = enclosing.deadline - time.time() - KILL_GRACE_S
+        if remaining < deadline.seconds:
+            deadline = Deadline(max(0.1, remaining), f"the deadline of {enclosing.what}")
+    return deadline
 
 
 @dataclass(frozen=True)
@@ -51,17 +124,6 @@ class CasePlan:
     live: bool = False
 
 
-class RankStrategy(Protocol):
-    """How a case's ranks come to be: fresh per case, or kept across cases.
-
-    ``run`` leases what ``plan`` needs (``LeaseTimeout``), runs the case,
-    releases what it leased (a kept pool: when the pool closes) and returns
-    the outcome; no process of the case is alive when it returns.
-    """
-
-    def run(self, task: RankTask, plan: CasePlan) -> CaseOutcome: ...
-
-
 def prepare_case(
     ref: FunctionRef,
     args: tuple,
@@ -70,11 +132,10 @@ def prepare_case(
     *,
     what: str,
     settings: Settings,
-    default_source: str,
+    deadline: Deadline,
     reuse: bool,
     kinds: dict[str, str] | None = None,
     want_value: bool = True,
-    enclosing: EnclosingCase | None = None,
     cards: tuple[Card, ...] | None = None,
     state: dict | None = None,
     warning_filters: tuple[tuple[str, bool], ...] = (),
@@ -85,9 +146,8 @@ def prepare_case(
 ) -> tuple[RankTask, CasePlan]:
     """The task the ranks run (``ref`` called with the pickled ``args`` /
     ``kwargs``; ``TypeError`` names a value that cannot travel, ``kinds``
-    saying what each keyword is) and the plan it runs under: its deadline
-    (``spec.timeout``, else ``settings.timeout`` named ``default_source``,
-    never past the ``enclosing`` case's), kept ranks when ``reuse``, and the
+    saying what each keyword is) and the plan it runs under: its ``deadline``
+    (the caller's ``choose_deadline``), kept ranks when ``reuse``, and the
     ``cards`` of an enclosing case it runs on without leasing. ``state``: the
     attributes of the test method's instance, set on the rank's instance;
     ``warning_filters`` / ``show_deprecations``: the warning filters the
@@ -105,17 +165,19 @@ def prepare_case(
         conftests=conftests,
         example=example,
     )
-    deadline = choose_deadline(spec, settings, default_source=default_source, enclosing=enclosing)
     return task, CasePlan(spec, settings, what, deadline, reuse=reuse, cards=cards, live=live)
 
 
-def lease_case(spec: LaunchSpec, settings: Settings, holder: str) -> leases.Lease:
-    """Lease the process slots and cards ``spec`` needs, waiting at most
+def lease_case(plan: CasePlan) -> leases.Lease:
+    """Lease the process slots and cards ``plan.spec`` needs, waiting at most
     ``settings.lease_timeout`` (``LeaseTimeout`` names what it waited for)."""
+    spec, settings = plan.spec, plan.settings
     wants = [leases.slot_want(settings.max_procs, spec.nproc)]
     if spec.cards:
         wants.append(leases.card_want(inventory(spec.device), spec.cards))
-    return leases.acquire(settings.lease_dir, wants, timeout=settings.lease_timeout, holder=holder)
+    return leases.acquire(
+        settings.lease_dir, wants, timeout=settings.lease_timeout, holder=plan.what
+    )
 
 
 def conclude(
@@ -151,3 +213,186 @@ def missing_cards(device: str, need: int) -> str | None:
         return None
     found = f"{len(have)} ({', '.join(str(c) for c in have)})" if have else "none"
     return f"needs {need} {device} card{'s' if need > 1 else ''}; this host has {found}"
+
+
+def pickle_args(args: tuple, kwargs: dict, *, kinds: dict[str, str] | None = None) -> bytes:
+    """Pickle what the ranks receive; an unpicklable value raises ``TypeError``
+    naming it (``kinds`` maps keyword names to words like "fixture")."""
+    kinds = kinds or {}
+    for index, value in enumerate(args):
+        _check_picklable(value, f"argument {index}")
+    for name, value in kwargs.items():
+        _check_picklable(value, f"{kinds.get(name, 'argument')} {name!r}")
+    return pickle.dumps((args, kwargs))
+
+
+def pickle_state(state: dict[str, Any]) -> bytes:
+    """Pickle a test instance's attributes for the ranks; an unpicklable one
+    raises ``TypeError`` naming it (``self.<name>``)."""
+    for name, value in state.items():
+        _check_picklable(value, f"attribute self.{name} of the test's instance")
+    return pickle.dumps(state)
+
+
+def _check_picklable(value: Any, what: str) -> None:
+    try:
+        pickle.dumps(value)
+    except Exception as exc:
+        raise TypeError(
+            f"{what} (a {type(value).__module__}.{type(value).__qualname__}) cannot be sent to "
+            f"the rank processes: {type(exc).__name__}: {exc}. Ranks receive values by pickling; "
+            "pass something picklable or build it inside the ranks."
+        ) from None
+
+
+class LaunchError(HarnessError):
+    """A launched case failed; the message is the case report (``rank N`` first)."""
+
+    def __init__(self, message: str, result: CaseOutcome | None = None) -> None:
+        super().__init__(message)
+        self.result = result
+
+
+class LaunchBudgetError(LaunchError, ValueError):
+    """``harness.launch`` asked for more ranks or cards than the enclosing case declared."""
+
+
+def run_case(task: RankTask, plan: CasePlan) -> CaseOutcome:
+    """Lease, run ``task`` on ranks and release, as ``plan`` says: on the kept
+    pool when ``plan.reuse`` (and this is the main thread, which outlives the
+    pool), on the enclosing case's ``plan.cards`` unleased, else on fresh
+    ranks. No process of the case is alive when it returns."""
+    if plan.cards is not None:
+        return run_ranks(task, plan, list(plan.cards))
+    # Pools are kept by the main thread: Linux kills ranks whose spawning thread ends.
+    if plan.reuse and threading.current_thread() is threading.main_thread():
+        return keeper.run(task, plan, lease_case)
+    lease = lease_case(plan)
+    result = None
+    try:
+        result = run_ranks(task, plan, lease.cards(), lease=lease)
+    finally:
+        # Ranks the kernel would not kill keep their inherited lock: the card
+        # stays leased until they are really gone.
+        lease.release(holders_gone=result is not None and not result.survivors)
+    return result
+
+
+def launch(fn: Callable[..., Any], spec: LaunchSpec, *args: Any) -> list[Any]:
+    """Run ``fn(*args)`` in ``spec.nproc`` rank processes and return each rank's
+    return value, in rank order.
+
+    The ranks are set up as for a ``launch``-marked test (process group,
+    environment, card, deadline ``spec.timeout`` or the session default) and
+    are all gone when this returns or raises. ``fn`` must be importable
+    (module level) and ``args`` and the results picklable.
+
+    Outside a case, the cards and process slots are leased first (bounded
+    wait, ``LeaseTimeout``). Inside the ranks of a case, the case's lease is
+    used, and asking for more ranks (or cards) than the case declared raises
+    ``LaunchBudgetError`` giving both numbers; nested launches from all the
+    case's ranks and threads together never run more ranks at once than the
+    case declared (later ones wait, within the case's deadline, then raise
+    ``LaunchBudgetError``). A plain test holding a card (parametrized with an
+    accelerator ``device``) is such a case of one rank on its card. A failing, crashing or
+    overdue rank raises ``LaunchError`` whose message names the rank.
+    """
+    __tracebackhide__ = True
+    settings = current()
+    ref = FunctionRef.of(fn)
+    enclosing = EnclosingCase.from_env()
+    cards: tuple[Card, ...] | None = None
+    if enclosing is not None:
+        cards = tuple(_within(enclosing, spec))
+        what = f"harness.launch({ref.module}.{ref.qualname})"
+    else:
+        reason = missing_cards(spec.device, spec.cards)
+        if reason is not None:
+            _missing_hardware(spec.device, reason)
+        what = (
+            os.environ.get("PYTEST_CURRENT_TEST") or f"harness.launch({ref.module}.{ref.qualname})"
+        )
+    deadline = choose_deadline(
+        spec, settings, default_source="the session's default timeout", enclosing=enclosing
+    )
+    task, plan = prepare_case(
+        ref,
+        args,
+        {},
+        spec,
+        what=what,
+        settings=settings,
+        deadline=deadline,
+        reuse=False,
+        cards=cards,
+    )
+    with _nested_slots(enclosing, spec, what):
+        result = run_case(task, plan)
+
+    def fail(message: str) -> NoReturn:
+        raise LaunchError(message, result)
+
+    def not_passed(reason: str) -> NoReturn:
+        raise LaunchError(f"ranks {result.status}: {reason}", result)
+
+    pytest = sys.modules.get("pytest")
+    conclude(
+        result,
+        fail=fail,
+        echo=settings.capture,
+        skip=pytest.skip if pytest is not None else not_passed,
+        xfail=pytest.xfail if pytest is not None else not_passed,
+    )
+    return result.values()
+
+
+@contextlib.contextmanager
+def _nested_slots(case: EnclosingCase | None, spec: LaunchSpec, what: str) -> Iterator[None]:
+    """Hold ``spec.nproc`` of the enclosing case's ``case.nproc`` rank slots
+    while a nested launch runs (nothing outside a case)."""
+    if case is None or case.budget_dir is None:
+        yield
+        return
+    waited = max(0.1, case.deadline - time.time())
+    try:
+        lease = leases.acquire(
+            case.budget_dir,
+            [leases.slot_want(case.nproc, spec.nproc)],
+            timeout=waited,
+            holder=what,
+        )
+    except leases.LeaseTimeout:
+        raise LaunchBudgetError(
+            f"{what} waited {waited:.3g} s for {spec.nproc} of the {case.nproc} rank slot(s) of "
+            f"{case.what}: its other nested launches held them until its deadline"
+        ) from None
+    try:
+        yield
+    finally:
+        lease.release()
+
+
+def _within(case: EnclosingCase, spec: LaunchSpec) -> list[Card]:
+    if spec.nproc > case.nproc:
+        raise LaunchBudgetError(
+            f"harness.launch would start {spec.nproc} ranks, but {case.what} declares "
+            f"nproc={case.nproc}; declare the number of ranks it really starts "
+            f"(e.g. @pytest.mark.launch(nproc={spec.nproc}))"
+        )
+    if spec.cards:
+        cards = [Card(*c.split(":", 1)) for c in case.cards if c.startswith(spec.device + ":")]
+        if len(cards) < spec.cards:
+            raise LaunchBudgetError(
+                f"harness.launch would use {spec.cards} {spec.device} cards, but {case.what} "
+                f"holds {len(cards)} ({', '.join(case.cards) or 'none'})"
+            )
+        return cards[: spec.cards]
+    return []
+
+
+def _missing_hardware(device: str, reason: str) -> None:
+    if "pytest" in sys.modules and device not in current().require:
+        import pytest
+
+        pytest.skip(reason)
+    raise LaunchError(f"harness.launch: {reason}")

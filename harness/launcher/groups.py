@@ -1,16 +1,8 @@
-"""Sub-groups a rank keeps for the whole life of its process (``harness.kept_group``).
-
-A case that makes a sub-group with ``dist.new_group`` retires its kept ranks:
-a sub-group holds connections and threads of its own, and destroying it is
-itself a hang risk. So a ``@given`` test over ``sp x dp`` splits would pay for
-spawning fresh ranks (and importing torch in each) at every example.
-``kept_group`` makes each distinct group once per rank process and hands the
-same group to every later call, in this case or a later one on the same kept
-ranks; the process groups it made are the rank's own, not the case's, so they
-do not retire the rank (``reset.Baseline.leftovers``).
-
-This module also owns how the harness counts process groups
-(:func:`process_groups`). Nothing here imports torch at module level.
+"""Sub-groups a rank keeps for its whole life (``harness.kept_group``), so that a
+case making its ``sp x dp`` sub-groups does not retire its kept ranks (a
+``dist.new_group`` of the case does: sub-groups hold connections and threads,
+and destroying them is a hang risk); and how the harness counts process groups
+(``process_groups``). Nothing here imports torch at module level.
 """
 
 from __future__ import annotations

@@ -4,13 +4,19 @@ A rank writes its ``RankOutcome`` to a file when its function returns or
 raises; a rank that dies first (signal, ``os._exit``, deadline) leaves none,
 and the launcher records how it ended instead. ``CaseOutcome`` turns all of
 that into one status and a report that starts with the first failure.
+
+Each rank's captured output is read back to its head and tail, so a chatty
+rank's output costs no memory (it stays on disk, in the case's directory, until
+the case ends).
 """
 
 from __future__ import annotations
 
 import importlib
+import os
 import pickle
 import signal
+import sys
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
@@ -139,9 +145,6 @@ class CaseOutcome:
     timed_out: list[int] = field(default_factory=list)
     #: ranks stopped because they kept running after another rank failed
     abandoned: list[int] = field(default_factory=list)
-    #: ranks (of those timed out or abandoned) found stopped by a signal
-    #: (SIGSTOP, SIGTSTP, a debugger) when their stacks were asked for
-    stopped: list[int] = field(default_factory=list)
     abandon_grace_s: float = 0.0
     #: rank -> its Python stacks, dumped just before it was stopped
     stacks: dict[int, str] = field(default_factory=dict)
@@ -153,8 +156,8 @@ class CaseOutcome:
     cards: tuple[str, ...] = ()
     #: the ranks it ran on: "fresh", or "kept (case N of its pool)"
     ranks: str = "fresh"
-    #: what the harness did around the case worth telling (e.g. kept ranks
-    #: that failed their health check were replaced)
+    #: what the harness did around the case worth telling (e.g. a kept pool
+    #: with a rank gone was replaced)
     notes: list[str] = field(default_factory=list)
 
     def _failures(self) -> list[_Failure]:
@@ -296,11 +299,58 @@ class CaseOutcome:
 
     def _stack_section(self, rank: int, when: str) -> str:
         stack = self.stacks.get(rank, "").rstrip("\n")
-        if rank in self.stopped:
+        if not stack:
             stack = (
-                "(no Python stack: the rank was stopped by a signal -- SIGSTOP, SIGTSTP "
-                "or a debugger -- and could not answer)"
+                "(no Python stack: the rank did not answer the stack-dump signal -- not yet "
+                "running Python code, stuck in native code, or stopped by a signal or a debugger)"
             )
-        elif not stack:
-            stack = "(no Python stack: the rank had not started running Python code yet)"
         return f"--- rank {rank} stack {when} ---\n{stack}"
+
+
+#: Per rank and case, the first and the last this many bytes of its output
+#: are kept; what lies between is dropped and counted.
+OUTPUT_HEAD_BYTES = 64 * 1024
+OUTPUT_TAIL_BYTES = 256 * 1024
+
+
+def file_size(path: str) -> int:
+    """The size of ``path`` in bytes (0 when it does not exist)."""
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return 0
+
+
+def read_bounded(path: str) -> str:
+    """A rank's output: all of it when short, else its head, a line saying how
+    many bytes were dropped, and its tail (never more than head + tail bytes
+    read into memory)."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size <= OUTPUT_HEAD_BYTES + OUTPUT_TAIL_BYTES:
+            return f.read().decode(errors="replace")
+        head = f.read(OUTPUT_HEAD_BYTES)
+        f.seek(size - OUTPUT_TAIL_BYTES)
+        tail = f.read(OUTPUT_TAIL_BYTES)
+    dropped = size - len(head) - len(tail)
+    head_text = head.decode(errors="replace").rstrip("\x00")
+    tail_text = tail.decode(errors="replace").lstrip("\x00")
+    return (
+        f"{head_text}\n[harness: {dropped} bytes of this rank's output dropped; "
+        f"the first {len(head)} and the last {len(tail)} are kept]\n{tail_text}"
+    )
+
+
+def echo_logs(result: CaseOutcome, stream: Any = None) -> None:
+    """Write the harness's notes on the case, then the ranks' captured output,
+    one headed block per rank."""
+    stream = stream or sys.stdout
+    for note in result.notes:
+        stream.write(f"harness: {note}\n")
+    for rank in sorted(result.logs):
+        text = result.logs[rank]
+        if text.strip():
+            stream.write(f"----- rank {rank} output -----\n{text}")
+            if not text.endswith("\n"):
+                stream.write("\n")
+    stream.flush()

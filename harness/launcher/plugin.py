@@ -1,23 +1,7 @@
-"""pytest plugin (entry point ``pytest11: harness``): the ``launch`` marker,
-card and process-slot leasing, and running marked tests in rank processes.
-
-Per test:
-
-* setup (before any fixture): the test's ``LaunchSpec`` is resolved; a test
-  needing cards this host lacks is skipped with the reason, or fails when its
-  device is in ``--harness-require``; a plain (not launched) test
-  parametrized with an accelerator leases one card until its teardown;
-* call, for ``launch``-marked tests: the case leases its cards and process
-  slots (bounded by ``--harness-lease-timeout``), runs the test function in
-  ``nproc`` ranks with the fixture values, and is reported as the ranks ended:
-  passed, failed naming ``rank N`` (first failure first, with its
-  traceback), skipped or xfailed with the ranks' reason. Consecutive cases
-  with the same (device, nproc, backend) run on a kept pool of ranks
-  (``harness.launcher.pool``) unless ``--harness-no-reuse`` or ``LaunchSpec.reuse``
-  says otherwise; the pool is closed at the end of the session;
-* setup and teardown of a launched test (its fixtures run in this process):
-  each bounded by the case deadline through ``harness.watchdog.watchdog``
-  (past it the phase fails with this process's stacks and the session goes on).
+"""The pytest plugin (entry point ``pytest11: harness``): the ``launch`` marker,
+the ``--harness-*`` options, card leases for plain accelerator tests, launched
+tests run on ranks (``harness.launcher.case``), and the fixtures of a launched
+case bounded by its deadline (``harness.watchdog``). See docs/harness.md.
 """
 
 from __future__ import annotations
@@ -45,10 +29,20 @@ from harness.devices import (
     runtime_available,
     set_device,
 )
-from harness.launcher.case import conclude, missing_cards, prepare_case
-from harness.launcher.deadline import choose_deadline
-from harness.launcher.enclosing import CASE_ENV, EnclosingCase
-from harness.launcher.launch import LaunchError, run_case
+from harness.launcher.case import (
+    DEFAULT_LEASE_TIMEOUT_S,
+    DEFAULT_TIMEOUT_S,
+    Deadline,
+    LaunchError,
+    Settings,
+    active,
+    choose_deadline,
+    conclude,
+    cpu_count,
+    missing_cards,
+    prepare_case,
+    run_case,
+)
 from harness.launcher.lease import (
     LEASE_DIR_ENV,
     LEASE_DIR_OPTION,
@@ -60,14 +54,7 @@ from harness.launcher.lease import (
     resolve_lease_dir,
 )
 from harness.launcher.pool import keeper
-from harness.launcher.routing import install as install_routing
-from harness.launcher.settings import (
-    DEFAULT_LEASE_TIMEOUT_S,
-    DEFAULT_TIMEOUT_S,
-    Settings,
-    active,
-    cpu_count,
-)
+from harness.launcher.rank import CASE_ENV, EnclosingCase
 from harness.launcher.supervisor import tie_to_controller
 from harness.launcher.target import FunctionRef, conftests_for
 from harness.spec import ACCELERATORS, LaunchSpec, is_launched, launch_refusal, spec_for_item
@@ -75,9 +62,10 @@ from harness.validation import check_int, check_seconds
 from harness.watchdog import WATCHDOG_GRACE_S, faulthandler_free, watchdog
 
 SETTINGS_KEY = pytest.StashKey[Settings]()
-#: How to deactivate this config's settings (``harness.launcher.settings.active``).
+#: How to deactivate this config's settings (``harness.launcher.case.active``).
 ACTIVATION_KEY = pytest.StashKey["contextvars.Token[Settings]"]()
-SPEC_KEY = pytest.StashKey[LaunchSpec]()
+#: A test's spec and (launched) deadline, derived once (``_case``).
+CASE_KEY = pytest.StashKey[tuple[LaunchSpec, Deadline]]()
 #: Why the default lease directory is unusable, when it is (see ``_settings_from``).
 _LEASE_DIR_PROBLEM = pytest.StashKey[str]()
 CARD_LEASE_KEY = pytest.StashKey["_HeldCard"]()
@@ -126,23 +114,35 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "lacks fails instead of being skipped",
     )
     group.addoption(
-        "--harness-no-reuse",
+        "--harness-reuse",
         action="store_true",
+        default=None,
+        help="run consecutive launched cases with the same (device, nproc, backend) on a "
+        "kept pool of ranks (ini harness_reuse; default: fresh ranks per case)",
+    )
+    group.addoption(
+        "--harness-no-reuse",
+        action="store_false",
+        dest="harness_reuse",
+        default=None,
+        help="fresh rank processes for every launched case, whatever harness_reuse says",
+    )
+    parser.addini(
+        "harness_reuse",
+        type="bool",
         default=False,
-        help="start fresh rank processes for every launched case instead of "
-        "running consecutive cases on a kept pool of ranks",
+        help="run consecutive launched cases on kept rank pools (LaunchSpec.reuse=None cases)",
     )
 
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers",
-        "launch(spec=None, *, device=None, nproc=1, timeout=None, backend=None, reuse=True): "
+        "launch(spec=None, *, device=None, nproc=1, timeout=None, backend=None, reuse=None): "
         "run the test body in LaunchSpec.nproc rank processes with torch.distributed initialised",
     )
     tie_to_controller(worker=hasattr(config, "workerinput"))
     settings = _settings_from(config)
-    install_routing(config, settings)
     config.stash[SETTINGS_KEY] = settings
     config.stash[ACTIVATION_KEY] = active.set(settings)
     phases = _FixtureDeadlines(config)
@@ -168,6 +168,10 @@ def _settings_from(config: pytest.Config) -> Settings:
             parse_cards(os.environ["HARNESS_CARDS"])
         except ValueError as exc:
             raise pytest.UsageError(str(exc)) from None
+    # --harness-reuse / --harness-no-reuse, else the ini (default: fresh ranks per case).
+    reuse = opt("harness_reuse")
+    if reuse is None:
+        reuse = config.getini("harness_reuse")
     lease_dir, lease_dir_source = resolve_lease_dir(opt("harness_lease_dir"))
     # A collect-only session (`--co`, the inventory, the planner) leases nothing.
     if not opt("collectonly"):
@@ -186,7 +190,7 @@ def _settings_from(config: pytest.Config) -> Settings:
         lease_timeout=opt("harness_lease_timeout"),
         require=require,
         capture=True,
-        reuse=not opt("harness_no_reuse"),
+        reuse=reuse,
     )
 
 
@@ -232,10 +236,9 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     if not isinstance(item, pytest.Function):
         return
     try:
-        spec = spec_for_item(item)
+        spec, _ = _case(item)
     except ValueError as exc:
         _fail(f"{item.nodeid}: {exc}")
-    item.stash[SPEC_KEY] = spec
     refusal = launch_refusal(item) if is_launched(item) else None
     if refusal is not None:
         _fail(f"{item.nodeid}: {refusal}")
@@ -330,11 +333,9 @@ class _FixtureDeadlines:
         if not isinstance(item, pytest.Function) or not is_launched(item):
             return contextlib.nullcontext()
         try:
-            spec = item.stash.get(SPEC_KEY, None) or spec_for_item(item)
+            _, deadline = _case(item)
         except ValueError:
             return contextlib.nullcontext()  # the setup fails it, naming the problem
-        settings, default_source = _deadline_settings(item, item.config.stash[SETTINGS_KEY])
-        deadline = choose_deadline(spec, settings, default_source=default_source)
         return watchdog.bounding(
             ("launched case fixtures", self.config),
             deadline.seconds,
@@ -358,13 +359,25 @@ class _FixtureDeadlines:
             sys.__stderr__.flush()
 
 
-def _deadline_settings(item: pytest.Function, settings: Settings) -> tuple[Settings, str]:
-    """The settings a launched case's deadline is chosen from and the name of
-    their default: pytest-timeout's timeout of the test, else ``--harness-timeout``."""
-    timeout = item.stash.get(TIMEOUT_KEY, None)
-    if timeout is None:
-        return settings, "--harness-timeout"
-    return dataclasses.replace(settings, timeout=timeout), f"pytest-timeout's timeout={timeout:g}"
+def _case(item: pytest.Function) -> tuple[LaunchSpec, Deadline]:
+    """The test's spec and its deadline as a launched case, derived once and
+    stashed (``ValueError``: a bad spec). The deadline is ``LaunchSpec.timeout``,
+    else pytest-timeout's timeout of the test, else ``--harness-timeout``."""
+    case = item.stash.get(CASE_KEY, None)
+    if case is None:
+        spec = spec_for_item(item)
+        settings = item.config.stash[SETTINGS_KEY]
+        timeout = item.stash.get(TIMEOUT_KEY, None)
+        if timeout is None:
+            deadline = choose_deadline(spec, settings, default_source="--harness-timeout")
+        else:
+            deadline = choose_deadline(
+                spec,
+                dataclasses.replace(settings, timeout=timeout),
+                default_source=f"pytest-timeout's timeout={timeout:g}",
+            )
+        case = item.stash[CASE_KEY] = (spec, deadline)
+    return case
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -377,7 +390,7 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
         # An async test runs (or fails) as pytest and its async plugins decide,
         # exactly as its in-process twin: nothing here would await it.
         return None
-    spec = pyfuncitem.stash.get(SPEC_KEY, None) or spec_for_item(pyfuncitem)
+    spec, _ = _case(pyfuncitem)
     settings = pyfuncitem.config.stash[SETTINGS_KEY]
     fixtures = {name: pyfuncitem.funcargs[name] for name in pyfuncitem._fixtureinfo.argnames}
     if hasattr(pyfuncitem.obj, "hypothesis"):
@@ -411,7 +424,7 @@ def _run_on_ranks(
         else "Hypothesis example argument"
         for name in kwargs
     }
-    settings, default_source = _deadline_settings(item, settings)
+    _, deadline = _case(item)
     try:
         task, plan = prepare_case(
             FunctionRef.for_test(item),
@@ -420,8 +433,8 @@ def _run_on_ranks(
             spec,
             what=item.nodeid,
             settings=settings,
-            default_source=default_source,
-            reuse=spec.reuse and settings.reuse,
+            deadline=deadline,
+            reuse=settings.reuse if spec.reuse is None else spec.reuse,
             kinds=kinds,
             want_value=False,
             state=None if item.instance is None else dict(vars(item.instance)),
@@ -532,6 +545,8 @@ def pytest_timeout_set_timer(item: pytest.Item, settings) -> bool | None:
     if not is_launched(item):
         return None
     item.stash[TIMEOUT_KEY] = float(settings.timeout)
+    if CASE_KEY in item.stash:  # set at the call (func_only): the call's deadline is this
+        del item.stash[CASE_KEY]
     return True
 
 

@@ -1,33 +1,15 @@
-"""Kept rank processes: consecutive launched cases with the same (device,
-nproc, backend) run on one pool of ranks whose process group stays up.
+"""Kept rank processes (opt-in): consecutive launched cases with the same
+(device, nproc, backend) run on one pool of ranks whose process group stays up.
 
-A fresh case pays for spawning interpreters, importing torch and a
-rendezvous (seconds); a pooled one for a few pipe messages. Reuse is made
-safe by construction:
-
-* **one pool per process, one case at a time.** ``PoolKeeper`` keeps at most
-  one ``RankPool``; a case with another key closes it and starts its own.
-* **checked before reuse.** Before each case on a reused pool every rank
-  restores the per-case state (``harness.launcher.reset``) and joins a bounded health
-  check (an all-reduce of ``[1, case number]``, ``rank.HEALTH_TIMEOUT_S``);
-  unless every rank reports a correct result in time the pool is torn down
-  and the case runs on a fresh one (nothing of it has run yet).
-* **never reused after anything went wrong.** A failing, crashing, overdue or
-  interrupted case tears the pool down exactly as a spawn-per-case launch
-  stops its ranks (stack dumps, tree kill, reaping); so does a passed case
-  that left what cannot be reset (threads, process groups, a device error).
-  Processes a case started under a kept rank are stopped when the case ends,
-  so nothing of a case survives it either way.
-* **leases held only while ranks live.** The pool holds its process slots
-  and cards for its whole life (the ranks inherit the lease descriptors, so
-  a crash frees them); it gives them back when closed: on a key change, when
-  this process needs them for something else (``lease.add_yield_hook``),
-  when another process waits for them (checked between cases and, while
-  idle, every ``IDLE_CHECK_S``), at session end and at interpreter exit.
-
-The rank side is ``harness.launcher.rank.pool_rank_main``; outcomes, reports and the
-tree kill are the ones every case uses (``harness.launcher.caserun``,
-``harness.launcher.spawn``).
+One pool per process, one case at a time (``PoolKeeper``); before each case
+the ranks restore the per-case state (``harness.launcher.reset``); a pool
+with a rank gone is replaced before the case. A failing, crashing, overdue or
+interrupted case tears the pool down as fresh ranks are stopped; so does a
+passed case that left what cannot be reset. The pool holds its lease (the
+ranks inherit the descriptors) until it is closed: on a key change, when this
+process needs the resources (``lease.add_yield_hook``), when another process
+waits for them (after the pool's slice, or once idle), at session end and at
+interpreter exit. The rank side is ``harness.launcher.rank.pool_rank_main``.
 """
 
 from __future__ import annotations
@@ -41,31 +23,33 @@ import tempfile
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from multiprocessing import get_context
 from multiprocessing.connection import wait as wait_any
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from harness.launcher import procs
-from harness.launcher.case import CasePlan, lease_case
-from harness.launcher.caserun import EXIT_WAIT_S, CaseRun
+from harness import processes
 from harness.launcher.coverage import CoverageSpec
 from harness.launcher.lease import Lease, add_yield_hook
 from harness.launcher.outcome import FAILED, CaseOutcome
-from harness.launcher.rank import (
-    HEALTH_TIMEOUT_S,
-    Exit,
-    Go,
-    Idle,
-    OutcomeWritten,
-    RankTask,
-    Ready,
-    RunCase,
-    pool_rank_main,
+from harness.launcher.rank import Exit, Idle, OutcomeWritten, RankTask, RunCase, pool_rank_main
+from harness.launcher.ranks import (
+    EXIT_WAIT_S,
+    KILL_GRACE_S,
+    CaseRun,
+    reap_on_sigterm,
+    signals_deferred,
+    spawn_ranks,
+    stop_ranks,
 )
 from harness.launcher.reset import Inherited
-from harness.launcher.signals import reap_on_sigterm, signals_deferred
-from harness.launcher.spawn import KILL_GRACE_S, spawn_ranks, stop_ranks
 from harness.spec import LaunchSpec
+
+if TYPE_CHECKING:
+    from harness.launcher.case import CasePlan
+
+#: What leases a case's process slots and cards (``harness.launcher.case.lease_case``).
+LeaseFor = Callable[["CasePlan"], Lease]
 
 #: How often an idle pool checks whether another process waits for its lease.
 IDLE_CHECK_S = 0.25
@@ -83,9 +67,6 @@ MAX_SLICE_S = 8.0
 #: (at once when its slice is used up): the gap between two cases of its own
 #: process is shorter.
 IDLE_YIELD_S = 1.0
-#: Beyond the health check's own bound: time for the ranks to restore their
-#: state and answer on a loaded host.
-READY_SLACK_S = 5.0
 #: How long ranks told to exit get before their trees are killed.
 CLOSE_WAIT_S = 2.0
 
@@ -155,7 +136,7 @@ class RankPool:
         self.capture = capture
         #: False once the pool must not run another case (it is then closed)
         self.usable = True
-        #: why the last health check failed
+        #: why the pool could not take the last case
         self.problem = ""
         self.busy = False
         self.cases = 0
@@ -217,13 +198,12 @@ class RankPool:
     def run(self, task: RankTask, plan: CasePlan) -> CaseOutcome | None:
         """Run one case on the pool, through the phases fresh ranks go through.
 
-        Returns None when a reused pool failed its health check before the
-        case started (``problem`` says why); the pool is then closed. After
+        Returns None when a rank of the pool was gone before the case started
+        (``problem`` says why); the pool is then closed. After
         any other problem the result reports it and the pool is closed too
         (``usable`` is False). Never returns with a rank of a closed pool or
         a process a case started under a kept rank alive.
         """
-        check = self.cases > 0
         self.cases += 1
         case_dir = os.path.join(self._dir, f"case-{self.cases}")
         os.mkdir(case_dir)
@@ -235,7 +215,7 @@ class RankPool:
         try:
             with reap_on_sigterm():
                 try:
-                    if not self._dispatch(task, run, check):
+                    if not self._dispatch(task, run):
                         return None
                     run.supervise(self._procs, self._channels, release=self._release)
                     kept = self._settle(run.result)
@@ -249,34 +229,21 @@ class RankPool:
         finally:
             shutil.rmtree(case_dir, ignore_errors=True)
 
-    def _dispatch(self, task: RankTask, run: CaseRun, check: bool) -> bool:
-        """Hand the case to every rank; on a reused pool, only once all pass the health check."""
+    def _dispatch(self, task: RankTask, run: CaseRun) -> bool:
+        """Hand the case to every rank (False: a rank is gone)."""
         if not self.alive():
             self.problem = "a rank is gone"
             return False
         inherited = Inherited.now()  # what fresh ranks would start with, fixtures' doing included
         for rank, channel in enumerate(self._channels):
-            if not channel.send(
-                RunCase(run.rank_context(rank), task, inherited, self.cases, check)
-            ):
+            if not channel.send(RunCase(run.rank_context(rank), task, inherited)):
                 self.problem = f"rank {rank} is not listening"
                 return False
-        if not check:
-            return True
-        ready = self._collect(Ready, HEALTH_TIMEOUT_S + READY_SLACK_S, until_problem=True)
-        problems = [f"rank {r}: {ready[r].problem}" for r in sorted(ready) if ready[r].problem]
-        problems += [f"rank {r} did not answer" for r in range(self.spec.nproc) if r not in ready]
-        if problems:
-            self.problem = "; ".join(problems)
-            return False
-        return all(channel.send(Go()) for channel in self._channels)
+        return True
 
-    def _collect(
-        self, kind: type[Ready] | type[Idle], timeout: float, *, until_problem: bool = False
-    ) -> dict[int, Any]:
+    def _collect(self, kind: type[Idle], timeout: float) -> dict[int, Any]:
         """Each rank's next message of type ``kind``, waiting at most ``timeout``
-        seconds (ranks that die or close their pipe are left out at once; with
-        ``until_problem`` the wait ends at the first message naming a problem)."""
+        seconds (ranks that die or close their pipe are left out at once)."""
         got: dict[int, Any] = {}
         end = time.monotonic() + timeout
         while True:
@@ -292,7 +259,7 @@ class RankPool:
                 if r not in got and not self._channels[r].closed and self._procs[r].is_alive()
             ]
             left = end - time.monotonic()
-            if not waiting or left <= 0 or (until_problem and any(m.problem for m in got.values())):
+            if not waiting or left <= 0:
                 return got
             wait_any(
                 [self._channels[r] for r in waiting] + [self._procs[r].sentinel for r in waiting],
@@ -315,7 +282,7 @@ class RankPool:
             if r not in idle
         ]
         ranks = [*self.pids, *(message.pid for message in idle.values())]
-        leftovers = procs.kill_trees(self.pids, grace=KILL_GRACE_S, spare=ranks)
+        leftovers = processes.kill_trees(self.pids, grace=KILL_GRACE_S, spare=ranks)
         if leftovers:
             problems.append(f"pids {[p.pid for p in leftovers]} the case started would not die")
         if problems:
@@ -375,9 +342,10 @@ class PoolKeeper:
         """The pool kept now (None: none)."""
         return self._pool
 
-    def run(self, task: RankTask, plan: CasePlan) -> CaseOutcome:
-        """Run a case on the kept pool for ``plan.spec``, starting one (and leasing
-        for it: ``LeaseTimeout``) when there is none that fits or is healthy.
+    def run(self, task: RankTask, plan: CasePlan, lease_for: LeaseFor) -> CaseOutcome:
+        """Run a case on the kept pool for ``plan.spec``, starting one (leasing
+        for it with ``lease_for``: ``LeaseTimeout``) when there is none that fits
+        or has every rank alive.
 
         Call it from the main thread only (the one that outlives the pool).
         """
@@ -385,7 +353,7 @@ class PoolKeeper:
             notes: list[str] = []
             self._drop_unfit(plan.spec)
             while True:
-                pool = self._pool or self._start(plan)
+                pool = self._pool or self._start(plan, lease_for)
                 pool.busy = True
                 result = None
                 try:
@@ -400,11 +368,8 @@ class PoolKeeper:
                 if result is not None:
                     result.notes[:0] = notes
                     return result
-                # Only a reused pool is checked, so this loops at most once.
-                notes.append(
-                    f"the kept ranks failed their health check ({pool.problem}); "
-                    "the case ran on fresh ranks"
-                )
+                # A fresh pool's ranks are all there, so this loops at most once.
+                notes.append(f"a kept rank was gone ({pool.problem}); the case ran on fresh ranks")
 
     def _drop_unfit(self, spec: LaunchSpec) -> None:
         """Close the kept pool unless ``spec`` can run on it now."""
@@ -416,9 +381,9 @@ class PoolKeeper:
             # its slice: give it back and lease again.
             self._close_locked()
 
-    def _start(self, plan: CasePlan) -> RankPool:
+    def _start(self, plan: CasePlan, lease_for: LeaseFor) -> RankPool:
         """Lease for ``plan`` and start a pool on the lease (kept from now on)."""
-        lease = lease_case(plan.spec, plan.settings, plan.what)
+        lease = lease_for(plan)
         try:
             self._pool = RankPool(plan.spec, lease, capture=plan.settings.capture)
         except BaseException:

@@ -1,29 +1,16 @@
-"""The code that runs inside one rank process.
+"""The code that runs inside one rank process (``rank_main``: one case;
+``pool_rank_main``: a kept rank serving case after case, restoring the
+per-case state of ``harness.launcher.reset`` in between).
 
-A rank: runs under a supervisor (``harness.launcher.supervisor``) that ties
-its life, and that of everything it starts, to the launcher's, sends its output to
-its log file, registers a stack dump on SIGUSR1, sets its environment
-(``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, card
-visibility) before anything imports torch, selects its card, joins the
-process group through a ``FileStore``, runs the function and writes its
-``RankOutcome``. Nothing here imports torch at module level: the spawned
-interpreter imports this module before the environment is set.
-
-Once its outcome is written a rank ends with ``os._exit`` (after flushing its
-output): it never runs interpreter finalisation. Finalisation races the
-process group's C++ threads: a Gloo worker that drops the last reference to a
-tensor takes the GIL to free its Python object, and a thread taking the GIL
-while the interpreter finalises is ended with ``pthread_exit``, whose forced
-unwind through a ``noexcept`` destructor calls ``std::terminate`` ("terminate
-called without an active exception", SIGABRT, sometimes SIGSEGV) -- a crash
-*after* the rank had passed. The process group needs no explicit teardown for
-that exit: the OS closes its sockets and the peers' pending operations fail
-at once, as they would on ``destroy_process_group``, which itself is known to
-hang.
-
-``pool_rank_main`` is the entry of a *pooled* rank: it keeps its process
-group and runs case after case sent by ``harness.launcher.pool``, restoring the
-per-case state (``harness.launcher.reset``) in between.
+A rank splits off its supervisor (``harness.launcher.supervisor``), sends its
+output to its log file, registers a stack dump on SIGUSR1, sets its
+environment before anything imports torch (nothing here imports it at module
+level), selects its card, joins the process group through a ``FileStore``,
+runs the function and writes its ``RankOutcome``. It then leaves with
+``os._exit``: interpreter finalisation races the process group's C++ threads
+(``std::terminate`` after the rank passed), and the OS closing its sockets
+fails the peers' pending operations at once, as ``destroy_process_group``
+(known to hang) would.
 """
 
 from __future__ import annotations
@@ -32,6 +19,7 @@ import contextlib
 import faulthandler
 import gc
 import inspect
+import json
 import multiprocessing
 import os
 import pickle
@@ -44,7 +32,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
-from harness.devices import Card, device_for_backend, local_index, runtime_available, set_device
+from harness.devices import Card, local_index, runtime_available, set_device
 from harness.launcher import coverage as rank_coverage
 from harness.launcher import groups
 from harness.launcher.coverage import CoverageSpec
@@ -53,13 +41,61 @@ from harness.launcher.reset import Baseline, Inherited, fresh_context
 from harness.launcher.supervisor import split
 from harness.launcher.target import FunctionRef, import_conftests
 
-#: How long a pooled rank's health check waits for its peers.
-HEALTH_TIMEOUT_S = 5.0
 #: How long a pooled rank whose launcher is gone waits for its supervisor to stop it.
 LAUNCHER_GONE_WAIT_S = 10.0
 STACK_DUMP_SIGNAL = getattr(signal, "SIGUSR1", None)
 _HARNESS_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 _keep: dict[str, Any] = {}
+
+
+#: Environment variable describing the enclosing case to its ranks (JSON).
+CASE_ENV = "HARNESS_CASE"
+#: The longest process-group timeout: ``timedelta`` and torch's milliseconds hold it
+#: (a schema-valid ``timeout_s`` of 1e300 failed every rank with ``OverflowError``).
+LONGEST_PG_TIMEOUT_S = 30 * 24 * 3600.0
+
+
+def pg_timeout_for(deadline_s: float) -> float:
+    """Process-group timeout for a case with this deadline: strictly below it,
+    leaving room (up to 30 s) for the rank to report the timeout error, and at most
+    ``LONGEST_PG_TIMEOUT_S`` (30 days)."""
+    return min(LONGEST_PG_TIMEOUT_S, max(0.1, deadline_s - min(30.0, 0.2 * deadline_s)))
+
+
+@dataclass(frozen=True)
+class EnclosingCase:
+    """The case a set of ranks belongs to, as seen from inside them (``HARNESS_CASE``):
+    a ``harness.launch`` made inside it stays within its ranks, cards and deadline."""
+
+    what: str
+    nproc: int
+    device: str
+    cards: tuple[str, ...]
+    deadline: float  # wall-clock time
+    #: lease directory of the case's own rank slots: nested launches from any
+    #: of its ranks and threads lease from it, so together they never run more
+    #: ranks at once than the case declared (None: no such bound)
+    budget_dir: str | None = None
+
+    def to_env(self) -> str:
+        """The value of ``CASE_ENV`` that ``from_env`` reads back."""
+        return json.dumps(dict(vars(self), cards=list(self.cards)))
+
+    @staticmethod
+    def from_env() -> EnclosingCase | None:
+        """The case whose rank this process is (None: not inside a case)."""
+        raw = os.environ.get(CASE_ENV)
+        if not raw:
+            return None
+        d = json.loads(raw)
+        return EnclosingCase(
+            d["what"],
+            d["nproc"],
+            d["device"],
+            tuple(d["cards"]),
+            d["deadline"],
+            d.get("budget_dir"),
+        )
 
 
 @dataclass(frozen=True)
@@ -107,38 +143,22 @@ class RankContext:
     coverage: CoverageSpec | None = None
 
 
-# The kept-rank protocol: launcher -> rank ``RunCase``, ``Go``, ``Exit``;
-# rank -> launcher ``Ready`` (after the health check), ``OutcomeWritten``,
-# ``Idle`` (once the case's state is cleaned up).
+# The kept-rank protocol: launcher -> rank ``RunCase``, ``Exit``;
+# rank -> launcher ``OutcomeWritten``, ``Idle`` (once the case's state is cleaned up).
 
 
 @dataclass(frozen=True)
 class RunCase:
-    """Launcher -> kept rank: run this case (``seq``: the pool's case number;
-    ``check``: run the health check first and wait for ``Go``)."""
+    """Launcher -> kept rank: run this case."""
 
     ctx: RankContext
     task: RankTask
     inherited: Inherited
-    seq: int
-    check: bool
-
-
-@dataclass(frozen=True)
-class Go:
-    """Launcher -> kept rank: every rank passed the health check; run the case."""
 
 
 @dataclass(frozen=True)
 class Exit:
     """Launcher -> kept rank: leave now."""
-
-
-@dataclass(frozen=True)
-class Ready:
-    """Kept rank -> launcher: the health check's verdict (``problem`` None: healthy)."""
-
-    problem: str | None
 
 
 @dataclass(frozen=True)
@@ -191,10 +211,7 @@ def pool_rank_main(
     Per case: the launcher's current environment, working directory and
     ``sys.path`` are taken over (what a fresh rank would inherit), output and
     the stack-dump file go to the case's files, and the state a case can
-    change is restored to the pool's baseline;
-    on a reused pool a bounded health check (an all-reduce every rank must
-    join within ``HEALTH_TIMEOUT_S``) is reported and the launcher's go
-    awaited; then the function runs, in a fresh copy of its test module and a
+    change is restored to the pool's baseline; then the function runs, in a fresh copy of its test module and a
     fresh context, exactly as in a one-case rank, and its outcome is written.
     A failed case ends the rank (its pool is never reused); a passed one is
     cleaned up and the rank reports whether it can run another. Exits with
@@ -226,8 +243,8 @@ def _serve(
         rank_coverage.case_started()
         if baseline is not None:
             baseline.restore()
-        if message.check:
-            _health_gate(conn, ctx, message.seq)
+            if ctx.card is not None:
+                _select_card(ctx)  # the last case may have made another device current
         outcome, baseline = _run_kept(ctx, message.task, baseline)
         outcome.write(ctx.outcome_path)
         # A kept rank may outlive the launcher's coverage report (it combines
@@ -279,18 +296,6 @@ def _launcher_gone() -> NoReturn:
     while time.monotonic() < end:
         time.sleep(0.05)
     os._exit(0)
-
-
-def _health_gate(conn: Any, ctx: RankContext, seq: int) -> None:
-    """Report the health check and wait for ``Go``; any other answer ends the rank."""
-    problem = _health_check(ctx, seq)
-    _send(conn, Ready(problem))
-    try:
-        reply = conn.recv()
-    except (EOFError, OSError):
-        _launcher_gone()
-    if problem is not None or not isinstance(reply, Go):
-        _hard_exit(0)
 
 
 def _run_kept(
@@ -478,47 +483,10 @@ def _pg_timeout(ctx: RankContext) -> float:
     from the time the case has left (its deadline minus what spawning and
     imports took), so that a collective blocked from here on raises in the
     rank before the deadline."""
-    from harness.launcher.deadline import pg_timeout_for
-    from harness.launcher.enclosing import EnclosingCase
-
     case = EnclosingCase.from_env()
     if case is None:
         return ctx.pg_timeout_s
     return min(ctx.pg_timeout_s, pg_timeout_for(max(0.1, case.deadline - time.time())))
-
-
-def _health_check(ctx: RankContext, seq: int) -> str | None:
-    """A bounded all-reduce of ``[1, seq]``: every rank alive, answering, and at
-    the same case. Returns what is wrong, or None."""
-    try:
-        from datetime import timedelta
-
-        import torch
-        import torch.distributed as dist
-
-        if ctx.card is not None:
-            _select_card(ctx)  # the case may have made another device current
-        if not dist.is_initialized():
-            return "the process group is gone"
-        device = torch.device("cpu")
-        placement = device_for_backend(ctx.backend)
-        if ctx.card is not None and placement.is_accelerator and runtime_available(placement.name):
-            device = placement.collective_device()
-        probe = torch.tensor([1.0, float(seq)], device=device)
-        work = dist.all_reduce(probe, async_op=True)
-        late = f"the health-check all-reduce did not finish within {HEALTH_TIMEOUT_S:g} s"
-        try:
-            if work.wait(timeout=timedelta(seconds=HEALTH_TIMEOUT_S)) is False:
-                return late
-        except RuntimeError as exc:  # how Gloo reports the timeout (or a dead peer)
-            return f"{late} ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})"
-        got = probe.cpu().tolist()
-        want = [float(ctx.world_size), float(ctx.world_size * seq)]
-        if got != want:
-            return f"the health-check all-reduce gave {got}, expected {want}"
-    except Exception as exc:
-        return f"health check failed: {type(exc).__name__}: {exc}"
-    return None
 
 
 def _leftovers(baseline: Baseline | None) -> str | None:

@@ -1,30 +1,16 @@
 """A rank's supervisor: nothing a case starts outlives the case, or the launcher.
 
-A spawned rank process first *splits* (``split``): it leads a new session,
-declares itself a child subreaper (``PR_SET_CHILD_SUBREAPER``) and forks. The
-child goes on to be the rank; the parent -- the process the launcher started
-and knows by pid -- becomes its supervisor and runs no test code:
-
-* every process the case starts stays below the supervisor, whatever it
-  does: an orphan (a double-forked ``setsid()`` daemon included) is
-  re-parented to the supervisor, the nearest living subreaper, never to init;
-* the rank leads a process group of its own, so a signal to "its" group
-  (``kill -9 0`` in a helper script) stops the rank, never the supervisor;
-* when the rank exits, the supervisor stops everything left below it
-  (SIGTERM, then SIGKILL after ``LEFTOVER_GRACE_S``), reaps it, and exits
-  with the rank's status (the same exit code, or killed by the same signal);
-* when the launcher dies (even by SIGKILL) the kernel tells the supervisor
-  (``PR_SET_PDEATHSIG``), which kills the whole tree at once, removes the
-  directory the dead launcher left (a kept pool's or a fresh case's), and
-  exits; the rank dies with its supervisor the same way;
-* the lease descriptors stay in the supervisor alone: the rank closes its
-  copies, so no process of the case can hold a lease past the supervisor,
-  which is the last of the case to exit;
-* signals for the rank (the stack-dump signal, SIGTERM, SIGINT) are
-  forwarded to it.
-
-Linux only; elsewhere ``split`` does nothing and the rank runs unsupervised,
-watching its parent from a thread.
+A spawned rank first *splits* (``split``): it leads a new session, declares
+itself a child subreaper and forks; the child is the rank, the parent (the
+process the launcher knows by pid) its supervisor, running no test code. Every
+orphan the case leaves (``setsid()`` daemons included) is re-parented to the
+supervisor; the rank leads a process group of its own; when the rank exits the
+supervisor stops what is left below it (SIGTERM, SIGKILL after
+``LEFTOVER_GRACE_S``) and exits with the rank's status; when the launcher dies
+(``PR_SET_PDEATHSIG``) it kills the tree, removes the directory the launcher
+left, and exits. Only the supervisor holds the lease descriptors; signals for
+the rank are forwarded to it. Linux only; elsewhere ``split`` does nothing and
+the rank watches its parent from a thread.
 """
 
 from __future__ import annotations

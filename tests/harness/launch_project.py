@@ -56,7 +56,10 @@ def record_card_use(case, seconds=1.0):
 
 
 def record_pid(name, pid=None):
-    (out_dir() / f"{name}.pid").write_text(str(pid or os.getpid()))
+    # Written whole or not at all: a reader polling the folder never sees an empty file.
+    tmp = out_dir() / f".{name}.pid.{os.getpid()}"
+    tmp.write_text(str(pid or os.getpid()))
+    os.replace(tmp, out_dir() / f"{name}.pid")
 '''
 
 
@@ -79,10 +82,11 @@ def inner_env(out: Path, lease_dir: Path, *, cards: str = "none") -> dict[str, s
     return env
 
 
-def write_project(root: Path, files: dict[str, str]) -> Path:
-    """Write ``files`` (dedented) plus ``recording.py`` and a ``pytest.ini`` pinning the rootdir."""
+def write_project(root: Path, files: dict[str, str], *, reuse: bool = False) -> Path:
+    """Write ``files`` (dedented) plus ``recording.py`` and a ``pytest.ini`` pinning the
+    rootdir (with ``reuse``: opting in to kept rank pools, ``harness_reuse = true``)."""
     root.mkdir(parents=True, exist_ok=True)
-    (root / "pytest.ini").write_text("[pytest]\n")
+    (root / "pytest.ini").write_text("[pytest]\n" + ("harness_reuse = true\n" if reuse else ""))
     (root / "recording.py").write_text(RECORDING)
     for name, text in files.items():
         (root / name).write_text(textwrap.dedent(text))

@@ -157,7 +157,7 @@ CRASHING_CASES = """
     import pytest
 
 
-    @pytest.mark.launch(nproc=1)
+    @pytest.mark.launch(nproc=1, reuse=True)
     def test_a_kept_pool():
         pass
 
@@ -205,7 +205,7 @@ CRASHING_AFTER_EOF_CASES = """
     import pytest
 
 
-    @pytest.mark.launch(nproc=1)
+    @pytest.mark.launch(nproc=1, reuse=True)
     def test_a_kept_pool():
         pass
 
@@ -256,7 +256,7 @@ def group_timeout_and_case_deadline() -> tuple[float, float, float]:
     import torch
     import torch.distributed as dist
 
-    from harness.launcher.enclosing import EnclosingCase
+    from harness.launcher.rank import EnclosingCase
 
     backend = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
     return backend.options._timeout.total_seconds(), time.time(), EnclosingCase.from_env().deadline

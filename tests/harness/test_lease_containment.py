@@ -1,4 +1,4 @@
-"""Leases on a shared host hold against other users and against failures.
+"""Leases on a shared host hold across its users and against failures.
 
 Other users are real local users (``harness-t1``, ``harness-t2``), created for
 the session when the tests run as root (skipped otherwise); their sessions are
@@ -8,8 +8,6 @@ real processes leasing through the same directory.
 from __future__ import annotations
 
 import contextlib
-import fcntl
-import json
 import os
 import pwd
 import shutil
@@ -20,7 +18,6 @@ import sys
 import tempfile
 import textwrap
 import threading
-import time
 import traceback
 from pathlib import Path
 
@@ -34,8 +31,8 @@ from launch_project import (
 )
 
 from harness.launcher import lease as leases
-from harness.launcher.lease import LeaseDirError, LeaseTimeout, acquire, slot_want
-from harness.launcher.settings import Settings
+from harness.launcher.case import Settings
+from harness.launcher.lease import acquire, slot_want
 
 REPO = str(Path(__file__).resolve().parents[2])
 USERS = ("harness-t1", "harness-t2")
@@ -124,68 +121,7 @@ def _read_all(fd: int) -> bytes:
     return data
 
 
-HOLD_SLOT = textwrap.dedent("""
-    import sys, time
-    from harness.launcher.lease import acquire, slot_want
-    lease = acquire(sys.argv[1], [slot_want(1, 1)], timeout=10, holder="slot holder")
-    print("held", flush=True)
-    time.sleep(60)
-""")
-
-
-def start_slot_holder(lease_dir: Path) -> subprocess.Popen:
-    proc = subprocess.Popen(
-        [sys.executable, "-c", HOLD_SLOT, str(lease_dir)], stdout=subprocess.PIPE, text=True
-    )
-    assert proc.stdout.readline().strip() == "held"
-    return proc
-
-
-def stop(proc: subprocess.Popen) -> None:
-    proc.kill()
-    proc.wait(10)
-
-
-def wait_for_waiter(lease_dir: Path) -> None:
-    end = time.monotonic() + 20
-    while not leases.waiters(str(lease_dir)):
-        assert time.monotonic() < end, "the lease wait never joined the queue"
-        time.sleep(0.02)
-
-
-# -- the directory is opened once ---------------------------------------------
-
-
-def test_a_directory_swapped_for_a_link_during_a_wait_redirects_nothing(tmp_path):
-    lease_dir, elsewhere = tmp_path / "leases", tmp_path / "elsewhere"
-    elsewhere.mkdir()
-    holder = start_slot_holder(lease_dir)
-    got: list = []
-
-    def wait() -> None:
-        try:
-            acquire(str(lease_dir), [slot_want(1, 1)], timeout=3, holder="waiter").release()
-            got.append("leased")
-        except LeaseTimeout as exc:
-            got.append(exc)
-
-    try:
-        waiter = threading.Thread(target=wait)
-        waiter.start()
-        wait_for_waiter(lease_dir)
-        # What the directory's owner can do at any time: move it away and put
-        # a link to a directory of its choosing in its place.
-        lease_dir.rename(tmp_path / "moved")
-        lease_dir.symlink_to(elsewhere)
-        waiter.join(30)
-    finally:
-        stop(holder)
-    assert list(elsewhere.iterdir()) == []
-    assert len(got) == 1, got
-    assert isinstance(got[0], LeaseTimeout), got  # the slot stayed held
-
-
-# -- other users cannot break a lease -------------------------------------------
+# -- leases hold across the users of a host -------------------------------------------
 
 PRIME = """
     import sys
@@ -193,16 +129,9 @@ PRIME = """
     acquire(default_lease_dir(), [slot_want(1, 1)], timeout=10, holder="first user").release()
 """
 
-UNLINK_AND_LEASE = """
-    import os, sys
+LEASE_AGAIN = """
     from harness.launcher.lease import LeaseTimeout, acquire, default_lease_dir, slot_want
     lease_dir = default_lease_dir()
-    for name in os.listdir(lease_dir):
-        if name.startswith("slot-0"):
-            try:
-                os.unlink(os.path.join(lease_dir, name))
-            except OSError:
-                pass
     try:
         acquire(lease_dir, [slot_want(1, 1)], timeout=1, holder="second session").release()
     except LeaseTimeout:
@@ -220,32 +149,18 @@ def shared_lease_dir(host_tmp: Path) -> Path:
     return shared
 
 
-def test_the_owner_of_lock_files_cannot_break_another_users_lease(users, host_tmp, monkeypatch):
+def test_a_lease_excludes_other_users_through_the_files_they_made(users, host_tmp):
     shared = shared_lease_dir(host_tmp)
     t1 = users["harness-t1"]
-    code, output = run_as(t1, PRIME, tmp=host_tmp)
+    code, output = run_as(t1, PRIME, tmp=host_tmp)  # harness-t1 creates the lock file
     assert code == 0, output
-    # root leases the one slot; harness-t1 deletes what it can and leases it.
+    # root leases the one slot through harness-t1's file; harness-t1 waits in vain.
     with acquire(str(shared), [slot_want(1, 1)], timeout=5, holder="root's case"):
-        code, output = run_as(t1, UNLINK_AND_LEASE, tmp=host_tmp)
+        code, output = run_as(t1, LEASE_AGAIN, tmp=host_tmp)
     assert code == 0, output
     assert output.strip() == "refused"
-
-
-def test_another_users_lease_dir_is_refused_naming_its_owner(users, tmp_path):
-    theirs = tmp_path / "theirs"
-    theirs.mkdir(mode=0o700)
-    os.chown(theirs, users["harness-t1"].pw_uid, users["harness-t1"].pw_gid)
-    with pytest.raises(LeaseDirError) as info:
-        acquire(str(theirs), [slot_want(1, 1)], timeout=0, holder="root")
-    message = str(info.value)
-    assert f"harness lease directory {theirs}" in message
-    assert (
-        f"is owned by harness-t1 (uid {users['harness-t1'].pw_uid}), not by you (root (uid 0))"
-        in message
-    )
-    assert "install -d -o root -m 1777" in message
-    assert list(theirs.iterdir()) == []
+    code, output = run_as(t1, LEASE_AGAIN, tmp=host_tmp)
+    assert (code, output.strip()) == (0, "leased"), output
 
 
 LEASE_DEFAULT = """
@@ -259,88 +174,11 @@ LEASE_DEFAULT = """
 """
 
 
-def test_a_per_user_fallback_made_by_someone_else_is_refused(users, host_tmp):
-    t1, t2 = users["harness-t1"], users["harness-t2"]
-    shared = host_tmp / "harness-leases"
-    shared.mkdir(mode=0o755)  # root's and closed: harness-t1 falls back to its own
-    fallback = host_tmp / f"harness-leases-{t1.pw_uid}"
-    fallback.mkdir()
-    fallback.chmod(0o1777)
-    os.chown(fallback, t2.pw_uid, t2.pw_gid)
-    code, output = run_as(t1, LEASE_DEFAULT, tmp=host_tmp)
-    assert code == 0, output
-    assert f"harness lease directory {fallback}" in output
-    assert f"is owned by harness-t2 (uid {t2.pw_uid}), not by you (harness-t1" in output
-
-
 def test_the_documented_shared_dir_of_root_is_used_by_everyone(users, host_tmp):
     shared = shared_lease_dir(host_tmp)
     code, output = run_as(users["harness-t1"], LEASE_DEFAULT, tmp=host_tmp)
     assert code == 0, output
     assert output.strip() == f"leased in {shared}"
-
-
-# -- forged waiter records --------------------------------------------------------
-
-HOLD_FLOCK = """
-    import fcntl, os, sys, time
-    fd = os.open(sys.argv[1], os.O_RDONLY)
-    fcntl.flock(fd, fcntl.LOCK_EX)
-    print("locked", flush=True)
-    time.sleep(60)
-"""
-
-
-def forge_waiter(lease_dir: Path) -> tuple[Path, subprocess.Popen]:
-    """A waiter record for every slot claiming pid 1, its file locked by some process."""
-    lease_dir.mkdir(exist_ok=True)
-    forged = lease_dir / "waiter-0.lock"
-    forged.write_text(
-        json.dumps(
-            {
-                "ticket": 0,
-                "pid": 1,
-                "holder": "x",
-                "since": time.time(),
-                "wants": [{"what": "slots", "names": ["slot:0"], "count": 1}],
-            }
-        )
-    )
-    proc = subprocess.Popen(
-        [sys.executable, "-c", textwrap.dedent(HOLD_FLOCK), str(forged)],
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    assert proc.stdout.readline().strip() == "locked"
-    return forged, proc
-
-
-def test_a_forged_waiter_record_is_not_waited_for(tmp_path):
-    lease_dir = tmp_path / "leases"
-    _, locker = forge_waiter(lease_dir)
-    try:
-        assert leases.waiters(str(lease_dir)) == []
-        acquire(str(lease_dir), [slot_want(1, 1)], timeout=2, holder="a case").release()
-    finally:
-        stop(locker)
-
-
-def test_a_timed_out_wait_names_the_waiter_files(tmp_path):
-    lease_dir = tmp_path / "leases"
-    forged, locker = forge_waiter(lease_dir)
-    holder = start_slot_holder(lease_dir)
-    try:
-        with pytest.raises(LeaseTimeout) as info:
-            acquire(str(lease_dir), [slot_want(1, 1)], timeout=0.5, holder="a case")
-    finally:
-        stop(holder)
-        stop(locker)
-    message = str(info.value)
-    assert (
-        f"ignored a forged waiter record: {forged} (its record names pid 1; pid {locker.pid}"
-        in message
-    )
-    assert "pid 1 (" not in message
 
 
 # -- a relative lease directory is resolved once -------------------------------------
@@ -402,19 +240,21 @@ def test_settings_hold_an_absolute_lease_dir(tmp_path, monkeypatch):
     assert leases.resolve_lease_dir(None) == (str(tmp_path / "rel"), "$HARNESS_LEASE_DIR")
 
 
-# -- a failure after locking gives the locks back ----------------------------------------
+# -- a holder record that cannot be written leaves the lease working --------------------
 
 FULL_DISK = """
     import resource, signal, sys
-    from harness.launcher.lease import LeaseError, LeaseTimeout, acquire, slot_want
+    from harness.launcher.lease import LeaseTimeout, acquire, slot_want
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG
     lease_dir = sys.argv[1]
     acquire(lease_dir, [slot_want(1, 1)], timeout=1, holder="makes the files").release()
     resource.setrlimit(resource.RLIMIT_FSIZE, (16, resource.RLIM_INFINITY))
     try:
-        acquire(lease_dir, [slot_want(1, 1)], timeout=1, holder="a holder longer than 16 bytes")
-    except LeaseError as exc:
-        print("error:", type(exc).__name__, exc)
+        with acquire(lease_dir, [slot_want(1, 1)], timeout=1, holder="a holder longer than 16 bytes"):
+            try:
+                acquire(lease_dir, [slot_want(1, 1)], timeout=0, holder="meanwhile")
+            except LeaseTimeout:
+                print("held")
     except BaseException as exc:
         print("raw:", type(exc).__name__, exc)
     resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
@@ -427,7 +267,8 @@ FULL_DISK = """
 """
 
 
-def test_a_holder_record_that_cannot_be_written_gives_the_lease_back(tmp_path):
+def test_a_holder_record_that_cannot_be_written_leaves_the_lease_working(tmp_path):
+    # A full disk: the record only informs waiters; the lock is the lease.
     result = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(FULL_DISK), str(tmp_path / "leases")],
         capture_output=True,
@@ -435,25 +276,7 @@ def test_a_holder_record_that_cannot_be_written_gives_the_lease_back(tmp_path):
         timeout=60,
     )
     assert result.returncode == 0, result.stderr
-    error, after = result.stdout.splitlines()
-    assert error.startswith(
-        "error: LeaseError cannot write the holder record into lease file "
-        f"{tmp_path / 'leases'}/slot-0.u{os.geteuid()}.lock: File too large"
-    ), error
-    assert "given back" in error
-    assert after == "free"
-
-
-def test_the_flock_holder_is_read_from_the_system(tmp_path):
-    path = tmp_path / "f"
-    path.write_text("")
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        holders = leases._flock_holders(os.fstat(fd))
-    finally:
-        os.close(fd)
-    assert holders in ({os.getpid()}, None)
+    assert result.stdout.splitlines() == ["held", "free"], result.stdout
 
 
 # -- another user's `harness run` output folder ------------------------------------------

@@ -143,30 +143,6 @@ def wait_for_queue(lease_dir: Path, length: int, proc: subprocess.Popen) -> None
     assert len(leases.waiters(str(lease_dir))) == length
 
 
-def test_waiters_are_served_in_the_order_they_came(tmp_path):
-    lease_dir, log = tmp_path / "leases", tmp_path / "log.jsonl"
-    procs: list[subprocess.Popen] = []
-    try:
-        with acquire(str(lease_dir), [slot_want(2, 1)], timeout=0, holder="the holder"):
-            for name in ("first", "second", "third"):
-                procs.append(spawn(WAITER, lease_dir, log, name, 60, 0.2))
-                wait_for_queue(lease_dir, len(procs), procs[-1])
-            queued = leases.waiters(str(lease_dir))
-            assert [w["holder"] for w in queued] == ["first", "second", "third"]
-            assert [w["pid"] for w in queued] == [p.pid for p in procs]
-        outputs = [finish(p, 60) for p in procs]
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.communicate()
-    assert [p.returncode for p in procs] == [0, 0, 0], outputs
-    served = sorted(read_log(log), key=lambda e: e["start"])
-    assert [e["who"] for e in served] == ["first", "second", "third"]
-    assert_no_overlap([(e["who"], e["start"], e["end"]) for e in served])
-    assert leases.waiters(str(lease_dir)) == []
-
-
 def test_a_newcomer_does_not_jump_the_queue(tmp_path):
     lease_dir = str(tmp_path / "leases")
     log = tmp_path / "log.jsonl"
@@ -305,7 +281,7 @@ def test_a_session_waiting_for_slots_is_not_starved_by_a_kept_pool(tmp_path):
     leases, out = tmp_path / "leases", tmp_path / "out"
     out.mkdir()
     env = inner_env(out, leases)
-    busy_root = write_project(tmp_path / "busy", {"test_busy.py": POOL_SESSION})
+    busy_root = write_project(tmp_path / "busy", {"test_busy.py": POOL_SESSION}, reuse=True)
     waiting_root = write_project(tmp_path / "waiting", {"test_waiting.py": WAITING_SESSION})
     busy = subprocess.Popen(
         pytest_command(busy_root, "--harness-max-procs", "2"),

@@ -50,7 +50,7 @@ OUTCOMES = """
         env["backend"] = dist.get_backend()
         gloo = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
         env["pg_timeout_s"] = gloo.options._timeout.total_seconds()
-        from harness.launcher.enclosing import EnclosingCase
+        from harness.launcher.rank import EnclosingCase
 
         env["left_s"] = EnclosingCase.from_env().deadline - time.time()
         (out_dir() / f"env-{dist.get_rank()}.json").write_text(json.dumps(env))

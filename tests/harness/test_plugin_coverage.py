@@ -27,7 +27,7 @@ TESTS = """
     import helper
 
 
-    @pytest.mark.launch(nproc=2)
+    @pytest.mark.launch(nproc=2, reuse=True)
     def test_kept_ranks_run_it():
         assert helper.only_in_ranks(1) == 4
 
@@ -59,7 +59,7 @@ KEPT_TO_THE_END = """
     import helper
 
 
-    @pytest.mark.launch(nproc=2)
+    @pytest.mark.launch(nproc=2, reuse=True)
     def test_kept_ranks_run_it():
         assert helper.only_in_ranks(1) == 4
 

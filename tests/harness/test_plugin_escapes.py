@@ -112,8 +112,8 @@ def test_no_process_a_case_started_outlives_it(tmp_path, reuse):
     root = write_project(tmp_path / "project", {"test_escapes.py": ESCAPES})
     out, leases = root / "out", root / "leases"
     args = ["-k", "passes or fails", "--harness-max-procs", "2"]
-    if not reuse:
-        args.append("--harness-no-reuse")
+    if reuse:
+        args.append("--harness-reuse")
     session = run_session(root, *args, env=inner_env(out, leases))
     try:
         assert session.case("test_passes").status == "passed", session.output
@@ -137,8 +137,8 @@ def test_nothing_outlives_a_sigkilled_pytest_by_more_than_seconds(tmp_path, reus
     root = write_project(tmp_path / "project", {"test_escapes.py": ESCAPES})
     out, leases = root / "out", root / "leases"
     args = ["-k", "hangs", "--harness-max-procs", "2"]
-    if not reuse:
-        args.append("--harness-no-reuse")
+    if reuse:
+        args.append("--harness-reuse")
     proc = subprocess.Popen(
         pytest_command(root, *args),
         cwd=root,

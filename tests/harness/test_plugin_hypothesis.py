@@ -44,7 +44,8 @@ GIVEN = """
 
 @pytest.fixture(scope="module")
 def given_session(tmp_path_factory):
-    root = write_project(tmp_path_factory.mktemp("given"), {"test_given.py": GIVEN})
+    # Kept ranks: each example is a case, and a fresh pair of ranks per example is slow.
+    root = write_project(tmp_path_factory.mktemp("given"), {"test_given.py": GIVEN}, reuse=True)
     session = run_session(root, env=inner_env(root / "out", root / "leases"), timeout=600)
     return root, session
 

@@ -63,9 +63,8 @@ CARD_CASES = """
 def test_xdist_workers_never_share_a_card(tmp_path):
     root = write_project(tmp_path / "project", {"test_cards.py": CARD_CASES})
     env = inner_env(root / "out", root / "leases", cards="cuda:0,1,2")
-    # Without the routing that would put both 2-card cases on one worker (2 + 2 of 3
-    # cards cannot run at once), so that the leases are what keeps them apart.
-    args = ["-n", "2", "--dist", "load", "--harness-max-procs", "8", "-p", "no:harness-routing"]
+    # 2 + 2 of 3 cards cannot run at once: the leases are what keeps the 2-card cases apart.
+    args = ["-n", "2", "--dist", "load", "--harness-max-procs", "8"]
     session = run_session(root, *args, env=env)
     assert session.returncode == 0, session.output
     uses = read_card_uses(root / "out")

@@ -72,7 +72,7 @@ TWINS = """
         def test_in_process(self):
             self.check()
 
-        @pytest.mark.launch(nproc=2)
+        @pytest.mark.launch(nproc=2, reuse=True)
         def test_kept(self):
             self.check()
 
@@ -117,12 +117,12 @@ IMPORT_ONCE = """
         pass
 
 
-    @pytest.mark.launch(nproc=1)
+    @pytest.mark.launch(nproc=1, reuse=True)
     def test_once_first_case():
         pass
 
 
-    @pytest.mark.launch(nproc=1)
+    @pytest.mark.launch(nproc=1, reuse=True)
     def test_once_second_case():
         pass
 """

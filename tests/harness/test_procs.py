@@ -9,7 +9,7 @@ import time
 
 from launch_project import survivors
 
-from harness.launcher.procs import kill_trees
+from harness.processes import kill_trees
 
 # Leads its own session like a rank: a child, an orphaned grandchild (its
 # parent exits at once), then it prints the pids and waits.

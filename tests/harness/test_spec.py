@@ -20,7 +20,7 @@ def test_defaults():
         1,
         None,
         None,
-        True,
+        None,
     )
 
 

@@ -1,42 +1,60 @@
-"""One run of a case on a set of ranks, fresh or kept (``CaseRun``).
-
-Its phases:
-
-* ``rank_context``: what each rank is told (environment, card, files);
-* ``supervise``: wait until every rank reported or exited, the deadline
-  passed, or the others overstayed ``ABANDON_GRACE_S`` after a failure;
-* ``wind_down``: dump the stacks of ranks being stopped, stop every process
-  tree, reap, collect the (bounded) output.
-
-Ranks rendezvous through a ``FileStore`` in the case's (or pool's) directory,
-so there is no port to race for; each rank's process-group timeout is set
-below the case deadline, so a stuck collective raises inside the rank first;
-ranks still running at the deadline (or a few seconds after another rank
-failed) dump their Python stacks (faulthandler) before they are stopped.
+"""Rank processes of one case: start them (``spawn_ranks``, the *spawn* start
+method, each rank inheriting the lease descriptors), tell each what it needs
+(``CaseRun.rank_context``), supervise them until every rank reported or
+exited, the deadline passed or the others overstayed ``ABANDON_GRACE_S``
+after a failure (``CaseRun.supervise``), then wind down (``CaseRun.wind_down``:
+stack dumps, tree kill, reaping, bounded output). ``run_ranks`` is a case on
+fresh ranks, start to end; a kept pool (``harness.launcher.pool``) goes through
+the same phases. While ranks run, SIGTERM reaps them before the process goes
+(``reap_on_sigterm``) and a second Ctrl-C cannot interrupt the reaping
+(``signals_deferred``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import shutil
+import signal
 import sys
+import tempfile
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from multiprocessing import get_context
 from multiprocessing.connection import wait as wait_any
 from typing import TYPE_CHECKING, Any
 
+from harness import processes
 from harness.devices import Card, is_simulated, visibility
-from harness.launcher import procs
 from harness.launcher.coverage import CoverageSpec
-from harness.launcher.deadline import pg_timeout_for
-from harness.launcher.enclosing import CASE_ENV, EnclosingCase
-from harness.launcher.outcome import FAILED, CaseOutcome, RankOutcome
-from harness.launcher.output import OUTPUT_TAIL_BYTES, bound_output, file_size, read_bounded
-from harness.launcher.rank import STACK_DUMP_SIGNAL, RankContext
-from harness.launcher.spawn import stop_ranks
+from harness.launcher.outcome import (
+    FAILED,
+    OUTPUT_TAIL_BYTES,
+    CaseOutcome,
+    RankOutcome,
+    file_size,
+    read_bounded,
+)
+from harness.launcher.rank import (
+    CASE_ENV,
+    STACK_DUMP_SIGNAL,
+    EnclosingCase,
+    RankContext,
+    RankTask,
+    pg_timeout_for,
+    rank_main,
+)
 
 if TYPE_CHECKING:
     from harness.launcher.case import CasePlan
+    from harness.launcher.lease import Lease
+
+#: SIGTERM -> SIGKILL grace when stopping a rank's process tree.
+KILL_GRACE_S = 3.0
+#: How long a stopped rank, already dead, gets to be reaped.
+_REAP_WAIT_S = 1.0
+
 
 #: After one rank failed, the others get this long to finish before they are
 #: stopped (a peer blocked in a collective that never notices).
@@ -48,6 +66,42 @@ STACK_DUMP_WAIT_S = 2.0
 #: too before they leave (as fresh ranks leave at once), see ``CaseRun.supervise``.
 STRAGGLER_GRACE_S = 1.0
 _HARNESS_RANK_FILE = os.path.join("harness", "launcher", "rank.py")
+
+
+def run_ranks(
+    task: RankTask, plan: CasePlan, cards: list[Card], *, lease: Lease | None = None
+) -> CaseOutcome:
+    """Run ``task`` in ``plan.spec.nproc`` fresh rank processes and report what happened.
+
+    Guarantees: returns within the deadline plus the stop grace periods; no
+    process of any rank's tree is alive on return (``result.survivors`` lists
+    any the kernel would not kill); rank ``r`` gets card ``cards[r]``; with
+    ``settings.capture`` the ranks' (bounded) output is in ``result.logs``
+    instead of the launcher's stdout / stderr; the case directory is gone.
+    """
+    run = CaseRun(plan, cards, tempfile.mkdtemp(prefix="harness-case-"))
+    started: list[Any] = []
+    with reap_on_sigterm():
+        try:
+            spawn_ranks(
+                plan.spec.nproc,
+                rank_main,
+                lambda rank, fds: (run.rank_context(rank), task, fds),
+                started,
+                lease=lease,
+            )
+            if lease is not None:
+                lease.annotate(ranks=[p.pid for p in started])
+            run.supervise(started)
+        finally:
+            # Inside reap_on_sigterm: a SIGTERM re-raised on its way out ends
+            # the process, and the directory must be gone by then.
+            with signals_deferred():
+                try:
+                    run.wind_down(started)
+                finally:
+                    shutil.rmtree(run.case_dir, ignore_errors=True)
+    return run.result
 
 
 class CaseRun:
@@ -178,8 +232,6 @@ class CaseRun:
                 return
             if self.capture:
                 self.stream_output()
-                for rank in pending:
-                    bound_output(self.path(rank, "log"))
             # Exits wake us at once, and so do kept ranks' messages; outcomes of
             # ranks still tearing down are polled.
             waitables: list[Any] = [started[r].sentinel for r in pending]
@@ -266,9 +318,6 @@ class CaseRun:
     def _dump_stacks(self, started: list[Any], ranks: list[int]) -> None:
         paths = {r: self.path(r, "stacks") for r in ranks}
         for rank in ranks:
-            if procs.stopped(started[rank].pid):
-                self.result.stopped.append(rank)
-                continue
             # Only ranks that registered the dump handler (it creates the file):
             # the signal's default action would kill one that has not.
             if os.path.exists(paths[rank]):
@@ -285,6 +334,119 @@ class CaseRun:
         for rank, path in paths.items():
             with contextlib.suppress(OSError), open(path, errors="replace") as f:
                 self.result.stacks[rank] = _trim_stack(f.read())
+
+
+def spawn_ranks(
+    nproc: int,
+    target: Callable[..., Any],
+    args_for: Callable[[int, list[InheritedFd]], tuple],
+    started: list[Any],
+    *,
+    lease: Lease | None = None,
+) -> None:
+    """Start ``nproc`` rank processes ``target(*args_for(rank, fds))`` (``fds``: the
+    lease's descriptors, inherited by each rank), appending each to ``started``
+    as soon as it runs, so that a caller stopping ``started`` after a failure
+    midway stops every one that did start."""
+    mp = get_context("spawn")
+    fds = lease_fds(lease)
+    for rank in range(nproc):
+        proc = mp.Process(target=target, args=args_for(rank, fds), name=f"harness-rank-{rank}")
+        proc.start()
+        started.append(proc)
+
+
+def stop_ranks(started: list[Any], *, patience: float = 0.0) -> list[int]:
+    """Give the ranks ``patience`` seconds (in all) to exit by themselves, then
+    stop every process of their trees and reap them. Returns the pids still
+    alive after SIGKILL (stuck in the kernel)."""
+    end = time.monotonic() + patience
+    for proc in started:
+        if proc.pid is not None:
+            proc.join(max(0.0, end - time.monotonic()))
+    survivors = processes.kill_trees(
+        [p.pid for p in started if p.pid is not None], grace=KILL_GRACE_S
+    )
+    for proc in started:
+        if proc.pid is not None:
+            proc.join(_REAP_WAIT_S)  # reaps it, now that it is dead
+    return [p.pid for p in survivors]
+
+
+class InheritedFd:
+    """A descriptor a spawned rank inherits (pass it in the process's arguments)."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def __reduce__(self) -> tuple:
+        from multiprocessing import reduction
+
+        # Registers the fd with the spawning Popen, which passes it to the child.
+        return (_inherited_fd, (reduction.DupFd(self.fd),))
+
+
+def _inherited_fd(dup: Any) -> int:
+    return dup.detach()
+
+
+def lease_fds(lease: Lease | None) -> list[InheritedFd]:
+    """The lease's descriptors, ready to travel to a spawned rank."""
+    return [InheritedFd(fd) for fd in (lease.fds() if lease else [])]
+
+
+class _Terminated(BaseException):
+    """SIGTERM arrived while ranks were running."""
+
+
+@contextlib.contextmanager
+def reap_on_sigterm() -> Iterator[None]:
+    """Turn SIGTERM into an exception while ranks run, so ``finally`` blocks reap
+    them; afterwards the signal is delivered again to its previous handler
+    (by default: the process ends as a SIGTERM would have ended it)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.getsignal(signal.SIGTERM)
+    if previous in (signal.SIG_IGN, None):
+        yield
+        return
+
+    def raise_terminated(signum: int, frame: Any) -> None:
+        raise _Terminated()
+
+    signal.signal(signal.SIGTERM, raise_terminated)
+    try:
+        yield
+    except _Terminated:
+        signal.signal(signal.SIGTERM, previous)
+        signal.raise_signal(signal.SIGTERM)
+        raise KeyboardInterrupt("SIGTERM") from None
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+@contextlib.contextmanager
+def signals_deferred() -> Iterator[None]:
+    """Hold SIGINT / SIGTERM while reaping, so a second Ctrl-C cannot leave
+    half-killed ranks behind; deliver them afterwards."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    pending: list[int] = []
+    saved = {}
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        saved[sig] = signal.getsignal(sig)
+        if saved[sig] not in (signal.SIG_IGN, None):
+            signal.signal(sig, lambda signum, frame: pending.append(signum))
+    try:
+        yield
+    finally:
+        for sig, handler in saved.items():
+            if handler is not None:
+                signal.signal(sig, handler)
+        for sig in dict.fromkeys(pending):
+            signal.raise_signal(sig)
 
 
 def _has_failure(result: CaseOutcome) -> bool:
