@@ -19,6 +19,7 @@ from typing import Any, NoReturn
 
 import pytest
 
+from harness import busy
 from harness.devices import (
     CARD_ENV,
     describe_inventory,
@@ -74,6 +75,7 @@ TIMEOUT_KEY = pytest.StashKey[float]()
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
+    busy.addoption(parser)
     group = parser.getgroup("harness", "multi-process and accelerator test harness")
     group.addoption(
         "--harness-timeout",
@@ -192,6 +194,11 @@ def _settings_from(config: pytest.Config) -> Settings:
         capture=True,
         reuse=reuse,
     )
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    # Before any case leases a card: cards a previous job's leftovers still hold.
+    busy.check_busy_cards(session.config)
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:

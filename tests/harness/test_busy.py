@@ -51,18 +51,6 @@ cat <<EOF
 EOF
 """
 
-CONFTEST = """\
-from harness import busy
-
-
-def pytest_addoption(parser):
-    busy.addoption(parser)
-
-
-def pytest_sessionstart(session):
-    busy.check_busy_cards(session.config)
-"""
-
 
 def test_every_accelerator_has_a_query():
     # A device type added to the table gets its tool here too.
@@ -93,7 +81,6 @@ def _tools(folder: Path, **scripts: str) -> str:
 def test_a_card_held_outside_the_run_is_named_and_fails_in_strict_mode(
     pytester, foreign, monkeypatch, tool, script, card
 ):
-    pytester.makeconftest(CONFTEST)
     pytester.makepyfile("def test_a():\n    pass\n")
     monkeypatch.setenv("PATH", _tools(pytester.path / "bin", **{tool: script}))
     monkeypatch.setenv("FOREIGN_PID", str(foreign.pid))
@@ -127,7 +114,6 @@ def test_a_card_held_outside_the_run_is_named_and_fails_in_strict_mode(
 
 
 def test_no_tool_no_check_and_a_failing_tool_is_a_warning(pytester, monkeypatch):
-    pytester.makeconftest(CONFTEST)
     pytester.makepyfile("def test_a():\n    pass\n")
     # No tool on PATH (a CPU machine): nothing to check, strict or not.
     monkeypatch.setenv("PATH", str(Path(sys.executable).parent))
