@@ -28,6 +28,15 @@ CARDS_ENV = "HARNESS_CARDS"
 CARD_ENV = "HARNESS_CARD"
 
 
+def cpu_count() -> int:
+    """CPUs this process may run on (affinity-aware where the OS tells): the host's CPU
+    process slots, for the launcher's leases and ``harness run``'s workers alike."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not on Linux
+        return max(1, os.cpu_count() or 1)
+
+
 @dataclass(frozen=True)
 class DeviceType:
     """Everything the harness knows about one device type (one row of ``DEVICE_TABLE``).

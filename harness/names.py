@@ -33,9 +33,10 @@ EXIT_USAGE = 2
 
 # --------------------------------------------------------------------------- deadlines
 
-#: The deadline (seconds) of a case that names none: ``harness run`` gives it to a planned
-#: case whose entry sets no ``timeout_s`` (and that neither the case nor the project bounds
-#: through pytest-timeout), as the case's ``timeout`` marker.
+#: The deadline (seconds) of a case that names none: the plugin's ``--harness-timeout``
+#: default for a launched case, and what ``harness run`` gives a planned case whose entry
+#: sets no ``timeout_s`` (and that neither the case nor the project bounds through
+#: pytest-timeout), as the case's ``timeout`` marker.
 DEFAULT_CASE_TIMEOUT_S = 300.0
 
 # --------------------------------------------------------------------------- pytest options

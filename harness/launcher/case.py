@@ -19,7 +19,7 @@ from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
-from harness.devices import Card, inventory
+from harness.devices import Card, cpu_count, inventory
 from harness.errors import HarnessError
 from harness.launcher import lease as leases
 from harness.launcher.lease import default_lease_dir
@@ -28,18 +28,11 @@ from harness.launcher.pool import keeper
 from harness.launcher.rank import EnclosingCase, RankTask
 from harness.launcher.ranks import KILL_GRACE_S, run_ranks
 from harness.launcher.target import FunctionRef
+from harness.names import DEFAULT_CASE_TIMEOUT_S
 from harness.spec import LaunchSpec
 
-DEFAULT_TIMEOUT_S = 300.0
+DEFAULT_TIMEOUT_S = DEFAULT_CASE_TIMEOUT_S
 DEFAULT_LEASE_TIMEOUT_S = 600.0
-
-
-def cpu_count() -> int:
-    """CPUs this process may run on (affinity-aware where the OS tells)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:
-        return os.cpu_count() or 1
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ import pytest
 from harness import busy
 from harness.devices import (
     CARD_ENV,
+    cpu_count,
     describe_inventory,
     inventory,
     is_simulated,
@@ -39,7 +40,6 @@ from harness.launcher.case import (
     active,
     choose_deadline,
     conclude,
-    cpu_count,
     missing_cards,
     prepare_case,
     run_case,
