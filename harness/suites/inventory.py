@@ -33,7 +33,7 @@ import os
 import re
 import sys
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -150,8 +150,8 @@ class SuiteInventory:
             )
         return {
             "cases": cases,
-            "errors": [p.as_dict() for p in self.problems if p.rule not in names.WARNING_RULES],
-            "warnings": [p.as_dict() for p in self.problems if p.rule in names.WARNING_RULES],
+            "errors": [asdict(p) for p in self.problems if p.rule not in names.WARNING_RULES],
+            "warnings": [asdict(p) for p in self.problems if p.rule in names.WARNING_RULES],
         }
 
 
