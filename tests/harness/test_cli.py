@@ -663,8 +663,8 @@ def test_matrix_refuses_non_finite_recorded_durations(pytester, capsys):
     assert main(["--root", str(root), "matrix", "cpu"]) == 2
     out = capsys.readouterr()
     assert out.out == ""
-    assert "suites/durations/cpu.json: expected" in out.err
-    assert "finite seconds" in out.err
+    assert "suites/durations/cpu.json: " in out.err
+    assert "Infinity is not a finite number" in out.err
 
 
 @pytest.mark.parametrize(
