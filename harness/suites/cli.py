@@ -1,14 +1,6 @@
-"""The ``harness`` command (also ``python -m harness``).
-
-- ``harness inventory [SUITE ...] [--cases] [--json]``: one line per suite entry (its
-  cases, devices, most ranks and cards; ``--cases``: every case with its device, ranks,
-  cards and owning entries); exit 1 naming the rule, file and case of each problem
-  (warnings are printed and do not fail it).
-- ``harness run SUITE [--shard I/N] [--changed-from REF] [--durations-out FILE] [PYTEST_ARGS]
-  [-- PYTEST_ARGS]``: what it does not know is pytest's.
-- ``harness matrix SUITE [--shards N | --target-minutes M] [--changed-from REF]``: the
-  GitHub Actions matrix JSON, on one line (ready for ``$GITHUB_OUTPUT``); with
-  ``--changed-from``, only the shards the change affects (``{"include": []}`` when none).
+"""The ``harness`` command (also ``python -m harness``): ``inventory``, ``run``, ``matrix``,
+``init``, one ``_add_<name>`` per subcommand in :data:`SUBCOMMANDS` (docs/suites.md, "The
+harness command", says what each does).
 """
 
 from __future__ import annotations
@@ -30,9 +22,7 @@ from harness.suites.inventory import SuiteInventory, build_inventory
 from harness.suites.manifest import find_root, suite_name
 from harness.suites.plan import PlanError, plan_suite
 from harness.suites.run import RunOptions, load_suite, run_suite
-
-#: The import package whose distribution ``harness --version`` reports.
-PACKAGE = "harness"
+from harness.suites.workflows import DISTRIBUTION
 
 
 def number(
@@ -57,17 +47,13 @@ def number(
 
 
 def version() -> str:
-    """The version of the installed distribution that provides ``harness``
-    (from its metadata); ``unknown`` when it is not installed (run from a source tree)."""
+    """The installed harness distribution and its version (``unknown`` when not installed)."""
     from importlib import metadata
 
     try:
-        dists = metadata.packages_distributions().get(PACKAGE, [])
-        for d in dists:
-            return f"{d} {metadata.version(d)}"
-    except Exception:  # broken metadata must not break --version
-        pass
-    return "unknown (not installed)"
+        return f"{DISTRIBUTION} {metadata.version(DISTRIBUTION)}"
+    except metadata.PackageNotFoundError:
+        return "unknown (not installed)"
 
 
 class _VersionAction(argparse.Action):
