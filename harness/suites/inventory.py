@@ -18,6 +18,7 @@ import fnmatch
 import gc
 import importlib.util
 import io
+import itertools
 import os
 import re
 import sys
@@ -172,18 +173,12 @@ def _collection_error(report: Any, root: Path) -> Problem:
         name = rel(full, root)
         if not os.path.isabs(name):
             frames.append((name, line))
-    own = [line for name, line in frames if name == file]
-    deepest = f"{frames[-1][0]}:{frames[-1][1]}" if frames else ""
-    if own and frames[-1][0] == file:
-        where = f"line {own[-1]}"
-    elif own:
-        where = f"line {own[-1]}, raised at {deepest}"
-    else:
-        where = f"raised at {deepest}" if deepest else ""
+    own = [f"line {line}" for name, line in frames if name == file][-1:]
+    deeper = [f"raised at {n}:{line}" for n, line in frames[-1:] if n != file]
     raised_in = [name for name, _ in frames[-1:]]
     absent = _absent_module(file, message, root, raised_in)
     rule = names.MISSING_DEPENDENCY if absent else names.COLLECTION_ERROR
-    return Problem(rule, file, where, message)
+    return Problem(rule, file, ", ".join(own + deeper), message)
 
 
 # Only the top-level name of "No module named 'x.y'" tells a distribution that is not
@@ -323,17 +318,12 @@ class _Recorder(Collection):
     def pytest_collectreport(self, report: Any) -> None:
         if report.failed:
             problem = _collection_error(report, self.root)
-            if (
-                problem not in self.problems
-            ):  # a failing conftest is reported for each node it spoils
+            if problem not in self.problems:  # a failing conftest spoils each node below it
                 self.problems.append(problem)
         elif report.skipped and (
             is_test_module(report.nodeid) or _skipped_folder(report.nodeid, self.root)
         ):
-            longrepr = report.longrepr
-            reason = (
-                longrepr[2] if isinstance(longrepr, tuple) and len(longrepr) == 3 else str(longrepr)
-            )
+            reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else report.longrepr
             self.skipped[report.nodeid] = str(reason).removeprefix("Skipped: ")
 
     def pytest_collection_finish(self, session: Any) -> None:
@@ -363,17 +353,9 @@ def case_id(item: Any, root: Path) -> str:
 def _case(item: Any, root: Path) -> CollectedCase:
     callspec = getattr(item, "callspec", None)
     param = callspec.params.get("device") if callspec is not None else None
+    plain = (str, int, bool, type(None))  # what an -m expression can compare
     marks = tuple(
-        (
-            m.name,
-            tuple(
-                sorted(
-                    (k, v)
-                    for k, v in m.kwargs.items()
-                    if isinstance(v, (str, int, bool)) or v is None
-                )
-            ),
-        )
+        (m.name, tuple(sorted((k, v) for k, v in m.kwargs.items() if isinstance(v, plain))))
         for m in item.iter_markers()
     )
     nodeid = case_id(item, root)
@@ -453,21 +435,14 @@ def collect(root: Path, targets: Sequence[str] | None) -> Collection:
     rec = _Recorder(root)
     # No test code runs here, so nothing can raise an unraisable exception; that
     # plugin's forced garbage collections at exit cost seconds on a large tree.
-    args = [
-        "--collect-only",
-        "-q",
-        "-p",
-        "no:cacheprovider",
-        "-p",
-        "no:unraisableexception",
-        "--continue-on-collection-errors",
-        f"--rootdir={root}",
-    ]
-    args += plugin_args()
     # This process imported the harness before pytest could mark it for assertion
     # rewriting; a project's `filterwarnings = error` must not turn that notice into a failure.
-    args += ["-W", "ignore::pytest.PytestAssertRewriteWarning"]
-    args += [str(root / t) for t in targets or ()]
+    args = [
+        *("--collect-only", "-q", "-p", "no:cacheprovider", "-p", "no:unraisableexception"),
+        *("--continue-on-collection-errors", f"--rootdir={root}", *plugin_args()),
+        *("-W", "ignore::pytest.PytestAssertRewriteWarning"),
+        *(str(root / t) for t in targets or ()),
+    ]
     # The caller's PYTEST_ADDOPTS is for running tests (a --junitxml there
     # would be overwritten by an empty collect-only report): not for this.
     addopts = os.environ.pop("PYTEST_ADDOPTS", None)
@@ -492,20 +467,16 @@ def collect(root: Path, targets: Sequence[str] | None) -> Collection:
             os.environ["PYTEST_ADDOPTS"] = addopts
     if rec.interrupted:
         raise KeyboardInterrupt  # pytest reported it and returned; the caller asked to stop
-    if rec.exited:
-        rec.problems.append(
-            Problem(
-                names.COLLECTION_ERROR, ".", "", f"pytest.exit during collection ({rec.exited})"
-            )
-        )
-        code = pytest.ExitCode.INTERRUPTED
     # 0: collected, 1: some collection error (recorded above), 5: nothing collected.
-    elif int(code) not in (0, 1, 5):
-        tail = "\n".join(out.getvalue().strip().splitlines()[-15:])
-        rec.problems.append(
-            Problem(names.COLLECTION_ERROR, ".", "", f"pytest exited with {int(code)}:\n{tail}")
+    rec.failed = bool(rec.exited) or int(code) not in (0, 1, 5)
+    if rec.exited:
+        why = f"pytest.exit during collection ({rec.exited})"
+    else:
+        why = f"pytest exited with {int(code)}:\n" + "\n".join(
+            out.getvalue().strip().splitlines()[-15:]
         )
-    rec.failed = int(code) not in (0, 1, 5)
+    if rec.failed:
+        rec.problems.append(Problem(names.COLLECTION_ERROR, ".", "", why))
     return rec
 
 
@@ -518,37 +489,33 @@ def _under(path: str, roots: set[str]) -> bool:
 
 
 def _glob_all(root: Path, patterns: Iterable[str]) -> set[str]:
-    """The ``.py`` files and directories under ``root`` that any of ``patterns`` matches
-    (as entries match: :func:`harness.suites.manifest.glob_regex`), hidden ones aside.
-
-    One walk of each distinct literal directory prefix serves every pattern,
-    each path tried only against the patterns holding one of its segments:
-    expanding the patterns one by one costs the size of the tree per pattern.
-    """
-    by_segment: dict[str | None, list[re.Pattern[str]]] = {}
-    tops: set[str] = set()
-    for pattern in patterns:
-        by_segment.setdefault(_literal_segment(pattern), []).append(glob_regex(pattern))
-        parts = pattern.split("/")
-        tops.add("/".join(parts[: next(i for i, s in enumerate(parts) if has_glob(s))]) or ".")
+    """The ``.py`` files and directories under ``root`` that any of ``patterns`` matches (as
+    entries match), hidden ones aside: one walk of each literal top directory serves every
+    pattern, each path tried only on the globs that can match it (:class:`EntryIndex`);
+    nothing below a match is looked at."""
+    patterns = tuple(patterns)
+    index = EntryIndex([Entry("", patterns, None, None, 0.0, None, "", "")])
+    tops = {
+        "/".join(itertools.takewhile(lambda s: not has_glob(s), p.split("/"))) or "."
+        for p in patterns
+    }
     walked: set[str] = set()
     found: set[str] = set()
     for top in sorted(tops, key=lambda p: (p.count("/"), p)):
-        if _under(top, walked) or not (root / top).is_dir():
-            continue  # walked from a directory above, or nothing there
+        if _under(top, walked):
+            continue  # walked from a directory above
         walked.add(top)
         for dirpath, dirnames, filenames in os.walk(root / top):
-            dirnames[:] = [d for d in dirnames if not d.startswith(".")]
             base = rel(Path(dirpath), root)
-            names = [
-                *dirnames,
-                *(f for f in filenames if f.endswith(".py") and not f.startswith(".")),
-            ]
-            for name in names:
-                path = name if base == "." else f"{base}/{name}"
-                segments = {None, *path.split("/")}
-                if any(rx.match(path) for s in segments for rx in by_segment.get(s, ())):
-                    found.add(path)
+            dirnames[:] = [d for d in dirnames if not d.startswith(".")]
+            files = [f for f in filenames if f.endswith(".py") and not f.startswith(".")]
+            hits = {
+                n
+                for n in [*dirnames, *files]
+                if index.covers_file(f"{base}/{n}".removeprefix("./"))
+            }
+            found.update(f"{base}/{n}".removeprefix("./") for n in hits)
+            dirnames[:] = [d for d in dirnames if d not in hits]
     return found
 
 
