@@ -208,50 +208,42 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _print_cases(cases: Sequence[dict]) -> None:
-    w = min(max(len(c["nodeid"]) for c in cases), 110)
-    print(f"{'CASE':<{w}}  DEVICE NPROC CARDS  ENTRIES")
-    for c in cases:
-        entries = ",".join(c["entries"]) or "-"
-        print(f"{c['nodeid']:<{w}}  {c['device']:<6} {c['nproc']:>5} {c['cards']:>5}  {entries}")
-
-
-def _print_entries(cases: Sequence[dict]) -> None:
-    """One line per owning suite entry: its cases, their devices and the most ranks / cards one needs."""
-    rows: dict[str, dict] = {}
-    for c in cases:
-        for e in c["entries"] or ["-"]:
-            r = rows.setdefault(e, {"cases": 0, "devices": set(), "nproc": 0, "cards": 0})
-            r["cases"] += 1
-            r["devices"].add(c["device"])
-            r["nproc"] = max(r["nproc"], c["nproc"])
-            r["cards"] = max(r["cards"], c["cards"])
-    w = max(len("ENTRY"), *(len(e) for e in rows))
-    print(f"{'ENTRY':<{w}}  CASES  DEVICES     NPROC CARDS")
-    for e, r in rows.items():
-        print(
-            f"{e:<{w}}  {r['cases']:>5}  {','.join(sorted(r['devices'])):<11} {r['nproc']:>5} {r['cards']:>5}"
-        )
-
-
 def _print_inventory(
     inv: SuiteInventory, suites: Sequence[str], quiet: bool, every_case: bool
 ) -> None:
-    doc = inv.as_dict(suites or None)
-    cases = doc["cases"]
-    if not quiet and cases:
-        (_print_cases if every_case else _print_entries)(cases)
+    cases = inv.as_dict(suites or None)["cases"]
+    if not quiet and every_case and cases:
+        w = min(max(len(c["nodeid"]) for c in cases), 110)
+        print(f"{'CASE':<{w}}  DEVICE NPROC CARDS  ENTRIES")
+        for c in cases:
+            entries = ",".join(c["entries"]) or "-"
+            print(
+                f"{c['nodeid']:<{w}}  {c['device']:<6} {c['nproc']:>5} {c['cards']:>5}  {entries}"
+            )
+    elif not quiet and cases:  # one line per owning entry: cases, devices, most ranks / cards
+        rows: dict[str, dict] = {}
+        for c in cases:
+            for e in c["entries"] or ["-"]:
+                r = rows.setdefault(e, {"cases": 0, "devices": set(), "nproc": 0, "cards": 0})
+                r["cases"] += 1
+                r["devices"].add(c["device"])
+                r["nproc"] = max(r["nproc"], c["nproc"])
+                r["cards"] = max(r["cards"], c["cards"])
+        w = max(len("ENTRY"), *(len(e) for e in rows))
+        print(f"{'ENTRY':<{w}}  CASES  DEVICES     NPROC CARDS")
+        for e, r in rows.items():
+            devices = ",".join(sorted(r["devices"]))
+            print(f"{e:<{w}}  {r['cases']:>5}  {devices:<11} {r['nproc']:>5} {r['cards']:>5}")
     per_suite: dict[str, int] = {}
     for c in cases:
         for s in {e.split(":", 1)[0] for e in c["entries"]}:
             per_suite[s] = per_suite.get(s, 0) + 1
     counts = ", ".join(f"{s} {n}" for s, n in sorted(per_suite.items())) or "none"
-    errors = [p for p in inv.problems if p.rule not in WARNING_RULES]
     for p in inv.problems:
         print(f"{'warning' if p.rule in WARNING_RULES else 'error'}: {p}", file=sys.stderr)
-    warned = len(inv.problems) - len(errors)
+    warned = sum(p.rule in WARNING_RULES for p in inv.problems)
     print(
-        f"{len(cases)} case(s); per suite: {counts}; {len(errors)} problem(s)"
+        f"{len(cases)} case(s); per suite: {counts}; {len(inv.problems) - warned} problem(s)"
         + (f", {warned} warning(s)" if warned else "")
     )
 

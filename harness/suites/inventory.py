@@ -105,15 +105,14 @@ class SuiteInventory:
         """The cases ``suite`` owns, each with its owning entry, in collection order; then one
         case per :attr:`unloadable` file an entry of the suite names, whose node id is the
         file itself, so that a run reports that entry (failed, or skipped) and runs the rest."""
-        by_id: dict[str, Entry] = {}
-        for e in self.manifests[suite].entries:
-            by_id.setdefault(e.id, e)  # the first entry of an id, as Manifest.entry()
-        out = []
-        for c in self.cases:
-            for s, eid in self.owners.get(c.nodeid, ()):
-                if s == suite:
-                    out.append((c, by_id[eid]))
         entries = self.manifests[suite].entries
+        by_id = {e.id: e for e in reversed(entries)}  # the first entry of each id
+        out = [
+            (c, by_id[eid])
+            for c in self.cases
+            for s, eid in self.owners.get(c.nodeid, ())
+            if s == suite
+        ]
         for f in sorted(self.unloadable):
             owner = next((e for e in entries if EntryIndex([e]).covers_file(f)), None)
             if owner is not None:
@@ -125,21 +124,18 @@ class SuiteInventory:
         problems of ``harness.names.WARNING_RULES``, which do not fail the inventory),
         limited to ``suites`` when given."""
         wanted = set(suites) if suites is not None else None
-        cases = []
-        for c in self.cases:
-            owners = self.owners.get(c.nodeid, [])
-            if wanted is not None and not any(s in wanted for s, _ in owners):
-                continue
-            cases.append(
-                {
-                    "nodeid": c.nodeid,
-                    "device": c.device,
-                    "nproc": c.nproc,
-                    "cards": c.cards,
-                    "launched": c.launched,
-                    "entries": [f"{s}:{e}" for s, e in owners],
-                }
-            )
+        cases = [
+            {
+                "nodeid": c.nodeid,
+                "device": c.device,
+                "nproc": c.nproc,
+                "cards": c.cards,
+                "launched": c.launched,
+                "entries": [f"{s}:{e}" for s, e in self.owners.get(c.nodeid, [])],
+            }
+            for c in self.cases
+            if wanted is None or any(s in wanted for s, _ in self.owners.get(c.nodeid, []))
+        ]
         return {
             "cases": cases,
             "errors": [asdict(p) for p in self.problems if p.rule not in names.WARNING_RULES],
@@ -412,13 +408,17 @@ NEEDED_PLUGINS = ("xdist.plugin", "harness.launcher.plugin")
 
 
 def plugin_args(args: Sequence[str] = ()) -> list[str]:
-    """``-p`` arguments that load :data:`NEEDED_PLUGINS` (by module name) when plugin
-    autoloading is disabled (none otherwise: autoloading finds them); plugins not installed
-    are left out."""
+    """``-p`` arguments that load :data:`NEEDED_PLUGINS` when plugin autoloading is disabled
+    (none otherwise: autoloading finds them), by entry-point name where a distribution
+    declares one (as pytest then loads it, setting up what autoloading would), else by
+    module name; plugins not installed are left out."""
     if not autoload_disabled(args):
         return []
+    from importlib.metadata import entry_points
+
+    by_module = {ep.value: ep.name for ep in entry_points(group="pytest11")}
     found = [m for m in NEEDED_PLUGINS if importlib.util.find_spec(m.split(".", 1)[0])]
-    return [arg for m in found for arg in ("-p", m)]
+    return [arg for m in found for arg in ("-p", by_module.get(m, m))]
 
 
 def collect(root: Path, targets: Sequence[str] | None) -> Collection:
