@@ -71,15 +71,10 @@ class InitError(HarnessError):
 
 @dataclass(frozen=True)
 class PytestLayout:
-    """What pytest's configuration says about a repository.
-
-    ``inifile``: the configuration file pytest used; ``testpaths``: the paths
-    it collected from by default when its configuration sets ``testpaths``
-    (empty otherwise); ``files``: the test files it collected by its own rules
-    (``python_files``, ``norecursedirs``, ...), repository-relative, sorted;
-    ``launched_cards``: the most cards an accelerator variant of a collected
-    case needs (0 when none has one); ``errors``: collection errors.
-    """
+    """What pytest's configuration says about a repository: ``inifile``, the configuration
+    file it used; ``testpaths`` (empty when not set); ``files``, the test files it collected
+    by its own rules, sorted; ``launched_cards``, the most cards an accelerator case needs;
+    ``errors``, collection errors."""
 
     rootdir: Path
     inifile: Path | None
@@ -208,10 +203,6 @@ def _dump(doc: dict[str, Any]) -> str:
     return json.dumps(doc, indent=2) + "\n"
 
 
-def _source(layout: PytestLayout, root: Path) -> str:
-    return rel(layout.inifile, root) if layout.inifile else f"rootdir {rel(layout.rootdir, root)}"
-
-
 def render(
     root: Path,
     layout: PytestLayout,
@@ -239,7 +230,7 @@ def render(
             "add a test (or set testpaths) and run `harness init` again"
         )
     suites_dir = root / SUITES_DIR
-    source = _source(layout, root)
+    source = rel(layout.inifile, root) if layout.inifile else f"rootdir {rel(layout.rootdir, root)}"
     files: dict[str, str] = {}
     cpu = {
         **schema_ref(root, suites_dir),
@@ -396,21 +387,13 @@ def write(root: Path, files: dict[str, str], force: bool) -> list[tuple[str, str
 def _devices(text: str) -> list[str]:
     from harness.devices import accelerators
 
-    known = [d.name for d in accelerators()]
-    aliases = {d.suite: d.name for d in accelerators()}
-    out: list[str] = []
-    for word in (w.strip() for w in text.split(",") if w.strip()):
-        device = aliases.get(word, word)
-        if device not in known:
-            raise argparse.ArgumentTypeError(
-                f"unknown accelerator {word!r}; known: {', '.join(known)} (or the suite names "
-                f"{', '.join(_suite_for(d) for d in known)})"
-            )
-        if device not in out:
-            out.append(device)
-    if not out:
-        raise argparse.ArgumentTypeError("expected a comma-separated list, e.g. cuda,npu")
-    return out
+    known = {word: d.name for d in accelerators() for word in (d.name, d.suite)}
+    words = [w.strip() for w in text.split(",") if w.strip()]
+    for word in [w for w in words if w not in known] or ([] if words else [text]):
+        raise argparse.ArgumentTypeError(
+            f"unknown accelerator {word!r}; known: {', '.join(known)} (comma-separated, e.g. cuda,npu)"
+        )
+    return list(dict.fromkeys(known[w] for w in words))
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

@@ -49,14 +49,9 @@ from harness.suites.manifest import (
 
 @dataclass(frozen=True)
 class CollectedCase:
-    """One collected test case.
-
-    ``nodeid`` is repository-relative (``tests/x/test_a.py::test_b[cuda]``);
-    ``spec`` is ``None`` when the case's launch marker is invalid
-    (``spec_error`` says why); ``marks`` are the names and keyword arguments of
-    its markers, for ``-m`` expressions; ``device_param`` is the value of its
-    ``device`` parameter, if any.
-    """
+    """One collected test case: ``nodeid`` repository-relative; ``spec`` None when its launch
+    marker is invalid (``spec_error`` says why); ``marks``, its markers' names and keyword
+    arguments (for ``-m``); ``device_param``, its ``device`` parameter, if any."""
 
     nodeid: str
     file: str
@@ -240,13 +235,9 @@ def _missing_dependencies(problems: Iterable[Problem]) -> list[Problem]:
 
 @dataclass(eq=False)  # compared by identity: its subclass _Recorder is a registered plugin
 class Collection:
-    """What one in-process collect-only pytest run saw.
-
-    ``files``: the test files pytest collected by its own rules
-    (``python_files``, ``testpaths``, ``norecursedirs``, ``--ignore``);
-    ``scope``: the paths it collected from (its arguments, or ``testpaths``);
-    ``inipath``: the configuration file it used.
-    """
+    """What one in-process collect-only pytest run saw: ``files``, the test files it
+    collected by its own rules; ``scope``, the paths it collected from (its arguments, or
+    ``testpaths``); ``inipath``, the configuration file it used."""
 
     cases: list[CollectedCase] = field(default_factory=list)
     problems: list[Problem] = field(default_factory=list)
@@ -422,14 +413,10 @@ def plugin_args(args: Sequence[str] = ()) -> list[str]:
 
 
 def collect(root: Path, targets: Sequence[str] | None) -> Collection:
-    """Collect with pytest, in-process and collect-only, from ``root`` with the
-    repository's pytest configuration: ``targets`` (repository-relative files or
-    directories), or when ``None`` what pytest collects by default there
-    (``testpaths``, else the root).
-
-    Problems: files that failed to import (with the line), or pytest itself
-    failing, with the tail of its output.
-    """
+    """Collect with pytest, in-process and collect-only, from ``root`` with the repository's
+    configuration: ``targets`` (repository-relative), or when ``None`` what pytest collects
+    by default there. Problems: files that failed to import (with the line), or pytest
+    itself failing (with the tail of its output)."""
     if targets is not None and not targets:
         return Collection()
     rec = _Recorder(root)

@@ -1,19 +1,6 @@
 """Suite manifests: load ``suites/*.json``, validate them and expand shared case lists.
 
-A manifest says which test cases run on which hardware::
-
-    {
-      "$schema": "../harness/suites/schema.json",
-      "suite": "gpu",
-      "device": "cuda",
-      "runner": {"labels": ["self-hosted", "gpu"], "cards": 2, "timeout_minutes": 60},
-      "entries": [
-        {"include": "suites/cases/accelerator.json"},
-        {"id": "ops", "paths": ["tests/channel_loss/test_ops.py"], "timeout_s": 120}
-      ]
-    }
-
-Every path is relative to the repository root; paths that leave it are rejected.
+A manifest (docs/suites.md) says which test cases run on which hardware. Every path is relative to the repository root; paths that leave it are rejected.
 ``{"include": FILE}`` splices in the entries of a shared case list (``{"entries": [...]}``)
 or of another manifest. Problems are :class:`Problem` values naming the file and the JSON
 pointer of the bad value (``suites/cpu.json /entries/0/timeout_s``), or the line and column
