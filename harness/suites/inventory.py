@@ -233,12 +233,13 @@ def _missing_dependencies(problems: Iterable[Problem]) -> list[Problem]:
     ]
 
 
-@dataclass(eq=False)  # compared by identity: its subclass _Recorder is a registered plugin
+@dataclass(eq=False)  # compared by identity: a registered pytest plugin
 class Collection:
-    """What one in-process collect-only pytest run saw: ``files``, the test files it
-    collected by its own rules; ``scope``, the paths it collected from (its arguments, or
-    ``testpaths``); ``inipath``, the configuration file it used."""
+    """What one in-process collect-only pytest run saw (the plugin recording it): ``files``,
+    the test files it collected by its own rules; ``scope``, the paths it collected from
+    (its arguments, or ``testpaths``); ``inipath``, the configuration file it used."""
 
+    root: Path = Path()
     cases: list[CollectedCase] = field(default_factory=list)
     problems: list[Problem] = field(default_factory=list)
     files: list[str] = field(default_factory=list)
@@ -251,6 +252,8 @@ class Collection:
     #: pytest stopped the whole session (a usage or internal error): what it collected says
     #: nothing about which entries own cases.
     failed: bool = False
+    interrupted: bool = False  # Ctrl-C
+    exited: str = ""  # pytest.exit during collection: why
 
     def extend(self, other: Collection) -> None:
         """Add another run's findings (cases already seen are not repeated)."""
@@ -262,18 +265,6 @@ class Collection:
         self.files = list(dict.fromkeys([*self.files, *other.files]))
         self.inipath = self.inipath or other.inipath
         self.failed = self.failed or other.failed
-
-
-class _Recorder(Collection):
-    """pytest plugin object: records into a :class:`Collection` the test files pytest
-    collects (by its own rules), the items, collection errors, and the configuration it
-    used."""
-
-    def __init__(self, root: Path):
-        super().__init__()
-        self.root = root
-        self.interrupted = False
-        self.exited = ""
 
     def pytest_configure(self, config: Any) -> None:
         self.inipath = config.inipath
@@ -419,7 +410,7 @@ def collect(root: Path, targets: Sequence[str] | None) -> Collection:
     itself failing (with the tail of its output)."""
     if targets is not None and not targets:
         return Collection()
-    rec = _Recorder(root)
+    rec = Collection(root)
     # No test code runs here, so nothing can raise an unraisable exception; that
     # plugin's forced garbage collections at exit cost seconds on a large tree.
     # This process imported the harness before pytest could mark it for assertion
