@@ -3,42 +3,27 @@
 A card a previous job left a process on (a crashed training run, a stuck rank) fails the
 next suite in ways that look like the suite's fault: out of memory, a hung collective. At
 the start of a session the plugin asks the device's tool which processes hold cards
-(:data:`BUSY_QUERIES`, one entry per accelerator row of the device table: a test checks),
-leaves out this run's own processes, and says which others it found: a warning, or with
-ini ``harness_busy_cards = fail`` the session stops before any test runs. A device whose
-tool is not on ``PATH`` has no cards here to check.
+(:data:`BUSY_QUERIES`, one entry per accelerator of the device table: a test checks),
+leaves out this run's own processes and names the others: a warning, or with ini
+``harness_busy_cards = fail`` a stop before any test runs. A device whose tool is not on
+``PATH`` has no cards here to check.
 """
 
 from __future__ import annotations
 
 import csv
-import os
 import re
 import shutil
 import subprocess
-from collections.abc import Callable, Collection, Iterable
-from dataclasses import dataclass
+from collections.abc import Callable, Collection
 
 from harness.errors import HarnessError
 
-
-@dataclass(frozen=True)
-class CardUser:
-    """A process holding a card: its ``pid``, the ``card`` (the tool's name for it),
-    ``memory_mb`` it holds (None when the tool does not say) and its ``command``."""
-
-    device: str
-    pid: int
-    card: str
-    memory_mb: int | None
-    command: str
-
-    def __str__(self) -> str:
-        memory = f", {self.memory_mb} MiB" if self.memory_mb is not None else ""
-        return f"{self.device} card {self.card}: pid {self.pid} ({self.command}{memory})"
+#: A process on a card as a tool reports it: ``(pid, card, memory_mb, name)``.
+Row = tuple[int, str, "int | None", str]
 
 
-def _nvidia(text: str) -> list[tuple[int, str, int | None, str]]:
+def _nvidia(text: str) -> list[Row]:
     # pid, process_name, gpu_bus_id, used_memory ("123 MiB"), one process per line.
     out = []
     for row in csv.reader(text.splitlines(), skipinitialspace=True):
@@ -52,17 +37,13 @@ def _nvidia(text: str) -> list[tuple[int, str, int | None, str]]:
 _NPU_PROCESS = re.compile(r"^\|\s*(\d+)\s+(\d+)\s*\|\s*(\d+)\s*\|\s*(.*?)\s*\|\s*(\d+)\s*\|")
 
 
-def _npu(text: str) -> list[tuple[int, str, int | None, str]]:
-    return [
-        (int(m[3]), f"{m[1]}/{m[2]}", int(m[5]), m[4])
-        for m in map(_NPU_PROCESS.match, text.splitlines())
-        if m
-    ]
+def _npu(text: str) -> list[Row]:
+    matches = filter(None, map(_NPU_PROCESS.match, text.splitlines()))
+    return [(int(m[3]), f"{m[1]}/{m[2]}", int(m[5]), m[4]) for m in matches]
 
 
-#: Device type -> (the tool's argv, the parser of its output into ``(pid, card,
-#: memory_mb, name)``).
-BUSY_QUERIES: dict[str, tuple[tuple[str, ...], Callable[[str], list]]] = {
+#: Device type -> (the tool's argv, the parser of its output into :data:`Row` values).
+BUSY_QUERIES: dict[str, tuple[tuple[str, ...], Callable[[str], list[Row]]]] = {
     "cuda": (
         (
             "nvidia-smi",
@@ -94,25 +75,19 @@ def own_processes() -> set[int]:
     import psutil
 
     me = psutil.Process()
-    return {
-        me.pid,
-        *(p.pid for p in me.parents()),
-        *(p.pid for p in me.children(recursive=True)),
-    }
+    return {me.pid, *(p.pid for p in me.parents()), *(p.pid for p in me.children(recursive=True))}
 
 
-def card_users(device: str, exclude: Collection[int] = (), timeout: float = 30.0):
-    """The processes holding ``device`` cards other than ``exclude``, by the device's own
-    tool (:data:`BUSY_QUERIES`); None when the tool is not on ``PATH``. Raises
-    :class:`BusyCheckError` when it fails or does not answer within ``timeout``."""
+def card_users(device: str, exclude: Collection[int] = (), timeout: float = 30.0) -> list[str]:
+    """One line per process other than ``exclude`` holding a ``device`` card (card, pid,
+    command line, memory), by the device's own tool; none when the tool is not on ``PATH``.
+    Raises :class:`BusyCheckError` when it fails or does not answer within ``timeout``."""
     argv, parse = BUSY_QUERIES[device]
     tool = shutil.which(argv[0])
     if tool is None:
-        return None
+        return []
     try:
-        done = subprocess.run(
-            [tool, *argv[1:]], capture_output=True, text=True, timeout=timeout, check=False
-        )
+        done = subprocess.run([tool, *argv[1:]], capture_output=True, text=True, timeout=timeout)
     except (OSError, subprocess.TimeoutExpired) as e:
         raise BusyCheckError(f"{' '.join(argv)}: {e}") from None
     if done.returncode != 0:
@@ -120,7 +95,8 @@ def card_users(device: str, exclude: Collection[int] = (), timeout: float = 30.0
             f"{' '.join(argv)} exited {done.returncode}: {done.stderr.strip()[-300:]}"
         )
     return [
-        CardUser(device, pid, card, memory, _command(pid, name))
+        f"{device} card {card}: pid {pid} ({_command(pid, name)}"
+        + (f", {memory} MiB)" if memory is not None else ")")
         for pid, card, memory, name in parse(done.stdout)
         if pid not in exclude
     ]
@@ -143,12 +119,11 @@ def addoption(parser) -> None:
     )
 
 
-def check_busy_cards(config, devices: Iterable[str] | None = None) -> None:
-    """The session-start check, for the plugin's ``pytest_sessionstart`` (which runs in
-    xdist's controller too, before any worker starts; ``devices``: the accelerator types to
-    check, default every one whose tool is on ``PATH``). Names each process outside this
-    run holding a card of those devices: a warning line, or under ``fail`` a stop (exit 1)
-    before any test runs. Nothing on xdist workers (their controller checked)."""
+def check_busy_cards(config) -> None:
+    """The session-start check, for the plugin's ``pytest_sessionstart`` (xdist's controller
+    runs it once, before any worker starts; workers skip it). Names each process outside
+    this run holding a card of an accelerator whose tool is on ``PATH``: a warning line, or
+    under ``fail`` a stop (exit 1) before any test runs; a tool that fails is a warning."""
     import pytest
 
     mode = str(config.getini(BUSY_CARDS_INI)).strip().lower() or "warn"
@@ -156,28 +131,22 @@ def check_busy_cards(config, devices: Iterable[str] | None = None) -> None:
         raise pytest.UsageError(f"ini {BUSY_CARDS_INI} = {mode!r}: expected one of {BUSY_MODES}")
     if mode == "off" or hasattr(config, "workerinput"):
         return
+    say = config.get_terminal_writer()
     found: list[str] = []
-    notes: list[str] = []
     own = own_processes()
-    for device in sorted(
-        BUSY_QUERIES.keys() if devices is None else set(devices) & BUSY_QUERIES.keys()
-    ):
+    for device in sorted(BUSY_QUERIES):
         try:
-            found += map(str, card_users(device, own) or ())
+            found += card_users(device, own)
         except BusyCheckError as e:
-            notes.append(f"could not ask which processes hold the {device} cards: {e}")
-    say = config.pluginmanager.get_plugin("terminalreporter")
-    for note in notes:
-        if say is not None:
-            say.write_line(f"harness: warning: {note}", yellow=True)
-    if not found:
-        return
-    message = f"cards held by processes outside this run ({BUSY_CARDS_INI} = {mode}): " + "; ".join(
-        found
-    )
-    if mode == "fail":
-        pytest.exit(f"harness: {message}", returncode=1)
-    if say is not None:
-        say.write_line(f"harness: warning: {message}", yellow=True)
-    else:
-        os.write(2, f"harness: warning: {message}\n".encode())
+            say.line(
+                f"harness: warning: could not ask which processes hold the {device} cards: {e}",
+                yellow=True,
+            )
+    if found:
+        message = (
+            f"cards held by processes outside this run ({BUSY_CARDS_INI} = {mode}): "
+            + "; ".join(found)
+        )
+        if mode == "fail":
+            pytest.exit(f"harness: {message}", returncode=1)
+        say.line(f"harness: warning: {message}", yellow=True)

@@ -1,13 +1,9 @@
 """The one way the harness and the repository's scripts write a file: atomically.
 
-A reader (a shard job merging durations, CI uploading an artifact, a pytest worker reading
-its selection, a parent reading a rank's outcome) sees the old file or the new one, never a
-half-written one: the bytes go to a temporary file in the same directory, which then
-replaces the target (``os.replace``). Standard library only, so the launcher, the suite
-side and the scripts (run from a checkout, the harness installed or not) all share it.
-
-Not for a file whose identity matters (a ``flock``'d lease file): replacing it makes a new
-inode, which the lock does not follow.
+A reader sees the old file or the new one, never a half-written one: the bytes go to a
+temporary file in the same directory, which then replaces the target (``os.replace``).
+Standard library only (the scripts run from a checkout, the harness installed or not).
+Not for a file whose identity matters (a ``flock``'d lease file): the new inode is not locked.
 """
 
 from __future__ import annotations
@@ -19,8 +15,6 @@ import secrets
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
-
-__all__ = ["write_bytes", "write_json", "write_text"]
 
 
 def write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
@@ -57,11 +51,7 @@ def write_json(
     default: Callable[[Any], Any] | None = None,
 ) -> None:
     """Write ``doc`` as JSON (``indent``; ``None``: one line) plus a newline to ``path``,
-    atomically (:func:`write_text`).
-
-    ``default`` converts what JSON cannot hold, as for :func:`json.dumps` (``str`` for a
-    report that may carry dtypes or paths); without it such a value is a ``TypeError``. A
-    number that is not finite is a ``ValueError``, never a file other JSON readers refuse.
-    Either error leaves the target as it was.
+    atomically. ``default`` converts what JSON cannot hold, as for :func:`json.dumps`; a
+    number that is not finite is a ``ValueError``; either error leaves the target as it was.
     """
     write_text(path, json.dumps(doc, indent=indent, allow_nan=False, default=default) + "\n")

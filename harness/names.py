@@ -6,22 +6,6 @@ and the scripts spell each shared name once and a rename cannot leave a stale co
 
 from __future__ import annotations
 
-__all__ = [
-    "BLOCKING_RULES",
-    "DEFAULT_CASE_TIMEOUT_S",
-    "EXIT_FAILED",
-    "EXIT_OK",
-    "EXIT_USAGE",
-    "MANIFEST_RULES",
-    "OPT_JUNIT",
-    "OPT_MAX_PROCS",
-    "OPT_REQUIRE",
-    "OPT_SELECT",
-    "OPT_WORKERS",
-    "OWNERSHIP_RULES",
-    "WARNING_RULES",
-]
-
 # --------------------------------------------------------------------------- exit codes
 
 #: Every case passed or skipped (or there was nothing to do).

@@ -1,14 +1,6 @@
-"""The ``harness`` command (also ``python -m harness``).
-
-- ``harness inventory [SUITE ...] [--cases] [--json]``: one line per suite entry (its
-  cases, devices, most ranks and cards; ``--cases``: every case with its device, ranks,
-  cards and owning entries); exit 1 naming the rule, file and case of each problem
-  (warnings are printed and do not fail it).
-- ``harness run SUITE [--shard I/N] [--changed-from REF] [--durations-out FILE]
-  [--timeout-minutes M] [PYTEST_ARGS] [-- PYTEST_ARGS]``: what it does not know is pytest's.
-- ``harness matrix SUITE [--shards N | --target-minutes M] [--changed-from REF]``: the
-  GitHub Actions matrix JSON, on one line (ready for ``$GITHUB_OUTPUT``); with
-  ``--changed-from``, only the shards the change affects (``{"include": []}`` when none).
+"""The ``harness`` command (also ``python -m harness``): ``inventory``, ``run``, ``matrix``,
+``init``, one ``_add_<name>`` per subcommand in :data:`SUBCOMMANDS` (docs/suites.md, "The
+harness command", says what each does).
 """
 
 from __future__ import annotations
@@ -30,9 +22,7 @@ from harness.suites.inventory import SuiteInventory, build_inventory
 from harness.suites.manifest import find_root, suite_name
 from harness.suites.plan import PlanError, plan_suite
 from harness.suites.run import RunOptions, load_suite, run_suite
-
-#: The import package whose distribution ``harness --version`` reports.
-PACKAGE = "harness"
+from harness.suites.workflows import DISTRIBUTION
 
 
 def number(
@@ -57,17 +47,13 @@ def number(
 
 
 def version() -> str:
-    """The version of the installed distribution that provides ``harness``
-    (from its metadata); ``unknown`` when it is not installed (run from a source tree)."""
+    """The installed harness distribution and its version (``unknown`` when not installed)."""
     from importlib import metadata
 
     try:
-        dists = metadata.packages_distributions().get(PACKAGE, [])
-        for d in dists:
-            return f"{d} {metadata.version(d)}"
-    except Exception:  # broken metadata must not break --version
-        pass
-    return "unknown (not installed)"
+        return f"{DISTRIBUTION} {metadata.version(DISTRIBUTION)}"
+    except metadata.PackageNotFoundError:
+        return "unknown (not installed)"
 
 
 class _VersionAction(argparse.Action):
@@ -229,50 +215,42 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _print_cases(cases: Sequence[dict]) -> None:
-    w = min(max(len(c["nodeid"]) for c in cases), 110)
-    print(f"{'CASE':<{w}}  DEVICE NPROC CARDS  ENTRIES")
-    for c in cases:
-        entries = ",".join(c["entries"]) or "-"
-        print(f"{c['nodeid']:<{w}}  {c['device']:<6} {c['nproc']:>5} {c['cards']:>5}  {entries}")
-
-
-def _print_entries(cases: Sequence[dict]) -> None:
-    """One line per owning suite entry: its cases, their devices and the most ranks / cards one needs."""
-    rows: dict[str, dict] = {}
-    for c in cases:
-        for e in c["entries"] or ["-"]:
-            r = rows.setdefault(e, {"cases": 0, "devices": set(), "nproc": 0, "cards": 0})
-            r["cases"] += 1
-            r["devices"].add(c["device"])
-            r["nproc"] = max(r["nproc"], c["nproc"])
-            r["cards"] = max(r["cards"], c["cards"])
-    w = max(len("ENTRY"), *(len(e) for e in rows))
-    print(f"{'ENTRY':<{w}}  CASES  DEVICES     NPROC CARDS")
-    for e, r in rows.items():
-        print(
-            f"{e:<{w}}  {r['cases']:>5}  {','.join(sorted(r['devices'])):<11} {r['nproc']:>5} {r['cards']:>5}"
-        )
-
-
 def _print_inventory(
     inv: SuiteInventory, suites: Sequence[str], quiet: bool, every_case: bool
 ) -> None:
-    doc = inv.as_dict(suites or None)
-    cases = doc["cases"]
-    if not quiet and cases:
-        (_print_cases if every_case else _print_entries)(cases)
+    cases = inv.as_dict(suites or None)["cases"]
+    if not quiet and every_case and cases:
+        w = min(max(len(c["nodeid"]) for c in cases), 110)
+        print(f"{'CASE':<{w}}  DEVICE NPROC CARDS  ENTRIES")
+        for c in cases:
+            entries = ",".join(c["entries"]) or "-"
+            print(
+                f"{c['nodeid']:<{w}}  {c['device']:<6} {c['nproc']:>5} {c['cards']:>5}  {entries}"
+            )
+    elif not quiet and cases:  # one line per owning entry: cases, devices, most ranks / cards
+        rows: dict[str, dict] = {}
+        for c in cases:
+            for e in c["entries"] or ["-"]:
+                r = rows.setdefault(e, {"cases": 0, "devices": set(), "nproc": 0, "cards": 0})
+                r["cases"] += 1
+                r["devices"].add(c["device"])
+                r["nproc"] = max(r["nproc"], c["nproc"])
+                r["cards"] = max(r["cards"], c["cards"])
+        w = max(len("ENTRY"), *(len(e) for e in rows))
+        print(f"{'ENTRY':<{w}}  CASES  DEVICES     NPROC CARDS")
+        for e, r in rows.items():
+            devices = ",".join(sorted(r["devices"]))
+            print(f"{e:<{w}}  {r['cases']:>5}  {devices:<11} {r['nproc']:>5} {r['cards']:>5}")
     per_suite: dict[str, int] = {}
     for c in cases:
         for s in {e.split(":", 1)[0] for e in c["entries"]}:
             per_suite[s] = per_suite.get(s, 0) + 1
     counts = ", ".join(f"{s} {n}" for s, n in sorted(per_suite.items())) or "none"
-    errors = [p for p in inv.problems if p.rule not in WARNING_RULES]
     for p in inv.problems:
         print(f"{'warning' if p.rule in WARNING_RULES else 'error'}: {p}", file=sys.stderr)
-    warned = len(inv.problems) - len(errors)
+    warned = sum(p.rule in WARNING_RULES for p in inv.problems)
     print(
-        f"{len(cases)} case(s); per suite: {counts}; {len(errors)} problem(s)"
+        f"{len(cases)} case(s); per suite: {counts}; {len(inv.problems) - warned} problem(s)"
         + (f", {warned} warning(s)" if warned else "")
     )
 

@@ -34,24 +34,11 @@ RUN_REQUIREMENTS: tuple[tuple[str, str], ...] = (
 )
 
 
-def _command(argv: Sequence[str]) -> str | None:
-    """The subcommand named in ``argv`` (None: none), past the global ``--root DIR``."""
-    words = iter(argv)
-    for word in words:
-        if word == "--":
-            return None
-        if word == "--root":
-            next(words, None)
-        elif not word.startswith("-"):
-            return word
-    return None
-
-
 def missing_requirements(argv: Sequence[str] = ()) -> list[str]:
     """The distributions the command in ``argv`` needs (``REQUIREMENTS``, and
-    ``RUN_REQUIREMENTS`` for ``run``) whose import package cannot be found (nothing
-    is imported to find out)."""
-    needed = REQUIREMENTS + (RUN_REQUIREMENTS if _command(argv) == "run" else ())
+    ``RUN_REQUIREMENTS`` when it names ``run``) whose import package cannot be found
+    (nothing is imported to find out)."""
+    needed = REQUIREMENTS + (RUN_REQUIREMENTS if "run" in argv else ())
     gone = []
     for module, distribution in needed:
         try:

@@ -1,29 +1,18 @@
 """``harness init``: scaffold a repository's suites from pytest's own configuration.
 
-pytest is asked, through the inventory's in-process collect-only run from
-the repository root with no arguments, what it would run: the configuration
-file it uses, the ``testpaths`` it collects from and the test files it
-collects by its own rules (``python_files``, ``norecursedirs``; files that
-fail to import included). ``suites/cpu.json`` then owns those paths: the
-``testpaths`` that hold tests when the configuration sets them, else the
-directories holding the collected files (a top-level file by name).
+The inventory's in-process collect-only run (from the repository root, no arguments) says
+what pytest would run: its configuration file, ``testpaths`` and the test files it
+collects by its own rules. ``suites/cpu.json`` owns the ``testpaths`` that hold tests, else
+the directories holding the collected files (a top-level file by name). ``--accelerators
+cuda,npu`` adds one suite per accelerator, all including ``suites/cases/accelerator.json``;
+``--workflows`` the GitHub Actions workflows of every suite.
 
-On request, ``--accelerators cuda,npu`` adds one suite per accelerator
-(``gpu.json`` for cuda, ``npu.json`` for npu) that all include one shared case
-list, ``suites/cases/accelerator.json``, and ``--workflows`` GitHub Actions
-workflows for every suite written.
-
-Writing is idempotent: a file whose content would not change is left alone; a
-suite manifest you changed (one that still loads, for the same device) or a case
-list that still validates is yours and kept as it is, ``--force`` or not (delete
-it to have it written anew), and the cpu workflow follows the kept cpu suite; any
-other file that exists with other content is never overwritten without
-``--force`` (exit 2, naming it). Nothing is written unless every file can be.
-The manifests validate against the schema inside the installed harness;
-their ``$schema`` points at it by a relative path when it lies inside the
-repository (a virtualenv there), and is left out otherwise (a path into one
-machine's site-packages would be wrong on the next). ``.gitignore`` gets
-``out/`` (where ``harness run`` writes) appended when nothing in it names it.
+Writing is idempotent and refuses to clobber: a file whose content would not change is
+left alone; a suite manifest you changed that still loads (same device), or a case list
+that still validates, is yours and kept (delete it to have it written anew); any other
+file with other content is overwritten only with ``--force`` (else exit 2, naming it, and
+nothing written). ``$schema`` points at the installed schema only when it lies inside the
+repository. ``.gitignore`` gets ``out/`` (where ``harness run`` writes) when nothing names it.
 """
 
 from __future__ import annotations
@@ -34,7 +23,7 @@ import json
 import os
 import re
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -51,6 +40,7 @@ from harness.suites.manifest import (
     ManifestError,
     load_manifest,
     path_matches,
+    read_json,
     rel,
     suite_files,
     validate,
@@ -81,15 +71,10 @@ class InitError(HarnessError):
 
 @dataclass(frozen=True)
 class PytestLayout:
-    """What pytest's configuration says about a repository.
-
-    ``inifile``: the configuration file pytest used; ``testpaths``: the paths
-    it collected from by default when its configuration sets ``testpaths``
-    (empty otherwise); ``files``: the test files it collected by its own rules
-    (``python_files``, ``norecursedirs``, ...), repository-relative, sorted;
-    ``launched_cards``: the most cards an accelerator variant of a collected
-    case needs (0 when none has one); ``errors``: collection errors.
-    """
+    """What pytest's configuration says about a repository: ``inifile``, the configuration
+    file it used; ``testpaths`` (empty when not set); ``files``, the test files it collected
+    by its own rules, sorted; ``launched_cards``, the most cards an accelerator case needs;
+    ``errors``, collection errors."""
 
     rootdir: Path
     inifile: Path | None
@@ -103,72 +88,34 @@ class PytestLayout:
     unloadable: tuple[str, ...] = field(default=())
 
 
-def _toml_has(text: str, *path: str) -> bool:
-    """Whether TOML ``text`` has the table ``path`` (False for a file that is no TOML)."""
-    try:
-        import tomllib
-    except ImportError:  # Python 3.10: pytest's own TOML reader there
-        import tomli as tomllib
-    try:
-        doc: object = tomllib.loads(text)
-    except tomllib.TOMLDecodeError:
-        return False
-    for key in path:
-        if not isinstance(doc, dict) or key not in doc:
-            return False
-        doc = doc[key]
-    return True
-
-
-def _ini_has(text: str, section: str) -> bool:
-    return any(line.strip() == f"[{section}]" for line in text.splitlines())
-
-
-# Where pytest reads its configuration from, in pytest's order, and what makes the file
-# one: pytest.toml / .pytest.toml / pytest.ini / .pytest.ini always; pyproject.toml with
-# [tool.pytest] (pytest 9) or [tool.pytest.ini_options]; tox.ini with [pytest]; setup.cfg
-# with [tool:pytest].
-_PYTEST_CONFIGS: tuple[tuple[str, Callable[[str], bool]], ...] = (
-    ("pytest.toml", lambda text: True),
-    (".pytest.toml", lambda text: True),
-    ("pytest.ini", lambda text: True),
-    (".pytest.ini", lambda text: True),
-    (
-        "pyproject.toml",
-        lambda text: _toml_has(text, "tool", "pytest"),
-    ),
-    ("tox.ini", lambda text: _ini_has(text, "pytest")),
-    ("setup.cfg", lambda text: _ini_has(text, "tool:pytest")),
-)
-
-
-def pytest_config_in(folder: Path) -> Path | None:
-    """The pytest configuration file in ``folder``, as pytest looks for one; else None."""
-    for name, is_config in _PYTEST_CONFIGS:
-        f = folder / name
-        try:
-            if f.is_file() and is_config(f.read_text(errors="replace")):
-                return f
-        except OSError:
-            continue
-    return None
+def _configures(inifile: Path) -> bool:
+    """Whether the file pytest chose configures it: pytest falls back to a ``pyproject.toml``
+    without a ``[tool.pytest...]`` table, which configures nothing."""
+    if inifile.name != "pyproject.toml":
+        return True
+    text = inifile.read_text(errors="replace")
+    return re.search(r"^\s*\[\s*tool\s*\.\s*pytest\s*[\].]", text, re.M) is not None
 
 
 def read_pytest_layout(root: Path) -> PytestLayout:
-    """Ask pytest (the inventory's in-process collect-only run, from ``root`` with
-    no arguments) what it would run; raises ``InitError`` when pytest itself fails, or
-    when ``root`` has no pytest configuration and a folder above it has one (``root`` is
-    a subfolder of the project: suites written there would not be found)."""
+    """Ask pytest (the inventory's collect-only run from ``root``) what it would run; raises
+    ``InitError`` when pytest itself fails, or when the configuration pytest uses lies in a
+    folder above ``root``."""
     root = root.resolve()
-    if pytest_config_in(root) is None:
-        above = next(filter(None, map(pytest_config_in, root.parents)), None)
-        if above is not None:
-            raise InitError(
-                f"{root} is inside the project that {above} configures: run harness init "
-                f"in {above.parent} (or pass --root {above.parent})",
-                EXIT_USAGE,  # where it was run, not what the project holds
-            )
     found = collect(root, None)
+    ini = found.inipath
+    if (
+        ini is not None
+        and ini.parent != root
+        and root.is_relative_to(ini.parent)
+        and _configures(ini)
+    ):
+        # A subfolder of the project: suites written here would not be found.
+        raise InitError(
+            f"{root} is inside the project that {ini} configures: run harness init "
+            f"in {ini.parent} (or pass --root {ini.parent})",
+            EXIT_USAGE,  # where it was run, not what the project holds
+        )
     broken = [p for p in found.problems if p.file == "."]
     if broken:
         raise InitError(f"pytest could not collect from {root}: {broken[0].message}")
@@ -256,10 +203,6 @@ def _dump(doc: dict[str, Any]) -> str:
     return json.dumps(doc, indent=2) + "\n"
 
 
-def _source(layout: PytestLayout, root: Path) -> str:
-    return rel(layout.inifile, root) if layout.inifile else f"rootdir {rel(layout.rootdir, root)}"
-
-
 def render(
     root: Path,
     layout: PytestLayout,
@@ -287,7 +230,7 @@ def render(
             "add a test (or set testpaths) and run `harness init` again"
         )
     suites_dir = root / SUITES_DIR
-    source = _source(layout, root)
+    source = rel(layout.inifile, root) if layout.inifile else f"rootdir {rel(layout.rootdir, root)}"
     files: dict[str, str] = {}
     cpu = {
         **schema_ref(root, suites_dir),
@@ -342,36 +285,36 @@ def render(
                     "entries": [{"include": f"{SUITES_DIR}/{SHARED_CASES}"}],
                 }
             )
-    for path, text in files.items():
-        doc = json.loads(text)
-        problems = validate(doc, root, path, "manifest" if "suite" in doc else "caseList")
-        if problems:  # a bug here, never the user's: say so plainly
-            raise InitError(
-                "harness init produced an invalid manifest: " + "; ".join(map(str, problems))
-            )
     cpu_minutes = CPU_RUNNER["timeout_minutes"]
     for path in [p for p in files if p.startswith(f"{SUITES_DIR}/")]:
-        kept = _kept(root, path, files[path])
-        if kept is None:
+        target, wanted = root / path, json.loads(files[path])
+        if not target.is_file() or target.read_bytes() == files[path].encode("utf-8"):
             continue
+        if "suite" in wanted:  # yours when it loads, for the device asked for
+            kept = on_disk.get(wanted["suite"])
+            if kept is None or kept.device != wanted["device"]:
+                continue  # write() refuses it without --force
+            if kept.suite == "cpu":
+                cpu_minutes = max(r.timeout_minutes for r in kept.runners)
+        else:  # the shared case list: yours when it validates
+            try:
+                if validate(read_json(target, root), root, path, "caseList"):
+                    continue
+            except ManifestError:
+                continue
         del files[path]
         notes.append(
             f"{path} exists with other content: kept as it is (delete it to have it "
             "written anew from pytest's configuration)"
         )
-        if isinstance(kept, Manifest) and kept.suite == "cpu":
-            cpu_minutes = max(r.timeout_minutes for r in kept.runners)
     if workflows:
         top = in_git_folder(root)
         if top is not None:
-            # GitHub reads .github/workflows at the repository's top only, and the workflows
-            # run their commands there.
             raise InitError(
                 f"--workflows: {root} is a folder of the git repository {top}, and GitHub "
-                f"reads workflows only from {top / '.github/workflows'}; the ones init writes "
-                "run from the repository's top. Run `harness init` here without --workflows, "
-                "and write the workflow at the top with `defaults: run: working-directory: "
-                f"{root.resolve().relative_to(top)}`",
+                f"reads workflows only from {top / '.github/workflows'}. Run `harness init` "
+                "here without --workflows, and write the workflow at the top with `defaults: "
+                f"run: working-directory: {root.resolve().relative_to(top)}`",
                 EXIT_USAGE,
             )
         try:
@@ -395,41 +338,12 @@ def render(
     return files
 
 
-def _kept(root: Path, path: str, text: str) -> Manifest | bool | None:
-    """The repository's own version of the suite file ``path`` (``text``: what init would
-    write), kept: a manifest that loads, for the same suite and device (the
-    :class:`Manifest`), or a case list that validates (True); ``None`` when the file is
-    absent, the same, or broken (then :func:`write` refuses it, as any file with other
-    content, unless ``--force``)."""
-    target = root / path
-    try:
-        current = target.read_bytes()
-        if current == text.encode("utf-8"):
-            return None
-        doc = json.loads(current.decode("utf-8"))
-    except (OSError, ValueError):  # absent, not UTF-8, not JSON
-        return None
-    if not isinstance(doc, dict):
-        return None
-    wanted = json.loads(text)
-    if "suite" not in wanted:  # the shared case list
-        return None if validate(doc, root, path, "caseList") else True
-    try:
-        loaded = load_manifest(target, root)
-    except ManifestError:
-        return None
-    # Another device under the name init writes for this one is not the suite asked for.
-    return loaded if loaded.device == wanted["device"] else None
-
-
 def _suites_on_disk(root: Path) -> dict[str, Manifest]:
-    """The repository's suites by name (manifests that do not load left out:
-    ``harness inventory`` names them)."""
+    """The repository's suites that load, by name (``harness inventory`` names the others)."""
     out = {}
     for path in suite_files(root):
         with contextlib.suppress(ManifestError):
-            manifest = load_manifest(path, root)
-            out[manifest.suite] = manifest
+            out[path.stem] = load_manifest(path, root)
     return out
 
 
@@ -473,21 +387,13 @@ def write(root: Path, files: dict[str, str], force: bool) -> list[tuple[str, str
 def _devices(text: str) -> list[str]:
     from harness.devices import accelerators
 
-    known = [d.name for d in accelerators()]
-    aliases = {d.suite: d.name for d in accelerators()}
-    out: list[str] = []
-    for word in (w.strip() for w in text.split(",") if w.strip()):
-        device = aliases.get(word, word)
-        if device not in known:
-            raise argparse.ArgumentTypeError(
-                f"unknown accelerator {word!r}; known: {', '.join(known)} (or the suite names "
-                f"{', '.join(_suite_for(d) for d in known)})"
-            )
-        if device not in out:
-            out.append(device)
-    if not out:
-        raise argparse.ArgumentTypeError("expected a comma-separated list, e.g. cuda,npu")
-    return out
+    known = {word: d.name for d in accelerators() for word in (d.name, d.suite)}
+    words = [w.strip() for w in text.split(",") if w.strip()]
+    for word in [w for w in words if w not in known] or ([] if words else [text]):
+        raise argparse.ArgumentTypeError(
+            f"unknown accelerator {word!r}; known: {', '.join(known)} (comma-separated, e.g. cuda,npu)"
+        )
+    return list(dict.fromkeys(known[w] for w in words))
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

@@ -1,25 +1,14 @@
 """Inventory: which suite entry owns each test case, and whether every case fits its runner.
 
-Cases are collected with pytest in-process (collect only, from the
-repository root, with the repository's configuration) through a small plugin
-object that records the test files pytest collects by its own rules
-(``testpaths``, ``python_files``, ``norecursedirs``, ``--ignore``), the items
-and the collection errors; nothing runs. Entry paths pytest does not collect
-by default are collected too, by name, as ``harness run`` will. Ownership rules:
-
-- A suite owns the cases its entries match. A device-parametrized case (its
-  ``device`` parameter, e.g. from ``harness.DEVICES``) and a launched case
-  belong to the suite whose ``device`` equals the case's; the other suites'
-  entries skip them silently when they match by path. A case an entry names
-  by node id is owned whatever its device (and then checked against the suite).
-- Within a suite, a case belongs to the *first* entry that matches it.
-- Matching is indexed (:class:`EntryIndex`): the work grows linearly with the
-  number of cases and entries (``scripts/bench/inventory.py``).
-
-Each rule is a function returning :class:`~harness.suites.manifest.Problem` values (the
-rule, the file and the case), called from :func:`build_inventory`; the rule names, and
-which of them block ``harness run`` / ``harness matrix`` or only warn, live in
-``harness.names`` (the list, with what each means: docs/suites.md).
+Cases come from pytest's own collection, in-process and collect-only from the repository
+root with its configuration (:func:`collect`); entry paths pytest does not collect by
+default are collected by name, as ``harness run`` will. A device-parametrized or launched
+case belongs to the suite on its device (another device's suite skips it silently unless
+an entry names it by node id); within a suite the *first* matching entry owns a case.
+Matching is indexed (:class:`EntryIndex`), linear in cases and entries
+(``scripts/bench/inventory.py``). Each rule is a function returning
+:class:`~harness.suites.manifest.Problem` values, called from :func:`build_inventory`; rule
+names, and which block ``harness run`` / ``matrix`` or only warn, live in ``harness.names``.
 """
 
 from __future__ import annotations
@@ -29,11 +18,12 @@ import fnmatch
 import gc
 import importlib.util
 import io
+import itertools
 import os
 import re
 import sys
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -45,26 +35,23 @@ from harness.suites.manifest import (
     SUITES_DIR,
     Entry,
     Manifest,
+    ManifestError,
     Problem,
     glob_regex,
     has_glob,
     load_suites,
     marker_expression,
     rel,
+    resolve_suite,
     suite_name,
 )
 
 
 @dataclass(frozen=True)
 class CollectedCase:
-    """One collected test case.
-
-    ``nodeid`` is repository-relative (``tests/x/test_a.py::test_b[cuda]``);
-    ``spec`` is ``None`` when the case's launch marker is invalid
-    (``spec_error`` says why); ``marks`` are the names and keyword arguments of
-    its markers, for ``-m`` expressions; ``device_param`` is the value of its
-    ``device`` parameter, if any.
-    """
+    """One collected test case: ``nodeid`` repository-relative; ``spec`` None when its launch
+    marker is invalid (``spec_error`` says why); ``marks``, its markers' names and keyword
+    arguments (for ``-m``); ``device_param``, its ``device`` parameter, if any."""
 
     nodeid: str
     file: str
@@ -113,15 +100,14 @@ class SuiteInventory:
         """The cases ``suite`` owns, each with its owning entry, in collection order; then one
         case per :attr:`unloadable` file an entry of the suite names, whose node id is the
         file itself, so that a run reports that entry (failed, or skipped) and runs the rest."""
-        by_id: dict[str, Entry] = {}
-        for e in self.manifests[suite].entries:
-            by_id.setdefault(e.id, e)  # the first entry of an id, as Manifest.entry()
-        out = []
-        for c in self.cases:
-            for s, eid in self.owners.get(c.nodeid, ()):
-                if s == suite:
-                    out.append((c, by_id[eid]))
         entries = self.manifests[suite].entries
+        by_id = {e.id: e for e in reversed(entries)}  # the first entry of each id
+        out = [
+            (c, by_id[eid])
+            for c in self.cases
+            for s, eid in self.owners.get(c.nodeid, ())
+            if s == suite
+        ]
         for f in sorted(self.unloadable):
             owner = next((e for e in entries if EntryIndex([e]).covers_file(f)), None)
             if owner is not None:
@@ -133,25 +119,22 @@ class SuiteInventory:
         problems of ``harness.names.WARNING_RULES``, which do not fail the inventory),
         limited to ``suites`` when given."""
         wanted = set(suites) if suites is not None else None
-        cases = []
-        for c in self.cases:
-            owners = self.owners.get(c.nodeid, [])
-            if wanted is not None and not any(s in wanted for s, _ in owners):
-                continue
-            cases.append(
-                {
-                    "nodeid": c.nodeid,
-                    "device": c.device,
-                    "nproc": c.nproc,
-                    "cards": c.cards,
-                    "launched": c.launched,
-                    "entries": [f"{s}:{e}" for s, e in owners],
-                }
-            )
+        cases = [
+            {
+                "nodeid": c.nodeid,
+                "device": c.device,
+                "nproc": c.nproc,
+                "cards": c.cards,
+                "launched": c.launched,
+                "entries": [f"{s}:{e}" for s, e in self.owners.get(c.nodeid, [])],
+            }
+            for c in self.cases
+            if wanted is None or any(s in wanted for s, _ in self.owners.get(c.nodeid, []))
+        ]
         return {
             "cases": cases,
-            "errors": [p.as_dict() for p in self.problems if p.rule not in names.WARNING_RULES],
-            "warnings": [p.as_dict() for p in self.problems if p.rule in names.WARNING_RULES],
+            "errors": [asdict(p) for p in self.problems if p.rule not in names.WARNING_RULES],
+            "warnings": [asdict(p) for p in self.problems if p.rule in names.WARNING_RULES],
         }
 
 
@@ -181,18 +164,12 @@ def _collection_error(report: Any, root: Path) -> Problem:
         name = rel(full, root)
         if not os.path.isabs(name):
             frames.append((name, line))
-    own = [line for name, line in frames if name == file]
-    deepest = f"{frames[-1][0]}:{frames[-1][1]}" if frames else ""
-    if own and frames[-1][0] == file:
-        where = f"line {own[-1]}"
-    elif own:
-        where = f"line {own[-1]}, raised at {deepest}"
-    else:
-        where = f"raised at {deepest}" if deepest else ""
+    own = [f"line {line}" for name, line in frames if name == file][-1:]
+    deeper = [f"raised at {n}:{line}" for n, line in frames[-1:] if n != file]
     raised_in = [name for name, _ in frames[-1:]]
     absent = _absent_module(file, message, root, raised_in)
     rule = names.MISSING_DEPENDENCY if absent else names.COLLECTION_ERROR
-    return Problem(rule, file, where, message)
+    return Problem(rule, file, ", ".join(own + deeper), message)
 
 
 # Only the top-level name of "No module named 'x.y'" tells a distribution that is not
@@ -256,16 +233,13 @@ def _missing_dependencies(problems: Iterable[Problem]) -> list[Problem]:
     ]
 
 
-@dataclass(eq=False)  # compared by identity: its subclass _Recorder is a registered plugin
+@dataclass(eq=False)  # compared by identity: a registered pytest plugin
 class Collection:
-    """What one in-process collect-only pytest run saw.
+    """What one in-process collect-only pytest run saw (the plugin recording it): ``files``,
+    the test files it collected by its own rules; ``scope``, the paths it collected from
+    (its arguments, or ``testpaths``); ``inipath``, the configuration file it used."""
 
-    ``files``: the test files pytest collected by its own rules
-    (``python_files``, ``testpaths``, ``norecursedirs``, ``--ignore``);
-    ``scope``: the paths it collected from (its arguments, or ``testpaths``);
-    ``inipath``: the configuration file it used.
-    """
-
+    root: Path = Path()
     cases: list[CollectedCase] = field(default_factory=list)
     problems: list[Problem] = field(default_factory=list)
     files: list[str] = field(default_factory=list)
@@ -278,6 +252,8 @@ class Collection:
     #: pytest stopped the whole session (a usage or internal error): what it collected says
     #: nothing about which entries own cases.
     failed: bool = False
+    interrupted: bool = False  # Ctrl-C
+    exited: str = ""  # pytest.exit during collection: why
 
     def extend(self, other: Collection) -> None:
         """Add another run's findings (cases already seen are not repeated)."""
@@ -289,18 +265,6 @@ class Collection:
         self.files = list(dict.fromkeys([*self.files, *other.files]))
         self.inipath = self.inipath or other.inipath
         self.failed = self.failed or other.failed
-
-
-class _Recorder(Collection):
-    """pytest plugin object: records into a :class:`Collection` the test files pytest
-    collects (by its own rules), the items, collection errors, and the configuration it
-    used."""
-
-    def __init__(self, root: Path):
-        super().__init__()
-        self.root = root
-        self.interrupted = False
-        self.exited = ""
 
     def pytest_configure(self, config: Any) -> None:
         self.inipath = config.inipath
@@ -332,17 +296,12 @@ class _Recorder(Collection):
     def pytest_collectreport(self, report: Any) -> None:
         if report.failed:
             problem = _collection_error(report, self.root)
-            if (
-                problem not in self.problems
-            ):  # a failing conftest is reported for each node it spoils
+            if problem not in self.problems:  # a failing conftest spoils each node below it
                 self.problems.append(problem)
         elif report.skipped and (
             is_test_module(report.nodeid) or _skipped_folder(report.nodeid, self.root)
         ):
-            longrepr = report.longrepr
-            reason = (
-                longrepr[2] if isinstance(longrepr, tuple) and len(longrepr) == 3 else str(longrepr)
-            )
+            reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else report.longrepr
             self.skipped[report.nodeid] = str(reason).removeprefix("Skipped: ")
 
     def pytest_collection_finish(self, session: Any) -> None:
@@ -372,17 +331,9 @@ def case_id(item: Any, root: Path) -> str:
 def _case(item: Any, root: Path) -> CollectedCase:
     callspec = getattr(item, "callspec", None)
     param = callspec.params.get("device") if callspec is not None else None
+    plain = (str, int, bool, type(None))  # what an -m expression can compare
     marks = tuple(
-        (
-            m.name,
-            tuple(
-                sorted(
-                    (k, v)
-                    for k, v in m.kwargs.items()
-                    if isinstance(v, (str, int, bool)) or v is None
-                )
-            ),
-        )
+        (m.name, tuple(sorted((k, v) for k, v in m.kwargs.items() if isinstance(v, plain))))
         for m in item.iter_markers()
     )
     nodeid = case_id(item, root)
@@ -434,63 +385,42 @@ def autoload_disabled(args: Sequence[str] = ()) -> bool:
     )
 
 
-def _plugin_name(module: str) -> str:
-    """How ``-p`` loads the pytest plugin ``module``: by its entry-point name when a
-    distribution declares one (so autoloading, when on, finds it already
-    registered), else by module name."""
-    from importlib.metadata import entry_points
-
-    for ep in entry_points(group="pytest11"):
-        if ep.value == module:
-            return ep.name
-    return module
-
-
 #: The pytest plugins the harness itself needs in a pytest process: xdist (for ``-n``) and the launch plugin.
 NEEDED_PLUGINS = ("xdist.plugin", "harness.launcher.plugin")
 
 
 def plugin_args(args: Sequence[str] = ()) -> list[str]:
-    """``-p`` arguments that load :data:`NEEDED_PLUGINS` explicitly when plugin autoloading
-    is disabled (none otherwise: autoloading finds them); plugins not installed are left out."""
+    """``-p`` arguments that load :data:`NEEDED_PLUGINS` when plugin autoloading is disabled
+    (none otherwise: autoloading finds them), by entry-point name where a distribution
+    declares one (as pytest then loads it, setting up what autoloading would), else by
+    module name; plugins not installed are left out."""
     if not autoload_disabled(args):
         return []
-    out = []
-    for module in NEEDED_PLUGINS:
-        if importlib.util.find_spec(module.split(".", 1)[0]) is not None:
-            out += ["-p", _plugin_name(module)]
-    return out
+    from importlib.metadata import entry_points
+
+    by_module = {ep.value: ep.name for ep in entry_points(group="pytest11")}
+    found = [m for m in NEEDED_PLUGINS if importlib.util.find_spec(m.split(".", 1)[0])]
+    return [arg for m in found for arg in ("-p", by_module.get(m, m))]
 
 
 def collect(root: Path, targets: Sequence[str] | None) -> Collection:
-    """Collect with pytest, in-process and collect-only, from ``root`` with the
-    repository's pytest configuration: ``targets`` (repository-relative files or
-    directories), or when ``None`` what pytest collects by default there
-    (``testpaths``, else the root).
-
-    Problems: files that failed to import (with the line), or pytest itself
-    failing, with the tail of its output.
-    """
+    """Collect with pytest, in-process and collect-only, from ``root`` with the repository's
+    configuration: ``targets`` (repository-relative), or when ``None`` what pytest collects
+    by default there. Problems: files that failed to import (with the line), or pytest
+    itself failing (with the tail of its output)."""
     if targets is not None and not targets:
         return Collection()
-    rec = _Recorder(root)
+    rec = Collection(root)
     # No test code runs here, so nothing can raise an unraisable exception; that
     # plugin's forced garbage collections at exit cost seconds on a large tree.
-    args = [
-        "--collect-only",
-        "-q",
-        "-p",
-        "no:cacheprovider",
-        "-p",
-        "no:unraisableexception",
-        "--continue-on-collection-errors",
-        f"--rootdir={root}",
-    ]
-    args += plugin_args()
     # This process imported the harness before pytest could mark it for assertion
     # rewriting; a project's `filterwarnings = error` must not turn that notice into a failure.
-    args += ["-W", "ignore::pytest.PytestAssertRewriteWarning"]
-    args += [str(root / t) for t in targets or ()]
+    args = [
+        *("--collect-only", "-q", "-p", "no:cacheprovider", "-p", "no:unraisableexception"),
+        *("--continue-on-collection-errors", f"--rootdir={root}", *plugin_args()),
+        *("-W", "ignore::pytest.PytestAssertRewriteWarning"),
+        *(str(root / t) for t in targets or ()),
+    ]
     # The caller's PYTEST_ADDOPTS is for running tests (a --junitxml there
     # would be overwritten by an empty collect-only report): not for this.
     addopts = os.environ.pop("PYTEST_ADDOPTS", None)
@@ -515,20 +445,16 @@ def collect(root: Path, targets: Sequence[str] | None) -> Collection:
             os.environ["PYTEST_ADDOPTS"] = addopts
     if rec.interrupted:
         raise KeyboardInterrupt  # pytest reported it and returned; the caller asked to stop
-    if rec.exited:
-        rec.problems.append(
-            Problem(
-                names.COLLECTION_ERROR, ".", "", f"pytest.exit during collection ({rec.exited})"
-            )
-        )
-        code = pytest.ExitCode.INTERRUPTED
     # 0: collected, 1: some collection error (recorded above), 5: nothing collected.
-    elif int(code) not in (0, 1, 5):
-        tail = "\n".join(out.getvalue().strip().splitlines()[-15:])
-        rec.problems.append(
-            Problem(names.COLLECTION_ERROR, ".", "", f"pytest exited with {int(code)}:\n{tail}")
+    rec.failed = bool(rec.exited) or int(code) not in (0, 1, 5)
+    if rec.exited:
+        why = f"pytest.exit during collection ({rec.exited})"
+    else:
+        why = f"pytest exited with {int(code)}:\n" + "\n".join(
+            out.getvalue().strip().splitlines()[-15:]
         )
-    rec.failed = int(code) not in (0, 1, 5)
+    if rec.failed:
+        rec.problems.append(Problem(names.COLLECTION_ERROR, ".", "", why))
     return rec
 
 
@@ -541,37 +467,33 @@ def _under(path: str, roots: set[str]) -> bool:
 
 
 def _glob_all(root: Path, patterns: Iterable[str]) -> set[str]:
-    """The ``.py`` files and directories under ``root`` that any of ``patterns`` matches
-    (as entries match: :func:`harness.suites.manifest.glob_regex`), hidden ones aside.
-
-    One walk of each distinct literal directory prefix serves every pattern,
-    each path tried only against the patterns holding one of its segments:
-    expanding the patterns one by one costs the size of the tree per pattern.
-    """
-    by_segment: dict[str | None, list[re.Pattern[str]]] = {}
-    tops: set[str] = set()
-    for pattern in patterns:
-        by_segment.setdefault(_literal_segment(pattern), []).append(glob_regex(pattern))
-        parts = pattern.split("/")
-        tops.add("/".join(parts[: next(i for i, s in enumerate(parts) if has_glob(s))]) or ".")
+    """The ``.py`` files and directories under ``root`` that any of ``patterns`` matches (as
+    entries match), hidden ones aside: one walk of each literal top directory serves every
+    pattern, each path tried only on the globs that can match it (:class:`EntryIndex`);
+    nothing below a match is looked at."""
+    patterns = tuple(patterns)
+    index = EntryIndex([Entry("", patterns, None, None, 0.0, None, "", "")])
+    tops = {
+        "/".join(itertools.takewhile(lambda s: not has_glob(s), p.split("/"))) or "."
+        for p in patterns
+    }
     walked: set[str] = set()
     found: set[str] = set()
     for top in sorted(tops, key=lambda p: (p.count("/"), p)):
-        if _under(top, walked) or not (root / top).is_dir():
-            continue  # walked from a directory above, or nothing there
+        if _under(top, walked):
+            continue  # walked from a directory above
         walked.add(top)
         for dirpath, dirnames, filenames in os.walk(root / top):
-            dirnames[:] = [d for d in dirnames if not d.startswith(".")]
             base = rel(Path(dirpath), root)
-            names = [
-                *dirnames,
-                *(f for f in filenames if f.endswith(".py") and not f.startswith(".")),
-            ]
-            for name in names:
-                path = name if base == "." else f"{base}/{name}"
-                segments = {None, *path.split("/")}
-                if any(rx.match(path) for s in segments for rx in by_segment.get(s, ())):
-                    found.add(path)
+            dirnames[:] = [d for d in dirnames if not d.startswith(".")]
+            files = [f for f in filenames if f.endswith(".py") and not f.startswith(".")]
+            hits = {
+                n
+                for n in [*dirnames, *files]
+                if index.covers_file(f"{base}/{n}".removeprefix("./"))
+            }
+            found.update(f"{base}/{n}".removeprefix("./") for n in hits)
+            dirnames[:] = [d for d in dirnames if d not in hits]
     return found
 
 
@@ -720,29 +642,19 @@ def _fit_problems(m: Manifest, entry: Entry, case: CollectedCase) -> list[Proble
     where = f"{case.nodeid} (entry {entry.id!r} at {entry.source} {entry.pointer})"
     spec = case.spec
     assert spec is not None
-    out = []
-
-    def add(rule: str, message: str) -> None:
-        out.append(Problem(rule, m.path, where, message, m.suite))
-
+    found = []
     if spec.cards > 0 and "cpu" in (spec.device, m.device):
-        add(
-            names.CPU_CASE_NEEDS_CARDS,
-            f"case on {spec.device} asks for {spec.cards} card(s) in cpu suite {m.suite!r}",
-        )
+        why = f"case on {spec.device} asks for {spec.cards} card(s) in cpu suite {m.suite!r}"
+        found.append((names.CPU_CASE_NEEDS_CARDS, why))
     elif m.device != "cpu" and spec.cards < 1:
-        add(
-            names.ACCELERATOR_CASE_WITHOUT_CARDS,
-            f"{spec.device} case needs no card, but {m.device} suite {m.suite!r} runs on accelerator runners",
-        )
+        why = f"{spec.device} case needs no card, but {m.device} suite {m.suite!r} runs on accelerator runners"
+        found.append((names.ACCELERATOR_CASE_WITHOUT_CARDS, why))
     elif m.device != spec.device:
-        add(names.WRONG_DEVICE, f"{spec.device} case in {m.device} suite {m.suite!r}")
+        found.append((names.WRONG_DEVICE, f"{spec.device} case in {m.device} suite {m.suite!r}"))
     if spec.cards > m.max_cards:
-        add(
-            names.CASE_EXCEEDS_RUNNER_CARDS,
-            f"case needs {spec.cards} card(s); the largest runner of suite {m.suite!r} has {m.max_cards}",
-        )
-    return out
+        why = f"case needs {spec.cards} card(s); the largest runner of suite {m.suite!r} has {m.max_cards}"
+        found.append((names.CASE_EXCEEDS_RUNNER_CARDS, why))
+    return [Problem(rule, m.path, where, why, m.suite) for rule, why in found]
 
 
 # --------------------------------------------------------------------------- building
@@ -750,129 +662,97 @@ def _fit_problems(m: Manifest, entry: Entry, case: CollectedCase) -> list[Proble
 
 @dataclass
 class _Scope:
-    """Which manifests an inventory reads (all of them) and judges (the selected ones)."""
+    """Which manifests an inventory reads (all of them) and judges (the selected ones);
+    ``manifests_ok``: every manifest loaded (else ownership is noise)."""
 
     all: list[Manifest]
     selected: list[Manifest]
     problems: list[Problem]
-    #: Every manifest loaded: only then is ownership meaningful (else it is noise).
     manifests_ok: bool
-
-    @property
-    def selected_names(self) -> set[str]:
-        return {m.suite for m in self.selected}
 
 
 def _load_scope(root: Path, suites: Iterable[str] | None) -> _Scope:
     """Phase 1: load every manifest, keep the problems of the selected suites."""
-    all_manifests, problems = load_suites(root)
-    if not all_manifests and not problems:
+    manifests, problems = load_suites(root)
+    if not manifests and not problems:
         # Never "0 case(s), 0 problem(s)": a repository without suites checks nothing.
         why = (
             f"has no suite manifests (root {root}, the nearest folder holding a {SUITES_DIR}/)"
             if (root / SUITES_DIR).is_dir()
             else f"does not exist in {root}"
         )
-        problems = [
-            Problem(
-                names.NO_SUITES,
-                f"{SUITES_DIR}/",
-                "",
-                f"{why}: write one (`harness init`) or pass --root",
-            )
-        ]
+        why += ": write one (`harness init`) or pass --root"
+        problems = [Problem(names.NO_SUITES, f"{SUITES_DIR}/", "", why)]
     ok = not any(p.rule in names.MANIFEST_RULES for p in problems)
     if not suites:
-        return _Scope(all_manifests, list(all_manifests), problems, ok)
-    # Unknown names are problems; a suite named by path (suites/x.json) is its stem.
-    problems += [p for p in load_suites(root, suites)[1] if p.rule == names.UNKNOWN_SUITE]
-    wanted = {suite_name(s) for s in suites}
-    problems = [p for p in problems if p.suite in wanted or p.rule == names.UNKNOWN_SUITE]
-    return _Scope(all_manifests, [m for m in all_manifests if m.suite in wanted], problems, ok)
-
-
-def _spec_problems(cases: Iterable[CollectedCase]) -> list[Problem]:
-    """Phase 3: one ``bad-launch-spec`` problem per case whose launch marker is invalid."""
-    return [
-        Problem(names.BAD_LAUNCH_SPEC, c.file, c.nodeid, c.spec_error or "invalid launch marker")
-        for c in cases
-        if c.spec is None
-    ]
+        return _Scope(manifests, manifests, problems, ok)
+    wanted = {suite_name(s) for s in suites}  # a suite named by path (suites/x.json): its stem
+    problems = [p for p in problems if p.suite in wanted]
+    for s in suites:
+        try:
+            resolve_suite(root, s)
+        except ManifestError as e:
+            problems += e.problems
+    return _Scope(manifests, [m for m in manifests if m.suite in wanted], problems, ok)
 
 
 def _assign_owners(inv: SuiteInventory, m: Manifest, judged: bool) -> None:
-    """Phase 4, one suite: record the first matching entry of ``m`` for each case;
-    when the suite is ``judged``, add its fit and ``entry-matches-nothing`` problems."""
+    """Phase 4, one suite: record the first matching entry of ``m`` for each case; when the
+    suite is ``judged``, add its fit and ``entry-matches-nothing`` problems."""
     index = EntryIndex(m.entries)
-    owned_by: dict[str, int] = {e.id: 0 for e in m.entries}
-    matched: dict[str, int] = {e.id: 0 for e in m.entries}
-    first_owner: dict[str, str] = {}
+    owned_by = dict.fromkeys((e.id for e in m.entries), 0)
+    first_owner: dict[str, str] = {}  # entry id -> the earlier entry owning what it matches
     for c in inv.cases:
-        if c.spec is None:
-            continue
-        hits = index.matching(c, m.device)
+        hits = index.matching(c, m.device) if c.spec is not None else []
         if not hits:
             continue
-        owner = hits[0]
-        owned_by[owner.id] += 1
-        for e in hits:
-            matched[e.id] += 1
+        owned_by[hits[0].id] += 1
         for e in hits[1:]:
-            first_owner.setdefault(e.id, owner.id)
-        inv.owners.setdefault(c.nodeid, []).append((m.suite, owner.id))
+            first_owner.setdefault(e.id, hits[0].id)
+        inv.owners.setdefault(c.nodeid, []).append((m.suite, hits[0].id))
         if judged:
-            inv.problems.extend(_fit_problems(m, owner, c))
-    if judged:
-        # An entry naming a file that fails to import or skips as a whole is not idle: a run
-        # reports it (failed or skipped) through that file.
-        for e in m.entries:
-            if not owned_by[e.id] and _covers_unloadable(inv, e):
-                owned_by[e.id] = 1
-        inv.problems.extend(_idle_entries(m, owned_by, matched, first_owner))
-        inv.problems.extend(_dead_paths(inv, m, owned_by))
-
-
-def _covers_unloadable(inv: SuiteInventory, entry: Entry) -> bool:
-    """Whether ``entry`` names a test file that failed to import or skips as a whole (a run
-    reports it, failed or skipped, through that file)."""
-    return any(EntryIndex([entry]).covers_file(f) for f in inv.unloadable)
-
-
-def _idle_entries(
-    m: Manifest, owned_by: dict[str, int], matched: dict[str, int], first_owner: dict[str, str]
-) -> list[Problem]:
-    """``entry-matches-nothing`` for each entry of ``m`` that owns no case (once per id)."""
-    out = []
-    seen: set[str] = set()
+            inv.problems.extend(_fit_problems(m, hits[0], c))
+    if not judged:
+        return
+    # An entry naming a file that fails to import or skips as a whole is not idle: a run
+    # reports it (failed or skipped) through that file.
     for e in m.entries:
-        if e.id in seen or owned_by[e.id]:
-            seen.add(e.id)
+        if not owned_by[e.id] and _covers_unloadable(inv, e):
+            owned_by[e.id] = 1
+    reported: set[str] = set()  # once per id
+    for e in m.entries:
+        if owned_by[e.id] or e.id in reported:
             continue
-        seen.add(e.id)
-        if matched[e.id]:
+        reported.add(e.id)
+        if e.id in first_owner:
             why = f"every case it matches is owned by the earlier entry {first_owner[e.id]!r}"
         else:
             why = f"its paths {list(e.paths)} match no {m.device} case" + (
                 f" with markers {e.markers!r}" if e.markers else ""
             )
-        out.append(
-            Problem(
-                names.ENTRY_MATCHES_NOTHING,
-                e.source,
-                f"{e.pointer} (entry {e.id!r})",
-                f"suite {m.suite!r}: {why}",
-                m.suite,
-            )
-        )
-    return out
+        inv.problems.append(_idle(m, e, e.pointer, why))
+    inv.problems.extend(_dead_paths(inv, m, owned_by))
+
+
+def _idle(m: Manifest, e: Entry, where: str, why: str) -> Problem:
+    return Problem(
+        names.ENTRY_MATCHES_NOTHING,
+        e.source,
+        f"{where} (entry {e.id!r})",
+        f"suite {m.suite!r}: {why}",
+        m.suite,
+    )
+
+
+def _covers_unloadable(inv: SuiteInventory, entry: Entry) -> bool:
+    """Whether ``entry`` names a test file that failed to import or skips as a whole."""
+    return any(EntryIndex([entry]).covers_file(f) for f in inv.unloadable)
 
 
 def _dead_paths(inv: SuiteInventory, m: Manifest, owned_by: dict[str, int]) -> list[Problem]:
-    """``entry-matches-nothing`` for each path of an entry that owns cases through its other
-    paths when that path selects no collected case (of any device) and no file that failed to
-    load: a misspelled file, glob or node id there would otherwise go unnoticed, and the cases
-    it meant never run, or run under a later entry's settings. (An entry owning nothing is
-    reported whole.)"""
+    """``entry-matches-nothing`` for each path of an entry owning cases through its other
+    paths when that path selects no collected case (of any device) and no file that failed
+    to load: a misspelled file, glob or node id there would otherwise go unnoticed."""
     paths = [
         (e, j, replace(e, paths=(p,), markers=None))
         for e in m.entries
@@ -887,16 +767,10 @@ def _dead_paths(inv: SuiteInventory, m: Manifest, owned_by: dict[str, int]) -> l
             continue
         p = single.paths[0]
         absent = not has_glob(p) and not (inv.root / p.split("::", 1)[0]).exists()
-        out.append(
-            Problem(
-                names.ENTRY_MATCHES_NOTHING,
-                e.source,
-                f"{e.pointer}/paths/{j} (entry {e.id!r})",
-                f"suite {m.suite!r}: its path {p!r} matches nothing"
-                + (": no such file or folder" if absent else ": no collected case"),
-                m.suite,
-            )
+        why = f"its path {p!r} matches nothing: " + (
+            "no such file or folder" if absent else "no collected case"
         )
+        out.append(_idle(m, e, f"{e.pointer}/paths/{j}", why))
     return out
 
 
@@ -909,62 +783,60 @@ def _ownership_problems(
     for c in inv.cases:
         by_file.setdefault(c.file, []).append(c)
     covered = EntryIndex([e for m in manifests for e in m.entries])
-    out = []
-    for f in sorted(set(files)):
-        fcases = by_file.get(f, [])
-        if any(c.nodeid in inv.owners for c in fcases):
+    unowned_files = [
+        f
+        for f in sorted(set(files))
+        if not any(c.nodeid in inv.owners for c in by_file.get(f, []))
+        # A file collecting nothing here (a module-level skip), or only cases whose launch
+        # marker is invalid (each a bad-launch-spec problem), is its entry's.
+        and not (all(c.spec is None for c in by_file.get(f, [])) and covered.covers_file(f))
+    ]
+    out = [
+        Problem(
+            names.UNOWNED_FILE,
+            f,
+            "",
+            "test file owned by no suite entry: add it to a suite in suites/",
+        )
+        for f in unowned_files
+    ]
+    for c in inv.cases:
+        if c.spec is None or c.nodeid in inv.owners or c.file in unowned_files:
             continue
-        if all(c.spec is None for c in fcases) and covered.covers_file(f):
-            # Collects nothing here (e.g. a module-level skip), or only cases whose launch
-            # marker is invalid (each a bad-launch-spec problem): its entry covers it.
-            continue
+        mine = [m.path for m in manifests if m.device == c.device]
+        hint = (
+            f"add its file or node id to an entry of {' or '.join(mine)}"
+            if mine
+            else f"no suite runs {c.device} cases: add one (`harness init --accelerators {c.device}`)"
+        )
         out.append(
             Problem(
-                names.UNOWNED_FILE,
-                f,
-                "",
-                "test file owned by no suite entry: add it to a suite in suites/",
+                names.UNOWNED_CASE,
+                c.file,
+                c.nodeid,
+                f"{c.device} case owned by no suite entry: {hint}",
             )
         )
-    unowned_files = {p.file for p in out}
-    out += [
-        Problem(
-            names.UNOWNED_CASE,
-            c.file,
-            c.nodeid,
-            f"{c.device} case owned by no suite entry: {_edit_hint(manifests, c)}",
-        )
-        for c in inv.cases
-        if c.spec is not None and c.nodeid not in inv.owners and c.file not in unowned_files
-    ]
     return out
 
 
-def _edit_hint(manifests: Sequence[Manifest], case: CollectedCase) -> str:
-    """Where an unowned case belongs: the manifests of suites on its device, or how to add one."""
-    mine = [m.path for m in manifests if m.device == case.device]
-    if mine:
-        return f"add its file or node id to an entry of {' or '.join(mine)}"
-    return (
-        f"no suite runs {case.device} cases: add one (`harness init --accelerators {case.device}`)"
-    )
-
-
-def _hidden_test_files(root: Path, layout: dict[str, list[str]]) -> Iterator[tuple[str, str]]:
-    """``(file, pattern)`` for each test file (``python_files``) under a directory inside
-    ``testpaths`` that a ``norecursedirs`` pattern keeps pytest out of. Hidden directories
+def _hidden_problems(
+    root: Path, layout: dict[str, list[str]], collected: Iterable[str]
+) -> list[Problem]:
+    """A ``tests-under-norecursedirs`` warning for each test file (``python_files``) under a
+    directory inside ``testpaths`` that a ``norecursedirs`` pattern keeps pytest out of,
+    and that was not collected (no entry names it): it never runs. Hidden directories
     (``.*``) and virtual environments are not looked into."""
     patterns = [p for p in layout.get("norecursedirs", ()) if p != ".*"]
     python_files = layout.get("python_files", ())
+    hidden: dict[str, str] = {}
     for top in layout.get("testpaths", ()):
-        if not (root / top).is_dir():
-            continue
         for dirpath, dirnames, _ in os.walk(root / top):
             keep = []
             for d in dirnames:
-                pat = next((p for p in patterns if fnmatch.fnmatch(d, p)), None)
                 if d.startswith(".") or (Path(dirpath, d) / "pyvenv.cfg").exists():
                     continue
+                pat = next((p for p in patterns if fnmatch.fnmatch(d, p)), None)
                 if pat is None:
                     keep.append(d)
                     continue
@@ -972,27 +844,17 @@ def _hidden_test_files(root: Path, layout: dict[str, list[str]]) -> Iterator[tup
                     subdirs[:] = [s for s in subdirs if not s.startswith(".")]
                     for name in files:
                         if any(fnmatch.fnmatch(name, g) for g in python_files):
-                            yield rel(Path(sub, name), root), pat
+                            hidden.setdefault(rel(Path(sub, name), root), pat)
             dirnames[:] = keep
-
-
-def _hidden_problems(
-    root: Path, layout: dict[str, list[str]], collected: Iterable[str]
-) -> list[Problem]:
-    """A ``tests-under-norecursedirs`` warning for each hidden test file (see
-    :func:`_hidden_test_files`) that was not collected (no entry names it or a directory
-    below the hiding one): it never runs."""
     seen = set(collected)
+    why = (
+        "lies under a directory that norecursedirs pattern {!r} hides from pytest inside "
+        "testpaths: it never runs; name it in a suite entry (harness run collects entry "
+        "paths by name) or change norecursedirs"
+    )
     return [
-        Problem(
-            names.HIDDEN_TESTS,
-            f,
-            "",
-            f"lies under a directory that norecursedirs pattern {pat!r} hides from "
-            "pytest inside testpaths: it never runs; name it in a suite entry (harness run collects entry "
-            "paths by name) or change norecursedirs",
-        )
-        for f, pat in sorted(set(_hidden_test_files(root, layout)))
+        Problem(names.HIDDEN_TESTS, f, "", why.format(pat))
+        for f, pat in sorted(hidden.items())
         if f not in seen
     ]
 
@@ -1000,40 +862,18 @@ def _hidden_problems(
 def _outside_problems(root: Path, files: Iterable[str]) -> list[Problem]:
     """``symlink-outside-repository`` for each collected test file whose real location
     (through a symlink) is outside the repository, as manifests reject such paths."""
-    out = []
     real_root = root.resolve()
+    out = []
     for f in sorted(set(files)):
         target = (root / f).resolve()
         if not os.path.isabs(f) and not target.is_relative_to(real_root):
-            out.append(
-                Problem(
-                    names.SYMLINK_OUTSIDE_REPOSITORY,
-                    f,
-                    "",
-                    f"is a symlink to {target}, outside the repository: a checkout elsewhere (CI) will not have "
-                    "it and --changed-from cannot see its changes; move the test into the repository",
-                )
+            why = (
+                f"is a symlink to {target}, outside the repository: a checkout elsewhere (CI) "
+                "will not have it and --changed-from cannot see its changes; move the test "
+                "into the repository"
             )
+            out.append(Problem(names.SYMLINK_OUTSIDE_REPOSITORY, f, "", why))
     return out
-
-
-def _collect_for(root: Path, scope: _Scope, check_ownership: bool) -> Collection:
-    """Phase 2: with ``check_ownership``, what pytest collects by default (its own rules
-    decide which files are tests) plus entry paths outside that; else only the
-    selected suites' entry paths."""
-    if not check_ownership:
-        return collect(root, _entry_targets(root, scope.selected))
-    found = collect(root, None)
-    # An entry may name what pytest does not collect by default (outside
-    # testpaths, under norecursedirs such as dist/): collect those paths as
-    # `harness run` will, by naming them.
-    # Paths already collected are skipped before the covered ones are dropped: an entry
-    # naming tests/dist (hidden by norecursedirs) under another's tests is collected too.
-    seen = {a for f in found.files for a in _ancestors(f)}
-    extra = _entry_targets(root, scope.all, skip=seen)
-    if extra:
-        found.extend(collect(root, extra))
-    return found
 
 
 def build_inventory(
@@ -1041,46 +881,57 @@ def build_inventory(
 ) -> SuiteInventory:
     """Collect the repository's tests and check them against its suites.
 
-    ``suites`` limits the checked suites (default: all of ``suites/*.json``).
-    With ``check_ownership`` (default) pytest collects what it collects by
-    default (``testpaths``, ``python_files``, ``norecursedirs``, ``--ignore``
-    from the repository's configuration) and every test file it finds must be
-    owned: the ``unowned-file`` / ``unowned-case`` rules are checked against
-    *all* suites (ownership is global: a file the cpu suite owns is owned even
-    when only the gpu suite is inventoried). Without it only the selected
-    suites' entry paths are collected (what ``harness run`` needs). A
-    repository without suites is a ``no-suites`` problem.
+    ``suites`` limits the checked suites (default: all of ``suites/*.json``). With
+    ``check_ownership`` (default) pytest collects what it collects by default (its
+    ``testpaths``, ``python_files``, ``norecursedirs``, ``--ignore``), plus entry paths
+    outside that, and every test file it finds must be owned by *some* suite (ownership
+    is global: a file the cpu suite owns is owned when only gpu is inventoried). Without
+    it only the selected suites' entry paths are collected (what ``harness run`` needs).
+    A repository without suites is a ``no-suites`` problem.
     """
     root = root.resolve()
     scope = _load_scope(root, suites)
     if any(p.rule == names.NO_SUITES for p in scope.problems):
-        # No suite to hold cases against; run outside a repository, a collection would
-        # import every test file below the working directory first.
+        # Nothing to hold cases against; outside a repository a collection would import
+        # every test file below the working directory first.
         return SuiteInventory(root=root, manifests={}, cases=[], problems=scope.problems)
-    found = _collect_for(root, scope, check_ownership)
+    if not check_ownership:
+        found = collect(root, _entry_targets(root, scope.selected))
+    else:
+        found = collect(root, None)
+        # An entry may name what pytest does not collect by default (outside testpaths,
+        # under norecursedirs): collect those paths by name, as `harness run` will. Paths
+        # under a collected file's folders are skipped first, so that an entry naming
+        # tests/dist (hidden by norecursedirs) under another's tests is collected too.
+        seen = {a for f in found.files for a in _ancestors(f)}
+        extra = _entry_targets(root, scope.all, skip=seen)
+        if extra:
+            found.extend(collect(root, extra))
+    unloadable = {
+        p.file: p.message
+        for p in found.problems
+        if p.rule in (names.COLLECTION_ERROR, names.MISSING_DEPENDENCY) and is_test_module(p.file)
+    }
+    spec_problems = [
+        Problem(names.BAD_LAUNCH_SPEC, c.file, c.nodeid, c.spec_error or "invalid launch marker")
+        for c in found.cases
+        if c.spec is None
+    ]
     inv = SuiteInventory(
         root=root,
         manifests={m.suite: m for m in scope.all},
         cases=found.cases,
         # One problem once, though collection may run twice (testpaths, then entry paths).
         problems=_missing_dependencies(
-            dict.fromkeys([*scope.problems, *found.problems, *_spec_problems(found.cases)])
+            dict.fromkeys([*scope.problems, *found.problems, *spec_problems])
         ),
         inipath=found.inipath,
-        unloadable={
-            **found.skipped,
-            **{
-                p.file: p.message
-                for p in found.problems
-                if p.rule in (names.COLLECTION_ERROR, names.MISSING_DEPENDENCY)
-                and is_test_module(p.file)
-            },
-        },
+        unloadable={**found.skipped, **unloadable},
     )
     inv.problems.extend(_outside_problems(root, {*found.files, *(c.file for c in found.cases)}))
     # After a session-wide failure (its one collection-error names it), every entry would
     # "match nothing" and every file be "unowned": noise hiding the cause.
-    judged = set() if found.failed else scope.selected_names
+    judged = set() if found.failed else {m.suite for m in scope.selected}
     for m in scope.all if check_ownership else scope.selected:
         _assign_owners(inv, m, m.suite in judged)
     if check_ownership and scope.manifests_ok and not found.failed:

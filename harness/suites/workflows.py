@@ -96,9 +96,8 @@ def _https(url: str) -> str:
 
 
 def _checkout_source(folder: Path) -> tuple[str | None, str | None, str]:
-    """``(remote URL, HEAD commit, subdirectory)`` of the git checkout holding ``folder``;
-    the URL is that of a remote whose branch holds the commit (None when none does: a
-    commit no remote has cannot be installed from one)."""
+    """``(URL of a remote whose branch holds HEAD, or None; HEAD; subdirectory)`` of the
+    git checkout holding ``folder``."""
     commit = _git(folder, "rev-parse", "HEAD")
     sub = (_git(folder, "rev-parse", "--show-prefix") or "harness/").rstrip("/") or "."
     branches = _git(folder, "branch", "-r", "--contains", "HEAD", "--format=%(refname:short)")
@@ -123,11 +122,10 @@ def harness_source(
     ref: str | None = None, direct_url: dict[str, Any] | None = None
 ) -> HarnessSource:
     """Where the installed harness came from, as a pinned git source (PEP 610's
-    ``direct_url.json``, ``direct_url`` when given): the commit a git install recorded, or the
-    HEAD commit of the local checkout it was installed from, with the URL of a remote holding
-    it. ``ref`` (``harness init --harness-ref``) replaces the commit. Raises
-    :class:`HarnessSourceError` when neither says where an install can come from: a workflow
-    never gets a guessed ref."""
+    ``direct_url.json``, or ``direct_url``): the commit a git install recorded, or the HEAD
+    of the local checkout it was installed from with the URL of a remote holding it.
+    ``ref`` (``--harness-ref``) replaces the commit. Raises :class:`HarnessSourceError`
+    when neither says where an install can come from: a workflow never gets a guessed ref."""
     info = _direct_url() if direct_url is None else direct_url
     url, commit, sub = None, None, "harness"
     if info:
@@ -156,14 +154,9 @@ def harness_source(
 
 @dataclass(frozen=True)
 class Install:
-    """How a workflow installs what it runs.
-
-    ``packages``: the ``pip install`` arguments for the project and the harness (e.g.
-    ``-e ".[test]" ./harness``), for the jobs that plan or run a whole CPU suite;
-    ``shard_packages``: those of an accelerator shard job, when running the suite needs less
-    (default: ``packages``); ``cache_paths``: the files whose hash keys the pip cache of
-    GitHub-hosted runners.
-    """
+    """How a workflow installs what it runs: ``packages``, the ``pip install`` arguments
+    (e.g. ``-e ".[test]" ./harness``); ``shard_packages``, an accelerator shard job's when
+    it needs less; ``cache_paths``, the files keying the pip cache of hosted runners."""
 
     packages: str
     cache_paths: Sequence[str] = ("pyproject.toml",)
@@ -188,17 +181,12 @@ concurrency:
 """
 
 
-def _checkout(indent: str = "      ", full_history: bool = False) -> str:
-    depth = (
-        f"{indent}    fetch-depth: 0  # --changed-from needs the merge base\n"
-        if full_history
-        else ""
-    )
-    return (
-        f"{indent}- uses: {ACTIONS['checkout']}\n"
-        f"{indent}  with:\n{depth}"
-        f"{indent}    persist-credentials: false\n"
-    )
+_CHECKOUT = f"""\
+      - uses: {ACTIONS["checkout"]}
+        with:
+          fetch-depth: 0  # --changed-from needs the merge base
+          persist-credentials: false
+"""
 
 
 def _hosted_python(install: Install) -> str:
@@ -228,11 +216,9 @@ EMPTY_MATRIX = '{"include":[]}'
 
 
 def gate_job(suite: str, needs: Sequence[str], *, planned: bool) -> str:
-    """The suite's required check: a job of a stable name (``SUITE gate``) that runs after
-    every other job whatever they did (``if: always()``) and fails unless each succeeded or
-    was skipped for an empty plan. A failed or cancelled job is red; a skipped shard job is
-    green only when the plan had no shard (``planned``: the workflow has a plan job, whose
-    untrusted run with shards planned is red: the shards were not run)."""
+    """The suite's required check: a job of a stable name (``SUITE gate``), ``if: always()``,
+    red unless every other job succeeded or was skipped for an empty plan (``planned``: the
+    workflow has a plan job; an untrusted run with shards planned is red)."""
     untrusted = (
         f"""          if [ "$TRUSTED" != true ] && [ "$MATRIX" != '{EMPTY_MATRIX}' ]; then
             echo "::error::shards were planned and not run: a pull request from a fork runs them once a maintainer adds the label {OPT_IN_LABEL}"
@@ -291,14 +277,10 @@ def accelerator_workflow(
     runners: Sequence[Any] = (),
 ) -> str:
     """The workflow of an accelerator suite: a GitHub-hosted plan job (``harness matrix``),
-    one self-hosted shard job per matrix row (``harness run --shard``), and the gate
-    (:func:`gate_job`), the check to require.
-
-    ``name`` is the workflow's name (default ``suite``); ``header``, comment lines (each
-    starting with ``#``) put above the generated description; ``runners``, the suite's
-    runner classes (:class:`~harness.suites.manifest.Runner`), whose ``container`` the
-    shard job runs in.
-    """
+    one self-hosted shard job per matrix row (``harness run --shard``) in the ``container``
+    of ``runners`` (the suite's :class:`~harness.suites.manifest.Runner` classes), and the
+    gate (:func:`gate_job`). ``name``: the workflow's (default ``suite``); ``header``:
+    ``#`` lines put above the generated description."""
     from harness.devices import device_type
 
     title = device_type(device).title
@@ -343,7 +325,7 @@ jobs:
       matrix: ${{{{ steps.matrix.outputs.matrix }}}}
       trusted: ${{{{ github.event_name != 'pull_request' || github.event.pull_request.head.repo.full_name == github.repository || (github.event.action == 'labeled' && github.event.label.name == '{OPT_IN_LABEL}') }}}}
     steps:
-{_checkout(full_history=True)}{_hosted_python(install)}      - name: Install what planning needs (it collects the tests; CPU torch is enough)
+{_CHECKOUT}{_hosted_python(install)}      - name: Install what planning needs (it collects the tests; CPU torch is enough)
         run: |
           python -m pip install {CPU_TORCH}
           python -m pip install {install.packages}
@@ -380,7 +362,7 @@ jobs:
     # job's own limit adds time for checkout and install.
     timeout-minutes: ${{{{ matrix.job_timeout_minutes }}}}
 {_container(runners)}    steps:
-{_checkout(full_history=True)}      - name: Install into a virtualenv over the image's Python
+{_CHECKOUT}      - name: Install into a virtualenv over the image's Python
         run: |
           # The image's Python is externally managed and ships torch for {title}: a venv over
           # its packages adds only what is missing and leaves the image untouched. Self-hosted
@@ -435,7 +417,7 @@ jobs:
     # and still writes its summary.
     timeout-minutes: {timeout_minutes + 10}
     steps:
-{_checkout(full_history=True)}{_hosted_python(install)}      - name: Install
+{_CHECKOUT}{_hosted_python(install)}      - name: Install
         run: |
           python -m pip install {CPU_TORCH}
           python -m pip install {install.packages}
@@ -490,13 +472,10 @@ def init_workflows(
     cpu_timeout_minutes: int,
     source: HarnessSource,
 ) -> dict[str, str]:
-    """What ``harness init --workflows`` writes for the repository at ``root``:
-    ``.github/workflows/harness-SUITE.yml`` -> content, for the cpu suite and each
-    ``(suite, device, runners)`` accelerator suite.
-
-    The harness is installed from ``source`` (:func:`harness_source`), the project itself
-    (when ``root`` has a ``pyproject.toml`` or ``setup.py``) from the checkout.
-    """
+    """What ``harness init --workflows`` writes: ``.github/workflows/harness-SUITE.yml`` ->
+    content, for the cpu suite and each ``(suite, device, runners)`` accelerator suite; the
+    harness installed from ``source``, the project (a ``pyproject.toml`` or ``setup.py``)
+    from the checkout."""
     project = [f for f in ("pyproject.toml", "setup.py") if (root / f).exists()]
     packages = source.requirement() + (" -e ." if project else "")
     install = Install(packages, tuple(project) or ("**/requirements*.txt",))

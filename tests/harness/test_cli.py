@@ -657,8 +657,7 @@ def test_numbers_that_are_not_numbers_stop_before_planning(pytester, capsys, com
     assert main(["--root", str(root), command, "cpu"]) == 2
     out = capsys.readouterr()
     assert out.out == ""
-    assert "suites/cpu.json /entries/0/estimated_s: [schema] nan is not a finite number" in out.err
-    assert "suites/cpu.json /entries/0/timeout_s: [schema] inf is not a finite number" in out.err
+    assert "suites/cpu.json: [json] not valid JSON: NaN is not a finite number" in out.err
 
 
 def test_matrix_refuses_non_finite_recorded_durations(pytester, capsys):
@@ -671,8 +670,8 @@ def test_matrix_refuses_non_finite_recorded_durations(pytester, capsys):
     assert main(["--root", str(root), "matrix", "cpu"]) == 2
     out = capsys.readouterr()
     assert out.out == ""
-    assert "suites/durations/cpu.json: expected" in out.err
-    assert "finite seconds" in out.err
+    assert "suites/durations/cpu.json: " in out.err
+    assert "Infinity is not a finite number" in out.err
 
 
 @pytest.mark.parametrize(

@@ -115,27 +115,27 @@ def test_every_schema_error_is_reported_not_just_the_first(tmp_path):
 
 
 @pytest.mark.parametrize(
-    ("field", "literal", "shown"),
+    ("field", "literal"),
     [
-        ("timeout_s", "Infinity", "inf"),
-        ("timeout_s", "NaN", "nan"),
-        ("timeout_s", "-Infinity", "-inf"),
-        ("timeout_s", "1e999", "inf"),
-        ("estimated_s", "NaN", "nan"),
+        ("timeout_s", "Infinity"),
+        ("timeout_s", "NaN"),
+        ("timeout_s", "-Infinity"),
+        ("timeout_s", "1e999"),
+        ("estimated_s", "NaN"),
     ],
 )
-def test_numbers_that_are_not_finite_are_rejected_with_pointer(tmp_path, field, literal, shown):
-    # Python's JSON reader takes these; the schema alone let them through.
+def test_numbers_that_are_not_finite_are_rejected_naming_file_and_literal(tmp_path, field, literal):
+    # Python's JSON reader takes these (JSON does not); the schema alone let them through.
     text = json.dumps(cpu_doc(**{field: 7}), indent=2).replace(
         f'"{field}": 7', f'"{field}": {literal}'
     )
     write(tmp_path, "suites/cpu.json", text)
     assert problems_of(tmp_path) == [
-        f"suites/cpu.json /entries/0/{field}: [schema] {shown} is not a finite number"
+        f"suites/cpu.json: [json] not valid JSON: {literal} is not a finite number"
     ]
 
 
-def test_non_finite_number_in_an_included_case_list_points_into_it(tmp_path):
+def test_non_finite_number_in_an_included_case_list_names_it(tmp_path):
     write(
         tmp_path,
         "suites/cases/acc.json",
@@ -144,18 +144,8 @@ def test_non_finite_number_in_an_included_case_list_points_into_it(tmp_path):
     write(
         tmp_path, "suites/cpu.json", manifest("cpu", "cpu", [{"include": "suites/cases/acc.json"}])
     )
-    runner = json.dumps(manifest("cpu", "cpu", [{"include": "suites/cases/acc.json"}])).replace(
-        '"timeout_minutes": 10', '"timeout_minutes": 10, "budget_minutes": Infinity'
-    )
-    write(tmp_path, "suites/cpu.json", runner)
     assert problems_of(tmp_path) == [
-        "suites/cpu.json /runner/budget_minutes: [schema] inf is not a finite number"
-    ]
-    write(
-        tmp_path, "suites/cpu.json", manifest("cpu", "cpu", [{"include": "suites/cases/acc.json"}])
-    )
-    assert problems_of(tmp_path) == [
-        "suites/cases/acc.json /entries/0/estimated_s: [schema] nan is not a finite number"
+        "suites/cases/acc.json: [json] not valid JSON: NaN is not a finite number"
     ]
 
 
@@ -363,20 +353,12 @@ def test_runner_classes_are_sorted_and_budget_defaults_to_three_quarters(tmp_pat
     assert m.max_cards == 8
 
 
-@pytest.mark.parametrize("depth", [65, 100_000])
-def test_deeply_nested_json_is_named_not_a_recursion_error(tmp_path, depth):
-    write(tmp_path, "suites/cpu.json", '{"suite": "cpu", "x": ' + "[" * depth + "]" * depth + "}")
-    assert problems_of(tmp_path) == [
-        "suites/cpu.json: [json] nested deeper than 64 levels of arrays / objects"
-    ]
-
-
-def test_deeply_nested_included_case_list_is_named(tmp_path):
-    write(tmp_path, "suites/cpu.json", manifest("cpu", "cpu", [{"include": "suites/cases/c.json"}]))
-    write(tmp_path, "suites/cases/c.json", '{"entries": ' + "[" * 5000 + "]" * 5000 + "}")
-    assert problems_of(tmp_path) == [
-        "suites/cases/c.json: [json] nested deeper than 64 levels of arrays / objects"
-    ]
+def test_json_nested_past_the_recursion_limit_is_named_not_a_traceback(tmp_path):
+    write(
+        tmp_path, "suites/cpu.json", '{"suite": "cpu", "x": ' + "[" * 100_000 + "]" * 100_000 + "}"
+    )
+    (found,) = problems_of(tmp_path)
+    assert found.startswith("suites/cpu.json: [json] nested too deeply")
 
 
 def test_deeply_nested_manifest_fails_every_command_clearly(tmp_path, capsys):
@@ -386,4 +368,4 @@ def test_deeply_nested_manifest_fails_every_command_clearly(tmp_path, capsys):
     assert main(["--root", str(tmp_path), "inventory"]) == 1
     assert main(["--root", str(tmp_path), "matrix", "cpu"]) == 2
     err = capsys.readouterr().err
-    assert err.count("suites/cpu.json: [json] nested deeper than 64 levels") == 2
+    assert err.count("suites/cpu.json: [json] nested too deeply") == 2
