@@ -129,12 +129,16 @@ def check_busy_cards(config) -> None:
     mode = str(config.getini(BUSY_CARDS_INI)).strip().lower() or "warn"
     if mode not in BUSY_MODES:
         raise pytest.UsageError(f"ini {BUSY_CARDS_INI} = {mode!r}: expected one of {BUSY_MODES}")
-    if mode == "off" or hasattr(config, "workerinput"):
+    # Not on xdist workers (their controller checked), not in a collect-only session
+    # (the inventory's: it runs nothing), not where no device tool is installed (psutil,
+    # which the inventory does without, is then never imported).
+    tools = [d for d in sorted(BUSY_QUERIES) if shutil.which(BUSY_QUERIES[d][0][0])]
+    if mode == "off" or hasattr(config, "workerinput") or config.option.collectonly or not tools:
         return
     say = config.get_terminal_writer()
     found: list[str] = []
     own = own_processes()
-    for device in sorted(BUSY_QUERIES):
+    for device in tools:
         try:
             found += card_users(device, own)
         except BusyCheckError as e:
