@@ -136,6 +136,7 @@ def prepare_case(
     conftests: tuple[tuple[str, str], ...] = (),
     live: bool = False,
     example: bool = False,
+    random_seed: int | None = None,
 ) -> tuple[RankTask, CasePlan]:
     """The task the ranks run (``ref`` called with the pickled ``args`` /
     ``kwargs``; ``TypeError`` names a value that cannot travel, ``kinds``
@@ -147,7 +148,8 @@ def prepare_case(
     ranks apply around the function; ``conftests``: the conftest modules
     the ranks import first (see ``RankTask``); ``live``: stream the ranks'
     output while they run (``CasePlan.live``); ``example``: ``args`` /
-    ``kwargs`` are one Hypothesis example for the body of a ``@given`` test."""
+    ``kwargs`` are one Hypothesis example for the body of a ``@given`` test;
+    ``random_seed``: pytest-randomly's seed of the test (see ``RankTask``)."""
     task = RankTask(
         ref,
         pickle_args(args, kwargs, kinds=kinds),
@@ -157,6 +159,7 @@ def prepare_case(
         show_deprecations=show_deprecations,
         conftests=conftests,
         example=example,
+        random_seed=random_seed,
     )
     return task, CasePlan(spec, settings, what, deadline, reuse=reuse, cards=cards, live=live)
 

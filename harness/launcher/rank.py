@@ -119,6 +119,9 @@ class RankTask:
     #: the arguments are one Hypothesis example: call the body inside the
     #: test's ``@given`` wrapper with them
     example: bool = False
+    #: the seed pytest-randomly reseeds the in-process test with at its call
+    #: (None: pytest-randomly is off): each rank reseeds with it just before the body
+    random_seed: int | None = None
 
 
 @dataclass(frozen=True)
@@ -423,6 +426,8 @@ def _call_recorded(ctx: RankContext, task: RankTask, fresh_module: bool) -> Rank
 
     if not dist.is_initialized():
         _init_distributed(ctx)
+    if task.random_seed is not None:
+        _reseed_as_randomly(task.random_seed)
     try:
         value = fn(*args, **kwargs)
     finally:
@@ -437,6 +442,15 @@ def _call_recorded(ctx: RankContext, task: RankTask, fresh_module: bool) -> Rank
                 f"pickled back to the launcher: {exc}"
             ) from exc
     return RankOutcome(ctx.rank, PASSED, time.time(), value=blob)
+
+
+def _reseed_as_randomly(seed: int) -> None:
+    """Reseed as pytest-randomly reseeds the in-process test at its call (``random``,
+    numpy, Faker, factory_boy and the ``pytest_randomly.random_seeder`` entry points),
+    through its own ``_reseed``, which reads only the ``randomly_seed`` option."""
+    import pytest_randomly
+
+    pytest_randomly._reseed(types.SimpleNamespace(getoption=lambda name: seed))
 
 
 def _undo_monkeypatches(kwargs: dict[str, Any]) -> None:
