@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import functools
 import json
-import math
 import os
 import posixpath
 import re
@@ -40,6 +39,7 @@ from pathspec.patterns.gitignore.basic import GitIgnoreBasicPattern
 
 from harness import names
 from harness.errors import HarnessError
+from harness.validation import is_finite, is_real
 
 SUITES_DIR = "suites"
 SCHEMA_FILE = "schema.json"
@@ -394,9 +394,9 @@ def _non_finite(doc: Any, at: tuple[Any, ...] = ()) -> Iterator[tuple[tuple[Any,
     Python's JSON reader accepts ``Infinity``, ``-Infinity`` and ``NaN`` (and
     turns ``1e999`` into infinity); JSON Schema cannot reject them (NaN fails
     no comparison), and downstream they become an ``OverflowError`` in a rank
-    or invalid JSON in ``harness matrix``.
+    or invalid JSON in ``harness matrix``; so does an integer too large for a float.
     """
-    if isinstance(doc, float) and not math.isfinite(doc):
+    if is_real(doc) and not is_finite(doc):
         yield at, doc
     elif isinstance(doc, dict):
         for k, v in doc.items():

@@ -122,6 +122,9 @@ def test_every_schema_error_is_reported_not_just_the_first(tmp_path):
         ("timeout_s", "-Infinity", "-inf"),
         ("timeout_s", "1e999", "inf"),
         ("estimated_s", "NaN", "nan"),
+        # Regression: integers too large for a float passed, then raised OverflowError.
+        ("timeout_s", "1" + "0" * 400, "1" + "0" * 400),
+        ("estimated_s", "-1" + "0" * 400, "-1" + "0" * 400),
     ],
 )
 def test_numbers_that_are_not_finite_are_rejected_with_pointer(tmp_path, field, literal, shown):
