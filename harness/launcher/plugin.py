@@ -14,6 +14,7 @@ import shutil
 import sys
 import tempfile
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
@@ -384,7 +385,29 @@ def _case(item: pytest.Function) -> tuple[LaunchSpec, Deadline]:
                 default_source=f"pytest-timeout's timeout={timeout:g}",
             )
         case = item.stash[CASE_KEY] = (spec, deadline)
+        if timeout is not None and spec.timeout and spec.timeout > timeout:
+            _warn_longer_spec_timeout(item, spec.timeout, timeout)
     return case
+
+
+def _warn_longer_spec_timeout(item: pytest.Function, spec_s: float, marker_s: float) -> None:
+    """A ``timeout`` marker on the test (or `harness run`'s, carrying its entry's
+    ``timeout_s``) shorter than its ``LaunchSpec.timeout``: the spec's deadline applies,
+    which the marker's author may not expect. (The ini's ``timeout`` is a session default
+    a spec overrides without a word.)"""
+    if item.get_closest_marker("timeout") is None:
+        return
+    path, lineno, _ = item.location
+    warnings.warn_explicit(
+        pytest.PytestWarning(
+            f"{item.nodeid}: LaunchSpec.timeout={spec_s:g} is its case deadline, longer than "
+            f"its @pytest.mark.timeout({marker_s:g}), which does not bound a launched test; "
+            "give the launch marker the deadline you mean"
+        ),
+        pytest.PytestWarning,
+        str(item.config.rootpath / path),
+        (lineno or 0) + 1,
+    )
 
 
 @pytest.hookimpl(tryfirst=True)

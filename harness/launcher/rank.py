@@ -432,6 +432,8 @@ def _call_recorded(ctx: RankContext, task: RankTask, fresh_module: bool) -> Rank
         value = fn(*args, **kwargs)
     finally:
         _undo_monkeypatches(kwargs)
+    if not task.want_value and not task.example and value is not None:
+        _warn_return_not_none(task.ref, value)
     blob = None
     if task.want_value:
         try:
@@ -442,6 +444,22 @@ def _call_recorded(ctx: RankContext, task: RankTask, fresh_module: bool) -> Rank
                 f"pickled back to the launcher: {exc}"
             ) from exc
     return RankOutcome(ctx.rank, PASSED, time.time(), value=blob)
+
+
+def _warn_return_not_none(ref: FunctionRef, value: Any) -> None:
+    """Warn of a test's return value as pytest does in-process (here, under the test's
+    warning filters, so ``error::pytest.PytestReturnNotNoneWarning`` fails the rank)."""
+    from _pytest.warning_types import PytestReturnNotNoneWarning
+
+    warnings.warn(
+        PytestReturnNotNoneWarning(
+            f"Test functions should return None, but {ref.module}.{ref.qualname} returned "
+            f"{type(value)!r}.\nDid you mean to use `assert` instead of `return`?\n"
+            "See https://docs.pytest.org/en/stable/how-to/assert.html#return-not-none "
+            "for more information."
+        ),
+        stacklevel=1,
+    )
 
 
 def _reseed_as_randomly(seed: int) -> None:
