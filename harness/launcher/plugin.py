@@ -45,6 +45,7 @@ from harness.launcher.case import (
     prepare_case,
     run_case,
 )
+from harness.launcher.explain import AssertionSettings
 from harness.launcher.lease import (
     LEASE_DIR_ENV,
     LEASE_DIR_OPTION,
@@ -477,6 +478,7 @@ def _run_on_ranks(
             live=_live(item.config),
             example=example,
             random_seed=None if example else _randomly_seed(item),
+            assertions=AssertionSettings.of(item.config),
         )
     except TypeError as exc:
         _fail(f"{item.nodeid}: {exc}")

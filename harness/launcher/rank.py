@@ -34,8 +34,9 @@ from typing import Any, NoReturn
 
 from harness.devices import Card, local_index, runtime_available, set_device
 from harness.launcher import coverage as rank_coverage
-from harness.launcher import groups
+from harness.launcher import explain, groups
 from harness.launcher.coverage import CoverageSpec
+from harness.launcher.explain import AssertionSettings
 from harness.launcher.outcome import FAILED, PASSED, SKIPPED, XFAILED, RankOutcome
 from harness.launcher.reset import Baseline, Inherited, fresh_context
 from harness.launcher.supervisor import split
@@ -122,6 +123,8 @@ class RankTask:
     #: the seed pytest-randomly reseeds the in-process test with at its call
     #: (None: pytest-randomly is off): each rank reseeds with it just before the body
     random_seed: int | None = None
+    #: explain failing comparisons as pytest does in the launcher (None: no pytest)
+    assertions: AssertionSettings | None = None
 
 
 @dataclass(frozen=True)
@@ -426,6 +429,8 @@ def _call_recorded(ctx: RankContext, task: RankTask, fresh_module: bool) -> Rank
 
     if not dist.is_initialized():
         _init_distributed(ctx)
+    if task.assertions is not None:
+        explain.install(task.assertions)
     if task.random_seed is not None:
         _reseed_as_randomly(task.random_seed)
     try:

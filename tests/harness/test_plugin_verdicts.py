@@ -339,3 +339,31 @@ def test_inventory_refuses_the_subtests_test_the_plugin_refuses(pytester):
     (problem,) = [p for p in build_inventory(root).problems if p.rule == "bad-launch-spec"]
     assert problem.where == "tests/test_sub.py::test_subtests_launched"
     assert "`subtests` fixture" in problem.message
+
+
+EXPLAINED = """
+    import pytest
+
+
+    def test_compare_in_process():
+        assert [1, 2, 3] == [1, 2, 4]
+
+
+    @pytest.mark.launch(nproc=1)
+    def test_compare_launched():
+        assert [1, 2, 3] == [1, 2, 4]
+"""
+
+
+@pytest.mark.parametrize("reuse", [False, True], ids=["fresh", "kept"])
+def test_a_launched_assertion_keeps_pytests_whole_explanation(tmp_path, reuse):
+    # Regression: ranks had no pytest session to explain a failing comparison, so the
+    # report kept only "assert [1, 2, 3] == [1, 2, 4]", without "At index 2 diff".
+    root = write_project(tmp_path / "project", {"test_cmp.py": EXPLAINED}, reuse=reuse)
+    session = run_session(root, env=inner_env(root / "out", root / "leases"))
+    here = session.case("test_compare_in_process")
+    launched = session.case("test_compare_launched")
+    assert here.status == launched.status == "failed", session.output
+    for line in ("At index 2 diff: 3 != 4", "Use -v to get more diff"):
+        assert line in here.text, session.output
+        assert line in launched.text, session.output
