@@ -221,7 +221,8 @@ def parse_cards(text: str) -> dict[str, list[Card]]:
     """Parse a ``HARNESS_CARDS`` value into cards per accelerator type.
 
     Guarantees every accelerator type is a key (possibly with no cards), ids
-    keep their order, and a malformed value raises ``ValueError`` quoting it.
+    keep their order, and a malformed value (a signed id such as ``cuda:-1`` included)
+    raises ``ValueError`` quoting it.
     """
     cards: dict[str, list[Card]] = {device: [] for device in ACCELERATOR_NAMES}
     text = text.strip()
@@ -239,6 +240,13 @@ def parse_cards(text: str) -> dict[str, list[Card]]:
         for card_id in (i.strip() for i in ids.split(",")):
             if not card_id:
                 raise ValueError(f"{CARDS_ENV}={text!r}: empty card id in {group!r}")
+            if card_id[0] in "+-":
+                # A signed index is no card: the runtime stops reading its visibility
+                # variable at -1, hiding every card listed after it.
+                raise ValueError(
+                    f"{CARDS_ENV}={text!r}: card id {card_id!r} in {group!r} is not a card "
+                    "index >= 0 (or a card UUID)"
+                )
             card = Card(device, card_id)
             if card in cards[device]:
                 raise ValueError(f"{CARDS_ENV}={text!r}: {card} listed twice")

@@ -137,4 +137,11 @@ def launch_refusal(item: Any) -> str | None:
             f"{cls.__qualname__}.{item.name} on ranks (unittest runs it itself, in this "
             "process); write it as a pytest test function or a method of a plain class"
         )
+    if "subtests" in getattr(item, "fixturenames", ()):
+        # Subtests report through the pytest session, which a rank has none of.
+        return (
+            "@pytest.mark.launch cannot run a test using the `subtests` fixture on ranks "
+            "(each subtest reports to this pytest session, which ranks have none of); "
+            "parametrize the test (@pytest.mark.parametrize) or assert in a loop instead"
+        )
     return None

@@ -11,7 +11,7 @@ import math
 import numbers
 from typing import Any
 
-__all__ = ["check_int", "check_seconds", "is_int", "is_real"]
+__all__ = ["check_int", "check_seconds", "is_finite", "is_int", "is_real"]
 
 
 def is_int(value: Any) -> bool:
@@ -22,6 +22,17 @@ def is_int(value: Any) -> bool:
 def is_real(value: Any) -> bool:
     """True for real numbers of any kind (``numbers.Real``), False for bools."""
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def is_finite(value: Any) -> bool:
+    """True for a real number (not a bool) that is finite as a float: not inf or NaN, nor an
+    integer too large for a float (on which ``math.isfinite`` raises ``OverflowError``)."""
+    if not is_real(value):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
 
 
 def check_int(
@@ -56,7 +67,7 @@ def check_seconds(
     when ``allow_none``); else ``error`` naming ``what`` and the value."""
     if value is None and allow_none:
         return None
-    if not is_real(value) or not (value > 0 and math.isfinite(value)):
+    if not is_finite(value) or not value > 0:
         tail = " or None" if allow_none else ""
         raise error(f"{what} must be a positive, finite number of seconds{tail}; got {value!r}")
     return float(value)

@@ -22,6 +22,7 @@ from typing import Any, NoReturn
 from harness.devices import Card, cpu_count, inventory
 from harness.errors import HarnessError
 from harness.launcher import lease as leases
+from harness.launcher.explain import AssertionSettings
 from harness.launcher.lease import default_lease_dir
 from harness.launcher.outcome import FAILED, SKIPPED, XFAILED, CaseOutcome, echo_logs
 from harness.launcher.pool import keeper
@@ -136,6 +137,8 @@ def prepare_case(
     conftests: tuple[tuple[str, str], ...] = (),
     live: bool = False,
     example: bool = False,
+    random_seed: int | None = None,
+    assertions: AssertionSettings | None = None,
 ) -> tuple[RankTask, CasePlan]:
     """The task the ranks run (``ref`` called with the pickled ``args`` /
     ``kwargs``; ``TypeError`` names a value that cannot travel, ``kinds``
@@ -147,7 +150,9 @@ def prepare_case(
     ranks apply around the function; ``conftests``: the conftest modules
     the ranks import first (see ``RankTask``); ``live``: stream the ranks'
     output while they run (``CasePlan.live``); ``example``: ``args`` /
-    ``kwargs`` are one Hypothesis example for the body of a ``@given`` test."""
+    ``kwargs`` are one Hypothesis example for the body of a ``@given`` test;
+    ``random_seed``: pytest-randomly's seed of the test, ``assertions``: how pytest
+    explains a failing comparison (see ``RankTask``)."""
     task = RankTask(
         ref,
         pickle_args(args, kwargs, kinds=kinds),
@@ -157,6 +162,8 @@ def prepare_case(
         show_deprecations=show_deprecations,
         conftests=conftests,
         example=example,
+        random_seed=random_seed,
+        assertions=assertions,
     )
     return task, CasePlan(spec, settings, what, deadline, reuse=reuse, cards=cards, live=live)
 

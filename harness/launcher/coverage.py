@@ -9,6 +9,7 @@ rank saves its data just before (``save``).
 
 from __future__ import annotations
 
+import os
 import sys
 from dataclasses import dataclass
 from typing import Any
@@ -47,12 +48,23 @@ class CoverageSpec:
 
         return cls(
             config_file=config.config_file or None,
-            data_file=cov.get_data().base_filename(),
+            data_file=_data_file(cov),
             source=listed(config.source),
             branch=bool(config.branch),
             include=listed(config.run_include),
             omit=listed(config.run_omit),
         )
+
+
+def _data_file(cov: Any) -> str:
+    """The absolute name of ``cov``'s data file. Never ``cov.get_data()``: on a live
+    measurement it flushes and runs coverage's end-of-run checks, whose warnings ("module
+    was never imported": code only ranks run) fail every launched test under ``-W error``.
+    The data object, made when measuring starts, holds the name made absolute then; the
+    configured name is relative to the directory the measurement started in."""
+    data = getattr(cov, "_data", None)
+    base = getattr(data, "base_filename", None)
+    return base() if base is not None else os.path.abspath(cov.config.data_file)
 
 
 def start(spec: CoverageSpec | None) -> None:

@@ -14,6 +14,7 @@ import shutil
 import sys
 import tempfile
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
@@ -44,6 +45,7 @@ from harness.launcher.case import (
     prepare_case,
     run_case,
 )
+from harness.launcher.explain import AssertionSettings
 from harness.launcher.lease import (
     LEASE_DIR_ENV,
     LEASE_DIR_OPTION,
@@ -58,6 +60,7 @@ from harness.launcher.pool import keeper
 from harness.launcher.rank import CASE_ENV, EnclosingCase
 from harness.launcher.supervisor import tie_to_controller
 from harness.launcher.target import FunctionRef, conftests_for
+from harness.names import DEFAULT_CASE_TIMEOUT_S, OPT_SELECT
 from harness.spec import ACCELERATORS, LaunchSpec, is_launched, launch_refusal, spec_for_item
 from harness.validation import check_int, check_seconds
 from harness.watchdog import WATCHDOG_GRACE_S, faulthandler_free, watchdog
@@ -384,7 +387,31 @@ def _case(item: pytest.Function) -> tuple[LaunchSpec, Deadline]:
                 default_source=f"pytest-timeout's timeout={timeout:g}",
             )
         case = item.stash[CASE_KEY] = (spec, deadline)
+        if timeout is not None and spec.timeout and spec.timeout > timeout:
+            _warn_longer_spec_timeout(item, spec.timeout, timeout)
     return case
+
+
+def _warn_longer_spec_timeout(item: pytest.Function, spec_s: float, marker_s: float) -> None:
+    """A ``timeout`` marker on the test (or `harness run`'s, carrying its entry's
+    ``timeout_s``) shorter than its ``LaunchSpec.timeout``: the spec's deadline applies,
+    which the marker's author may not expect. (The ini's ``timeout`` and `harness run`'s
+    default are session defaults a spec overrides without a word.)"""
+    if item.get_closest_marker("timeout") is None:
+        return
+    if marker_s == DEFAULT_CASE_TIMEOUT_S and item.config.getoption(OPT_SELECT, None):
+        return  # `harness run`'s fallback for an entry without timeout_s: no one's choice
+    path, lineno, _ = item.location
+    warnings.warn_explicit(
+        pytest.PytestWarning(
+            f"{item.nodeid}: LaunchSpec.timeout={spec_s:g} is its case deadline, longer than "
+            f"its @pytest.mark.timeout({marker_s:g}), which does not bound a launched test; "
+            "give the launch marker the deadline you mean"
+        ),
+        pytest.PytestWarning,
+        str(item.config.rootpath / path),
+        (lineno or 0) + 1,
+    )
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -450,6 +477,8 @@ def _run_on_ranks(
             conftests=conftests_for(item),
             live=_live(item.config),
             example=example,
+            random_seed=None if example else _randomly_seed(item),
+            assertions=AssertionSettings.of(item.config),
         )
     except TypeError as exc:
         _fail(f"{item.nodeid}: {exc}")
@@ -523,6 +552,20 @@ def _run_given(item: pytest.Function, spec: LaunchSpec, settings: Settings, fixt
         item.user_properties.extend(
             [*_placement(spec, last), ("harness.examples", len(placements))]
         )
+
+
+def _randomly_seed(item: pytest.Function) -> int | None:
+    """The seed pytest-randomly reseeds ``random`` / numpy / its entry points with at
+    the test's call (its ``pytest_runtest_call``: the session's ``--randomly-seed`` plus
+    the CRC32 of the node id); None when pytest-randomly is off or does not reseed."""
+    config = item.config
+    if not config.pluginmanager.has_plugin("randomly") or not config.getoption(
+        "randomly_reset_seed", False
+    ):
+        return None
+    import pytest_randomly
+
+    return config.getoption("randomly_seed") + pytest_randomly._crc32(item.nodeid)
 
 
 def _live(config: pytest.Config) -> bool:

@@ -34,8 +34,9 @@ from typing import Any, NoReturn
 
 from harness.devices import Card, local_index, runtime_available, set_device
 from harness.launcher import coverage as rank_coverage
-from harness.launcher import groups
+from harness.launcher import explain, groups
 from harness.launcher.coverage import CoverageSpec
+from harness.launcher.explain import AssertionSettings
 from harness.launcher.outcome import FAILED, PASSED, SKIPPED, XFAILED, RankOutcome
 from harness.launcher.reset import Baseline, Inherited, fresh_context
 from harness.launcher.supervisor import split
@@ -119,6 +120,11 @@ class RankTask:
     #: the arguments are one Hypothesis example: call the body inside the
     #: test's ``@given`` wrapper with them
     example: bool = False
+    #: the seed pytest-randomly reseeds the in-process test with at its call
+    #: (None: pytest-randomly is off): each rank reseeds with it just before the body
+    random_seed: int | None = None
+    #: explain failing comparisons as pytest does in the launcher (None: no pytest)
+    assertions: AssertionSettings | None = None
 
 
 @dataclass(frozen=True)
@@ -423,10 +429,16 @@ def _call_recorded(ctx: RankContext, task: RankTask, fresh_module: bool) -> Rank
 
     if not dist.is_initialized():
         _init_distributed(ctx)
+    if task.assertions is not None:
+        explain.install(task.assertions)
+    if task.random_seed is not None:
+        _reseed_as_randomly(task.random_seed)
     try:
         value = fn(*args, **kwargs)
     finally:
         _undo_monkeypatches(kwargs)
+    if not task.want_value and not task.example and value is not None:
+        _warn_return_not_none(task.ref, value)
     blob = None
     if task.want_value:
         try:
@@ -437,6 +449,31 @@ def _call_recorded(ctx: RankContext, task: RankTask, fresh_module: bool) -> Rank
                 f"pickled back to the launcher: {exc}"
             ) from exc
     return RankOutcome(ctx.rank, PASSED, time.time(), value=blob)
+
+
+def _warn_return_not_none(ref: FunctionRef, value: Any) -> None:
+    """Warn of a test's return value as pytest does in-process (here, under the test's
+    warning filters, so ``error::pytest.PytestReturnNotNoneWarning`` fails the rank)."""
+    from _pytest.warning_types import PytestReturnNotNoneWarning
+
+    warnings.warn(
+        PytestReturnNotNoneWarning(
+            f"Test functions should return None, but {ref.module}.{ref.qualname} returned "
+            f"{type(value)!r}.\nDid you mean to use `assert` instead of `return`?\n"
+            "See https://docs.pytest.org/en/stable/how-to/assert.html#return-not-none "
+            "for more information."
+        ),
+        stacklevel=1,
+    )
+
+
+def _reseed_as_randomly(seed: int) -> None:
+    """Reseed as pytest-randomly reseeds the in-process test at its call (``random``,
+    numpy, Faker, factory_boy and the ``pytest_randomly.random_seeder`` entry points),
+    through its own ``_reseed``, which reads only the ``randomly_seed`` option."""
+    import pytest_randomly
+
+    pytest_randomly._reseed(types.SimpleNamespace(getoption=lambda name: seed))
 
 
 def _undo_monkeypatches(kwargs: dict[str, Any]) -> None:

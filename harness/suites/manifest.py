@@ -250,6 +250,14 @@ def _finite(text: str) -> float:
     return value
 
 
+def _int(text: str) -> int:
+    # An integer no float can hold passes the schema, then breaks every comparison
+    # with a float deadline (OverflowError).
+    if len(text.lstrip("-")) > 308 or not math.isfinite(float(value := int(text))):
+        raise _NotJson(f"{text[:12]}... ({len(text)} digits) is not a finite number")
+    return value
+
+
 def read_json(path: Path, root: Path) -> Any:
     """Parse a JSON file strictly (no duplicate keys, no numbers that are not finite).
 
@@ -264,7 +272,11 @@ def read_json(path: Path, root: Path) -> Any:
     try:
         text = path.read_text(encoding="utf-8")
         return json.loads(
-            text, object_pairs_hook=_object, parse_float=_finite, parse_constant=_finite
+            text,
+            object_pairs_hook=_object,
+            parse_float=_finite,
+            parse_int=_int,
+            parse_constant=_finite,
         )
     except OSError as e:
         raise refused(f"cannot read: {e.strerror or e}") from e

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 from harness.errors import HarnessError
 from harness.jsonio import write_json
 from harness.suites.manifest import SUITES_DIR, Manifest, ManifestError, Runner, read_json
-from harness.validation import check_int, is_real
+from harness.validation import check_int, is_finite, is_real
 
 if TYPE_CHECKING:
     from harness.suites.inventory import CollectedCase
@@ -160,7 +160,7 @@ def load_durations(path: Path | None, *, required: bool = False) -> dict[str, fl
         raise PlanError(f"{path}: cannot read durations: {e}") from e
     data = doc.get("durations", doc) if isinstance(doc, dict) else None
     if not isinstance(data, dict) or not all(
-        isinstance(k, str) and is_real(v) and 0 <= v < math.inf for k, v in data.items()
+        isinstance(k, str) and is_finite(v) and v >= 0 for k, v in data.items()
     ):
         raise PlanError(
             f'{path}: expected {{"durations": {{"<nodeid>": <finite seconds >= 0>, ...}}}}'

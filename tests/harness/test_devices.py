@@ -35,7 +35,9 @@ def test_parse_cards():
     assert parse_cards("none") == parse_cards("") == NO_CARDS
 
 
-@pytest.mark.parametrize("text", ["gpu:0", "cuda", "cuda:0,,1", "cuda:0,0", "cpu:0"])
+@pytest.mark.parametrize(
+    "text", ["gpu:0", "cuda", "cuda:0,,1", "cuda:0,0", "cpu:0", "cuda:-1", "cuda:0,-1", "npu:+1"]
+)
 def test_malformed_cards_are_rejected_quoting_the_value(text):
     with pytest.raises(ValueError, match="HARNESS_CARDS="):
         parse_cards(text)

@@ -122,6 +122,10 @@ def test_every_schema_error_is_reported_not_just_the_first(tmp_path):
         ("timeout_s", "-Infinity"),
         ("timeout_s", "1e999"),
         ("estimated_s", "NaN"),
+        # Regression (issue 45): integers too large for a float passed the schema, then
+        # raised OverflowError in harness run.
+        ("timeout_s", "1" + "0" * 400),
+        ("estimated_s", "-1" + "0" * 400),
     ],
 )
 def test_numbers_that_are_not_finite_are_rejected_naming_file_and_literal(tmp_path, field, literal):
@@ -130,8 +134,9 @@ def test_numbers_that_are_not_finite_are_rejected_naming_file_and_literal(tmp_pa
         f'"{field}": 7', f'"{field}": {literal}'
     )
     write(tmp_path, "suites/cpu.json", text)
+    shown = literal if len(literal) < 20 else f"{literal[:12]}... ({len(literal)} digits)"
     assert problems_of(tmp_path) == [
-        f"suites/cpu.json: [json] not valid JSON: {literal} is not a finite number"
+        f"suites/cpu.json: [json] not valid JSON: {shown} is not a finite number"
     ]
 
 

@@ -227,6 +227,7 @@ def test_durations_round_trip_and_merge(tmp_path):
         "[]",
         '{"durations": {"a": Infinity}}',
         '{"durations": {"a": NaN}}',
+        '{"durations": {"a": 1%s}}' % ("0" * 400),  # regression: an OverflowError
     ],
 )
 def test_malformed_durations_name_the_file(tmp_path, text):

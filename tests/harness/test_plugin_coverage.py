@@ -82,3 +82,40 @@ def test_ranks_kept_to_the_end_leave_no_data_files_behind(tmp_path):
     assert session.returncode == 0, session.output
     assert re.search(r"^helper\.py\s+6\s+0\s+100%", session.output, re.MULTILINE), session.output
     assert sorted(p.name for p in root.glob(".coverage*")) == [".coverage"]
+
+
+ONLY_IN_RANKS = """
+    import pytest
+
+
+    @pytest.mark.launch(nproc=1)
+    def test_ranks_run_it():
+        import helper  # only the ranks import it
+
+        assert helper.only_in_ranks(1) == 4
+"""
+
+
+@pytest.mark.parametrize("reuse", [False, True], ids=["fresh", "kept"])
+@pytest.mark.parametrize("werror", [False, True], ids=["warnings", "W-error"])
+def test_the_harness_raises_no_coverage_warning(tmp_path, reuse, werror):
+    # Regression: learning the data file's name, the harness called get_data() on the
+    # launcher's live Coverage, which flushed it and ran coverage's end-of-run checks:
+    # "Module helper was never imported" (the launcher never imports what only ranks
+    # run) became a failure of every launched test under -W error, two warnings without.
+    root = write_project(
+        tmp_path / "project", {"helper.py": HELPER, "test_cov.py": ONLY_IN_RANKS}, reuse=reuse
+    )
+    session = run_session(
+        root,
+        "--cov=helper",
+        *(["-W", "error"] if werror else []),
+        env=inner_env(root / "out", root / "leases"),
+        timeout=300,
+    )
+    assert session.returncode == 0, session.output
+    assert session.case("test_ranks_run_it").status == "passed", session.output
+    # pytest-cov's own end-of-run checks may still warn on stderr (the launcher never
+    # imports helper): no warning of the test's.
+    assert "warnings summary" not in session.output, session.output
+    assert re.search(r"^helper\.py\s+6\s+2\s+67%", session.output, re.MULTILINE), session.output

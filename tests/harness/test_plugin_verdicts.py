@@ -288,3 +288,82 @@ def test_each_launched_case_records_where_and_how_it_ran(twins):
     }
     assert props["test_fresh"]["harness.ranks"] == "fresh"
     assert props["test_in_process"] == {}
+
+
+SUBTESTS = """
+    import pytest
+
+    from recording import out_dir
+
+
+    def test_subtests_in_process(subtests):
+        for i in range(2):
+            with subtests.test(i=i):
+                assert i < 2
+
+
+    @pytest.mark.launch(nproc=1)
+    def test_subtests_launched(subtests):
+        (out_dir() / "subtests.ran").write_text("")
+        with subtests.test(i=0):
+            assert False
+"""
+
+
+@pytest.mark.parametrize("reuse", [False, True], ids=["fresh", "kept"])
+def test_the_subtests_fixture_in_a_launched_test_is_refused_naming_it(tmp_path, reuse):
+    # Regression: pytest's own `subtests` fixture travelled to the ranks, where its
+    # subtests could not report to the session, and nothing said it was unsupported.
+    pytest.importorskip("_pytest.subtests")  # pytest >= 9
+    root = write_project(tmp_path / "project", {"test_sub.py": SUBTESTS}, reuse=reuse)
+    session = run_session(root, env=inner_env(root / "out", root / "leases"))
+    assert session.case("test_subtests_in_process").status == "passed", session.output
+    case = session.case("test_subtests_launched")
+    assert case.status in ("failed", "error"), session.output
+    assert "`subtests` fixture" in case.text + case.message
+    assert "parametrize" in case.text + case.message
+    assert not list((root / "out").glob("subtests.ran"))
+
+
+def test_inventory_refuses_the_subtests_test_the_plugin_refuses(pytester):
+    pytest.importorskip("_pytest.subtests")  # pytest >= 9
+    from suite_project import make_project, manifest
+
+    from harness.suites.inventory import build_inventory
+
+    root = make_project(
+        pytester.path,
+        {"tests/test_sub.py": SUBTESTS.replace("from recording import out_dir", "")},
+        {"cpu": manifest("cpu", "cpu", [{"id": "sub", "paths": ["tests"]}])},
+    )
+    (problem,) = [p for p in build_inventory(root).problems if p.rule == "bad-launch-spec"]
+    assert problem.where == "tests/test_sub.py::test_subtests_launched"
+    assert "`subtests` fixture" in problem.message
+
+
+EXPLAINED = """
+    import pytest
+
+
+    def test_compare_in_process():
+        assert [1, 2, 3] == [1, 2, 4]
+
+
+    @pytest.mark.launch(nproc=1)
+    def test_compare_launched():
+        assert [1, 2, 3] == [1, 2, 4]
+"""
+
+
+@pytest.mark.parametrize("reuse", [False, True], ids=["fresh", "kept"])
+def test_a_launched_assertion_keeps_pytests_whole_explanation(tmp_path, reuse):
+    # Regression: ranks had no pytest session to explain a failing comparison, so the
+    # report kept only "assert [1, 2, 3] == [1, 2, 4]", without "At index 2 diff".
+    root = write_project(tmp_path / "project", {"test_cmp.py": EXPLAINED}, reuse=reuse)
+    session = run_session(root, env=inner_env(root / "out", root / "leases"))
+    here = session.case("test_compare_in_process")
+    launched = session.case("test_compare_launched")
+    assert here.status == launched.status == "failed", session.output
+    for line in ("At index 2 diff: 3 != 4", "Use -v to get more diff"):
+        assert line in here.text, session.output
+        assert line in launched.text, session.output

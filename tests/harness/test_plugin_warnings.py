@@ -114,3 +114,64 @@ def test_conftest_chain_is_imported_in_the_ranks(warned):
     assert warned.case("test_profile_in_process").status == "passed"
     launched = warned.case("test_profile_launched")
     assert launched.status == "passed", launched.text
+
+
+RETURNS = """
+    import pytest
+
+
+    def test_returns_in_process():
+        return 42
+
+
+    @pytest.mark.launch(nproc=2)
+    def test_returns_launched():
+        return 42
+
+
+    @pytest.mark.filterwarnings("error::pytest.PytestReturnNotNoneWarning")
+    def test_returns_error_in_process():
+        return 42
+
+
+    @pytest.mark.filterwarnings("error::pytest.PytestReturnNotNoneWarning")
+    @pytest.mark.launch(nproc=1)
+    def test_returns_error_launched():
+        return 42
+
+
+    @pytest.mark.timeout(3)
+    @pytest.mark.launch(nproc=1, timeout=60)
+    def test_longer_spec_timeout():
+        pass
+
+
+    @pytest.mark.timeout(90)
+    @pytest.mark.launch(nproc=1, timeout=60)
+    def test_shorter_spec_timeout():
+        pass
+"""
+
+
+@pytest.mark.parametrize("reuse", [False, True], ids=["fresh", "kept"])
+def test_return_values_and_overridden_timeout_markers_warn(tmp_path, reuse):
+    # Regressions: a launched test returning a value got no PytestReturnNotNoneWarning
+    # (in-process it does; under an error filter it fails); a timeout marker shorter
+    # than the LaunchSpec.timeout that overrides it was dropped without a word.
+    pytest.importorskip("pytest_timeout")
+    root = write_project(tmp_path / "project", {"test_ret.py": RETURNS}, reuse=reuse)
+    session = run_session(root, "-W", "always", env=inner_env(root / "out", root / "leases"))
+    out = session.output
+    assert session.case("test_returns_in_process").status == "passed", out
+    assert session.case("test_returns_launched").status == "passed", out
+    summary = out.split("warnings summary")[-1]
+    assert "test_ret.py::test_returns_launched" in summary, out
+    assert "test_ret.test_returns_launched returned <class 'int'>" in summary, out
+    assert session.case("test_returns_error_in_process").status == "failed", out
+    case = session.case("test_returns_error_launched")
+    assert case.status == "failed", out
+    assert "PytestReturnNotNoneWarning" in case.text, out
+    assert session.case("test_longer_spec_timeout").status == "passed", out
+    assert "LaunchSpec.timeout=60" in summary, out
+    assert "mark.timeout(3)" in summary, out
+    assert "mark.timeout(90)" not in summary, out

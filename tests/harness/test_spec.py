@@ -61,6 +61,8 @@ def test_is_frozen():
         ("timeout", -5),
         ("timeout", float("nan")),
         ("timeout", float("inf")),
+        # Regression: math.isfinite raised OverflowError on it.
+        pytest.param("timeout", 10**400, id="timeout-huge-int"),
         ("timeout", "10"),
         ("timeout", True),
         ("backend", ""),

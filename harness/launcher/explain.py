@@ -1,0 +1,89 @@
+"""pytest's assertion explanations in ranks: a failing ``assert a == b`` in a launched
+test explains itself as in-process ("At index 2 diff: 3 != 4"), not in one line.
+
+In-process, pytest points the rewritten asserts at its ``pytest_assertrepr_compare``
+hook around each test (``_pytest.assertion.util._reprcompare``); a rank has no pytest
+session, so it calls pytest's own implementation of that hook with the launcher's
+settings (``AssertionSettings``: verbosity, truncation limits, diff style). A
+conftest's own ``pytest_assertrepr_compare`` is not consulted in ranks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+#: The ini values pytest's explanations read (those this pytest knows are shipped).
+_INI = ("truncation_limit_lines", "truncation_limit_chars", "assertion_text_diff_style")
+
+
+@dataclass(frozen=True)
+class AssertionSettings:
+    """What pytest's explanations of a comparison depend on, from the launcher's config."""
+
+    verbosity: int
+    assertmode: str
+    ini: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, config: Any) -> AssertionSettings:
+        """The settings of this pytest session."""
+        ini = {}
+        for name in _INI:
+            try:
+                ini[name] = config.getini(name)
+            except ValueError:  # an older pytest without this setting
+                continue
+        return cls(
+            verbosity=config.get_verbosity(config.VERBOSITY_ASSERTIONS),
+            assertmode=str(config.getvalue("assertmode")),
+            ini=ini,
+        )
+
+    # The part of pytest's Config its assertion hook reads.
+
+    def get_verbosity(self, verbosity_type: str | None = None) -> int:
+        return self.verbosity
+
+    def getini(self, name: str) -> Any:
+        return self.ini[name]
+
+    def getvalue(self, name: str) -> Any:
+        return {"assertmode": self.assertmode, "verbose": self.verbosity}[name]
+
+    getoption = getvalue
+
+    @property
+    def pluginmanager(self) -> Any:
+        # No terminal reporter here: explanations stay plain text (no colour codes).
+        return _NoPlugins()
+
+
+class _NoPlugins:
+    def has_plugin(self, name: str) -> bool:
+        return False
+
+
+def install(settings: AssertionSettings) -> None:
+    """Explain this rank's failing comparisons as pytest would in the launcher (what
+    pytest's ``pytest_runtest_protocol`` sets up around an in-process test); a
+    comparison pytest's hook cannot explain here keeps its one-line message."""
+    from _pytest import assertion
+    from _pytest.assertion import util
+
+    def reprcompare(op: str, left: object, right: object) -> str | None:
+        try:
+            lines = assertion.pytest_assertrepr_compare(
+                config=settings, op=op, left=left, right=right
+            )
+            lines = list(lines) if lines else None
+        except Exception:  # another pytest's internals: no explanation, as before
+            return None
+        if not lines:
+            return None
+        # As pytest's own callbinrepr prepares a hook result for format_explanation.
+        text = "\n~".join(line.replace("\n", "\\n") for line in lines)
+        return text.replace("%", "%%") if settings.assertmode == "rewrite" else text
+
+    util._reprcompare = reprcompare
+    util._config = settings
