@@ -137,7 +137,6 @@ def prepare_case(
     conftests: tuple[tuple[str, str], ...] = (),
     live: bool = False,
     example: bool = False,
-    random_seed: int | None = None,
     assertions: AssertionSettings | None = None,
 ) -> tuple[RankTask, CasePlan]:
     """The task the ranks run (``ref`` called with the pickled ``args`` /
@@ -151,7 +150,7 @@ def prepare_case(
     the ranks import first (see ``RankTask``); ``live``: stream the ranks'
     output while they run (``CasePlan.live``); ``example``: ``args`` /
     ``kwargs`` are one Hypothesis example for the body of a ``@given`` test;
-    ``random_seed``: pytest-randomly's seed of the test, ``assertions``: how pytest
+    ``assertions``: how pytest
     explains a failing comparison (see ``RankTask``)."""
     task = RankTask(
         ref,
@@ -162,7 +161,6 @@ def prepare_case(
         show_deprecations=show_deprecations,
         conftests=conftests,
         example=example,
-        random_seed=random_seed,
         assertions=assertions,
     )
     return task, CasePlan(spec, settings, what, deadline, reuse=reuse, cards=cards, live=live)

@@ -477,7 +477,6 @@ def _run_on_ranks(
             conftests=conftests_for(item),
             live=_live(item.config),
             example=example,
-            random_seed=None if example else _randomly_seed(item),
             assertions=AssertionSettings.of(item.config),
         )
     except TypeError as exc:
@@ -552,20 +551,6 @@ def _run_given(item: pytest.Function, spec: LaunchSpec, settings: Settings, fixt
         item.user_properties.extend(
             [*_placement(spec, last), ("harness.examples", len(placements))]
         )
-
-
-def _randomly_seed(item: pytest.Function) -> int | None:
-    """The seed pytest-randomly reseeds ``random`` / numpy / its entry points with at
-    the test's call (its ``pytest_runtest_call``: the session's ``--randomly-seed`` plus
-    the CRC32 of the node id); None when pytest-randomly is off or does not reseed."""
-    config = item.config
-    if not config.pluginmanager.has_plugin("randomly") or not config.getoption(
-        "randomly_reset_seed", False
-    ):
-        return None
-    import pytest_randomly
-
-    return config.getoption("randomly_seed") + pytest_randomly._crc32(item.nodeid)
 
 
 def _live(config: pytest.Config) -> bool:

@@ -120,9 +120,6 @@ class RankTask:
     #: the arguments are one Hypothesis example: call the body inside the
     #: test's ``@given`` wrapper with them
     example: bool = False
-    #: the seed pytest-randomly reseeds the in-process test with at its call
-    #: (None: pytest-randomly is off): each rank reseeds with it just before the body
-    random_seed: int | None = None
     #: explain failing comparisons as pytest does in the launcher (None: no pytest)
     assertions: AssertionSettings | None = None
 
@@ -431,8 +428,6 @@ def _call_recorded(ctx: RankContext, task: RankTask, fresh_module: bool) -> Rank
         _init_distributed(ctx)
     if task.assertions is not None:
         explain.install(task.assertions)
-    if task.random_seed is not None:
-        _reseed_as_randomly(task.random_seed)
     try:
         value = fn(*args, **kwargs)
     finally:
@@ -465,15 +460,6 @@ def _warn_return_not_none(ref: FunctionRef, value: Any) -> None:
         ),
         stacklevel=1,
     )
-
-
-def _reseed_as_randomly(seed: int) -> None:
-    """Reseed as pytest-randomly reseeds the in-process test at its call (``random``,
-    numpy, Faker, factory_boy and the ``pytest_randomly.random_seeder`` entry points),
-    through its own ``_reseed``, which reads only the ``randomly_seed`` option."""
-    import pytest_randomly
-
-    pytest_randomly._reseed(types.SimpleNamespace(getoption=lambda name: seed))
 
 
 def _undo_monkeypatches(kwargs: dict[str, Any]) -> None:
