@@ -22,6 +22,7 @@ import re
 import xml.etree.ElementTree as ET
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
+from itertools import count
 from pathlib import Path
 
 from junitparser import Error, Failure, JUnitXml, Skipped, TestCase, TestSuite
@@ -187,8 +188,8 @@ def results_from_records(
         or (f"{records.interrupted} during a case" if exited_in_a_case else "")
         or records.interrupted
     )
-    # The planned cases the caller's paths leave out (None: not known, under --pyargs).
-    outside = None if opts.get("outside") is None else set(opts["outside"])
+    # Whether pytest's collection is known to have finished: what it lacks, it never will have.
+    collected_all = records.collection_finished or records.finish in (0, 1, 5)
     out = {}
     for n in nodeids:
         if n in records.reports:
@@ -215,18 +216,8 @@ def results_from_records(
             out[n] = CaseRow(n, "deselected")
         elif (broken := _collect_problem(n, records.collect)) is not None:
             out[n] = CaseRow(n, broken[0], 0.0, broken[1])
-        elif n.partition("::")[0] in records.last_failed_skipped:
-            out[n] = CaseRow(
-                n, "deselected", 0.0, "--last-failed: its file had no failure to rerun"
-            )
-        elif (
-            opts.get("narrowed")
-            and n not in records.collected
-            # Outside the paths given whatever pytest collected (a name it did not find
-            # ended its collection, say); under --pyargs only a finished collection tells.
-            and (n in outside if outside is not None else records.collection_finished)
-        ):
-            out[n] = CaseRow(n, "deselected", 0.0, "not among the paths and node ids given")
+        elif opts.get("narrowed") and n not in records.collected and collected_all:
+            out[n] = CaseRow(n, "deselected", 0.0, "not among the paths given, or --lf's")
         elif stopped and (n in records.collected or not records.collected):
             out[n] = CaseRow(n, "not run", 0.0, why_stopped)
         else:
@@ -303,94 +294,55 @@ def summarize(
     """Per-entry rows, in first-seen entry order, from ``(nodeid, entry id, cards)`` and results."""
     rows: dict[str, dict[str, float]] = {}
     for nodeid, entry, cards in planned:
-        r = rows.setdefault(
-            entry, {"cases": 0, "cards": 0, "seconds": 0.0, **dict.fromkeys(OUTCOMES, 0)}
-        )
+        r = rows.setdefault(entry, dict.fromkeys(("cases", "cards", "seconds", *OUTCOMES), 0))
         res = results.get(nodeid, CaseRow(nodeid, "missing"))
         r["cases"] += 1
         r[res.outcome] += 1
         r["cards"] = max(r["cards"], cards)
         r["seconds"] += res.seconds
-    return [
-        EntryRow(
-            e,
-            int(r["cases"]),
-            int(r["passed"]),
-            int(r["failed"]),
-            int(r["skipped"]),
-            int(r["missing"]),
-            int(r["cards"]),
-            round(r["seconds"], 2),
-            int(r["deselected"]),
-            int(r["not run"]),
-        )
-        for e, r in rows.items()
-    ]
+    return [_row(e, r) for e, r in rows.items()]
+
+
+def _row(entry: str, r: Mapping[str, float]) -> EntryRow:
+    counts = {k.replace(" ", "_"): int(v) for k, v in r.items() if k != "seconds"}
+    return EntryRow(entry, seconds=round(r["seconds"], 2), **counts)
 
 
 def totals(rows: Sequence[EntryRow]) -> EntryRow:
     """The sum of ``rows`` (cards: the most any entry needs)."""
-    return EntryRow(
-        "total",
-        sum(r.cases for r in rows),
-        sum(r.passed for r in rows),
-        sum(r.failed for r in rows),
-        sum(r.skipped for r in rows),
-        sum(r.missing for r in rows),
-        max((r.cards for r in rows), default=0),
-        round(sum(r.seconds for r in rows), 2),
-        sum(r.deselected for r in rows),
-        sum(r.not_run for r in rows),
-    )
+    total = {
+        k: sum(getattr(r, k.replace(" ", "_")) for r in rows)
+        for k in ("cases", "seconds", *OUTCOMES)
+    }
+    return _row("total", {**total, "cards": max((r.cards for r in rows), default=0)})
+
+
+#: The summary table's columns: header and ``EntryRow`` field.
+_COLUMNS = (
+    ("entry", "entry"), ("cases", "cases"), ("passed", "passed"), ("failed", "failed"),
+    ("skipped", "skipped"), ("missing", "missing"), ("cards", "cards"), ("time (s)", "seconds"),
+    ("deselected", "deselected"), ("not run", "not_run"),
+)  # fmt: skip
 
 
 def render(rows: Sequence[EntryRow], title: str, wall_s: float | None = None) -> str:
     """A Markdown table (readable as plain text too) with a total line."""
-    head = (
-        "entry",
-        "cases",
-        "passed",
-        "failed",
-        "skipped",
-        "missing",
-        "cards",
-        "time (s)",
-        "deselected",
-        "not run",
-    )
-    body = [
-        (
-            r.entry,
-            r.cases,
-            r.passed,
-            r.failed,
-            r.skipped,
-            r.missing,
-            r.cards,
-            f"{r.seconds:.1f}",
-            r.deselected,
-            r.not_run,
-        )
+    cells = [[h for h, _ in _COLUMNS]] + [
+        [f"{v:.1f}" if f == "seconds" else str(v) for _, f in _COLUMNS for v in [getattr(r, f)]]
         for r in (*rows, totals(rows))
     ]
-    cells = [tuple(map(str, head)), *[tuple(map(str, b)) for b in body]]
-    widths = [max(len(c[i]) for c in cells) for i in range(len(head))]
+    widths = [max(len(c[i]) for c in cells) for i in range(len(_COLUMNS))]
 
     def line(c: Sequence[str]) -> str:
         return (
             "| "
-            + " | ".join(
-                x.ljust(w) if i == 0 else x.rjust(w)
-                for i, (x, w) in enumerate(zip(c, widths, strict=True))
-            )
+            + " | ".join(x.rjust(w) if i else x.ljust(w) for i, x, w in zip(count(), c, widths))
             + " |"
         )
 
     sep = (
         "|"
-        + "|".join(
-            ("-" * (w + 2)) if i == 0 else ("-" * (w + 1) + ":") for i, w in enumerate(widths)
-        )
+        + "|".join("-" * (w + 1) + ":" if i else "-" * (w + 2) for i, w in enumerate(widths))
         + "|"
     )
     out = [f"### {title}", "", line(cells[0]), sep, *(line(c) for c in cells[1:])]

@@ -139,18 +139,6 @@ def _case_id(item: pytest.Item, root: Path) -> str:
     return case_id(item, root)
 
 
-def started_marker(select_file: Path) -> Path:
-    """The file the controller writes next to ``select_file`` once its session has
-    started: from then on an interrupt is reported by pytest; before, nothing ran."""
-    return select_file.with_name(select_file.name + ".started")
-
-
-def pytest_sessionstart(session: pytest.Session) -> None:
-    path = session.config.getoption("harness_select")
-    if path and not hasattr(session.config, "workerinput"):  # the controller only
-        started_marker(Path(path)).touch()
-
-
 def _is_worker(config: pytest.Config) -> bool:
     return hasattr(config, "workerinput")
 
@@ -178,8 +166,6 @@ class _Outcomes:
         self.collection_complete = False
         #: Planned cases pytest's own options or plugins deselected (``-k``, ``--lf``, ...).
         self.deselected: set[str] = set()
-        #: Files pytest's ``--lf`` did not collect.
-        self.last_failed_skipped: set[str] = set()
         #: Case id -> pytest's node id of the cases pytest collected that the suite does
         #: not hold (set by the selection hook, recorded at the end of collection).
         self.unplanned: dict[str, str] = {}
@@ -195,23 +181,20 @@ class _Outcomes:
         sel = _load(self.config) or {}
         callers = _callers_args(self.config, sel)
         modules = bool(opt("pyargs", False))  # --pyargs: module names, not paths
-        absent = [] if modules else _not_found(self.config, callers)
+        base = self.config.invocation_params.dir
         self.record(
             options={
                 "collectonly": bool(opt("collectonly", False)),
                 # --setup-plan implies it: set up and torn down, never called.
                 "setuponly": bool(opt("setuponly", False)),
                 "maxfail": int(opt("maxfail", 0) or 0),
-                # The caller named paths or node ids: planned cases outside them are deselected.
-                "narrowed": bool(callers),
+                # The caller named paths or node ids (or --lf skips files): planned cases
+                # pytest did not collect are deselected.
+                "narrowed": bool(callers) or bool(opt("lf", False)),
                 # ... some of which name no file (pytest says so under -n 0 only).
-                "not_found": absent,
-                # ... or select no case of the run.
-                "selecting_nothing": []
+                "not_found": []
                 if modules
-                else _selecting_nothing(self.config, [a for a in callers if a not in absent], sel),
-                # The planned cases those paths leave out (None: modules, not paths).
-                "outside": None if modules else self._outside(callers),
+                else [a for a in callers if not (base / a.split("::", 1)[0]).exists()],
                 "junitxml": self.config.stash.get(_CALLER_JUNIT, None),
                 "junit_prefix": opt("junitprefix", None) or "",
             }
@@ -222,19 +205,6 @@ class _Outcomes:
         if ids:
             self.deselected.update(ids)
             self.record(deselected=ids)
-
-    def _outside(self, callers: Sequence[str]) -> list[str]:
-        """The planned cases none of the caller's paths and node ids selects, or that the
-        caller's ``--ignore`` / ``--ignore-glob`` leave out of them."""
-        if not callers:
-            return []
-        cwd = self.config.invocation_params.dir
-        return [
-            cid
-            for cid in self.planned
-            if not any(_selects(a, cid, cwd, self.root) for a in callers)
-            or _ignored(self.config, Path(os.path.abspath(self.root / cid.split("::", 1)[0])))
-        ]
 
     def pytest_collection_modifyitems(self) -> None:
         # Called only when collection completed; pytest_collection_finish also runs when
@@ -265,17 +235,6 @@ class _Outcomes:
         report = yield
         # Travels with the report (xdist passes it on): its case, whatever pytest's node id.
         report.harness_case = _case_id(item, self.root)
-        return report
-
-    @pytest.hookimpl(wrapper=True)
-    def pytest_make_collect_report(self, collector: pytest.Collector) -> Any:
-        report = yield
-        if isinstance(collector, pytest.File) and _skipped_by_last_failed(self.config, collector):
-            from harness.suites.manifest import rel
-
-            file = rel(collector.path, self.root)
-            self.last_failed_skipped.add(file)
-            self.record(last_failed_skipped=file)
         return report
 
     def pytest_collectreport(self, report: pytest.CollectReport) -> None:
@@ -352,57 +311,6 @@ def _ignored(config: pytest.Config, path: Path) -> bool:
     return False
 
 
-def _skipped_by_last_failed(config: pytest.Config, file: pytest.File) -> bool:
-    """Whether pytest's ``--lf`` left ``file`` uncollected: once a file holding a recorded
-    failure is collected, it skips the files without one (with no failure recorded, or
-    none collected yet, it skips nothing)."""
-    lf = config.pluginmanager.get_plugin("lfplugin")
-    paths = getattr(lf, "_last_failed_paths", None)  # pytest's own; absent: nothing skipped
-    return (
-        paths is not None
-        and config.pluginmanager.has_plugin("lfplugin-collskip")
-        and file.path not in paths
-    )
-
-
-def _selects(arg: str, cid: str, cwd: Path, root: Path) -> bool:
-    """Whether the path or node id ``arg`` (as pytest reads it from ``cwd``) selects the
-    case ``cid`` (relative to ``root``): under the named folder or file, and its name,
-    class or parametrization named. The path is read as case ids are (:func:`case_id`): a
-    symlinked file inside ``root`` is its own file, not the one it points to."""
-    from harness.suites.manifest import rel
-
-    where, sep, name = arg.partition("::")
-    file, has_name, tail = cid.partition("::")
-    named = rel(Path(os.path.abspath(cwd / where)), root)
-    if not has_name and (named == file or named.startswith(f"{file}/")):
-        # The file or folder is one case (it failed to import, or skips whole): a node id in
-        # it, or a path inside it, names that case.
-        return True
-    if named != "." and file != named and not file.startswith(f"{named}/"):
-        return False
-    return not sep or tail == name or tail.startswith((f"{name}::", f"{name}["))
-
-
-def _selecting_nothing(
-    config: pytest.Config, args: Sequence[str], sel: dict[str, Any]
-) -> list[str]:
-    """The paths and node ids of ``args`` (each one that exists: see :func:`_not_found`)
-    that select no case of the whole run (a file outside the suite, a misspelled test name,
-    a link to a planned file), each with what it is when it is a link: pytest alone would
-    have run what they name."""
-    cwd, root = config.invocation_params.dir, Path(sel["root"])
-    run = sel["cases"]
-    out = []
-    for a in args:
-        if any(_selects(a, c, cwd, root) for c in run):
-            continue
-        path = Path(os.path.abspath(cwd / a.split("::", 1)[0]))
-        linked = [p for p in (path, *path.parents) if p.is_symlink()]
-        out.append(f"{a} (a symlink to {linked[0].resolve()})" if linked else a)
-    return out
-
-
 def _callers_args(config: pytest.Config, sel: dict[str, Any]) -> list[str]:
     """The paths and node ids the caller gave pytest, next to the files ``harness run`` gave
     (none once the caller's have replaced them)."""
@@ -414,13 +322,6 @@ def _callers_args(config: pytest.Config, sel: dict[str, Any]) -> list[str]:
         if a in args:
             args.remove(a)
     return args
-
-
-def _not_found(config: pytest.Config, args: Sequence[str]) -> list[str]:
-    """The paths and node ids of ``args`` whose file or folder does not exist (read from
-    where pytest was started, as pytest reads them)."""
-    base = config.invocation_params.dir
-    return [a for a in args if not (base / a.split("::", 1)[0]).exists()]
 
 
 @pytest.hookimpl(trylast=True)  # after pytest's -k, -m and --deselect: what they leave
@@ -472,10 +373,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         items[:] = keep
     if outcomes is not None:  # pytest's -k, -m, --deselect came first (this hook is last)
         seen |= outcomes.deselected
-        seen |= {n for n in wanted if n.partition("::")[0] in outcomes.last_failed_skipped}
     missing = sorted(n for n in set(wanted) - seen if "::" in n)  # a bare file: it failed to import
     # Reported once, on the controller; cases outside the caller's paths are deselected.
-    if missing and not _is_worker(config) and not callers:
+    if missing and not _is_worker(config) and not callers and not config.getoption("lf", False):
         shown = "\n  ".join(missing[:20])
         more = f"\n  ... and {len(missing) - 20} more" if len(missing) > 20 else ""
         print(
@@ -603,8 +503,6 @@ class Records:
     #: Cases pytest collected that the suite does not hold (under paths given to pytest, of
     #: another suite or none, or collected only with the arguments given): never planned.
     unplanned: set[str] = field(default_factory=set)
-    #: Files (case ids) pytest's ``--lf`` did not collect: none of their cases failed last.
-    last_failed_skipped: set[str] = field(default_factory=set)
     #: pytest's node id -> the case ids it names, where they differ (a path through a link
     #: to the repository: two files' cases may share one); ``reports`` are by case id.
     aliases: dict[str, set[str]] = field(default_factory=dict)
@@ -642,8 +540,6 @@ def read_records(select_file: Path) -> Records:
                 out.collection_finished |= bool(ev.get("complete"))
             elif "unplanned" in ev:
                 out.unplanned.update(ev["unplanned"])
-            elif "last_failed_skipped" in ev:
-                out.last_failed_skipped.add(ev["last_failed_skipped"])
             elif "deselected" in ev:
                 out.deselected.update(ev["deselected"])
             elif "collect" in ev:
