@@ -272,75 +272,6 @@ def partition(
     return out
 
 
-def _over_budget(
-    shards: Sequence[PlannedShard], limit_s: float | None = None
-) -> list[PlannedShard]:
-    return [s for s in shards if s.load > min(s.runner.budget_s, limit_s or math.inf)]
-
-
-def _check_case_budgets(runners: Sequence[Runner], cases: Sequence[PlannedCase]) -> None:
-    """``PlanError`` naming the first case longer than the budget of every runner that can hold it."""
-    for c in cases:
-        eligible = [r.budget_s for r in runners if r.cards >= c.cards]
-        if eligible and c.seconds > max(eligible):
-            raise PlanError(
-                f"{c.nodeid} is expected to take {c.seconds / 60:.1f} min, over the shard budget of "
-                f"{max(eligible) / 60:.1f} min; split the case or raise the runner's timeout_minutes / budget_minutes"
-            )
-
-
-def _exactly(
-    runners: Sequence[Runner], cases: Sequence[PlannedCase], shards: int, enforce: bool
-) -> list[PlannedShard]:
-    """``shards`` shards; with ``enforce``, ``PlanError`` naming every shard over its runner's budget."""
-    result = partition(cases, runners, shards)
-    over = _over_budget(result)
-    if enforce and over:
-        raise PlanError(
-            "; ".join(
-                f"shard {s.label} is planned at {s.load / 60:.1f} min, over the {s.runner.budget_minutes:.1f}-min "
-                f"budget of runner {s.runner.name} (timeout {s.runner.timeout_minutes} min)"
-                for s in over
-            )
-            + "; use more shards"
-        )
-    return result
-
-
-def _fewest(
-    suite: str,
-    runners: Sequence[Runner],
-    cases: Sequence[PlannedCase],
-    target_minutes: float | None,
-    enforce: bool,
-) -> list[PlannedShard]:
-    """The fewest shards each within its runner's budget and ``target_minutes``."""
-    if target_minutes is not None and not (
-        is_real(target_minutes) and 0 < target_minutes < math.inf
-    ):
-        raise PlanError(
-            f"--target-minutes must be a positive, finite number of minutes; got {target_minutes!r}"
-        )
-    limit = target_minutes * 60.0 if target_minutes is not None else None
-    if limit is not None:
-        for c in cases:
-            if c.seconds > limit:
-                raise PlanError(
-                    f"{c.nodeid} alone takes {c.seconds / 60:.1f} min, over --target-minutes {target_minutes}"
-                )
-    total = sum(c.seconds for c in cases)
-    cap = min(limit or math.inf, max(r.budget_s for r in runners))
-    n = max(1, math.ceil(total / cap) if cap > 0 else 1)
-    while True:
-        result = partition(cases, runners, n)
-        if not _over_budget(result, limit) or n >= max(1, len(cases)):
-            break
-        n += 1
-    if enforce and _over_budget(result, limit):
-        raise PlanError(f"cannot fit suite {suite} within the budget even with one case per shard")
-    return result
-
-
 def plan(
     suite: str,
     runners: Sequence[Runner],
@@ -362,12 +293,51 @@ def plan(
     """
     if shards is not None and target_minutes is not None:
         raise PlanError("give --shards or --target-minutes, not both")
+    if target_minutes is not None and not (
+        is_real(target_minutes) and 0 < target_minutes < math.inf
+    ):
+        raise PlanError(
+            f"--target-minutes must be a positive, finite number of minutes; got {target_minutes!r}"
+        )
     runners = sorted(runners, key=lambda r: r.cards)
-    if enforce_budget:
-        _check_case_budgets(runners, cases)
+    limit = target_minutes * 60.0 if target_minutes is not None else math.inf
+    for c in cases if enforce_budget else ():
+        eligible = [r.budget_s for r in runners if r.cards >= c.cards]
+        if eligible and c.seconds > max(eligible):
+            raise PlanError(
+                f"{c.nodeid} is expected to take {c.seconds / 60:.1f} min, over the shard budget of "
+                f"{max(eligible) / 60:.1f} min; split the case or raise the runner's timeout_minutes / budget_minutes"
+            )
+    for c in cases:
+        if c.seconds > limit:
+            raise PlanError(
+                f"{c.nodeid} alone takes {c.seconds / 60:.1f} min, over --target-minutes {target_minutes}"
+            )
+
+    def over(result: list[PlannedShard]) -> list[PlannedShard]:
+        return [s for s in result if s.load > min(s.runner.budget_s, limit)]
+
     if shards is not None:
-        return Plan(suite, _exactly(runners, cases, shards, enforce_budget))
-    return Plan(suite, _fewest(suite, runners, cases, target_minutes, enforce_budget))
+        result = partition(cases, runners, shards)
+        if enforce_budget and over(result):
+            raise PlanError(
+                "; ".join(
+                    f"shard {s.label} is planned at {s.load / 60:.1f} min, over the "
+                    f"{s.runner.budget_minutes:.1f}-min budget of runner {s.runner.name} "
+                    f"(timeout {s.runner.timeout_minutes} min)"
+                    for s in over(result)
+                )
+                + "; use more shards"
+            )
+        return Plan(suite, result)
+    # The fewest shards each within its runner's budget and the target.
+    cap = min(limit, max(r.budget_s for r in runners))
+    n = max(1, math.ceil(sum(c.seconds for c in cases) / cap) if cap > 0 else 1)
+    while over(result := partition(cases, runners, n)) and n < max(1, len(cases)):
+        n += 1
+    if enforce_budget and over(result):
+        raise PlanError(f"cannot fit suite {suite} within the budget even with one case per shard")
+    return Plan(suite, result)
 
 
 def plan_suite(
