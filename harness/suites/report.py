@@ -1,19 +1,15 @@
 """Results of ``harness run``: each planned case's outcome, summarised per entry.
 
-Outcomes come from what the selection plugin recorded inside the pytest run, by node id
-(:func:`results_from_records`): ``passed`` (its call and its teardown passed),
-``failed``, ``skipped`` (xfail included), ``deselected`` (by pytest's own ``-k`` / ``-m`` /
-``--lf`` / ``--deselect`` / ``--ignore``), ``not run`` (collected, but the run stopped before
-it finished: ``-x``, ``--maxfail``, ``--collect-only``, ``--setup-only``, an interrupt, the
-runner's timeout) and ``missing`` (never collected, or collected and never reported by a run
-that did not stop: a failure). A case whose pytest process died on its own while running it
-failed. A file that fails to import fails each planned case in it.
+Outcomes come from what the selection plugin recorded inside the pytest run
+(:func:`results_from_records`): ``passed`` (its call and its teardown passed), ``failed``,
+``skipped`` (xfail included), ``deselected`` (by pytest's own options, or outside the
+paths given), ``not run`` (the run stopped before it finished: ``-x``, ``--maxfail``,
+``--collect-only``, ``--setup-only``, an interrupt, the runner's timeout) and ``missing``
+(never collected, or never reported by a run that did not stop: a failure).
 
-JUnit XML is an output: pytest's own file, which :func:`complete_junit` completes with the
-planned cases it lacks. :func:`read_junit` and :func:`junit_key` read it back (with
-``junitparser``) for tools that only have the XML (``scripts/refresh_durations.py``,
-``.ci/run``): pytest names a ``testcase`` by ``classname`` (the node id's path with ``/`` ->
-``.`` and no ``.py``, plus any classes) and ``name`` (the function with its parameters).
+JUnit XML is an output: pytest's own file, which :func:`complete_junit` completes with
+the planned cases it lacks. :func:`read_junit` and :func:`junit_key` read it back for
+tools that only have the XML (``scripts/refresh_durations.py``, ``.ci/run``).
 """
 
 from __future__ import annotations
@@ -351,53 +347,30 @@ def render(rows: Sequence[EntryRow], title: str, wall_s: float | None = None) ->
     return "\n".join(out) + "\n"
 
 
-def failures(results: Mapping[str, CaseRow], limit: int = 30) -> str:
-    """The failed and missing cases, one per line (at most ``limit``), for the log."""
+def failures(results: Mapping[str, CaseRow]) -> str:
+    """The failed and missing cases, one per line, for the log."""
     bad = [r for r in results.values() if r.outcome in ("failed", "missing")]
-    return _bullets(
-        [f"- {r.outcome}: `{r.nodeid}`" + (f" — {r.message}" if r.message else "") for r in bad],
-        limit,
-        "more",
+    return bullets(
+        [f"{r.outcome}: `{r.nodeid}`" + (f" — {r.message}" if r.message else "") for r in bad]
     )
 
 
-def unplanned(nodeids: Iterable[str], suite: str, limit: int = 30) -> str:
-    """The cases the caller's paths collected that no entry of ``suite`` holds, one per line
-    (at most ``limit``): pytest alone would have run them."""
-    return _bullets(
-        [
-            f"- not in suite {suite}, not run: `{n}` (collected under the paths given to pytest; "
-            "`harness inventory` says whether an entry of any suite owns it)"
-            for n in sorted(nodeids)
-        ],
-        limit,
-        f"more not in suite {suite}",
-    )
+#: Why cases pytest collected were not run: the suite does not hold them (``suite``), or
+#: pytest collected them only with the arguments given to it (``beyond``).
+NOT_RUN = {
+    "suite": "not in suite {suite}, not run: `{n}` (collected under the paths given to pytest; "
+    "`harness inventory` says whether an entry of any suite owns it)",
+    "beyond": "not planned, not run: `{n}` (pytest collected it only with the arguments given "
+    "to it, after `--` or in PYTEST_ADDOPTS; the suite's inventory collects without them: "
+    "collect it always, and skip it unless your option is given, as pytest's --runslow "
+    "recipe does)",
+}
 
 
-def beyond(nodeids: Iterable[str], limit: int = 30) -> str:
-    """The cases pytest collected only with the arguments given to it, one per line (at most
-    ``limit``): the suite's inventory collects without them, so no plan holds them."""
-    return _bullets(
-        [
-            f"- not planned, not run: `{n}` (pytest collected it only with the arguments given "
-            "to it, after `--` or in PYTEST_ADDOPTS; the suite's inventory collects without "
-            "them: collect it always, and skip it unless your option is given, as pytest's "
-            "--runslow recipe does)"
-            for n in sorted(nodeids)
-        ],
-        limit,
-        "more not planned",
-    )
-
-
-def _bullets(lines: Sequence[str], limit: int, more: str) -> str:
-    """The first ``limit`` of ``lines``, then "- ... and N {more}" for the rest; each line
-    ends with a newline ("" for none)."""
-    shown = list(lines[:limit])
-    if len(lines) > limit:
-        shown.append(f"- ... and {len(lines) - limit} {more}")
-    return "".join(f"{line}\n" for line in shown)
+def bullets(lines: Sequence[str], limit: int = 30) -> str:
+    """Markdown bullets of the first ``limit`` of ``lines``, then "- ... and N more"."""
+    more = [f"... and {len(lines) - limit} more"] if len(lines) > limit else []
+    return "".join(f"- {line}\n" for line in [*lines[:limit], *more])
 
 
 def write_summary_json(

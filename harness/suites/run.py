@@ -779,7 +779,12 @@ def _report(run: _Run, ran: _Ran, stop: _Stop) -> int:
     detail = report.failures(results)
     for headline, log in selection.fired(run.out):
         detail += f"- backstop: {headline}; stacks in {log}\n"
-    not_here = run.not_here + report.beyond(beyond) + report.unplanned(outside, run.manifest.suite)
+    not_here = run.not_here + "".join(
+        report.bullets(
+            [report.NOT_RUN[k].format(n=n, suite=run.manifest.suite) for n in sorted(ns)]
+        )
+        for k, ns in (("beyond", beyond), ("suite", outside))
+    )
     text = (
         table
         + ("\n" + detail if detail else "")

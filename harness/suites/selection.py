@@ -2,14 +2,11 @@
 
 ``--harness-select FILE`` names a JSON file ``{"root": DIR, "cases": {nodeid: timeout_s
 or null}, "entries": {nodeid: entry id}, "suite": [nodeid, ...], "files": [path, ...]}``.
-Collected items not in ``cases`` are deselected; each kept one records the suite entry
-that owns it as the JUnit property ``harness.entry`` and gets its deadline as
-pytest-timeout's ``timeout`` marker (:func:`deadline_marker`), which bounds a plain case
-(setup, call and teardown) in its process and which the launch plugin takes as a launched
-case's deadline on its ranks. Planned cases that were not collected are reported
-(``harness run`` counts them as missing, never as passed). What pytest does with each
-planned case is recorded from its own hooks (its reports, its deselections, its exit
-status) by node id, one JSON-lines file per process (:func:`read_records`).
+Collected items not in ``cases`` are deselected; each kept one carries its entry as the
+JUnit property ``harness.entry`` and its deadline as pytest-timeout's ``timeout`` marker
+(:func:`deadline_marker`). What pytest does with each planned case is recorded from its
+own hooks (reports, deselections, exit status) by case id, one JSON-lines file per
+process (:func:`read_records`).
 """
 
 from __future__ import annotations
@@ -18,7 +15,6 @@ import faulthandler
 import fnmatch
 import json
 import os
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -123,14 +119,9 @@ def pytest_cmdline_main(config: pytest.Config) -> Any:
 
 def _load(config: pytest.Config) -> dict[str, Any] | None:
     path = config.getoption("harness_select")
-    if not path:
-        return None
-    if _SELECTION not in config.stash:
-        try:
-            config.stash[_SELECTION] = json.loads(Path(path).read_text(encoding="utf-8"))
-        except (OSError, json.JSONDecodeError) as e:
-            raise pytest.UsageError(f"{OPT_SELECT} {path}: {e}") from e
-    return config.stash[_SELECTION]
+    if path and _SELECTION not in config.stash:  # written by harness run, read once
+        config.stash[_SELECTION] = json.loads(Path(path).read_text(encoding="utf-8"))
+    return config.stash.get(_SELECTION, None)
 
 
 def _case_id(item: pytest.Item, root: Path) -> str:
@@ -164,8 +155,6 @@ class _Outcomes:
         self.file = open(path, "w", encoding="utf-8")  # noqa: SIM115 (closed at unconfigure)
         self.worker = _is_worker(config)
         self.collection_complete = False
-        #: Planned cases pytest's own options or plugins deselected (``-k``, ``--lf``, ...).
-        self.deselected: set[str] = set()
         #: Case id -> pytest's node id of the cases pytest collected that the suite does
         #: not hold (set by the selection hook, recorded at the end of collection).
         self.unplanned: dict[str, str] = {}
@@ -203,7 +192,6 @@ class _Outcomes:
     def pytest_deselected(self, items: Sequence[pytest.Item]) -> None:
         ids = [cid for cid in (_case_id(i, self.root) for i in items) if cid in self.planned]
         if ids:
-            self.deselected.update(ids)
             self.record(deselected=ids)
 
     def pytest_collection_modifyitems(self) -> None:
@@ -332,13 +320,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     root = Path(sel["root"])
     wanted: dict[str, Any] = sel["cases"]
     entries: dict[str, str] = sel.get("entries", {})
-    keep, drop, ignored, seen = [], [], [], set()
+    keep, drop, ignored = [], [], []
     for item in items:
         cid = _case_id(item, root)
         if cid not in wanted:
             drop.append(item)
             continue
-        seen.add(cid)
         if _ignored(config, Path(os.path.abspath(item.path))):
             ignored.append(item)
             continue
@@ -354,7 +341,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if cid in entries:
             item.user_properties.append(("harness.entry", entries[cid]))
     outcomes = config.pluginmanager.get_plugin("harness-outcomes")
-    callers = _callers_args(config, sel)
     if drop and outcomes is not None:
         # Cases pytest collected that the suite does not hold: under paths given to pytest
         # that no entry of the suite owns, or collected only with the arguments given (a
@@ -371,17 +357,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if ignored:
             config.hook.pytest_deselected(items=ignored)
         items[:] = keep
-    if outcomes is not None:  # pytest's -k, -m, --deselect came first (this hook is last)
-        seen |= outcomes.deselected
-    missing = sorted(n for n in set(wanted) - seen if "::" in n)  # a bare file: it failed to import
-    # Reported once, on the controller; cases outside the caller's paths are deselected.
-    if missing and not _is_worker(config) and not callers and not config.getoption("lf", False):
-        shown = "\n  ".join(missing[:20])
-        more = f"\n  ... and {len(missing) - 20} more" if len(missing) > 20 else ""
-        print(
-            f"\nharness: {len(missing)} planned case(s) were not collected:\n  {shown}{more}",
-            file=sys.stderr,
-        )
 
 
 def _message(report: pytest.CollectReport | pytest.TestReport) -> str:

