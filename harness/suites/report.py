@@ -155,11 +155,9 @@ def results_from_records(
 ) -> dict[str, CaseRow]:
     """Each planned node id's result (see the module docstring) from one pytest run's records.
 
-    ``halted`` says why ``harness run`` stopped that pytest itself (a stop signal, the
-    runner's timeout), ``""`` when it did not. A case that started and never finished is
-    ``not run`` when the run was stopped (by ``harness run``, an interrupt, ``pytest.exit``),
-    and ``failed`` when its pytest process died on its own while running it, or ended without
-    reporting it (an xdist worker that could not send its report); never ``passed``.
+    ``halted``: why ``harness run`` stopped that pytest itself (``""``: it did not). A case
+    that started and never finished is ``not run`` when the run was stopped (by ``harness
+    run``, an interrupt, ``pytest.exit``), else ``failed``; never ``passed``.
     """
     opts = records.options
     outcomes = [_phases(phases)[0] for phases in records.reports.values()]
@@ -168,14 +166,8 @@ def results_from_records(
     # A case left unfinished by a pytest that went on to exit (pytest.exit in it) stopped
     # the run there: the cases after it are not run, as after -x.
     exited_in_a_case = UNFINISHED in outcomes and bool(records.interrupted)
-    stopped = (
-        bool(halted)
-        or bool(records.interrupted)
-        or bool(records.stopped)
-        or bool(opts.get("collectonly"))
-        or bool(opts.get("setuponly"))
-        or (0 < maxfail <= failures)
-        or (records.finish is not None and records.finish == 2)
+    stopped = any((halted, records.interrupted, records.stopped, opts.get("collectonly"))) or (
+        opts.get("setuponly") or 0 < maxfail <= failures or records.finish == 2
     )
     why_stopped = (
         halted
@@ -197,17 +189,13 @@ def results_from_records(
             elif stopped:
                 why = f" ({why_stopped})" if why_stopped else ""
                 out[n] = CaseRow(n, "not run", 0.0, f"the run stopped during its {message}{why}")
-            elif records.finish is None:
-                out[n] = CaseRow(
-                    n, "failed", seconds, f"its pytest process died during its {message}"
+            else:  # its process died, or an xdist worker could not send its report
+                how = (
+                    "its pytest process died during"
+                    if records.finish is None
+                    else f"pytest ended (exit status {records.finish}) without reporting"
                 )
-            else:  # an xdist worker that could not send its report (it crashed), say
-                out[n] = CaseRow(
-                    n,
-                    "failed",
-                    seconds,
-                    f"pytest ended (exit status {records.finish}) without reporting its {message}",
-                )
+                out[n] = CaseRow(n, "failed", seconds, f"{how} its {message}")
         elif n in records.deselected:
             out[n] = CaseRow(n, "deselected")
         elif (broken := _collect_problem(n, records.collect)) is not None:

@@ -296,13 +296,9 @@ def _descendants() -> set[int]:
 
 
 def _stop_leftovers(spare: set[int]) -> None:
-    """Stop and reap the processes pytest's tree left behind when it ended.
-
-    ``harness run`` is a child subreaper (see :func:`_execute`): a process a plain
-    case started in a session of its own and never stopped comes to it, not to
-    init, once its parents are gone; with pytest waited for, every process still
-    below this one, other than those in ``spare`` (there before the run), is such
-    a leftover."""
+    """Stop and reap the processes pytest's tree left behind: ``harness run`` is a child
+    subreaper (:func:`_execute`), so a process a case started in a session of its own comes
+    to it once its parents are gone; every process below it but ``spare`` is one."""
     left = [
         p
         for p in processes.process_tree(os.getpid(), own_session=False)
@@ -371,7 +367,7 @@ def _run_pytest(cmd: list[str], budget: Budget | None, stop: _Stop) -> tuple[int
                 _stop_tree(list(stop.tree.values()))
                 code = proc.wait()
                 if timed_out:
-                    return TIMED_OUT, budget.reason
+                    return TIMED_OUT, f"stopped at {budget.name}"
                 break
         if stop.signum is not None:
             _stop_tree(list(stop.tree.values()))  # what outlived pytest
@@ -384,7 +380,6 @@ def _run_pytest(cmd: list[str], budget: Budget | None, stop: _Stop) -> tuple[int
 
 #: The exit code of a pytest the run's budget stopped (``timeout``'s convention).
 TIMED_OUT = 124
-_TIMEOUT_REASON = "stopped at"
 
 
 @dataclass(frozen=True)
@@ -394,25 +389,14 @@ class Budget:
     seconds: float
     name: str
 
-    @property
-    def reason(self) -> str:
-        """Why the cases the budget stopped did not run (the ``halted`` reason)."""
-        return f"{_TIMEOUT_REASON} {self.name}"
-
-
-def in_ci() -> bool:
-    """Whether this process runs in CI: ``CI`` set (GitHub Actions, GitLab, most CI
-    services set ``CI=true``), other than empty, ``0`` or ``false``."""
-    return os.environ.get("CI", "").strip().lower() not in ("", "0", "false")
-
 
 def run_budget(m: Manifest, minutes: float | None) -> Budget | None:
-    """The run's budget: ``--timeout-minutes`` (``minutes``) when given, else in CI
-    (:func:`in_ci`) its runner's ``timeout_minutes`` (the longest of its runners), else
-    none: a local run is not cut short by a CI job's limit."""
+    """The run's budget: ``--timeout-minutes`` (``minutes``) when given, else in CI (``CI``
+    set, other than empty, ``0`` or ``false``) its runner's ``timeout_minutes`` (the longest
+    of its runners), else none: a local run is not cut short by a CI job's limit."""
     if minutes is not None:
         return Budget(minutes * 60.0, f"--timeout-minutes {minutes:g}")
-    if in_ci():
+    if os.environ.get("CI", "").strip().lower() not in ("", "0", "false"):
         limit = max(r.timeout_minutes for r in m.runners)
         return Budget(limit * 60.0, f"the runner's timeout of {limit:g} min (CI is set)")
     return None
@@ -434,24 +418,17 @@ class _Run:
     manifest: Manifest
     shard: tuple[int, int] | None
     cases: list[Pair]
-    #: Planned cases left out by ``--max-cards``.
-    too_big: list[CollectedCase]
+    too_big: list[CollectedCase]  # left out by --max-cards
     out: Path
     started: float
-    #: The pytest configuration file the inventory found (``None``: none).
-    inipath: Path | None = None
-    #: xdist workers for the run's pytest (:func:`worker_count`).
+    inipath: Path | None = None  # the pytest configuration file the inventory found
     workers: int = 1
-    #: How long the run may take (:func:`run_budget`; None: no bound).
     budget: Budget | None = None
     #: Whether the run plans every case of the suite (no shard, ``--changed-from`` or
     #: ``--max-cards`` left one out).
     whole: bool = True
-    #: Every case the inventory collected, of any suite or none.
-    inventoried: frozenset[str] = frozenset()
-    #: Every case the suite holds, sorted (the run's, and those a shard or a narrowing left
-    #: out).
-    suite_ids: tuple[str, ...] = ()
+    inventoried: frozenset[str] = frozenset()  # every case collected, of any suite or none
+    suite_ids: tuple[str, ...] = ()  # every case the suite holds, other shards' too
 
     @property
     def title(self) -> str:
@@ -734,7 +711,7 @@ def _verdict(
         verdict.append("the paths and options given to pytest select no case of the run: none ran")
     if stop.signum is not None:
         return verdict  # the run's own stop is said above
-    timed_out = ran.halted.startswith(_TIMEOUT_REASON)
+    timed_out = ran.code == TIMED_OUT and ran.halted.startswith("stopped at")
     if timed_out:
         verdict.append(ran.halted)
     elif ran.records.interrupted:

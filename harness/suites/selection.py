@@ -141,12 +141,8 @@ def records_glob(select_file: Path) -> str:
 
 
 class _Outcomes:
-    """Records, by node id, what pytest did with each planned case: one JSON object a line
-    (flushed: a process that dies later keeps what it recorded) in this process's file.
-
-    ``harness run`` reads the files of all processes back (:func:`read_records`); JUnit is
-    an output for people and CI, never what the run's verdict is read from.
-    """
+    """Records what pytest did with each planned case: one JSON object a line, flushed (a
+    process that dies later keeps what it recorded), in this process's file."""
 
     def __init__(self, config: pytest.Config, sel: dict[str, Any], path: Path):
         self.config = config
@@ -377,14 +373,11 @@ def _message(report: pytest.CollectReport | pytest.TestReport) -> str:
 
 def deadline_marker(item: pytest.Item, timeout_s: float | None) -> pytest.MarkDecorator | None:
     """pytest-timeout's ``timeout`` marker carrying a planned case's deadline, the one
-    carrier of an entry's ``timeout_s``; ``None`` where the case keeps what it has.
-
-    A ``timeout`` marker of the case's own (on its function, class or module) wins; else
-    the entry's ``timeout_s``; else the project's own pytest-timeout setting (``timeout``
-    ini, ``--timeout``, ``PYTEST_TIMEOUT``); else :data:`~harness.names.DEFAULT_CASE_TIMEOUT_S`.
-    pytest-timeout bounds a plain case's setup, call and teardown (failing it with every
-    thread's stack; the session goes on), and the launch plugin takes the marker as a
-    launched case's deadline on its ranks."""
+    carrier of an entry's ``timeout_s`` (the launch plugin takes it as a launched case's
+    deadline on its ranks); ``None`` where the case keeps what it has: a ``timeout`` marker
+    of its own wins, then the entry's ``timeout_s``, then the project's pytest-timeout
+    setting (``timeout`` ini, ``--timeout``, ``PYTEST_TIMEOUT``), then
+    :data:`~harness.names.DEFAULT_CASE_TIMEOUT_S`."""
     if item.get_closest_marker("timeout") is not None:
         return None
     if timeout_s is None:
@@ -410,13 +403,10 @@ def backstop_log(select_file: Path, pid: int) -> Path:
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Any:
-    # pytest-timeout interrupts a plain case at its deadline from a signal handler, which
-    # Python runs between bytecodes: native code holding the GIL (a regex backtracking), or
-    # a case that swallows the interruption, never sees it. faulthandler's timer needs no
-    # GIL: past the backstop it writes every thread's stack and ends the process (an xdist
-    # worker's controller reports the case failed; without workers the run reports it
-    # failed and the rest not run). pytest's own faulthandler_timeout uses the same one
-    # timer: where it is set, it is left alone and there is no backstop.
+    # pytest-timeout interrupts a plain case from a signal handler, which native code holding
+    # the GIL, or a case that swallows the interruption, never sees. faulthandler's timer
+    # needs no GIL: past the backstop it writes every thread's stack and ends the process.
+    # pytest's own faulthandler_timeout uses the same timer: where it is set, no backstop.
     backstop = item.stash.get(_BACKSTOP, None)
     if backstop is None or float(item.config.getini("faulthandler_timeout") or 0) > 0:
         return (yield)
