@@ -522,6 +522,10 @@ def claim_out(out: Path, title: str) -> Iterator[None]:
                 f"harness run: the output folder {out} is in use by another run ({holder}); "
                 "wait for it to end, or give this run a folder of its own: --out DIR"
             ) from None
+        except OSError as e:  # a file system without flock
+            raise _Refused(
+                f"harness run: cannot lock {out / OUT_LOCK} ({e.strerror}); --out DIR"
+            ) from None
         with contextlib.suppress(OSError):  # read-only: the holder goes unnamed
             os.ftruncate(fd, 0)
             since = time.strftime("%Y-%m-%d %H:%M:%S %z")
