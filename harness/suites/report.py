@@ -177,7 +177,9 @@ def results_from_records(
         or records.interrupted
     )
     # Whether pytest's collection is known to have finished: what it lacks, it never will have.
-    collected_all = records.collection_finished or records.finish in (0, 1, 5)
+    collected_all = records.collection_finished or (
+        records.collection_ended and records.finish in (0, 1, 5)
+    )
     out = {}
     for n in nodeids:
         if n in records.reports:

@@ -458,6 +458,8 @@ class Records:
     #: even when empty or when the run was interrupted later); not when an interrupt or a
     #: crash ended collection.
     collection_finished: bool = False
+    #: Whether a process of the run got to the end of its collection, finished or not.
+    collection_ended: bool = False
     #: Planned cases deselected by pytest's own options or plugins (``-k``, ``-m``, ``--lf``, ...).
     deselected: set[str] = field(default_factory=set)
     #: Collector node id -> (``failed`` | ``skipped``, message): files that failed to import or
@@ -503,6 +505,7 @@ def read_records(select_file: Path) -> Records:
                 for nodeid, cid in ev.get("aliases", ()):
                     out.aliases.setdefault(nodeid, set()).add(cid)
                 out.collection_finished |= bool(ev.get("complete"))
+                out.collection_ended = True
             elif "unplanned" in ev:
                 out.unplanned.update(ev["unplanned"])
             elif "deselected" in ev:
