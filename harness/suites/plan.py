@@ -1,17 +1,11 @@
 """Shard planning: partition a suite's cases onto CI runners, balanced by duration.
 
-Durations come from a recorded file (``harness run --durations-out FILE``;
-``suites/durations/<suite>.json`` is used when checked in), else from the
-median recorded duration of the case's entry, else from the entry's
-``estimated_s``. Cases are placed longest-first, each on the least-loaded
-shard whose runner has at least the cards it needs (LPT). With any list
-order, greedy placement keeps the longest shard within ``mean + longest case``
-of the mean; sorting longest-first makes the last placements small, so the
-imbalance falls as cases get finer.
-
-The partition for ``N`` shards is a pure function of the cases, their
-durations and ``N``: every shard job of a CI matrix recomputes it and picks
-its own shard.
+Durations come from a recorded file (``suites/durations/<suite>.json`` when checked in),
+else the median recorded duration of the case's entry, else the entry's ``estimated_s``.
+Cases are placed longest-first, each on the least-loaded shard whose runner has the cards
+it needs (LPT: the longest shard stays within ``mean + longest case``). The partition for
+``N`` shards is a pure function of the cases, their durations and ``N``: every shard job
+of a CI matrix recomputes it and picks its own shard.
 """
 
 from __future__ import annotations
@@ -349,16 +343,11 @@ def plan_suite(
     shards: int | None = None,
     target_minutes: float | None = None,
 ) -> Plan:
-    """The plan of one suite: ``owned`` (its cases with their entries, as the inventory
-    found them) estimated from the recorded ``durations`` (default: the checked-in
-    :func:`default_durations_path`, empty when absent; a file named here must exist) and
-    partitioned by :func:`plan`.
-
-    ``harness matrix`` prints this plan and ``harness run --shard I/N`` runs shard ``I`` of
-    the plan for ``shards=N``: both call this one function, so the shard a job runs is the
-    shard that was planned. More shards than cases (at least one shard) would only add empty
-    jobs, and an unbounded count costs memory in proportion. Raises ``PlanError``.
-    """
+    """The plan of one suite: ``owned`` (its cases with their entries) estimated from the
+    recorded ``durations`` (default: :func:`default_durations_path`, empty when absent; a
+    file named here must exist) and partitioned by :func:`plan`. ``harness matrix`` and
+    ``harness run --shard I/N`` both plan with it, so a job runs the shard that was planned.
+    More shards than cases is a ``PlanError`` (they would only add empty jobs)."""
     if shards is not None and shards > max(1, len(owned)):
         raise PlanError(
             f"{shards} shards for suite {manifest.suite!r} of {len(owned)} case(s): "

@@ -122,14 +122,11 @@ def worker_count(
     requested: int | None = None,
 ) -> int:
     """xdist workers for running ``cases``, sized so that the run's own cases do not wait
-    for each other's leases: at most ``slots // (most ranks of a case)`` (slots:
-    ``--harness-max-procs``, else the CPUs this process may use) and, on accelerators,
-    ``leasable cards // (most cards of a case)``, counting only the cases that are not
-    *wide* (launched on more than half the slots, or needing more than half the cards)
-    when there are any: one 8-rank case does not make a 4-slot run serial; it waits for its
-    lease (first come, first served) and the launch plugin routes launched cases to as few
-    workers as can hold them. Never more than there are cases, never fewer than one.
-    ``requested`` (``--workers``) wins."""
+    for each other's leases: ``slots // (most ranks of a case)`` (slots:
+    ``--harness-max-procs``, else the CPUs) and, on accelerators, at most ``leasable cards
+    // (most cards of a case)``, not counting *wide* cases (launched on more than half the
+    slots, or needing more than half the cards), which wait for their lease. Between one and
+    the number of cases; ``requested`` (``--workers``) wins."""
     if requested:
         return max(1, requested)
     slots = _slots(pytest_args)
@@ -158,12 +155,8 @@ def _default_out(root: Path, suite: str, shard: tuple[int, int] | None) -> Path:
 
 
 def load_suite(root: Path, suite: str, command: str) -> tuple[str, SuiteInventory] | None:
-    """The name and inventory of one suite, or None after printing why it cannot be planned.
-
-    ``suite`` is a suite name or a manifest path. Ownership of files is the
-    inventory job's business: only problems that make this suite unplannable
-    or unrunnable count here.
-    """
+    """The name and inventory of ``suite`` (a name or a manifest path), or None after printing
+    why it cannot be planned (problems of file ownership are ``harness inventory``'s)."""
     name = suite_name(suite)
     inv = build_inventory(root, [suite], check_ownership=False)
     # A test file that fails to import is reported by the run, as that entry's failure; a
@@ -193,12 +186,8 @@ def plan_cases(
     durations: Path | None,
     shard: tuple[int, int] | None,
 ) -> list[tuple[CollectedCase, Entry]]:
-    """The cases of one shard (all of ``owned`` when ``shard`` is None), in collection order.
-
-    The suite is planned by :func:`harness.suites.plan.plan_suite`, the function ``harness
-    matrix`` plans with (``--shards N`` for a shard ``I/N``), so a suite the matrix refuses (a
-    case or a shard over its runner's budget) is refused here too: ``PlanError``.
-    """
+    """The cases of one shard (all of ``owned`` when ``shard`` is None), in collection order,
+    planned as ``harness matrix`` plans (``PlanError`` where the matrix refuses the suite)."""
     result = plan_suite(root, m, owned, durations=durations, shards=shard[1] if shard else None)
     if shard is None:
         return list(owned)
@@ -218,15 +207,10 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 class _Stop:
-    """The stop signals of a whole ``harness run``, from its start to its summary.
-
-    A signal is recorded and passed on to the running pytest as SIGINT (as a terminal's
-    Ctrl-C would be: pytest stops its workers and ranks and writes its reports); with no
-    pytest running it is acted on when the phase in progress (the in-process inventory)
-    ends, or at once, with ``KeyboardInterrupt``, on a second signal. A second signal
-    while pytest winds down stops its process tree at once. pytest runs in its own
-    process group, so a Ctrl-C to the harness's group reaches it once, through here.
-    """
+    """The stop signals of a whole ``harness run``: passed on to the running pytest as SIGINT
+    (its own process group: a Ctrl-C to ours reaches it once, through here), which stops its
+    workers and ranks and reports; with no pytest running, acted on when the inventory ends,
+    or at once on a second signal. A second signal stops pytest's process tree at once."""
 
     def __init__(self) -> None:
         self.signum: int | None = None

@@ -358,16 +358,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def _message(report: pytest.CollectReport | pytest.TestReport) -> str:
     """The first line of what went wrong (a failure) or why (a skip), at most 200 characters."""
     longrepr = report.longrepr
-    if isinstance(longrepr, tuple) and len(longrepr) == 3:  # a skip: (path, line, reason)
-        text = str(longrepr[2]).removeprefix("Skipped: ")
-    else:
-        crash = getattr(longrepr, "reprcrash", None)
-        text = crash.message if crash is not None else str(longrepr or "")
-        if crash is None and text:
-            errors = [ln[1:].strip() for ln in text.splitlines() if ln.startswith("E ")]
-            text = errors[-1] if errors else text.strip().splitlines()[-1]
     if getattr(report, "wasxfail", None) is not None and report.skipped:
         text = f"xfail: {report.wasxfail}" if report.wasxfail else "xfail"
+    elif isinstance(longrepr, tuple) and len(longrepr) == 3:  # a skip: (path, line, reason)
+        text = str(longrepr[2]).removeprefix("Skipped: ")
+    elif (crash := getattr(longrepr, "reprcrash", None)) is not None:
+        text = crash.message
+    else:  # a bare text: its last "E " line, else its last line
+        lines = str(longrepr or "").strip().splitlines() or [""]
+        text = next((ln[1:] for ln in reversed(lines) if ln.startswith("E ")), lines[-1])
     return (text.strip().splitlines() or [""])[0][:200]
 
 
