@@ -42,12 +42,6 @@ def passed_seconds(out_dir: Path) -> tuple[str, dict[str, float]]:
     of the cases that ran (see the module docstring)."""
     doc = json.loads((out_dir / "plan.json").read_text(encoding="utf-8"))
     nodeids = [c[0] for c in doc["cases"]]
-    # junit.xml (an earlier harness left per-group junit-N.xml files beside it).
-    junits = (
-        [out_dir / "junit.xml"]
-        if (out_dir / "junit.xml").is_file()
-        else sorted(out_dir.glob("junit-*.xml"))
-    )
     # The JUnit names carry the run's --junit-prefix (summary.json records it).
     summary = out_dir / "summary.json"
     prefix = (
@@ -56,7 +50,7 @@ def passed_seconds(out_dir: Path) -> tuple[str, dict[str, float]]:
         else ""
     )
     # Only cases pytest reported have a share (a case absent from the JUnit has none).
-    shares = report.read_junit(junits, wall_shares=True)
+    shares = report.read_junit([out_dir / "junit.xml"], wall_shares=True)
     keys = {n: report.junit_key(n, prefix) for n in nodeids}
     return doc["suite"], {n: shares[k].seconds for n, k in keys.items() if k in shares}
 

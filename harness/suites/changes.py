@@ -72,15 +72,6 @@ def _git(root: Path, *args: str) -> tuple[str | None, str]:
     return None, f"git {args[0]}: {error}"
 
 
-def git_top(root: Path) -> tuple[Path | None, str]:
-    """The top folder of the git repository ``root`` lies in, and ``""``; or None and what
-    git said (not a repository, no git at all)."""
-    out, why = _git(root, "rev-parse", "--show-toplevel")
-    if out and out.strip():
-        return Path(out.strip()).resolve(), ""
-    return None, why or f"git rev-parse: no top folder for {root}"
-
-
 def in_git_folder(root: Path) -> Path | None:
     """The top of the git repository whose folder (not its top) ``root`` is, found without
     git (a ``.git`` entry in a folder above); None at a repository's top or outside one."""
@@ -99,9 +90,10 @@ def changed_files(root: Path, ref: str) -> tuple[list[str] | None, str]:
     The harness's root may be a folder of the git repository (a monorepo's project): a
     change outside it is given as a path from the root (``../libs/x.py``), and runs every
     entry (:func:`select`): a test may read anything in the repository."""
-    top, why = git_top(root)
-    if top is None:
-        return None, why
+    out, why = _git(root, "rev-parse", "--show-toplevel")
+    if not out or not out.strip():
+        return None, why or f"git rev-parse: no top folder for {root}"
+    top = Path(out.strip()).resolve()
     outer, _ = _git(top, "rev-parse", "--show-superproject-working-tree")
     if outer and outer.strip():
         # What changed in the superproject around it (a library beside it) is not seen here.
@@ -144,16 +136,15 @@ def select(
             # decides how every case runs.
             shown = f if f.isprintable() else repr(f)
             return ChangeSelection(all_ids, True, f"{shown} changed: running every entry")
-    chosen = set()
-    for e in entries:
-        if e.depends_on is None:
-            chosen.add(e.id)
-            continue
-        own = [p.split("::", 1)[0] for p in e.paths]
-        if any(path_matches(f, g) for f in changed for g in (*e.depends_on, *own)):
-            chosen.add(e.id)
-    if not changed:
-        reason = "no file changed"
-    else:
-        reason = f"{len(changed)} changed file(s) select {len(chosen)} of {len(all_ids)} entries"
-    return ChangeSelection(frozenset(chosen), False, reason)
+    chosen = {
+        e.id
+        for e in entries
+        if e.depends_on is None
+        or any(
+            path_matches(f, g)
+            for f in changed
+            for g in (*e.depends_on, *(p.split("::", 1)[0] for p in e.paths))
+        )
+    }
+    reason = f"{len(changed)} changed file(s) select {len(chosen)} of {len(all_ids)} entries"
+    return ChangeSelection(frozenset(chosen), False, reason if changed else "no file changed")

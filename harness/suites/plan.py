@@ -1,17 +1,11 @@
 """Shard planning: partition a suite's cases onto CI runners, balanced by duration.
 
-Durations come from a recorded file (``harness run --durations-out FILE``;
-``suites/durations/<suite>.json`` is used when checked in), else from the
-median recorded duration of the case's entry, else from the entry's
-``estimated_s``. Cases are placed longest-first, each on the least-loaded
-shard whose runner has at least the cards it needs (LPT). With any list
-order, greedy placement keeps the longest shard within ``mean + longest case``
-of the mean; sorting longest-first makes the last placements small, so the
-imbalance falls as cases get finer.
-
-The partition for ``N`` shards is a pure function of the cases, their
-durations and ``N``: every shard job of a CI matrix recomputes it and picks
-its own shard.
+Durations come from a recorded file (``suites/durations/<suite>.json`` when checked in),
+else the median recorded duration of the case's entry, else the entry's ``estimated_s``.
+Cases are placed longest-first, each on the least-loaded shard whose runner has the cards
+it needs (LPT: the longest shard stays within ``mean + longest case``). The partition for
+``N`` shards is a pure function of the cases, their durations and ``N``: every shard job
+of a CI matrix recomputes it and picks its own shard.
 """
 
 from __future__ import annotations
@@ -272,75 +266,6 @@ def partition(
     return out
 
 
-def _over_budget(
-    shards: Sequence[PlannedShard], limit_s: float | None = None
-) -> list[PlannedShard]:
-    return [s for s in shards if s.load > min(s.runner.budget_s, limit_s or math.inf)]
-
-
-def _check_case_budgets(runners: Sequence[Runner], cases: Sequence[PlannedCase]) -> None:
-    """``PlanError`` naming the first case longer than the budget of every runner that can hold it."""
-    for c in cases:
-        eligible = [r.budget_s for r in runners if r.cards >= c.cards]
-        if eligible and c.seconds > max(eligible):
-            raise PlanError(
-                f"{c.nodeid} is expected to take {c.seconds / 60:.1f} min, over the shard budget of "
-                f"{max(eligible) / 60:.1f} min; split the case or raise the runner's timeout_minutes / budget_minutes"
-            )
-
-
-def _exactly(
-    runners: Sequence[Runner], cases: Sequence[PlannedCase], shards: int, enforce: bool
-) -> list[PlannedShard]:
-    """``shards`` shards; with ``enforce``, ``PlanError`` naming every shard over its runner's budget."""
-    result = partition(cases, runners, shards)
-    over = _over_budget(result)
-    if enforce and over:
-        raise PlanError(
-            "; ".join(
-                f"shard {s.label} is planned at {s.load / 60:.1f} min, over the {s.runner.budget_minutes:.1f}-min "
-                f"budget of runner {s.runner.name} (timeout {s.runner.timeout_minutes} min)"
-                for s in over
-            )
-            + "; use more shards"
-        )
-    return result
-
-
-def _fewest(
-    suite: str,
-    runners: Sequence[Runner],
-    cases: Sequence[PlannedCase],
-    target_minutes: float | None,
-    enforce: bool,
-) -> list[PlannedShard]:
-    """The fewest shards each within its runner's budget and ``target_minutes``."""
-    if target_minutes is not None and not (
-        is_real(target_minutes) and 0 < target_minutes < math.inf
-    ):
-        raise PlanError(
-            f"--target-minutes must be a positive, finite number of minutes; got {target_minutes!r}"
-        )
-    limit = target_minutes * 60.0 if target_minutes is not None else None
-    if limit is not None:
-        for c in cases:
-            if c.seconds > limit:
-                raise PlanError(
-                    f"{c.nodeid} alone takes {c.seconds / 60:.1f} min, over --target-minutes {target_minutes}"
-                )
-    total = sum(c.seconds for c in cases)
-    cap = min(limit or math.inf, max(r.budget_s for r in runners))
-    n = max(1, math.ceil(total / cap) if cap > 0 else 1)
-    while True:
-        result = partition(cases, runners, n)
-        if not _over_budget(result, limit) or n >= max(1, len(cases)):
-            break
-        n += 1
-    if enforce and _over_budget(result, limit):
-        raise PlanError(f"cannot fit suite {suite} within the budget even with one case per shard")
-    return result
-
-
 def plan(
     suite: str,
     runners: Sequence[Runner],
@@ -362,12 +287,51 @@ def plan(
     """
     if shards is not None and target_minutes is not None:
         raise PlanError("give --shards or --target-minutes, not both")
+    if target_minutes is not None and not (
+        is_real(target_minutes) and 0 < target_minutes < math.inf
+    ):
+        raise PlanError(
+            f"--target-minutes must be a positive, finite number of minutes; got {target_minutes!r}"
+        )
     runners = sorted(runners, key=lambda r: r.cards)
-    if enforce_budget:
-        _check_case_budgets(runners, cases)
+    limit = target_minutes * 60.0 if target_minutes is not None else math.inf
+    for c in cases if enforce_budget else ():
+        eligible = [r.budget_s for r in runners if r.cards >= c.cards]
+        if eligible and c.seconds > max(eligible):
+            raise PlanError(
+                f"{c.nodeid} is expected to take {c.seconds / 60:.1f} min, over the shard budget of "
+                f"{max(eligible) / 60:.1f} min; split the case or raise the runner's timeout_minutes / budget_minutes"
+            )
+    for c in cases:
+        if c.seconds > limit:
+            raise PlanError(
+                f"{c.nodeid} alone takes {c.seconds / 60:.1f} min, over --target-minutes {target_minutes}"
+            )
+
+    def over(result: list[PlannedShard]) -> list[PlannedShard]:
+        return [s for s in result if s.load > min(s.runner.budget_s, limit)]
+
     if shards is not None:
-        return Plan(suite, _exactly(runners, cases, shards, enforce_budget))
-    return Plan(suite, _fewest(suite, runners, cases, target_minutes, enforce_budget))
+        result = partition(cases, runners, shards)
+        if enforce_budget and over(result):
+            raise PlanError(
+                "; ".join(
+                    f"shard {s.label} is planned at {s.load / 60:.1f} min, over the "
+                    f"{s.runner.budget_minutes:.1f}-min budget of runner {s.runner.name} "
+                    f"(timeout {s.runner.timeout_minutes} min)"
+                    for s in over(result)
+                )
+                + "; use more shards"
+            )
+        return Plan(suite, result)
+    # The fewest shards each within its runner's budget and the target.
+    cap = min(limit, max(r.budget_s for r in runners))
+    n = max(1, math.ceil(sum(c.seconds for c in cases) / cap) if cap > 0 else 1)
+    while over(result := partition(cases, runners, n)) and n < max(1, len(cases)):
+        n += 1
+    if enforce_budget and over(result):
+        raise PlanError(f"cannot fit suite {suite} within the budget even with one case per shard")
+    return Plan(suite, result)
 
 
 def plan_suite(
@@ -379,16 +343,11 @@ def plan_suite(
     shards: int | None = None,
     target_minutes: float | None = None,
 ) -> Plan:
-    """The plan of one suite: ``owned`` (its cases with their entries, as the inventory
-    found them) estimated from the recorded ``durations`` (default: the checked-in
-    :func:`default_durations_path`, empty when absent; a file named here must exist) and
-    partitioned by :func:`plan`.
-
-    ``harness matrix`` prints this plan and ``harness run --shard I/N`` runs shard ``I`` of
-    the plan for ``shards=N``: both call this one function, so the shard a job runs is the
-    shard that was planned. More shards than cases (at least one shard) would only add empty
-    jobs, and an unbounded count costs memory in proportion. Raises ``PlanError``.
-    """
+    """The plan of one suite: ``owned`` (its cases with their entries) estimated from the
+    recorded ``durations`` (default: :func:`default_durations_path`, empty when absent; a
+    file named here must exist) and partitioned by :func:`plan`. ``harness matrix`` and
+    ``harness run --shard I/N`` both plan with it, so a job runs the shard that was planned.
+    More shards than cases is a ``PlanError`` (they would only add empty jobs)."""
     if shards is not None and shards > max(1, len(owned)):
         raise PlanError(
             f"{shards} shards for suite {manifest.suite!r} of {len(owned)} case(s): "

@@ -1,19 +1,15 @@
 """Results of ``harness run``: each planned case's outcome, summarised per entry.
 
-Outcomes come from what the selection plugin recorded inside the pytest run, by node id
-(:func:`results_from_records`): ``passed`` (its call and its teardown passed),
-``failed``, ``skipped`` (xfail included), ``deselected`` (by pytest's own ``-k`` / ``-m`` /
-``--lf`` / ``--deselect`` / ``--ignore``), ``not run`` (collected, but the run stopped before
-it finished: ``-x``, ``--maxfail``, ``--collect-only``, ``--setup-only``, an interrupt, the
-runner's timeout) and ``missing`` (never collected, or collected and never reported by a run
-that did not stop: a failure). A case whose pytest process died on its own while running it
-failed. A file that fails to import fails each planned case in it.
+Outcomes come from what the selection plugin recorded inside the pytest run
+(:func:`results_from_records`): ``passed`` (its call and its teardown passed), ``failed``,
+``skipped`` (xfail included), ``deselected`` (by pytest's own options, or outside the
+paths given), ``not run`` (the run stopped before it finished: ``-x``, ``--maxfail``,
+``--collect-only``, ``--setup-only``, an interrupt, the runner's timeout) and ``missing``
+(never collected, or never reported by a run that did not stop: a failure).
 
-JUnit XML is an output: pytest's own file, which :func:`complete_junit` completes with the
-planned cases it lacks. :func:`read_junit` and :func:`junit_key` read it back (with
-``junitparser``) for tools that only have the XML (``scripts/refresh_durations.py``,
-``.ci/run``): pytest names a ``testcase`` by ``classname`` (the node id's path with ``/`` ->
-``.`` and no ``.py``, plus any classes) and ``name`` (the function with its parameters).
+JUnit XML is an output: pytest's own file, which :func:`complete_junit` completes with
+the planned cases it lacks. :func:`read_junit` and :func:`junit_key` read it back for
+tools that only have the XML (``scripts/refresh_durations.py``, ``.ci/run``).
 """
 
 from __future__ import annotations
@@ -22,6 +18,7 @@ import re
 import xml.etree.ElementTree as ET
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
+from itertools import count
 from pathlib import Path
 
 from junitparser import Error, Failure, JUnitXml, Skipped, TestCase, TestSuite
@@ -158,11 +155,9 @@ def results_from_records(
 ) -> dict[str, CaseRow]:
     """Each planned node id's result (see the module docstring) from one pytest run's records.
 
-    ``halted`` says why ``harness run`` stopped that pytest itself (a stop signal, the
-    runner's timeout), ``""`` when it did not. A case that started and never finished is
-    ``not run`` when the run was stopped (by ``harness run``, an interrupt, ``pytest.exit``),
-    and ``failed`` when its pytest process died on its own while running it, or ended without
-    reporting it (an xdist worker that could not send its report); never ``passed``.
+    ``halted``: why ``harness run`` stopped that pytest itself (``""``: it did not). A case
+    that started and never finished is ``not run`` when the run was stopped (by ``harness
+    run``, an interrupt, ``pytest.exit``), else ``failed``; never ``passed``.
     """
     opts = records.options
     outcomes = [_phases(phases)[0] for phases in records.reports.values()]
@@ -171,14 +166,8 @@ def results_from_records(
     # A case left unfinished by a pytest that went on to exit (pytest.exit in it) stopped
     # the run there: the cases after it are not run, as after -x.
     exited_in_a_case = UNFINISHED in outcomes and bool(records.interrupted)
-    stopped = (
-        bool(halted)
-        or bool(records.interrupted)
-        or bool(records.stopped)
-        or bool(opts.get("collectonly"))
-        or bool(opts.get("setuponly"))
-        or (0 < maxfail <= failures)
-        or (records.finish is not None and records.finish == 2)
+    stopped = any((halted, records.interrupted, records.stopped, opts.get("collectonly"))) or (
+        opts.get("setuponly") or 0 < maxfail <= failures or records.finish == 2
     )
     why_stopped = (
         halted
@@ -187,8 +176,10 @@ def results_from_records(
         or (f"{records.interrupted} during a case" if exited_in_a_case else "")
         or records.interrupted
     )
-    # The planned cases the caller's paths leave out (None: not known, under --pyargs).
-    outside = None if opts.get("outside") is None else set(opts["outside"])
+    # Whether pytest's collection is known to have finished: what it lacks, it never will have.
+    collected_all = records.collection_finished or (
+        records.collection_ended and records.finish in (0, 1, 5)
+    )
     out = {}
     for n in nodeids:
         if n in records.reports:
@@ -200,33 +191,19 @@ def results_from_records(
             elif stopped:
                 why = f" ({why_stopped})" if why_stopped else ""
                 out[n] = CaseRow(n, "not run", 0.0, f"the run stopped during its {message}{why}")
-            elif records.finish is None:
-                out[n] = CaseRow(
-                    n, "failed", seconds, f"its pytest process died during its {message}"
+            else:  # its process died, or an xdist worker could not send its report
+                how = (
+                    "its pytest process died during"
+                    if records.finish is None
+                    else f"pytest ended (exit status {records.finish}) without reporting"
                 )
-            else:  # an xdist worker that could not send its report (it crashed), say
-                out[n] = CaseRow(
-                    n,
-                    "failed",
-                    seconds,
-                    f"pytest ended (exit status {records.finish}) without reporting its {message}",
-                )
+                out[n] = CaseRow(n, "failed", seconds, f"{how} its {message}")
         elif n in records.deselected:
             out[n] = CaseRow(n, "deselected")
         elif (broken := _collect_problem(n, records.collect)) is not None:
             out[n] = CaseRow(n, broken[0], 0.0, broken[1])
-        elif n.partition("::")[0] in records.last_failed_skipped:
-            out[n] = CaseRow(
-                n, "deselected", 0.0, "--last-failed: its file had no failure to rerun"
-            )
-        elif (
-            opts.get("narrowed")
-            and n not in records.collected
-            # Outside the paths given whatever pytest collected (a name it did not find
-            # ended its collection, say); under --pyargs only a finished collection tells.
-            and (n in outside if outside is not None else records.collection_finished)
-        ):
-            out[n] = CaseRow(n, "deselected", 0.0, "not among the paths and node ids given")
+        elif opts.get("narrowed") and n not in records.collected and collected_all:
+            out[n] = CaseRow(n, "deselected", 0.0, "not among the paths given, or --lf's")
         elif stopped and (n in records.collected or not records.collected):
             out[n] = CaseRow(n, "not run", 0.0, why_stopped)
         else:
@@ -303,94 +280,55 @@ def summarize(
     """Per-entry rows, in first-seen entry order, from ``(nodeid, entry id, cards)`` and results."""
     rows: dict[str, dict[str, float]] = {}
     for nodeid, entry, cards in planned:
-        r = rows.setdefault(
-            entry, {"cases": 0, "cards": 0, "seconds": 0.0, **dict.fromkeys(OUTCOMES, 0)}
-        )
+        r = rows.setdefault(entry, dict.fromkeys(("cases", "cards", "seconds", *OUTCOMES), 0))
         res = results.get(nodeid, CaseRow(nodeid, "missing"))
         r["cases"] += 1
         r[res.outcome] += 1
         r["cards"] = max(r["cards"], cards)
         r["seconds"] += res.seconds
-    return [
-        EntryRow(
-            e,
-            int(r["cases"]),
-            int(r["passed"]),
-            int(r["failed"]),
-            int(r["skipped"]),
-            int(r["missing"]),
-            int(r["cards"]),
-            round(r["seconds"], 2),
-            int(r["deselected"]),
-            int(r["not run"]),
-        )
-        for e, r in rows.items()
-    ]
+    return [_row(e, r) for e, r in rows.items()]
+
+
+def _row(entry: str, r: Mapping[str, float]) -> EntryRow:
+    counts = {k.replace(" ", "_"): int(v) for k, v in r.items() if k != "seconds"}
+    return EntryRow(entry, seconds=round(r["seconds"], 2), **counts)
 
 
 def totals(rows: Sequence[EntryRow]) -> EntryRow:
     """The sum of ``rows`` (cards: the most any entry needs)."""
-    return EntryRow(
-        "total",
-        sum(r.cases for r in rows),
-        sum(r.passed for r in rows),
-        sum(r.failed for r in rows),
-        sum(r.skipped for r in rows),
-        sum(r.missing for r in rows),
-        max((r.cards for r in rows), default=0),
-        round(sum(r.seconds for r in rows), 2),
-        sum(r.deselected for r in rows),
-        sum(r.not_run for r in rows),
-    )
+    total = {
+        k: sum(getattr(r, k.replace(" ", "_")) for r in rows)
+        for k in ("cases", "seconds", *OUTCOMES)
+    }
+    return _row("total", {**total, "cards": max((r.cards for r in rows), default=0)})
+
+
+#: The summary table's columns: header and ``EntryRow`` field.
+_COLUMNS = (
+    ("entry", "entry"), ("cases", "cases"), ("passed", "passed"), ("failed", "failed"),
+    ("skipped", "skipped"), ("missing", "missing"), ("cards", "cards"), ("time (s)", "seconds"),
+    ("deselected", "deselected"), ("not run", "not_run"),
+)  # fmt: skip
 
 
 def render(rows: Sequence[EntryRow], title: str, wall_s: float | None = None) -> str:
     """A Markdown table (readable as plain text too) with a total line."""
-    head = (
-        "entry",
-        "cases",
-        "passed",
-        "failed",
-        "skipped",
-        "missing",
-        "cards",
-        "time (s)",
-        "deselected",
-        "not run",
-    )
-    body = [
-        (
-            r.entry,
-            r.cases,
-            r.passed,
-            r.failed,
-            r.skipped,
-            r.missing,
-            r.cards,
-            f"{r.seconds:.1f}",
-            r.deselected,
-            r.not_run,
-        )
+    cells = [[h for h, _ in _COLUMNS]] + [
+        [f"{v:.1f}" if f == "seconds" else str(v) for _, f in _COLUMNS for v in [getattr(r, f)]]
         for r in (*rows, totals(rows))
     ]
-    cells = [tuple(map(str, head)), *[tuple(map(str, b)) for b in body]]
-    widths = [max(len(c[i]) for c in cells) for i in range(len(head))]
+    widths = [max(len(c[i]) for c in cells) for i in range(len(_COLUMNS))]
 
     def line(c: Sequence[str]) -> str:
         return (
             "| "
-            + " | ".join(
-                x.ljust(w) if i == 0 else x.rjust(w)
-                for i, (x, w) in enumerate(zip(c, widths, strict=True))
-            )
+            + " | ".join(x.rjust(w) if i else x.ljust(w) for i, x, w in zip(count(), c, widths))
             + " |"
         )
 
     sep = (
         "|"
-        + "|".join(
-            ("-" * (w + 2)) if i == 0 else ("-" * (w + 1) + ":") for i, w in enumerate(widths)
-        )
+        + "|".join("-" * (w + 1) + ":" if i else "-" * (w + 2) for i, w in enumerate(widths))
         + "|"
     )
     out = [f"### {title}", "", line(cells[0]), sep, *(line(c) for c in cells[1:])]
@@ -399,53 +337,30 @@ def render(rows: Sequence[EntryRow], title: str, wall_s: float | None = None) ->
     return "\n".join(out) + "\n"
 
 
-def failures(results: Mapping[str, CaseRow], limit: int = 30) -> str:
-    """The failed and missing cases, one per line (at most ``limit``), for the log."""
+def failures(results: Mapping[str, CaseRow]) -> str:
+    """The failed and missing cases, one per line, for the log."""
     bad = [r for r in results.values() if r.outcome in ("failed", "missing")]
-    return _bullets(
-        [f"- {r.outcome}: `{r.nodeid}`" + (f" — {r.message}" if r.message else "") for r in bad],
-        limit,
-        "more",
+    return bullets(
+        [f"{r.outcome}: `{r.nodeid}`" + (f" — {r.message}" if r.message else "") for r in bad]
     )
 
 
-def unplanned(nodeids: Iterable[str], suite: str, limit: int = 30) -> str:
-    """The cases the caller's paths collected that no entry of ``suite`` holds, one per line
-    (at most ``limit``): pytest alone would have run them."""
-    return _bullets(
-        [
-            f"- not in suite {suite}, not run: `{n}` (collected under the paths given to pytest; "
-            "`harness inventory` says whether an entry of any suite owns it)"
-            for n in sorted(nodeids)
-        ],
-        limit,
-        f"more not in suite {suite}",
-    )
+#: Why cases pytest collected were not run: the suite does not hold them (``suite``), or
+#: pytest collected them only with the arguments given to it (``beyond``).
+NOT_RUN = {
+    "suite": "not in suite {suite}, not run: `{n}` (collected under the paths given to pytest; "
+    "`harness inventory` says whether an entry of any suite owns it)",
+    "beyond": "not planned, not run: `{n}` (pytest collected it only with the arguments given "
+    "to it, after `--` or in PYTEST_ADDOPTS; the suite's inventory collects without them: "
+    "collect it always, and skip it unless your option is given, as pytest's --runslow "
+    "recipe does)",
+}
 
 
-def beyond(nodeids: Iterable[str], limit: int = 30) -> str:
-    """The cases pytest collected only with the arguments given to it, one per line (at most
-    ``limit``): the suite's inventory collects without them, so no plan holds them."""
-    return _bullets(
-        [
-            f"- not planned, not run: `{n}` (pytest collected it only with the arguments given "
-            "to it, after `--` or in PYTEST_ADDOPTS; the suite's inventory collects without "
-            "them: collect it always, and skip it unless your option is given, as pytest's "
-            "--runslow recipe does)"
-            for n in sorted(nodeids)
-        ],
-        limit,
-        "more not planned",
-    )
-
-
-def _bullets(lines: Sequence[str], limit: int, more: str) -> str:
-    """The first ``limit`` of ``lines``, then "- ... and N {more}" for the rest; each line
-    ends with a newline ("" for none)."""
-    shown = list(lines[:limit])
-    if len(lines) > limit:
-        shown.append(f"- ... and {len(lines) - limit} {more}")
-    return "".join(f"{line}\n" for line in shown)
+def bullets(lines: Sequence[str], limit: int = 30) -> str:
+    """Markdown bullets of the first ``limit`` of ``lines``, then "- ... and N more"."""
+    more = [f"... and {len(lines) - limit} more"] if len(lines) > limit else []
+    return "".join(f"- {line}\n" for line in [*lines[:limit], *more])
 
 
 def write_summary_json(

@@ -1,34 +1,27 @@
 """``harness run``: run a suite's planned cases through pytest and the harness plugin.
 
-The suite is inventoried in-process (collect only), planned and cut to the
-requested shard, narrowed by ``--changed-from``, then run in ONE pytest subprocess
-with xdist workers sized to the cards (accelerator suites) or process slots (cpu)
-this host can lease, and ``-p harness.suites.selection`` so that exactly the planned
-cases run, each under its entry's ``timeout_s`` (pytest-timeout's ``timeout`` marker,
-added per case), and their outcomes are recorded by node id. Accelerator suites pass
-``--harness-require DEVICE``: a runner without cards goes red, not green.
+The suite is inventoried in-process (collect only) and planned as ``harness matrix``
+plans it: a shard ``I/N`` is cut from the whole suite, then ``--changed-from`` narrows
+it. The cases run in ONE pytest subprocess (its own process group; the project's
+configuration pinned with ``-c``; with autoloading off, the plugins the harness needs
+loaded with ``-p``) with xdist workers sized to the cards or process slots this host can
+lease, and ``-p harness.suites.selection``, which keeps exactly the planned cases, gives
+each its entry's ``timeout_s`` and records their outcomes. Accelerator suites pass
+``--harness-require DEVICE``: a runner without cards goes red, not green. The run is
+bounded by its runner's ``timeout_minutes`` only in CI (``CI`` set) or by
+``--timeout-minutes M``. SIGINT / SIGTERM / SIGHUP stop the whole run: pytest is
+interrupted, then its tree is terminated and killed; the partial summary is written and
+the exit code is 128 + the signal number.
 
-The suite is planned as ``harness matrix`` plans it: a shard ``I/N`` is cut
-from the whole suite before ``--changed-from`` narrows it. pytest gets the
-project's configuration file by name (``-c``; a space-separated option value
-after ``--`` cannot make it look elsewhere) and, with plugin autoloading off,
-the plugins the harness needs (``-p``). Workers are sized so the run's own
-cases never wait for each other's leases. The run is bounded by its runner's
-``timeout_minutes`` only in CI (``CI`` set) or by ``--timeout-minutes M``.
-SIGINT / SIGTERM / SIGHUP (or Ctrl-C to the group) stop the whole run: pytest (in
-its own process group) is interrupted, then its tree is terminated and killed; the
-partial summary is written and the exit code is 128 + the signal number.
-
-Outputs, in ``--out`` (default ``out/harness/<suite>[-<i>of<n>]``):
-``junit.xml``, ``summary.md``, ``summary.json``, ``plan.json``; the summary
-table also goes to stdout and, when set, ``$GITHUB_STEP_SUMMARY``. One run at a
-time writes a folder (:func:`claim_out`): a second one is refused, naming the first.
+Outputs, in ``--out`` (default ``out/harness/<suite>[-<i>of<n>]``): ``junit.xml``,
+``summary.md``, ``summary.json``, ``plan.json``; the summary table also goes to stdout
+and, when set, ``$GITHUB_STEP_SUMMARY``. One run at a time writes a folder
+(:func:`claim_out`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import errno
 import fcntl
 import importlib.util
 import os
@@ -87,13 +80,6 @@ def _print(msg: str) -> None:
     print(f"harness: {msg}", flush=True)
 
 
-def _cpu_slots() -> int:
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:  # not on Linux
-        return max(1, os.cpu_count() or 1)
-
-
 def option_values(args: Sequence[str], names: Sequence[str]) -> list[str | None]:
     """Every occurrence in pytest arguments ``args`` of an option in ``names``, in
     order: its value (``--opt V``, ``--opt=V``, ``-nV``), or ``None`` when given
@@ -121,10 +107,12 @@ def leasable_cards(device: str) -> int:
 
 def _slots(pytest_args: Sequence[str]) -> int:
     """Process slots the launch plugin will lease: ``--harness-max-procs``, else the CPUs."""
+    from harness.launcher.settings import cpu_count
+
     given = option_values(pytest_args, [names.OPT_MAX_PROCS])
     if given and given[-1] and given[-1].isdigit():
         return max(1, int(given[-1]))
-    return _cpu_slots()
+    return max(1, cpu_count())
 
 
 def worker_count(
@@ -134,14 +122,11 @@ def worker_count(
     requested: int | None = None,
 ) -> int:
     """xdist workers for running ``cases``, sized so that the run's own cases do not wait
-    for each other's leases: at most ``slots // (most ranks of a case)`` (slots:
-    ``--harness-max-procs``, else the CPUs this process may use) and, on accelerators,
-    ``leasable cards // (most cards of a case)``, counting only the cases that are not
-    *wide* (launched on more than half the slots, or needing more than half the cards)
-    when there are any: one 8-rank case does not make a 4-slot run serial; it waits for its
-    lease (first come, first served) and the launch plugin routes launched cases to as few
-    workers as can hold them. Never more than there are cases, never fewer than one.
-    ``requested`` (``--workers``) wins."""
+    for each other's leases: ``slots // (most ranks of a case)`` (slots:
+    ``--harness-max-procs``, else the CPUs) and, on accelerators, at most ``leasable cards
+    // (most cards of a case)``, not counting *wide* cases (launched on more than half the
+    slots, or needing more than half the cards), which wait for their lease. Between one and
+    the number of cases; ``requested`` (``--workers``) wins."""
     if requested:
         return max(1, requested)
     slots = _slots(pytest_args)
@@ -170,12 +155,8 @@ def _default_out(root: Path, suite: str, shard: tuple[int, int] | None) -> Path:
 
 
 def load_suite(root: Path, suite: str, command: str) -> tuple[str, SuiteInventory] | None:
-    """The name and inventory of one suite, or None after printing why it cannot be planned.
-
-    ``suite`` is a suite name or a manifest path. Ownership of files is the
-    inventory job's business: only problems that make this suite unplannable
-    or unrunnable count here.
-    """
+    """The name and inventory of ``suite`` (a name or a manifest path), or None after printing
+    why it cannot be planned (problems of file ownership are ``harness inventory``'s)."""
     name = suite_name(suite)
     inv = build_inventory(root, [suite], check_ownership=False)
     # A test file that fails to import is reported by the run, as that entry's failure; a
@@ -205,12 +186,8 @@ def plan_cases(
     durations: Path | None,
     shard: tuple[int, int] | None,
 ) -> list[tuple[CollectedCase, Entry]]:
-    """The cases of one shard (all of ``owned`` when ``shard`` is None), in collection order.
-
-    The suite is planned by :func:`harness.suites.plan.plan_suite`, the function ``harness
-    matrix`` plans with (``--shards N`` for a shard ``I/N``), so a suite the matrix refuses (a
-    case or a shard over its runner's budget) is refused here too: ``PlanError``.
-    """
+    """The cases of one shard (all of ``owned`` when ``shard`` is None), in collection order,
+    planned as ``harness matrix`` plans (``PlanError`` where the matrix refuses the suite)."""
     result = plan_suite(root, m, owned, durations=durations, shards=shard[1] if shard else None)
     if shard is None:
         return list(owned)
@@ -230,31 +207,21 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 class _Stop:
-    """The stop signals of a whole ``harness run``, from its start to its summary.
-
-    A signal is recorded and passed on to the running pytest as SIGINT (as a
-    terminal's Ctrl-C would be: pytest stops its workers and ranks and writes
-    its reports); with no pytest running it is acted on when the phase in
-    progress (the in-process inventory) ends, or at once, with
-    ``KeyboardInterrupt``, on a second signal. A second signal while pytest
-    winds down stops its process tree at once. pytest runs in its own
-    process group, so a Ctrl-C to the harness's group reaches it once, through here.
-    """
+    """The stop signals of a whole ``harness run``: passed on to the running pytest as SIGINT
+    (its own process group: a Ctrl-C to ours reaches it once, through here), which stops its
+    workers and ranks and reports; with no pytest running, acted on when the inventory ends,
+    or at once on a second signal. A second signal stops pytest's process tree at once."""
 
     def __init__(self) -> None:
         self.signum: int | None = None
         self.child: subprocess.Popen[bytes] | None = None
-        #: Exists once the running pytest's session has started (``selection.started_marker``).
-        self.started: Path | None = None
         self.tree: dict[int, psutil.Process] = {}
         #: While planning (the in-process inventory) a second signal raises.
         self.planning = True
         self._previous: dict[int, Any] = {}
 
     def __enter__(self) -> _Stop:
-        if (
-            threading.current_thread() is threading.main_thread()
-        ):  # only there can Python handle signals
+        if threading.current_thread() is threading.main_thread():  # only there are signals
             for s in STOP_SIGNALS:
                 self._previous[s] = signal.signal(s, self._handle)
         return self
@@ -273,24 +240,20 @@ class _Stop:
         self.snapshot()
         if again:
             _stop_tree(list(self.tree.values()))
-            return
-        self.interrupt()
+        else:
+            self.interrupt()
 
     def interrupt(self) -> None:
-        """Stop the running pytest: SIGINT to its group once its session has started
-        (it stops its workers and ranks and reports); before that nothing ran and
-        there is nothing to report, and an interrupt would only print a traceback
-        from its start-up: SIGKILL to its group."""
+        """SIGINT to the running pytest's process group."""
         assert self.child is not None
-        started = self.started is not None and self.started.exists()
         with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.child.pid, signal.SIGINT if started else signal.SIGKILL)
+            os.killpg(self.child.pid, signal.SIGINT)
 
     def snapshot(self) -> None:
-        """Remember pytest's current process tree (workers, ranks, what tests started):
-        once pytest has exited, orphans can no longer be found through it."""
+        """Remember pytest's current process tree: once pytest has exited, orphans can no
+        longer be found through it."""
         if self.child is not None:
-            for p in _tree(self.child.pid):
+            for p in processes.process_tree(self.child.pid, own_session=False):
                 self.tree.setdefault(p.pid, p)
 
     @property
@@ -303,13 +266,7 @@ class _Stop:
         return signal.Signals(self.signum or signal.SIGINT).name
 
 
-def _tree(pid: int) -> list[psutil.Process]:
-    return processes.process_tree(pid, own_session=False)
-
-
 def _stop_tree(procs: Sequence[psutil.Process]) -> None:
-    """SIGTERM every process of ``procs`` still alive, SIGKILL those left after
-    :data:`KILL_AFTER_S`, and wait for them (bounded)."""
     processes.terminate(procs, grace=KILL_AFTER_S, kill_wait=KILL_AFTER_S)
 
 
@@ -323,13 +280,9 @@ def _descendants() -> set[int]:
 
 
 def _stop_leftovers(spare: set[int]) -> None:
-    """Stop and reap the processes pytest's tree left behind when it ended.
-
-    ``harness run`` is a child subreaper (see :func:`_execute`): a process a plain
-    case started in a session of its own and never stopped comes to it, not to
-    init, once its parents are gone; with pytest waited for, every process still
-    below this one, other than those in ``spare`` (there before the run), is such
-    a leftover."""
+    """Stop and reap the processes pytest's tree left behind: ``harness run`` is a child
+    subreaper (:func:`_execute`), so a process a case started in a session of its own comes
+    to it once its parents are gone; every process below it but ``spare`` is one."""
     left = [
         p
         for p in processes.process_tree(os.getpid(), own_session=False)
@@ -355,34 +308,30 @@ def _reap_children(spare: set[int]) -> None:
                     os.waitpid(child.pid, os.WNOHANG)
 
 
-def _run_pytest(
-    cmd: list[str], budget: Budget | None, stop: _Stop, started: Path
-) -> tuple[int, str]:
+def _run_pytest(cmd: list[str], budget: Budget | None, stop: _Stop) -> tuple[int, str]:
     """Run the pytest subprocess in its own process group, output streaming through.
 
     Past the run's ``budget`` (None: none) its whole process tree is terminated, then
     killed: :data:`TIMED_OUT`. On a stop signal (see :class:`_Stop`) it gets
-    :data:`INTERRUPT_GRACE_S` to stop by itself; whatever of its tree is left
-    then (or outlived it) is terminated, then killed. Returns pytest's exit code and
-    why the run stopped it (``""``: it did not), for the cases it left unfinished.
+    :data:`INTERRUPT_GRACE_S` to stop by itself; whatever of its tree is left then (or
+    outlived it) is terminated, then killed. Returns pytest's exit code and why the run
+    stopped it (``""``: it did not), for the cases it left unfinished.
     """
-    # Its own process group: a Ctrl-C to ours reaches it once, through _Stop.
-    # And it dies with us, even when we are SIGKILLed (then nothing stops it).
     me = os.getpid()
 
     def in_child() -> None:
-        os.setpgrp()
-        processes.die_with_parent(me)
+        os.setpgrp()  # a Ctrl-C to our group reaches it once, through _Stop
+        processes.die_with_parent(me)  # and it dies with us, even when we are SIGKILLed
 
-    started.unlink(missing_ok=True)
-    stop.started = started
     deadline = time.monotonic() + budget.seconds if budget else float("inf")
     # pytest's group is not the terminal's foreground group: reading the terminal would stop
     # it (SIGTTIN) and hang the run. Without one, a breakpoint() or input() under -s ends
     # at once (EOF); --pdb is refused (harness.suites.selection).
-    stdin = subprocess.DEVNULL if _is_terminal(sys.stdin) else None
-    stop.child = subprocess.Popen(cmd, preexec_fn=in_child, stdin=stdin)
-    proc = stop.child
+    try:
+        stdin = subprocess.DEVNULL if os.isatty(sys.stdin.fileno()) else None
+    except (AttributeError, OSError, ValueError):  # no stdin, or not a file
+        stdin = None
+    proc = stop.child = subprocess.Popen(cmd, preexec_fn=in_child, stdin=stdin)
     if stop.signum is not None:  # the signal came between planning and the start
         stop.interrupt()
     try:
@@ -395,14 +344,14 @@ def _run_pytest(
             except subprocess.TimeoutExpired:
                 if time.monotonic() < deadline:
                     continue
-                if stop.signum is None and budget is not None:
+                timed_out = stop.signum is None and budget is not None
+                if timed_out:
                     _print(f"pytest ran past {budget.name}; stopping it")
                 stop.snapshot()
                 _stop_tree(list(stop.tree.values()))
-                proc.wait()
-                if stop.signum is None and budget is not None:
-                    return TIMED_OUT, budget.reason
-                code = proc.returncode
+                code = proc.wait()
+                if timed_out:
+                    return TIMED_OUT, f"stopped at {budget.name}"
                 break
         if stop.signum is not None:
             _stop_tree(list(stop.tree.values()))  # what outlived pytest
@@ -413,19 +362,8 @@ def _run_pytest(
         stop.tree.clear()
 
 
-def _is_terminal(stream: Any) -> bool:
-    """Whether ``stream`` (``sys.stdin``, which may be None or not a file) is a terminal."""
-    try:
-        return os.isatty(stream.fileno())
-    except (AttributeError, OSError, ValueError):
-        return False
-
-
-#: The exit code of a pytest group the runner's timeout stopped (``timeout``'s convention).
+#: The exit code of a pytest the run's budget stopped (``timeout``'s convention).
 TIMED_OUT = 124
-
-
-_TIMEOUT_REASON = "stopped at"
 
 
 @dataclass(frozen=True)
@@ -435,25 +373,14 @@ class Budget:
     seconds: float
     name: str
 
-    @property
-    def reason(self) -> str:
-        """Why the cases the budget stopped did not run (the ``halted`` reason)."""
-        return f"{_TIMEOUT_REASON} {self.name}"
-
-
-def in_ci() -> bool:
-    """Whether this process runs in CI: ``CI`` set (GitHub Actions, GitLab, most CI
-    services set ``CI=true``), other than empty, ``0`` or ``false``."""
-    return os.environ.get("CI", "").strip().lower() not in ("", "0", "false")
-
 
 def run_budget(m: Manifest, minutes: float | None) -> Budget | None:
-    """The run's budget: ``--timeout-minutes`` (``minutes``) when given, else in CI
-    (:func:`in_ci`) its runner's ``timeout_minutes`` (the longest of its runners), else
-    none: a local run is not cut short by a CI job's limit."""
+    """The run's budget: ``--timeout-minutes`` (``minutes``) when given, else in CI (``CI``
+    set, other than empty, ``0`` or ``false``) its runner's ``timeout_minutes`` (the longest
+    of its runners), else none: a local run is not cut short by a CI job's limit."""
     if minutes is not None:
         return Budget(minutes * 60.0, f"--timeout-minutes {minutes:g}")
-    if in_ci():
+    if os.environ.get("CI", "").strip().lower() not in ("", "0", "false"):
         limit = max(r.timeout_minutes for r in m.runners)
         return Budget(limit * 60.0, f"the runner's timeout of {limit:g} min (CI is set)")
     return None
@@ -475,28 +402,26 @@ class _Run:
     manifest: Manifest
     shard: tuple[int, int] | None
     cases: list[Pair]
-    #: Planned cases left out by ``--max-cards``.
-    too_big: list[CollectedCase]
+    too_big: list[CollectedCase]  # left out by --max-cards
     out: Path
     started: float
-    #: The pytest configuration file the inventory found (``None``: none).
-    inipath: Path | None = None
-    #: xdist workers for the run's pytest (:func:`worker_count`).
+    inipath: Path | None = None  # the pytest configuration file the inventory found
     workers: int = 1
-    #: How long the run may take (:func:`run_budget`; None: no bound).
     budget: Budget | None = None
     #: Whether the run plans every case of the suite (no shard, ``--changed-from`` or
     #: ``--max-cards`` left one out).
     whole: bool = True
-    #: Every case the inventory collected, of any suite or none.
-    inventoried: frozenset[str] = frozenset()
-    #: Every case the suite holds, sorted (the run's, and those a shard or a narrowing left
-    #: out).
-    suite_ids: tuple[str, ...] = ()
+    inventoried: frozenset[str] = frozenset()  # every case collected, of any suite or none
+    suite_ids: tuple[str, ...] = ()  # every case the suite holds, other shards' too
 
     @property
     def title(self) -> str:
         return _title(self.manifest.suite, self.shard)
+
+    @property
+    def select_file(self) -> Path:
+        """The planned cases (read by ``harness.suites.selection``)."""
+        return self.out / "select.json"
 
     @property
     def not_here(self) -> str:
@@ -507,20 +432,6 @@ class _Run:
         )
 
 
-def _disables_the_plugin(args: Sequence[str]) -> bool:
-    """Whether ``args`` or ``PYTEST_ADDOPTS`` hold ``-p no:harness`` (pytest itself refuses the
-    run when a configuration file's ``addopts`` does: see ``selection.pytest_configure``)."""
-    tokens = list(args)
-    with contextlib.suppress(ValueError):  # unbalanced quotes: pytest says so
-        tokens += shlex.split(os.environ.get("PYTEST_ADDOPTS", ""))
-    names = {"no:harness", f"no:{selection.LAUNCH_PLUGIN}"}
-    for k, arg in enumerate(tokens):
-        value = tokens[k + 1] if arg == "-p" and k + 1 < len(tokens) else arg[2:]
-        if arg.startswith("-p") and value.strip() in names:
-            return True
-    return False
-
-
 def _plan_run(root: Path, opts: RunOptions, started: float) -> _Run:
     """Phase 1: load the suite, narrow it (``--changed-from``), cut the shard, drop what
     exceeds ``--max-cards``. Raises ``_Refused`` when the suite cannot be planned."""
@@ -528,11 +439,6 @@ def _plan_run(root: Path, opts: RunOptions, started: float) -> _Run:
         shard = parse_shard(opts.shard) if opts.shard is not None else None
     except PlanError as e:
         raise _Refused(f"harness run: {e}") from None
-    if _disables_the_plugin(opts.pytest_args):
-        raise _Refused(
-            f"harness run: -p no:harness disables the pytest plugin the run needs "
-            f"({selection.LAUNCH_PLUGIN}): launched cases would run unlaunched; drop it"
-        )
     loaded = load_suite(root, opts.suite, "run")
     if loaded is None:
         raise _Refused("")
@@ -575,66 +481,43 @@ OUT_LOCK = ".harness-run.lock"
 @contextlib.contextmanager
 def claim_out(out: Path, title: str) -> Iterator[None]:
     """Hold the output folder ``out`` for one run (``title``): an exclusive, non-blocking
-    ``flock`` on its :data:`OUT_LOCK`, released when the run ends however it ends (the kernel
-    drops it with the process). Two runs into one folder would clear, write and read back
-    each other's selection, record and JUnit files: while another run holds it, ``_Refused``
-    names that run and the way out (``--out``)."""
+    ``flock`` on its :data:`OUT_LOCK`, released when the run ends however it ends. Two runs
+    into one folder would clear, write and read back each other's files: while another run
+    holds it, ``_Refused`` names that run and the way out (``--out``)."""
     if out.exists() and not out.is_dir():
         raise _Refused(f"harness run: --out {out} is not a folder")
-    elsewhere = "give the run a folder it can write: --out DIR"
     try:
         out.mkdir(parents=True, exist_ok=True)
+        try:
+            fd = os.open(out / OUT_LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+        except PermissionError:  # another user's lock file: flock needs no write access
+            fd = os.open(out / OUT_LOCK, os.O_RDONLY | os.O_CLOEXEC)
     except OSError as e:
         raise _Refused(
-            f"harness run: cannot make the output folder {out} ({e}); {elsewhere}"
+            f"harness run: cannot make the output folder {out} ({e.strerror}); "
+            "give the run a folder it can write: --out DIR"
         ) from None
-    if not os.access(out, os.W_OK | os.X_OK):  # a read-only file system: EROFS, for root too
-        raise _Refused(f"harness run: cannot write in the output folder {out}; {elsewhere}")
-    try:
-        fd = os.open(out / OUT_LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
-        writable = True
-        with contextlib.suppress(OSError):  # ours: writable for the next user's run too
-            if os.fstat(fd).st_uid == os.geteuid():
-                os.fchmod(fd, 0o666)
-    except PermissionError:
-        # Another user's lock file: flock needs no write access, naming the holder does.
-        fd = os.open(out / OUT_LOCK, os.O_RDONLY | os.O_CLOEXEC)
-        writable = False
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as e:
-            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                # A file system without flock: run unguarded rather than not at all.
-                _print(
-                    f"cannot lock {out / OUT_LOCK} ({e.strerror}); not guarded against another run"
-                )
-            else:
-                holder = _holder(os.pread(fd, 4096, 0).decode("utf-8", "replace").strip())
-                raise _Refused(
-                    f"harness run: the output folder {out} is in use by another run "
-                    f"({holder}); wait for it to end, or give this run "
-                    "a folder of its own: --out DIR"
-                ) from None
-        else:
-            if writable:
-                since = time.strftime("%Y-%m-%d %H:%M:%S %z")
-                os.ftruncate(fd, 0)
-                os.pwrite(fd, f"pid {os.getpid()}: {title}, since {since}\n".encode(), 0)
+        except BlockingIOError:
+            holder = os.pread(fd, 4096, 0).decode("utf-8", "replace").strip() or "starting"
+            raise _Refused(
+                f"harness run: the output folder {out} is in use by another run ({holder}); "
+                "wait for it to end, or give this run a folder of its own: --out DIR"
+            ) from None
+        except OSError as e:  # a file system without flock
+            raise _Refused(
+                f"harness run: cannot lock {out / OUT_LOCK} ({e.strerror}); --out DIR"
+            ) from None
+        with contextlib.suppress(OSError):  # read-only: the holder goes unnamed
+            os.ftruncate(fd, 0)
+            since = time.strftime("%Y-%m-%d %H:%M:%S %z")
+            os.pwrite(fd, f"pid {os.getpid()}: {title}, since {since}\n".encode(), 0)
+            os.fchmod(fd, 0o666)  # writable for the next user's run too (ours only)
         yield
     finally:
         os.close(fd)
-
-
-def _holder(text: str) -> str:
-    """The lock file's account of its holder, unless that run is gone (a holder that could
-    not write the file leaves its predecessor's line there)."""
-    import psutil
-
-    pid = text.split(":", 1)[0].removeprefix("pid ").strip()
-    if pid.isdigit() and not psutil.pid_exists(int(pid)):
-        return "a run that did not record itself, maybe another user's"
-    return text or "starting"
 
 
 #: The reports a run leaves in its output folder for people and CI.
@@ -643,26 +526,15 @@ _REPORT_FILES = ("junit.xml", "summary.md", "summary.json")
 
 def _prepare_out(run: _Run) -> None:
     """Phase 2: the output folder, cleared of a previous run's files, with ``plan.json``."""
-    run.out.mkdir(parents=True, exist_ok=True)
     # A previous run's: this run reports its own, and one that dies early leaves none of them.
-    # (An earlier harness's per-group files and logs too.)
-    stale_files = [
-        *("select.json*", "backstop-*.log", "watchdog-*.log", "select-*", "junit-*.xml"),
-        *_REPORT_FILES,
-    ]
-    for stale in [f for pattern in stale_files for f in run.out.glob(pattern)]:
-        stale.unlink()
-    doc = {
-        "suite": run.manifest.suite,
-        "shard": run.opts.shard,
-        "cases": [[c.nodeid, e.id] for c, e in run.cases],
-    }
-    write_json(run.out / "plan.json", doc)
-
-
-def _select_file(run: _Run) -> Path:
-    """The planned cases (read by ``harness.suites.selection``)."""
-    return run.out / "select.json"
+    for pattern in ("select.json*", "backstop-*.log", *_REPORT_FILES):
+        for stale in run.out.glob(pattern):
+            stale.unlink()
+    cases = [[c.nodeid, e.id] for c, e in run.cases]
+    write_json(
+        run.out / "plan.json",
+        {"suite": run.manifest.suite, "shard": run.opts.shard, "cases": cases},
+    )
 
 
 #: ``python -c`` code that runs pytest with the root (its first argument, taken off)
@@ -677,7 +549,7 @@ _PYTEST_FROM_ROOT = (
 
 def _pytest_command(run: _Run) -> list[str]:
     """The pytest command line of the run; writes its selection file."""
-    select_file = _select_file(run)
+    select_file = run.select_file
     files = sorted({str(run.root / c.file) for c, _ in run.cases})
     write_json(
         select_file,
@@ -768,10 +640,9 @@ def _execute(run: _Run, stop: _Stop) -> _Ran:
     processes.subreaper()
     try:
         before = _descendants()
-        started = selection.started_marker(_select_file(run))
-        code, halted = _run_pytest(_pytest_command(run), run.budget, stop, started)
+        code, halted = _run_pytest(_pytest_command(run), run.budget, stop)
         _stop_leftovers(before)
-        return _Ran(code, selection.read_records(_select_file(run)), halted)
+        return _Ran(code, selection.read_records(run.select_file), halted)
     finally:
         if not was_subreaper:
             processes.subreaper(False)
@@ -820,24 +691,15 @@ def _verdict(
         )
     if not total.passed and not narrowed:
         verdict.append(f"no case passed ({total.skipped} skipped)")
-    options = ran.records.options
-    absent = sorted(options.get("not_found", ()))
-    # A file outside the suite, a misspelled test name, a link to a planned file: pytest
-    # alone would have run what they name. (A shard may hold no case of a path.)
-    unmatched = sorted(options.get("selecting_nothing", ()))
-    if absent:
-        # Under xdist workers pytest only says "no tests ran".
+    absent = ran.records.options.get("not_found", ())
+    if absent:  # under xdist workers pytest only says "no tests ran"
         verdict.append(f"paths given to pytest are not there: {', '.join(absent)}")
-    elif whole and unmatched and stop.signum is None:
-        verdict.append(
-            f"the paths and node ids given to pytest select no case of the run: {', '.join(unmatched)}"
-        )
     elif whole and total.cases and total.deselected == total.cases and stop.signum is None:
-        # -k or -m matching nothing, say: pytest alone exits 5 ("no tests ran").
-        verdict.append("the options given to pytest deselect every case of the run: none ran")
+        # A -k matching nothing, a file outside the suite: pytest alone exits 5 ("no tests ran").
+        verdict.append("the paths and options given to pytest select no case of the run: none ran")
     if stop.signum is not None:
         return verdict  # the run's own stop is said above
-    timed_out = ran.halted.startswith(_TIMEOUT_REASON)
+    timed_out = ran.code == TIMED_OUT and ran.halted.startswith("stopped at")
     if timed_out:
         verdict.append(ran.halted)
     elif ran.records.interrupted:
@@ -865,9 +727,7 @@ def _report(run: _Run, ran: _Ran, stop: _Stop) -> int:
     never started, are not run) and durations; the exit code."""
     junit = run.out / "junit.xml"
     records, halted = ran.records, ran.halted
-    if ran.code == _PYTEST_USAGE_ERROR and not records.options:
-        # Before its session was configured: its cases never ran for that reason (not
-        # "missing"; a planned file gone, found missing later, still is).
+    if ran.code == _PYTEST_USAGE_ERROR:  # its cases never ran for that reason
         halted = halted or "pytest stopped on a usage error (exit status 4)"
     results = report.results_from_records([c.nodeid for c, _ in run.cases], records, halted)
     prefix = records.options.get("junit_prefix") or ""
@@ -884,7 +744,12 @@ def _report(run: _Run, ran: _Ran, stop: _Stop) -> int:
     detail = report.failures(results)
     for headline, log in selection.fired(run.out):
         detail += f"- backstop: {headline}; stacks in {log}\n"
-    not_here = run.not_here + report.beyond(beyond) + report.unplanned(outside, run.manifest.suite)
+    not_here = run.not_here + "".join(
+        report.bullets(
+            [report.NOT_RUN[k].format(n=n, suite=run.manifest.suite) for n in sorted(ns)]
+        )
+        for k, ns in (("beyond", beyond), ("suite", outside))
+    )
     text = (
         table
         + ("\n" + detail if detail else "")
@@ -930,16 +795,12 @@ def run_suite(root: Path, opts: RunOptions) -> int:
             if stop.signum is None:
                 if str(e):
                     print(e, file=sys.stderr)
-                _void_out(
-                    root, opts, f"refused: {str(e).splitlines()[0] if str(e) else 'see above'}"
-                )
                 return EXIT_USAGE
         except KeyboardInterrupt:
             pass
         stop.planning = False
         if run is None or stop.signum is not None:
             _print(f"{stop.name}: stopped before any case ran")
-            _void_out(root, opts, f"interrupted by {stop.name} before any case ran")
             return stop.exit_code
         with contextlib.ExitStack() as held:
             try:
@@ -961,34 +822,6 @@ def run_suite(root: Path, opts: RunOptions) -> int:
                 print(f"{run.title}: nothing to run; summary {run.out / 'summary.md'}", flush=True)
                 return EXIT_OK
             return _report(run, _execute(run, stop), stop)
-
-
-def _void_out(root: Path, opts: RunOptions, why: str) -> None:
-    """A run refused or stopped while planning (``why``): its output folder, where an earlier
-    run left one, keeps no report of that run (a CI step reading it after a red exit read
-    green files), only this run's red ``summary.md``. Left alone when it is not there, when
-    another run holds it, or when a ``--shard`` that does not parse leaves the run no folder
-    of its own (the whole suite's is another run's)."""
-    suite = suite_name(opts.suite)
-    try:
-        shard = parse_shard(opts.shard) if opts.shard is not None else None
-    except PlanError:
-        if opts.out is None:
-            return
-        shard = None
-    out = (opts.out or _default_out(root.resolve(), suite, shard)).resolve()
-    if not out.is_dir():
-        return
-    title = _title(suite, shard)
-    try:
-        with claim_out(out, title):
-            for name in (*_REPORT_FILES, "plan.json"):
-                (out / name).unlink(missing_ok=True)
-            text = f"### {title}\n\n**FAILED**: {why}\n"
-            write_text(out / "summary.md", text)
-            _step_summary(text)
-    except (_Refused, OSError):
-        return
 
 
 def _step_summary(text: str) -> None:

@@ -2,14 +2,11 @@
 
 ``--harness-select FILE`` names a JSON file ``{"root": DIR, "cases": {nodeid: timeout_s
 or null}, "entries": {nodeid: entry id}, "suite": [nodeid, ...], "files": [path, ...]}``.
-Collected items not in ``cases`` are deselected; each kept one records the suite entry
-that owns it as the JUnit property ``harness.entry`` and gets its deadline as
-pytest-timeout's ``timeout`` marker (:func:`deadline_marker`), which bounds a plain case
-(setup, call and teardown) in its process and which the launch plugin takes as a launched
-case's deadline on its ranks. Planned cases that were not collected are reported
-(``harness run`` counts them as missing, never as passed). What pytest does with each
-planned case is recorded from its own hooks (its reports, its deselections, its exit
-status) by node id, one JSON-lines file per process (:func:`read_records`).
+Collected items not in ``cases`` are deselected; each kept one carries its entry as the
+JUnit property ``harness.entry`` and its deadline as pytest-timeout's ``timeout`` marker
+(:func:`deadline_marker`). What pytest does with each planned case is recorded from its
+own hooks (reports, deselections, exit status) by case id, one JSON-lines file per
+process (:func:`read_records`).
 """
 
 from __future__ import annotations
@@ -18,7 +15,6 @@ import faulthandler
 import fnmatch
 import json
 import os
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -123,32 +119,15 @@ def pytest_cmdline_main(config: pytest.Config) -> Any:
 
 def _load(config: pytest.Config) -> dict[str, Any] | None:
     path = config.getoption("harness_select")
-    if not path:
-        return None
-    if _SELECTION not in config.stash:
-        try:
-            config.stash[_SELECTION] = json.loads(Path(path).read_text(encoding="utf-8"))
-        except (OSError, json.JSONDecodeError) as e:
-            raise pytest.UsageError(f"{OPT_SELECT} {path}: {e}") from e
-    return config.stash[_SELECTION]
+    if path and _SELECTION not in config.stash:  # written by harness run, read once
+        config.stash[_SELECTION] = json.loads(Path(path).read_text(encoding="utf-8"))
+    return config.stash.get(_SELECTION, None)
 
 
 def _case_id(item: pytest.Item, root: Path) -> str:
     from harness.suites.inventory import case_id
 
     return case_id(item, root)
-
-
-def started_marker(select_file: Path) -> Path:
-    """The file the controller writes next to ``select_file`` once its session has
-    started: from then on an interrupt is reported by pytest; before, nothing ran."""
-    return select_file.with_name(select_file.name + ".started")
-
-
-def pytest_sessionstart(session: pytest.Session) -> None:
-    path = session.config.getoption("harness_select")
-    if path and not hasattr(session.config, "workerinput"):  # the controller only
-        started_marker(Path(path)).touch()
 
 
 def _is_worker(config: pytest.Config) -> bool:
@@ -162,12 +141,8 @@ def records_glob(select_file: Path) -> str:
 
 
 class _Outcomes:
-    """Records, by node id, what pytest did with each planned case: one JSON object a line
-    (flushed: a process that dies later keeps what it recorded) in this process's file.
-
-    ``harness run`` reads the files of all processes back (:func:`read_records`); JUnit is
-    an output for people and CI, never what the run's verdict is read from.
-    """
+    """Records what pytest did with each planned case: one JSON object a line, flushed (a
+    process that dies later keeps what it recorded), in this process's file."""
 
     def __init__(self, config: pytest.Config, sel: dict[str, Any], path: Path):
         self.config = config
@@ -176,10 +151,6 @@ class _Outcomes:
         self.file = open(path, "w", encoding="utf-8")  # noqa: SIM115 (closed at unconfigure)
         self.worker = _is_worker(config)
         self.collection_complete = False
-        #: Planned cases pytest's own options or plugins deselected (``-k``, ``--lf``, ...).
-        self.deselected: set[str] = set()
-        #: Files pytest's ``--lf`` did not collect.
-        self.last_failed_skipped: set[str] = set()
         #: Case id -> pytest's node id of the cases pytest collected that the suite does
         #: not hold (set by the selection hook, recorded at the end of collection).
         self.unplanned: dict[str, str] = {}
@@ -195,23 +166,20 @@ class _Outcomes:
         sel = _load(self.config) or {}
         callers = _callers_args(self.config, sel)
         modules = bool(opt("pyargs", False))  # --pyargs: module names, not paths
-        absent = [] if modules else _not_found(self.config, callers)
+        base = self.config.invocation_params.dir
         self.record(
             options={
                 "collectonly": bool(opt("collectonly", False)),
                 # --setup-plan implies it: set up and torn down, never called.
                 "setuponly": bool(opt("setuponly", False)),
                 "maxfail": int(opt("maxfail", 0) or 0),
-                # The caller named paths or node ids: planned cases outside them are deselected.
-                "narrowed": bool(callers),
+                # The caller named paths or node ids (or --lf skips files): planned cases
+                # pytest did not collect are deselected.
+                "narrowed": bool(callers) or bool(opt("lf", False)),
                 # ... some of which name no file (pytest says so under -n 0 only).
-                "not_found": absent,
-                # ... or select no case of the run.
-                "selecting_nothing": []
+                "not_found": []
                 if modules
-                else _selecting_nothing(self.config, [a for a in callers if a not in absent], sel),
-                # The planned cases those paths leave out (None: modules, not paths).
-                "outside": None if modules else self._outside(callers),
+                else [a for a in callers if not (base / a.split("::", 1)[0]).exists()],
                 "junitxml": self.config.stash.get(_CALLER_JUNIT, None),
                 "junit_prefix": opt("junitprefix", None) or "",
             }
@@ -220,21 +188,7 @@ class _Outcomes:
     def pytest_deselected(self, items: Sequence[pytest.Item]) -> None:
         ids = [cid for cid in (_case_id(i, self.root) for i in items) if cid in self.planned]
         if ids:
-            self.deselected.update(ids)
             self.record(deselected=ids)
-
-    def _outside(self, callers: Sequence[str]) -> list[str]:
-        """The planned cases none of the caller's paths and node ids selects, or that the
-        caller's ``--ignore`` / ``--ignore-glob`` leave out of them."""
-        if not callers:
-            return []
-        cwd = self.config.invocation_params.dir
-        return [
-            cid
-            for cid in self.planned
-            if not any(_selects(a, cid, cwd, self.root) for a in callers)
-            or _ignored(self.config, Path(os.path.abspath(self.root / cid.split("::", 1)[0])))
-        ]
 
     def pytest_collection_modifyitems(self) -> None:
         # Called only when collection completed; pytest_collection_finish also runs when
@@ -265,17 +219,6 @@ class _Outcomes:
         report = yield
         # Travels with the report (xdist passes it on): its case, whatever pytest's node id.
         report.harness_case = _case_id(item, self.root)
-        return report
-
-    @pytest.hookimpl(wrapper=True)
-    def pytest_make_collect_report(self, collector: pytest.Collector) -> Any:
-        report = yield
-        if isinstance(collector, pytest.File) and _skipped_by_last_failed(self.config, collector):
-            from harness.suites.manifest import rel
-
-            file = rel(collector.path, self.root)
-            self.last_failed_skipped.add(file)
-            self.record(last_failed_skipped=file)
         return report
 
     def pytest_collectreport(self, report: pytest.CollectReport) -> None:
@@ -352,57 +295,6 @@ def _ignored(config: pytest.Config, path: Path) -> bool:
     return False
 
 
-def _skipped_by_last_failed(config: pytest.Config, file: pytest.File) -> bool:
-    """Whether pytest's ``--lf`` left ``file`` uncollected: once a file holding a recorded
-    failure is collected, it skips the files without one (with no failure recorded, or
-    none collected yet, it skips nothing)."""
-    lf = config.pluginmanager.get_plugin("lfplugin")
-    paths = getattr(lf, "_last_failed_paths", None)  # pytest's own; absent: nothing skipped
-    return (
-        paths is not None
-        and config.pluginmanager.has_plugin("lfplugin-collskip")
-        and file.path not in paths
-    )
-
-
-def _selects(arg: str, cid: str, cwd: Path, root: Path) -> bool:
-    """Whether the path or node id ``arg`` (as pytest reads it from ``cwd``) selects the
-    case ``cid`` (relative to ``root``): under the named folder or file, and its name,
-    class or parametrization named. The path is read as case ids are (:func:`case_id`): a
-    symlinked file inside ``root`` is its own file, not the one it points to."""
-    from harness.suites.manifest import rel
-
-    where, sep, name = arg.partition("::")
-    file, has_name, tail = cid.partition("::")
-    named = rel(Path(os.path.abspath(cwd / where)), root)
-    if not has_name and (named == file or named.startswith(f"{file}/")):
-        # The file or folder is one case (it failed to import, or skips whole): a node id in
-        # it, or a path inside it, names that case.
-        return True
-    if named != "." and file != named and not file.startswith(f"{named}/"):
-        return False
-    return not sep or tail == name or tail.startswith((f"{name}::", f"{name}["))
-
-
-def _selecting_nothing(
-    config: pytest.Config, args: Sequence[str], sel: dict[str, Any]
-) -> list[str]:
-    """The paths and node ids of ``args`` (each one that exists: see :func:`_not_found`)
-    that select no case of the whole run (a file outside the suite, a misspelled test name,
-    a link to a planned file), each with what it is when it is a link: pytest alone would
-    have run what they name."""
-    cwd, root = config.invocation_params.dir, Path(sel["root"])
-    run = sel["cases"]
-    out = []
-    for a in args:
-        if any(_selects(a, c, cwd, root) for c in run):
-            continue
-        path = Path(os.path.abspath(cwd / a.split("::", 1)[0]))
-        linked = [p for p in (path, *path.parents) if p.is_symlink()]
-        out.append(f"{a} (a symlink to {linked[0].resolve()})" if linked else a)
-    return out
-
-
 def _callers_args(config: pytest.Config, sel: dict[str, Any]) -> list[str]:
     """The paths and node ids the caller gave pytest, next to the files ``harness run`` gave
     (none once the caller's have replaced them)."""
@@ -416,13 +308,6 @@ def _callers_args(config: pytest.Config, sel: dict[str, Any]) -> list[str]:
     return args
 
 
-def _not_found(config: pytest.Config, args: Sequence[str]) -> list[str]:
-    """The paths and node ids of ``args`` whose file or folder does not exist (read from
-    where pytest was started, as pytest reads them)."""
-    base = config.invocation_params.dir
-    return [a for a in args if not (base / a.split("::", 1)[0]).exists()]
-
-
 @pytest.hookimpl(trylast=True)  # after pytest's -k, -m and --deselect: what they leave
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     sel = _load(config)
@@ -431,13 +316,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     root = Path(sel["root"])
     wanted: dict[str, Any] = sel["cases"]
     entries: dict[str, str] = sel.get("entries", {})
-    keep, drop, ignored, seen = [], [], [], set()
+    keep, drop, ignored = [], [], []
     for item in items:
         cid = _case_id(item, root)
         if cid not in wanted:
             drop.append(item)
             continue
-        seen.add(cid)
         if _ignored(config, Path(os.path.abspath(item.path))):
             ignored.append(item)
             continue
@@ -453,7 +337,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if cid in entries:
             item.user_properties.append(("harness.entry", entries[cid]))
     outcomes = config.pluginmanager.get_plugin("harness-outcomes")
-    callers = _callers_args(config, sel)
     if drop and outcomes is not None:
         # Cases pytest collected that the suite does not hold: under paths given to pytest
         # that no entry of the suite owns, or collected only with the arguments given (a
@@ -470,46 +353,30 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if ignored:
             config.hook.pytest_deselected(items=ignored)
         items[:] = keep
-    if outcomes is not None:  # pytest's -k, -m, --deselect came first (this hook is last)
-        seen |= outcomes.deselected
-        seen |= {n for n in wanted if n.partition("::")[0] in outcomes.last_failed_skipped}
-    missing = sorted(n for n in set(wanted) - seen if "::" in n)  # a bare file: it failed to import
-    # Reported once, on the controller; cases outside the caller's paths are deselected.
-    if missing and not _is_worker(config) and not callers:
-        shown = "\n  ".join(missing[:20])
-        more = f"\n  ... and {len(missing) - 20} more" if len(missing) > 20 else ""
-        print(
-            f"\nharness: {len(missing)} planned case(s) were not collected:\n  {shown}{more}",
-            file=sys.stderr,
-        )
 
 
 def _message(report: pytest.CollectReport | pytest.TestReport) -> str:
     """The first line of what went wrong (a failure) or why (a skip), at most 200 characters."""
     longrepr = report.longrepr
-    if isinstance(longrepr, tuple) and len(longrepr) == 3:  # a skip: (path, line, reason)
-        text = str(longrepr[2]).removeprefix("Skipped: ")
-    else:
-        crash = getattr(longrepr, "reprcrash", None)
-        text = crash.message if crash is not None else str(longrepr or "")
-        if crash is None and text:
-            errors = [ln[1:].strip() for ln in text.splitlines() if ln.startswith("E ")]
-            text = errors[-1] if errors else text.strip().splitlines()[-1]
     if getattr(report, "wasxfail", None) is not None and report.skipped:
         text = f"xfail: {report.wasxfail}" if report.wasxfail else "xfail"
+    elif isinstance(longrepr, tuple) and len(longrepr) == 3:  # a skip: (path, line, reason)
+        text = str(longrepr[2]).removeprefix("Skipped: ")
+    elif (crash := getattr(longrepr, "reprcrash", None)) is not None:
+        text = crash.message
+    else:  # a bare text: its last "E " line, else its last line
+        lines = str(longrepr or "").strip().splitlines() or [""]
+        text = next((ln[1:] for ln in reversed(lines) if ln.startswith("E ")), lines[-1])
     return (text.strip().splitlines() or [""])[0][:200]
 
 
 def deadline_marker(item: pytest.Item, timeout_s: float | None) -> pytest.MarkDecorator | None:
     """pytest-timeout's ``timeout`` marker carrying a planned case's deadline, the one
-    carrier of an entry's ``timeout_s``; ``None`` where the case keeps what it has.
-
-    A ``timeout`` marker of the case's own (on its function, class or module) wins; else
-    the entry's ``timeout_s``; else the project's own pytest-timeout setting (``timeout``
-    ini, ``--timeout``, ``PYTEST_TIMEOUT``); else :data:`~harness.names.DEFAULT_CASE_TIMEOUT_S`.
-    pytest-timeout bounds a plain case's setup, call and teardown (failing it with every
-    thread's stack; the session goes on), and the launch plugin takes the marker as a
-    launched case's deadline on its ranks."""
+    carrier of an entry's ``timeout_s`` (the launch plugin takes it as a launched case's
+    deadline on its ranks); ``None`` where the case keeps what it has: a ``timeout`` marker
+    of its own wins, then the entry's ``timeout_s``, then the project's pytest-timeout
+    setting (``timeout`` ini, ``--timeout``, ``PYTEST_TIMEOUT``), then
+    :data:`~harness.names.DEFAULT_CASE_TIMEOUT_S`."""
     if item.get_closest_marker("timeout") is not None:
         return None
     if timeout_s is None:
@@ -535,13 +402,10 @@ def backstop_log(select_file: Path, pid: int) -> Path:
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Any:
-    # pytest-timeout interrupts a plain case at its deadline from a signal handler, which
-    # Python runs between bytecodes: native code holding the GIL (a regex backtracking), or
-    # a case that swallows the interruption, never sees it. faulthandler's timer needs no
-    # GIL: past the backstop it writes every thread's stack and ends the process (an xdist
-    # worker's controller reports the case failed; without workers the run reports it
-    # failed and the rest not run). pytest's own faulthandler_timeout uses the same one
-    # timer: where it is set, it is left alone and there is no backstop.
+    # pytest-timeout interrupts a plain case from a signal handler, which native code holding
+    # the GIL, or a case that swallows the interruption, never sees. faulthandler's timer
+    # needs no GIL: past the backstop it writes every thread's stack and ends the process.
+    # pytest's own faulthandler_timeout uses the same timer: where it is set, no backstop.
     backstop = item.stash.get(_BACKSTOP, None)
     if backstop is None or float(item.config.getini("faulthandler_timeout") or 0) > 0:
         return (yield)
@@ -593,6 +457,8 @@ class Records:
     #: even when empty or when the run was interrupted later); not when an interrupt or a
     #: crash ended collection.
     collection_finished: bool = False
+    #: Whether a process of the run got to the end of its collection, finished or not.
+    collection_ended: bool = False
     #: Planned cases deselected by pytest's own options or plugins (``-k``, ``-m``, ``--lf``, ...).
     deselected: set[str] = field(default_factory=set)
     #: Collector node id -> (``failed`` | ``skipped``, message): files that failed to import or
@@ -603,8 +469,6 @@ class Records:
     #: Cases pytest collected that the suite does not hold (under paths given to pytest, of
     #: another suite or none, or collected only with the arguments given): never planned.
     unplanned: set[str] = field(default_factory=set)
-    #: Files (case ids) pytest's ``--lf`` did not collect: none of their cases failed last.
-    last_failed_skipped: set[str] = field(default_factory=set)
     #: pytest's node id -> the case ids it names, where they differ (a path through a link
     #: to the repository: two files' cases may share one); ``reports`` are by case id.
     aliases: dict[str, set[str]] = field(default_factory=dict)
@@ -640,10 +504,9 @@ def read_records(select_file: Path) -> Records:
                 for nodeid, cid in ev.get("aliases", ()):
                     out.aliases.setdefault(nodeid, set()).add(cid)
                 out.collection_finished |= bool(ev.get("complete"))
+                out.collection_ended = True
             elif "unplanned" in ev:
                 out.unplanned.update(ev["unplanned"])
-            elif "last_failed_skipped" in ev:
-                out.last_failed_skipped.add(ev["last_failed_skipped"])
             elif "deselected" in ev:
                 out.deselected.update(ev["deselected"])
             elif "collect" in ev:

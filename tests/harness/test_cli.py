@@ -290,38 +290,6 @@ def test_a_root_in_a_submodule_runs_everything(tmp_path):
     assert "is a submodule of" in why, why
 
 
-def test_a_refused_run_leaves_no_earlier_report_in_its_folder(pytester):
-    # Regression: a run refused (exit 2) after a green one left the green reports in place.
-    tests = {"tests/a/test_a.py": "def test_a1():\n    pass\n"}
-    root = make_project(
-        pytester.path, tests, {"cpu": manifest("cpu", "cpu", [{"id": "a", "paths": ["tests/a"]}])}
-    )
-    assert harness(root, "run", "cpu", "--out", "out").returncode == 0
-    assert (root / "out/junit.xml").exists()
-    done = harness(root, "run", "cpu", "--out", "out", "--", "-p", "no:harness")
-    assert done.returncode == 2, done.stdout + done.stderr
-    assert not (root / "out/junit.xml").exists()
-    assert not (root / "out/summary.json").exists()
-    summary = (root / "out/summary.md").read_text()
-    assert summary.startswith("### harness run cpu\n\n**FAILED**: refused: "), summary
-    # With --out the folder is the run's own, whatever its --shard.
-    assert harness(root, "run", "cpu", "--out", "out").returncode == 0
-    done = harness(root, "run", "cpu", "--out", "out", "--shard", "3/2")
-    assert done.returncode == 2, done.stdout + done.stderr
-    assert not (root / "out/junit.xml").exists()
-    assert "**FAILED**: refused: " in (root / "out/summary.md").read_text()
-    # A --shard that does not parse names no folder: the whole suite's default one is kept.
-    assert harness(root, "run", "cpu").returncode == 0
-    done = harness(root, "run", "cpu", "--shard", "0/2")
-    assert done.returncode == 2, done.stdout + done.stderr
-    assert "**PASSED**" in (root / "out/harness/cpu/summary.md").read_text()
-    assert (root / "out/harness/cpu/junit.xml").exists()
-    # A folder that is not there is not made for a refused run.
-    done = harness(root, "run", "cpu", "--out", "elsewhere", "--", "-p", "no:harness")
-    assert done.returncode == 2, done.stdout + done.stderr
-    assert not (root / "elsewhere").exists()
-
-
 def test_a_run_with_nothing_to_run_still_writes_its_report_files(pytester):
     # Regression: only summary.md was written; a CI step reading junit.xml or summary.json
     # (an upload, a test reporter) failed on a green run.
@@ -698,9 +666,6 @@ def test_matrix_refuses_non_finite_recorded_durations(pytester, capsys):
         (["run", "cpu", "--out", "pyproject.toml/sub"], "cannot make the output folder"),
         (["run", "cpu", "--out", "/proc/harness-out"], "cannot make the output folder"),
         (["matrix", "cpu", "--shards", ""], "--shards: expected an integer >= 1, got ''"),
-        # Launched cases ran in pytest's own process, unlaunched (a 2-rank case failed).
-        (["run", "cpu", "--", "-p", "no:harness"], "-p no:harness disables the pytest plugin"),
-        (["run", "cpu", "-pno:harness"], "-p no:harness disables the pytest plugin"),
         (["inventory", "--bogus"], "unrecognized arguments: --bogus"),
         (["matrix", "cpu", "--", "-x"], "only `harness run` takes pytest arguments"),
     ],
