@@ -107,12 +107,12 @@ def leasable_cards(device: str) -> int:
 
 def _slots(pytest_args: Sequence[str]) -> int:
     """Process slots the launch plugin will lease: ``--harness-max-procs``, else the CPUs."""
-    from harness.launcher.settings import cpu_count
+    from harness.devices import cpu_count
 
     given = option_values(pytest_args, [names.OPT_MAX_PROCS])
     if given and given[-1] and given[-1].isdigit():
         return max(1, int(given[-1]))
-    return max(1, cpu_count())
+    return cpu_count()
 
 
 def worker_count(
