@@ -147,6 +147,28 @@ def test_the_suite_side_never_imports_the_launcher():
     assert proc.returncode == 0, proc.stderr
 
 
+def test_no_suite_module_imports_the_launcher_even_where_it_is_used():
+    # Regression: harness run imported the launcher's settings inside a function (for the
+    # CPU count), which the import test above cannot see. Every import statement of the
+    # suite side, at any depth, names shared ground only.
+    import ast
+    from pathlib import Path
+
+    import harness.suites
+
+    found = []
+    for path in sorted(Path(harness.suites.__file__).parent.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom):
+                modules = [node.module or ""]
+            elif isinstance(node, ast.Import):
+                modules = [a.name for a in node.names]
+            else:
+                continue
+            found += [f"{path.name}:{node.lineno} {m}" for m in modules if "launcher" in m]
+    assert not found, found
+
+
 def test_unknown_public_name_is_an_attribute_error():
     import harness
 
