@@ -22,7 +22,6 @@ REQUIREMENTS: tuple[tuple[str, str], ...] = (
     ("pytest", "pytest"),
     ("jsonschema", "jsonschema"),
     ("pathspec", "pathspec"),
-    ("junitparser", "junitparser"),
 )
 #: What ``harness run`` needs besides: it stops pytest's process tree, and the cases it
 #: launches are supervised, with psutil (imported where used, so that the inventory, the
@@ -31,6 +30,8 @@ RUN_REQUIREMENTS: tuple[tuple[str, str], ...] = (
     ("psutil", "psutil"),
     # The planned cases' deadlines (pytest-timeout's markers, in the run's pytest).
     ("pytest_timeout", "pytest-timeout"),
+    # The run's junit.xml, completed with the cases pytest did not report.
+    ("junitparser", "junitparser"),
 )
 
 

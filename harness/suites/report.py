@@ -20,11 +20,13 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from itertools import count
 from pathlib import Path
-
-from junitparser import Error, Failure, JUnitXml, Skipped, TestCase, TestSuite
+from typing import TYPE_CHECKING
 
 from harness.jsonio import write_json
 from harness.suites.selection import Records
+
+if TYPE_CHECKING:
+    from junitparser import TestSuite
 
 OUTCOMES = ("passed", "failed", "skipped", "deselected", "not run", "missing")
 
@@ -69,6 +71,10 @@ def junit_key(nodeid: str, prefix: str = "") -> tuple[str, str]:
 def _junit_suites(paths: Iterable[Path]) -> Iterator[TestSuite]:
     """Every ``<testsuite>`` of the JUnit files in ``paths``; unreadable or absent files are
     skipped."""
+    # junitparser is imported where JUnit is read or written, so that the commands that
+    # read none (inventory, matrix, init) work without it (see entry.RUN_REQUIREMENTS).
+    from junitparser import JUnitXml, TestSuite
+
     for p in paths:
         try:
             xml = JUnitXml.fromfile(str(p))
@@ -89,6 +95,8 @@ def read_junit(
     ``time``, the wall time of the pytest run (xdist runs cases side by side): each case's
     share of that run.
     """
+    from junitparser import Error, Failure, Skipped
+
     out: dict[tuple[str, str], CaseRow] = {}
     for suite in _junit_suites(paths):
         if wall_shares and suite.name == UNREPORTED_SUITE:
@@ -215,9 +223,6 @@ def results_from_records(
 #: The name of the ``<testsuite>`` :func:`complete_junit` adds for the cases pytest did not report.
 UNREPORTED_SUITE = "harness run"
 
-#: How a case pytest did not report is written in JUnit, by outcome (passed: no child).
-_JUNIT_CHILD = {"failed": Failure, "missing": Error, "not run": Skipped, "skipped": Skipped}
-
 
 def complete_junit(
     junit: Path,
@@ -231,6 +236,11 @@ def complete_junit(
     failed as ``failure``, missing as ``error``, not run as ``skipped`` (named as pytest
     names them, with the run's ``--junit-prefix``, ``prefix``; ``aliases``: pytest's node id
     -> the case ids it names, where they differ)."""
+    from junitparser import Error, Failure, JUnitXml, Skipped, TestCase, TestSuite
+
+    # How a case pytest did not report is written, by outcome (passed: no child).
+    children = {"failed": Failure, "missing": Error, "not run": Skipped, "skipped": Skipped}
+
     xml = JUnitXml()
     for suite in _junit_suites([junit]):
         xml.add_testsuite(suite)
@@ -250,7 +260,7 @@ def complete_junit(
         for row in lacking:
             classname, name = junit_key(row.nodeid, prefix)
             case = TestCase(_xml_text(name), _xml_text(classname), row.seconds)
-            child = _JUNIT_CHILD.get(row.outcome)
+            child = children.get(row.outcome)
             if child is not None:
                 case.result = [child(_xml_text(f"{row.outcome}: {row.message}".rstrip(": ")))]
             suite.add_testcase(case)

@@ -963,9 +963,11 @@ def test_the_dependency_check_is_what_the_command_imports():
     assert done.returncode == 0, done.stderr
     assert {dist for _, dist in REQUIREMENTS} == set(done.stdout.split())
     assert {(modules.get(d, d), d) for d in done.stdout.split()} == set(REQUIREMENTS)
-    # `harness run` also needs psutil, imported where used (not by the import above), and
-    # pytest-timeout, which the run's pytest loads (each planned case's deadline).
-    assert {dist for _, dist in RUN_REQUIREMENTS} == {"psutil", "pytest-timeout"} <= declared
+    # `harness run` also needs psutil and junitparser, imported where used (not by the
+    # import above), and pytest-timeout, which the run's pytest loads (each planned case's
+    # deadline).
+    run_only = {"psutil", "pytest-timeout", "junitparser"}
+    assert {dist for _, dist in RUN_REQUIREMENTS} == run_only <= declared
 
 
 def test_inventory_and_run_need_neither_torch_nor_xdist(tmp_path):
@@ -1003,6 +1005,18 @@ def test_inventory_and_run_need_neither_torch_nor_xdist(tmp_path):
     done = harness(root, "run", "cpu", "--out", "out", env=env)
     assert done.returncode == 2, done.stdout + done.stderr
     assert done.stderr.startswith("harness: missing dependency psutil"), done.stderr
+
+    # Regression: without junitparser, which only harness run's JUnit needs, the inventory
+    # failed ("missing dependencies junitparser").
+    (tmp_path / "site" / "sitecustomize.py").write_text(
+        "import sys\nfor name in ('torch', 'xdist', 'junitparser'):\n    sys.modules[name] = None\n"
+    )
+    done = harness(root, "inventory", env=env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "1 case(s)" in done.stdout
+    done = harness(root, "run", "cpu", "--out", "out", env=env)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert done.stderr.startswith("harness: missing dependency junitparser"), done.stderr
 
 
 @pytest.mark.parametrize("args", [["inventory", "--cases"], ["--version"]])
