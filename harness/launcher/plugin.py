@@ -60,7 +60,6 @@ from harness.launcher.pool import keeper
 from harness.launcher.rank import CASE_ENV, EnclosingCase
 from harness.launcher.supervisor import tie_to_controller
 from harness.launcher.target import FunctionRef, conftests_for
-from harness.names import DEFAULT_CASE_TIMEOUT_S, OPT_SELECT
 from harness.spec import ACCELERATORS, LaunchSpec, is_launched, launch_refusal, spec_for_item
 from harness.validation import check_int, check_seconds
 from harness.watchdog import WATCHDOG_GRACE_S, faulthandler_free, watchdog
@@ -395,12 +394,10 @@ def _case(item: pytest.Function) -> tuple[LaunchSpec, Deadline]:
 def _warn_longer_spec_timeout(item: pytest.Function, spec_s: float, marker_s: float) -> None:
     """A ``timeout`` marker on the test (or `harness run`'s, carrying its entry's
     ``timeout_s``) shorter than its ``LaunchSpec.timeout``: the spec's deadline applies,
-    which the marker's author may not expect. (The ini's ``timeout`` and `harness run`'s
-    default are session defaults a spec overrides without a word.)"""
+    which the marker's author may not expect. (The ini's ``timeout`` is a session default a
+    spec overrides without a word.)"""
     if item.get_closest_marker("timeout") is None:
         return
-    if marker_s == DEFAULT_CASE_TIMEOUT_S and item.config.getoption(OPT_SELECT, None):
-        return  # `harness run`'s fallback for an entry without timeout_s: no one's choice
     path, lineno, _ = item.location
     warnings.warn_explicit(
         pytest.PytestWarning(

@@ -376,10 +376,14 @@ def deadline_marker(item: pytest.Item, timeout_s: float | None) -> pytest.MarkDe
     deadline on its ranks); ``None`` where the case keeps what it has: a ``timeout`` marker
     of its own wins, then the entry's ``timeout_s``, then the project's pytest-timeout
     setting (``timeout`` ini, ``--timeout``, ``PYTEST_TIMEOUT``), then
-    :data:`~harness.names.DEFAULT_CASE_TIMEOUT_S`."""
+    :data:`~harness.names.DEFAULT_CASE_TIMEOUT_S` for a plain case (a launched one gets the
+    launch plugin's own default, ``--harness-timeout``, the same number unless the caller
+    gives one)."""
     if item.get_closest_marker("timeout") is not None:
         return None
     if timeout_s is None:
+        if _launched(item):
+            return None
         from pytest_timeout import get_env_settings
 
         if get_env_settings(item.config).timeout:

@@ -1230,6 +1230,26 @@ def test_planned_cases_keep_their_deadline_and_the_verdicts_earned_before_a_hang
     assert "in test_stuck" in log.read_text()
 
 
+def test_a_launched_case_without_timeout_s_keeps_its_own_deadline_and_no_warning(pytester):
+    # A launched case of an entry without timeout_s gets no marker from the run: its deadline
+    # is its LaunchSpec.timeout (else --harness-timeout), and nothing warns that a marker
+    # it never had is shorter. (The plugin told the run's fallback marker apart by its value.)
+    test = (
+        "import pytest\nfrom harness import LaunchSpec\n\n"
+        "@pytest.mark.launch(LaunchSpec(nproc=1, timeout=400))\n"
+        "def test_long():\n"
+        "    pass\n"
+    )
+    entries = [{"id": "a", "paths": ["tests/a"]}]
+    root = make_project(
+        pytester.path, {"tests/a/test_a.py": test}, {"cpu": manifest("cpu", "cpu", entries)}
+    )
+    done = harness(root, "run", "cpu", "--out", "out", "--", "-n", "0", "-W", "always")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "LaunchSpec.timeout=400" not in done.stdout + done.stderr
+    assert outcomes(root / "out") == {"tests/a/test_a.py::test_long": "passed"}
+
+
 def test_a_case_or_project_timeout_wins_over_the_default_deadline(pytester):
     # The one carrier of a planned case's deadline is pytest-timeout's marker: the case's
     # own marker wins, then the entry's timeout_s, then the project's `timeout` ini, then
