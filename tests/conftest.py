@@ -38,6 +38,13 @@ if (
 ):
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
+# The tests start inner pytest sessions and `harness run`s that must behave as they do
+# on a developer's machine wherever this suite runs: pytest shortens assertion diffs
+# only off CI (CI, BUILD_NUMBER), and `harness run` takes the runner's timeout under CI.
+# A test of CI behaviour sets these itself.
+for _name in ("CI", "BUILD_NUMBER", "GITHUB_STEP_SUMMARY"):
+    os.environ.pop(_name, None)
+
 # The bitwise tests enable deterministic algorithms; on CUDA, cuBLAS then
 # refuses to run unless its workspace is pinned. Set before any CUDA context
 # exists (rank processes inherit it).

@@ -88,23 +88,28 @@ def _git(folder: Path, *args: str) -> str | None:
     return done.stdout.strip() if done.returncode == 0 else None
 
 
-def _https(url: str) -> str:
-    """A remote's URL as pip can fetch it on a CI runner: scp-like ``git@host:o/r`` (which
-    pip does not read, and which needs a key the runner lacks) becomes ``https://host/o/r``."""
-    m = re.fullmatch(r"[\w.-]+@([\w.-]+):(?!//)(.+)", url)
-    return f"https://{m[1]}/{m[2]}" if m else url
+def _https(url: str) -> str | None:
+    """A remote's URL as pip can fetch it on a CI runner: scp-like ``git@host:o/r`` and
+    ``ssh://`` (which need a key the runner lacks) become ``https://host/o/r``; a local path
+    or ``file:`` URL, which no runner reaches, is None."""
+    m = re.fullmatch(r"[\w.-]+@([\w.-]+):(?!//)(.+)", url) or re.fullmatch(
+        r"ssh://(?:[^@/]+@)?([^/:]+)(?::\d+)?/(.+)", url
+    )
+    if m:
+        return f"https://{m[1]}/{m[2]}"
+    return url if url.startswith(("https://", "http://")) else None
 
 
 def _checkout_source(folder: Path) -> tuple[str | None, str | None, str]:
-    """``(URL of a remote whose branch holds HEAD, or None; HEAD; subdirectory)`` of the
-    git checkout holding ``folder``."""
+    """``(URL a CI runner can fetch of a remote whose branch holds HEAD, or None; HEAD;
+    subdirectory)`` of the git checkout holding ``folder``."""
     commit = _git(folder, "rev-parse", "HEAD")
     sub = (_git(folder, "rev-parse", "--show-prefix") or "harness/").rstrip("/") or "."
     branches = _git(folder, "branch", "-r", "--contains", "HEAD", "--format=%(refname:short)")
     for branch in (branches or "").splitlines():
-        url = _git(folder, "remote", "get-url", branch.split("/", 1)[0])
+        url = _https(_git(folder, "remote", "get-url", branch.split("/", 1)[0]) or "")
         if url:
-            return _https(url), commit, sub
+            return url, commit, sub
     return None, commit, sub
 
 
@@ -140,7 +145,7 @@ def harness_source(
     if url and commit:
         return HarnessSource(url, commit, sub)
     came = (
-        f"the local checkout at commit {commit}, which no remote branch holds"
+        f"the local checkout at commit {commit}, which no remote a CI runner can reach holds"
         if commit
         else "no git commit (a wheel, or a copied source tree)"
     )

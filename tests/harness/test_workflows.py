@@ -893,18 +893,29 @@ def test_the_harness_source_is_the_commit_it_was_installed_from(harness_repo, tm
     vcs = {"url": url, "vcs_info": {"vcs": "git", "commit_id": commit}, "subdirectory": "h"}
     assert workflows.harness_source(direct_url=vcs) == workflows.HarnessSource(url, commit, "h")
     assert workflows.harness_source("v9", direct_url=vcs).ref == "v9"
-    # An (editable) install from a local checkout: its HEAD, at the remote holding it.
+    # An (editable) install from a local checkout: its HEAD, at the remote holding it, as
+    # a runner fetches it (https).
     local = {"url": (clone / "harness").as_uri(), "dir_info": {"editable": True}}
-    assert workflows.harness_source(direct_url=local) == workflows.HarnessSource(
-        str(bare), commit, "harness"
+    # Regression: a remote that is a local path (CI's own clone of this repository) was
+    # written into the workflows, where no runner can fetch it; with --harness-ref the
+    # project's repository is used.
+    with pytest.raises(workflows.HarnessSourceError, match="--harness-ref"):
+        workflows.harness_source(direct_url=local)
+    assert workflows.harness_source("abc", direct_url=local) == workflows.HarnessSource(
+        workflows.HARNESS_REPO, "abc"
     )
-    # A commit no remote holds, or no commit at all: refused, naming --harness-ref.
-    git(clone, "commit", "-q", "--allow-empty", "-m", "local only")
+    git(clone, "remote", "set-url", "origin", "git@example.org:o/r.git")
     try:
+        assert workflows.harness_source(direct_url=local) == workflows.HarnessSource(
+            "https://example.org/o/r.git", commit, "harness"
+        )
+        # A commit no remote holds, or no commit at all: refused, naming --harness-ref.
+        git(clone, "commit", "-q", "--allow-empty", "-m", "local only")
         with pytest.raises(workflows.HarnessSourceError, match="--harness-ref"):
             workflows.harness_source(direct_url=local)
     finally:
         git(clone, "reset", "-q", "--hard", commit)
+        git(clone, "remote", "set-url", "origin", str(bare))
     wheel = {"url": "file:///wheels/x.whl", "archive_info": {}}
     with pytest.raises(workflows.HarnessSourceError, match="--harness-ref"):
         workflows.harness_source(direct_url=wheel)
@@ -912,6 +923,8 @@ def test_the_harness_source_is_the_commit_it_was_installed_from(harness_repo, tm
         workflows.HARNESS_REPO, "abc"
     )
     assert workflows._https("git@github.com:o/r.git") == "https://github.com/o/r.git"
+    assert workflows._https("ssh://git@github.com:22/o/r") == "https://github.com/o/r"
+    assert workflows._https("/srv/git/r.git") is workflows._https(bare.as_uri()) is None
 
 
 def test_the_install_line_of_a_generated_workflow_installs_the_harness(harness_repo, tmp_path):
