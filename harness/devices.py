@@ -220,17 +220,6 @@ def device_type(name: str) -> DeviceType:
         raise ValueError(f"unknown device {name!r}; known: {', '.join(DEVICE_NAMES)}") from None
 
 
-def device_for_backend(backend: str) -> DeviceType:
-    """The device type whose tensors ``backend``'s collectives take; ``ValueError``
-    naming the known backends otherwise."""
-    try:
-        return _BY_NAME[BACKEND_DEVICES[backend]]
-    except (KeyError, TypeError):
-        raise ValueError(
-            f"unknown torch.distributed backend {backend!r}; known: {', '.join(BACKEND_DEVICES)}"
-        ) from None
-
-
 def accelerators() -> Iterator[DeviceType]:
     """The table rows of device types that have cards."""
     return (d for d in DEVICE_TABLE if d.is_accelerator)
