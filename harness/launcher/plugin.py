@@ -142,8 +142,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers",
-        "launch(spec=None, *, device=None, nproc=1, timeout=None, backend=None, reuse=None): "
-        "run the test body in LaunchSpec.nproc rank processes with torch.distributed initialised",
+        "launch(spec=None, *, device=None, nproc=1, timeout=None, backend=None, reuse=None, "
+        "nnodes=1): run the test body in LaunchSpec.nproc rank processes (on each of nnodes "
+        "nodes) with torch.distributed initialised",
     )
     tie_to_controller(worker=hasattr(config, "workerinput"))
     settings = _settings_from(config)
@@ -252,7 +253,8 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     if refusal is not None:
         _fail(f"{item.nodeid}: {refusal}")
     settings = item.config.stash[SETTINGS_KEY]
-    reason = missing_cards(spec.device, spec.cards)
+    # Emulated nodes share this host: it needs every node's cards.
+    reason = missing_cards(spec.device, spec.cards * spec.nnodes)
     if reason is not None:
         if spec.device in settings.require:
             # `harness run` of an accelerator suite sets it: a runner without its cards fails.
