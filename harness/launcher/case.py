@@ -24,8 +24,8 @@ from harness.errors import HarnessError
 from harness.launcher import lease as leases
 from harness.launcher.explain import AssertionSettings
 from harness.launcher.lease import default_lease_dir
-from harness.launcher.outcome import FAILED, SKIPPED, XFAILED, CaseOutcome, echo_logs
 from harness.launcher.nodes import run_nodes
+from harness.launcher.outcome import FAILED, SKIPPED, XFAILED, CaseOutcome, echo_logs
 from harness.launcher.pool import keeper
 from harness.launcher.rank import EnclosingCase, RankTask
 from harness.launcher.ranks import KILL_GRACE_S, run_ranks
