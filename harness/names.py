@@ -49,6 +49,8 @@ CPU_CASE_NEEDS_CARDS = "cpu-case-needs-cards"
 ACCELERATOR_CASE_WITHOUT_CARDS = "accelerator-case-without-cards"
 WRONG_DEVICE = "wrong-device"
 CASE_EXCEEDS_RUNNER_CARDS = "case-exceeds-runner-cards"
+#: A case needs more nodes (``LaunchSpec.nnodes``) than any runner of its suite provides.
+CASE_EXCEEDS_RUNNER_NODES = "case-exceeds-runner-nodes"
 ENTRY_MATCHES_NOTHING = "entry-matches-nothing"
 UNOWNED_FILE = "unowned-file"
 UNOWNED_CASE = "unowned-case"
@@ -80,6 +82,7 @@ BLOCKING_RULES = frozenset(
         ACCELERATOR_CASE_WITHOUT_CARDS,
         WRONG_DEVICE,
         CASE_EXCEEDS_RUNNER_CARDS,
+        CASE_EXCEEDS_RUNNER_NODES,
         ENTRY_MATCHES_NOTHING,
         SYMLINK_OUTSIDE_REPOSITORY,
         COLLECTION_ERROR,

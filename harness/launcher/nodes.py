@@ -291,7 +291,9 @@ def _node_problems(
     per_node = result.ranks_per_node
     problems: dict[int, str] = {}
     arrived = [os.path.exists(nodes.joined_path(case_dir, k)) for k in range(len(states))]
-    for k, code in enumerate(states):
+    # The nodes that never arrived first: they are why the others waited.
+    for k in sorted(range(len(states)), key=lambda k: arrived[k]):
+        code = states[k]
         ranks = range(k * per_node, (k + 1) * per_node)
         if all(_started(case_dir, r) for r in ranks):
             continue

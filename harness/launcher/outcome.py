@@ -286,7 +286,7 @@ class CaseOutcome:
             )
             sections.append(
                 f"case failed on its nodes{when} ({_ranks(self.nproc)}, {self.label}):\n"
-                + "\n".join(f"node {k}: {why}" for k, why in sorted(self.node_problems.items()))
+                + "\n".join(f"node {k}: {why}" for k, why in self.node_problems.items())
             )
         if self.timed_out:
             ranks = f"rank{'s' if len(self.timed_out) > 1 else ''} " + ", ".join(

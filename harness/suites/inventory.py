@@ -76,6 +76,11 @@ class CollectedCase:
         """Rank processes the case starts."""
         return self.spec.nproc if self.spec else 1
 
+    @property
+    def nnodes(self) -> int:
+        """Nodes the case runs on."""
+        return self.spec.nnodes if self.spec else 1
+
 
 @dataclass
 class SuiteInventory:
@@ -125,6 +130,7 @@ class SuiteInventory:
                 "device": c.device,
                 "nproc": c.nproc,
                 "cards": c.cards,
+                "nnodes": c.nnodes,
                 "launched": c.launched,
                 "entries": [f"{s}:{e}" for s, e in self.owners.get(c.nodeid, [])],
             }
@@ -654,6 +660,12 @@ def _fit_problems(m: Manifest, entry: Entry, case: CollectedCase) -> list[Proble
     if spec.cards > m.max_cards:
         why = f"case needs {spec.cards} card(s); the largest runner of suite {m.suite!r} has {m.max_cards}"
         found.append((names.CASE_EXCEEDS_RUNNER_CARDS, why))
+    if spec.nnodes > m.max_nodes:
+        why = (
+            f"case needs {spec.nnodes} nodes; the runners of suite {m.suite!r} provide at most "
+            f"{m.max_nodes} (a runner's `nodes`)"
+        )
+        found.append((names.CASE_EXCEEDS_RUNNER_NODES, why))
     return [Problem(rule, m.path, where, why, m.suite) for rule, why in found]
 
 

@@ -75,6 +75,9 @@ class Runner:
     budget_minutes: float
     name: str
     container: dict[str, str] | None = field(default=None, hash=False)
+    #: nodes a job of this runner class gives a multi-node case (``LaunchSpec.nnodes``):
+    #: emulated on its one host, or hosts that torchrun joins
+    nodes: int = 1
 
     @property
     def budget_s(self) -> float:
@@ -116,6 +119,11 @@ class Manifest:
     def max_cards(self) -> int:
         """Cards on the largest runner class of the suite."""
         return max(r.cards for r in self.runners)
+
+    @property
+    def max_nodes(self) -> int:
+        """Nodes the suite's runner class with the most of them provides."""
+        return max(r.nodes for r in self.runners)
 
 
 # --------------------------------------------------------------------------- paths
@@ -345,6 +353,7 @@ def read_runners(doc: dict[str, Any]) -> tuple[Runner, ...]:
             ),
             name=r.get("name") or "-".join(r["labels"]),
             container=r.get("container"),
+            nodes=int(r.get("nodes", 1)),
         )
         for r in raw
     )

@@ -58,6 +58,7 @@ def test_clean_project_each_device_variant_in_its_suite(pytester):
         "device": "cuda",
         "nproc": 1,
         "cards": 1,
+        "nnodes": 1,
         "launched": False,
         "entries": ["gpu:dev"],
     }
@@ -144,6 +145,36 @@ def test_rule_case_exceeds_runner_cards(pytester):
         "test_four[" in p.where and "needs 4 card(s)" in p.message and "has 2" in p.message
         for p in found
     )
+
+
+MULTI_NODE_TESTS = {
+    "tests/test_n.py": """
+    import pytest
+
+    @pytest.mark.launch(nnodes=2, nproc=2)
+    def test_two_nodes():
+        pass
+"""
+}
+
+
+def test_rule_case_exceeds_runner_nodes(pytester):
+    inv = build_inventory(project(pytester, MULTI_NODE_TESTS, gpu=None, npu=None))
+    (p,) = only(inv, "case-exceeds-runner-nodes")
+    assert p.suite == "cpu"
+    assert "tests/test_n.py::test_two_nodes" in p.where
+    assert "needs 2 nodes" in p.message
+    assert "at most 1" in p.message
+    assert rules(inv) == ["case-exceeds-runner-nodes"]
+    assert [c["nnodes"] for c in inv.as_dict()["cases"]] == [2]
+
+
+def test_a_runner_with_the_nodes_takes_a_multi_node_case(pytester):
+    from suite_project import CPU_RUNNER
+
+    cpu = manifest("cpu", "cpu", [{"id": "all", "paths": ["tests"]}], {**CPU_RUNNER, "nodes": 2})
+    inv = build_inventory(project(pytester, MULTI_NODE_TESTS, cpu=cpu, gpu=None, npu=None))
+    assert inv.problems == []
 
 
 def test_rule_unowned_file(pytester):

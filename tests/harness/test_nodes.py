@@ -126,9 +126,18 @@ def _records(root, tag: str) -> dict[int, dict]:
 
 def test_nothing_of_any_case_is_left_running(nodes):
     root, session, _ = nodes
-    pids = {pid for tag in ("pass", "dies", "late") for r in _records(root, tag).values() for pid in r["pids"]}
+    pids = {
+        pid
+        for tag in ("pass", "dies", "late")
+        for r in _records(root, tag).values()
+        for pid in r["pids"]
+    }
     assert len(pids) >= 3 * 4, session.output
-    alive = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    alive = [
+        p
+        for p in pids
+        if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
+    ]
     assert alive == []
     assert _leftovers(root) == []
 
@@ -201,14 +210,24 @@ def test_ranks_see_the_environment_torchrun_gives_for_the_same_shape(nodes, tmp_
     agents = [
         subprocess.Popen(
             [
-                sys.executable, "-m", "torch.distributed.run",
-                "--nnodes=2", f"--node-rank={k}", "--nproc-per-node=2",
-                "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{store.port}",
-                "--rdzv-id=reference", "--rdzv-conf=is_host=false,join_timeout=120",
-                str(script), str(tmp_path),
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes=2",
+                f"--node-rank={k}",
+                "--nproc-per-node=2",
+                "--rdzv-backend=c10d",
+                f"--rdzv-endpoint=127.0.0.1:{store.port}",
+                "--rdzv-id=reference",
+                "--rdzv-conf=is_host=false,join_timeout=120",
+                str(script),
+                str(tmp_path),
             ],
-            env=base, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        )  # fmt: skip
+            env=base,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         for k in range(2)
     ]
     try:
@@ -218,7 +237,9 @@ def test_ranks_see_the_environment_torchrun_gives_for_the_same_shape(nodes, tmp_
             agent.kill()
             agent.wait()
     assert [a.returncode for a in agents] == [0, 0], outputs
-    reference = {r: json.loads((tmp_path / f"torchrun-{r}.json").read_text())["env"] for r in range(4)}
+    reference = {
+        r: json.loads((tmp_path / f"torchrun-{r}.json").read_text())["env"] for r in range(4)
+    }
     for rank, env in reference.items():
         torchrun_vars = {k for k in env if k not in base}
         ours = harness_ranks[rank]["env"]
@@ -226,7 +247,9 @@ def test_ranks_see_the_environment_torchrun_gives_for_the_same_shape(nodes, tmp_
         same = {k: env[k] for k in torchrun_vars - PER_RUN}
         assert {k: ours[k] for k in same} == same
     # The shape seen on each node: the same (RANK, LOCAL_RANK, GROUP_RANK) triples.
-    triples = {tuple(env[k] for k in ("RANK", "LOCAL_RANK", "GROUP_RANK")) for env in reference.values()}
+    triples = {
+        tuple(env[k] for k in ("RANK", "LOCAL_RANK", "GROUP_RANK")) for env in reference.values()
+    }
     assert triples == {
         tuple(doc["env"][k] for k in ("RANK", "LOCAL_RANK", "GROUP_RANK"))
         for doc in harness_ranks.values()
