@@ -60,6 +60,7 @@ from harness.launcher.pool import keeper
 from harness.launcher.rank import CASE_ENV, EnclosingCase
 from harness.launcher.supervisor import tie_to_controller
 from harness.launcher.target import FunctionRef, conftests_for
+from harness.launcher.torchrun import run_here, shape_problem, under_torchrun
 from harness.spec import ACCELERATORS, LaunchSpec, is_launched, launch_refusal, spec_for_item
 from harness.validation import check_int, check_seconds
 from harness.watchdog import WATCHDOG_GRACE_S, faulthandler_free, watchdog
@@ -253,8 +254,8 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     if refusal is not None:
         _fail(f"{item.nodeid}: {refusal}")
     settings = item.config.stash[SETTINGS_KEY]
-    # Emulated nodes share this host: it needs every node's cards.
-    reason = missing_cards(spec.device, spec.cards * spec.nnodes)
+    # Emulated nodes share this host: it needs every node's cards (a real node, its own).
+    reason = missing_cards(spec.device, spec.cards * (1 if under_torchrun() else spec.nnodes))
     if reason is not None:
         if spec.device in settings.require:
             # `harness run` of an accelerator suite sets it: a runner without its cards fails.
@@ -426,6 +427,16 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
     spec, _ = _case(pyfuncitem)
     settings = pyfuncitem.config.stash[SETTINGS_KEY]
     fixtures = {name: pyfuncitem.funcargs[name] for name in pyfuncitem._fixtureinfo.argnames}
+    if spec.nnodes > 1 and under_torchrun():
+        # Real nodes: this process is one of the case's ranks, torchrun started it.
+        problem = shape_problem(spec)
+        if problem is not None:
+            _fail(f"{pyfuncitem.nodeid}: {problem}")
+        _, deadline = _case(pyfuncitem)
+        report = run_here(pyfuncitem.obj, fixtures, spec, pyfuncitem.nodeid, deadline.seconds)
+        if report is not None:
+            _fail(report)
+        return True
     if hasattr(pyfuncitem.obj, "hypothesis"):
         _run_given(pyfuncitem, spec, settings, fixtures)
     else:

@@ -195,18 +195,18 @@ TORCHRUN_SCRIPT = """
 """
 
 
-def test_ranks_see_the_environment_torchrun_gives_for_the_same_shape(nodes, tmp_path):
-    # The reference: torchrun itself, two agents (`--node-rank k`) on loopback
-    # sharing a c10d store this test hosts (a port the kernel picked: no race).
+def torchrun_hosts(
+    run_id: str, command: list[str], envs: list[dict[str, str]], cwd, *extra: str
+) -> list[tuple[int, str]]:
+    """Run one torchrun agent per environment in ``envs`` (each standing for a
+    host: ``--nnodes 2 --nproc-per-node 2``), sharing nothing but the c10d
+    rendezvous store this test hosts (a port the kernel picked: no race);
+    their exit codes and output. Nothing they started outlives the call."""
     from torch.distributed import TCPStore
 
-    root, session, _ = nodes
-    harness_ranks = _records(root, "pass")
-    assert sorted(harness_ranks) == [0, 1, 2, 3], session.output
-    script = tmp_path / "print_env.py"
-    script.write_text(textwrap.dedent(TORCHRUN_SCRIPT))
+    from harness.processes import kill_trees
+
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, multi_tenant=True)
-    base = {k: v for k, v in os.environ.items() if not k.startswith(("HARNESS_", "PYTEST_"))}
     agents = [
         subprocess.Popen(
             [
@@ -218,25 +218,44 @@ def test_ranks_see_the_environment_torchrun_gives_for_the_same_shape(nodes, tmp_
                 "--nproc-per-node=2",
                 "--rdzv-backend=c10d",
                 f"--rdzv-endpoint=127.0.0.1:{store.port}",
-                "--rdzv-id=reference",
+                f"--rdzv-id={run_id}",
                 "--rdzv-conf=is_host=false,join_timeout=120",
-                str(script),
-                str(tmp_path),
+                "--max-restarts=0",
+                *(arg.format(node=k) for arg in extra),
+                *command,
             ],
-            env=base,
+            env=env,
+            cwd=cwd,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
+            start_new_session=True,
         )
-        for k in range(2)
+        for k, env in enumerate(envs)
     ]
     try:
-        outputs = [a.communicate(timeout=180)[0] for a in agents]
+        outputs = [a.communicate(timeout=240)[0] for a in agents]
     finally:
+        kill_trees([a.pid for a in agents], grace=1.0)
         for agent in agents:
-            agent.kill()
             agent.wait()
-    assert [a.returncode for a in agents] == [0, 0], outputs
+    return [(a.returncode, out) for a, out in zip(agents, outputs, strict=True)]
+
+
+def _base_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if not k.startswith(("HARNESS_", "PYTEST_"))}
+
+
+def test_ranks_see_the_environment_torchrun_gives_for_the_same_shape(nodes, tmp_path):
+    # The reference: torchrun itself, two agents (`--node-rank k`) on loopback.
+    root, session, _ = nodes
+    harness_ranks = _records(root, "pass")
+    assert sorted(harness_ranks) == [0, 1, 2, 3], session.output
+    script = tmp_path / "print_env.py"
+    script.write_text(textwrap.dedent(TORCHRUN_SCRIPT))
+    base = _base_env()
+    done = torchrun_hosts("reference", [str(script), str(tmp_path)], [base, base], tmp_path)
+    assert [code for code, _ in done] == [0, 0], done
     reference = {
         r: json.loads((tmp_path / f"torchrun-{r}.json").read_text())["env"] for r in range(4)
     }
@@ -254,6 +273,67 @@ def test_ranks_see_the_environment_torchrun_gives_for_the_same_shape(nodes, tmp_
         tuple(doc["env"][k] for k in ("RANK", "LOCAL_RANK", "GROUP_RANK"))
         for doc in harness_ranks.values()
     }
+
+
+# ---------------------------------------------------------------- real nodes
+
+REAL_NODES = """
+    import os
+
+    import pytest
+    import torch
+    import torch.distributed as dist
+
+
+    @pytest.mark.launch(nnodes=2, nproc=2, timeout=120)
+    def test_across_hosts():
+        total = torch.ones(1)
+        dist.all_reduce(total)
+        assert total.item() == 4.0
+        assert os.environ["GROUP_RANK"] == str(dist.get_rank() // 2)
+
+
+    @pytest.mark.launch(nnodes=2, nproc=2, timeout=120)
+    def test_rank_3_fails():
+        assert dist.get_rank() != 3
+
+
+    @pytest.mark.launch(nnodes=3, nproc=2)
+    def test_other_shape():
+        pass
+"""
+
+
+def test_real_nodes_recipe_two_torchrun_hosts_run_the_case_node_0_reports(tmp_path):
+    # The recipe of docs/harness.md (real nodes), with two agents standing for two
+    # hosts: each runs `torchrun ... -m pytest` on its own checkout, lease directory
+    # and temp directory; they share only the c10d rendezvous endpoint.
+    root = write_project(tmp_path / "project", {"test_real_inner.py": REAL_NODES})
+    envs = []
+    for k in range(2):
+        (tmp_path / f"host{k}").mkdir()
+        envs.append(inner_env(root / "out", tmp_path / f"host{k}" / "leases"))
+        envs[-1]["TMPDIR"] = str(tmp_path / f"host{k}")
+    pytest_args = ["-m", "pytest", "-p", "no:cacheprovider", "-q", "-rA", "test_real_inner.py"]
+    done = torchrun_hosts(
+        "real-nodes", pytest_args, envs, root, f"--log-dir={tmp_path}/logs{{node}}", "--redirects=3"
+    )
+    # A failing case fails the job on every host.
+    assert [code != 0 for code, _ in done] == [True, True], done
+    logs = {
+        (k, int(p.parent.name)): p.read_text()
+        for k in range(2)
+        for p in (tmp_path / f"logs{k}").glob("*/attempt_0/*/stdout.log")
+    }
+    assert sorted(logs) == [(0, 0), (0, 1), (1, 0), (1, 1)], done
+    report = logs[(0, 0)]  # node 0's rank 0: the case's verdict
+    assert "PASSED test_real_inner.py::test_across_hosts" in report
+    assert "FAILED test_real_inner.py::test_rank_3_fails" in report
+    assert "node 1 rank 3 failed: AssertionError: assert 3 != 3" in report
+    assert "the case needs 3 nodes x 2 ranks; torchrun started this rank in a world of 4" in report
+    # Ranks 1 and 2 passed the failing case; rank 3 reports its own failure.
+    assert "PASSED test_real_inner.py::test_rank_3_fails" in logs[(0, 1)]
+    assert "FAILED test_real_inner.py::test_rank_3_fails" in logs[(1, 1)]
 
 
 # ---------------------------------------------------------------- pieces
