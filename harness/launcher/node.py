@@ -69,6 +69,8 @@ class NodeCase:
     #: (``math.inf``: it never does), the emulated late / missing node
     delays: tuple[float, ...]
     launcher_pid: int
+    #: the launcher's ``sys.path``, which a rank takes over (as a spawned rank does)
+    sys_path: tuple[str, ...] = ()
 
 
 def path(case_dir: str, name: str) -> str:
@@ -180,6 +182,7 @@ def rank_main(case_dir: str) -> NoReturn:
 
     try:
         case = load(case_dir)
+        sys.path[:] = case.sys_path or sys.path
         rank, local, node = (int(os.environ[v]) for v in ("RANK", "LOCAL_RANK", "GROUP_RANK"))
         split(os.getppid(), status_path=rank_path(case_dir, rank, "status"))
         with open(rank_path(case_dir, rank, "pid"), "w") as f:

@@ -135,6 +135,7 @@ def run_nodes(
         ),
         delays=delays,
         launcher_pid=os.getpid(),
+        sys_path=tuple(sys.path),
     )
     with open(nodes.path(case_dir, nodes.CASE_FILE), "wb") as f:
         pickle.dump(case, f)

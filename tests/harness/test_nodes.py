@@ -105,10 +105,11 @@ def _leftovers(root) -> list[str]:
 
 @pytest.fixture(scope="module")
 def nodes(tmp_path_factory):
-    root = write_project(
-        tmp_path_factory.mktemp("nodes"),
-        {"test_nodes_inner.py": NODES, "record_env.py": RECORD_ENV},
-    )
+    root = tmp_path_factory.mktemp("nodes")
+    # In a folder of their own, off the ranks' working directory: the helper
+    # is importable in a rank only through the sys.path pytest gave the launcher.
+    (root / "sub").mkdir()
+    write_project(root, {"sub/test_nodes_inner.py": NODES, "sub/record_env.py": RECORD_ENV})
     env = inner_env(root / "out", root / "leases")
     (root / "tmp").mkdir()
     env["TMPDIR"] = str(root / "tmp")
