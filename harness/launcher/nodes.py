@@ -237,6 +237,8 @@ def _supervise(
         if first_failure is not None and now >= first_failure + ABANDON_GRACE_S:
             result.abandoned = [r for r in pending if _started(case_dir, r)]
             return
+        if run.capture:
+            run.stream_output()  # with `pytest -s`: each line as it comes, `[rank N] ...`
         time.sleep(min(_POLL_S, max(0.0, deadline - now)))
 
 

@@ -62,6 +62,7 @@ NODES = """
     @pytest.mark.launch(nnodes=2, nproc=2, timeout=120)
     def test_two_nodes():
         record("pass")
+        print(f"hello from node {os.environ['GROUP_RANK']}", flush=True)
         total = torch.tensor([float(dist.get_rank())])
         dist.all_reduce(total)
         assert total.item() == 6.0
@@ -114,7 +115,8 @@ def nodes(tmp_path_factory):
     (root / "tmp").mkdir()
     env["TMPDIR"] = str(root / "tmp")
     start = time.monotonic()
-    session = run_session(root, env=env, timeout=420)
+    # -s: the ranks' output is streamed while the case runs.
+    session = run_session(root, "-s", env=env, timeout=420)
     return root, session, time.monotonic() - start
 
 
@@ -155,6 +157,8 @@ def test_two_nodes_of_two_ranks_pass_with_torchruns_shape(nodes):
         2: ("2", "0", "1", "2", "4"),
         3: ("3", "1", "1", "2", "4"),
     }
+    for rank in range(4):  # streamed live (-s), each line naming its rank
+        assert f"[rank {rank}] hello from node {rank // 2}" in session.output
     # Each node is its own process tree: its own agent, shared by its ranks only.
     agents = {r: doc["pids"][2] for r, doc in records.items()}
     assert agents[0] == agents[1] != agents[2] == agents[3]
