@@ -21,6 +21,7 @@ from typing import Any, NoReturn
 import pytest
 
 from harness import busy
+from harness.launcher import containment
 from harness.devices import (
     CARD_ENV,
     cpu_count,
@@ -78,6 +79,7 @@ TIMEOUT_KEY = pytest.StashKey[float]()
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     busy.addoption(parser)
+    containment.addoption(parser)
     group = parser.getgroup("harness", "multi-process and accelerator test harness")
     group.addoption(
         "--harness-timeout",
@@ -152,6 +154,8 @@ def pytest_configure(config: pytest.Config) -> None:
     phases = _FixtureDeadlines(config)
     config.pluginmanager.register(phases, "harness-fixture-deadlines")
     watchdog.exit_hooks.append(phases.on_exit)
+    if not config.getoption("collectonly"):  # a session that runs no case contains none
+        containment.configure(config)
 
 
 def _settings_from(config: pytest.Config) -> Settings:
