@@ -21,7 +21,6 @@ from typing import Any, NoReturn
 import pytest
 
 from harness import busy
-from harness.launcher import containment
 from harness.devices import (
     CARD_ENV,
     cpu_count,
@@ -33,6 +32,7 @@ from harness.devices import (
     runtime_available,
     set_device,
 )
+from harness.launcher import containment
 from harness.launcher.case import (
     DEFAULT_LEASE_TIMEOUT_S,
     DEFAULT_TIMEOUT_S,
