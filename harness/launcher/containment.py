@@ -27,6 +27,7 @@ import pytest
 
 from harness import processes
 from harness.launcher.pool import keeper
+from harness.names import LEAK_PROPERTY
 
 if TYPE_CHECKING:
     import psutil
@@ -38,8 +39,6 @@ LEAK_MODES = ("warn", "fail")
 SETTLE_S = 0.5
 #: Between SIGTERM and SIGKILL for a case's leftovers.
 GRACE_S = 1.0
-#: The JUnit property (``user_properties``) naming a case's leftovers.
-LEAK_PROPERTY = "harness.leaked"
 
 _BEFORE = pytest.StashKey["set[psutil.Process]"]()
 
