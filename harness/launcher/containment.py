@@ -46,8 +46,6 @@ _BEFORE = pytest.StashKey["set[psutil.Process]"]()
 class LeakWarning(pytest.PytestWarning):
     """A case left processes running after its teardown (they were stopped)."""
 
-    __module__ = "harness.launcher.containment"
-
 
 def addoption(parser: pytest.Parser) -> None:
     parser.addini(
@@ -70,6 +68,9 @@ def configure(config: pytest.Config) -> None:
 
 
 class _Containment:
+    """One session's containment: each case's, and the session's at its end (the module
+    docstring says what is stopped and what is spared)."""
+
     def __init__(self, config: pytest.Config, mode: str) -> None:
         self.config = config
         self.mode = mode
