@@ -35,6 +35,9 @@ OPT_SELECT = "--harness-select"
 OPT_WORKERS = "--harness-workers"
 #: The selection plugin's JUnit path for the run (a caller's ``--junitxml`` is recorded instead).
 OPT_JUNIT = "--harness-junit"
+#: The JUnit property (a case's ``user_properties``) naming the processes the case left
+#: running after its teardown, which the launch plugin stopped; ``harness run`` lists them.
+LEAK_PROPERTY = "harness.leaked"
 
 # --------------------------------------------------------------------------- inventory rules
 

@@ -32,6 +32,7 @@ from harness.devices import (
     runtime_available,
     set_device,
 )
+from harness.launcher import containment
 from harness.launcher.case import (
     DEFAULT_LEASE_TIMEOUT_S,
     DEFAULT_TIMEOUT_S,
@@ -79,6 +80,7 @@ TIMEOUT_KEY = pytest.StashKey[float]()
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     busy.addoption(parser)
+    containment.addoption(parser)
     group = parser.getgroup("harness", "multi-process and accelerator test harness")
     group.addoption(
         "--harness-timeout",
@@ -154,6 +156,8 @@ def pytest_configure(config: pytest.Config) -> None:
     phases = _FixtureDeadlines(config)
     config.pluginmanager.register(phases, "harness-fixture-deadlines")
     watchdog.exit_hooks.append(phases.on_exit)
+    if not config.getoption("collectonly"):  # a session that runs no case contains none
+        containment.configure(config)
 
 
 def _settings_from(config: pytest.Config) -> Settings:

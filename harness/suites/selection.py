@@ -22,7 +22,13 @@ from typing import IO, Any
 
 import pytest
 
-from harness.names import DEFAULT_CASE_TIMEOUT_S, OPT_JUNIT, OPT_SELECT, OPT_WORKERS
+from harness.names import (
+    DEFAULT_CASE_TIMEOUT_S,
+    LEAK_PROPERTY,
+    OPT_JUNIT,
+    OPT_SELECT,
+    OPT_WORKERS,
+)
 
 #: The launch side's pytest plugin, which every run of a suite needs.
 LAUNCH_PLUGIN = "harness.launcher.plugin"
@@ -238,6 +244,9 @@ class _Outcomes:
             seconds=float(report.duration or 0.0),
             message="" if report.passed else _message(report),
         )
+        for name, value in report.user_properties if report.when == "teardown" else ():
+            if name == LEAK_PROPERTY:
+                self.record(leaked=getattr(report, "harness_case", report.nodeid), text=value)
 
     def pytest_keyboard_interrupt(self, excinfo: pytest.ExceptionInfo[BaseException]) -> None:
         # pytest.exit or KeyboardInterrupt: from a case (in a worker too), or the runner's SIGINT.
@@ -483,6 +492,8 @@ class Records:
     #: ``pytest.exit`` or ``KeyboardInterrupt`` ended the session (``"Exit: <reason>"``),
     #: ``""`` when neither did.
     interrupted: str = ""
+    #: Case id -> the processes it left running after its teardown (stopped by the plugin).
+    leaked: dict[str, str] = field(default_factory=dict)
 
 
 def _text(message: str) -> str:
@@ -523,6 +534,8 @@ def read_records(select_file: Path) -> Records:
                 out.finish, out.stopped = int(ev["finish"]), _text(ev["stopped"])
             elif "interrupted" in ev:
                 out.interrupted = _text(ev["interrupted"])
+            elif "leaked" in ev:
+                out.leaked[ev["leaked"]] = _text(ev["text"])
     for nodeid in set(out.aliases) & set(out.reports):
         # Reports carry their case; those xdist makes itself (a crashed worker's) do not.
         if len(cases := out.aliases[nodeid]) == 1:
