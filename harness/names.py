@@ -36,6 +36,13 @@ OPT_WORKERS = "--harness-workers"
 #: The selection plugin's JUnit path for the run (a caller's ``--junitxml`` is recorded instead).
 OPT_JUNIT = "--harness-junit"
 
+# --------------------------------------------------------------------------- markers
+
+#: The marker ``harness run``'s selection plugin gives a plain case of an accelerator entry,
+#: ``harness_device(device="cuda", cards=2)``: the launch plugin runs its body in a process of
+#: its own with exactly those leased cards visible (docs/harness.md).
+DEVICE_MARKER = "harness_device"
+
 # --------------------------------------------------------------------------- inventory rules
 
 SCHEMA = "schema"

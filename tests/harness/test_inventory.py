@@ -820,7 +820,7 @@ def test_plain_case_of_a_cuda_entry_is_a_cuda_case_with_the_entrys_cards(pyteste
         (plain, "cuda", 2),
         ("tests/test_r.py::test_dev[cuda]", "cuda", 1),
     ]
-    assert [(c.nodeid, c.device, c.cards) for c, _ in inv.suite_cases("cpu")][0] == (
+    assert next((c.nodeid, c.device, c.cards) for c, _ in inv.suite_cases("cpu")) == (
         plain,
         "cpu",
         0,
