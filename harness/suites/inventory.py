@@ -154,6 +154,8 @@ class SuiteInventory:
         (``suite:id``): one row per distinct (device, cards), so a plain case of the cpu suite
         and of a cuda entry is listed twice; with ``wanted``, only rows of those suites."""
         out = []
+        # The first entry of each id, as ownership records it.
+        by_id = {(m.suite, e.id): e for m in self.manifests.values() for e in reversed(m.entries)}
         for c in self.cases:
             owners = self.owners.get(c.nodeid, [])
             if not owners:
@@ -164,8 +166,7 @@ class SuiteInventory:
             for s, eid in owners:
                 if wanted is not None and s not in wanted:
                     continue
-                entry = next(e for e in self.manifests[s].entries if e.id == eid)
-                seen = as_owned(c, entry)
+                seen = as_owned(c, by_id[s, eid])
                 views.setdefault((seen.device, seen.cards), (seen, []))[1].append(f"{s}:{eid}")
             out += views.values()
         return out
