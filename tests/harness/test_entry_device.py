@@ -49,6 +49,24 @@ PROBE = """
         probe("two", launcher_pid)
 """
 
+UNITTEST = """
+    import json, os, subprocess, sys, unittest
+    from pathlib import Path
+
+    CHILD = "import os; print(os.environ.get('CUDA_VISIBLE_DEVICES'))"
+
+
+    class TestStartsItsOwnRanks(unittest.TestCase):
+        # A unittest method cannot run apart: it runs in the pytest process, and what it
+        # starts (a MultiProcessTestCase's ranks) sees exactly its leased cards.
+        def test_child(self):
+            child = subprocess.run(
+                [sys.executable, "-c", CHILD], capture_output=True, text=True, check=True
+            ).stdout.strip()
+            seen = {"visible": os.environ.get("CUDA_VISIBLE_DEVICES"), "child": child}
+            (Path(os.environ["PROBE_OUT"]) / "unit.json").write_text(json.dumps(seen))
+"""
+
 CONFTEST = """
     import os
 
@@ -73,10 +91,16 @@ def test_plain_cases_of_a_cuda_entry_see_exactly_their_own_leased_cards(pytester
     }
     root = make_project(
         pytester.path,
-        {"tests/gpu/test_probe.py": PROBE, "tests/gpu/conftest.py": CONFTEST},
+        {
+            "tests/gpu/test_probe.py": PROBE,
+            "tests/gpu/test_unit.py": UNITTEST,
+            "tests/gpu/conftest.py": CONFTEST,
+        },
         {"gpu": manifest("gpu", "cuda", [entry], {**GPU_RUNNER, "cards": 4})},
     )
     env = {"HARNESS_CARDS": "cuda:0,1,2,3", "HARNESS_LEASE_DIR": str(tmp_path / "leases")}
+    # Fewer cases than twice the workers: xdist deals them out one by one, so test_one and
+    # test_two start on different workers, at the same time.
     done = harness(root, "run", "gpu", "--workers", "2", "--out", "out", env=env)
     assert done.returncode == 0, done.stdout + done.stderr
     seen = {n: json.loads((probe_out / f"{n}.json").read_text()) for n in ("one", "two")}
@@ -91,10 +115,14 @@ def test_plain_cases_of_a_cuda_entry_see_exactly_their_own_leased_cards(pytester
         assert s["flag"] == "from-the-entry"
         cards[name] = set(visible)
     assert not cards["one"] & cards["two"], cards  # exclusive while it runs
+    unit = json.loads((probe_out / "unit.json").read_text())
+    assert len(unit["visible"].split(",")) == 2, unit
+    assert unit["child"] == unit["visible"], unit
     summary = json.loads((root / "out" / "summary.json").read_text())
     assert {c["nodeid"]: c["outcome"] for c in summary["cases"]} == {
         "tests/gpu/test_probe.py::test_one": "passed",
         "tests/gpu/test_probe.py::test_two": "passed",
+        "tests/gpu/test_unit.py::TestStartsItsOwnRanks::test_child": "passed",
     }
 
 
