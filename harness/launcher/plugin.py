@@ -1,7 +1,9 @@
 """The pytest plugin (entry point ``pytest11: harness``): the ``launch`` marker,
 the ``--harness-*`` options, card leases for plain accelerator tests, launched
-tests run on ranks (``harness.launcher.case``), and the fixtures of a launched
-case bounded by its deadline (``harness.watchdog``). See docs/harness.md.
+tests run on ranks (``harness.launcher.case``), plain tests of an accelerator suite entry
+(``harness run``'s ``harness_device`` marker) run in a process of their own on their
+leased cards, and the fixtures of such cases bounded by their deadline
+(``harness.watchdog``). See docs/harness.md.
 """
 
 from __future__ import annotations
@@ -325,7 +327,8 @@ def _lease_card_in_process(item: pytest.Function, spec: LaunchSpec, settings: Se
             holder=item.nodeid,
         )
     except LeaseError as exc:
-        _fail(f"{item.nodeid}: could not lease {spec.cards} {spec.device} card(s)\n{exc}")
+        what = f"a {spec.device} card" if spec.cards == 1 else f"{spec.cards} {spec.device} cards"
+        _fail(f"{item.nodeid}: could not lease {what}\n{exc}")
     held = lease.cards()
     card = held[0]
     # The test is a case of one rank on its card: a harness.launch it makes on
