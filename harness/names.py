@@ -39,6 +39,13 @@ OPT_JUNIT = "--harness-junit"
 #: running after its teardown, which the launch plugin stopped; ``harness run`` lists them.
 LEAK_PROPERTY = "harness.leaked"
 
+# --------------------------------------------------------------------------- markers
+
+#: The marker ``harness run``'s selection plugin gives a plain case of an accelerator entry,
+#: ``harness_device(device="cuda", cards=2)``: the launch plugin runs its body in a process of
+#: its own with exactly those leased cards visible (docs/harness.md).
+DEVICE_MARKER = "harness_device"
+
 # --------------------------------------------------------------------------- inventory rules
 
 SCHEMA = "schema"

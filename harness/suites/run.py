@@ -520,6 +520,7 @@ def _pytest_command(run: _Run) -> list[str]:
             # Each planned case's deadline: its entry's timeout_s (None: the default).
             "cases": {c.nodeid: e.timeout_s for c, e in run.cases},
             "entries": {c.nodeid: e.id for c, e in run.cases},
+            **selected_devices(run.cases),
             "suite": run.suite_ids,  # every shard's
             "files": files,  # the paths below; any other is the caller's, and narrows the run
         },
@@ -549,6 +550,17 @@ def _pytest_command(run: _Run) -> list[str]:
     if run.manifest.device != "cpu":
         cmd.append(f"{names.OPT_REQUIRE}={run.manifest.device}")
     return cmd
+
+
+def selected_devices(cases: Sequence[tuple[CollectedCase, Entry]]) -> dict[str, Any]:
+    """What the selection file says of the cases' entries beyond their deadlines:
+    ``"devices"``, node id -> ``[device, cards]`` of each plain case an accelerator entry
+    makes an accelerator case (run in a process of its own on those cards), and ``"env"``,
+    node id -> the environment its entry sets (only where it sets one)."""
+    return {
+        "devices": {c.nodeid: [c.entry_device, c.cards] for c, _ in cases if c.entry_device},
+        "env": {c.nodeid: e.env for c, e in cases if e.env},
+    }
 
 
 _CONFIG_OPTIONS = ("-c", "--config-file", "--inifile")
