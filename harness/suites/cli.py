@@ -283,7 +283,11 @@ def _cmd_matrix(root: Path, args: argparse.Namespace) -> int:
         )
         selected = None
         if args.changed_from:
-            sel = changes.select(m.entries, *changes.changed_files(root, args.changed_from))
+            sel = changes.select(
+                m.entries,
+                *changes.changed_files(root, args.changed_from),
+                run_everything_on=m.run_everything_on,
+            )
             print(
                 f"harness matrix: --changed-from {args.changed_from}: {sel.reason}", file=sys.stderr
             )

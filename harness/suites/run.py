@@ -453,7 +453,11 @@ def _plan_run(root: Path, opts: RunOptions, started: float) -> _Run:
     except PlanError as e:
         raise _Refused(f"harness run: {e}") from None
     if opts.changed_from:
-        sel = changes.select(m.entries, *changes.changed_files(root, opts.changed_from))
+        sel = changes.select(
+            m.entries,
+            *changes.changed_files(root, opts.changed_from),
+            run_everything_on=m.run_everything_on,
+        )
         _print(f"--changed-from {opts.changed_from}: {sel.reason}")
         cases = [(c, e) for c, e in cases if e.id in sel.entries]
     too_big: list[CollectedCase] = []
