@@ -564,6 +564,7 @@ def _pytest_command(run: _Run) -> list[str]:
             "entries": {c.nodeid: e.id for c, e in run.cases},
             "suite": run.suite_ids,  # every shard's
             "files": files,  # the paths below; any other is the caller's, and narrows the run
+            **_policies(run),
         },
         indent=None,
     )
@@ -593,6 +594,15 @@ def _pytest_command(run: _Run) -> list[str]:
     return cmd
 
 
+def _policies(run: _Run) -> dict[str, dict[str, Any]]:
+    """The selection file's ``retries`` (flaky entries) and ``quarantine`` (their reasons),
+    by planned case."""
+    return {
+        "retries": {c.nodeid: e.flaky.retries for c, e in run.cases if e.flaky},
+        "quarantine": {c.nodeid: e.quarantine.reason for c, e in run.cases if e.quarantine},
+    }
+
+
 _CONFIG_OPTIONS = ("-c", "--config-file", "--inifile")
 
 
@@ -612,6 +622,8 @@ def _config_args(run: _Run) -> list[str]:
     out += plugin_args(given)
     if autoload_disabled(given):
         out += ["-p", selection.TIMEOUT_PLUGIN]  # the planned cases' deadlines
+        if any(e.flaky for _, e in run.cases):
+            out += ["-p", selection.RERUN_PLUGIN]  # flaky entries' reruns
     return out
 
 
@@ -693,7 +705,7 @@ def _verdict(
             f"{len(beyond)} case(s) collected only with the arguments given to pytest "
             "(after `--`, PYTEST_ADDOPTS) were not run"
         )
-    if not total.passed and not narrowed:
+    if not (total.passed or total.flaky or total.quarantined) and not narrowed:
         verdict.append(f"no case passed ({total.skipped} skipped)")
     absent = ran.records.options.get("not_found", ())
     if absent:  # under xdist workers pytest only says "no tests ran"
@@ -712,9 +724,10 @@ def _verdict(
     if ran.code not in (None, 0, 1, 5) and not timed_out:
         usage = " (a usage error: see pytest's message above)" if ran.code == 4 else ""
         verdict.append(f"pytest exited with {ran.code}{usage}")
-    if ran.code == 1 and not total.failed:
+    if ran.code == 1 and not total.failed and not total.quarantined:
         # Exit 1 is "tests failed"; with none failed, something else failed the run
-        # (pytest-cov's --cov-fail-under, say), which pytest reported above.
+        # (pytest-cov's --cov-fail-under, say), which pytest reported above. (A quarantined
+        # case's failure is pytest's exit 1 too: then the two cannot be told apart.)
         verdict.append("pytest exited with 1 though no case failed (see its output)")
     return verdict
 
@@ -734,6 +747,7 @@ def _report(run: _Run, ran: _Ran, stop: _Stop) -> int:
     if ran.code == _PYTEST_USAGE_ERROR:  # its cases never ran for that reason
         halted = halted or "pytest stopped on a usage error (exit status 4)"
     results = report.results_from_records([c.nodeid for c, _ in run.cases], records, halted)
+    results = report.quarantine(results, _policies(run)["quarantine"])
     prefix = records.options.get("junit_prefix") or ""
     report.complete_junit(junit, results.values(), prefix, records.aliases)
     asked = records.options.get("junitxml")
@@ -784,8 +798,9 @@ def _verdict_line(run: _Run, verdict: Sequence[str]) -> None:
 def run_suite(root: Path, opts: RunOptions) -> int:
     """Run one suite (or shard); returns the process exit code.
 
-    :data:`EXIT_OK`: every planned case passed or skipped and at least one
-    passed (or nothing needed to run); :data:`EXIT_FAILED`: a case failed,
+    :data:`EXIT_OK`: every planned case passed (or was flaky: passed on a rerun),
+    skipped or was quarantined, and at least one ran (or nothing needed to run);
+    :data:`EXIT_FAILED`: a case failed,
     went missing, or nothing passed; :data:`EXIT_USAGE`: the suite cannot be
     planned (inventory problems, bad arguments); 128 + N after signal N
     (SIGINT 130, SIGTERM 143, SIGHUP 129): pytest, its workers and ranks

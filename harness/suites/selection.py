@@ -1,10 +1,13 @@
 """pytest plugin that ``harness run`` loads (``-p harness.suites.selection``): run exactly the planned cases.
 
 ``--harness-select FILE`` names a JSON file ``{"root": DIR, "cases": {nodeid: timeout_s
-or null}, "entries": {nodeid: entry id}, "suite": [nodeid, ...], "files": [path, ...]}``.
+or null}, "entries": {nodeid: entry id}, "suite": [nodeid, ...], "files": [path, ...],
+"retries": {nodeid: N}, "quarantine": {nodeid: reason}}``.
 Collected items not in ``cases`` are deselected; each kept one carries its entry as the
 JUnit property ``harness.entry`` and its deadline as pytest-timeout's ``timeout`` marker
-(:func:`deadline_marker`). What pytest does with each planned case is recorded from its
+(:func:`deadline_marker`); a case of a flaky entry carries pytest-rerunfailures' ``flaky``
+marker (:func:`rerun_marker`), and one that passes on a rerun the JUnit property
+``harness.flaky``; a case of a quarantined entry the property ``harness.quarantine``. What pytest does with each planned case is recorded from its
 own hooks (reports, deselections, exit status) by case id, one JSON-lines file per
 process (:func:`read_records`).
 """
@@ -28,11 +31,15 @@ from harness.names import DEFAULT_CASE_TIMEOUT_S, OPT_JUNIT, OPT_SELECT, OPT_WOR
 LAUNCH_PLUGIN = "harness.launcher.plugin"
 #: pytest-timeout's plugin: it enforces each planned case's deadline (its ``timeout`` marker).
 TIMEOUT_PLUGIN = "pytest_timeout"
+#: pytest-rerunfailures' plugin: it reruns the failed cases of flaky entries (its ``flaky`` marker).
+RERUN_PLUGIN = "pytest_rerunfailures"
 
 #: The parsed selection file, read once per process.
 _SELECTION = pytest.StashKey[dict[str, Any]]()
 #: The ``--junitxml`` the caller gave pytest (``None``: none), replaced by the run's own.
 _CALLER_JUNIT = pytest.StashKey[Any]()
+#: Whether every phase of a case's current attempt passed so far (a rerun starts anew).
+_ATTEMPT_PASSED = pytest.StashKey[bool]()
 #: A plain planned case's backstop (seconds after it starts): see :func:`pytest_runtest_protocol`.
 _BACKSTOP = pytest.StashKey[float]()
 #: This process's backstop log (opened on its first plain planned case).
@@ -140,6 +147,17 @@ def records_glob(select_file: Path) -> str:
     return f"{select_file.name}.*.jsonl"
 
 
+def _mark_flaky_pass(item: pytest.Item, report: pytest.TestReport) -> None:
+    """Give the teardown report of an attempt that passed after a failed one (a rerun of
+    pytest-rerunfailures, which counts attempts in ``execution_count``) the JUnit property
+    ``harness.flaky``: pytest writes the teardown report's properties into the case's record."""
+    before = report.when == "setup" or item.stash.get(_ATTEMPT_PASSED, False)
+    item.stash[_ATTEMPT_PASSED] = before and report.passed
+    attempt = getattr(item, "execution_count", 1)
+    if report.when == "teardown" and attempt > 1 and item.stash[_ATTEMPT_PASSED]:
+        report.user_properties.append(("harness.flaky", f"passed on attempt {attempt}"))
+
+
 class _Outcomes:
     """Records what pytest did with each planned case: one JSON object a line, flushed (a
     process that dies later keeps what it recorded), in this process's file."""
@@ -219,6 +237,7 @@ class _Outcomes:
         report = yield
         # Travels with the report (xdist passes it on): its case, whatever pytest's node id.
         report.harness_case = _case_id(item, self.root)
+        _mark_flaky_pass(item, report)
         return report
 
     def pytest_collectreport(self, report: pytest.CollectReport) -> None:
@@ -264,6 +283,12 @@ def pytest_configure(config: pytest.Config) -> None:
         (LAUNCH_PLUGIN, "launched cases would run unlaunched"),
         # The planned cases' deadlines are its markers: without it nothing bounds them.
         (TIMEOUT_PLUGIN, "nothing would bound the cases' deadlines"),
+        # Flaky entries' reruns are its markers: without it their cases would run once.
+        *(
+            [(RERUN_PLUGIN, "flaky entries' cases would not be rerun")]
+            if sel.get("retries")
+            else []
+        ),
     ):
         if plugin not in loaded:
             raise pytest.UsageError(
@@ -336,6 +361,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 item.stash[_BACKSTOP] = seconds + min(seconds, BACKSTOP_GRACE_S)
         if cid in entries:
             item.user_properties.append(("harness.entry", entries[cid]))
+        _entry_policies(item, cid, sel)
     outcomes = config.pluginmanager.get_plugin("harness-outcomes")
     if drop and outcomes is not None:
         # Cases pytest collected that the suite does not hold: under paths given to pytest
@@ -353,6 +379,24 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if ignored:
             config.hook.pytest_deselected(items=ignored)
         items[:] = keep
+
+
+def _entry_policies(item: pytest.Item, cid: str, sel: dict[str, Any]) -> None:
+    """A planned case's entry's ``flaky`` (a rerun marker) and ``quarantine`` (a JUnit property)."""
+    retries = sel.get("retries", {}).get(cid)
+    if retries and (marker := rerun_marker(item, retries)) is not None:
+        item.add_marker(marker)
+    reason = sel.get("quarantine", {}).get(cid)
+    if reason is not None:
+        item.user_properties.append(("harness.quarantine", reason))
+
+
+def rerun_marker(item: pytest.Item, retries: int) -> pytest.MarkDecorator | None:
+    """pytest-rerunfailures' ``flaky`` marker rerunning a failed case of a flaky entry up to
+    ``retries`` times; ``None`` where the case has a ``flaky`` marker of its own (it wins)."""
+    if item.get_closest_marker("flaky") is not None:
+        return None
+    return pytest.mark.flaky(reruns=retries)
 
 
 def _message(report: pytest.CollectReport | pytest.TestReport) -> str:

@@ -964,9 +964,9 @@ def test_the_dependency_check_is_what_the_command_imports():
     assert {dist for _, dist in REQUIREMENTS} == set(done.stdout.split())
     assert {(modules.get(d, d), d) for d in done.stdout.split()} == set(REQUIREMENTS)
     # `harness run` also needs psutil and junitparser, imported where used (not by the
-    # import above), and pytest-timeout, which the run's pytest loads (each planned case's
-    # deadline).
-    run_only = {"psutil", "pytest-timeout", "junitparser"}
+    # import above), and pytest-timeout and pytest-rerunfailures, which the run's pytest
+    # loads (each planned case's deadline, flaky entries' reruns).
+    run_only = {"psutil", "pytest-timeout", "junitparser", "pytest-rerunfailures"}
     assert {dist for _, dist in RUN_REQUIREMENTS} == run_only <= declared
 
 
