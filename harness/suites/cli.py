@@ -304,6 +304,8 @@ def _cmd_matrix(root: Path, args: argparse.Namespace) -> int:
         print(f"harness matrix: {e}", file=sys.stderr)
         return EXIT_USAGE
     print(text)
+    for warning in result.warnings:
+        print(f"harness matrix: warning: {warning}", file=sys.stderr)
     if selected is None:
         loads = ", ".join(f"{s.label} {s.load / 60:.1f} min" for s in result.shards)
         planned = f"{len(owned)} case(s) in {len(result.shards)} shard(s): {loads}; "

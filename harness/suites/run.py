@@ -189,6 +189,8 @@ def plan_cases(
     """The cases of one shard (all of ``owned`` when ``shard`` is None), in collection order,
     planned as ``harness matrix`` plans (``PlanError`` where the matrix refuses the suite)."""
     result = plan_suite(root, m, owned, durations=durations, shards=shard[1] if shard else None)
+    for warning in result.warnings:
+        print(f"harness run: warning: {warning}", file=sys.stderr)
     if shard is None:
         return list(owned)
     mine = {p.nodeid for p in result.shard(shard[0]).cases}

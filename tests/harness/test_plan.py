@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import stat
 import subprocess
 from pathlib import Path
@@ -125,9 +126,14 @@ def test_case_needing_more_cards_than_any_runner_is_refused():
 # --------------------------------------------------------------------------- budgets and targets
 
 
-def test_shards_over_budget_are_named():
-    with pytest.raises(PlanError, match=r"shard 1/2 is planned at .* over the 3.0-min budget"):
-        plan("s", [runner(timeout=4, budget=3)], cases([100.0] * 6), shards=2)
+def test_shards_over_budget_are_planned_as_asked_and_named():
+    # Regression: --shards N over the runner's budget refused the count the caller asked for.
+    result = plan("s", [runner(timeout=4, budget=3)], cases([100.0] * 6), shards=2)
+    assert [len(s.cases) for s in result.shards] == [3, 3]
+    (warning,) = result.warnings
+    assert re.search(r"shard 1/2 is planned at 5.0 min, over the 3.0-min budget", warning)
+    assert "shard 2/2" in warning
+    assert plan("s", [runner(timeout=4, budget=3)], cases([100.0] * 6), shards=6).warnings == []
 
 
 def test_single_case_over_budget_is_named():
