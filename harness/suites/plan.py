@@ -164,18 +164,34 @@ def load_durations(path: Path | None, *, required: bool = False) -> dict[str, fl
     return {k: float(v) for k, v in data.items()}
 
 
-def write_durations(path: Path, suite: str, durations: Mapping[str, float]) -> None:
+def write_durations(
+    path: Path,
+    suite: str,
+    durations: Mapping[str, float],
+    *,
+    contexts: Sequence[Mapping[str, Any]] | None = None,
+    keep: Collection[str] | None = None,
+) -> None:
     """Merge ``durations`` into the file at ``path`` (created if absent), atomically.
 
     Node ids already in the file and absent from ``durations`` are kept, so
-    shards of one suite can record into the same file in turn.
+    shards of one suite can record into the same file in turn; with ``keep``, only
+    those of its node ids. ``contexts``: the runs' contexts the figures now come from
+    (``recorded_with``, see :mod:`harness.suites.durations`); ``None`` keeps the file's.
     """
     try:
         merged = load_durations(path)
-    except PlanError:
-        merged = {}  # a corrupt file is replaced by fresh measurements
+        doc = read_json(path, path.parent) if path.is_file() else {}
+    except (PlanError, ManifestError):
+        merged, doc = {}, {}  # a corrupt file is replaced by fresh measurements
     merged.update({k: round(float(v), 3) for k, v in durations.items()})
-    write_json(path, {"suite": suite, "durations": dict(sorted(merged.items()))})
+    if keep is not None:
+        merged = {k: v for k, v in merged.items() if k in keep}
+    out: dict[str, Any] = {"suite": suite, "durations": dict(sorted(merged.items()))}
+    recorded = contexts if contexts is not None else (doc or {}).get("recorded_with")
+    if recorded:
+        out["recorded_with"] = [dict(c) for c in recorded]
+    write_json(path, out)
 
 
 def estimate(

@@ -13,7 +13,7 @@ failed, and its entry's ``quarantine`` keeps that from making the run red,
 
 JUnit XML is an output: pytest's own file, which :func:`complete_junit` completes with
 the planned cases it lacks. :func:`read_junit` and :func:`junit_key` read it back for
-tools that only have the XML (``scripts/refresh_durations.py``, ``.ci/run``).
+tools that only have the XML (``harness durations``, ``.ci/run``).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from itertools import count
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from harness.jsonio import write_json
 from harness.suites.selection import Records
@@ -419,14 +419,17 @@ def write_summary_json(
     rows: Sequence[EntryRow],
     results: Mapping[str, CaseRow],
     junit_prefix: str = "",
+    context: Mapping[str, Any] | None = None,
 ) -> None:
-    """Machine-readable summary: the table rows, every case's result and the
-    ``--junit-prefix`` its JUnit names carry."""
+    """Machine-readable summary: the table rows, every case's result, the
+    ``--junit-prefix`` its JUnit names carry and the run's ``context`` (runner, load: see
+    :mod:`harness.suites.durations`)."""
     doc = {
         "title": title,
         "entries": [asdict(r) for r in rows],
         "total": asdict(totals(rows)),
         "cases": [asdict(r) for r in results.values()],
         "junit_prefix": junit_prefix,
+        "context": dict(context or {}),
     }
     write_json(path, doc)

@@ -188,13 +188,26 @@ def plan_cases(
 ) -> list[tuple[CollectedCase, Entry]]:
     """The cases of one shard (all of ``owned`` when ``shard`` is None), in collection order,
     planned as ``harness matrix`` plans (``PlanError`` where the matrix refuses the suite)."""
+    return plan_shard(root, m, owned, durations, shard)[0]
+
+
+def plan_shard(
+    root: Path,
+    m: Manifest,
+    owned: Sequence[tuple[CollectedCase, Entry]],
+    durations: Path | None,
+    shard: tuple[int, int] | None,
+) -> tuple[list[tuple[CollectedCase, Entry]], str | None]:
+    """:func:`plan_cases`, and the name of the runner class the shard was planned onto (the
+    suite's one class when unsharded; ``None`` for an unsharded suite of several)."""
     result = plan_suite(root, m, owned, durations=durations, shards=shard[1] if shard else None)
     for warning in result.warnings:
         print(f"harness run: warning: {warning}", file=sys.stderr)
     if shard is None:
-        return list(owned)
-    mine = {p.nodeid for p in result.shard(shard[0]).cases}
-    return [(c, e) for c, e in owned if c.nodeid in mine]
+        return list(owned), (m.runners[0].name if len(m.runners) == 1 else None)
+    planned = result.shard(shard[0])
+    mine = {p.nodeid for p in planned.cases}
+    return [(c, e) for c, e in owned if c.nodeid in mine], planned.runner.name
 
 
 #: After an interrupt is passed on, how long pytest gets to stop its workers and
@@ -415,6 +428,7 @@ class _Run:
     whole: bool = True
     inventoried: frozenset[str] = frozenset()  # every case collected, of any suite or none
     suite_ids: tuple[str, ...] = ()  # every case the suite holds, other shards' too
+    runner: str | None = None  # the runner class the shard was planned onto (plan_shard)
 
     @property
     def title(self) -> str:
@@ -451,7 +465,7 @@ def _plan_run(root: Path, opts: RunOptions, started: float) -> _Run:
         # and only then narrowed: re-partitioning the narrowed cases would move
         # them between shards (onto runners with fewer cards, say).
         owned = inv.suite_cases(suite_name)
-        cases = plan_cases(root, m, owned, opts.durations, shard)
+        cases, runner = plan_shard(root, m, owned, opts.durations, shard)
     except PlanError as e:
         raise _Refused(f"harness run: {e}") from None
     if opts.changed_from:
@@ -475,7 +489,7 @@ def _plan_run(root: Path, opts: RunOptions, started: float) -> _Run:
     inventoried = frozenset(c.nodeid for c in inv.cases)
     return _Run(
         root, opts, m, shard, cases, too_big, out, started, inv.inipath, workers, budget,
-        whole, inventoried, tuple(sorted(c.nodeid for c, _ in owned)),
+        whole, inventoried, tuple(sorted(c.nodeid for c, _ in owned)), runner,
     )  # fmt: skip
 
 
@@ -777,7 +791,9 @@ def _report(run: _Run, ran: _Ran, stop: _Stop) -> int:
         + (f"\n**FAILED**: {'; '.join(verdict)}\n" if verdict else "\n**PASSED**\n")
     )
     _write_summary(run, text)
-    report.write_summary_json(run.out / "summary.json", run.title, rows, results, prefix)
+    report.write_summary_json(
+        run.out / "summary.json", run.title, rows, results, prefix, _context(run, ran)
+    )
     if run.opts.durations_out:
         # Passed cases only: a failure (at setup, say) says little about how long the case takes.
         passed = {n: r.seconds for n, r in results.items() if r.outcome == "passed"}
@@ -787,6 +803,21 @@ def _report(run: _Run, ran: _Ran, stop: _Stop) -> int:
     if stop.signum is not None:
         return stop.exit_code
     return EXIT_FAILED if verdict else EXIT_OK
+
+
+def _context(run: _Run, ran: _Ran) -> dict[str, Any]:
+    """Where and under what load the run's cases took their time (``harness durations``
+    says when a refresh mixes figures of different ones): the runner class it was planned
+    onto, the xdist workers pytest ran (0: none), this host's process slots and cards."""
+    from harness.devices import cpu_count
+
+    workers = ran.records.options.get("workers")
+    return {
+        "runner": run.runner,
+        "workers": workers if isinstance(workers, int) else run.workers,
+        "cpus": cpu_count(),
+        "cards": leasable_cards(run.manifest.device),
+    }
 
 
 def _verdict_line(run: _Run, verdict: Sequence[str]) -> None:

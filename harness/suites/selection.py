@@ -147,6 +147,12 @@ def records_glob(select_file: Path) -> str:
     return f"{select_file.name}.*.jsonl"
 
 
+def _workers(config: pytest.Config) -> int:
+    """The xdist workers of this pytest run (0: none, or xdist not loaded)."""
+    n = getattr(config.option, "numprocesses", None)
+    return n if isinstance(n, int) else 0
+
+
 def _mark_flaky_pass(item: pytest.Item, report: pytest.TestReport) -> None:
     """Give the teardown report of an attempt that passed after a failed one (a rerun of
     pytest-rerunfailures, which counts attempts in ``execution_count``) the JUnit property
@@ -199,6 +205,8 @@ class _Outcomes:
                 if modules
                 else [a for a in callers if not (base / a.split("::", 1)[0]).exists()],
                 "junitxml": self.config.stash.get(_CALLER_JUNIT, None),
+                # xdist's worker count as it resolved it (-n auto included); 0: none.
+                "workers": _workers(self.config),
                 "junit_prefix": opt("junitprefix", None) or "",
             }
         )

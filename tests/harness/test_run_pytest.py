@@ -554,8 +554,9 @@ def test_x_stops_the_run_and_junit_holds_the_cases_not_run(pytester):
 
 @pytest.mark.parametrize("prefix", ["", "PFX"])
 def test_refreshed_durations_keep_the_figures_of_cases_that_did_not_run(pytester, prefix):
-    # Regression: scripts/refresh_durations.py took the cases harness run adds to junit.xml
-    # for pytest (not run after -x, never collected) as having run in 0.0 s, overwriting
+    # Regression: the durations refresh (then scripts/refresh_durations.py) took the cases
+    # harness run adds to junit.xml for pytest (not run after -x, never collected) as
+    # having run in 0.0 s, overwriting
     # their recorded figures; a run stopped at the runner's timeout zeroed them all.
     # Under a --junit-prefix in addopts it recorded no figure at all ("0 case(s) ran").
     tests = {
@@ -573,13 +574,7 @@ def test_refreshed_durations_keep_the_figures_of_cases_that_did_not_run(pytester
     recorded.write_text(json.dumps({"suite": "cpu", "durations": {second: 5.0}}))
     done = harness(root, "run", "cpu", "--out", "out", "--", "-x", "-n", "0")
     assert done.returncode == 1, done.stdout + done.stderr
-    script = Path(__file__).resolve().parents[2] / "scripts" / "refresh_durations.py"
-    refresh = subprocess.run(
-        [sys.executable, str(script), "--root", str(root), str(root / "out")],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    refresh = harness(root, "durations", "out")
     assert refresh.returncode == 0, refresh.stdout + refresh.stderr
     assert "cpu: 1 case(s) ran" in refresh.stdout
     figures = json.loads(recorded.read_text())["durations"]
@@ -1433,3 +1428,44 @@ def test_an_expired_quarantine_blocks_inventory_and_run(pytester):
     done = harness(root, "run", "cpu", "--out", "out")
     assert done.returncode == 2, done.stdout + done.stderr
     assert "[quarantine-expired]" in done.stderr
+
+
+# --------------------------------------------------------------------------- durations
+
+
+def test_harness_durations_writes_the_file_and_names_a_run_of_another_load(pytester):
+    # Regression: the refresh was a script of this repository's (not shipped: an adopter
+    # could not feed durations back), and a refresh from a run of another load or runner
+    # mixed its figures in silently.
+    root = make_project(pytester.path, TESTS, {"cpu": manifest("cpu", "cpu", ENTRIES)})
+    done = harness(root, "run", "cpu", "--out", "out/serial", "-k", "not bad", "--", "-n", "0")
+    assert done.returncode == 0, done.stdout + done.stderr
+    context = json.loads((root / "out/serial/summary.json").read_text())["context"]
+    assert context["runner"] == "ubuntu-latest"
+    assert context["workers"] == 0
+    refresh = harness(root, "durations", "out")
+    assert refresh.returncode == 0, refresh.stdout + refresh.stderr
+    assert "cpu: 4 case(s) ran" in refresh.stdout
+    assert "suites/durations/cpu.json: 4 case(s), 4 refreshed" in refresh.stdout
+    assert "note:" not in refresh.stderr  # nothing recorded before: nothing to differ from
+    doc = json.loads((root / "suites/durations/cpu.json").read_text())
+    assert sorted(doc["durations"]) == [
+        "tests/a/test_a.py::test_after",
+        "tests/a/test_a.py::test_ok",
+        "tests/b/test_b.py::test_b",
+        "tests/c/test_c.py::test_c",
+    ]
+    assert doc["recorded_with"] == [context]
+    # The same load again: no note. Two xdist workers: the refresh says so.
+    assert harness(root, "durations", "out/serial").stderr == ""
+    done = harness(root, "run", "cpu", "--out", "out/two", "-k", "not bad", "--", "-n", "2")
+    assert done.returncode == 0, done.stdout + done.stderr
+    refresh = harness(root, "durations", "out/two")
+    assert refresh.returncode == 0, refresh.stdout + refresh.stderr
+    assert "note: out/two ran with runner ubuntu-latest, 2 xdist workers" in refresh.stderr
+    assert "recorded with runner ubuntu-latest, 0 xdist workers" in refresh.stderr
+    # Nothing to fold in: a usage error naming the folder.
+    (root / "empty").mkdir()
+    refresh = harness(root, "durations", "empty")
+    assert refresh.returncode == 2
+    assert "no `harness run` output" in refresh.stderr
