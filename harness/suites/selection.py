@@ -7,9 +7,10 @@ Collected items not in ``cases`` are deselected; each kept one carries its entry
 JUnit property ``harness.entry`` and its deadline as pytest-timeout's ``timeout`` marker
 (:func:`deadline_marker`); a case of a flaky entry carries pytest-rerunfailures' ``flaky``
 marker (:func:`rerun_marker`), and one that passes on a rerun the JUnit property
-``harness.flaky``; a case of a quarantined entry the property ``harness.quarantine``. What pytest does with each planned case is recorded from its
-own hooks (reports, deselections, exit status) by case id, one JSON-lines file per
-process (:func:`read_records`).
+``harness.flaky``; a case of a quarantined entry the property ``harness.quarantine``.
+What pytest does with each planned case is recorded from its own hooks (reports,
+deselections, exit status) by case id, one JSON-lines file per process
+(:func:`read_records`).
 """
 
 from __future__ import annotations
