@@ -363,6 +363,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         marker = deadline_marker(item, wanted[cid])
         if marker is not None:
             item.add_marker(marker)
+        _entry_policies(item, cid, sel)
         if not _launched(item):
             timeout = item.get_closest_marker("timeout")
             seconds = (timeout.args or [timeout.kwargs.get("timeout")])[0] if timeout else None
@@ -370,7 +371,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 item.stash[_BACKSTOP] = seconds + min(seconds, BACKSTOP_GRACE_S)
         if cid in entries:
             item.user_properties.append(("harness.entry", entries[cid]))
-        _entry_policies(item, cid, sel)
     outcomes = config.pluginmanager.get_plugin("harness-outcomes")
     if drop and outcomes is not None:
         # Cases pytest collected that the suite does not hold: under paths given to pytest
@@ -481,6 +481,30 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
         faulthandler.cancel_dump_traceback_later()
         log.seek(0)
         log.truncate()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    # pytest-rerunfailures reruns a failed case inside one pytest_runtest_protocol, where
+    # pytest-timeout armed the case's deadline once: a rerun after a timeout would run
+    # unbounded. Each attempt after the first gets the deadline (and the backstop) anew.
+    if getattr(item, "execution_count", 1) > 1 and _load(item.config) is not None:
+        _restart_deadline(item)
+
+
+def _restart_deadline(item: pytest.Item) -> None:
+    """Arm ``item``'s pytest-timeout deadline and its backstop again, from now."""
+    from pytest_timeout import _get_item_settings  # the settings its own hooks are given
+
+    settings = _get_item_settings(item)
+    if settings.timeout and settings.timeout > 0 and not settings.func_only:
+        hook = item.config.pluginmanager.hook
+        hook.pytest_timeout_cancel_timer(item=item)
+        hook.pytest_timeout_set_timer(item=item, settings=settings)
+    backstop = item.stash.get(_BACKSTOP, None)
+    log = item.config.stash.get(_BACKSTOP_LOG, None)
+    if backstop is not None and log is not None:  # a log: this run arms backstops
+        faulthandler.dump_traceback_later(backstop, exit=True, file=log)
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

@@ -1385,6 +1385,29 @@ def test_a_flaky_case_failing_every_try_fails_the_run(pytester):
     assert "1 failed" in done.stdout
 
 
+def test_each_attempt_of_a_flaky_case_has_its_deadline(pytester):
+    # Regression: the backstop that stops a plain case's process past its deadline counted
+    # one attempt: a flaky case timing out on its first tries was killed with its pytest.
+    root = flaky_project(pytester.path)
+    (root / "tests/flaky/test_fl.py").write_text(
+        "import time\n\nfrom attempts import attempt\n\n\n"
+        "def test_slow():\n    attempt('slow')\n    time.sleep(30)\n"
+    )
+    doc = json.loads((root / "suites/cpu.json").read_text())
+    doc["entries"][0]["timeout_s"] = 1
+    (root / "suites/cpu.json").write_text(json.dumps(doc))
+    done = harness(root, "run", "cpu", "--out", "out", "-k", "test_slow or test_ok", "--", "-n", "0")
+    assert done.returncode == 1, done.stdout + done.stderr
+    summary = json.loads((root / "out/summary.json").read_text())
+    cases = {c["nodeid"]: c for c in summary["cases"]}
+    slow = cases["tests/flaky/test_fl.py::test_slow"]
+    assert slow["outcome"] == "failed"
+    assert slow["message"].startswith("Failed: Timeout"), slow
+    assert slow["message"].endswith("(failed all 3 attempts)"), slow
+    assert (root / "tests/.slow.count").read_text() == "3"
+    assert cases["tests/steady/test_st.py::test_ok"]["outcome"] == "passed"
+
+
 def test_reruns_the_caller_gives_pytest_rerunfailures_show_as_flaky(pytester):
     # pytest-rerunfailures' own --reruns: a case passing on a rerun is flaky, not passed.
     root = flaky_project(pytester.path)
