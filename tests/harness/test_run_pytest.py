@@ -1396,7 +1396,9 @@ def test_each_attempt_of_a_flaky_case_has_its_deadline(pytester):
     doc = json.loads((root / "suites/cpu.json").read_text())
     doc["entries"][0]["timeout_s"] = 1
     (root / "suites/cpu.json").write_text(json.dumps(doc))
-    done = harness(root, "run", "cpu", "--out", "out", "-k", "test_slow or test_ok", "--", "-n", "0")
+    done = harness(
+        root, "run", "cpu", "--out", "out", "-k", "test_slow or test_ok", "--", "-n", "0"
+    )
     assert done.returncode == 1, done.stdout + done.stderr
     summary = json.loads((root / "out/summary.json").read_text())
     cases = {c["nodeid"]: c for c in summary["cases"]}
