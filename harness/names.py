@@ -69,6 +69,8 @@ COLLECTION_ERROR = "collection-error"
 BAD_LAUNCH_SPEC = "bad-launch-spec"
 HIDDEN_TESTS = "tests-under-norecursedirs"
 MISSING_DEPENDENCY = "missing-dependency"
+#: An entry's ``quarantine`` is past its ``until`` date: lift it or extend it, knowingly.
+QUARANTINE_EXPIRED = "quarantine-expired"
 
 #: Problems in a manifest itself: while any is found, ownership cannot be judged.
 MANIFEST_RULES = frozenset({SCHEMA, JSON, PATH, INCLUDE})
@@ -97,5 +99,6 @@ BLOCKING_RULES = frozenset(
         SYMLINK_OUTSIDE_REPOSITORY,
         COLLECTION_ERROR,
         BAD_LAUNCH_SPEC,
+        QUARANTINE_EXPIRED,
     }
 )

@@ -367,3 +367,25 @@ def test_a_launched_assertion_keeps_pytests_whole_explanation(tmp_path, reuse):
     for line in ("At index 2 diff: 3 != 4", "Use -v to get more diff"):
         assert line in here.text, session.output
         assert line in launched.text, session.output
+
+
+def test_assertion_settings_of_a_pytest_without_get_verbosity(pytestconfig):
+    # Regression: pytest 7 has no Config.get_verbosity (pytest 8 added it with per-type
+    # verbosity): every launched case failed there before its ranks started.
+    from harness.launcher.explain import AssertionSettings
+
+    class Pytest7Config:
+        """This session's configuration as pytest 7's Config offers it."""
+
+        def getini(self, name):
+            return pytestconfig.getini(name)
+
+        def getvalue(self, name):
+            return pytestconfig.getvalue(name)
+
+        def getoption(self, name):
+            return pytestconfig.getoption(name)
+
+    settings = AssertionSettings.of(Pytest7Config())
+    assert settings.verbosity == pytestconfig.getoption("verbose")
+    assert settings.assertmode == str(pytestconfig.getvalue("assertmode"))
