@@ -144,4 +144,28 @@ def launch_refusal(item: Any) -> str | None:
             "(each subtest reports to this pytest session, which ranks have none of); "
             "parametrize the test (@pytest.mark.parametrize) or assert in a loop instead"
         )
-    return None
+    return _data_refusal(getattr(item, "obj", None))
+
+
+def _data_refusal(test: Any) -> str | None:
+    """A ``@given`` test drawing with ``st.data()``: its draws would be made by the
+    body, on the ranks, where Hypothesis (in the launcher) cannot shrink or replay
+    them (see ``harness.launcher.given``)."""
+    given = getattr(getattr(test, "hypothesis", None), "_given_kwargs", None)
+    core = sys.modules.get("hypothesis.strategies._internal.core")
+    if not isinstance(given, dict) or core is None:
+        return None
+    names = [
+        name
+        for name, strategy in given.items()
+        if isinstance(getattr(strategy, "wrapped_strategy", strategy), core.DataStrategy)
+    ]
+    if not names:
+        return None
+    return (
+        "@pytest.mark.launch cannot run a @given test drawing with st.data() on ranks "
+        f"(argument {', '.join(repr(n) for n in names)}: the body draws on the ranks, where "
+        "Hypothesis, which runs in this process, cannot shrink or replay the draws); draw "
+        "the values in @given instead (a @st.composite strategy, or .flatmap for draws "
+        "that depend on others)"
+    )

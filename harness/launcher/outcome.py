@@ -24,6 +24,8 @@ from typing import Any
 from harness.jsonio import write_bytes
 
 PASSED, FAILED, SKIPPED, XFAILED = "passed", "failed", "skipped", "xfailed"
+#: A Hypothesis example the body rejected (``assume``): neither a pass nor a failure.
+REJECTED = "rejected"
 
 # A dead peer makes the survivors' collectives fail a moment later; a rank
 # that died without reporting is ordered before failures reported within
@@ -48,7 +50,7 @@ def bounded(text: str, keep: int) -> str:
 @dataclass
 class RankOutcome:
     """How one rank's function ended: ``status`` is passed / failed / skipped /
-    xfailed; ``at`` is the wall-clock time it ended; ``summary`` one line (the
+    xfailed / rejected; ``at`` is the wall-clock time it ended; ``summary`` one line (the
     exception or the skip reason); ``traceback`` the formatted failure;
     ``value`` the pickled return value; ``exc_types`` names the class (and
     bases) of the exception a failed rank raised."""
@@ -64,6 +66,9 @@ class RankOutcome:
     #: warnings the function issued: (category ``module.qualname``, message,
     #: file, line)
     warnings: list[tuple[str, str, str, int]] = field(default_factory=list)
+    #: what the body of a Hypothesis example told Hypothesis
+    #: (``harness.launcher.given.Feedback``; None: no example)
+    feedback: Any = None
 
     def __post_init__(self) -> None:
         # However big the exception's message, the outcome file, the report and
@@ -205,14 +210,15 @@ class CaseOutcome:
 
     @property
     def status(self) -> str:
-        """failed if any rank failed, died or ran out of time; else xfailed if any
-        rank xfailed; else skipped if any rank skipped; else passed."""
+        """failed if any rank failed, died or ran out of time; else rejected if any
+        rank rejected its Hypothesis example; else xfailed if any rank xfailed; else
+        skipped if any rank skipped; else passed."""
         if self.timed_out or self.abandoned or self._failures():
             return FAILED
         statuses = {o.status for o in self.outcomes.values()}
         if len(self.outcomes) < self.nproc:
             return FAILED
-        for status in (XFAILED, SKIPPED):
+        for status in (REJECTED, XFAILED, SKIPPED):
             if status in statuses:
                 return status
         return PASSED
@@ -242,6 +248,10 @@ class CaseOutcome:
                 filename,
                 lineno,
             )
+
+    def feedbacks(self) -> dict[int, Any]:
+        """Each rank's ``RankOutcome.feedback`` that it reported, by rank."""
+        return {r: o.feedback for r, o in self.outcomes.items() if o.feedback is not None}
 
     def reason(self) -> str:
         """The skip / xfail reason of the first rank that gave one."""

@@ -32,6 +32,7 @@ from harness.devices import (
     runtime_available,
     set_device,
 )
+from harness.launcher import given
 from harness.launcher.case import (
     DEFAULT_LEASE_TIMEOUT_S,
     DEFAULT_TIMEOUT_S,
@@ -56,6 +57,7 @@ from harness.launcher.lease import (
     check_lease_dir,
     resolve_lease_dir,
 )
+from harness.launcher.outcome import REJECTED
 from harness.launcher.pool import keeper
 from harness.launcher.rank import CASE_ENV, EnclosingCase
 from harness.launcher.supervisor import tie_to_controller
@@ -493,11 +495,19 @@ def _run_on_ranks(
             raise LaunchError(report, result) from None
         _fail(report)
 
+    if example:
+        # What the body told Hypothesis on the ranks (notes, events, targets),
+        # told again here, in the example's build context, before its verdict.
+        given.replay(result.feedbacks())
     try:
         conclude(result, fail=fail, skip=_skip_at_test, xfail=pytest.xfail, echo=not plan.live)
     finally:
         if placements is not None:
             placements.append(placed)
+    if result.status == REJECTED:
+        from hypothesis import reject
+
+        reject()  # a rejected example, as `assume` in-process: no failure, nothing torn down
 
 
 def _placement(spec: LaunchSpec, placed: tuple[str, Any]) -> list[tuple[str, Any]]:

@@ -34,10 +34,10 @@ from typing import Any, NoReturn
 
 from harness.devices import Card, local_index, runtime_available, set_device
 from harness.launcher import coverage as rank_coverage
-from harness.launcher import explain, groups
+from harness.launcher import explain, given, groups
 from harness.launcher.coverage import CoverageSpec
 from harness.launcher.explain import AssertionSettings
-from harness.launcher.outcome import FAILED, PASSED, SKIPPED, XFAILED, RankOutcome
+from harness.launcher.outcome import FAILED, PASSED, REJECTED, SKIPPED, XFAILED, RankOutcome
 from harness.launcher.reset import Baseline, Inherited, fresh_context
 from harness.launcher.supervisor import split
 from harness.launcher.target import FunctionRef, import_conftests
@@ -372,10 +372,15 @@ def _run(ctx: RankContext, task: RankTask, *, fresh_module: bool) -> RankOutcome
     """Run the case's function (joining the process group first if this rank
     has not) and return its outcome; never raises."""
     caught: list[warnings.WarningMessage] = []
+    feedback = given.Feedback() if task.example else None
     try:
-        outcome = fresh_context().run(_call, ctx, task, fresh_module, caught)
+        outcome = fresh_context().run(_call, ctx, task, fresh_module, caught, feedback)
     except BaseException as exc:
-        outcome = outcome_from_exception(ctx.rank, exc)
+        if feedback is not None and feedback.rejected and given.is_rejection(exc):
+            outcome = RankOutcome(ctx.rank, REJECTED, time.time(), summary="assumption not met")
+        else:
+            outcome = outcome_from_exception(ctx.rank, exc)
+    outcome.feedback = feedback
     outcome.warnings = [
         (exception_names(w.category)[0], str(w.message), w.filename, w.lineno)
         for w in caught[:MAX_WARNINGS]
@@ -389,12 +394,16 @@ MAX_WARNINGS = 100
 
 
 def _call(
-    ctx: RankContext, task: RankTask, fresh_module: bool, caught: list[warnings.WarningMessage]
+    ctx: RankContext,
+    task: RankTask,
+    fresh_module: bool,
+    caught: list[warnings.WarningMessage],
+    feedback: given.Feedback | None,
 ) -> RankOutcome:
     with warnings.catch_warnings(record=True) as log:
         try:
             _apply_warning_filters(task)
-            return _call_recorded(ctx, task, fresh_module)
+            return _call_recorded(ctx, task, fresh_module, feedback)
         finally:
             caught.extend(log)
 
@@ -411,9 +420,11 @@ def _apply_warning_filters(task: RankTask) -> None:
             warnings.filterwarnings(*parse_warning_filter(arg, escape=escape))
 
 
-def _call_recorded(ctx: RankContext, task: RankTask, fresh_module: bool) -> RankOutcome:
+def _call_recorded(
+    ctx: RankContext, task: RankTask, fresh_module: bool, feedback: given.Feedback | None
+) -> RankOutcome:
     import_conftests(task.conftests)
-    fn = task.ref.load(fresh=fresh_module)
+    fn = test = task.ref.load(fresh=fresh_module)
     if task.example:
         # The launcher's Hypothesis drew this example: run the test's body on
         # it, never Hypothesis again (every rank must run the same example).
@@ -428,8 +439,14 @@ def _call_recorded(ctx: RankContext, task: RankTask, fresh_module: bool) -> Rank
         _init_distributed(ctx)
     if task.assertions is not None:
         explain.install(task.assertions)
+    # An example's body runs in a Hypothesis build context of its own, so that
+    # assume / note / event / target work (``harness.launcher.given``).
+    example = (
+        given.example_context(test, feedback) if feedback is not None else contextlib.nullcontext()
+    )
     try:
-        value = fn(*args, **kwargs)
+        with example:
+            value = fn(*args, **kwargs)
     finally:
         _undo_monkeypatches(kwargs)
     if not task.want_value and not task.example and value is not None:
