@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import pickle
 import sys
 import threading
 import time
@@ -22,6 +21,7 @@ from typing import Any, NoReturn
 from harness.devices import Card, cpu_count, inventory
 from harness.errors import HarnessError
 from harness.launcher import lease as leases
+from harness.launcher import values
 from harness.launcher.explain import AssertionSettings
 from harness.launcher.lease import default_lease_dir
 from harness.launcher.outcome import FAILED, SKIPPED, XFAILED, CaseOutcome, echo_logs
@@ -221,7 +221,7 @@ def pickle_args(args: tuple, kwargs: dict, *, kinds: dict[str, str] | None = Non
         _check_picklable(value, f"argument {index}")
     for name, value in kwargs.items():
         _check_picklable(value, f"{kinds.get(name, 'argument')} {name!r}")
-    return pickle.dumps((args, kwargs))
+    return values.dumps((args, kwargs))
 
 
 def pickle_state(state: dict[str, Any]) -> bytes:
@@ -229,12 +229,12 @@ def pickle_state(state: dict[str, Any]) -> bytes:
     raises ``TypeError`` naming it (``self.<name>``)."""
     for name, value in state.items():
         _check_picklable(value, f"attribute self.{name} of the test's instance")
-    return pickle.dumps(state)
+    return values.dumps(state)
 
 
 def _check_picklable(value: Any, what: str) -> None:
     try:
-        pickle.dumps(value)
+        values.dumps(value)
     except Exception as exc:
         raise TypeError(
             f"{what} (a {type(value).__module__}.{type(value).__qualname__}) cannot be sent to "

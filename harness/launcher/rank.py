@@ -34,7 +34,7 @@ from typing import Any, NoReturn
 
 from harness.devices import Card, local_index, runtime_available, set_device
 from harness.launcher import coverage as rank_coverage
-from harness.launcher import explain, given, groups
+from harness.launcher import explain, given, groups, values
 from harness.launcher.coverage import CoverageSpec
 from harness.launcher.explain import AssertionSettings
 from harness.launcher.outcome import FAILED, PASSED, REJECTED, SKIPPED, XFAILED, RankOutcome
@@ -448,7 +448,7 @@ def _call_recorded(
         with example:
             value = fn(*args, **kwargs)
     finally:
-        _undo_monkeypatches(kwargs)
+        values.undo_monkeypatches()
     if not task.want_value and not task.example and value is not None:
         _warn_return_not_none(task.ref, value)
     blob = None
@@ -477,17 +477,6 @@ def _warn_return_not_none(ref: FunctionRef, value: Any) -> None:
         ),
         stacklevel=1,
     )
-
-
-def _undo_monkeypatches(kwargs: dict[str, Any]) -> None:
-    """Undo what the test did through a ``monkeypatch`` fixture in this rank: the
-    fixture's teardown runs in the launcher, on the launcher's copy."""
-    module = sys.modules.get("_pytest.monkeypatch")
-    if module is None:
-        return
-    for value in kwargs.values():
-        if isinstance(value, module.MonkeyPatch):
-            value.undo()
 
 
 def _join(ctx: RankContext) -> RankOutcome | None:
