@@ -120,11 +120,12 @@ def test_fixtures_reach_the_ranks_as_in_process(tmp_path, reuse):
     (root / "sub" / "conftest.py").write_text(textwrap.dedent(INNER_CONFTEST))
     (root / "sub" / "test_inner.py").write_text(textwrap.dedent(INNER_TESTS))
     session = run_session(root, env=inner_env(root / "out", root / "leases"), timeout=600)
-    for name in (
+    names = (
         "test_shared_in_process",
         "test_shared_launched",
         "test_nothing_left_patched_after_it",
         "test_chain_in_process",
         "test_chain_launched",
-    ):
-        assert session.case(name).status == "passed", session.output
+    )
+    statuses = {name: session.case(name).status for name in names}
+    assert statuses == dict.fromkeys(names, "passed"), session.output
