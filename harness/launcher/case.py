@@ -138,6 +138,7 @@ def prepare_case(
     live: bool = False,
     example: bool = False,
     assertions: AssertionSettings | None = None,
+    log_level: int | None = None,
 ) -> tuple[RankTask, CasePlan]:
     """The task the ranks run (``ref`` called with the pickled ``args`` /
     ``kwargs``; ``TypeError`` names a value that cannot travel, ``kinds``
@@ -151,7 +152,8 @@ def prepare_case(
     output while they run (``CasePlan.live``); ``example``: ``args`` /
     ``kwargs`` are one Hypothesis example for the body of a ``@given`` test;
     ``assertions``: how pytest
-    explains a failing comparison (see ``RankTask``)."""
+    explains a failing comparison, ``log_level``: the level of the log records the
+    ranks report (see ``RankTask``)."""
     task = RankTask(
         ref,
         pickle_args(args, kwargs, kinds=kinds),
@@ -162,6 +164,7 @@ def prepare_case(
         conftests=conftests,
         example=example,
         assertions=assertions,
+        log_level=log_level,
     )
     return task, CasePlan(spec, settings, what, deadline, reuse=reuse, cards=cards, live=live)
 
@@ -193,6 +196,7 @@ def conclude(
     if echo:
         echo_logs(result)
     result.reissue_warnings()
+    result.reissue_logs()
     status = result.status
     if status == FAILED:
         fail(result.report())

@@ -69,6 +69,8 @@ class RankOutcome:
     #: what the body of a Hypothesis example told Hypothesis
     #: (``harness.launcher.given.Feedback``; None: no example)
     feedback: Any = None
+    #: log records the function emitted (``harness.launcher.logs``), as plain dicts
+    records: list[dict[str, Any]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         # However big the exception's message, the outcome file, the report and
@@ -252,6 +254,14 @@ class CaseOutcome:
     def feedbacks(self) -> dict[int, Any]:
         """Each rank's ``RankOutcome.feedback`` that it reported, by rank."""
         return {r: o.feedback for r, o in self.outcomes.items() if o.feedback is not None}
+
+    def reissue_logs(self) -> None:
+        """Hand the ranks' log records to this process's loggers, rank by rank, so
+        pytest's log capture reports them as the test's (``harness.launcher.logs``)."""
+        from harness.launcher import logs
+
+        for rank in sorted(self.outcomes):
+            logs.reissue(rank, self.outcomes[rank].records)
 
     def reason(self) -> str:
         """The skip / xfail reason of the first rank that gave one."""

@@ -32,7 +32,7 @@ from harness.devices import (
     runtime_available,
     set_device,
 )
-from harness.launcher import given
+from harness.launcher import given, logs
 from harness.launcher.case import (
     DEFAULT_LEASE_TIMEOUT_S,
     DEFAULT_TIMEOUT_S,
@@ -477,6 +477,7 @@ def _run_on_ranks(
             live=_live(item.config),
             example=example,
             assertions=AssertionSettings.of(item.config),
+            log_level=logs.level_of(item.config),
         )
     except TypeError as exc:
         _fail(f"{item.nodeid}: {exc}")

@@ -34,7 +34,7 @@ from typing import Any, NoReturn
 
 from harness.devices import Card, local_index, runtime_available, set_device
 from harness.launcher import coverage as rank_coverage
-from harness.launcher import explain, given, groups, values
+from harness.launcher import explain, given, groups, logs, values
 from harness.launcher.coverage import CoverageSpec
 from harness.launcher.explain import AssertionSettings
 from harness.launcher.outcome import FAILED, PASSED, REJECTED, SKIPPED, XFAILED, RankOutcome
@@ -122,6 +122,9 @@ class RankTask:
     example: bool = False
     #: explain failing comparisons as pytest does in the launcher (None: no pytest)
     assertions: AssertionSettings | None = None
+    #: the root logger's level while the function runs, as pytest's ``log_level``
+    #: sets it (None: left as it is); its records are reported (``harness.launcher.logs``)
+    log_level: int | None = None
 
 
 @dataclass(frozen=True)
@@ -373,14 +376,16 @@ def _run(ctx: RankContext, task: RankTask, *, fresh_module: bool) -> RankOutcome
     has not) and return its outcome; never raises."""
     caught: list[warnings.WarningMessage] = []
     feedback = given.Feedback() if task.example else None
-    try:
-        outcome = fresh_context().run(_call, ctx, task, fresh_module, caught, feedback)
-    except BaseException as exc:
-        if feedback is not None and feedback.rejected and given.is_rejection(exc):
-            outcome = RankOutcome(ctx.rank, REJECTED, time.time(), summary="assumption not met")
-        else:
-            outcome = outcome_from_exception(ctx.rank, exc)
+    with logs.capture(task.log_level) as records:
+        try:
+            outcome = fresh_context().run(_call, ctx, task, fresh_module, caught, feedback)
+        except BaseException as exc:
+            if feedback is not None and feedback.rejected and given.is_rejection(exc):
+                outcome = RankOutcome(ctx.rank, REJECTED, time.time(), summary="assumption not met")
+            else:
+                outcome = outcome_from_exception(ctx.rank, exc)
     outcome.feedback = feedback
+    outcome.records = records
     outcome.warnings = [
         (exception_names(w.category)[0], str(w.message), w.filename, w.lineno)
         for w in caught[:MAX_WARNINGS]

@@ -367,3 +367,45 @@ def test_a_launched_assertion_keeps_pytests_whole_explanation(tmp_path, reuse):
     for line in ("At index 2 diff: 3 != 4", "Use -v to get more diff"):
         assert line in here.text, session.output
         assert line in launched.text, session.output
+
+
+LOGGED = """
+    import logging
+
+    import pytest
+
+
+    def emit():
+        logging.getLogger("twin.logger").warning("something %s", "odd")
+        logging.getLogger("twin.logger").debug("below the level")
+
+
+    def test_log_in_process():
+        emit()
+        assert False
+
+
+    @pytest.mark.launch(nproc=1)
+    def test_log_launched():
+        emit()
+        assert False
+"""
+
+
+@pytest.mark.parametrize("reuse", [False, True], ids=["fresh", "kept"])
+def test_a_launched_log_record_is_in_the_captured_log_section(tmp_path, reuse):
+    # Regression: a rank's log record showed as bare text in the rank's output, not
+    # in a "Captured log call" section with its level, logger and line.
+    import re
+
+    root = write_project(tmp_path / "project", {"test_log.py": LOGGED}, reuse=reuse)
+    session = run_session(root, env=inner_env(root / "out", root / "leases"))
+    assert session.case("test_log_in_process").status == "failed", session.output
+    assert session.case("test_log_launched").status == "failed", session.output
+    captured = re.findall(
+        r"-+ Captured log call -+\n(WARNING +twin\.logger:test_log\.py:\d+ (?:\[rank 0\] )?"
+        r"something odd\n)(?!.*below the level)",
+        session.output,
+    )
+    assert len(captured) == 2, session.output
+    assert "below the level" not in session.output
