@@ -150,6 +150,11 @@ class CaseOutcome:
     exits: dict[int, tuple[float, int]] = field(default_factory=dict)
     #: ranks still running at the deadline
     timed_out: list[int] = field(default_factory=list)
+    #: the ranks timed out before they were all ready to run the function (the
+    #: start bound, ``deadline_s`` then, ran out; not the case deadline)
+    starting: bool = False
+    #: seconds the ranks took to be ready to run the function (None: never all were)
+    start_s: float | None = None
     #: ranks stopped because they kept running after another rank failed
     abandoned: list[int] = field(default_factory=list)
     abandon_grace_s: float = 0.0
@@ -286,9 +291,25 @@ class CaseOutcome:
         summary: list[str] = []
         if self.timed_out:
             ranks = ", ".join(str(r) for r in self.timed_out)
+            which = f"rank{'s' if len(self.timed_out) > 1 else ''} {ranks}"
+            if self.starting:
+                headline = (
+                    f"{which} not ready to run the test {self.deadline_s:g} s after they were "
+                    f"started ({self.deadline_source}: spawning, imports, joining the process "
+                    "group; the case deadline had not begun)"
+                )
+            else:
+                headline = (
+                    f"{which} still running at the {self.deadline_s:g} s deadline "
+                    f"({self.deadline_source})"
+                )
+                if self.start_s is not None:
+                    headline += (
+                        ", counted from the moment the ranks were ready "
+                        f"({self.start_s:.1f} s after they were started)"
+                    )
             sections.append(
-                f"case timed out ({_ranks(self.nproc)}, {self.label}): rank{'s' if len(self.timed_out) > 1 else ''} "
-                f"{ranks} still running at the {self.deadline_s:g} s deadline ({self.deadline_source}); "
+                f"case timed out ({_ranks(self.nproc)}, {self.label}): {headline}; "
                 "stopped with SIGTERM, then SIGKILL"
             )
             sections.extend(self._stack_section(r, "at the deadline") for r in self.timed_out)

@@ -16,6 +16,7 @@ fails the peers' pending operations at once, as ``destroy_process_group``
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import faulthandler
 import gc
 import inspect
@@ -147,6 +148,10 @@ class RankContext:
     env: dict[str, str] = field(default_factory=dict)
     #: measure coverage as the launcher does (None: it does not)
     coverage: CoverageSpec | None = None
+    #: the file this rank creates when it is ready to run the function: the
+    #: case deadline (``deadline_s`` seconds) counts from then (None: no such file)
+    ready_path: str | None = None
+    deadline_s: float | None = None
 
 
 # The kept-rank protocol: launcher -> rank ``RunCase``, ``Exit``;
@@ -449,6 +454,7 @@ def _call_recorded(
     example = (
         given.example_context(test, feedback) if feedback is not None else contextlib.nullcontext()
     )
+    _ready(ctx)
     try:
         with example:
             value = fn(*args, **kwargs)
@@ -484,6 +490,19 @@ def _warn_return_not_none(ref: FunctionRef, value: Any) -> None:
     )
 
 
+def _ready(ctx: RankContext) -> None:
+    """Tell the launcher this rank is ready to run the function (the case deadline
+    starts once every rank is), and move the deadline its nested launches see."""
+    if ctx.deadline_s is not None:
+        case = EnclosingCase.from_env()
+        if case is not None:
+            moved = dataclasses.replace(case, deadline=time.time() + ctx.deadline_s)
+            os.environ[CASE_ENV] = moved.to_env()
+    if ctx.ready_path is not None:
+        with open(ctx.ready_path, "w"):
+            pass
+
+
 def _join(ctx: RankContext) -> RankOutcome | None:
     """Join the process group; a failure is the case's outcome (None: joined)."""
     try:
@@ -501,7 +520,9 @@ def _init_distributed(ctx: RankContext) -> None:
     if ctx.card is not None:
         _select_card(ctx)
     store = dist.FileStore(ctx.store_path, ctx.world_size)
-    timeout = _pg_timeout(ctx)
+    # The case deadline starts once the ranks are ready, just after they join:
+    # the whole deadline's timeout, so a blocked collective raises before it.
+    timeout = ctx.pg_timeout_s
     dist.init_process_group(
         ctx.backend,
         store=store,
@@ -510,17 +531,6 @@ def _init_distributed(ctx: RankContext) -> None:
         timeout=timedelta(seconds=timeout),
     )
     groups.set_timeout(timeout)
-
-
-def _pg_timeout(ctx: RankContext) -> float:
-    """The process-group timeout for a case whose ranks join their group now:
-    from the time the case has left (its deadline minus what spawning and
-    imports took), so that a collective blocked from here on raises in the
-    rank before the deadline."""
-    case = EnclosingCase.from_env()
-    if case is None:
-        return ctx.pg_timeout_s
-    return min(ctx.pg_timeout_s, pg_timeout_for(max(0.1, case.deadline - time.time())))
 
 
 def _leftovers(baseline: Baseline | None) -> str | None:
