@@ -34,9 +34,8 @@ DEADLINES = """
         time.sleep(120)
 
 
-    # A case's deadline counts its ranks' start-up (importing torch), which a
-    # loaded machine can stretch past 5 s: the first case starts the kept pool,
-    # so the 5 s of the next one are all test body.
+    # The first case starts the kept pool (a case's deadline counts from the
+    # moment its ranks are ready, so the 5 s of the next one are all test body).
     @pytest.mark.launch(LaunchSpec(nproc=2, timeout=120))
     def test_a_warm_up():
         pass
@@ -211,8 +210,8 @@ FLOOD = """
 
     from harness import LaunchSpec
 
-    # Fresh ranks start inside the case's deadline (a loaded machine can take
-    # most of 8 s to import torch), kept ones were started by the warm-up.
+    # The deadline counts from the moment the ranks are ready; fresh ones keep
+    # the longer one they had when it counted their start (importing torch).
     FRESH = os.environ.get("FLOOD_FRESH") == "1"
 
 
