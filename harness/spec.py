@@ -144,7 +144,22 @@ def launch_refusal(item: Any) -> str | None:
             "(each subtest reports to this pytest session, which ranks have none of); "
             "parametrize the test (@pytest.mark.parametrize) or assert in a loop instead"
         )
+    info = getattr(item, "_fixtureinfo", None)
+    captures = sorted(_CAPTURE_FIXTURES.intersection(getattr(info, "argnames", ())))
+    if captures:
+        # Sent to a rank, they would capture nothing there: they hold this session's capture.
+        return (
+            f"@pytest.mark.launch cannot hand pytest's `{captures[0]}` fixture to ranks (it "
+            "captures this pytest process's output or log records, not a rank's); a rank's "
+            "output is shown per rank in the report and its log records under 'Captured log "
+            "call': check them in the body instead (contextlib.redirect_stdout, a "
+            "logging.Handler)"
+        )
     return _data_refusal(getattr(item, "obj", None))
+
+
+#: pytest's fixtures bound to the capture of the pytest process itself.
+_CAPTURE_FIXTURES = frozenset({"capsys", "capsysbinary", "capfd", "capfdbinary", "caplog"})
 
 
 def _data_refusal(test: Any) -> str | None:

@@ -176,3 +176,36 @@ def test_hypothesis_in_test_api_works_on_the_ranks(tmp_path, reuse):
     assert "st.data()" in data.text + data.message, session.output
     assert "'data'" in data.text + data.message
     assert not (root / "out" / "data.ran").exists()
+
+
+DATA_DRAWN = """
+    import pytest
+    from hypothesis import given, strategies as st
+
+
+    @given(data=st.data())
+    @pytest.mark.launch(nproc=1)
+    def test_draws_in_the_body(data):
+        pass
+
+
+    @given(x=st.integers())
+    @pytest.mark.launch(nproc=1)
+    def test_draws_in_given(x):
+        pass
+"""
+
+
+def test_inventory_refuses_the_data_strategy_the_plugin_refuses(pytester):
+    from suite_project import make_project, manifest
+
+    from harness.suites.inventory import build_inventory
+
+    root = make_project(
+        pytester.path,
+        {"tests/test_data.py": DATA_DRAWN},
+        {"cpu": manifest("cpu", "cpu", [{"id": "data", "paths": ["tests"]}])},
+    )
+    (problem,) = [p for p in build_inventory(root).problems if p.rule == "bad-launch-spec"]
+    assert problem.where == "tests/test_data.py::test_draws_in_the_body"
+    assert "st.data()" in problem.message

@@ -409,3 +409,38 @@ def test_a_launched_log_record_is_in_the_captured_log_section(tmp_path, reuse):
     )
     assert len(captured) == 2, session.output
     assert "below the level" not in session.output
+
+
+CAPTURING = """
+    import logging
+
+    import pytest
+
+    from recording import out_dir
+
+
+    @pytest.mark.launch(nproc=1)
+    def test_caplog_launched(caplog):
+        (out_dir() / "caplog.ran").write_text("")
+        logging.warning("seen?")
+        assert "seen?" in caplog.text
+
+
+    @pytest.mark.launch(nproc=1)
+    def test_capfd_launched(capfd):
+        (out_dir() / "capfd.ran").write_text("")
+"""
+
+
+@pytest.mark.parametrize("reuse", [False, True], ids=["fresh", "kept"])
+def test_a_capture_fixture_in_a_launched_test_is_refused_naming_it(tmp_path, reuse):
+    # Regression: pytest's capsys / capfd / caplog, which capture the pytest process,
+    # failed the test with a pickling error instead of saying they cannot work on ranks.
+    root = write_project(tmp_path / "project", {"test_cap.py": CAPTURING}, reuse=reuse)
+    session = run_session(root, env=inner_env(root / "out", root / "leases"))
+    for name in ("caplog", "capfd"):
+        case = session.case(f"test_{name}_launched")
+        assert case.status == "error", session.output
+        assert f"pytest's `{name}` fixture" in case.text + case.message, session.output
+        assert "Captured log call" in case.text + case.message
+    assert not list((root / "out").glob("*.ran"))
