@@ -35,7 +35,7 @@ from harness.devices import (
     runtime_available,
     set_device,
 )
-from harness.launcher import containment
+from harness.launcher import containment, given, logs
 from harness.launcher.case import (
     DEFAULT_LEASE_TIMEOUT_S,
     DEFAULT_TIMEOUT_S,
@@ -60,6 +60,7 @@ from harness.launcher.lease import (
     check_lease_dir,
     resolve_lease_dir,
 )
+from harness.launcher.outcome import REJECTED
 from harness.launcher.pool import keeper
 from harness.launcher.rank import CASE_ENV, EnclosingCase
 from harness.launcher.ranks import ProcessSpec
@@ -548,6 +549,7 @@ def _run_on_ranks(
             live=_live(item.config),
             example=example,
             assertions=AssertionSettings.of(item.config),
+            log_level=logs.level_of(item.config),
         )
     except TypeError as exc:
         _fail(f"{item.nodeid}: {exc}")
@@ -566,11 +568,19 @@ def _run_on_ranks(
             raise LaunchError(report, result) from None
         _fail(report)
 
+    if example:
+        # What the body told Hypothesis on the ranks (notes, events, targets),
+        # told again here, in the example's build context, before its verdict.
+        given.replay(result.feedbacks())
     try:
         conclude(result, fail=fail, skip=_skip_at_test, xfail=pytest.xfail, echo=not plan.live)
     finally:
         if placements is not None:
             placements.append(placed)
+    if result.status == REJECTED:
+        from hypothesis import reject
+
+        reject()  # a rejected example, as `assume` in-process: no failure, nothing torn down
 
 
 def _placement(spec: LaunchSpec, placed: tuple[str, Any]) -> list[tuple[str, Any]]:
