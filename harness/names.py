@@ -35,6 +35,9 @@ OPT_SELECT = "--harness-select"
 OPT_WORKERS = "--harness-workers"
 #: The selection plugin's JUnit path for the run (a caller's ``--junitxml`` is recorded instead).
 OPT_JUNIT = "--harness-junit"
+#: The launch plugin's file of command cases (``harness.launcher.command``), which ``harness
+#: run`` writes and also gives pytest to collect.
+OPT_COMMANDS = "--harness-commands"
 
 # --------------------------------------------------------------------------- inventory rules
 

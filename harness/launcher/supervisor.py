@@ -11,6 +11,9 @@ supervisor stops what is left below it (SIGTERM, SIGKILL after
 left, and exits. Only the supervisor holds the lease descriptors; signals for
 the rank are forwarded to it. Linux only; elsewhere ``split`` does nothing and
 the rank watches its parent from a thread.
+
+A command case (``harness.launcher.command``) runs its argv under the same
+supervisor: ``python -m harness.launcher.supervisor`` (:func:`main`).
 """
 
 from __future__ import annotations
@@ -19,9 +22,10 @@ import contextlib
 import os
 import shutil
 import signal
+import sys
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import NoReturn
 
 from harness import processes
@@ -65,13 +69,16 @@ def split(
     keep: Iterable[int] = (),
     rank_only: Iterable[int] = (),
     leftover_dir: str | None = None,
+    leftovers_to: str | None = None,
 ) -> None:
     """Split this freshly spawned rank process into supervisor and rank; only
     the rank returns. ``keep`` (the lease descriptors) stay in the supervisor
     alone; ``rank_only`` (the pool's pipe) in the rank alone. When the
     launcher dies, the supervisor also removes ``leftover_dir`` (a kept
     pool's or a fresh case's directory, which the dead launcher can no longer
-    remove).
+    remove). ``leftovers_to``: a file where the supervisor writes, when the
+    rank has exited, a line ``PID<TAB>COMMAND LINE`` for each process still
+    running below it, before it stops them.
 
     Where subreapers are unsupported, returns at once in this process, which
     then leads its own session and dies with its parent.
@@ -104,7 +111,7 @@ def split(
     for fd in rank_only:
         with contextlib.suppress(OSError):
             os.close(fd)
-    _supervise(rank, parent_pid, frozenset(watched), leftover_dir)
+    _supervise(rank, parent_pid, frozenset(watched), leftover_dir, leftovers_to)
 
 
 def _watch_parent(parent_pid: int) -> None:
@@ -120,7 +127,11 @@ def _watch_parent(parent_pid: int) -> None:
 
 
 def _supervise(
-    rank: int, parent_pid: int, watched: frozenset[int], leftover_dir: str | None
+    rank: int,
+    parent_pid: int,
+    watched: frozenset[int],
+    leftover_dir: str | None,
+    leftovers_to: str | None = None,
 ) -> NoReturn:
     status: int | None = None
     while True:
@@ -135,8 +146,22 @@ def _supervise(
                 os.kill(rank, info.si_signo)
         status = _reap(rank, status)
         if status is not None:
+            if leftovers_to is not None:
+                _record_leftovers(leftovers_to)
             _stop_all(grace=LEFTOVER_GRACE_S)
             _exit_like(status)
+
+
+def _record_leftovers(path: str) -> None:
+    """Name the processes still running below this one (pid, command line) in ``path``."""
+    me = os.getpid()
+    lines = []
+    for proc in processes.process_tree(me, own_session=False):
+        if proc.pid != me:
+            with contextlib.suppress(Exception):  # gone meanwhile: not a leftover
+                lines.append(f"{proc.pid}\t{' '.join(proc.cmdline()) or proc.name()}\n")
+    with contextlib.suppress(OSError), open(path, "w", encoding="utf-8") as f:
+        f.writelines(lines)
 
 
 def _reap(rank: int, status: int | None) -> int | None:
@@ -161,6 +186,27 @@ def _stop_all(*, grace: float) -> None:
     _reap(-1, None)
 
 
+def main(argv: Sequence[str]) -> NoReturn:
+    """``python -m harness.launcher.supervisor PARENT_PID LEFTOVERS -- PROGRAM [ARG...]``:
+    run a command case's argv as a supervised rank (:func:`split`; ``LEFTOVERS``, the file
+    naming what it left running, or ``""``). The program is looked up on ``PATH``; when it
+    cannot be run, exits 127 saying so on stderr."""
+    parent, leftovers, sep, *command = argv
+    if sep != "--" or not command:
+        sys.exit("usage: python -m harness.launcher.supervisor PARENT_PID LEFTOVERS -- PROGRAM [ARG...]")
+    split(int(parent), leftovers_to=leftovers or None)
+    # What Python ignores for itself, the program gets back (as subprocess's restore_signals).
+    for name in ("SIGPIPE", "SIGXFSZ"):
+        if hasattr(signal, name):
+            signal.signal(getattr(signal, name), signal.SIG_DFL)
+    try:
+        os.execvp(command[0], command)
+    except OSError as exc:
+        sys.stderr.write(f"harness: cannot run {command[0]!r}: {exc.strerror or exc}\n")
+        sys.stderr.flush()
+        os._exit(127)
+
+
 def _exit_like(status: int) -> NoReturn:
     """Leave the way the rank left: its exit code, or killed by its signal."""
     if os.WIFSIGNALED(status):
@@ -172,3 +218,7 @@ def _exit_like(status: int) -> NoReturn:
         os.kill(os.getpid(), sig)
         os._exit(128 + sig)
     os._exit(os.WEXITSTATUS(status) if os.WIFEXITED(status) else 1)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
