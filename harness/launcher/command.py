@@ -38,7 +38,7 @@ from harness.devices import device_type, inventory
 from harness.launcher.case import current, missing_cards
 from harness.launcher.lease import Lease, LeaseError, acquire, card_want
 from harness.launcher.outcome import read_bounded
-from harness.names import DEFAULT_CASE_TIMEOUT_S, OPT_COMMANDS
+from harness.names import DEFAULT_CASE_TIMEOUT_S
 
 #: The file ``--harness-commands`` names: ``{"root": DIR, "cases": [CASE, ...]}``, each
 #: ``CASE`` ``{"id": "<suite>::<entry id>", "argv": [...], "expect_output": REGEX | null,
@@ -126,7 +126,9 @@ class CommandItem(pytest.Item):
         reason = missing_cards(self.device, self.cards)
         if reason is not None:
             if self.device in settings.require:
-                _fail(f"{self.harness_case_id}: {reason}, and --harness-require {self.device} is set")
+                _fail(
+                    f"{self.harness_case_id}: {reason}, and --harness-require {self.device} is set"
+                )
             pytest.skip(reason)
         env = {**os.environ, **self.case.get("env", {})}
         if _which(self.argv[0], env, self.root) is None:
@@ -157,7 +159,9 @@ class CommandItem(pytest.Item):
                 holder=self.harness_case_id,
             )
         except LeaseError as exc:
-            _fail(f"{self.harness_case_id}: could not lease {self.cards} {self.device} card(s)\n{exc}")
+            _fail(
+                f"{self.harness_case_id}: could not lease {self.cards} {self.device} card(s)\n{exc}"
+            )
 
     def _run(self, env: dict[str, str], folder: Path) -> None:
         output, leftovers = folder / "output", folder / "leftovers"

@@ -193,7 +193,9 @@ def main(argv: Sequence[str]) -> NoReturn:
     cannot be run, exits 127 saying so on stderr."""
     parent, leftovers, sep, *command = argv
     if sep != "--" or not command:
-        sys.exit("usage: python -m harness.launcher.supervisor PARENT_PID LEFTOVERS -- PROGRAM [ARG...]")
+        sys.exit(
+            "usage: python -m harness.launcher.supervisor PARENT_PID LEFTOVERS -- PROGRAM [ARG...]"
+        )
     split(int(parent), leftovers_to=leftovers or None)
     # What Python ignores for itself, the program gets back (as subprocess's restore_signals).
     for name in ("SIGPIPE", "SIGXFSZ"):
