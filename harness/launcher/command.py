@@ -139,8 +139,10 @@ class CommandItem(pytest.Item):
                 f"E   program {self.argv[0]!r} not found {where}"
             )
         with contextlib.ExitStack() as held:
+            keep: list[int] = []
             if self.cards:
                 lease = held.enter_context(self._lease(settings))
+                keep = lease.fds()
                 names = [c.id for c in lease.cards()]
                 visible = device_type(self.device).visibility_env
                 if visible:
@@ -148,7 +150,7 @@ class CommandItem(pytest.Item):
                 self.user_properties.append(("harness.cards", ",".join(map(str, lease.cards()))))
             self.user_properties.append(("harness.device", self.device))
             folder = held.enter_context(tempfile.TemporaryDirectory(prefix="harness-command-"))
-            self._run(env, Path(folder))
+            self._run(env, Path(folder), keep)
 
     def _lease(self, settings: Any) -> Lease:
         try:
@@ -163,19 +165,22 @@ class CommandItem(pytest.Item):
                 f"{self.harness_case_id}: could not lease {self.cards} {self.device} card(s)\n{exc}"
             )
 
-    def _run(self, env: dict[str, str], folder: Path) -> None:
+    def _run(self, env: dict[str, str], folder: Path, keep: list[int]) -> None:
+        """Run the command (its supervisor holding the lease descriptors ``keep``, so that the
+        cards stay leased until nothing of it runs, even past this process), then judge it."""
         output, leftovers = folder / "output", folder / "leftovers"
         deadline = self._deadline()
         wrapper = [sys.executable, "-m", "harness.launcher.supervisor", str(os.getpid())]
         started = time.monotonic()
         with open(output, "wb") as out:
             proc = subprocess.Popen(
-                [*wrapper, str(leftovers), "--", *self.argv],
+                [*wrapper, str(leftovers), ",".join(map(str, keep)), "--", *self.argv],
                 cwd=self.root,
                 env=env,
                 stdin=subprocess.DEVNULL,
                 stdout=out,
                 stderr=subprocess.STDOUT,
+                pass_fds=keep,
             )
         stacks = ""
         try:
@@ -189,7 +194,7 @@ class CommandItem(pytest.Item):
             processes.kill_trees([proc.pid], grace=0, kill_wait=KILL_AFTER_S)
             proc.wait()
         seconds = time.monotonic() - started
-        text = read_bounded(str(output))
+        text = read_bounded(str(output), "the command's output")
         size = output.stat().st_size
         left = leftovers.read_text(encoding="utf-8", errors="replace") if leftovers.exists() else ""
         leaked = self._left_running(left) if left.strip() else None

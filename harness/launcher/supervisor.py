@@ -187,16 +187,19 @@ def _stop_all(*, grace: float) -> None:
 
 
 def main(argv: Sequence[str]) -> NoReturn:
-    """``python -m harness.launcher.supervisor PARENT_PID LEFTOVERS -- PROGRAM [ARG...]``:
+    """``python -m harness.launcher.supervisor PARENT_PID LEFTOVERS KEEP -- PROGRAM [ARG...]``:
     run a command case's argv as a supervised rank (:func:`split`; ``LEFTOVERS``, the file
-    naming what it left running, or ``""``). The program is looked up on ``PATH``; when it
+    naming what it left running, or ``""``; ``KEEP``, comma-separated lease descriptors
+    the supervisor alone holds, or ``""``). The program is looked up on ``PATH``; when it
     cannot be run, exits 127 saying so on stderr."""
-    parent, leftovers, sep, *command = argv
+    parent, leftovers, keep, sep, *command = argv
     if sep != "--" or not command:
         sys.exit(
-            "usage: python -m harness.launcher.supervisor PARENT_PID LEFTOVERS -- PROGRAM [ARG...]"
+            "usage: python -m harness.launcher.supervisor PARENT_PID LEFTOVERS KEEP -- "
+            "PROGRAM [ARG...]"
         )
-    split(int(parent), leftovers_to=leftovers or None)
+    fds = [int(fd) for fd in keep.split(",") if fd]
+    split(int(parent), keep=fds, leftovers_to=leftovers or None)
     # What Python ignores for itself, the program gets back (as subprocess's restore_signals).
     for name in ("SIGPIPE", "SIGXFSZ"):
         if hasattr(signal, name):
