@@ -186,13 +186,14 @@ class CommandItem(pytest.Item):
         try:
             code = proc.wait(timeout=deadline)
         except subprocess.TimeoutExpired:
-            stacks = _stacks(processes.process_tree(proc.pid, own_session=True))
+            stacks = _stacks(proc.pid)
             processes.kill_trees([proc.pid], grace=KILL_AFTER_S, kill_wait=KILL_AFTER_S)
             code = None
         finally:
             # However this ends (an interrupt included), nothing of the command outlives it.
             processes.kill_trees([proc.pid], grace=0, kill_wait=KILL_AFTER_S)
-            proc.wait()
+            with contextlib.suppress(subprocess.TimeoutExpired):  # stuck in the kernel: bounded
+                proc.wait(timeout=KILL_AFTER_S)
         seconds = time.monotonic() - started
         text = read_bounded(str(output), "the command's output")
         size = output.stat().st_size
@@ -282,11 +283,13 @@ def _matches(pattern: str, output: Path) -> bool:
     return re.search(pattern, text, re.MULTILINE) is not None
 
 
-def _stacks(tree: list[Any]) -> str:
-    """What still runs below a command: each process (pid, parent, command line), and
-    ``py-spy dump`` of each where py-spy is installed."""
+def _stacks(supervisor: int) -> str:
+    """What still runs below a command's ``supervisor``: each process (pid, parent, state,
+    command line), and where py-spy is installed (on the run's ``PATH``) ``py-spy dump`` of
+    each (the first line of its error for a process it cannot read: not Python, no rights)."""
     import psutil
 
+    tree = [p for p in processes.process_tree(supervisor, own_session=True) if p.pid != supervisor]
     lines = []
     for proc in tree:
         with contextlib.suppress(psutil.Error):
@@ -294,7 +297,7 @@ def _stacks(tree: list[Any]) -> str:
             lines.append(f"pid {proc.pid} (parent {proc.ppid()}, {proc.status()}): {cmd}\n")
     py_spy = shutil.which("py-spy")
     if py_spy is None:
-        lines.append("(install py-spy for the Python stacks of these processes)\n")
+        lines.append("(py-spy is not installed: no Python stacks of these processes)\n")
         return "".join(lines)
     for proc in tree[:PY_SPY_MAX_PROCS]:
         try:
@@ -305,7 +308,8 @@ def _stacks(tree: list[Any]) -> str:
                 timeout=PY_SPY_TIMEOUT_S,
                 check=False,
             )
-            lines.append(f"--- py-spy dump --pid {proc.pid} ---\n{done.stdout}{done.stderr}")
+            said = done.stdout if done.returncode == 0 else done.stderr.strip().split("\n")[0]
         except (OSError, subprocess.TimeoutExpired) as exc:
-            lines.append(f"--- py-spy dump --pid {proc.pid}: {exc}\n")
+            said = str(exc)
+        lines.append(f"--- py-spy dump --pid {proc.pid} ---\n{said.rstrip()}\n")
     return "".join(lines)

@@ -6,6 +6,7 @@ processes on a small generated project."""
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -64,8 +65,17 @@ def test_command_cases_run_with_the_suite_each_with_its_own_verdict(pytester):
         {"tests/test_t.py": "def test_t():\n    pass\n"},
         {"cpu": manifest("cpu", "cpu", ENTRIES)},
     )
+    # py-spy, where installed, dumps each process still running at the deadline: a stand-in
+    # here (the real one needs ptrace rights over them, which CI runners do not give).
+    stub = root / "bin/py-spy"
+    stub.parent.mkdir()
+    stub.write_text('#!/bin/sh\necho "stack of pid $3"\n')
+    stub.chmod(0o755)
+    path = f"{stub.parent}{os.pathsep}{os.environ['PATH']}"
     started = time.monotonic()
-    done = harness(root, "run", "cpu", "--out", "out", "--durations-out", "d.json")
+    done = harness(
+        root, "run", "cpu", "--out", "out", "--durations-out", "d.json", env={"PATH": path}
+    )
     took = time.monotonic() - started
     said = done.stdout + done.stderr
     assert done.returncode == 1, said
@@ -96,6 +106,7 @@ def test_command_cases_run_with_the_suite_each_with_its_own_verdict(pytester):
     assert "still running at the deadline" in said
     parent, child = map(int, (root / "hang.pids").read_text().split())
     assert f"pid {child} (parent {parent}" in said
+    assert f"--- py-spy dump --pid {child} ---\nstack of pid {child}\n" in said
     assert _gone(parent)
     assert _gone(child)
     assert took < 120
