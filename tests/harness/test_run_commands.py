@@ -158,7 +158,14 @@ def test_inventory_and_matrix_list_a_command_case_with_its_device_and_cards(pyte
     assert done.returncode == 0, done.stdout + done.stderr
     (shard,) = json.loads(done.stdout)["include"]
     assert shard["cases"] == 1
-    assert shard["estimated_minutes"] == 1.0
+    assert shard["estimated_minutes"] == 1.0  # its estimated_s
+    # A recorded duration, under its case id, wins over the estimate.
+    recorded = {"suite": "gpu", "durations": {"gpu::smoke": 120.0}}
+    (root / "suites/durations").mkdir()
+    (root / "suites/durations/gpu.json").write_text(json.dumps(recorded))
+    done = harness(root, "matrix", "gpu")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert json.loads(done.stdout)["include"][0]["estimated_minutes"] == 2.0
 
 
 def test_an_accelerator_command_case_sees_exactly_its_leased_card(pytester):
