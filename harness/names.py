@@ -38,6 +38,8 @@ OPT_JUNIT = "--harness-junit"
 #: The launch plugin's file of command cases (``harness.launcher.command``), which ``harness
 #: run`` writes and also gives pytest to collect.
 OPT_COMMANDS = "--harness-commands"
+#: The version of that file's format (``harness.launcher.command`` reads it).
+COMMANDS_FORMAT = "harness-commands/1"
 
 # --------------------------------------------------------------------------- inventory rules
 

@@ -1,7 +1,11 @@
 """Command cases: a manifest entry's ``command`` run as one pytest item of the session.
 
-``harness run`` writes the run's command cases to a JSON file (:data:`FORMAT`) and gives
-pytest that file, both as a path to collect and as ``--harness-commands FILE``; this plugin
+``harness run`` writes the run's command cases to a JSON file and gives pytest that file,
+both as a path to collect and as ``--harness-commands FILE``: ``{"format":
+"harness-commands/1", "root": DIR, "cases": [CASE, ...]}``, each ``CASE`` ``{"id":
+"<suite>::<entry id>", "argv": [...], "expect_output": REGEX | null, "timeout_s": SECONDS |
+null, "device": "cpu" | "cuda" | "npu", "cards": N, "env": {...}, "source": MANIFEST}``
+(``source``: the file defining the entry, from the root). This plugin
 (registered by the launch plugin when the option is set) collects it as a
 :class:`CommandFile` of :class:`CommandItem` s, so leases, deadlines (pytest-timeout's marker,
 as every planned case), xdist distribution, reports and JUnit are pytest's as for any case.
@@ -38,13 +42,8 @@ from harness.devices import device_type, inventory
 from harness.launcher.case import current, missing_cards
 from harness.launcher.lease import Lease, LeaseError, acquire, card_want
 from harness.launcher.outcome import read_bounded
+from harness.names import COMMANDS_FORMAT as FORMAT
 from harness.names import DEFAULT_CASE_TIMEOUT_S
-
-#: The file ``--harness-commands`` names: ``{"root": DIR, "cases": [CASE, ...]}``, each
-#: ``CASE`` ``{"id": "<suite>::<entry id>", "argv": [...], "expect_output": REGEX | null,
-#: "timeout_s": SECONDS | null, "device": "cpu" | "cuda" | "npu", "cards": N, "env": {...},
-#: "source": MANIFEST}`` (``source``: the file defining the entry, from the root).
-FORMAT = "harness-commands/1"
 
 #: Between SIGTERM and SIGKILL when a command's tree is stopped at its deadline.
 KILL_AFTER_S = 5.0
@@ -83,6 +82,8 @@ class CommandFile(pytest.File):
 
     def collect(self) -> Iterator[CommandItem]:
         doc = json.loads(self.path.read_text(encoding="utf-8"))
+        if doc.get("format") != FORMAT:  # another harness's run wrote it
+            raise ValueError(f"{self.path}: not a {FORMAT} file (format {doc.get('format')!r})")
         root = doc["root"]
         for case in doc["cases"]:
             # Located at its manifest: where the report and warnings point.

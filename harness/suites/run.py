@@ -571,7 +571,7 @@ def _write_commands(run: _Run) -> Path | None:
     if not cases:
         return None
     path = run.out / COMMANDS_FILE
-    write_json(path, {"format": "harness-commands/1", "root": str(run.root), "cases": cases})
+    write_json(path, {"format": names.COMMANDS_FORMAT, "root": str(run.root), "cases": cases})
     return path
 
 
