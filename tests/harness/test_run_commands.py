@@ -168,29 +168,42 @@ def test_inventory_and_matrix_list_a_command_case_with_its_device_and_cards(pyte
     assert json.loads(done.stdout)["include"][0]["estimated_minutes"] == 2.0
 
 
-def test_an_accelerator_command_case_sees_exactly_its_leased_card(pytester):
-    show = "import os; print('visible=' + os.environ['CUDA_VISIBLE_DEVICES'])"
-    root = make_project(
-        pytester.path,
-        {},
-        {
-            "gpu": manifest(
-                "gpu",
-                "cuda",
-                [{"id": "probe", "command": [PY, "-c", show], "expect_output": "^visible=[01]$"}],
-            )
-        },
-    )
+# Prints the cards it sees, checks that card 0 is leased (its lock held) while it runs, and
+# records when it ran (start, end: 1 s) in the file named.
+PROBE = (
+    "import fcntl, os, sys, time\n"
+    "print('visible=' + os.environ['CUDA_VISIBLE_DEVICES'], flush=True)\n"
+    "lock = os.open(os.path.join(os.environ['HARNESS_LEASE_DIR'], 'cuda-0.lock'), os.O_RDWR)\n"
+    "try:\n"
+    "    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)\n"
+    "    sys.exit('cuda:0 is not leased')\n"
+    "except BlockingIOError:\n"
+    "    pass\n"
+    "start = time.time(); time.sleep(1)\n"
+    "open(sys.argv[1], 'w').write(f'{start} {time.time()}')\n"
+)
+
+
+def test_accelerator_command_cases_see_exactly_their_card_one_at_a_time(pytester):
+    # One simulated card, two command cases on two xdist workers: each sees the card, and
+    # the lease keeps them from holding it at once.
+    probes = [
+        {"id": n, "command": [PY, "-c", PROBE, f"{n}.held"], "expect_output": "^visible=0$"}
+        for n in ("a", "b")
+    ]
+    root = make_project(pytester.path, {}, {"gpu": manifest("gpu", "cuda", probes)})
     lease_dir = root / "leases"
     lease_dir.mkdir()
     done = harness(
-        root, "run", "gpu", "--out", "out",
-        env={"HARNESS_CARDS": "cuda:0,1", "HARNESS_LEASE_DIR": str(lease_dir)},
+        root, "run", "gpu", "--out", "out", "--workers", "2",
+        env={"HARNESS_CARDS": "cuda:0", "HARNESS_LEASE_DIR": str(lease_dir)},
     )  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
+    (a0, a1), (b0, b1) = (map(float, (root / f"{n}.held").read_text().split()) for n in "ab")
+    assert a1 <= b0 or b1 <= a0, (a0, a1, b0, b1)
     junit = (root / "out/junit.xml").read_text()
-    assert 'name="harness.cards" value="cuda:' in junit
-    assert 'name="harness.entry" value="probe"' in junit
+    assert junit.count('name="harness.cards" value="cuda:0"') == 2
+    assert 'name="harness.entry" value="a"' in junit
 
 
 def test_k_selects_command_cases_and_paths_given_to_pytest_leave_them_out(pytester):
