@@ -45,6 +45,11 @@ LEAK_PROPERTY = "harness.leaked"
 #: ``harness_device(device="cuda", cards=2)``: the launch plugin runs its body in a process of
 #: its own with exactly those leased cards visible (docs/harness.md).
 DEVICE_MARKER = "harness_device"
+#: The launch plugin's file of command cases (``harness.launcher.command``), which ``harness
+#: run`` writes and also gives pytest to collect.
+OPT_COMMANDS = "--harness-commands"
+#: The version of that file's format (``harness.launcher.command`` reads it).
+COMMANDS_FORMAT = "harness-commands/1"
 
 # --------------------------------------------------------------------------- inventory rules
 

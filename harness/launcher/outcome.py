@@ -388,8 +388,8 @@ def file_size(path: str) -> int:
         return 0
 
 
-def read_bounded(path: str) -> str:
-    """A rank's output: all of it when short, else its head, a line saying how
+def read_bounded(path: str, what: str = "this rank's output") -> str:
+    """A rank's output (``what``): all of it when short, else its head, a line saying how
     many bytes were dropped, and its tail (never more than head + tail bytes
     read into memory)."""
     with open(path, "rb") as f:
@@ -403,7 +403,7 @@ def read_bounded(path: str) -> str:
     head_text = head.decode(errors="replace").rstrip("\x00")
     tail_text = tail.decode(errors="replace").lstrip("\x00")
     return (
-        f"{head_text}\n[harness: {dropped} bytes of this rank's output dropped; "
+        f"{head_text}\n[harness: {dropped} bytes of {what} dropped; "
         f"the first {len(head)} and the last {len(tail)} are kept]\n{tail_text}"
     )
 

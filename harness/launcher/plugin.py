@@ -67,7 +67,7 @@ from harness.launcher.ranks import ProcessSpec
 from harness.launcher.supervisor import tie_to_controller
 from harness.launcher.target import FunctionRef, conftests_for
 from harness.launcher.torchrun import run_here, shape_problem, under_torchrun
-from harness.names import DEVICE_MARKER
+from harness.names import DEVICE_MARKER, OPT_COMMANDS
 from harness.spec import ACCELERATORS, LaunchSpec, is_launched, launch_refusal, spec_for_item
 from harness.validation import check_int, check_seconds
 from harness.watchdog import WATCHDOG_GRACE_S, faulthandler_free, watchdog
@@ -140,6 +140,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         default=None,
         help="fresh rank processes for every launched case, whatever harness_reuse says",
     )
+    group.addoption(
+        OPT_COMMANDS,
+        default=None,
+        metavar="FILE",
+        help="JSON file of command cases (written by `harness run`): collected as one case each "
+        "when FILE is also given as a path to collect",
+    )
     parser.addini(
         "harness_reuse",
         type="bool",
@@ -169,6 +176,10 @@ def pytest_configure(config: pytest.Config) -> None:
     watchdog.exit_hooks.append(phases.on_exit)
     if not config.getoption("collectonly"):  # a session that runs no case contains none
         containment.configure(config)
+    if config.getoption("harness_commands", None):
+        from harness.launcher import command
+
+        config.pluginmanager.register(command, "harness-commands")
 
 
 def _settings_from(config: pytest.Config) -> Settings:

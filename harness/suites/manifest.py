@@ -113,7 +113,9 @@ class Entry:
 
     ``source`` / ``pointer`` locate the entry's definition (which may be a shared case list
     included by the suite). ``depends_on`` is ``None`` when the entry declares no
-    dependencies (it then always runs).
+    dependencies (it then always runs). ``command`` (then ``paths`` is empty): the entry
+    is one case running this argv, passing when it exits 0 and its output matches
+    ``expect_output`` (a regular expression) when one is given.
     """
 
     id: str
@@ -132,6 +134,9 @@ class Entry:
     env: dict[str, str] = field(default_factory=dict, hash=False)
     flaky: Flaky | None = None
     quarantine: Quarantine | None = None
+
+    command: tuple[str, ...] | None = None
+    expect_output: str | None = None
 
     @property
     def accelerator(self) -> str | None:
@@ -401,9 +406,11 @@ def read_runners(doc: dict[str, Any]) -> tuple[Runner, ...]:
 def _case_entry(
     raw: dict[str, Any], name: str, ptr: str, root: Path, problems: list[Problem]
 ) -> Entry:
-    """A case entry, with a problem for each path that leaves the repository and a bad ``markers``."""
+    """A case entry, with a problem for each path that leaves the repository and a bad
+    ``markers`` (and those of :func:`_command_problems`)."""
     deps = raw.get("depends_on")
-    for key, values in (("paths", raw["paths"]), ("depends_on", deps or ())):
+    problems.extend(_command_problems(raw, name, ptr))
+    for key, values in (("paths", raw.get("paths", ())), ("depends_on", deps or ())):
         for j, p in enumerate(values):
             if why := _outside(root, p.split("::", 1)[0]):
                 problems.append(Problem(names.PATH, name, f"{ptr}/{key}/{j}", f"{p!r} {why}"))
@@ -416,7 +423,7 @@ def _case_entry(
     problems.extend(_cards_problems(raw, name, ptr))
     return Entry(
         id=raw["id"],
-        paths=tuple(p.rstrip("/") or "." for p in raw["paths"]),
+        paths=tuple(p.rstrip("/") or "." for p in raw.get("paths", ())),
         markers=raw.get("markers"),
         timeout_s=raw.get("timeout_s"),
         estimated_s=float(raw.get("estimated_s", DEFAULT_ESTIMATED_S)),
@@ -427,6 +434,8 @@ def _case_entry(
         cards=int(raw.get("cards", 1)),
         env=dict(raw.get("env", {})),
         **_reruns_and_quarantine(raw, name, ptr, problems),
+        command=tuple(raw["command"]) if "command" in raw else None,
+        expect_output=raw.get("expect_output"),
     )
 
 
@@ -477,6 +486,32 @@ def _reruns_and_quarantine(
             problems.append(Problem(names.SCHEMA, name, f"{ptr}/quarantine/until", why))
         else:
             out["quarantine"] = Quarantine(raw["quarantine"]["reason"], day)
+    return out
+
+
+def _command_problems(raw: dict[str, Any], name: str, ptr: str) -> list[Problem]:
+    """What the schema cannot say about a command entry (an entry with ``command``): it has
+    no ``paths`` or ``markers`` (it selects no collected test), and its ``expect_output``
+    compiles as a Python regular expression; ``expect_output`` belongs to a command."""
+    out = []
+    if "command" not in raw:
+        if "expect_output" in raw:
+            why = "expect_output applies to a command entry; this entry has paths, no command"
+            out.append(Problem(names.SCHEMA, name, f"{ptr}/expect_output", why))
+        return out
+    for key in ("paths", "markers"):
+        if key in raw:
+            why = (
+                f"an entry has either paths or a command, not both: a command entry is one "
+                f"case, its command, and selects no test ({key!r} given)"
+            )
+            out.append(Problem(names.SCHEMA, name, f"{ptr}/{key}", why))
+    if "expect_output" in raw:
+        try:
+            re.compile(raw["expect_output"], re.MULTILINE)
+        except re.error as e:
+            why = f"expect_output {raw['expect_output']!r} is not a regular expression: {e}"
+            out.append(Problem(names.SCHEMA, name, f"{ptr}/expect_output", why))
     return out
 
 

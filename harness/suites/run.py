@@ -509,7 +509,7 @@ _REPORT_FILES = ("junit.xml", "summary.md", "summary.json")
 def _prepare_out(run: _Run) -> None:
     """Phase 2: the output folder, cleared of a previous run's files, with ``plan.json``."""
     # A previous run's: this run reports its own, and one that dies early leaves none of them.
-    for pattern in ("select.json*", "backstop-*.log", *_REPORT_FILES):
+    for pattern in ("select.json*", COMMANDS_FILE, "backstop-*.log", *_REPORT_FILES):
         for stale in run.out.glob(pattern):
             stale.unlink()
     cases = [[c.nodeid, e.id] for c, e in run.cases]
@@ -529,10 +529,42 @@ _PYTEST_FROM_ROOT = (
 )
 
 
+#: The run's command cases, in its output folder (the format: ``harness.launcher.command``).
+COMMANDS_FILE = "commands.json"
+
+
+def _write_commands(run: _Run) -> Path | None:
+    """The file of the run's command cases, for the launch plugin to collect and run (None:
+    the run has none)."""
+    cases = [
+        {
+            "id": c.nodeid,
+            "argv": list(c.command),
+            "expect_output": e.expect_output,
+            "timeout_s": e.timeout_s,
+            "device": c.device,
+            "cards": c.cards,
+            "env": dict(e.env),
+            "source": e.source,
+        }
+        for c, e in run.cases
+        if c.command is not None
+    ]
+    if not cases:
+        return None
+    path = run.out / COMMANDS_FILE
+    write_json(path, {"format": names.COMMANDS_FORMAT, "root": str(run.root), "cases": cases})
+    return path
+
+
 def _pytest_command(run: _Run) -> list[str]:
-    """The pytest command line of the run; writes its selection file."""
+    """The pytest command line of the run; writes its selection file (and its command cases'
+    file, collected as a test file of its own)."""
     select_file = run.select_file
-    files = sorted({str(run.root / c.file) for c, _ in run.cases})
+    files = sorted({str(run.root / c.file) for c, _ in run.cases if c.command is None})
+    commands = _write_commands(run)
+    if commands is not None:
+        files.append(str(commands))
     write_json(
         select_file,
         {
@@ -556,6 +588,8 @@ def _pytest_command(run: _Run) -> list[str]:
     cmd = [sys.executable, "-c", _PYTEST_FROM_ROOT, str(run.root), *files, *run.opts.pytest_args]
     cmd += _config_args(run)
     cmd += ["-p", "harness.suites.selection", f"{names.OPT_SELECT}={select_file}"]
+    if commands is not None:
+        cmd.append(f"{names.OPT_COMMANDS}={commands}")
     cmd += [
         f"{names.OPT_JUNIT}={run.out / 'junit.xml'}",
         "-o",

@@ -475,6 +475,22 @@ def test_entry_device_cards_and_env_load(tmp_path):
     assert (b.device, b.cards, b.env, b.accelerator) == (None, 1, {}, None)
 
 
+# --------------------------------------------------------------------------- command entries
+
+
+def command_doc(**entry: object) -> dict:
+    return manifest("cpu", "cpu", [{"id": "smoke", **entry}])
+
+
+def test_a_command_entry_loads_with_its_argv_and_expected_output(tmp_path):
+    argv = ["torchrun", "--nproc-per-node", "2", "train.py"]
+    write(tmp_path, "suites/cpu.json", command_doc(command=argv, expect_output=r"^step \d+"))
+    (entry,) = load_manifest(tmp_path / "suites/cpu.json", tmp_path).entries
+    assert entry.command == tuple(argv)
+    assert entry.expect_output == r"^step \d+"
+    assert entry.paths == ()
+
+
 @pytest.mark.parametrize(
     ("entry", "where", "words"),
     [
@@ -513,3 +529,49 @@ def test_entry_device_of_another_suite_is_named_in_the_included_case_list(tmp_pa
         "suites/cases/acc.json /entries/0/device: [schema] entry 'a' says device 'cuda', but "
         "suite 'npu' runs on npu: give it the suite's device or leave `device` out"
     ]
+
+
+@pytest.mark.parametrize(
+    ("entry", "where", "words"),
+    [
+        (
+            {"command": ["python", "x.py"], "paths": ["tests"]},
+            "/entries/0/paths",
+            "either paths or a command",
+        ),
+        (
+            {"command": ["python", "x.py"], "markers": "slow"},
+            "/entries/0/markers",
+            "either paths or a command",
+        ),
+        ({"command": []}, "/entries/0/command", "non-empty"),
+        ({"command": ["python", 3]}, "/entries/0/command/1", "not of type 'string'"),
+        ({"command": ["python", ""]}, "/entries/0/command/1", ""),
+        ({"command": "python x.py"}, "/entries/0/command", "not of type 'array'"),
+        (
+            {"command": ["python"], "expect_output": "loss ("},
+            "/entries/0/expect_output",
+            "not a regular expression",
+        ),
+        (
+            {"paths": ["tests"], "expect_output": "ok"},
+            "/entries/0/expect_output",
+            "applies to a command entry",
+        ),
+        ({}, "/entries/0", "'paths' is a required property"),
+    ],
+)
+def test_a_bad_command_entry_is_named_by_file_and_pointer(tmp_path, entry, where, words):
+    write(tmp_path, "suites/cpu.json", command_doc(**entry))
+    found = problems_of(tmp_path)
+    assert any(p.startswith(f"suites/cpu.json {where}:") and words in p for p in found), found
+
+
+def test_a_bad_command_entry_in_a_shared_case_list_points_into_that_list(tmp_path):
+    write(tmp_path, "suites/cases/e2e.json", {"entries": [{"id": "e", "command": ["x", 1]}]})
+    write(
+        tmp_path, "suites/cpu.json", manifest("cpu", "cpu", [{"include": "suites/cases/e2e.json"}])
+    )
+    assert any(
+        p.startswith("suites/cases/e2e.json /entries/0/command/1:") for p in problems_of(tmp_path)
+    )
