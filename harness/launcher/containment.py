@@ -41,6 +41,9 @@ SETTLE_S = 0.5
 GRACE_S = 1.0
 
 _BEFORE = pytest.StashKey["set[psutil.Process]"]()
+#: What a launched case's ranks (or a plain case run apart) left running: each rank stops
+#: and names its own (``harness.launcher.rank``), reported here with the case's other leaks.
+RANK_LEAKS = pytest.StashKey[list[str]]()
 
 
 class LeakWarning(pytest.PytestWarning):
@@ -127,13 +130,17 @@ class _Containment:
         if before is None:
             return
         del item.stash[_BEFORE]
-        left = processes.stop_leftovers(
+        stopped = processes.stop_leftovers(
             before - self.released, settle=SETTLE_S, grace=GRACE_S, spare=self._spare
         )
         self.released = set()
+        rank_leaks = item.stash.get(RANK_LEAKS, [])
+        if rank_leaks:
+            del item.stash[RANK_LEAKS]  # a rerun of the case reports its own
+        left = [*map(str, stopped), *rank_leaks]
         if not left:
             return
-        item.user_properties.append((LEAK_PROPERTY, "; ".join(map(str, left))))
+        item.user_properties.append((LEAK_PROPERTY, "; ".join(left)))
         message = (
             f"{item.nodeid} left {len(left)} process(es) running after its teardown; "
             "stopped them:\n" + "\n".join(f"  {leftover}" for leftover in left)

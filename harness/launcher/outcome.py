@@ -71,6 +71,8 @@ class RankOutcome:
     feedback: Any = None
     #: log records the function emitted (``harness.launcher.logs``), as plain dicts
     records: list[dict[str, Any]] = field(default_factory=list)
+    #: processes the function left running, stopped after it (``pid N: command``)
+    leaked: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         # However big the exception's message, the outcome file, the report and

@@ -569,6 +569,9 @@ def _run_on_ranks(
     except LeaseError as exc:
         _fail(f"{item.nodeid}: could not lease what the case needs\n{exc}")
     placed = (",".join(result.cards), result.ranks)
+    leaked = [f"rank {r}: {x}" for r, o in sorted(result.outcomes.items()) for x in o.leaked]
+    if leaked:
+        item.stash.setdefault(containment.RANK_LEAKS, []).extend(leaked)
     if not example:
         # JUnit <properties> of the case: where and how it ran.
         item.user_properties.extend(_placement(spec, placed))

@@ -33,6 +33,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
+from harness import processes
 from harness.devices import Card, local_index, runtime_available, set_device
 from harness.launcher import coverage as rank_coverage
 from harness.launcher import explain, given, groups, logs, values
@@ -384,6 +385,9 @@ def _run(ctx: RankContext, task: RankTask, *, fresh_module: bool) -> RankOutcome
     has not) and return its outcome; never raises."""
     caught: list[warnings.WarningMessage] = []
     feedback = given.Feedback() if task.example else None
+    # Orphans of what the body starts (setsid daemons) come back to this rank, in sight.
+    processes.subreaper()
+    before = processes.descendants()
     with logs.capture(task.log_level) as records:
         try:
             outcome = fresh_context().run(_call, ctx, task, fresh_module, caught, feedback)
@@ -394,11 +398,21 @@ def _run(ctx: RankContext, task: RankTask, *, fresh_module: bool) -> RankOutcome
                 outcome = outcome_from_exception(ctx.rank, exc)
     outcome.feedback = feedback
     outcome.records = records
+    outcome.leaked = _contain(before)
     outcome.warnings = [
         (exception_names(w.category)[0], str(w.message), w.filename, w.lineno)
         for w in caught[:MAX_WARNINGS]
     ]
     return outcome
+
+
+def _contain(before: set[Any]) -> list[str]:
+    """Stop what the body left running below this rank (the runtime's own helpers
+    spared) and name it, for the launcher to report against the case."""
+    from harness.launcher.containment import GRACE_S, SETTLE_S, runtime_helpers
+
+    left = processes.stop_leftovers(before, settle=SETTLE_S, grace=GRACE_S, spare=runtime_helpers)
+    return [str(leftover) for leftover in left]
 
 
 #: Warnings a rank reports per case (the first ones; a loop warning a

@@ -247,3 +247,57 @@ def test_a_wider_scoped_fixtures_process_is_checked_when_it_is_torn_down(project
     assert "test_fixture.py::test_first left" not in session.output
     assert f"pid {pids['server']}:" not in session.output
     assert survivors(list(pids.values()), wait=0) == []
+
+
+LAUNCHED_LEAKS = """
+    import subprocess
+    import sys
+
+    import pytest
+    import torch.distributed as dist
+
+    from recording import record_pid
+
+    SLEEPER = [sys.executable, "-c", "import time; time.sleep(600)"]
+
+
+    @pytest.mark.launch(nproc=2)
+    def test_ranks_leak_a_daemon():
+        child = subprocess.Popen(SLEEPER, start_new_session=True)
+        record_pid(f"daemon-{dist.get_rank()}", child.pid)
+
+
+    @pytest.mark.launch(nproc=2)
+    def test_ranks_wait_for_their_children():
+        subprocess.run([sys.executable, "-c", "pass"], check=True)
+"""
+
+
+@pytest.mark.parametrize("reuse", [False, True], ids=["fresh", "kept"])
+def test_what_a_launched_cases_ranks_leave_is_named_against_the_case(tmp_path, reuse):
+    # Regression: a launched case's ranks (and a plain case run apart on its cards) had
+    # their leftovers stopped by their supervisors, silently: no warning, no JUnit
+    # property, and `harness_leaks = fail` did not fail the case.
+    for mode in ("warn", "fail"):
+        root = write_project(tmp_path / mode, {"test_launched.py": LAUNCHED_LEAKS}, reuse=reuse)
+        with open(root / "pytest.ini", "a") as ini:
+            ini.write(f"harness_leaks = {mode}\n")
+        session = run_session(
+            root, "-p", "no:xdist", env=inner_env(root / "out", tmp_path / "leases")
+        )
+        pids = read_pids(root / "out")
+        daemons = [pids["daemon-0"], pids["daemon-1"]]
+        assert survivors(daemons, wait=0) == [], session.output
+        case = "test_launched.py::test_ranks_leak_a_daemon"
+        assert f"{case} left 2 process(es) running after its teardown" in session.output
+        for rank, pid in enumerate(daemons):
+            assert f"rank {rank}: pid {pid}: " in session.output, session.output
+        props = _junit_properties(root / "junit.xml")
+        assert "harness.leaked" not in props["test_ranks_wait_for_their_children"]
+        assert session.case("test_ranks_wait_for_their_children").status == "passed"
+        leaked = session.case("test_ranks_leak_a_daemon")
+        if mode == "fail":
+            assert leaked.status == "error", session.output
+        else:
+            assert leaked.status == "passed", session.output
+            assert f"pid {daemons[0]}: " in props["test_ranks_leak_a_daemon"]["harness.leaked"]
