@@ -3,7 +3,7 @@
 A card a previous job left a process on (a crashed training run, a stuck rank) fails the
 next suite in ways that look like the suite's fault: out of memory, a hung collective. At
 the start of a session the plugin asks the device's tool which processes hold cards
-(:data:`BUSY_QUERIES`, one entry per accelerator of the device table: a test checks),
+(``busy_query`` of its row in the device table: every accelerator has one, a test checks),
 leaves out this run's own processes and names the others: a warning, or with ini
 ``harness_busy_cards = fail`` a stop before any test runs. A device whose tool is not on
 ``PATH`` has no cards here to check.
@@ -11,49 +11,12 @@ leaves out this run's own processes and names the others: a warning, or with ini
 
 from __future__ import annotations
 
-import csv
-import re
 import shutil
 import subprocess
-from collections.abc import Callable, Collection
+from collections.abc import Collection
 
+from harness.devices import DEVICE_TABLE, device_type
 from harness.errors import HarnessError
-
-#: A process on a card as a tool reports it: ``(pid, card, memory_mb, name)``.
-Row = tuple[int, str, "int | None", str]
-
-
-def _nvidia(text: str) -> list[Row]:
-    # pid, process_name, gpu_bus_id, used_memory ("123 MiB"), one process per line.
-    out = []
-    for row in csv.reader(text.splitlines(), skipinitialspace=True):
-        if len(row) >= 4 and row[0].strip().isdigit():
-            memory = re.match(r"\d+", row[3].strip())
-            out.append((int(row[0]), row[2].strip(), int(memory[0]) if memory else None, row[1]))
-    return out
-
-
-# `npu-smi info`'s process table: | NPU  Chip | Process id | Process name | Process memory(MB) |
-_NPU_PROCESS = re.compile(r"^\|\s*(\d+)\s+(\d+)\s*\|\s*(\d+)\s*\|\s*(.*?)\s*\|\s*(\d+)\s*\|")
-
-
-def _npu(text: str) -> list[Row]:
-    matches = filter(None, map(_NPU_PROCESS.match, text.splitlines()))
-    return [(int(m[3]), f"{m[1]}/{m[2]}", int(m[5]), m[4]) for m in matches]
-
-
-#: Device type -> (the tool's argv, the parser of its output into :data:`Row` values).
-BUSY_QUERIES: dict[str, tuple[tuple[str, ...], Callable[[str], list[Row]]]] = {
-    "cuda": (
-        (
-            "nvidia-smi",
-            "--query-compute-apps=pid,process_name,gpu_bus_id,used_memory",
-            "--format=csv,noheader",
-        ),
-        _nvidia,
-    ),
-    "npu": (("npu-smi", "info"), _npu),
-}
 
 
 class BusyCheckError(HarnessError):
@@ -82,7 +45,7 @@ def card_users(device: str, exclude: Collection[int] = (), timeout: float = 30.0
     """One line per process other than ``exclude`` holding a ``device`` card (card, pid,
     command line, memory), by the device's own tool; none when the tool is not on ``PATH``.
     Raises :class:`BusyCheckError` when it fails or does not answer within ``timeout``."""
-    argv, parse = BUSY_QUERIES[device]
+    argv, parse = device_type(device).busy_query, device_type(device).parse_busy
     tool = shutil.which(argv[0])
     if tool is None:
         return []
@@ -132,7 +95,7 @@ def check_busy_cards(config) -> None:
     # Not on xdist workers (their controller checked), not in a collect-only session
     # (the inventory's: it runs nothing), not where no device tool is installed (psutil,
     # which the inventory does without, is then never imported).
-    tools = [d for d in sorted(BUSY_QUERIES) if shutil.which(BUSY_QUERIES[d][0][0])]
+    tools = [d.name for d in DEVICE_TABLE if d.busy_query and shutil.which(d.busy_query[0])]
     if mode == "off" or hasattr(config, "workerinput") or config.option.collectonly or not tools:
         return
     say = config.get_terminal_writer()

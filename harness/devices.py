@@ -11,6 +11,7 @@ understands. Nothing here imports torch at module import time.
 
 from __future__ import annotations
 
+import csv
 import functools
 import importlib
 import importlib.util
@@ -37,6 +38,29 @@ def cpu_count() -> int:
         return max(1, os.cpu_count() or 1)
 
 
+#: A process on a card as a device's tool reports it: ``(pid, card, memory_mb, name)``.
+BusyRow = tuple[int, str, "int | None", str]
+
+
+def _nvidia_smi_apps(text: str) -> list[BusyRow]:
+    # pid, process_name, gpu_bus_id, used_memory ("123 MiB"), one process per line.
+    out = []
+    for row in csv.reader(text.splitlines(), skipinitialspace=True):
+        if len(row) >= 4 and row[0].strip().isdigit():
+            memory = re.match(r"\d+", row[3].strip())
+            out.append((int(row[0]), row[2].strip(), int(memory[0]) if memory else None, row[1]))
+    return out
+
+
+# `npu-smi info`'s process table: | NPU  Chip | Process id | Process name | Process memory(MB) |
+_NPU_PROCESS = re.compile(r"^\|\s*(\d+)\s+(\d+)\s*\|\s*(\d+)\s*\|\s*(.*?)\s*\|\s*(\d+)\s*\|")
+
+
+def _npu_smi_info(text: str) -> list[BusyRow]:
+    matches = filter(None, map(_NPU_PROCESS.match, text.splitlines()))
+    return [(int(m[3]), f"{m[1]}/{m[2]}", int(m[5]), m[4]) for m in matches]
+
+
 @dataclass(frozen=True)
 class DeviceType:
     """Everything the harness knows about one device type (one row of ``DEVICE_TABLE``).
@@ -52,7 +76,9 @@ class DeviceType:
     ``cheap_probe`` says, without importing torch, whether asking the
     runtime can find any card at all; ``title`` is its human name (workflow
     comments and step names) and ``suite`` the name ``harness init`` gives
-    the suite of its runners (both default to ``name``).
+    the suite of its runners (both default to ``name``); ``busy_query`` the argv of
+    the tool that lists the processes holding its cards and ``parse_busy`` the parser of
+    that tool's output into :data:`BusyRow` values (``harness/busy.py``).
     """
 
     name: str
@@ -64,6 +90,8 @@ class DeviceType:
     cheap_probe: Callable[[], bool] | None = None
     title: str = ""
     suite: str = ""
+    busy_query: tuple[str, ...] = ()
+    parse_busy: Callable[[str], list[BusyRow]] | None = None
 
     def __post_init__(self) -> None:
         for attr in ("title", "suite"):
@@ -153,6 +181,12 @@ DEVICE_TABLE: tuple[DeviceType, ...] = (
         cheap_probe=_torch_has_gpu_build,
         title="CUDA",
         suite="gpu",
+        busy_query=(
+            "nvidia-smi",
+            "--query-compute-apps=pid,process_name,gpu_bus_id,used_memory",
+            "--format=csv,noheader",
+        ),
+        parse_busy=_nvidia_smi_apps,
     ),
     DeviceType(
         "npu",
@@ -163,6 +197,8 @@ DEVICE_TABLE: tuple[DeviceType, ...] = (
         extension="torch_npu",
         cheap_probe=_has_module("torch_npu"),
         title="Ascend NPU",
+        busy_query=("npu-smi", "info"),
+        parse_busy=_npu_smi_info,
     ),
 )
 
@@ -182,17 +218,6 @@ def device_type(name: str) -> DeviceType:
         return _BY_NAME[name]
     except (KeyError, TypeError):
         raise ValueError(f"unknown device {name!r}; known: {', '.join(DEVICE_NAMES)}") from None
-
-
-def device_for_backend(backend: str) -> DeviceType:
-    """The device type whose tensors ``backend``'s collectives take; ``ValueError``
-    naming the known backends otherwise."""
-    try:
-        return _BY_NAME[BACKEND_DEVICES[backend]]
-    except (KeyError, TypeError):
-        raise ValueError(
-            f"unknown torch.distributed backend {backend!r}; known: {', '.join(BACKEND_DEVICES)}"
-        ) from None
 
 
 def accelerators() -> Iterator[DeviceType]:

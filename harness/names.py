@@ -35,6 +35,16 @@ OPT_SELECT = "--harness-select"
 OPT_WORKERS = "--harness-workers"
 #: The selection plugin's JUnit path for the run (a caller's ``--junitxml`` is recorded instead).
 OPT_JUNIT = "--harness-junit"
+#: The JUnit property (a case's ``user_properties``) naming the processes the case left
+#: running after its teardown, which the launch plugin stopped; ``harness run`` lists them.
+LEAK_PROPERTY = "harness.leaked"
+
+# --------------------------------------------------------------------------- markers
+
+#: The marker ``harness run``'s selection plugin gives a plain case of an accelerator entry,
+#: ``harness_device(device="cuda", cards=2)``: the launch plugin runs its body in a process of
+#: its own with exactly those leased cards visible (docs/harness.md).
+DEVICE_MARKER = "harness_device"
 
 # --------------------------------------------------------------------------- inventory rules
 
@@ -49,6 +59,8 @@ CPU_CASE_NEEDS_CARDS = "cpu-case-needs-cards"
 ACCELERATOR_CASE_WITHOUT_CARDS = "accelerator-case-without-cards"
 WRONG_DEVICE = "wrong-device"
 CASE_EXCEEDS_RUNNER_CARDS = "case-exceeds-runner-cards"
+#: A case needs more nodes (``LaunchSpec.nnodes``) than any runner of its suite provides.
+CASE_EXCEEDS_RUNNER_NODES = "case-exceeds-runner-nodes"
 ENTRY_MATCHES_NOTHING = "entry-matches-nothing"
 UNOWNED_FILE = "unowned-file"
 UNOWNED_CASE = "unowned-case"
@@ -80,6 +92,7 @@ BLOCKING_RULES = frozenset(
         ACCELERATOR_CASE_WITHOUT_CARDS,
         WRONG_DEVICE,
         CASE_EXCEEDS_RUNNER_CARDS,
+        CASE_EXCEEDS_RUNNER_NODES,
         ENTRY_MATCHES_NOTHING,
         SYMLINK_OUTSIDE_REPOSITORY,
         COLLECTION_ERROR,

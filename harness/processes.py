@@ -1,9 +1,11 @@
 """Process trees: finding every process below another, stopping them all
 (SIGTERM with SIGCONT, a grace, SIGKILL to what still runs and was forked
 meanwhile, a bounded wait), and tying a process's life to its parent's
-(``die_with_parent``). Waits poll instead of ``wait()``ing, so they never reap
-a child behind its ``Popen``'s back; a zombie counts as gone. Shared by the
-launcher, the ranks' supervisors and ``harness run``.
+(``die_with_parent``), and stopping what a stretch of this process's life left
+running below it (``descendants`` before, ``stop_leftovers`` after: a case, a
+session, a run). Waits poll instead of ``wait()``ing, so they never reap a child
+behind its ``Popen``'s back; a zombie counts as gone. Shared by the launcher, the
+ranks' supervisors, the plugin's containment of every case and ``harness run``.
 """
 
 from __future__ import annotations
@@ -15,17 +17,21 @@ import signal
 import sys
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # imported where used: `harness inventory` and collection need no psutil
     import psutil
 
 __all__ = [
+    "Leftover",
+    "descendants",
     "die_with_parent",
     "is_subreaper",
     "kill_trees",
     "process_tree",
     "session_members",
+    "stop_leftovers",
     "subreaper",
     "terminate",
     "wait_gone",
@@ -189,3 +195,123 @@ def kill_trees(
         return [p for tree in trees for p in tree if p.pid not in spared]
 
     return terminate(collect(), grace=grace, kill_wait=kill_wait, more=collect, reap=reap)
+
+
+#: A leftover's command line is cut to this many characters in its description.
+COMMAND_CHARS = 300
+
+
+@dataclass(frozen=True)
+class Leftover:
+    """A process found still running where nothing should be: its pid and command line."""
+
+    pid: int
+    command: str
+
+    def __str__(self) -> str:
+        return f"pid {self.pid}: {self.command}"
+
+
+def descendants() -> set[psutil.Process]:
+    """Every process below this one now (exited ones not yet waited for included).
+    psutil's processes compare by pid *and* start time: a pid reused later is a
+    different process."""
+    import psutil
+
+    found: set[psutil.Process] = set()
+    for pid in _below(os.getpid()):
+        with contextlib.suppress(psutil.Error):
+            found.add(psutil.Process(pid))
+    return found
+
+
+def _below(root: int) -> set[int]:
+    """The pids below ``root``. Walks only its tree where Linux lists each thread's
+    children (``/proc/PID/task/TID/children``), not the whole process table (a case pays
+    for this twice)."""
+    import psutil
+
+    if not os.path.exists(f"/proc/{root}/task/{root}/children"):
+        with contextlib.suppress(psutil.Error):
+            return {p.pid for p in psutil.Process(root).children(recursive=True)}
+        return set()
+    found: set[int] = set()
+    stack = [root]
+    while stack:
+        for pid in _children(stack.pop()):
+            if pid not in found:
+                found.add(pid)
+                stack.append(pid)
+    return found
+
+
+def _children(pid: int) -> list[int]:
+    """The pids of ``pid``'s children, as its threads list them (each lists those it forked)."""
+    out: list[int] = []
+    with contextlib.suppress(OSError):
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with contextlib.suppress(OSError), open(f"/proc/{pid}/task/{tid}/children") as f:
+                out.extend(int(c) for c in f.read().split())
+    return out
+
+
+def _command(proc: psutil.Process) -> str:
+    import psutil
+
+    try:
+        text = " ".join(proc.cmdline()) or f"[{proc.name()}]"
+    except psutil.Error:
+        text = "?"
+    return text if len(text) <= COMMAND_CHARS else text[: COMMAND_CHARS - 3] + "..."
+
+
+def stop_leftovers(
+    before: set[psutil.Process],
+    *,
+    settle: float,
+    grace: float,
+    spare: Callable[[], set[int]] = set,
+    kill_wait: float = 5.0,
+) -> list[Leftover]:
+    """Stop what runs below this process now and did not at ``before`` (``descendants``),
+    but the pids ``spare()`` names (asked again before SIGKILL) and the processes below
+    them: each gets ``settle`` seconds to end by itself (a process told to stop that has
+    not yet), then the rest are stopped as ``terminate`` does (SIGTERM, ``grace``,
+    SIGKILL, what was forked meanwhile included). Those that were this process's
+    children (its own, or orphans a child subreaper gets) are reaped. Returns the
+    stopped ones, described before they were stopped; one walk of the process table
+    when nothing is new."""
+
+    def new() -> list[psutil.Process]:
+        found = [p for p in descendants() if p not in before]
+        spared = _with_descendants(spare()) if found else set()
+        return [p for p in found if p.pid not in spared]
+
+    found = new()
+    if not found:
+        return []
+    alive = wait_gone(found, settle)
+    left = [Leftover(p.pid, _command(p)) for p in alive]
+    seen = {p.pid: p for p in found}
+
+    def more() -> list[psutil.Process]:
+        later = new()
+        seen.update((p.pid, p) for p in later)
+        return later
+
+    terminate(alive, grace=grace, kill_wait=kill_wait, more=more)
+    _reap(seen.values())
+    return left
+
+
+def _with_descendants(pids: set[int]) -> set[int]:
+    return pids.union(*(_below(pid) for pid in pids))
+
+
+def _reap(procs: Iterable[psutil.Process]) -> None:
+    """Wait for those of ``procs`` that are exited children of this process."""
+    me = os.getpid()
+    for proc in procs:
+        with contextlib.suppress(Exception):
+            if proc.ppid() == me and _gone(proc):
+                os.waitpid(proc.pid, os.WNOHANG)

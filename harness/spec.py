@@ -31,7 +31,11 @@ class LaunchSpec:
     knows; default gloo / nccl / hccl by device);
     ``reuse``: run the case on kept rank processes (True), on fresh ones
     (False), or as the session says (None: ini ``harness_reuse`` /
-    ``--harness-reuse``, fresh by default).
+    ``--harness-reuse``, fresh by default);
+    ``nnodes``: nodes of ``nproc`` ranks each (>= 1; ``cards`` is per node):
+    more than one runs the ranks under torch's elastic launcher (torchrun),
+    emulated on this host or across hosts (``harness.launcher.nodes``), on
+    fresh ranks only.
 
     Invalid values raise ``LaunchSpecError`` (a ``ValueError``) naming the field and the value.
     """
@@ -41,6 +45,7 @@ class LaunchSpec:
     timeout: float | None = None
     backend: str | None = None
     reuse: bool | None = None
+    nnodes: int = 1
 
     def __post_init__(self) -> None:
         if self.device not in DEVICE_TYPES:
@@ -64,11 +69,23 @@ class LaunchSpec:
             )
         if self.reuse is not None and not isinstance(self.reuse, bool):
             raise LaunchSpecError(f"LaunchSpec.reuse must be None or a bool; got {self.reuse!r}")
+        nnodes = check_int(self.nnodes, "LaunchSpec.nnodes", minimum=1, error=LaunchSpecError)
+        object.__setattr__(self, "nnodes", nnodes)
+        if nnodes > 1 and self.reuse:
+            raise LaunchSpecError(
+                f"LaunchSpec.reuse=True cannot keep the ranks of a multi-node case "
+                f"(nnodes={nnodes}): torch's elastic launcher starts fresh ranks per case"
+            )
 
     @property
     def cards(self) -> int:
         """Accelerator cards the case needs: 0 on cpu, one per rank otherwise."""
         return self.nproc if self.device in ACCELERATORS else 0
+
+    @property
+    def world_size(self) -> int:
+        """Ranks of the case on all its nodes together (``nnodes * nproc``)."""
+        return self.nnodes * self.nproc
 
     @property
     def dist_backend(self) -> str:
@@ -87,7 +104,7 @@ def _device_param(item: Any) -> str | None:
 def spec_from_marker(args: tuple, kwargs: dict, device_param: str | None = None) -> LaunchSpec:
     """Build the spec a ``launch`` marker declares.
 
-    Accepts ``launch(LaunchSpec(...))`` or ``launch(nproc=..., timeout=..., ...)``.
+    Accepts ``launch(LaunchSpec(...))`` or ``launch(nproc=..., nnodes=..., timeout=..., ...)``.
     With keyword form and no ``device``, the device is ``device_param`` (the
     test's ``device`` parameter) or ``cpu``. Raises ``ValueError`` for any
     other form.
@@ -96,10 +113,10 @@ def spec_from_marker(args: tuple, kwargs: dict, device_param: str | None = None)
         if len(args) != 1 or not isinstance(args[0], LaunchSpec) or kwargs:
             raise LaunchSpecError(
                 "@pytest.mark.launch takes one LaunchSpec or keyword arguments "
-                f"(device, nproc, timeout, backend, reuse); got args={args!r} kwargs={kwargs!r}"
+                f"(device, nproc, timeout, backend, reuse, nnodes); got args={args!r} kwargs={kwargs!r}"
             )
         return args[0]
-    unknown = set(kwargs) - {"device", "nproc", "timeout", "backend", "reuse"}
+    unknown = set(kwargs) - {"device", "nproc", "timeout", "backend", "reuse", "nnodes"}
     if unknown:
         raise LaunchSpecError(f"@pytest.mark.launch got unknown keyword(s) {sorted(unknown)}")
     kwargs = dict(kwargs)

@@ -5,7 +5,11 @@ A launched case, from its ``@pytest.mark.launch`` marker to its ranks:
 -> ``case`` (the lifecycle: prepare -> lease -> run -> conclude, also behind
 ``harness.launch``) -> ``ranks`` (start, supervise, wind down the rank
 processes; ``pool`` keeps them across cases when reuse is opted in) ->
-``rank`` (the code inside a rank process).
+``rank`` (the code inside a rank process). A multi-node case
+(``LaunchSpec.nnodes > 1``) goes from ``case`` to ``nodes`` instead (one
+process tree per emulated node: torch's elastic agent, ``node``, whose ranks
+run the same ``rank`` code); in a pytest process torchrun started on a real
+node, ``plugin`` runs it through ``torchrun``.
 
 Around that path: ``lease`` (host-wide card and process-slot locks),
 ``supervisor`` (nothing a case starts outlives it), ``reset`` (what a kept rank

@@ -24,6 +24,7 @@ from harness.errors import HarnessError
 from harness.launcher import lease as leases
 from harness.launcher.explain import AssertionSettings
 from harness.launcher.lease import default_lease_dir
+from harness.launcher.nodes import run_nodes
 from harness.launcher.outcome import FAILED, SKIPPED, XFAILED, CaseOutcome, echo_logs
 from harness.launcher.pool import keeper
 from harness.launcher.rank import EnclosingCase, RankTask
@@ -167,12 +168,13 @@ def prepare_case(
 
 
 def lease_case(plan: CasePlan) -> leases.Lease:
-    """Lease the process slots and cards ``plan.spec`` needs, waiting at most
+    """Lease the process slots and cards ``plan.spec`` needs (those of all its
+    nodes: emulated nodes share this host), waiting at most
     ``settings.lease_timeout`` (``LeaseTimeout`` names what it waited for)."""
     spec, settings = plan.spec, plan.settings
-    wants = [leases.slot_want(settings.max_procs, spec.nproc)]
+    wants = [leases.slot_want(settings.max_procs, spec.world_size)]
     if spec.cards:
-        wants.append(leases.card_want(inventory(spec.device), spec.cards))
+        wants.append(leases.card_want(inventory(spec.device), spec.cards * spec.nnodes))
     return leases.acquire(
         settings.lease_dir, wants, timeout=settings.lease_timeout, holder=plan.what
     )
@@ -258,17 +260,20 @@ class LaunchBudgetError(LaunchError, ValueError):
 def run_case(task: RankTask, plan: CasePlan) -> CaseOutcome:
     """Lease, run ``task`` on ranks and release, as ``plan`` says: on the kept
     pool when ``plan.reuse`` (and this is the main thread, which outlives the
-    pool), on the enclosing case's ``plan.cards`` unleased, else on fresh
+    pool), on the enclosing case's ``plan.cards`` unleased, on emulated nodes
+    when ``plan.spec.nnodes > 1`` (``harness.launcher.nodes``), else on fresh
     ranks. No process of the case is alive when it returns."""
     if plan.cards is not None:
         return run_ranks(task, plan, list(plan.cards))
+    multi_node = plan.spec.nnodes > 1
     # Pools are kept by the main thread: Linux kills ranks whose spawning thread ends.
-    if plan.reuse and threading.current_thread() is threading.main_thread():
+    if plan.reuse and not multi_node and threading.current_thread() is threading.main_thread():
         return keeper.run(task, plan, lease_case)
     lease = lease_case(plan)
     result = None
+    run = run_nodes if multi_node else run_ranks
     try:
-        result = run_ranks(task, plan, lease.cards(), lease=lease)
+        result = run(task, plan, lease.cards(), lease=lease)
     finally:
         # Ranks the kernel would not kill keep their inherited lock: the card
         # stays leased until they are really gone.
@@ -301,10 +306,15 @@ def launch(fn: Callable[..., Any], spec: LaunchSpec, *args: Any) -> list[Any]:
     enclosing = EnclosingCase.from_env()
     cards: tuple[Card, ...] | None = None
     if enclosing is not None:
+        if spec.nnodes > 1:
+            raise LaunchBudgetError(
+                f"harness.launch cannot start a {spec.nnodes}-node case inside {enclosing.what}; "
+                "a multi-node case is launched on its own (a launch marker or a top-level call)"
+            )
         cards = tuple(_within(enclosing, spec))
         what = f"harness.launch({ref.module}.{ref.qualname})"
     else:
-        reason = missing_cards(spec.device, spec.cards)
+        reason = missing_cards(spec.device, spec.cards * spec.nnodes)
         if reason is not None:
             _missing_hardware(spec.device, reason)
         what = (

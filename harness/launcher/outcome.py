@@ -159,6 +159,20 @@ class CaseOutcome:
     #: what the harness did around the case worth telling (e.g. a kept pool
     #: with a rank gone was replaced)
     notes: list[str] = field(default_factory=list)
+    #: a multi-node case (``harness.launcher.nodes``): ranks per node, so that
+    #: reports name each rank's node (0: one node, ranks are named alone)
+    ranks_per_node: int = 0
+    #: node -> what went wrong with it besides its ranks' outcomes (an agent
+    #: that never arrived at the rendezvous or ended before its ranks started)
+    node_problems: dict[int, str] = field(default_factory=dict)
+    #: the deadline passed (with ``timed_out`` empty: before any pending rank started)
+    deadline_passed: bool = False
+
+    def who(self, rank: int) -> str:
+        """``rank 3``, or ``node 1 rank 3`` in a multi-node case."""
+        if self.ranks_per_node:
+            return f"node {rank // self.ranks_per_node} rank {rank}"
+        return f"rank {rank}"
 
     def _failures(self) -> list[_Failure]:
         failures = []
@@ -170,7 +184,7 @@ class CaseOutcome:
                     _Failure(
                         outcome.at,
                         rank,
-                        f"rank {rank} failed: {outcome.summary}",
+                        f"{self.who(rank)} failed: {outcome.summary}",
                         outcome.traceback,
                         outcome.exc_types,
                     )
@@ -181,7 +195,7 @@ class CaseOutcome:
                     _Failure(
                         at - _DEATH_PRECEDENCE_S,
                         rank,
-                        f"rank {rank} {describe_exit(code)} before reporting an outcome",
+                        f"{self.who(rank)} {describe_exit(code)} before reporting an outcome",
                         self._output_tail(rank),
                     )
                 )
@@ -190,7 +204,7 @@ class CaseOutcome:
                     _Failure(
                         exit_[0],
                         rank,
-                        f"rank {rank} {outcome.status}, then {describe_exit(exit_[1])} while shutting down",
+                        f"{self.who(rank)} {outcome.status}, then {describe_exit(exit_[1])} while shutting down",
                         self._output_tail(rank),
                     )
                 )
@@ -207,7 +221,7 @@ class CaseOutcome:
     def status(self) -> str:
         """failed if any rank failed, died or ran out of time; else xfailed if any
         rank xfailed; else skipped if any rank skipped; else passed."""
-        if self.timed_out or self.abandoned or self._failures():
+        if self.timed_out or self.abandoned or self.node_problems or self._failures():
             return FAILED
         statuses = {o.status for o in self.outcomes.values()}
         if len(self.outcomes) < self.nproc:
@@ -264,10 +278,24 @@ class CaseOutcome:
         sections: list[str] = []
         failures = self._failures()
         summary: list[str] = []
-        if self.timed_out:
-            ranks = ", ".join(str(r) for r in self.timed_out)
+        if self.node_problems:
+            when = (
+                f" at the {self.deadline_s:g} s deadline ({self.deadline_source})"
+                if self.deadline_passed
+                else ""
+            )
             sections.append(
-                f"case timed out ({_ranks(self.nproc)}, {self.label}): rank{'s' if len(self.timed_out) > 1 else ''} "
+                f"case failed on its nodes{when} ({_ranks(self.nproc)}, {self.label}):\n"
+                + "\n".join(f"node {k}: {why}" for k, why in self.node_problems.items())
+            )
+        if self.timed_out:
+            ranks = f"rank{'s' if len(self.timed_out) > 1 else ''} " + ", ".join(
+                str(r) for r in self.timed_out
+            )
+            if self.ranks_per_node:
+                ranks = ", ".join(self.who(r) for r in self.timed_out)
+            sections.append(
+                f"case timed out ({_ranks(self.nproc)}, {self.label}): "
                 f"{ranks} still running at the {self.deadline_s:g} s deadline ({self.deadline_source}); "
                 "stopped with SIGTERM, then SIGKILL"
             )
@@ -279,7 +307,7 @@ class CaseOutcome:
                 sections.append(first.detail.rstrip("\n"))
         summary.extend(f.headline for f in failures)
         summary.extend(
-            f"rank {r} was still running {self.abandon_grace_s:g} s after the first failure; "
+            f"{self.who(r)} was still running {self.abandon_grace_s:g} s after the first failure; "
             "stopped (stack in the output below)"
             for r in self.abandoned
         )
@@ -287,7 +315,7 @@ class CaseOutcome:
             sections.append("other ranks:\n" + "\n".join(f"  {line}" for line in summary))
         sections.extend(self._stack_section(r, "when stopped") for r in self.abandoned)
         if len(self.outcomes) + len(self.exits) < self.nproc and not (
-            self.timed_out or self.abandoned
+            self.timed_out or self.abandoned or self.node_problems
         ):
             missing = [
                 r for r in range(self.nproc) if r not in self.outcomes and r not in self.exits
@@ -304,7 +332,7 @@ class CaseOutcome:
                 "(no Python stack: the rank did not answer the stack-dump signal -- not yet "
                 "running Python code, stuck in native code, or stopped by a signal or a debugger)"
             )
-        return f"--- rank {rank} stack {when} ---\n{stack}"
+        return f"--- {self.who(rank)} stack {when} ---\n{stack}"
 
 
 #: Per rank and case, the first and the last this many bytes of its output

@@ -1,7 +1,9 @@
 """The pytest plugin (entry point ``pytest11: harness``): the ``launch`` marker,
 the ``--harness-*`` options, card leases for plain accelerator tests, launched
-tests run on ranks (``harness.launcher.case``), and the fixtures of a launched
-case bounded by its deadline (``harness.watchdog``). See docs/harness.md.
+tests run on ranks (``harness.launcher.case``), plain tests of an accelerator suite entry
+(``harness run``'s ``harness_device`` marker) run in a process of their own on their
+leased cards, and the fixtures of such cases bounded by their deadline
+(``harness.watchdog``). See docs/harness.md.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from harness.devices import (
     CARD_ENV,
     cpu_count,
     describe_inventory,
+    device_type,
     inventory,
     is_simulated,
     local_index,
@@ -32,6 +35,7 @@ from harness.devices import (
     runtime_available,
     set_device,
 )
+from harness.launcher import containment
 from harness.launcher.case import (
     DEFAULT_LEASE_TIMEOUT_S,
     DEFAULT_TIMEOUT_S,
@@ -58,8 +62,11 @@ from harness.launcher.lease import (
 )
 from harness.launcher.pool import keeper
 from harness.launcher.rank import CASE_ENV, EnclosingCase
+from harness.launcher.ranks import ProcessSpec
 from harness.launcher.supervisor import tie_to_controller
 from harness.launcher.target import FunctionRef, conftests_for
+from harness.launcher.torchrun import run_here, shape_problem, under_torchrun
+from harness.names import DEVICE_MARKER
 from harness.spec import ACCELERATORS, LaunchSpec, is_launched, launch_refusal, spec_for_item
 from harness.validation import check_int, check_seconds
 from harness.watchdog import WATCHDOG_GRACE_S, faulthandler_free, watchdog
@@ -78,6 +85,7 @@ TIMEOUT_KEY = pytest.StashKey[float]()
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     busy.addoption(parser)
+    containment.addoption(parser)
     group = parser.getgroup("harness", "multi-process and accelerator test harness")
     group.addoption(
         "--harness-timeout",
@@ -142,8 +150,14 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers",
-        "launch(spec=None, *, device=None, nproc=1, timeout=None, backend=None, reuse=None): "
-        "run the test body in LaunchSpec.nproc rank processes with torch.distributed initialised",
+        "launch(spec=None, *, device=None, nproc=1, timeout=None, backend=None, reuse=None, "
+        "nnodes=1): run the test body in LaunchSpec.nproc rank processes (on each of nnodes "
+        "nodes) with torch.distributed initialised",
+    )
+    config.addinivalue_line(
+        "markers",
+        f"{DEVICE_MARKER}(device, cards): set by harness run on a plain case of an accelerator "
+        "entry: its body runs in a process of its own with exactly `cards` leased cards visible",
     )
     tie_to_controller(worker=hasattr(config, "workerinput"))
     settings = _settings_from(config)
@@ -152,6 +166,8 @@ def pytest_configure(config: pytest.Config) -> None:
     phases = _FixtureDeadlines(config)
     config.pluginmanager.register(phases, "harness-fixture-deadlines")
     watchdog.exit_hooks.append(phases.on_exit)
+    if not config.getoption("collectonly"):  # a session that runs no case contains none
+        containment.configure(config)
 
 
 def _settings_from(config: pytest.Config) -> Settings:
@@ -252,7 +268,8 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     if refusal is not None:
         _fail(f"{item.nodeid}: {refusal}")
     settings = item.config.stash[SETTINGS_KEY]
-    reason = missing_cards(spec.device, spec.cards)
+    # Emulated nodes share this host: it needs every node's cards (a real node, its own).
+    reason = missing_cards(spec.device, spec.cards * (1 if under_torchrun() else spec.nnodes))
     if reason is not None:
         if spec.device in settings.require:
             # `harness run` of an accelerator suite sets it: a runner without its cards fails.
@@ -261,8 +278,42 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
                 f"for a {spec.device} suite; --max-cards N runs only what fits)"
             )
         _skip_at_test(reason)
-    if spec.cards and not is_launched(item):
+    if spec.cards and not runs_apart(item):
         _lease_card_in_process(item, spec, settings)
+
+
+def entry_device(item: pytest.Item) -> tuple[str, int] | None:
+    """The device and cards ``harness run`` gave a plain case of an accelerator suite entry
+    (its ``harness_device`` marker); None for any other case."""
+    mark = item.get_closest_marker(DEVICE_MARKER)
+    if mark is None or is_launched(item):
+        return None
+    return str(mark.kwargs["device"]), int(mark.kwargs["cards"])
+
+
+def runs_apart(item: pytest.Item) -> bool:
+    """Whether the test's body runs in processes of its own, its fixtures here: a launched
+    test, or a plain case of an accelerator entry whose body can (a function, not a
+    unittest method, a ``subtests`` user or a coroutine: those run here, their cards in the
+    visibility variable for the processes they start)."""
+    if is_launched(item):
+        return True
+    if not isinstance(item, pytest.Function) or entry_device(item) is None:
+        return False
+    body = item.obj
+    return launch_refusal(item) is None and not (
+        inspect.iscoroutinefunction(body) or inspect.isasyncgenfunction(body)
+    )
+
+
+def _spec_of(item: pytest.Function) -> LaunchSpec:
+    """The spec the test runs under: its own, or the entry's device and cards for a plain
+    case of an accelerator entry (:func:`entry_device`)."""
+    placed = entry_device(item)
+    if placed is None:
+        return spec_for_item(item)
+    device, cards = placed
+    return ProcessSpec(device=device, card_count=cards)
 
 
 @dataclass(frozen=True)
@@ -278,20 +329,32 @@ def _lease_card_in_process(item: pytest.Function, spec: LaunchSpec, settings: Se
     try:
         lease = acquire(
             settings.lease_dir,
-            [card_want(inventory(spec.device), 1)],
+            [card_want(inventory(spec.device), spec.cards)],
             timeout=settings.lease_timeout,
             holder=item.nodeid,
         )
     except LeaseError as exc:
-        _fail(f"{item.nodeid}: could not lease a {spec.device} card\n{exc}")
-    card = lease.cards()[0]
+        what = f"a {spec.device} card" if spec.cards == 1 else f"{spec.cards} {spec.device} cards"
+        _fail(f"{item.nodeid}: could not lease {what}\n{exc}")
+    held = lease.cards()
+    card = held[0]
     # The test is a case of one rank on its card: a harness.launch it makes on
     # that device runs on the card it holds instead of waiting for it.
     budget = tempfile.mkdtemp(prefix="harness-plain-")
     enclosing = EnclosingCase(
-        item.nodeid, 1, spec.device, (str(card),), time.time() + settings.timeout, budget
+        item.nodeid,
+        len(held),
+        spec.device,
+        tuple(str(c) for c in held),
+        time.time() + settings.timeout,
+        budget,
     )
     updates = {CARD_ENV: str(card), CASE_ENV: enclosing.to_env()}
+    visible = device_type(spec.device).visibility_env
+    if entry_device(item) is not None and visible is not None:
+        # A plain case of an accelerator entry that cannot run apart: what it starts sees
+        # exactly its cards (this process does only if it had not initialised the runtime).
+        updates[visible] = ",".join(c.id for c in held)
     item.stash[CARD_LEASE_KEY] = _HeldCard(lease, {k: os.environ.get(k) for k in updates}, budget)
     os.environ.update(updates)
     # A simulated inventory on a host whose tests never imported torch needs no
@@ -339,7 +402,7 @@ class _FixtureDeadlines:
             return (yield)
 
     def _bounded(self, item: pytest.Item, phase: str) -> contextlib.AbstractContextManager:
-        if not isinstance(item, pytest.Function) or not is_launched(item):
+        if not isinstance(item, pytest.Function) or not runs_apart(item):
             return contextlib.nullcontext()
         try:
             _, deadline = _case(item)
@@ -374,7 +437,7 @@ def _case(item: pytest.Function) -> tuple[LaunchSpec, Deadline]:
     else pytest-timeout's timeout of the test, else ``--harness-timeout``."""
     case = item.stash.get(CASE_KEY, None)
     if case is None:
-        spec = spec_for_item(item)
+        spec = _spec_of(item)
         settings = item.config.stash[SETTINGS_KEY]
         timeout = item.stash.get(TIMEOUT_KEY, None)
         if timeout is None:
@@ -414,7 +477,7 @@ def _warn_longer_spec_timeout(item: pytest.Function, spec_s: float, marker_s: fl
 @pytest.hookimpl(tryfirst=True)
 def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
     if (
-        not is_launched(pyfuncitem)
+        not runs_apart(pyfuncitem)
         or inspect.iscoroutinefunction(pyfuncitem.obj)
         or (inspect.isasyncgenfunction(pyfuncitem.obj))
     ):
@@ -424,6 +487,16 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
     spec, _ = _case(pyfuncitem)
     settings = pyfuncitem.config.stash[SETTINGS_KEY]
     fixtures = {name: pyfuncitem.funcargs[name] for name in pyfuncitem._fixtureinfo.argnames}
+    if spec.nnodes > 1 and under_torchrun():
+        # Real nodes: this process is one of the case's ranks, torchrun started it.
+        problem = shape_problem(spec)
+        if problem is not None:
+            _fail(f"{pyfuncitem.nodeid}: {problem}")
+        _, deadline = _case(pyfuncitem)
+        report = run_here(pyfuncitem.obj, fixtures, spec, pyfuncitem.nodeid, deadline.seconds)
+        if report is not None:
+            _fail(report)
+        return True
     if hasattr(pyfuncitem.obj, "hypothesis"):
         _run_given(pyfuncitem, spec, settings, fixtures)
     else:
@@ -574,7 +647,7 @@ def pytest_timeout_set_timer(item: pytest.Item, settings) -> bool | None:
     """pytest-timeout's timeout of a launched test becomes its case deadline:
     the ranks are stopped at it and their stacks reported, instead of a timer
     in this process interrupting the launcher (whose stack says nothing)."""
-    if not is_launched(item):
+    if not runs_apart(item):
         return None
     item.stash[TIMEOUT_KEY] = float(settings.timeout)
     if CASE_KEY in item.stash:  # set at the call (func_only): the call's deadline is this
@@ -584,7 +657,7 @@ def pytest_timeout_set_timer(item: pytest.Item, settings) -> bool | None:
 
 @pytest.hookimpl(optionalhook=True, tryfirst=True)
 def pytest_timeout_cancel_timer(item: pytest.Item) -> bool | None:
-    return True if is_launched(item) else None
+    return True if runs_apart(item) else None
 
 
 def _fail(message: str) -> NoReturn:

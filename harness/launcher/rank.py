@@ -144,6 +144,9 @@ class RankContext:
     env: dict[str, str] = field(default_factory=dict)
     #: measure coverage as the launcher does (None: it does not)
     coverage: CoverageSpec | None = None
+    #: join the case's process group before the function runs (False: a plain case run
+    #: apart, which starts its own ranks if it has any)
+    process_group: bool = True
 
 
 # The kept-rank protocol: launcher -> rank ``RunCase``, ``Exit``;
@@ -422,10 +425,11 @@ def _call_recorded(ctx: RankContext, task: RankTask, fresh_module: bool) -> Rank
     if task.state is not None:
         vars(fn.__self__).update(pickle.loads(task.state))
     args, kwargs = pickle.loads(task.args)
-    import torch.distributed as dist
+    if ctx.process_group:
+        import torch.distributed as dist
 
-    if not dist.is_initialized():
-        _init_distributed(ctx)
+        if not dist.is_initialized():
+            _init_distributed(ctx)
     if task.assertions is not None:
         explain.install(task.assertions)
     try:

@@ -21,12 +21,13 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from multiprocessing import get_context
 from multiprocessing.connection import wait as wait_any
 from typing import TYPE_CHECKING, Any
 
 from harness import processes
-from harness.devices import Card, is_simulated, visibility
+from harness.devices import Card, device_type, is_simulated, visibility
 from harness.launcher.coverage import CoverageSpec
 from harness.launcher.outcome import (
     FAILED,
@@ -45,6 +46,8 @@ from harness.launcher.rank import (
     pg_timeout_for,
     rank_main,
 )
+from harness.spec import LaunchSpec, LaunchSpecError
+from harness.validation import check_int
 
 if TYPE_CHECKING:
     from harness.launcher.case import CasePlan
@@ -66,6 +69,27 @@ STACK_DUMP_WAIT_S = 2.0
 #: too before they leave (as fresh ranks leave at once), see ``CaseRun.supervise``.
 STRAGGLER_GRACE_S = 1.0
 _HARNESS_RANK_FILE = os.path.join("harness", "launcher", "rank.py")
+
+
+@dataclass(frozen=True)
+class ProcessSpec(LaunchSpec):
+    """A plain case of an accelerator suite entry, run apart (internal to the launch side):
+    one process of its own that joins no process group and gets no ``RANK`` /
+    ``WORLD_SIZE``, holding ``card_count`` leased cards, all of them in its visibility
+    variable, for it and every process it starts (it starts its own ranks, if any)."""
+
+    card_count: int = 1
+    reuse: bool | None = False
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        count = check_int(self.card_count, "card_count", minimum=1, error=LaunchSpecError)
+        object.__setattr__(self, "card_count", count)
+
+    @property
+    def cards(self) -> int:
+        """The cards the process holds (0 on cpu)."""
+        return self.card_count if device_type(self.device).is_accelerator else 0
 
 
 def run_ranks(
@@ -116,7 +140,12 @@ class CaseRun:
             raise ValueError(
                 f"{spec.nproc} {spec.device} ranks need {spec.cards} cards; got {cards}"
             )
-        label = f"{spec.device}/{spec.dist_backend}"
+        apart = isinstance(spec, ProcessSpec)
+        label = (
+            f"{spec.device} (a process of its own)"
+            if apart
+            else f"{spec.device}/{spec.dist_backend}"
+        )
         if cards:
             label += " on " + ",".join(str(c) for c in cards[: spec.cards])
         self.plan = plan
@@ -134,7 +163,8 @@ class CaseRun:
         )
         self.enclosing = EnclosingCase(
             plan.what,
-            spec.nproc,
+            # A case run apart may launch ranks on its cards (harness.launch), one per card.
+            max(spec.nproc, spec.cards) if apart else spec.nproc,
             spec.device,
             tuple(str(c) for c in cards),
             time.time() + plan.deadline.seconds,
@@ -152,6 +182,8 @@ class CaseRun:
         """What rank ``rank`` of the case needs to know: its environment, card,
         the case's files and the rendezvous store."""
         spec = self.plan.spec
+        if isinstance(spec, ProcessSpec):
+            return self._apart_context()
         env = {
             "RANK": str(rank),
             "WORLD_SIZE": str(spec.nproc),
@@ -186,6 +218,32 @@ class CaseRun:
             parent_pid=os.getpid(),
             env=env,
             coverage=CoverageSpec.of_launcher(),
+        )
+
+    def _apart_context(self) -> RankContext:
+        """The context of a case run apart (:class:`ProcessSpec`): its leased cards in the
+        visibility variable (what the process and its children see), nothing of a rank."""
+        spec = self.plan.spec
+        env = {CASE_ENV: self.enclosing.to_env()}
+        visible = device_type(spec.device).visibility_env
+        if visible is not None:
+            env[visible] = ",".join(c.id for c in self.cards[: spec.cards])
+        return RankContext(
+            rank=0,
+            world_size=1,
+            device=spec.device,
+            backend=spec.dist_backend,
+            card=None,  # the test picks its device among the visible ones
+            simulated=is_simulated(),
+            store_path=self.store_path,
+            outcome_path=self.path(0, "outcome"),
+            stacks_path=self.path(0, "stacks"),
+            log_path=self.path(0, "log") if self.capture else None,
+            pg_timeout_s=pg_timeout_for(self.plan.deadline.seconds),
+            parent_pid=os.getpid(),
+            env=env,
+            coverage=CoverageSpec.of_launcher(),
+            process_group=False,
         )
 
     def supervise(

@@ -25,6 +25,7 @@ from collections.abc import Iterable
 from typing import NoReturn
 
 from harness import processes
+from harness.jsonio import write_text
 from harness.processes import die_with_parent, subreaper
 
 #: How long processes left behind by a rank get between SIGTERM and SIGKILL.
@@ -65,13 +66,16 @@ def split(
     keep: Iterable[int] = (),
     rank_only: Iterable[int] = (),
     leftover_dir: str | None = None,
+    status_path: str | None = None,
 ) -> None:
     """Split this freshly spawned rank process into supervisor and rank; only
     the rank returns. ``keep`` (the lease descriptors) stay in the supervisor
     alone; ``rank_only`` (the pool's pipe) in the rank alone. When the
     launcher dies, the supervisor also removes ``leftover_dir`` (a kept
     pool's or a fresh case's directory, which the dead launcher can no longer
-    remove).
+    remove). With ``status_path``, the supervisor writes the rank's exit there
+    (an exit code, or minus the signal that killed it) before it leaves, for
+    a launcher that is not its parent (a rank under torch's elastic agent).
 
     Where subreapers are unsupported, returns at once in this process, which
     then leads its own session and dies with its parent.
@@ -104,7 +108,7 @@ def split(
     for fd in rank_only:
         with contextlib.suppress(OSError):
             os.close(fd)
-    _supervise(rank, parent_pid, frozenset(watched), leftover_dir)
+    _supervise(rank, parent_pid, frozenset(watched), leftover_dir, status_path)
 
 
 def _watch_parent(parent_pid: int) -> None:
@@ -120,7 +124,11 @@ def _watch_parent(parent_pid: int) -> None:
 
 
 def _supervise(
-    rank: int, parent_pid: int, watched: frozenset[int], leftover_dir: str | None
+    rank: int,
+    parent_pid: int,
+    watched: frozenset[int],
+    leftover_dir: str | None,
+    status_path: str | None = None,
 ) -> NoReturn:
     status: int | None = None
     while True:
@@ -136,6 +144,9 @@ def _supervise(
         status = _reap(rank, status)
         if status is not None:
             _stop_all(grace=LEFTOVER_GRACE_S)
+            if status_path is not None:
+                with contextlib.suppress(OSError, ValueError):
+                    write_text(status_path, str(os.waitstatus_to_exitcode(status)))
             _exit_like(status)
 
 

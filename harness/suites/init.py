@@ -4,8 +4,12 @@ The inventory's in-process collect-only run (from the repository root, no argume
 what pytest would run: its configuration file, ``testpaths`` and the test files it
 collects by its own rules. ``suites/cpu.json`` owns the ``testpaths`` that hold tests, else
 the directories holding the collected files (a top-level file by name). ``--accelerators
-cuda,npu`` adds one suite per accelerator, all including ``suites/cases/accelerator.json``;
-``--workflows`` the GitHub Actions workflows of every suite.
+cuda,npu`` adds one suite per accelerator, all including ``suites/cases/accelerator.json``
+(the paths holding cases that declare each device: a launch marker's device, a ``device``
+parameter), and, with ``--device-paths``, one entry per named path whose plain cases run on
+the suite's device (``device`` entries). A file that failed to import here, or skips as a
+whole, never makes an accelerator entry: what it would hold is unknown. ``--workflows``
+writes the GitHub Actions workflows of every suite.
 
 Writing is idempotent and refuses to clobber: a file whose content would not change is
 left alone; a suite manifest you changed that still loads (same device), or a case list
@@ -153,11 +157,12 @@ def owned_paths(layout: PytestLayout) -> list[str]:
 
 def runs_on(layout: PytestLayout, path: str, device: str) -> bool:
     """True when a suite on ``device`` would own something under ``path``: a case of that
-    device, or a file that yields no case (the run reports it); ``harness inventory`` calls
-    an entry owning neither ``entry-matches-nothing``."""
-    return any(d == device and path_matches(f, path) for f, d in layout.cases) or any(
-        path_matches(f, path) for f in layout.unloadable
-    )
+    device, or, on cpu, a file that yields no case (the run reports it); ``harness
+    inventory`` calls an entry owning neither ``entry-matches-nothing``. A file that did not
+    load here says nothing of the device its cases run on: no accelerator entry comes of it."""
+    if any(d == device and path_matches(f, path) for f, d in layout.cases):
+        return True
+    return device == "cpu" and any(path_matches(f, path) for f in layout.unloadable)
 
 
 def _entry_id(path: str) -> str:
@@ -210,11 +215,14 @@ def render(
     workflows: bool,
     notes: list[str] | None = None,
     harness_ref: str | None = None,
+    device_paths: Sequence[str] = (),
 ) -> dict[str, str]:
     """Every file ``harness init`` would write: repository-relative path -> content.
 
-    Each suite gets only the entries ``harness inventory`` accepts (:func:`runs_on`); an
-    accelerator suite with none is not written, and why goes to ``notes``. A suite
+    Each suite gets only the entries ``harness inventory`` accepts (:func:`runs_on`), plus
+    for each accelerator one ``device`` entry per path of ``device_paths`` (its plain cases
+    run on that accelerator); an accelerator suite with none is not written, and why goes
+    to ``notes``. A suite
     manifest already in ``suites/`` that loads (for the same device), or a case list that
     validates, is yours: kept as it is, ``--force`` or not (said in ``notes``; the cpu
     workflow follows the kept cpu suite). The workflows install the harness from where the
@@ -251,14 +259,19 @@ def render(
             "(`harness inventory` reports them as unowned-case): add "
             f"--accelerators {','.join(unowned)} to write their suites"
         )
-    shared = [p for p in all_paths if all(runs_on(layout, p, d) for d in accelerators)]
-    if accelerators and not shared:
+    shared = [
+        p for p in all_paths if accelerators and all(runs_on(layout, p, d) for d in accelerators)
+    ]
+    if accelerators:
+        notes.extend(_unloaded_notes(layout, device_paths))
+    if accelerators and not shared and not device_paths:
         notes.append(
             f"no collected case runs on {', '.join(accelerators)} (parametrize tests with "
-            "harness.DEVICES or mark them launch(device=...)): no accelerator suite written"
+            "harness.DEVICES or mark them launch(device=...), or name the folders whose "
+            "tests pick the device at run time with --device-paths): no accelerator suite written"
         )
         accelerators = []
-    if accelerators:
+    if shared:
         files[f"{SUITES_DIR}/{SHARED_CASES}"] = _dump(
             {
                 **schema_ref(root, (suites_dir / SHARED_CASES).parent),
@@ -267,24 +280,30 @@ def render(
                 "entries": _entries(shared),
             }
         )
-        cards = max(1, layout.launched_cards)
-        for device in accelerators:
-            suite = _suite_for(device)
-            files[f"{SUITES_DIR}/{suite}.json"] = _dump(
-                {
-                    **schema_ref(root, suites_dir),
-                    "suite": suite,
-                    "description": f"{device} runners: the shared accelerator case list, {device} variants.",
-                    "device": device,
-                    "runner": {
-                        "name": f"{suite}-{cards}",
-                        "labels": ["self-hosted", "linux", suite],
-                        "cards": cards,
-                        "timeout_minutes": ACCELERATOR_TIMEOUT_MINUTES,
-                    },
-                    "entries": [{"include": f"{SUITES_DIR}/{SHARED_CASES}"}],
-                }
-            )
+    include = [{"include": f"{SUITES_DIR}/{SHARED_CASES}"}] if shared else []
+    cards = max(1, layout.launched_cards)
+    for device in accelerators:
+        suite = _suite_for(device)
+        files[f"{SUITES_DIR}/{suite}.json"] = _dump(
+            {
+                **schema_ref(root, suites_dir),
+                "suite": suite,
+                "description": f"{device} runners: "
+                + "; ".join(
+                    [f"the shared accelerator case list, {device} variants"] * bool(shared)
+                    + [f"the plain tests of {', '.join(device_paths)}"] * bool(device_paths)
+                )
+                + ".",
+                "device": device,
+                "runner": {
+                    "name": f"{suite}-{cards}",
+                    "labels": ["self-hosted", "linux", suite],
+                    "cards": cards,
+                    "timeout_minutes": ACCELERATOR_TIMEOUT_MINUTES,
+                },
+                "entries": include + device_entries(device_paths, device),
+            }
+        )
     cpu_minutes = CPU_RUNNER["timeout_minutes"]
     for path in [p for p in files if p.startswith(f"{SUITES_DIR}/")]:
         target, wanted = root / path, json.loads(files[path])
@@ -336,6 +355,26 @@ def render(
     if gitignore is not None:
         files[".gitignore"] = gitignore
     return files
+
+
+def device_entries(paths: Sequence[str], device: str) -> list[dict[str, Any]]:
+    """One entry per path the user named (``--device-paths``): its plain cases run on
+    ``device``, one card each (the entry's ``cards``, for the user to raise)."""
+    return [{**e, "id": f"{e['id']}-{device}", "device": device} for e in _entries(paths)]
+
+
+def _unloaded_notes(layout: PytestLayout, device_paths: Sequence[str]) -> list[str]:
+    """What ``harness init`` tells of the test files that did not load here: no accelerator
+    entry is written for them unless a ``--device-paths`` path holds them."""
+    left = [f for f in layout.unloadable if not any(path_matches(f, p) for p in device_paths)]
+    if not left:
+        return []
+    shown = ", ".join(left[:5]) + (f" and {len(left) - 5} more" if len(left) > 5 else "")
+    return [
+        f"{len(left)} test file(s) did not load here ({shown}): no accelerator entry is "
+        "written for them (the cpu suite owns them); name the folders whose tests run on an "
+        "accelerator with --device-paths, or run `harness init` where they load"
+    ]
 
 
 def _suites_on_disk(root: Path) -> dict[str, Manifest]:
@@ -396,6 +435,13 @@ def _devices(text: str) -> list[str]:
     return list(dict.fromkeys(known[w] for w in words))
 
 
+def _paths(text: str) -> list[str]:
+    words = [w.strip().rstrip("/") for w in text.split(",") if w.strip()]
+    if not words:
+        raise argparse.ArgumentTypeError(f"no path in {text!r} (comma-separated, e.g. tests/gpu)")
+    return list(dict.fromkeys(words))
+
+
 def add_parser(sub: argparse._SubParsersAction) -> None:
     """Add the ``init`` subcommand to the ``harness`` CLI (its handler as ``handler``)."""
     p = sub.add_parser("init", help="write suites/ (and workflows) from pytest's configuration")
@@ -405,6 +451,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         default=[],
         metavar="DEVICES",
         help="also write accelerator suites sharing one case list, e.g. cuda,npu (or gpu,npu)",
+    )
+    p.add_argument(
+        "--device-paths",
+        type=_paths,
+        default=[],
+        metavar="PATHS",
+        help="with --accelerators: folders or files (comma-separated) whose plain tests run "
+        "on each accelerator (they pick the device at run time): each accelerator suite gets "
+        'an entry with "device" for each, whose cases run with exactly their leased cards '
+        "visible. Never derived from files that fail to import here",
     )
     p.add_argument(
         "--workflows",
@@ -428,12 +484,37 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=cmd_init, root_is_cwd=True)
 
 
+def _check_device_paths(root: Path, accelerators: Sequence[str], paths: Sequence[str]) -> None:
+    """``--device-paths`` needs ``--accelerators`` and paths inside ``root`` that exist."""
+    if paths and not accelerators:
+        raise InitError(
+            "--device-paths names paths whose tests run on an accelerator: say which with "
+            "--accelerators (e.g. --accelerators cuda)",
+            EXIT_USAGE,
+        )
+    for p in paths:
+        target = (root / p).resolve()
+        if os.path.isabs(p) or not target.is_relative_to(root.resolve()):
+            raise InitError(f"--device-paths: {p!r} is not a path inside {root}", EXIT_USAGE)
+        if not target.exists():
+            raise InitError(f"--device-paths: {p!r} does not exist in {root}", EXIT_USAGE)
+
+
 def cmd_init(root: Path, args: argparse.Namespace) -> int:
     """``harness init``: print what was written; the exit code (0, 1, or 2 on a refused overwrite)."""
     try:
+        _check_device_paths(root, args.accelerators, args.device_paths)
         layout = read_pytest_layout(root)
         notes: list[str] = []
-        files = render(root, layout, args.accelerators, args.workflows, notes, args.harness_ref)
+        files = render(
+            root,
+            layout,
+            args.accelerators,
+            args.workflows,
+            notes,
+            args.harness_ref,
+            args.device_paths,
+        )
         actions = write(root, files, args.force)
     except InitError as e:
         print(f"harness init: {e}", file=sys.stderr)

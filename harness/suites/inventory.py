@@ -60,21 +60,39 @@ class CollectedCase:
     device_param: str | None
     marks: tuple[tuple[str, tuple[tuple[str, Any], ...]], ...] = ()
     spec_error: str | None = None
+    #: The accelerator and cards an entry gave this plain case (:func:`as_owned`); None: its own.
+    entry_device: str | None = None
+    entry_cards: int = 0
 
     @property
     def device(self) -> str:
         """The device the case runs on (``cpu`` when its spec is invalid)."""
+        if self.entry_device is not None:
+            return self.entry_device
         return self.spec.device if self.spec else "cpu"
 
     @property
     def cards(self) -> int:
         """Cards the case needs."""
+        if self.entry_device is not None:
+            return self.entry_cards
         return self.spec.cards if self.spec else 0
+
+    @property
+    def plain(self) -> bool:
+        """Whether the case says nothing of its device: no launch marker, no ``device``
+        parameter (an entry's ``device`` decides where it runs)."""
+        return self.spec is not None and not self.launched and self.device_param is None
 
     @property
     def nproc(self) -> int:
         """Rank processes the case starts."""
         return self.spec.nproc if self.spec else 1
+
+    @property
+    def nnodes(self) -> int:
+        """Nodes the case runs on."""
+        return self.spec.nnodes if self.spec else 1
 
 
 @dataclass
@@ -103,7 +121,7 @@ class SuiteInventory:
         entries = self.manifests[suite].entries
         by_id = {e.id: e for e in reversed(entries)}  # the first entry of each id
         out = [
-            (c, by_id[eid])
+            (as_owned(c, by_id[eid]), by_id[eid])
             for c in self.cases
             for s, eid in self.owners.get(c.nodeid, ())
             if s == suite
@@ -111,7 +129,7 @@ class SuiteInventory:
         for f in sorted(self.unloadable):
             owner = next((e for e in entries if EntryIndex([e]).covers_file(f)), None)
             if owner is not None:
-                out.append((CollectedCase(f, f, LaunchSpec(), False, None), owner))
+                out.append((as_owned(CollectedCase(f, f, LaunchSpec(), False, None), owner), owner))
         return out
 
     def as_dict(self, suites: Iterable[str] | None = None) -> dict[str, Any]:
@@ -125,17 +143,48 @@ class SuiteInventory:
                 "device": c.device,
                 "nproc": c.nproc,
                 "cards": c.cards,
+                "nnodes": c.nnodes,
                 "launched": c.launched,
-                "entries": [f"{s}:{e}" for s, e in self.owners.get(c.nodeid, [])],
+                "entries": entries,
             }
-            for c in self.cases
-            if wanted is None or any(s in wanted for s, _ in self.owners.get(c.nodeid, []))
+            for c, entries in self._views(wanted)
         ]
         return {
             "cases": cases,
             "errors": [asdict(p) for p in self.problems if p.rule not in names.WARNING_RULES],
             "warnings": [asdict(p) for p in self.problems if p.rule in names.WARNING_RULES],
         }
+
+    def _views(self, wanted: set[str] | None) -> list[tuple[CollectedCase, list[str]]]:
+        """Each case as its owning entries run it (:func:`as_owned`), with those entries
+        (``suite:id``): one row per distinct (device, cards), so a plain case of the cpu suite
+        and of a cuda entry is listed twice; with ``wanted``, only rows of those suites."""
+        out = []
+        # The first entry of each id, as ownership records it.
+        by_id = {(m.suite, e.id): e for m in self.manifests.values() for e in reversed(m.entries)}
+        for c in self.cases:
+            owners = self.owners.get(c.nodeid, [])
+            if not owners:
+                if wanted is None:
+                    out.append((c, []))
+                continue
+            views: dict[tuple[str, int], tuple[CollectedCase, list[str]]] = {}
+            for s, eid in owners:
+                if wanted is not None and s not in wanted:
+                    continue
+                seen = as_owned(c, by_id[s, eid])
+                views.setdefault((seen.device, seen.cards), (seen, []))[1].append(f"{s}:{eid}")
+            out += views.values()
+        return out
+
+
+def as_owned(case: CollectedCase, entry: Entry) -> CollectedCase:
+    """``case`` as ``entry`` runs it: a :attr:`~CollectedCase.plain` case of an accelerator
+    entry is a case on that accelerator needing the entry's ``cards``; any other case keeps
+    the device it says (its launch marker, its ``device`` parameter)."""
+    if entry.accelerator is None or not case.plain:
+        return case
+    return replace(case, entry_device=entry.accelerator, entry_cards=entry.cards)
 
 
 # --------------------------------------------------------------------------- collection
@@ -628,7 +677,7 @@ class EntryIndex:
         marks: _Markers | None = None
         for i, by_id in sorted(self._selecting(case).items()):
             # Another device's variant of a shared test is that device's suite's case.
-            if not by_id and case.device != suite_device:
+            if not by_id and as_owned(case, self.entries[i]).device != suite_device:
                 continue
             if i in self.markers:
                 marks = marks or _Markers(case)
@@ -640,20 +689,28 @@ class EntryIndex:
 
 def _fit_problems(m: Manifest, entry: Entry, case: CollectedCase) -> list[Problem]:
     where = f"{case.nodeid} (entry {entry.id!r} at {entry.source} {entry.pointer})"
-    spec = case.spec
-    assert spec is not None
+    case = as_owned(case, entry)
+    device, cards = case.device, case.cards
     found = []
-    if spec.cards > 0 and "cpu" in (spec.device, m.device):
-        why = f"case on {spec.device} asks for {spec.cards} card(s) in cpu suite {m.suite!r}"
+    if cards > 0 and "cpu" in (device, m.device):
+        why = f"case on {device} asks for {cards} card(s) in cpu suite {m.suite!r}"
         found.append((names.CPU_CASE_NEEDS_CARDS, why))
-    elif m.device != "cpu" and spec.cards < 1:
-        why = f"{spec.device} case needs no card, but {m.device} suite {m.suite!r} runs on accelerator runners"
+    elif m.device != "cpu" and cards < 1:
+        why = f"{device} case needs no card, but {m.device} suite {m.suite!r} runs on accelerator runners"
         found.append((names.ACCELERATOR_CASE_WITHOUT_CARDS, why))
-    elif m.device != spec.device:
-        found.append((names.WRONG_DEVICE, f"{spec.device} case in {m.device} suite {m.suite!r}"))
-    if spec.cards > m.max_cards:
-        why = f"case needs {spec.cards} card(s); the largest runner of suite {m.suite!r} has {m.max_cards}"
+    elif m.device != device:
+        found.append((names.WRONG_DEVICE, f"{device} case in {m.device} suite {m.suite!r}"))
+    if cards > m.max_cards:
+        why = (
+            f"case needs {cards} card(s); the largest runner of suite {m.suite!r} has {m.max_cards}"
+        )
         found.append((names.CASE_EXCEEDS_RUNNER_CARDS, why))
+    if case.nnodes > m.max_nodes:
+        why = (
+            f"case needs {case.nnodes} nodes; the runners of suite {m.suite!r} provide at most "
+            f"{m.max_nodes} (a runner's `nodes`)"
+        )
+        found.append((names.CASE_EXCEEDS_RUNNER_NODES, why))
     return [Problem(rule, m.path, where, why, m.suite) for rule, why in found]
 
 

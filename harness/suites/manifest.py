@@ -75,6 +75,9 @@ class Runner:
     budget_minutes: float
     name: str
     container: dict[str, str] | None = field(default=None, hash=False)
+    #: nodes a job of this runner class gives a multi-node case (``LaunchSpec.nnodes``):
+    #: emulated on its one host, or hosts that torchrun joins
+    nodes: int = 1
 
     @property
     def budget_s(self) -> float:
@@ -99,6 +102,17 @@ class Entry:
     depends_on: tuple[str, ...] | None
     source: str
     pointer: str
+    #: The device its plain cases run on (``None``: each case's own, cpu for a plain one).
+    device: str | None = None
+    #: Cards each plain case of an accelerator entry leases (1 unless the entry says).
+    cards: int = 1
+    #: Environment of every case of the entry (its ranks and their children included).
+    env: dict[str, str] = field(default_factory=dict, hash=False)
+
+    @property
+    def accelerator(self) -> str | None:
+        """The accelerator the entry's plain cases run on (``None``: a cpu entry or none said)."""
+        return self.device if self.device not in (None, "cpu") else None
 
 
 @dataclass(frozen=True)
@@ -116,6 +130,11 @@ class Manifest:
     def max_cards(self) -> int:
         """Cards on the largest runner class of the suite."""
         return max(r.cards for r in self.runners)
+
+    @property
+    def max_nodes(self) -> int:
+        """Nodes the suite's runner class with the most of them provides."""
+        return max(r.nodes for r in self.runners)
 
 
 # --------------------------------------------------------------------------- paths
@@ -345,6 +364,7 @@ def read_runners(doc: dict[str, Any]) -> tuple[Runner, ...]:
             ),
             name=r.get("name") or "-".join(r["labels"]),
             container=r.get("container"),
+            nodes=int(r.get("nodes", 1)),
         )
         for r in raw
     )
@@ -366,6 +386,7 @@ def _case_entry(
         except Exception as e:  # pytest's ParseError: keep the message, whatever the class
             why = f"bad -m expression {raw['markers']!r}: {e}"
             problems.append(Problem(names.SCHEMA, name, f"{ptr}/markers", why))
+    problems.extend(_cards_problems(raw, name, ptr))
     return Entry(
         id=raw["id"],
         paths=tuple(p.rstrip("/") or "." for p in raw["paths"]),
@@ -375,7 +396,40 @@ def _case_entry(
         depends_on=tuple(deps) if deps is not None else None,
         source=name,
         pointer=ptr,
+        device=raw.get("device"),
+        cards=int(raw.get("cards", 1)),
+        env=dict(raw.get("env", {})),
     )
+
+
+def _cards_problems(raw: dict[str, Any], name: str, ptr: str) -> list[Problem]:
+    """``cards`` on an entry whose plain cases are not accelerator cases (no ``device``, or
+    ``cpu``): nothing would lease them."""
+    if "cards" not in raw or raw.get("device") not in (None, "cpu"):
+        return []
+    device = raw.get("device")
+    why = (
+        "`cards` on a cpu entry: only an accelerator entry (device cuda or npu) leases cards"
+        if device == "cpu"
+        else "`cards` needs the entry's `device` (cuda or npu): its plain cases lease them"
+    )
+    return [Problem(names.SCHEMA, name, f"{ptr}/cards", why)]
+
+
+def _device_problems(entries: Iterable[Entry], suite: str, suite_device: str) -> list[Problem]:
+    """An entry whose ``device`` is not its suite's (a case list included by the gpu and the
+    npu suite cannot say ``cuda``): its cases would run on runners without that device."""
+    return [
+        Problem(
+            names.SCHEMA,
+            e.source,
+            f"{e.pointer}/device",
+            f"entry {e.id!r} says device {e.device!r}, but suite {suite!r} runs on "
+            f"{suite_device}: give it the suite's device or leave `device` out",
+        )
+        for e in entries
+        if e.device is not None and e.device != suite_device
+    ]
 
 
 def _expand(
@@ -445,6 +499,7 @@ def load_manifest(path: Path, root: Path) -> Manifest:
         problems.append(Problem(names.SCHEMA, name, "/runner", why))
     included: list[str] = []
     entries = _expand(doc["entries"], name, root, (name,), problems, included)
+    problems.extend(_device_problems(entries, doc["suite"], doc["device"]))
     if problems:
         raise ManifestError(problems)
     return Manifest(

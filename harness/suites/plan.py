@@ -10,6 +10,7 @@ of a CI matrix recomputes it and picks its own shard.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 import statistics
@@ -50,6 +51,8 @@ class PlannedCase:
     cards: int
     seconds: float
     basis: str = "estimated"
+    #: nodes the case runs on (``LaunchSpec.nnodes``): its runner must provide them
+    nodes: int = 1
 
 
 @dataclass
@@ -111,6 +114,7 @@ class Plan:
                     "runner": list(s.runner.labels),
                     "runner_name": s.runner.name,
                     "cards": s.runner.cards,
+                    "nodes": max((c.nodes for c in mine), default=1),
                     "timeout_minutes": s.runner.timeout_minutes,
                     "job_timeout_minutes": s.runner.timeout_minutes + JOB_SETUP_MINUTES,
                     "cases": len(mine),
@@ -207,12 +211,17 @@ def estimate(
 # --------------------------------------------------------------------------- partition
 
 
-def _fit(runners: Sequence[Runner], cards: int) -> int:
+def _fits(runner: Runner, case: PlannedCase) -> bool:
+    return runner.cards >= case.cards and runner.nodes >= case.nodes
+
+
+def _fit(runners: Sequence[Runner], case: PlannedCase) -> int:
     for i, r in enumerate(runners):
-        if r.cards >= cards:
+        if _fits(r, case):
             return i
     raise PlanError(
-        f"a case needs {cards} card(s); the largest runner ({runners[-1].name}) has {runners[-1].cards}"
+        f"a case needs {case.cards} card(s) and {case.nodes} node(s); no runner "
+        f"({', '.join(r.name for r in runners)}) has that many"
     )
 
 
@@ -248,7 +257,7 @@ def partition(
     runners = sorted(runners, key=lambda r: r.cards)
     work = [0.0] * len(runners)
     for c in cases:
-        work[_fit(runners, c.cards)] += c.seconds or 1e-9
+        work[_fit(runners, c)] += c.seconds or 1e-9
     counts = _allocate(work, shards)
     out: list[PlannedShard] = []
     for r, n in zip(runners, counts, strict=True):
@@ -257,9 +266,12 @@ def partition(
         s.index = i
     loads = [0.0] * len(out)
     for c in sorted(cases, key=lambda c: (-c.seconds, -c.cards, c.nodeid)):
-        eligible = [i for i, s in enumerate(out) if s.runner.cards >= c.cards]
+        eligible = [i for i, s in enumerate(out) if _fits(s.runner, c)]
         if not eligible:
-            raise PlanError(f"{c.nodeid} needs {c.cards} card(s); no shard's runner has that many")
+            raise PlanError(
+                f"{c.nodeid} needs {c.cards} card(s) and {c.nodes} node(s); "
+                "no shard's runner has that many"
+            )
         best = min(eligible, key=lambda i: (loads[i], out[i].runner.cards, i))
         out[best].cases.append(c)
         loads[best] += c.seconds
@@ -296,7 +308,7 @@ def plan(
     runners = sorted(runners, key=lambda r: r.cards)
     limit = target_minutes * 60.0 if target_minutes is not None else math.inf
     for c in cases if enforce_budget else ():
-        eligible = [r.budget_s for r in runners if r.cards >= c.cards]
+        eligible = [r.budget_s for r in runners if _fits(r, c)]
         if eligible and c.seconds > max(eligible):
             raise PlanError(
                 f"{c.nodeid} is expected to take {c.seconds / 60:.1f} min, over the shard budget of "
@@ -356,7 +368,11 @@ def plan_suite(
     recorded = load_durations(
         durations or default_durations_path(root, manifest.suite), required=durations is not None
     )
-    planned = estimate([(c.nodeid, e.id, c.cards, e.estimated_s) for c, e in owned], recorded)
+    nodes = {c.nodeid: c.nnodes for c, _ in owned}
+    planned = [
+        dataclasses.replace(p, nodes=nodes[p.nodeid])
+        for p in estimate([(c.nodeid, e.id, c.cards, e.estimated_s) for c, e in owned], recorded)
+    ]
     return plan(
         manifest.suite, manifest.runners, planned, shards=shards, target_minutes=target_minutes
     )

@@ -270,44 +270,6 @@ def _stop_tree(procs: Sequence[psutil.Process]) -> None:
     processes.terminate(procs, grace=KILL_AFTER_S, kill_wait=KILL_AFTER_S)
 
 
-def _descendants() -> set[int]:
-    """The pids below this process now, exited ones not yet waited for included."""
-    import psutil
-
-    with contextlib.suppress(psutil.Error):
-        return {p.pid for p in psutil.Process().children(recursive=True)}
-    return set()
-
-
-def _stop_leftovers(spare: set[int]) -> None:
-    """Stop and reap the processes pytest's tree left behind: ``harness run`` is a child
-    subreaper (:func:`_execute`), so a process a case started in a session of its own comes
-    to it once its parents are gone; every process below it but ``spare`` is one."""
-    left = [
-        p
-        for p in processes.process_tree(os.getpid(), own_session=False)
-        if p.pid != os.getpid() and p.pid not in spare
-    ]
-    # pytest's own helpers (multiprocessing's resource tracker) end once it has: not leftovers.
-    left = processes.wait_gone(left, LEFTOVER_GRACE_S, reap=lambda: _reap_children(spare))
-    if left:
-        pids = ", ".join(str(p.pid) for p in left)
-        _print(f"{len(left)} process(es) outlived pytest (pid {pids}); stopping them")
-        _stop_tree(left)
-    _reap_children(spare)
-
-
-def _reap_children(spare: set[int]) -> None:
-    """Wait for this process's exited children, other than those in ``spare``."""
-    import psutil
-
-    with contextlib.suppress(psutil.Error):
-        for child in psutil.Process().children():
-            if child.pid not in spare:  # a caller's child is the caller's to wait for
-                with contextlib.suppress(ChildProcessError, OSError):
-                    os.waitpid(child.pid, os.WNOHANG)
-
-
 def _run_pytest(cmd: list[str], budget: Budget | None, stop: _Stop) -> tuple[int, str]:
     """Run the pytest subprocess in its own process group, output streaming through.
 
@@ -558,6 +520,7 @@ def _pytest_command(run: _Run) -> list[str]:
             # Each planned case's deadline: its entry's timeout_s (None: the default).
             "cases": {c.nodeid: e.timeout_s for c, e in run.cases},
             "entries": {c.nodeid: e.id for c, e in run.cases},
+            **selected_devices(run.cases),
             "suite": run.suite_ids,  # every shard's
             "files": files,  # the paths below; any other is the caller's, and narrows the run
         },
@@ -587,6 +550,17 @@ def _pytest_command(run: _Run) -> list[str]:
     if run.manifest.device != "cpu":
         cmd.append(f"{names.OPT_REQUIRE}={run.manifest.device}")
     return cmd
+
+
+def selected_devices(cases: Sequence[tuple[CollectedCase, Entry]]) -> dict[str, Any]:
+    """What the selection file says of the cases' entries beyond their deadlines:
+    ``"devices"``, node id -> ``[device, cards]`` of each plain case an accelerator entry
+    makes an accelerator case (run in a process of its own on those cards), and ``"env"``,
+    node id -> the environment its entry sets (only where it sets one)."""
+    return {
+        "devices": {c.nodeid: [c.entry_device, c.cards] for c, _ in cases if c.entry_device},
+        "env": {c.nodeid: e.env for c, e in cases if e.env},
+    }
 
 
 _CONFIG_OPTIONS = ("-c", "--config-file", "--inifile")
@@ -634,14 +608,22 @@ def _execute(run: _Run, stop: _Stop) -> _Ran:
         f"{budget}; output in {run.out}",
         flush=True,
     )
-    # What a case leaks comes here, to be stopped (_stop_leftovers); an in-process caller
-    # gets its own state back, and its own processes are spared.
+    # The plugin stops what each case leaves; what a pytest that died (its workers die
+    # with it) left in a session of its own comes here, to be stopped. An in-process
+    # caller gets its own subreaper state back, and its own processes are spared.
     was_subreaper = processes.is_subreaper()
     processes.subreaper()
     try:
-        before = _descendants()
+        before = processes.descendants()
         code, halted = _run_pytest(_pytest_command(run), run.budget, stop)
-        _stop_leftovers(before)
+        # pytest's own helpers (multiprocessing's resource tracker) end once it has.
+        left = processes.stop_leftovers(
+            before, settle=LEFTOVER_GRACE_S, grace=KILL_AFTER_S, kill_wait=KILL_AFTER_S
+        )
+        if left:
+            _print(f"{len(left)} process(es) outlived pytest; stopped them:")
+            for leftover in left:
+                print(f"  {leftover}", flush=True)
         return _Ran(code, selection.read_records(run.select_file), halted)
     finally:
         if not was_subreaper:
@@ -742,6 +724,7 @@ def _report(run: _Run, ran: _Ran, stop: _Stop) -> int:
     beyond, outside = _unplanned(run, ran)
     verdict = _verdict(report.totals(rows), ran, stop, run.whole, beyond)
     detail = report.failures(results)
+    detail += report.bullets([f"left running: `{n}` — {t}" for n, t in records.leaked.items()])
     for headline, log in selection.fired(run.out):
         detail += f"- backstop: {headline}; stacks in {log}\n"
     not_here = run.not_here + "".join(

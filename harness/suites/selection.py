@@ -1,28 +1,39 @@
 """pytest plugin that ``harness run`` loads (``-p harness.suites.selection``): run exactly the planned cases.
 
 ``--harness-select FILE`` names a JSON file ``{"root": DIR, "cases": {nodeid: timeout_s
-or null}, "entries": {nodeid: entry id}, "suite": [nodeid, ...], "files": [path, ...]}``.
-Collected items not in ``cases`` are deselected; each kept one carries its entry as the
-JUnit property ``harness.entry`` and its deadline as pytest-timeout's ``timeout`` marker
-(:func:`deadline_marker`). What pytest does with each planned case is recorded from its
+or null}, "entries": {nodeid: entry id}, "suite": [nodeid, ...], "files": [path, ...],
+"devices": {nodeid: [device, cards]}, "env": {nodeid: {name: value}}}``. Collected items
+not in ``cases`` are deselected; each kept one carries its entry as the JUnit property
+``harness.entry``, its deadline as pytest-timeout's ``timeout`` marker
+(:func:`deadline_marker`), its entry's device and cards as the launch plugin's
+``harness_device`` marker (a plain case of an accelerator entry) and its entry's ``env``
+while it runs (:func:`entry_env`). What pytest does with each planned case is recorded from its
 own hooks (reports, deselections, exit status) by case id, one JSON-lines file per
 process (:func:`read_records`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import fnmatch
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
 import pytest
 
-from harness.names import DEFAULT_CASE_TIMEOUT_S, OPT_JUNIT, OPT_SELECT, OPT_WORKERS
+from harness.names import (
+    DEFAULT_CASE_TIMEOUT_S,
+    DEVICE_MARKER,
+    LEAK_PROPERTY,
+    OPT_JUNIT,
+    OPT_SELECT,
+    OPT_WORKERS,
+)
 
 #: The launch side's pytest plugin, which every run of a suite needs.
 LAUNCH_PLUGIN = "harness.launcher.plugin"
@@ -35,6 +46,8 @@ _SELECTION = pytest.StashKey[dict[str, Any]]()
 _CALLER_JUNIT = pytest.StashKey[Any]()
 #: A plain planned case's backstop (seconds after it starts): see :func:`pytest_runtest_protocol`.
 _BACKSTOP = pytest.StashKey[float]()
+#: The environment a planned case's entry sets (its ``env``).
+_ENV = pytest.StashKey[dict[str, str]]()
 #: This process's backstop log (opened on its first plain planned case).
 _BACKSTOP_LOG = pytest.StashKey[IO[str]]()
 #: How long past its deadline a plain case that pytest-timeout could not interrupt (native
@@ -238,6 +251,9 @@ class _Outcomes:
             seconds=float(report.duration or 0.0),
             message="" if report.passed else _message(report),
         )
+        for name, value in report.user_properties if report.when == "teardown" else ():
+            if name == LEAK_PROPERTY:
+                self.record(leaked=getattr(report, "harness_case", report.nodeid), text=value)
 
     def pytest_keyboard_interrupt(self, excinfo: pytest.ExceptionInfo[BaseException]) -> None:
         # pytest.exit or KeyboardInterrupt: from a case (in a worker too), or the runner's SIGINT.
@@ -336,6 +352,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 item.stash[_BACKSTOP] = seconds + min(seconds, BACKSTOP_GRACE_S)
         if cid in entries:
             item.user_properties.append(("harness.entry", entries[cid]))
+        _place(item, sel, cid)
     outcomes = config.pluginmanager.get_plugin("harness-outcomes")
     if drop and outcomes is not None:
         # Cases pytest collected that the suite does not hold: under paths given to pytest
@@ -353,6 +370,38 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if ignored:
             config.hook.pytest_deselected(items=ignored)
         items[:] = keep
+
+
+def _place(item: pytest.Item, sel: dict[str, Any], cid: str) -> None:
+    """Give a planned case what its entry says beyond its deadline: a plain case of an
+    accelerator entry gets the launch plugin's ``harness_device`` marker (its device and
+    cards: it runs apart on them), and the entry's ``env`` is kept for the case's run."""
+    placed = sel.get("devices", {}).get(cid)
+    if placed is not None:
+        device, cards = placed
+        item.add_marker(getattr(pytest.mark, DEVICE_MARKER)(device=device, cards=cards))
+    env = sel.get("env", {}).get(cid)
+    if env:
+        item.stash[_ENV] = env
+
+
+@contextlib.contextmanager
+def entry_env(env: dict[str, str] | None) -> Iterator[None]:
+    """``os.environ`` with ``env`` set while the case runs (its setup, call and teardown:
+    what it starts, ranks included, inherits it), then as it was before."""
+    if not env:
+        yield
+        return
+    before = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def _message(report: pytest.CollectReport | pytest.TestReport) -> str:
@@ -410,6 +459,11 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
     # the GIL, or a case that swallows the interruption, never sees. faulthandler's timer
     # needs no GIL: past the backstop it writes every thread's stack and ends the process.
     # pytest's own faulthandler_timeout uses the same timer: where it is set, no backstop.
+    with entry_env(item.stash.get(_ENV, None)):
+        return (yield from _bounded_by_backstop(item))
+
+
+def _bounded_by_backstop(item: pytest.Item) -> Any:
     backstop = item.stash.get(_BACKSTOP, None)
     if backstop is None or float(item.config.getini("faulthandler_timeout") or 0) > 0:
         return (yield)
@@ -483,6 +537,8 @@ class Records:
     #: ``pytest.exit`` or ``KeyboardInterrupt`` ended the session (``"Exit: <reason>"``),
     #: ``""`` when neither did.
     interrupted: str = ""
+    #: Case id -> the processes it left running after its teardown (stopped by the plugin).
+    leaked: dict[str, str] = field(default_factory=dict)
 
 
 def _text(message: str) -> str:
@@ -523,6 +579,8 @@ def read_records(select_file: Path) -> Records:
                 out.finish, out.stopped = int(ev["finish"]), _text(ev["stopped"])
             elif "interrupted" in ev:
                 out.interrupted = _text(ev["interrupted"])
+            elif "leaked" in ev:
+                out.leaked[ev["leaked"]] = _text(ev["text"])
     for nodeid in set(out.aliases) & set(out.reports):
         # Reports carry their case; those xdist makes itself (a crashed worker's) do not.
         if len(cases := out.aliases[nodeid]) == 1:

@@ -263,7 +263,8 @@ def test_written_cpu_workflow_caches_and_outlasts_the_harness_deadline(tmp_path)
 
 def test_writes_only_entries_the_inventory_accepts(tmp_path):
     # No testpaths: one entry per test directory. tests/unit holds only cpu cases, so an
-    # accelerator suite entry owning it would match nothing; tests/gone skips as a whole.
+    # accelerator suite entry owning it would match nothing; tests/gone skips as a whole
+    # here, which says nothing of the device its cases run on: the cpu suite owns it.
     root = write(
         tmp_path,
         {
@@ -277,8 +278,8 @@ def test_writes_only_entries_the_inventory_accepts(tmp_path):
     assert done.returncode == 0, done.stderr
     assert [e["paths"] for e in manifest(root, "cases/accelerator.json")["entries"]] == [
         ["tests/dev"],
-        ["tests/gone"],
     ]
+    assert "1 test file(s) did not load here (tests/gone/test_g.py)" in done.stderr
     assert [e["paths"] for e in manifest(root, "cpu.json")["entries"]] == [
         ["tests/dev"],
         ["tests/gone"],
@@ -301,6 +302,78 @@ def test_no_accelerator_case_writes_no_accelerator_suite(tmp_path):
     assert "no collected case runs on cuda" in done.stderr
     assert sorted(p.name for p in (root / "suites").iterdir()) == ["cpu.json"]
     assert harness(root, "inventory").returncode == 0
+
+
+def test_a_file_that_fails_to_import_here_gets_no_accelerator_entry(tmp_path):
+    # Regression (issue 43): init --accelerators on a CPU machine wrote accelerator entries
+    # for the folders whose files failed to import there; `harness matrix gpu` then planned
+    # cases that were no GPU cases at all.
+    root = write(
+        tmp_path,
+        {
+            "pyproject.toml": "[tool.pytest.ini_options]\n",
+            "tests/unit/test_u.py": "def test_u():\n    pass\n",
+            "tests/gpu/test_kernel.py": "import module_only_on_gpu_hosts\n\ndef test_k():\n    pass\n",
+            "tests/dev/test_d.py": LAUNCHED_DEVICE_TEST,
+        },
+    )
+    done = harness(root, "init", "--accelerators", "cuda")
+    assert done.returncode == 0, done.stderr
+    assert [e["paths"] for e in manifest(root, "cases/accelerator.json")["entries"]] == [
+        ["tests/dev"]
+    ]
+    assert manifest(root, "gpu.json")["entries"] == [{"include": "suites/cases/accelerator.json"}]
+    assert ["tests/gpu"] in [e["paths"] for e in manifest(root, "cpu.json")["entries"]]
+    assert "did not load here (tests/gpu/test_kernel.py)" in done.stderr
+    assert "--device-paths" in done.stderr
+
+    # Only a file: no accelerator suite at all.
+    (root / "tests/dev/test_d.py").unlink()
+    for p in (root / "suites").rglob("*.json"):
+        p.unlink()
+    done = harness(root, "init", "--accelerators", "cuda")
+    assert done.returncode == 0, done.stderr
+    assert sorted(p.name for p in (root / "suites").glob("*.json")) == ["cpu.json"]
+
+
+def test_device_paths_make_plain_tests_accelerator_cases_without_editing_them(tmp_path):
+    root = write(
+        tmp_path,
+        {
+            "pyproject.toml": '[tool.pytest.ini_options]\ntestpaths = ["tests"]\n',
+            "tests/unit/test_u.py": "def test_u():\n    pass\n",
+            # Picks its device at run time, as a training framework's tests do.
+            "tests/gpu/test_g.py": "def test_g():\n    pass\n",
+        },
+    )
+    done = harness(root, "init", "--accelerators", "cuda", "--device-paths", "tests/gpu")
+    assert done.returncode == 0, done.stderr
+    assert manifest(root, "gpu.json")["entries"] == [
+        {"id": "tests-gpu-cuda", "paths": ["tests/gpu"], "device": "cuda"}
+    ]
+    assert not (root / "suites/cases/accelerator.json").exists()
+    inv = harness(root, "inventory", "gpu", "--json")
+    assert inv.returncode == 0, inv.stdout + inv.stderr
+    assert [(c["nodeid"], c["device"], c["cards"]) for c in json.loads(inv.stdout)["cases"]] == [
+        ("tests/gpu/test_g.py::test_g", "cuda", 1)
+    ]
+    assert harness(root, "inventory").returncode == 0
+
+
+@pytest.mark.parametrize(
+    ("args", "words"),
+    [
+        (("--device-paths", "tests"), "say which with --accelerators"),
+        (("--accelerators", "cuda", "--device-paths", "nowhere"), "'nowhere' does not exist"),
+        (("--accelerators", "cuda", "--device-paths", "../x"), "not a path inside"),
+    ],
+)
+def test_bad_device_paths_are_usage_errors(tmp_path, args, words):
+    root = write(tmp_path, {"tests/test_a.py": "def test_a():\n    pass\n"})
+    done = harness(root, "init", *args)
+    assert done.returncode == 2
+    assert words in done.stderr
+    assert not (root / "suites").exists()
 
 
 def test_init_without_accelerators_names_the_accelerator_cases_it_leaves_unowned(tmp_path):

@@ -6,7 +6,7 @@ import json
 import textwrap
 
 import pytest
-from suite_project import DEVICE_TESTS, make_project, manifest
+from suite_project import DEVICE_TESTS, GPU_RUNNER, make_project, manifest
 
 from harness.suites.cli import main
 from harness.suites.inventory import build_inventory
@@ -58,6 +58,7 @@ def test_clean_project_each_device_variant_in_its_suite(pytester):
         "device": "cuda",
         "nproc": 1,
         "cards": 1,
+        "nnodes": 1,
         "launched": False,
         "entries": ["gpu:dev"],
     }
@@ -144,6 +145,36 @@ def test_rule_case_exceeds_runner_cards(pytester):
         "test_four[" in p.where and "needs 4 card(s)" in p.message and "has 2" in p.message
         for p in found
     )
+
+
+MULTI_NODE_TESTS = {
+    "tests/test_n.py": """
+    import pytest
+
+    @pytest.mark.launch(nnodes=2, nproc=2)
+    def test_two_nodes():
+        pass
+"""
+}
+
+
+def test_rule_case_exceeds_runner_nodes(pytester):
+    inv = build_inventory(project(pytester, MULTI_NODE_TESTS, gpu=None, npu=None))
+    (p,) = only(inv, "case-exceeds-runner-nodes")
+    assert p.suite == "cpu"
+    assert "tests/test_n.py::test_two_nodes" in p.where
+    assert "needs 2 nodes" in p.message
+    assert "at most 1" in p.message
+    assert rules(inv) == ["case-exceeds-runner-nodes"]
+    assert [c["nnodes"] for c in inv.as_dict()["cases"]] == [2]
+
+
+def test_a_runner_with_the_nodes_takes_a_multi_node_case(pytester):
+    from suite_project import CPU_RUNNER
+
+    cpu = manifest("cpu", "cpu", [{"id": "all", "paths": ["tests"]}], {**CPU_RUNNER, "nodes": 2})
+    inv = build_inventory(project(pytester, MULTI_NODE_TESTS, cpu=cpu, gpu=None, npu=None))
+    assert inv.problems == []
 
 
 def test_rule_unowned_file(pytester):
@@ -772,3 +803,109 @@ def test_pytest_exit_during_collection_is_a_problem_not_an_interrupt(pytester, c
     assert main(["--root", str(root), "inventory"]) == 1
     err = capsys.readouterr().err
     assert "[collection-error] pytest.exit during collection (Exit: cut short)" in err, err
+
+
+# --------------------------------------------------------------------------- entry device
+
+
+RUNTIME_DEVICE_TESTS = """
+    import pytest
+    from harness.spec import LaunchSpec
+
+    def test_picks_device_at_run_time():
+        pass
+
+    @pytest.mark.parametrize("device", ["cpu", "cuda"])
+    def test_dev(device):
+        pass
+
+    @pytest.mark.launch(LaunchSpec(device="cpu", nproc=2))
+    def test_launched():
+        pass
+"""
+
+
+def device_project(pytester, entry, runner=None):
+    gpu = manifest("gpu", "cuda", [{"id": "plain", "paths": ["tests"], **entry}], runner)
+    return make_project(
+        pytester.path,
+        {"tests/test_r.py": RUNTIME_DEVICE_TESTS},
+        {"cpu": manifest("cpu", "cpu", [{"id": "all", "paths": ["tests"]}]), "gpu": gpu},
+    )
+
+
+def test_plain_case_of_a_cuda_entry_is_a_cuda_case_with_the_entrys_cards(pytester, capsys):
+    root = device_project(pytester, {"device": "cuda", "cards": 2})
+    inv = build_inventory(root)
+    assert inv.problems == []
+    plain = "tests/test_r.py::test_picks_device_at_run_time"
+    # The case that says its device keeps it: its cuda variant is the gpu entry's as before,
+    # its cpu variant and the launched cpu case stay the cpu suite's.
+    assert {n: sorted(o) for n, o in inv.owners.items()} == {
+        plain: [("cpu", "all"), ("gpu", "plain")],
+        "tests/test_r.py::test_dev[cpu]": [("cpu", "all")],
+        "tests/test_r.py::test_dev[cuda]": [("gpu", "plain")],
+        "tests/test_r.py::test_launched": [("cpu", "all")],
+    }
+    assert [(c.nodeid, c.device, c.cards) for c, _ in inv.suite_cases("gpu")] == [
+        (plain, "cuda", 2),
+        ("tests/test_r.py::test_dev[cuda]", "cuda", 1),
+    ]
+    assert next((c.nodeid, c.device, c.cards) for c, _ in inv.suite_cases("cpu")) == (
+        plain,
+        "cpu",
+        0,
+    )
+    assert main(["--root", str(root), "inventory", "gpu", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["cases"]
+    assert rows == [
+        {
+            "nodeid": plain,
+            "device": "cuda",
+            "nproc": 1,
+            "cards": 2,
+            "launched": False,
+            "entries": ["gpu:plain"],
+        },
+        {
+            "nodeid": "tests/test_r.py::test_dev[cuda]",
+            "device": "cuda",
+            "nproc": 1,
+            "cards": 1,
+            "launched": False,
+            "entries": ["gpu:plain"],
+        },
+    ]
+    # Unfiltered, the plain case is listed once per way it runs.
+    assert main(["--root", str(root), "inventory", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["cases"]
+    assert [(r["device"], r["cards"], r["entries"]) for r in rows if r["nodeid"] == plain] == [
+        ("cpu", 0, ["cpu:all"]),
+        ("cuda", 2, ["gpu:plain"]),
+    ]
+
+
+def test_without_an_entry_device_a_plain_case_is_no_gpu_case(pytester):
+    # Regression: the gpu suite owned nothing of a suite whose tests pick the device at run time.
+    inv = build_inventory(device_project(pytester, {}))
+    assert [c.nodeid for c, _ in inv.suite_cases("gpu")] == ["tests/test_r.py::test_dev[cuda]"]
+
+
+def test_entry_cards_beyond_the_runner_are_named(pytester):
+    inv = build_inventory(device_project(pytester, {"device": "cuda", "cards": 4}))
+    (p,) = only(inv, "case-exceeds-runner-cards")
+    assert p.where.startswith("tests/test_r.py::test_picks_device_at_run_time (entry 'plain'")
+    assert "needs 4 card(s)" in p.message
+
+
+def test_matrix_plans_plain_cases_of_a_cuda_entry_on_runners_with_their_cards(pytester, capsys):
+    runners = [
+        {**GPU_RUNNER, "name": "one", "cards": 1},
+        {**GPU_RUNNER, "name": "four", "cards": 4},
+    ]
+    root = device_project(pytester, {"device": "cuda", "cards": 3}, runners)
+    assert main(["--root", str(root), "matrix", "gpu", "--shards", "2"]) == 0
+    shards = json.loads(capsys.readouterr().out)["include"]
+    placed = {s["runner_name"]: s["cases"] for s in shards}
+    assert placed["four"] == 1  # the 3-card plain case fits only the 4-card runner
+    assert sum(placed.values()) == 2

@@ -374,3 +374,61 @@ def test_deeply_nested_manifest_fails_every_command_clearly(tmp_path, capsys):
     assert main(["--root", str(tmp_path), "matrix", "cpu"]) == 2
     err = capsys.readouterr().err
     assert err.count("suites/cpu.json: [json] nested too deeply") == 2
+
+
+# --------------------------------------------------------------------------- device, cards, env
+
+
+def test_entry_device_cards_and_env_load(tmp_path):
+    doc = manifest(
+        "gpu",
+        "cuda",
+        [
+            {"id": "a", "paths": ["tests"], "device": "cuda", "cards": 2, "env": {"X": "1"}},
+            {"id": "b", "paths": ["tests/b"]},
+        ],
+    )
+    write(tmp_path, "suites/gpu.json", doc)
+    a, b = load_manifest(tmp_path / "suites/gpu.json", tmp_path).entries
+    assert (a.device, a.cards, a.env, a.accelerator) == ("cuda", 2, {"X": "1"}, "cuda")
+    assert (b.device, b.cards, b.env, b.accelerator) == (None, 1, {}, None)
+
+
+@pytest.mark.parametrize(
+    ("entry", "where", "words"),
+    [
+        ({"device": "cpu", "cards": 2}, "/entries/0/cards", "cpu entry"),
+        ({"cards": 2}, "/entries/0/cards", "needs the entry's `device`"),
+        ({"env": {"X": 1}}, "/entries/0/env/X", "is not of type 'string'"),
+        ({"env": ["X=1"]}, "/entries/0/env", "is not of type 'object'"),
+        ({"device": "tpu"}, "/entries/0/device", "'tpu' is not one of"),
+        ({"device": "cuda", "cards": 0}, "/entries/0/cards", "less than the minimum"),
+        ({"device": "cuda"}, "/entries/0/device", "suite 'cpu' runs on cpu"),
+    ],
+)
+def test_bad_device_cards_env_are_named_with_file_and_pointer(tmp_path, entry, where, words):
+    write(tmp_path, "suites/cpu.json", cpu_doc(**entry))
+    found = problems_of(tmp_path)
+    assert len(found) == 1, found
+    assert found[0].startswith(f"suites/cpu.json {where}: [schema]"), found
+    assert words in found[0]
+
+
+def test_entry_device_of_another_suite_is_named_in_the_included_case_list(tmp_path):
+    write(
+        tmp_path,
+        "suites/cases/acc.json",
+        {"entries": [{"id": "a", "paths": ["t"], "device": "cuda"}]},
+    )
+    write(
+        tmp_path, "suites/npu.json", manifest("npu", "npu", [{"include": "suites/cases/acc.json"}])
+    )
+    write(
+        tmp_path, "suites/gpu.json", manifest("gpu", "cuda", [{"include": "suites/cases/acc.json"}])
+    )
+    assert load_manifest(tmp_path / "suites/gpu.json", tmp_path).entries[0].device == "cuda"
+    found = problems_of(tmp_path, "suites/npu.json")
+    assert found == [
+        "suites/cases/acc.json /entries/0/device: [schema] entry 'a' says device 'cuda', but "
+        "suite 'npu' runs on npu: give it the suite's device or leave `device` out"
+    ]

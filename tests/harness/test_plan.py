@@ -6,6 +6,7 @@ shard's (``Plan.balance()``), on synthetic durations.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
@@ -164,6 +165,7 @@ def test_empty_suite_still_has_one_shard():
                 "runner": ["lbl", "c0"],
                 "runner_name": "r0",
                 "cards": 0,
+                "nodes": 1,
                 "timeout_minutes": 60,
                 "job_timeout_minutes": 70,
                 "cases": 0,
@@ -182,6 +184,18 @@ def test_matrix_json_lists_every_shard():
     )
     assert sum(x["cases"] for x in m["include"]) == 10
     json.dumps(m)
+
+
+def test_multi_node_cases_go_to_runners_with_the_nodes_and_the_matrix_says_so():
+    two = dataclasses.replace(runner(name="two-nodes"), nodes=2)
+    wide = PlannedCase("tests/test_x.py::test_wide", "e", 0, 30.0, nodes=2)
+    shards = partition([*cases([30.0, 30.0]), wide], [runner(), two], 2)
+    by_runner = {s.runner.name: [c.nodeid for c in s.cases] for s in shards}
+    assert "tests/test_x.py::test_wide" in by_runner["two-nodes"]
+    rows = plan("s", [runner(), two], [*cases([30.0]), wide], shards=2).matrix()["include"]
+    assert sorted((r["runner_name"], r["nodes"]) for r in rows) == [("r0", 1), ("two-nodes", 2)]
+    with pytest.raises(PlanError, match="2 node"):
+        partition([wide], [runner()], 1)
 
 
 @pytest.mark.parametrize("bad", ["0/2", "3/2", "1", "a/b", "1/2/3"])

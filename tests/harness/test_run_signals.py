@@ -433,62 +433,126 @@ LEAKY = """
     import sys
     from pathlib import Path
 
+    import psutil
+
     STUBBORN = "import signal, time\\nfor s in (signal.SIGINT, signal.SIGTERM):\\n    signal.signal(s, signal.SIG_IGN)\\ntime.sleep(600)\\n"
 
     def test_leaks_a_daemon():
         child = subprocess.Popen([sys.executable, "-c", STUBBORN], start_new_session=True)
         Path(os.environ["PIDS_DIR"], "stubborn").write_text(str(child.pid))
+
+    def test_next_sees_it_gone():
+        pid = int(Path(os.environ["PIDS_DIR"], "stubborn").read_text())
+        gone = not psutil.pid_exists(pid) or psutil.Process(pid).status() == "zombie"
+        assert gone, "the daemon outlived the case that started it"
+"""
+LEAKER = "tests/leak/test_x.py::test_leaks_a_daemon"
+
+
+@pytest.mark.parametrize("mode", ["warn", "fail"])
+def test_a_process_a_plain_case_leaked_is_stopped_with_its_case_and_named(
+    pytester, tmp_path_factory, mode
+):
+    # Regression: a daemon a plain case started in a session of its own lived until pytest
+    # ended, and was then named by pid alone ("1 process(es) outlived pytest (pid N)"),
+    # without the case that leaked it.
+    pids_dir = tmp_path_factory.mktemp("pids")
+    args = ["--", "--dist", "loadfile", "-o", f"harness_leaks={mode}"]  # one worker, in order
+    proc, out, err = run_one_file(pytester.path, "leak", LEAKY, pids_dir, *args)
+    stubborn = int((pids_dir / "stubborn").read_text())
+    try:
+        cases = {
+            c["nodeid"]: c
+            for c in json.loads((pytester.path / "out/summary.json").read_text())["cases"]
+        }
+        assert cases["tests/leak/test_x.py::test_next_sees_it_gone"]["outcome"] == "passed"
+        assert not alive(stubborn)
+        assert "outlived pytest" not in out + err
+        named = f"{LEAKER} left 1 process(es) running after its teardown"
+        assert named in out + err
+        summary = (pytester.path / "out/summary.md").read_text()
+        assert f"- left running: `{LEAKER}` — pid {stubborn}: {sys.executable} -c " in summary
+        (leaker,) = [
+            tc
+            for tc in ET.parse(pytester.path / "out/junit.xml").getroot().iter("testcase")
+            if tc.get("name") == "test_leaks_a_daemon"
+        ]
+        props = {p.get("name"): p.get("value") for p in leaker.iter("property")}
+        assert props["harness.leaked"].startswith(f"pid {stubborn}: "), props
+        if mode == "warn":
+            assert proc.returncode == 0, out + err
+            assert cases[LEAKER]["outcome"] == "passed"
+        else:
+            assert proc.returncode == 1, out + err
+            assert cases[LEAKER]["outcome"] == "failed"
+            assert named in cases[LEAKER]["message"]
+    finally:
+        if alive(stubborn):
+            os.kill(stubborn, signal.SIGKILL)
+
+
+DIES = """
+    import os
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    STUBBORN = "import signal, time\\nfor s in (signal.SIGINT, signal.SIGTERM):\\n    signal.signal(s, signal.SIG_IGN)\\ntime.sleep(600)\\n"
+
+    def test_leaks_a_daemon_and_dies():
+        child = subprocess.Popen([sys.executable, "-c", STUBBORN], start_new_session=True)
+        Path(os.environ["PIDS_DIR"], "stubborn").write_text(str(child.pid))
+        os.kill(os.getpid(), signal.SIGKILL)  # one case: it runs in pytest's own process
 """
 
 
-def test_a_process_a_passing_plain_case_leaked_does_not_outlive_the_run(pytester, tmp_path_factory):
-    # Regression: a daemon a plain case started in a session of its own outlived a green
-    # run (re-parented to init); only a signal to the run stopped such processes.
+def test_what_a_pytest_that_died_left_is_stopped_by_the_run(pytester, tmp_path_factory):
+    # The plugin cannot act for a pytest that died; the run (a child subreaper) gets its
+    # orphans and stops them, naming each with its command line.
     pids_dir = tmp_path_factory.mktemp("pids")
-    proc, out, err = run_one_file(pytester.path, "leak", LEAKY, pids_dir)
+    proc, out, err = run_one_file(pytester.path, "dies", DIES, pids_dir)
     stubborn = int((pids_dir / "stubborn").read_text())
     try:
-        assert proc.returncode == 0, out + err
-        assert f"1 process(es) outlived pytest (pid {stubborn}); stopping them" in out + err
+        assert proc.returncode == 1, out + err
+        assert "1 process(es) outlived pytest; stopped them:" in out + err
+        assert f"  pid {stubborn}: {sys.executable} -c " in out + err
         assert not alive(stubborn)
     finally:
         if alive(stubborn):
             os.kill(stubborn, signal.SIGKILL)
 
 
-# Ends by itself once the pytest process that started it has: it reads its pipe to EOF,
-# then takes a moment to clean up, as multiprocessing's resource tracker does.
 TRACKER = """
+    import multiprocessing
+    import multiprocessing.resource_tracker
     import os
-    import subprocess
-    import sys
+    import time
     from pathlib import Path
 
-    HELPER = "import os, sys, time\\nwhile os.read(int(sys.argv[1]), 1024):\\n    pass\\ntime.sleep(0.3)\\n"
-    KEEP = []
-
-    def test_starts_a_helper_that_ends_with_pytest():
-        r, w = os.pipe()
-        child = subprocess.Popen(
-            [sys.executable, "-c", HELPER, str(r)], pass_fds=(r,), start_new_session=True
-        )
-        os.close(r)
-        KEEP.append(w)  # open until this process exits
-        Path(os.environ["PIDS_DIR"], "helper").write_text(str(child.pid))
+    def test_joins_its_multiprocessing_child():
+        ctx = multiprocessing.get_context("spawn")
+        proc = ctx.Process(target=time.sleep, args=(0.1,))
+        proc.start()
+        proc.join()
+        tracker = multiprocessing.resource_tracker._resource_tracker._pid
+        Path(os.environ["PIDS_DIR"], "tracker").write_text(str(tracker))
 """
 
 
-def test_a_helper_that_ends_with_pytest_is_not_a_leftover(pytester, tmp_path_factory):
+def test_multiprocessings_resource_tracker_is_no_leftover(pytester, tmp_path_factory):
     # Regression: "process(es) outlived pytest" named multiprocessing's resource tracker,
-    # which ends by itself once pytest has, and stopped it in the middle of its cleanup.
+    # which ends by itself once pytest has, and stopped it in the middle of its cleanup. It
+    # is kept for the life of the process that started it: no case's leak either.
     pids_dir = tmp_path_factory.mktemp("pids")
     proc, out, err = run_one_file(
         pytester.path, "helper", TRACKER, pids_dir, "--", "-p", "no:xdist"
     )
-    helper = int((pids_dir / "helper").read_text())
+    tracker = int((pids_dir / "tracker").read_text())
     assert proc.returncode == 0, out + err
     assert "outlived pytest" not in out + err
-    assert not alive(helper)
+    assert "left 1 process(es)" not in out + err
+    assert not alive(tracker)
 
 
 def _in_a_terminal(cwd, args, answers, timeout=180.0):

@@ -69,11 +69,27 @@ def test_is_frozen():
         ("backend", 3),
         ("backend", "nccl2"),
         ("reuse", "yes"),
+        ("nnodes", 0),
+        ("nnodes", 1.5),
+        ("nnodes", "2"),
     ],
 )
 def test_bad_value_is_a_value_error_naming_field_and_value(field, value):
     with pytest.raises(ValueError, match=rf"LaunchSpec\.{field} .*got {value!r}"):
         LaunchSpec(**{field: value})
+
+
+def test_nodes_default_to_one_and_cards_stay_per_node():
+    assert LaunchSpec().nnodes == 1
+    spec = LaunchSpec(device="cuda", nproc=2, nnodes=3)
+    assert (spec.cards, spec.world_size) == (2, 6)
+    assert spec_from_marker((), {"nnodes": 2, "nproc": 2}) == LaunchSpec(nproc=2, nnodes=2)
+
+
+def test_a_multi_node_case_cannot_keep_its_ranks():
+    with pytest.raises(ValueError, match=r"LaunchSpec\.reuse=True .*nnodes=2"):
+        LaunchSpec(nproc=2, nnodes=2, reuse=True)
+    assert LaunchSpec(nproc=2, nnodes=2, reuse=False).reuse is False
 
 
 def test_marker_forms():

@@ -1,0 +1,188 @@
+"""Every case contained, plain or launched: a process a case started that is still
+running when its teardown ends is stopped and reported against that case.
+
+The pytest process (each xdist worker, the controller) is a child subreaper for the
+session, so a daemon that left its parent (``setsid`` and a double fork) is re-parented
+to it and stays in sight. Before a case's setup the plugin remembers the processes
+below this one; after its teardown, those that are new and still running (after
+``SETTLE_S`` to end by themselves) are stopped (SIGTERM, ``GRACE_S``, SIGKILL) and named
+(pid, command line): ini ``harness_leaks = warn`` (the default) reports them as a
+:class:`LeakWarning` of the case (pytest's warnings summary, and the JUnit property
+``harness.leaked``), ``fail`` fails the case's teardown. Never stopped: processes of a
+fixture of a wider scope (session, package, module, class) that is still set up (they
+are checked when it is torn down, against the case whose teardown ends it), the kept
+rank pool (``harness_reuse``), and the helpers the runtime keeps for the process's life
+(multiprocessing's resource tracker and forkserver, torch inductor's compile workers).
+What started outside any case (at collection, say) and outlives the session is stopped
+as the session finishes, with a warning. See docs/harness.md ("Process containment").
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from typing import TYPE_CHECKING, Any
+
+import pytest
+
+from harness import processes
+from harness.launcher.pool import keeper
+from harness.names import LEAK_PROPERTY
+
+if TYPE_CHECKING:
+    import psutil
+
+#: The ini setting and its values.
+LEAKS_INI = "harness_leaks"
+LEAK_MODES = ("warn", "fail")
+#: How long a case's leftover gets to end by itself (one told to stop that has not yet).
+SETTLE_S = 0.5
+#: Between SIGTERM and SIGKILL for a case's leftovers.
+GRACE_S = 1.0
+
+_BEFORE = pytest.StashKey["set[psutil.Process]"]()
+
+
+class LeakWarning(pytest.PytestWarning):
+    """A case left processes running after its teardown (they were stopped)."""
+
+
+def addoption(parser: pytest.Parser) -> None:
+    parser.addini(
+        LEAKS_INI,
+        default="warn",
+        help="a process a case leaves running after its teardown is stopped and "
+        "reported: warn (a LeakWarning of the case, the default) or fail (the case fails)",
+    )
+
+
+def configure(config: pytest.Config) -> None:
+    """Register the containment of every case for this session (called by the plugin's
+    ``pytest_configure``; a bad ``harness_leaks`` is a usage error)."""
+    mode = str(config.getini(LEAKS_INI)).strip().lower()
+    if mode not in LEAK_MODES:
+        raise pytest.UsageError(
+            f"ini {LEAKS_INI} = {config.getini(LEAKS_INI)!r}: choose one of {', '.join(LEAK_MODES)}"
+        )
+    config.pluginmanager.register(_Containment(config, mode), "harness-containment")
+
+
+class _Containment:
+    """One session's containment: each case's, and the session's at its end (the module
+    docstring says what is stopped and what is spared)."""
+
+    def __init__(self, config: pytest.Config, mode: str) -> None:
+        self.config = config
+        self.mode = mode
+        # An inner session (pytester, in process) leaves the outer one's state as it was.
+        self.was_subreaper = processes.is_subreaper()
+        processes.subreaper()
+        self.session_before = processes.descendants()
+        #: The processes each wider-scoped fixture started while it was set up.
+        self.owned: dict[Any, set[psutil.Process]] = {}
+        #: Processes of wider-scoped fixtures torn down since the running case began.
+        self.released: set[psutil.Process] = set()
+
+    def _spare(self) -> set[int]:
+        pids = {p.pid for procs in self.owned.values() for p in procs}
+        pool = keeper.pool
+        if pool is not None:
+            pids.update(pool.pids)
+        pids.update(runtime_helpers())
+        return pids
+
+    @pytest.hookimpl(wrapper=True, tryfirst=True)
+    def pytest_runtest_setup(self, item: pytest.Item) -> Any:
+        processes.subreaper()  # again: a test may have turned it off
+        self.released = set()
+        item.stash[_BEFORE] = processes.descendants()
+        return (yield)
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_fixture_setup(self, fixturedef: Any, request: Any) -> Any:
+        if fixturedef.scope == "function":
+            return (yield)
+        before = processes.descendants()
+        try:
+            return (yield)
+        finally:
+            claimed = {p for procs in self.owned.values() for p in procs}
+            self.owned[fixturedef] = processes.descendants() - before - claimed
+
+    def pytest_fixture_post_finalizer(self, fixturedef: Any, request: Any) -> None:
+        self.released |= self.owned.pop(fixturedef, set())
+
+    @pytest.hookimpl(wrapper=True, tryfirst=True)
+    def pytest_runtest_teardown(self, item: pytest.Item, nextitem: pytest.Item | None) -> Any:
+        try:
+            result = yield
+        except BaseException:
+            self._contain(item, failing=True)
+            raise
+        self._contain(item, failing=False)
+        return result
+
+    def _contain(self, item: pytest.Item, *, failing: bool) -> None:
+        before = item.stash.get(_BEFORE, None)
+        if before is None:
+            return
+        del item.stash[_BEFORE]
+        left = processes.stop_leftovers(
+            before - self.released, settle=SETTLE_S, grace=GRACE_S, spare=self._spare
+        )
+        self.released = set()
+        if not left:
+            return
+        item.user_properties.append((LEAK_PROPERTY, "; ".join(map(str, left))))
+        message = (
+            f"{item.nodeid} left {len(left)} process(es) running after its teardown; "
+            "stopped them:\n" + "\n".join(f"  {leftover}" for leftover in left)
+        )
+        if self.mode == "fail" and not failing:
+            raise pytest.fail.Exception(message, pytrace=False)
+        path, lineno, _ = item.location
+        warnings.warn_explicit(
+            LeakWarning(message), LeakWarning, str(item.config.rootpath / path), (lineno or 0) + 1
+        )
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_sessionfinish(self, session: pytest.Session) -> None:
+        # After the last teardown, xdist's workers and the kept pool are gone: what is
+        # left started outside any case (at collection, in a plugin) or in a worker that died.
+        left = processes.stop_leftovers(
+            self.session_before, settle=SETTLE_S, grace=GRACE_S, spare=self._spare
+        )
+        if left:
+            warnings.warn(
+                LeakWarning(
+                    f"{len(left)} process(es) started outside any case outlived the session; "
+                    "stopped them:\n" + "\n".join(f"  {leftover}" for leftover in left)
+                ),
+                stacklevel=1,
+            )
+
+    def pytest_unconfigure(self, config: pytest.Config) -> None:
+        if not self.was_subreaper:
+            processes.subreaper(False)
+
+
+def runtime_helpers() -> set[int]:
+    """The processes the runtime keeps for this process's life, started on first use by
+    whichever case needed them: multiprocessing's resource tracker and forkserver,
+    torch inductor's compile-worker pools."""
+    pids: set[int] = set()
+    tracker = sys.modules.get("multiprocessing.resource_tracker")
+    forkserver = sys.modules.get("multiprocessing.forkserver")
+    for pid in (
+        getattr(getattr(tracker, "_resource_tracker", None), "_pid", None),
+        getattr(getattr(forkserver, "_forkserver", None), "_forkserver_pid", None),
+    ):
+        if isinstance(pid, int):
+            pids.add(pid)
+    compile_pools = getattr(sys.modules.get("torch._inductor.async_compile"), "_pool_set", ())
+    for pool in list(compile_pools):
+        process = getattr(pool, "process", None)  # a SubprocPool: its one child
+        if isinstance(getattr(process, "pid", None), int):
+            pids.add(process.pid)
+        pids.update(getattr(pool, "_processes", None) or ())  # a ProcessPoolExecutor
+    return pids
