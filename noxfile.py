@@ -117,14 +117,14 @@ def durations(session: nox.Session) -> None:
     """Refresh suites/durations/ from CI artifacts: `nox -s durations -- ARTIFACT_DIR ... [--prune]`.
 
     The folders hold the downloaded `harness-*` artifacts of a push run (each `harness run`
-    output: plan.json and JUnit XML); see scripts/refresh_durations.py.
+    output: plan.json and JUnit XML); see `harness durations --help`.
     """
     if not session.posargs:
         session.error(
             "give the folders of the downloaded CI artifacts: nox -s durations -- DIR ..."
         )
     _install(session)
-    session.run("python", "scripts/refresh_durations.py", *session.posargs)
+    session.run("python", "-m", "harness", "durations", *session.posargs)
 
 
 @nox.session

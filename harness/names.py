@@ -45,6 +45,11 @@ LEAK_PROPERTY = "harness.leaked"
 #: ``harness_device(device="cuda", cards=2)``: the launch plugin runs its body in a process of
 #: its own with exactly those leased cards visible (docs/harness.md).
 DEVICE_MARKER = "harness_device"
+#: The launch plugin's file of command cases (``harness.launcher.command``), which ``harness
+#: run`` writes and also gives pytest to collect.
+OPT_COMMANDS = "--harness-commands"
+#: The version of that file's format (``harness.launcher.command`` reads it).
+COMMANDS_FORMAT = "harness-commands/1"
 
 # --------------------------------------------------------------------------- inventory rules
 
@@ -69,6 +74,8 @@ COLLECTION_ERROR = "collection-error"
 BAD_LAUNCH_SPEC = "bad-launch-spec"
 HIDDEN_TESTS = "tests-under-norecursedirs"
 MISSING_DEPENDENCY = "missing-dependency"
+#: An entry's ``quarantine`` is past its ``until`` date: lift it or extend it, knowingly.
+QUARANTINE_EXPIRED = "quarantine-expired"
 
 #: Problems in a manifest itself: while any is found, ownership cannot be judged.
 MANIFEST_RULES = frozenset({SCHEMA, JSON, PATH, INCLUDE})
@@ -97,5 +104,6 @@ BLOCKING_RULES = frozenset(
         SYMLINK_OUTSIDE_REPOSITORY,
         COLLECTION_ERROR,
         BAD_LAUNCH_SPEC,
+        QUARANTINE_EXPIRED,
     }
 )

@@ -161,4 +161,43 @@ def launch_refusal(item: Any) -> str | None:
             "(each subtest reports to this pytest session, which ranks have none of); "
             "parametrize the test (@pytest.mark.parametrize) or assert in a loop instead"
         )
-    return None
+    info = getattr(item, "_fixtureinfo", None)
+    captures = sorted(_CAPTURE_FIXTURES.intersection(getattr(info, "argnames", ())))
+    if captures:
+        # Sent to a rank, they would capture nothing there: they hold this session's capture.
+        return (
+            f"@pytest.mark.launch cannot hand pytest's `{captures[0]}` fixture to ranks (it "
+            "captures this pytest process's output or log records, not a rank's); a rank's "
+            "output is shown per rank in the report and its log records under 'Captured log "
+            "call': check them in the body instead (contextlib.redirect_stdout, a "
+            "logging.Handler)"
+        )
+    return _data_refusal(getattr(item, "obj", None))
+
+
+#: pytest's fixtures bound to the capture of the pytest process itself.
+_CAPTURE_FIXTURES = frozenset({"capsys", "capsysbinary", "capfd", "capfdbinary", "caplog"})
+
+
+def _data_refusal(test: Any) -> str | None:
+    """A ``@given`` test drawing with ``st.data()``: its draws would be made by the
+    body, on the ranks, where Hypothesis (in the launcher) cannot shrink or replay
+    them (see ``harness.launcher.given``)."""
+    given = getattr(getattr(test, "hypothesis", None), "_given_kwargs", None)
+    core = sys.modules.get("hypothesis.strategies._internal.core")
+    if not isinstance(given, dict) or core is None:
+        return None
+    names = [
+        name
+        for name, strategy in given.items()
+        if isinstance(getattr(strategy, "wrapped_strategy", strategy), core.DataStrategy)
+    ]
+    if not names:
+        return None
+    return (
+        "@pytest.mark.launch cannot run a @given test drawing with st.data() on ranks "
+        f"(argument {', '.join(repr(n) for n in names)}: the body draws on the ranks, where "
+        "Hypothesis, which runs in this process, cannot shrink or replay the draws); draw "
+        "the values in @given instead (a @st.composite strategy, or .flatmap for draws "
+        "that depend on others)"
+    )

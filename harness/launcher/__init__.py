@@ -16,6 +16,7 @@ Around that path: ``lease`` (host-wide card and process-slot locks),
 restores between cases), ``groups`` (``harness.kept_group``), ``outcome``
 (what the ranks did, their bounded output, one verdict and report),
 ``coverage`` (coverage in ranks), ``explain`` (pytest's assertion explanations
-in ranks) and ``target`` (naming the function ranks import). It shares only the spec (``harness.spec``) and the device table
+in ranks), ``target`` (naming the function ranks import) and ``command`` (a manifest
+entry's ``command`` run as one case, under a supervisor). It shares only the spec (``harness.spec``) and the device table
 (``harness.devices``) with the suite side.
 """

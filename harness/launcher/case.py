@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import pickle
 import sys
 import threading
 import time
@@ -22,6 +21,7 @@ from typing import Any, NoReturn
 from harness.devices import Card, cpu_count, inventory
 from harness.errors import HarnessError
 from harness.launcher import lease as leases
+from harness.launcher import values
 from harness.launcher.explain import AssertionSettings
 from harness.launcher.lease import default_lease_dir
 from harness.launcher.nodes import run_nodes
@@ -139,6 +139,7 @@ def prepare_case(
     live: bool = False,
     example: bool = False,
     assertions: AssertionSettings | None = None,
+    log_level: int | None = None,
 ) -> tuple[RankTask, CasePlan]:
     """The task the ranks run (``ref`` called with the pickled ``args`` /
     ``kwargs``; ``TypeError`` names a value that cannot travel, ``kinds``
@@ -152,7 +153,8 @@ def prepare_case(
     output while they run (``CasePlan.live``); ``example``: ``args`` /
     ``kwargs`` are one Hypothesis example for the body of a ``@given`` test;
     ``assertions``: how pytest
-    explains a failing comparison (see ``RankTask``)."""
+    explains a failing comparison, ``log_level``: the level of the log records the
+    ranks report (see ``RankTask``)."""
     task = RankTask(
         ref,
         pickle_args(args, kwargs, kinds=kinds),
@@ -163,6 +165,7 @@ def prepare_case(
         conftests=conftests,
         example=example,
         assertions=assertions,
+        log_level=log_level,
     )
     return task, CasePlan(spec, settings, what, deadline, reuse=reuse, cards=cards, live=live)
 
@@ -195,6 +198,7 @@ def conclude(
     if echo:
         echo_logs(result)
     result.reissue_warnings()
+    result.reissue_logs()
     status = result.status
     if status == FAILED:
         fail(result.report())
@@ -223,7 +227,7 @@ def pickle_args(args: tuple, kwargs: dict, *, kinds: dict[str, str] | None = Non
         _check_picklable(value, f"argument {index}")
     for name, value in kwargs.items():
         _check_picklable(value, f"{kinds.get(name, 'argument')} {name!r}")
-    return pickle.dumps((args, kwargs))
+    return values.dumps((args, kwargs))
 
 
 def pickle_state(state: dict[str, Any]) -> bytes:
@@ -231,12 +235,12 @@ def pickle_state(state: dict[str, Any]) -> bytes:
     raises ``TypeError`` naming it (``self.<name>``)."""
     for name, value in state.items():
         _check_picklable(value, f"attribute self.{name} of the test's instance")
-    return pickle.dumps(state)
+    return values.dumps(state)
 
 
 def _check_picklable(value: Any, what: str) -> None:
     try:
-        pickle.dumps(value)
+        values.dumps(value)
     except Exception as exc:
         raise TypeError(
             f"{what} (a {type(value).__module__}.{type(value).__qualname__}) cannot be sent to "

@@ -34,8 +34,10 @@ class AssertionSettings:
                 ini[name] = config.getini(name)
             except ValueError:  # an older pytest without this setting
                 continue
+        # pytest < 8 has one verbosity (-v) and no get_verbosity.
+        get = getattr(config, "get_verbosity", None)
         return cls(
-            verbosity=config.get_verbosity(config.VERBOSITY_ASSERTIONS),
+            verbosity=get(config.VERBOSITY_ASSERTIONS) if get else int(config.getoption("verbose")),
             assertmode=str(config.getvalue("assertmode")),
             ini=ini,
         )

@@ -231,7 +231,7 @@ def _init_from_env(ctx: RankContext) -> None:
 
     if ctx.card is not None:
         ranks._select_card(ctx)
-    timeout = ranks._pg_timeout(ctx)
+    timeout = ctx.pg_timeout_s
     dist.init_process_group(ctx.backend, timeout=timedelta(seconds=timeout))
     groups.set_timeout(timeout)
 

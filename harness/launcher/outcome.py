@@ -24,6 +24,8 @@ from typing import Any
 from harness.jsonio import write_bytes
 
 PASSED, FAILED, SKIPPED, XFAILED = "passed", "failed", "skipped", "xfailed"
+#: A Hypothesis example the body rejected (``assume``): neither a pass nor a failure.
+REJECTED = "rejected"
 
 # A dead peer makes the survivors' collectives fail a moment later; a rank
 # that died without reporting is ordered before failures reported within
@@ -48,7 +50,7 @@ def bounded(text: str, keep: int) -> str:
 @dataclass
 class RankOutcome:
     """How one rank's function ended: ``status`` is passed / failed / skipped /
-    xfailed; ``at`` is the wall-clock time it ended; ``summary`` one line (the
+    xfailed / rejected; ``at`` is the wall-clock time it ended; ``summary`` one line (the
     exception or the skip reason); ``traceback`` the formatted failure;
     ``value`` the pickled return value; ``exc_types`` names the class (and
     bases) of the exception a failed rank raised."""
@@ -64,6 +66,11 @@ class RankOutcome:
     #: warnings the function issued: (category ``module.qualname``, message,
     #: file, line)
     warnings: list[tuple[str, str, str, int]] = field(default_factory=list)
+    #: what the body of a Hypothesis example told Hypothesis
+    #: (``harness.launcher.given.Feedback``; None: no example)
+    feedback: Any = None
+    #: log records the function emitted (``harness.launcher.logs``), as plain dicts
+    records: list[dict[str, Any]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         # However big the exception's message, the outcome file, the report and
@@ -143,6 +150,11 @@ class CaseOutcome:
     exits: dict[int, tuple[float, int]] = field(default_factory=dict)
     #: ranks still running at the deadline
     timed_out: list[int] = field(default_factory=list)
+    #: the ranks timed out before they were all ready to run the function (the
+    #: start bound, ``deadline_s`` then, ran out; not the case deadline)
+    starting: bool = False
+    #: seconds the ranks took to be ready to run the function (None: never all were)
+    start_s: float | None = None
     #: ranks stopped because they kept running after another rank failed
     abandoned: list[int] = field(default_factory=list)
     abandon_grace_s: float = 0.0
@@ -219,14 +231,15 @@ class CaseOutcome:
 
     @property
     def status(self) -> str:
-        """failed if any rank failed, died or ran out of time; else xfailed if any
-        rank xfailed; else skipped if any rank skipped; else passed."""
+        """failed if any rank failed, died or ran out of time; else rejected if any
+        rank rejected its Hypothesis example; else xfailed if any rank xfailed; else
+        skipped if any rank skipped; else passed."""
         if self.timed_out or self.abandoned or self.node_problems or self._failures():
             return FAILED
         statuses = {o.status for o in self.outcomes.values()}
         if len(self.outcomes) < self.nproc:
             return FAILED
-        for status in (XFAILED, SKIPPED):
+        for status in (REJECTED, XFAILED, SKIPPED):
             if status in statuses:
                 return status
         return PASSED
@@ -256,6 +269,18 @@ class CaseOutcome:
                 filename,
                 lineno,
             )
+
+    def feedbacks(self) -> dict[int, Any]:
+        """Each rank's ``RankOutcome.feedback`` that it reported, by rank."""
+        return {r: o.feedback for r, o in self.outcomes.items() if o.feedback is not None}
+
+    def reissue_logs(self) -> None:
+        """Hand the ranks' log records to this process's loggers, rank by rank, so
+        pytest's log capture reports them as the test's (``harness.launcher.logs``)."""
+        from harness.launcher import logs
+
+        for rank in sorted(self.outcomes):
+            logs.reissue(rank, self.outcomes[rank].records)
 
     def reason(self) -> str:
         """The skip / xfail reason of the first rank that gave one."""
@@ -289,14 +314,28 @@ class CaseOutcome:
                 + "\n".join(f"node {k}: {why}" for k, why in self.node_problems.items())
             )
         if self.timed_out:
-            ranks = f"rank{'s' if len(self.timed_out) > 1 else ''} " + ", ".join(
-                str(r) for r in self.timed_out
-            )
+            ranks = ", ".join(str(r) for r in self.timed_out)
+            which = f"rank{'s' if len(self.timed_out) > 1 else ''} {ranks}"
             if self.ranks_per_node:
-                ranks = ", ".join(self.who(r) for r in self.timed_out)
+                which = ", ".join(self.who(r) for r in self.timed_out)
+            if self.starting:
+                headline = (
+                    f"{which} not ready to run the test {self.deadline_s:g} s after they were "
+                    f"started ({self.deadline_source}: spawning, imports, joining the process "
+                    "group; the case deadline had not begun)"
+                )
+            else:
+                headline = (
+                    f"{which} still running at the {self.deadline_s:g} s deadline "
+                    f"({self.deadline_source})"
+                )
+                if self.start_s is not None:
+                    headline += (
+                        ", counted from the moment the ranks were ready "
+                        f"({self.start_s:.1f} s after they were started)"
+                    )
             sections.append(
-                f"case timed out ({_ranks(self.nproc)}, {self.label}): "
-                f"{ranks} still running at the {self.deadline_s:g} s deadline ({self.deadline_source}); "
+                f"case timed out ({_ranks(self.nproc)}, {self.label}): {headline}; "
                 "stopped with SIGTERM, then SIGKILL"
             )
             sections.extend(self._stack_section(r, "at the deadline") for r in self.timed_out)
@@ -349,8 +388,8 @@ def file_size(path: str) -> int:
         return 0
 
 
-def read_bounded(path: str) -> str:
-    """A rank's output: all of it when short, else its head, a line saying how
+def read_bounded(path: str, what: str = "this rank's output") -> str:
+    """A rank's output (``what``): all of it when short, else its head, a line saying how
     many bytes were dropped, and its tail (never more than head + tail bytes
     read into memory)."""
     with open(path, "rb") as f:
@@ -364,7 +403,7 @@ def read_bounded(path: str) -> str:
     head_text = head.decode(errors="replace").rstrip("\x00")
     tail_text = tail.decode(errors="replace").lstrip("\x00")
     return (
-        f"{head_text}\n[harness: {dropped} bytes of this rank's output dropped; "
+        f"{head_text}\n[harness: {dropped} bytes of {what} dropped; "
         f"the first {len(head)} and the last {len(tail)} are kept]\n{tail_text}"
     )
 

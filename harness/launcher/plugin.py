@@ -35,7 +35,7 @@ from harness.devices import (
     runtime_available,
     set_device,
 )
-from harness.launcher import containment
+from harness.launcher import containment, given, logs
 from harness.launcher.case import (
     DEFAULT_LEASE_TIMEOUT_S,
     DEFAULT_TIMEOUT_S,
@@ -60,13 +60,14 @@ from harness.launcher.lease import (
     check_lease_dir,
     resolve_lease_dir,
 )
+from harness.launcher.outcome import REJECTED
 from harness.launcher.pool import keeper
 from harness.launcher.rank import CASE_ENV, EnclosingCase
 from harness.launcher.ranks import ProcessSpec
 from harness.launcher.supervisor import tie_to_controller
 from harness.launcher.target import FunctionRef, conftests_for
 from harness.launcher.torchrun import run_here, shape_problem, under_torchrun
-from harness.names import DEVICE_MARKER
+from harness.names import DEVICE_MARKER, OPT_COMMANDS
 from harness.spec import ACCELERATORS, LaunchSpec, is_launched, launch_refusal, spec_for_item
 from harness.validation import check_int, check_seconds
 from harness.watchdog import WATCHDOG_GRACE_S, faulthandler_free, watchdog
@@ -139,6 +140,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         default=None,
         help="fresh rank processes for every launched case, whatever harness_reuse says",
     )
+    group.addoption(
+        OPT_COMMANDS,
+        default=None,
+        metavar="FILE",
+        help="JSON file of command cases (written by `harness run`): collected as one case each "
+        "when FILE is also given as a path to collect",
+    )
     parser.addini(
         "harness_reuse",
         type="bool",
@@ -168,6 +176,10 @@ def pytest_configure(config: pytest.Config) -> None:
     watchdog.exit_hooks.append(phases.on_exit)
     if not config.getoption("collectonly"):  # a session that runs no case contains none
         containment.configure(config)
+    if config.getoption("harness_commands", None):
+        from harness.launcher import command
+
+        config.pluginmanager.register(command, "harness-commands")
 
 
 def _settings_from(config: pytest.Config) -> Settings:
@@ -548,6 +560,7 @@ def _run_on_ranks(
             live=_live(item.config),
             example=example,
             assertions=AssertionSettings.of(item.config),
+            log_level=logs.level_of(item.config),
         )
     except TypeError as exc:
         _fail(f"{item.nodeid}: {exc}")
@@ -566,11 +579,19 @@ def _run_on_ranks(
             raise LaunchError(report, result) from None
         _fail(report)
 
+    if example:
+        # What the body told Hypothesis on the ranks (notes, events, targets),
+        # told again here, in the example's build context, before its verdict.
+        given.replay(result.feedbacks())
     try:
         conclude(result, fail=fail, skip=_skip_at_test, xfail=pytest.xfail, echo=not plan.live)
     finally:
         if placements is not None:
             placements.append(placed)
+    if result.status == REJECTED:
+        from hypothesis import reject
+
+        reject()  # a rejected example, as `assume` in-process: no failure, nothing torn down
 
 
 def _placement(spec: LaunchSpec, placed: tuple[str, Any]) -> list[tuple[str, Any]]:

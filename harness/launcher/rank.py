@@ -16,6 +16,7 @@ fails the peers' pending operations at once, as ``destroy_process_group``
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import faulthandler
 import gc
 import inspect
@@ -34,10 +35,10 @@ from typing import Any, NoReturn
 
 from harness.devices import Card, local_index, runtime_available, set_device
 from harness.launcher import coverage as rank_coverage
-from harness.launcher import explain, groups
+from harness.launcher import explain, given, groups, logs, values
 from harness.launcher.coverage import CoverageSpec
 from harness.launcher.explain import AssertionSettings
-from harness.launcher.outcome import FAILED, PASSED, SKIPPED, XFAILED, RankOutcome
+from harness.launcher.outcome import FAILED, PASSED, REJECTED, SKIPPED, XFAILED, RankOutcome
 from harness.launcher.reset import Baseline, Inherited, fresh_context
 from harness.launcher.supervisor import split
 from harness.launcher.target import FunctionRef, import_conftests
@@ -122,6 +123,9 @@ class RankTask:
     example: bool = False
     #: explain failing comparisons as pytest does in the launcher (None: no pytest)
     assertions: AssertionSettings | None = None
+    #: the root logger's level while the function runs, as pytest's ``log_level``
+    #: sets it (None: left as it is); its records are reported (``harness.launcher.logs``)
+    log_level: int | None = None
 
 
 @dataclass(frozen=True)
@@ -147,6 +151,10 @@ class RankContext:
     #: join the case's process group before the function runs (False: a plain case run
     #: apart, which starts its own ranks if it has any)
     process_group: bool = True
+    #: the file this rank creates when it is ready to run the function: the
+    #: case deadline (``deadline_s`` seconds) counts from then (None: no such file)
+    ready_path: str | None = None
+    deadline_s: float | None = None
 
 
 # The kept-rank protocol: launcher -> rank ``RunCase``, ``Exit``;
@@ -375,10 +383,17 @@ def _run(ctx: RankContext, task: RankTask, *, fresh_module: bool) -> RankOutcome
     """Run the case's function (joining the process group first if this rank
     has not) and return its outcome; never raises."""
     caught: list[warnings.WarningMessage] = []
-    try:
-        outcome = fresh_context().run(_call, ctx, task, fresh_module, caught)
-    except BaseException as exc:
-        outcome = outcome_from_exception(ctx.rank, exc)
+    feedback = given.Feedback() if task.example else None
+    with logs.capture(task.log_level) as records:
+        try:
+            outcome = fresh_context().run(_call, ctx, task, fresh_module, caught, feedback)
+        except BaseException as exc:
+            if feedback is not None and feedback.rejected and given.is_rejection(exc):
+                outcome = RankOutcome(ctx.rank, REJECTED, time.time(), summary="assumption not met")
+            else:
+                outcome = outcome_from_exception(ctx.rank, exc)
+    outcome.feedback = feedback
+    outcome.records = records
     outcome.warnings = [
         (exception_names(w.category)[0], str(w.message), w.filename, w.lineno)
         for w in caught[:MAX_WARNINGS]
@@ -392,12 +407,16 @@ MAX_WARNINGS = 100
 
 
 def _call(
-    ctx: RankContext, task: RankTask, fresh_module: bool, caught: list[warnings.WarningMessage]
+    ctx: RankContext,
+    task: RankTask,
+    fresh_module: bool,
+    caught: list[warnings.WarningMessage],
+    feedback: given.Feedback | None,
 ) -> RankOutcome:
     with warnings.catch_warnings(record=True) as log:
         try:
             _apply_warning_filters(task)
-            return _call_recorded(ctx, task, fresh_module)
+            return _call_recorded(ctx, task, fresh_module, feedback)
         finally:
             caught.extend(log)
 
@@ -414,9 +433,11 @@ def _apply_warning_filters(task: RankTask) -> None:
             warnings.filterwarnings(*parse_warning_filter(arg, escape=escape))
 
 
-def _call_recorded(ctx: RankContext, task: RankTask, fresh_module: bool) -> RankOutcome:
+def _call_recorded(
+    ctx: RankContext, task: RankTask, fresh_module: bool, feedback: given.Feedback | None
+) -> RankOutcome:
     import_conftests(task.conftests)
-    fn = task.ref.load(fresh=fresh_module)
+    fn = test = task.ref.load(fresh=fresh_module)
     if task.example:
         # The launcher's Hypothesis drew this example: run the test's body on
         # it, never Hypothesis again (every rank must run the same example).
@@ -432,10 +453,17 @@ def _call_recorded(ctx: RankContext, task: RankTask, fresh_module: bool) -> Rank
             _init_distributed(ctx)
     if task.assertions is not None:
         explain.install(task.assertions)
+    # An example's body runs in a Hypothesis build context of its own, so that
+    # assume / note / event / target work (``harness.launcher.given``).
+    example = (
+        given.example_context(test, feedback) if feedback is not None else contextlib.nullcontext()
+    )
+    _ready(ctx)
     try:
-        value = fn(*args, **kwargs)
+        with example:
+            value = fn(*args, **kwargs)
     finally:
-        _undo_monkeypatches(kwargs)
+        values.undo_monkeypatches()
     if not task.want_value and not task.example and value is not None:
         _warn_return_not_none(task.ref, value)
     blob = None
@@ -466,15 +494,17 @@ def _warn_return_not_none(ref: FunctionRef, value: Any) -> None:
     )
 
 
-def _undo_monkeypatches(kwargs: dict[str, Any]) -> None:
-    """Undo what the test did through a ``monkeypatch`` fixture in this rank: the
-    fixture's teardown runs in the launcher, on the launcher's copy."""
-    module = sys.modules.get("_pytest.monkeypatch")
-    if module is None:
-        return
-    for value in kwargs.values():
-        if isinstance(value, module.MonkeyPatch):
-            value.undo()
+def _ready(ctx: RankContext) -> None:
+    """Tell the launcher this rank is ready to run the function (the case deadline
+    starts once every rank is), and move the deadline its nested launches see."""
+    if ctx.deadline_s is not None:
+        case = EnclosingCase.from_env()
+        if case is not None:
+            moved = dataclasses.replace(case, deadline=time.time() + ctx.deadline_s)
+            os.environ[CASE_ENV] = moved.to_env()
+    if ctx.ready_path is not None:
+        with open(ctx.ready_path, "w"):
+            pass
 
 
 def _join(ctx: RankContext) -> RankOutcome | None:
@@ -494,7 +524,9 @@ def _init_distributed(ctx: RankContext) -> None:
     if ctx.card is not None:
         _select_card(ctx)
     store = dist.FileStore(ctx.store_path, ctx.world_size)
-    timeout = _pg_timeout(ctx)
+    # The case deadline starts once the ranks are ready, just after they join:
+    # the whole deadline's timeout, so a blocked collective raises before it.
+    timeout = ctx.pg_timeout_s
     dist.init_process_group(
         ctx.backend,
         store=store,
@@ -503,17 +535,6 @@ def _init_distributed(ctx: RankContext) -> None:
         timeout=timedelta(seconds=timeout),
     )
     groups.set_timeout(timeout)
-
-
-def _pg_timeout(ctx: RankContext) -> float:
-    """The process-group timeout for a case whose ranks join their group now:
-    from the time the case has left (its deadline minus what spawning and
-    imports took), so that a collective blocked from here on raises in the
-    rank before the deadline."""
-    case = EnclosingCase.from_env()
-    if case is None:
-        return ctx.pg_timeout_s
-    return min(ctx.pg_timeout_s, pg_timeout_for(max(0.1, case.deadline - time.time())))
 
 
 def _leftovers(baseline: Baseline | None) -> str | None:

@@ -69,6 +69,11 @@ STACK_DUMP_WAIT_S = 2.0
 #: too before they leave (as fresh ranks leave at once), see ``CaseRun.supervise``.
 STRAGGLER_GRACE_S = 1.0
 _HARNESS_RANK_FILE = os.path.join("harness", "launcher", "rank.py")
+#: How long a case's ranks may take to be ready to run its function (spawning,
+#: importing torch and the test module, joining the process group): a bound of
+#: its own, generous for a loaded host, since the case deadline counts from the
+#: moment they are ready (the report says how long they took).
+START_BOUND_S = 300.0
 
 
 @dataclass(frozen=True)
@@ -170,7 +175,11 @@ class CaseRun:
             time.time() + plan.deadline.seconds,
             budget_dir=os.path.join(case_dir, "nested-slots"),
         )
-        self.deadline = time.monotonic() + plan.deadline.seconds
+        self._started = time.monotonic()
+        #: ``START_BOUND_S`` from now until every rank is ready (``_note_ready``),
+        #: then the case deadline from that moment
+        self.deadline = self._started + START_BOUND_S
+        self.ready = False
         #: rank -> bytes of its output already streamed (``stream_output``)
         self._streamed: dict[int, int] = {}
 
@@ -214,6 +223,8 @@ class CaseRun:
             outcome_path=self.path(rank, "outcome"),
             stacks_path=self.path(rank, "stacks"),
             log_path=self.path(rank, "log") if self.capture else None,
+            ready_path=self.path(rank, "ready"),
+            deadline_s=self.plan.deadline.seconds,
             pg_timeout_s=pg_timeout_for(self.plan.deadline.seconds),
             parent_pid=os.getpid(),
             env=env,
@@ -275,6 +286,8 @@ class CaseRun:
             if not pending:
                 return
             now = time.monotonic()
+            if not self.ready:
+                self._note_ready(now)
             if first_failure is None and _has_failure(result):
                 first_failure = now
             if release is not None and result.outcomes:
@@ -284,6 +297,9 @@ class CaseRun:
                     release = None
             if now >= self.deadline:
                 result.timed_out = pending
+                if not self.ready:
+                    result.deadline_s, result.starting = START_BOUND_S, True
+                    result.deadline_source = "the harness's bound on starting ranks"
                 return
             if first_failure is not None and now >= first_failure + ABANDON_GRACE_S:
                 result.abandoned = pending
@@ -298,6 +314,18 @@ class CaseRun:
             for ready in wait_any(waitables, timeout=min(0.1, self.deadline - now)):
                 if not isinstance(ready, int):
                     ready.drain()
+
+    def _note_ready(self, now: float) -> None:
+        """Once every rank is ready to run the function (or already reported or
+        exited), the case deadline starts."""
+        result = self.result
+        for rank in range(self.plan.spec.nproc):
+            done = rank in result.outcomes or rank in result.exits
+            if not done and not os.path.exists(self.path(rank, "ready")):
+                return
+        self.ready = True
+        result.start_s = now - self._started
+        self.deadline = now + self.plan.deadline.seconds
 
     def _observe(self, started: list[Any]) -> list[int]:
         """Record new outcomes and exits; return the ranks neither reported nor exited."""

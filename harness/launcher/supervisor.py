@@ -11,6 +11,9 @@ supervisor stops what is left below it (SIGTERM, SIGKILL after
 left, and exits. Only the supervisor holds the lease descriptors; signals for
 the rank are forwarded to it. Linux only; elsewhere ``split`` does nothing and
 the rank watches its parent from a thread.
+
+A command case (``harness.launcher.command``) runs its argv under the same
+supervisor: ``python -m harness.launcher.supervisor`` (:func:`main`).
 """
 
 from __future__ import annotations
@@ -19,9 +22,10 @@ import contextlib
 import os
 import shutil
 import signal
+import sys
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import NoReturn
 
 from harness import processes
@@ -67,6 +71,7 @@ def split(
     rank_only: Iterable[int] = (),
     leftover_dir: str | None = None,
     status_path: str | None = None,
+    leftovers_to: str | None = None,
 ) -> None:
     """Split this freshly spawned rank process into supervisor and rank; only
     the rank returns. ``keep`` (the lease descriptors) stay in the supervisor
@@ -76,6 +81,9 @@ def split(
     remove). With ``status_path``, the supervisor writes the rank's exit there
     (an exit code, or minus the signal that killed it) before it leaves, for
     a launcher that is not its parent (a rank under torch's elastic agent).
+    ``leftovers_to``: a file where the supervisor writes, when the rank has
+    exited, a line ``PID<TAB>COMMAND LINE`` for each process still running
+    below it, before it stops them.
 
     Where subreapers are unsupported, returns at once in this process, which
     then leads its own session and dies with its parent.
@@ -108,7 +116,7 @@ def split(
     for fd in rank_only:
         with contextlib.suppress(OSError):
             os.close(fd)
-    _supervise(rank, parent_pid, frozenset(watched), leftover_dir, status_path)
+    _supervise(rank, parent_pid, frozenset(watched), leftover_dir, status_path, leftovers_to)
 
 
 def _watch_parent(parent_pid: int) -> None:
@@ -129,6 +137,7 @@ def _supervise(
     watched: frozenset[int],
     leftover_dir: str | None,
     status_path: str | None = None,
+    leftovers_to: str | None = None,
 ) -> NoReturn:
     status: int | None = None
     while True:
@@ -143,11 +152,25 @@ def _supervise(
                 os.kill(rank, info.si_signo)
         status = _reap(rank, status)
         if status is not None:
+            if leftovers_to is not None:
+                _record_leftovers(leftovers_to)
             _stop_all(grace=LEFTOVER_GRACE_S)
             if status_path is not None:
                 with contextlib.suppress(OSError, ValueError):
                     write_text(status_path, str(os.waitstatus_to_exitcode(status)))
             _exit_like(status)
+
+
+def _record_leftovers(path: str) -> None:
+    """Name the processes still running below this one (pid, command line) in ``path``."""
+    me = os.getpid()
+    lines = []
+    for proc in processes.process_tree(me, own_session=False):
+        if proc.pid != me:
+            with contextlib.suppress(Exception):  # gone meanwhile: not a leftover
+                lines.append(f"{proc.pid}\t{' '.join(proc.cmdline()) or proc.name()}\n")
+    with contextlib.suppress(OSError), open(path, "w", encoding="utf-8") as f:
+        f.writelines(lines)
 
 
 def _reap(rank: int, status: int | None) -> int | None:
@@ -172,6 +195,32 @@ def _stop_all(*, grace: float) -> None:
     _reap(-1, None)
 
 
+def main(argv: Sequence[str]) -> NoReturn:
+    """``python -m harness.launcher.supervisor PARENT_PID LEFTOVERS KEEP -- PROGRAM [ARG...]``:
+    run a command case's argv as a supervised rank (:func:`split`; ``LEFTOVERS``, the file
+    naming what it left running, or ``""``; ``KEEP``, comma-separated lease descriptors
+    the supervisor alone holds, or ``""``). The program is looked up on ``PATH``; when it
+    cannot be run, exits 127 saying so on stderr."""
+    parent, leftovers, keep, sep, *command = argv
+    if sep != "--" or not command:
+        sys.exit(
+            "usage: python -m harness.launcher.supervisor PARENT_PID LEFTOVERS KEEP -- "
+            "PROGRAM [ARG...]"
+        )
+    fds = [int(fd) for fd in keep.split(",") if fd]
+    split(int(parent), keep=fds, leftovers_to=leftovers or None)
+    # What Python ignores for itself, the program gets back (as subprocess's restore_signals).
+    for name in ("SIGPIPE", "SIGXFSZ"):
+        if hasattr(signal, name):
+            signal.signal(getattr(signal, name), signal.SIG_DFL)
+    try:
+        os.execvp(command[0], command)
+    except OSError as exc:
+        sys.stderr.write(f"harness: cannot run {command[0]!r}: {exc.strerror or exc}\n")
+        sys.stderr.flush()
+        os._exit(127)
+
+
 def _exit_like(status: int) -> NoReturn:
     """Leave the way the rank left: its exit code, or killed by its signal."""
     if os.WIFSIGNALED(status):
@@ -183,3 +232,7 @@ def _exit_like(status: int) -> NoReturn:
         os.kill(os.getpid(), sig)
         os._exit(128 + sig)
     os._exit(os.WEXITSTATUS(status) if os.WIFEXITED(status) else 1)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

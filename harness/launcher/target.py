@@ -102,13 +102,30 @@ def conftests_for(item: Any) -> tuple[tuple[str, str], ...]:
     return tuple((name, path) for _, name, path in sorted(found))
 
 
+#: The conftest modules this process imported, by file: in the default import
+#: mode every one of them is named ``conftest``, so the name alone cannot say.
+_conftests: dict[str, types.ModuleType] = {}
+
+
 def import_conftests(conftests: tuple[tuple[str, str], ...]) -> None:
     """Import each conftest module this process has not (with pytest's assertion
     rewriting), outermost first, so what they do at import -- a Hypothesis
-    profile, a ``sys.path`` entry -- is in effect here as in the launcher."""
+    profile, a ``sys.path`` entry -- is in effect here as in the launcher.
+    Conftests sharing a module name (each ``conftest`` of the default import
+    mode) are each imported, as pytest does; the innermost then holds the name
+    in ``sys.modules``, so a fixture value of a class it defines unpickles."""
     for name, path in conftests:
-        if name not in sys.modules and _loadable(path):
-            _load_from_file(name, path, rewrite=True)
+        module = _conftests.get(path)
+        if module is None and _loadable(path):
+            held = sys.modules.get(name)
+            if held is not None and getattr(held, "__file__", None) == path:
+                module = held
+            else:
+                sys.modules.pop(name, None)
+                module = _load_from_file(name, path, rewrite=True)
+            _conftests[path] = module
+        if module is not None:
+            sys.modules[name] = module
 
 
 def _loadable(path: str | None) -> bool:

@@ -2,11 +2,13 @@
 
 It never narrows unsafely: when the changed files cannot be determined (an
 unknown ref, a shallow clone without the merge base, no git), or when the
-change touches the harness itself, the suites, the build, pytest's configuration,
-any ``conftest.py`` or anything outside the harness's root (a monorepo's other
-folders), every entry runs. Otherwise an entry runs when a changed
-file matches one of its ``depends_on`` globs or lies under one of its own test
-paths; an entry without ``depends_on`` always runs.
+change touches a file the manifest's ``run_everything_on`` names (by default
+:data:`RUN_EVERYTHING`: the suites, the build, pytest's configuration, any
+``conftest.py``, the noxfile, CI workflows, dependency lockfiles) or anything
+outside the harness's root (a monorepo's other folders), every entry runs.
+Otherwise an entry runs when a changed file matches one of its ``depends_on``
+globs or lies under one of its own test paths; an entry without ``depends_on``
+always runs.
 """
 
 from __future__ import annotations
@@ -31,13 +33,32 @@ CONFIG_FILES: tuple[str, ...] = (
     "tox.ini",
 )
 
-#: A change to any of these runs everything: they decide what and how every case runs.
+#: Dependency lockfiles and requirement lists: a change of what is installed may change
+#: how any case runs.
+LOCKFILES: tuple[str, ...] = (
+    "uv.lock",
+    "poetry.lock",
+    "pdm.lock",
+    "Pipfile",
+    "Pipfile.lock",
+    "pixi.lock",
+    "conda-lock.yml",
+    "**/requirements*.txt",
+    "**/requirements*.in",
+    "**/constraints*.txt",
+    "environment.yml",
+    "environment.yaml",
+)
+
+#: The default of a manifest's ``run_everything_on``: a change to any of these runs
+#: everything, for they decide what and how every case runs.
 RUN_EVERYTHING: tuple[str, ...] = (
-    "harness",
     "suites",
     *CONFIG_FILES,
     "noxfile.py",
     "**/conftest.py",
+    ".github/workflows",
+    *LOCKFILES,
 )
 
 
@@ -121,17 +142,23 @@ def changed_files(root: Path, ref: str) -> tuple[list[str] | None, str]:
 
 
 def select(
-    entries: Sequence[Entry], changed: Iterable[str] | None, unknown: str = ""
+    entries: Sequence[Entry],
+    changed: Iterable[str] | None,
+    unknown: str = "",
+    *,
+    run_everything_on: Sequence[str] | None = None,
 ) -> ChangeSelection:
     """The entries a change makes run (see the module docstring for the rules); every entry
-    when ``changed`` is ``None`` (``unknown`` says why)."""
+    when ``changed`` is ``None`` (``unknown`` says why) or a changed file matches a glob of
+    ``run_everything_on`` (a manifest's; ``None``: :data:`RUN_EVERYTHING`)."""
+    everything_on = RUN_EVERYTHING if run_everything_on is None else run_everything_on
     all_ids = frozenset(e.id for e in entries)
     if changed is None:
         why = f" ({unknown})" if unknown else ""
         return ChangeSelection(all_ids, True, f"changed files unknown{why}: running every entry")
     changed = list(changed)
     for f in changed:
-        if f == ".." or f.startswith("../") or any(path_matches(f, p) for p in RUN_EVERYTHING):
+        if f == ".." or f.startswith("../") or any(path_matches(f, p) for p in everything_on):
             # Outside the root (a monorepo's other folders: a test may read them), or what
             # decides how every case runs.
             shown = f if f.isprintable() else repr(f)

@@ -1,5 +1,5 @@
 """The ``harness`` command (also ``python -m harness``): ``inventory``, ``run``, ``matrix``,
-``init``, one ``_add_<name>`` per subcommand in :data:`SUBCOMMANDS` (docs/suites.md, "The
+``durations``, ``init``, one ``_add_<name>`` per subcommand in :data:`SUBCOMMANDS` (docs/suites.md, "The
 harness command", says what each does).
 """
 
@@ -177,12 +177,28 @@ def _add_matrix(sub: argparse._SubParsersAction) -> None:
     mx.set_defaults(handler=_cmd_matrix)
 
 
+def _add_durations(sub: argparse._SubParsersAction) -> None:
+    du = sub.add_parser(
+        "durations",
+        help="fold the case durations of `harness run` outputs into suites/durations/SUITE.json",
+        description="Each OUT_DIR is searched for `harness run` output folders (plan.json next "
+        "to junit.xml), e.g. a CI run's downloaded artifacts; each case's share of its run's "
+        "wall time is merged into suites/durations/SUITE.json, which the planner balances on.",
+    )
+    du.add_argument("dirs", nargs="+", type=Path, metavar="OUT_DIR", help="harness run outputs")
+    du.add_argument(
+        "--prune", action="store_true", help="drop node ids the suite no longer collects"
+    )
+    du.set_defaults(handler=_cmd_durations)
+
+
 #: One function per subcommand, adding its parser (and its handler as ``handler``, and the
 #: ``takes_pytest_args`` / ``root_is_cwd`` defaults when it differs from the rest); in help order.
 SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
     _add_inventory,
     _add_run,
     _add_matrix,
+    _add_durations,
     _add_init,
 ]
 
@@ -283,7 +299,11 @@ def _cmd_matrix(root: Path, args: argparse.Namespace) -> int:
         )
         selected = None
         if args.changed_from:
-            sel = changes.select(m.entries, *changes.changed_files(root, args.changed_from))
+            sel = changes.select(
+                m.entries,
+                *changes.changed_files(root, args.changed_from),
+                run_everything_on=m.run_everything_on,
+            )
             print(
                 f"harness matrix: --changed-from {args.changed_from}: {sel.reason}", file=sys.stderr
             )
@@ -300,6 +320,8 @@ def _cmd_matrix(root: Path, args: argparse.Namespace) -> int:
         print(f"harness matrix: {e}", file=sys.stderr)
         return EXIT_USAGE
     print(text)
+    for warning in result.warnings:
+        print(f"harness matrix: warning: {warning}", file=sys.stderr)
     if selected is None:
         loads = ", ".join(f"{s.label} {s.load / 60:.1f} min" for s in result.shards)
         planned = f"{len(owned)} case(s) in {len(result.shards)} shard(s): {loads}; "
@@ -312,6 +334,19 @@ def _cmd_matrix(root: Path, args: argparse.Namespace) -> int:
             f"{len(result.shards)} shard(s)" + (f": {loads}" if kept else "")
         )
     print(f"harness matrix: {suite}: {planned}", file=sys.stderr)
+    return EXIT_OK
+
+
+def _cmd_durations(root: Path, args: argparse.Namespace) -> int:
+    from harness.suites.durations import DurationsError, refresh
+
+    try:
+        lines = refresh(root, args.dirs, prune=args.prune)
+    except (DurationsError, PlanError) as e:
+        print(f"harness durations: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    for line in lines:
+        print(line, file=sys.stderr if line.startswith("note: ") else sys.stdout)
     return EXIT_OK
 
 

@@ -32,6 +32,8 @@ RUN_REQUIREMENTS: tuple[tuple[str, str], ...] = (
     ("pytest_timeout", "pytest-timeout"),
     # The run's junit.xml, completed with the cases pytest did not report.
     ("junitparser", "junitparser"),
+    # Flaky entries' reruns (its `flaky` marker, in the run's pytest).
+    ("pytest_rerunfailures", "pytest-rerunfailures"),
 )
 
 

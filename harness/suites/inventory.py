@@ -51,7 +51,9 @@ from harness.suites.manifest import (
 class CollectedCase:
     """One collected test case: ``nodeid`` repository-relative; ``spec`` None when its launch
     marker is invalid (``spec_error`` says why); ``marks``, its markers' names and keyword
-    arguments (for ``-m``); ``device_param``, its ``device`` parameter, if any."""
+    arguments (for ``-m``); ``device_param``, its ``device`` parameter, if any. A command
+    entry's case (:func:`command_case`) has its argv as ``command``, ``<suite>::<entry id>``
+    as node id and its manifest as ``file``."""
 
     nodeid: str
     file: str
@@ -63,6 +65,7 @@ class CollectedCase:
     #: The accelerator and cards an entry gave this plain case (:func:`as_owned`); None: its own.
     entry_device: str | None = None
     entry_cards: int = 0
+    command: tuple[str, ...] | None = None
 
     @property
     def device(self) -> str:
@@ -146,6 +149,7 @@ class SuiteInventory:
                 "nnodes": c.nnodes,
                 "launched": c.launched,
                 "entries": entries,
+                **({"command": list(c.command)} if c.command is not None else {}),
             }
             for c, entries in self._views(wanted)
         ]
@@ -371,7 +375,11 @@ def _skipped_folder(nodeid: str, root: Path) -> bool:
 
 
 def case_id(item: Any, root: Path) -> str:
-    """A collected item's node id relative to ``root`` (pytest's own is relative to its rootdir)."""
+    """A collected item's node id relative to ``root`` (pytest's own is relative to its rootdir);
+    a command case's own id (``<suite>::<entry id>``, its ``harness_case_id``)."""
+    own = getattr(item, "harness_case_id", None)
+    if isinstance(own, str):
+        return own
     path = rel(Path(str(item.path)), root)
     _, sep, tail = item.nodeid.partition("::")
     return f"{path}::{tail}" if sep else path
@@ -753,14 +761,35 @@ def _load_scope(root: Path, suites: Iterable[str] | None) -> _Scope:
     return _Scope(manifests, [m for m in manifests if m.suite in wanted], problems, ok)
 
 
+def command_case(m: Manifest, entry: Entry) -> CollectedCase:
+    """The one case of command entry ``entry`` of suite ``m``: node id ``<suite>::<entry id>``,
+    on the entry's device (else the suite's) with its ``cards`` (default: one on an
+    accelerator), counted as one process per card (one on cpu), as a ``torchrun`` with a
+    rank per card runs."""
+    assert entry.command is not None
+    device = entry.device or m.device
+    spec = LaunchSpec(device, 1 if device == "cpu" else entry.cards)
+    nodeid = f"{m.suite}::{entry.id}"
+    return CollectedCase(nodeid, entry.source, spec, False, None, command=entry.command)
+
+
 def _assign_owners(inv: SuiteInventory, m: Manifest, judged: bool) -> None:
-    """Phase 4, one suite: record the first matching entry of ``m`` for each case; when the
-    suite is ``judged``, add its fit and ``entry-matches-nothing`` problems."""
+    """Phase 4, one suite: record the first matching entry of ``m`` for each case, and the
+    case of each command entry; when the suite is ``judged``, add their fit problems and
+    ``entry-matches-nothing``."""
     index = EntryIndex(m.entries)
     owned_by = dict.fromkeys((e.id for e in m.entries), 0)
+    for e in m.entries:
+        if e.command is not None and f"{m.suite}::{e.id}" not in inv.owners:
+            case = command_case(m, e)
+            inv.cases.append(case)
+            inv.owners[case.nodeid] = [(m.suite, e.id)]
+            owned_by[e.id] = 1
+            if judged:
+                inv.problems.extend(_fit_problems(m, e, case))
     first_owner: dict[str, str] = {}  # entry id -> the earlier entry owning what it matches
     for c in inv.cases:
-        hits = index.matching(c, m.device) if c.spec is not None else []
+        hits = index.matching(c, m.device) if c.spec is not None and c.command is None else []
         if not hits:
             continue
         owned_by[hits[0].id] += 1
@@ -817,7 +846,7 @@ def _dead_paths(inv: SuiteInventory, m: Manifest, owned_by: dict[str, int]) -> l
         for j, p in enumerate(e.paths)
     ]
     index = EntryIndex([single for _, _, single in paths])
-    alive = {i for c in inv.cases for i in index._selecting(c)}
+    alive = {i for c in inv.cases if c.command is None for i in index._selecting(c)}
     out = []
     for i, (e, j, single) in enumerate(paths):
         if i in alive or _covers_unloadable(inv, single):

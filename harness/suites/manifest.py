@@ -9,6 +9,7 @@ of a JSON syntax error.
 
 from __future__ import annotations
 
+import datetime
 import functools
 import json
 import math
@@ -86,12 +87,35 @@ class Runner:
 
 
 @dataclass(frozen=True)
+class Flaky:
+    """An entry's ``flaky``: a failed case is rerun up to ``retries`` times (``reason``: why)."""
+
+    retries: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class Quarantine:
+    """An entry's ``quarantine``: its cases' failures do not make a run red through ``until``
+    (the last day it holds); ``reason``: why."""
+
+    reason: str
+    until: datetime.date
+
+    def expired(self, today: datetime.date | None = None) -> bool:
+        """True once ``today`` (default: the local date now) is past ``until``."""
+        return (today or datetime.date.today()) > self.until
+
+
+@dataclass(frozen=True)
 class Entry:
     """One manifest entry: a selection of cases plus how to run and plan them.
 
     ``source`` / ``pointer`` locate the entry's definition (which may be a shared case list
     included by the suite). ``depends_on`` is ``None`` when the entry declares no
-    dependencies (it then always runs).
+    dependencies (it then always runs). ``command`` (then ``paths`` is empty): the entry
+    is one case running this argv, passing when it exits 0 and its output matches
+    ``expect_output`` (a regular expression) when one is given.
     """
 
     id: str
@@ -108,6 +132,11 @@ class Entry:
     cards: int = 1
     #: Environment of every case of the entry (its ranks and their children included).
     env: dict[str, str] = field(default_factory=dict, hash=False)
+    flaky: Flaky | None = None
+    quarantine: Quarantine | None = None
+
+    command: tuple[str, ...] | None = None
+    expect_output: str | None = None
 
     @property
     def accelerator(self) -> str | None:
@@ -125,6 +154,9 @@ class Manifest:
     entries: tuple[Entry, ...]
     path: str
     includes: tuple[str, ...] = field(default=())
+    #: The manifest's ``run_everything_on`` globs; ``None`` when it gives none (the
+    #: default list of :mod:`harness.suites.changes` applies).
+    run_everything_on: tuple[str, ...] | None = None
 
     @property
     def max_cards(self) -> int:
@@ -374,9 +406,11 @@ def read_runners(doc: dict[str, Any]) -> tuple[Runner, ...]:
 def _case_entry(
     raw: dict[str, Any], name: str, ptr: str, root: Path, problems: list[Problem]
 ) -> Entry:
-    """A case entry, with a problem for each path that leaves the repository and a bad ``markers``."""
+    """A case entry, with a problem for each path that leaves the repository and a bad
+    ``markers`` (and those of :func:`_command_problems`)."""
     deps = raw.get("depends_on")
-    for key, values in (("paths", raw["paths"]), ("depends_on", deps or ())):
+    problems.extend(_command_problems(raw, name, ptr))
+    for key, values in (("paths", raw.get("paths", ())), ("depends_on", deps or ())):
         for j, p in enumerate(values):
             if why := _outside(root, p.split("::", 1)[0]):
                 problems.append(Problem(names.PATH, name, f"{ptr}/{key}/{j}", f"{p!r} {why}"))
@@ -389,7 +423,7 @@ def _case_entry(
     problems.extend(_cards_problems(raw, name, ptr))
     return Entry(
         id=raw["id"],
-        paths=tuple(p.rstrip("/") or "." for p in raw["paths"]),
+        paths=tuple(p.rstrip("/") or "." for p in raw.get("paths", ())),
         markers=raw.get("markers"),
         timeout_s=raw.get("timeout_s"),
         estimated_s=float(raw.get("estimated_s", DEFAULT_ESTIMATED_S)),
@@ -399,6 +433,9 @@ def _case_entry(
         device=raw.get("device"),
         cards=int(raw.get("cards", 1)),
         env=dict(raw.get("env", {})),
+        **_reruns_and_quarantine(raw, name, ptr, problems),
+        command=tuple(raw["command"]) if "command" in raw else None,
+        expect_output=raw.get("expect_output"),
     )
 
 
@@ -430,6 +467,52 @@ def _device_problems(entries: Iterable[Entry], suite: str, suite_device: str) ->
         for e in entries
         if e.device is not None and e.device != suite_device
     ]
+
+
+def _reruns_and_quarantine(
+    raw: dict[str, Any], name: str, ptr: str, problems: list[Problem]
+) -> dict[str, Any]:
+    """An entry's ``flaky`` and ``quarantine`` (schema-valid), with a problem for an ``until``
+    that is no calendar date (``2026-02-30``)."""
+    out: dict[str, Any] = {}
+    if "flaky" in raw:
+        out["flaky"] = Flaky(raw["flaky"]["retries"], raw["flaky"]["reason"])
+    if "quarantine" in raw:
+        until = raw["quarantine"]["until"]
+        try:
+            day = datetime.date.fromisoformat(until)
+        except ValueError as e:
+            why = f"until {until!r} is not a date YYYY-MM-DD ({e})"
+            problems.append(Problem(names.SCHEMA, name, f"{ptr}/quarantine/until", why))
+        else:
+            out["quarantine"] = Quarantine(raw["quarantine"]["reason"], day)
+    return out
+
+
+def _command_problems(raw: dict[str, Any], name: str, ptr: str) -> list[Problem]:
+    """What the schema cannot say about a command entry (an entry with ``command``): it has
+    no ``paths`` or ``markers`` (it selects no collected test), and its ``expect_output``
+    compiles as a Python regular expression; ``expect_output`` belongs to a command."""
+    out = []
+    if "command" not in raw:
+        if "expect_output" in raw:
+            why = "expect_output applies to a command entry; this entry has paths, no command"
+            out.append(Problem(names.SCHEMA, name, f"{ptr}/expect_output", why))
+        return out
+    for key in ("paths", "markers"):
+        if key in raw:
+            why = (
+                f"an entry has either paths or a command, not both: a command entry is one "
+                f"case, its command, and selects no test ({key!r} given)"
+            )
+            out.append(Problem(names.SCHEMA, name, f"{ptr}/{key}", why))
+    if "expect_output" in raw:
+        try:
+            re.compile(raw["expect_output"], re.MULTILINE)
+        except re.error as e:
+            why = f"expect_output {raw['expect_output']!r} is not a regular expression: {e}"
+            out.append(Problem(names.SCHEMA, name, f"{ptr}/expect_output", why))
+    return out
 
 
 def _expand(
@@ -500,6 +583,7 @@ def load_manifest(path: Path, root: Path) -> Manifest:
     included: list[str] = []
     entries = _expand(doc["entries"], name, root, (name,), problems, included)
     problems.extend(_device_problems(entries, doc["suite"], doc["device"]))
+    run_everything_on = _run_everything_on(doc, name, root, problems)
     if problems:
         raise ManifestError(problems)
     return Manifest(
@@ -509,7 +593,22 @@ def load_manifest(path: Path, root: Path) -> Manifest:
         entries=tuple(entries),
         path=name,
         includes=tuple(dict.fromkeys(included)),
+        run_everything_on=run_everything_on,
     )
+
+
+def _run_everything_on(
+    doc: dict[str, Any], name: str, root: Path, problems: list[Problem]
+) -> tuple[str, ...] | None:
+    """A manifest's ``run_everything_on`` globs (``None``: absent), with a problem for each
+    that leaves the repository."""
+    globs = doc.get("run_everything_on")
+    if globs is None:
+        return None
+    for j, g in enumerate(globs):
+        if why := _outside(root, g):
+            problems.append(Problem(names.PATH, name, f"/run_everything_on/{j}", f"{g!r} {why}"))
+    return tuple(globs)
 
 
 def duplicate_entries(manifest: Manifest) -> list[Problem]:
@@ -550,4 +649,22 @@ def load_suites(
             continue
         manifests.append(m)
         problems.extend(duplicate_entries(m))
+        problems.extend(expired_quarantines(m))
     return manifests, problems
+
+
+def expired_quarantines(manifest: Manifest, today: datetime.date | None = None) -> list[Problem]:
+    """One ``quarantine-expired`` problem per entry whose ``quarantine`` is past its ``until``
+    (``today``: default the local date now)."""
+    return [
+        Problem(
+            names.QUARANTINE_EXPIRED,
+            e.source,
+            e.pointer + "/quarantine/until",
+            f"the quarantine of entry {e.id!r} ({e.quarantine.reason}) ended on "
+            f"{e.quarantine.until.isoformat()}: fix its cases and lift it, or extend `until`",
+            manifest.suite,
+        )
+        for e in manifest.entries
+        if e.quarantine is not None and e.quarantine.expired(today)
+    ]

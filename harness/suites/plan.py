@@ -77,10 +77,12 @@ class PlannedShard:
 
 @dataclass
 class Plan:
-    """A suite's shards in order."""
+    """A suite's shards in order; ``warnings``: why the plan may not fit its runners (a shard
+    count the caller chose that puts shards over their runner's budget)."""
 
     suite: str
     shards: list[PlannedShard]
+    warnings: list[str] = field(default_factory=list)
 
     def shard(self, index: int) -> PlannedShard:
         """Shard ``index`` (1-based); ``PlanError`` when out of range."""
@@ -166,18 +168,34 @@ def load_durations(path: Path | None, *, required: bool = False) -> dict[str, fl
     return {k: float(v) for k, v in data.items()}
 
 
-def write_durations(path: Path, suite: str, durations: Mapping[str, float]) -> None:
+def write_durations(
+    path: Path,
+    suite: str,
+    durations: Mapping[str, float],
+    *,
+    contexts: Sequence[Mapping[str, Any]] | None = None,
+    keep: Collection[str] | None = None,
+) -> None:
     """Merge ``durations`` into the file at ``path`` (created if absent), atomically.
 
     Node ids already in the file and absent from ``durations`` are kept, so
-    shards of one suite can record into the same file in turn.
+    shards of one suite can record into the same file in turn; with ``keep``, only
+    those of its node ids. ``contexts``: the runs' contexts the figures now come from
+    (``recorded_with``, see :mod:`harness.suites.durations`); ``None`` keeps the file's.
     """
     try:
         merged = load_durations(path)
-    except PlanError:
-        merged = {}  # a corrupt file is replaced by fresh measurements
+        doc = read_json(path, path.parent) if path.is_file() else {}
+    except (PlanError, ManifestError):
+        merged, doc = {}, {}  # a corrupt file is replaced by fresh measurements
     merged.update({k: round(float(v), 3) for k, v in durations.items()})
-    write_json(path, {"suite": suite, "durations": dict(sorted(merged.items()))})
+    if keep is not None:
+        merged = {k: v for k, v in merged.items() if k in keep}
+    out: dict[str, Any] = {"suite": suite, "durations": dict(sorted(merged.items()))}
+    recorded = contexts if contexts is not None else (doc or {}).get("recorded_with")
+    if recorded:
+        out["recorded_with"] = [dict(c) for c in recorded]
+    write_json(path, out)
 
 
 def estimate(
@@ -294,8 +312,9 @@ def plan(
     Neither: the fewest shards within each runner's budget (``budget_minutes``,
     by default 75% of the job timeout). With ``enforce_budget``, a case longer
     than its runner's budget or a shard over budget raises ``PlanError``
-    naming it. An empty suite still gets one (empty) shard, so a CI matrix is
-    never empty.
+    naming it; but with ``shards`` a shard over budget is planned as asked (the
+    count is the caller's to choose) and named in :attr:`Plan.warnings`.
+    An empty suite still gets one (empty) shard, so a CI matrix is never empty.
     """
     if shards is not None and target_minutes is not None:
         raise PlanError("give --shards or --target-minutes, not both")
@@ -325,17 +344,20 @@ def plan(
 
     if shards is not None:
         result = partition(cases, runners, shards)
+        warnings = []
         if enforce_budget and over(result):
-            raise PlanError(
+            # The count the caller asked for is theirs to choose (a runner pool's size):
+            # planned as asked, and said to be over budget.
+            warnings.append(
                 "; ".join(
                     f"shard {s.label} is planned at {s.load / 60:.1f} min, over the "
                     f"{s.runner.budget_minutes:.1f}-min budget of runner {s.runner.name} "
                     f"(timeout {s.runner.timeout_minutes} min)"
                     for s in over(result)
                 )
-                + "; use more shards"
+                + "; more shards would fit"
             )
-        return Plan(suite, result)
+        return Plan(suite, result, warnings)
     # The fewest shards each within its runner's budget and the target.
     cap = min(limit, max(r.budget_s for r in runners))
     n = max(1, math.ceil(sum(c.seconds for c in cases) / cap) if cap > 0 else 1)

@@ -5,11 +5,15 @@ Outcomes come from what the selection plugin recorded inside the pytest run
 ``skipped`` (xfail included), ``deselected`` (by pytest's own options, or outside the
 paths given), ``not run`` (the run stopped before it finished: ``-x``, ``--maxfail``,
 ``--collect-only``, ``--setup-only``, an interrupt, the runner's timeout) and ``missing``
-(never collected, or never reported by a run that did not stop: a failure).
+(never collected, or never reported by a run that did not stop: a failure). Two more
+say how a case got its verdict: ``flaky`` (it failed, and passed on a rerun: an entry's
+``flaky``, or pytest-rerunfailures' ``--reruns`` of the caller's), and ``quarantined`` (it
+failed, and its entry's ``quarantine`` keeps that from making the run red,
+:func:`quarantine`).
 
 JUnit XML is an output: pytest's own file, which :func:`complete_junit` completes with
 the planned cases it lacks. :func:`read_junit` and :func:`junit_key` read it back for
-tools that only have the XML (``scripts/refresh_durations.py``, ``.ci/run``).
+tools that only have the XML (``harness durations``, ``.ci/run``).
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from itertools import count
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from harness.jsonio import write_json
 from harness.suites.selection import Records
@@ -28,7 +32,9 @@ from harness.suites.selection import Records
 if TYPE_CHECKING:
     from junitparser import TestSuite
 
-OUTCOMES = ("passed", "failed", "skipped", "deselected", "not run", "missing")
+OUTCOMES = (
+    "passed", "failed", "skipped", "deselected", "not run", "missing", "flaky", "quarantined",
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -55,6 +61,8 @@ class EntryRow:
     seconds: float
     deselected: int = 0
     not_run: int = 0
+    flaky: int = 0
+    quarantined: int = 0
 
 
 def junit_key(nodeid: str, prefix: str = "") -> tuple[str, str]:
@@ -130,19 +138,31 @@ def read_junit(
 UNFINISHED = "unfinished"
 
 
+#: pytest-rerunfailures' outcome of a failed attempt that is rerun.
+RERUN = "rerun"
+
+
 def _phases(phases: Sequence[tuple[str, str, float, str]]) -> tuple[str, float, str]:
     """One case's outcome, seconds and message from its phases' reports, in order: failed when
     any phase failed (teardown included), else skipped when any was skipped (at setup, or an
     xfail), else passed when its call and its teardown passed (the last report of each: a
-    rerun's counts); else :data:`UNFINISHED` with the phase it was in (``call`` or
-    ``teardown``) as its message: its process stopped or died during the case."""
+    rerun's counts), ``flaky`` when that was on a rerun (pytest-rerunfailures reported an
+    earlier attempt as :data:`RERUN`); else :data:`UNFINISHED` with the phase it was in
+    (``call`` or ``teardown``) as its message: its process stopped or died during the case."""
     seconds = sum(s for _, _, s, _ in phases)
+    # Each attempt starts with its setup report; the first rerun report says why it failed.
+    attempts = sum(when == "setup" for when, _, _, _ in phases)
+    first = next((m for _, outcome, _, m in phases if outcome == RERUN), None)
     for wanted in ("failed", "skipped"):
         for _, outcome, _, message in phases:
             if outcome == wanted:
+                if first is not None and wanted == "failed":
+                    message = f"{message} (failed all {attempts} attempts)"
                 return wanted, seconds, message
     last = {when: outcome for when, outcome, _, _ in phases}
     if last.get("call") == "passed" and last.get("teardown") == "passed":
+        if first is not None:
+            return "flaky", seconds, f"passed on attempt {attempts}; first failure: {first}"
         return "passed", seconds, ""
     return UNFINISHED, seconds, "teardown" if "call" in last else "call"
 
@@ -239,7 +259,13 @@ def complete_junit(
     from junitparser import Error, Failure, JUnitXml, Skipped, TestCase, TestSuite
 
     # How a case pytest did not report is written, by outcome (passed: no child).
-    children = {"failed": Failure, "missing": Error, "not run": Skipped, "skipped": Skipped}
+    children = {
+        "failed": Failure,
+        "quarantined": Failure,
+        "missing": Error,
+        "not run": Skipped,
+        "skipped": Skipped,
+    }
 
     xml = JUnitXml()
     for suite in _junit_suites([junit]):
@@ -284,6 +310,17 @@ def _xml_text(text: str) -> str:
     return _NOT_XML.sub(lambda m: f"#x{ord(m.group()):02X}", text)
 
 
+def quarantine(results: Mapping[str, CaseRow], reasons: Mapping[str, str]) -> dict[str, CaseRow]:
+    """``results`` with each failed case of a quarantined entry (``reasons``: node id -> the
+    quarantine's reason) reported ``quarantined``: it ran and failed, and its failure does
+    not make the run red. Other outcomes stay as they are."""
+    out = dict(results)
+    for n, r in results.items():
+        if r.outcome == "failed" and n in reasons:
+            out[n] = CaseRow(n, "quarantined", r.seconds, f"{r.message} [{reasons[n]}]")
+    return out
+
+
 def summarize(
     planned: Sequence[tuple[str, str, int]], results: Mapping[str, CaseRow]
 ) -> list[EntryRow]:
@@ -317,7 +354,8 @@ def totals(rows: Sequence[EntryRow]) -> EntryRow:
 _COLUMNS = (
     ("entry", "entry"), ("cases", "cases"), ("passed", "passed"), ("failed", "failed"),
     ("skipped", "skipped"), ("missing", "missing"), ("cards", "cards"), ("time (s)", "seconds"),
-    ("deselected", "deselected"), ("not run", "not_run"),
+    ("deselected", "deselected"), ("not run", "not_run"), ("flaky", "flaky"),
+    ("quarantined", "quarantined"),
 )  # fmt: skip
 
 
@@ -348,8 +386,10 @@ def render(rows: Sequence[EntryRow], title: str, wall_s: float | None = None) ->
 
 
 def failures(results: Mapping[str, CaseRow]) -> str:
-    """The failed and missing cases, one per line, for the log."""
-    bad = [r for r in results.values() if r.outcome in ("failed", "missing")]
+    """The failed, missing, flaky and quarantined cases, one per line, for the log."""
+    bad = [
+        r for r in results.values() if r.outcome in ("failed", "missing", "flaky", "quarantined")
+    ]
     return bullets(
         [f"{r.outcome}: `{r.nodeid}`" + (f" — {r.message}" if r.message else "") for r in bad]
     )
@@ -379,14 +419,17 @@ def write_summary_json(
     rows: Sequence[EntryRow],
     results: Mapping[str, CaseRow],
     junit_prefix: str = "",
+    context: Mapping[str, Any] | None = None,
 ) -> None:
-    """Machine-readable summary: the table rows, every case's result and the
-    ``--junit-prefix`` its JUnit names carry."""
+    """Machine-readable summary: the table rows, every case's result, the
+    ``--junit-prefix`` its JUnit names carry and the run's ``context`` (runner, load: see
+    :mod:`harness.suites.durations`)."""
     doc = {
         "title": title,
         "entries": [asdict(r) for r in rows],
         "total": asdict(totals(rows)),
         "cases": [asdict(r) for r in results.values()],
         "junit_prefix": junit_prefix,
+        "context": dict(context or {}),
     }
     write_json(path, doc)

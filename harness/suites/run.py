@@ -188,11 +188,26 @@ def plan_cases(
 ) -> list[tuple[CollectedCase, Entry]]:
     """The cases of one shard (all of ``owned`` when ``shard`` is None), in collection order,
     planned as ``harness matrix`` plans (``PlanError`` where the matrix refuses the suite)."""
+    return plan_shard(root, m, owned, durations, shard)[0]
+
+
+def plan_shard(
+    root: Path,
+    m: Manifest,
+    owned: Sequence[tuple[CollectedCase, Entry]],
+    durations: Path | None,
+    shard: tuple[int, int] | None,
+) -> tuple[list[tuple[CollectedCase, Entry]], str | None]:
+    """:func:`plan_cases`, and the name of the runner class the shard was planned onto (the
+    suite's one class when unsharded; ``None`` for an unsharded suite of several)."""
     result = plan_suite(root, m, owned, durations=durations, shards=shard[1] if shard else None)
+    for warning in result.warnings:
+        print(f"harness run: warning: {warning}", file=sys.stderr)
     if shard is None:
-        return list(owned)
-    mine = {p.nodeid for p in result.shard(shard[0]).cases}
-    return [(c, e) for c, e in owned if c.nodeid in mine]
+        return list(owned), (m.runners[0].name if len(m.runners) == 1 else None)
+    planned = result.shard(shard[0])
+    mine = {p.nodeid for p in planned.cases}
+    return [(c, e) for c, e in owned if c.nodeid in mine], planned.runner.name
 
 
 #: After an interrupt is passed on, how long pytest gets to stop its workers and
@@ -375,6 +390,7 @@ class _Run:
     whole: bool = True
     inventoried: frozenset[str] = frozenset()  # every case collected, of any suite or none
     suite_ids: tuple[str, ...] = ()  # every case the suite holds, other shards' too
+    runner: str | None = None  # the runner class the shard was planned onto (plan_shard)
 
     @property
     def title(self) -> str:
@@ -411,11 +427,15 @@ def _plan_run(root: Path, opts: RunOptions, started: float) -> _Run:
         # and only then narrowed: re-partitioning the narrowed cases would move
         # them between shards (onto runners with fewer cards, say).
         owned = inv.suite_cases(suite_name)
-        cases = plan_cases(root, m, owned, opts.durations, shard)
+        cases, runner = plan_shard(root, m, owned, opts.durations, shard)
     except PlanError as e:
         raise _Refused(f"harness run: {e}") from None
     if opts.changed_from:
-        sel = changes.select(m.entries, *changes.changed_files(root, opts.changed_from))
+        sel = changes.select(
+            m.entries,
+            *changes.changed_files(root, opts.changed_from),
+            run_everything_on=m.run_everything_on,
+        )
         _print(f"--changed-from {opts.changed_from}: {sel.reason}")
         cases = [(c, e) for c, e in cases if e.id in sel.entries]
     too_big: list[CollectedCase] = []
@@ -431,7 +451,7 @@ def _plan_run(root: Path, opts: RunOptions, started: float) -> _Run:
     inventoried = frozenset(c.nodeid for c in inv.cases)
     return _Run(
         root, opts, m, shard, cases, too_big, out, started, inv.inipath, workers, budget,
-        whole, inventoried, tuple(sorted(c.nodeid for c, _ in owned)),
+        whole, inventoried, tuple(sorted(c.nodeid for c, _ in owned)), runner,
     )  # fmt: skip
 
 
@@ -489,7 +509,7 @@ _REPORT_FILES = ("junit.xml", "summary.md", "summary.json")
 def _prepare_out(run: _Run) -> None:
     """Phase 2: the output folder, cleared of a previous run's files, with ``plan.json``."""
     # A previous run's: this run reports its own, and one that dies early leaves none of them.
-    for pattern in ("select.json*", "backstop-*.log", *_REPORT_FILES):
+    for pattern in ("select.json*", COMMANDS_FILE, "backstop-*.log", *_REPORT_FILES):
         for stale in run.out.glob(pattern):
             stale.unlink()
     cases = [[c.nodeid, e.id] for c, e in run.cases]
@@ -509,10 +529,42 @@ _PYTEST_FROM_ROOT = (
 )
 
 
+#: The run's command cases, in its output folder (the format: ``harness.launcher.command``).
+COMMANDS_FILE = "commands.json"
+
+
+def _write_commands(run: _Run) -> Path | None:
+    """The file of the run's command cases, for the launch plugin to collect and run (None:
+    the run has none)."""
+    cases = [
+        {
+            "id": c.nodeid,
+            "argv": list(c.command),
+            "expect_output": e.expect_output,
+            "timeout_s": e.timeout_s,
+            "device": c.device,
+            "cards": c.cards,
+            "env": dict(e.env),
+            "source": e.source,
+        }
+        for c, e in run.cases
+        if c.command is not None
+    ]
+    if not cases:
+        return None
+    path = run.out / COMMANDS_FILE
+    write_json(path, {"format": names.COMMANDS_FORMAT, "root": str(run.root), "cases": cases})
+    return path
+
+
 def _pytest_command(run: _Run) -> list[str]:
-    """The pytest command line of the run; writes its selection file."""
+    """The pytest command line of the run; writes its selection file (and its command cases'
+    file, collected as a test file of its own)."""
     select_file = run.select_file
-    files = sorted({str(run.root / c.file) for c, _ in run.cases})
+    files = sorted({str(run.root / c.file) for c, _ in run.cases if c.command is None})
+    commands = _write_commands(run)
+    if commands is not None:
+        files.append(str(commands))
     write_json(
         select_file,
         {
@@ -523,6 +575,7 @@ def _pytest_command(run: _Run) -> list[str]:
             **selected_devices(run.cases),
             "suite": run.suite_ids,  # every shard's
             "files": files,  # the paths below; any other is the caller's, and narrows the run
+            **_policies(run),
         },
         indent=None,
     )
@@ -535,6 +588,8 @@ def _pytest_command(run: _Run) -> list[str]:
     cmd = [sys.executable, "-c", _PYTEST_FROM_ROOT, str(run.root), *files, *run.opts.pytest_args]
     cmd += _config_args(run)
     cmd += ["-p", "harness.suites.selection", f"{names.OPT_SELECT}={select_file}"]
+    if commands is not None:
+        cmd.append(f"{names.OPT_COMMANDS}={commands}")
     cmd += [
         f"{names.OPT_JUNIT}={run.out / 'junit.xml'}",
         "-o",
@@ -563,6 +618,15 @@ def selected_devices(cases: Sequence[tuple[CollectedCase, Entry]]) -> dict[str, 
     }
 
 
+def _policies(run: _Run) -> dict[str, dict[str, Any]]:
+    """The selection file's ``retries`` (flaky entries) and ``quarantine`` (their reasons),
+    by planned case."""
+    return {
+        "retries": {c.nodeid: e.flaky.retries for c, e in run.cases if e.flaky},
+        "quarantine": {c.nodeid: e.quarantine.reason for c, e in run.cases if e.quarantine},
+    }
+
+
 _CONFIG_OPTIONS = ("-c", "--config-file", "--inifile")
 
 
@@ -582,6 +646,8 @@ def _config_args(run: _Run) -> list[str]:
     out += plugin_args(given)
     if autoload_disabled(given):
         out += ["-p", selection.TIMEOUT_PLUGIN]  # the planned cases' deadlines
+        if any(e.flaky for _, e in run.cases):
+            out += ["-p", selection.RERUN_PLUGIN]  # flaky entries' reruns
     return out
 
 
@@ -671,7 +737,7 @@ def _verdict(
             f"{len(beyond)} case(s) collected only with the arguments given to pytest "
             "(after `--`, PYTEST_ADDOPTS) were not run"
         )
-    if not total.passed and not narrowed:
+    if not (total.passed or total.flaky or total.quarantined) and not narrowed:
         verdict.append(f"no case passed ({total.skipped} skipped)")
     absent = ran.records.options.get("not_found", ())
     if absent:  # under xdist workers pytest only says "no tests ran"
@@ -690,9 +756,10 @@ def _verdict(
     if ran.code not in (None, 0, 1, 5) and not timed_out:
         usage = " (a usage error: see pytest's message above)" if ran.code == 4 else ""
         verdict.append(f"pytest exited with {ran.code}{usage}")
-    if ran.code == 1 and not total.failed:
+    if ran.code == 1 and not total.failed and not total.quarantined:
         # Exit 1 is "tests failed"; with none failed, something else failed the run
-        # (pytest-cov's --cov-fail-under, say), which pytest reported above.
+        # (pytest-cov's --cov-fail-under, say), which pytest reported above. (A quarantined
+        # case's failure is pytest's exit 1 too: then the two cannot be told apart.)
         verdict.append("pytest exited with 1 though no case failed (see its output)")
     return verdict
 
@@ -712,6 +779,7 @@ def _report(run: _Run, ran: _Ran, stop: _Stop) -> int:
     if ran.code == _PYTEST_USAGE_ERROR:  # its cases never ran for that reason
         halted = halted or "pytest stopped on a usage error (exit status 4)"
     results = report.results_from_records([c.nodeid for c, _ in run.cases], records, halted)
+    results = report.quarantine(results, _policies(run)["quarantine"])
     prefix = records.options.get("junit_prefix") or ""
     report.complete_junit(junit, results.values(), prefix, records.aliases)
     asked = records.options.get("junitxml")
@@ -740,7 +808,9 @@ def _report(run: _Run, ran: _Ran, stop: _Stop) -> int:
         + (f"\n**FAILED**: {'; '.join(verdict)}\n" if verdict else "\n**PASSED**\n")
     )
     _write_summary(run, text)
-    report.write_summary_json(run.out / "summary.json", run.title, rows, results, prefix)
+    report.write_summary_json(
+        run.out / "summary.json", run.title, rows, results, prefix, _context(run, ran)
+    )
     if run.opts.durations_out:
         # Passed cases only: a failure (at setup, say) says little about how long the case takes.
         passed = {n: r.seconds for n, r in results.items() if r.outcome == "passed"}
@@ -750,6 +820,21 @@ def _report(run: _Run, ran: _Ran, stop: _Stop) -> int:
     if stop.signum is not None:
         return stop.exit_code
     return EXIT_FAILED if verdict else EXIT_OK
+
+
+def _context(run: _Run, ran: _Ran) -> dict[str, Any]:
+    """Where and under what load the run's cases took their time (``harness durations``
+    says when a refresh mixes figures of different ones): the runner class it was planned
+    onto, the xdist workers pytest ran (0: none), this host's process slots and cards."""
+    from harness.devices import cpu_count
+
+    workers = ran.records.options.get("workers")
+    return {
+        "runner": run.runner,
+        "workers": workers if isinstance(workers, int) else run.workers,
+        "cpus": cpu_count(),
+        "cards": leasable_cards(run.manifest.device),
+    }
 
 
 def _verdict_line(run: _Run, verdict: Sequence[str]) -> None:
@@ -763,8 +848,9 @@ def _verdict_line(run: _Run, verdict: Sequence[str]) -> None:
 def run_suite(root: Path, opts: RunOptions) -> int:
     """Run one suite (or shard); returns the process exit code.
 
-    :data:`EXIT_OK`: every planned case passed or skipped and at least one
-    passed (or nothing needed to run); :data:`EXIT_FAILED`: a case failed,
+    :data:`EXIT_OK`: every planned case passed (or was flaky: passed on a rerun),
+    skipped or was quarantined, and at least one ran (or nothing needed to run);
+    :data:`EXIT_FAILED`: a case failed,
     went missing, or nothing passed; :data:`EXIT_USAGE`: the suite cannot be
     planned (inventory problems, bad arguments); 128 + N after signal N
     (SIGINT 130, SIGTERM 143, SIGHUP 129): pytest, its workers and ranks

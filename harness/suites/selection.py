@@ -2,14 +2,17 @@
 
 ``--harness-select FILE`` names a JSON file ``{"root": DIR, "cases": {nodeid: timeout_s
 or null}, "entries": {nodeid: entry id}, "suite": [nodeid, ...], "files": [path, ...],
-"devices": {nodeid: [device, cards]}, "env": {nodeid: {name: value}}}``. Collected items
-not in ``cases`` are deselected; each kept one carries its entry as the JUnit property
-``harness.entry``, its deadline as pytest-timeout's ``timeout`` marker
-(:func:`deadline_marker`), its entry's device and cards as the launch plugin's
-``harness_device`` marker (a plain case of an accelerator entry) and its entry's ``env``
-while it runs (:func:`entry_env`). What pytest does with each planned case is recorded from its
-own hooks (reports, deselections, exit status) by case id, one JSON-lines file per
-process (:func:`read_records`).
+"devices": {nodeid: [device, cards]}, "env": {nodeid: {name: value}}, "retries": {nodeid:
+N}, "quarantine": {nodeid: reason}}``. Collected items not in ``cases`` are deselected;
+each kept one carries its entry as the JUnit property ``harness.entry``, its deadline as
+pytest-timeout's ``timeout`` marker (:func:`deadline_marker`), its entry's device and cards
+as the launch plugin's ``harness_device`` marker (a plain case of an accelerator entry) and
+its entry's ``env`` while it runs (:func:`entry_env`); a case of a flaky entry carries
+pytest-rerunfailures' ``flaky`` marker (:func:`rerun_marker`), and one that passes on a
+rerun the JUnit property ``harness.flaky``; a case of a quarantined entry the property
+``harness.quarantine``. What pytest does with each planned case is recorded from its own
+hooks (reports, deselections, exit status) by case id, one JSON-lines file per process
+(:func:`read_records`).
 """
 
 from __future__ import annotations
@@ -39,11 +42,15 @@ from harness.names import (
 LAUNCH_PLUGIN = "harness.launcher.plugin"
 #: pytest-timeout's plugin: it enforces each planned case's deadline (its ``timeout`` marker).
 TIMEOUT_PLUGIN = "pytest_timeout"
+#: pytest-rerunfailures' plugin: it reruns the failed cases of flaky entries (its ``flaky`` marker).
+RERUN_PLUGIN = "pytest_rerunfailures"
 
 #: The parsed selection file, read once per process.
 _SELECTION = pytest.StashKey[dict[str, Any]]()
 #: The ``--junitxml`` the caller gave pytest (``None``: none), replaced by the run's own.
 _CALLER_JUNIT = pytest.StashKey[Any]()
+#: Whether every phase of a case's current attempt passed so far (a rerun starts anew).
+_ATTEMPT_PASSED = pytest.StashKey[bool]()
 #: A plain planned case's backstop (seconds after it starts): see :func:`pytest_runtest_protocol`.
 _BACKSTOP = pytest.StashKey[float]()
 #: The environment a planned case's entry sets (its ``env``).
@@ -153,6 +160,23 @@ def records_glob(select_file: Path) -> str:
     return f"{select_file.name}.*.jsonl"
 
 
+def _workers(config: pytest.Config) -> int:
+    """The xdist workers of this pytest run (0: none, or xdist not loaded)."""
+    n = getattr(config.option, "numprocesses", None)
+    return n if isinstance(n, int) else 0
+
+
+def _mark_flaky_pass(item: pytest.Item, report: pytest.TestReport) -> None:
+    """Give the teardown report of an attempt that passed after a failed one (a rerun of
+    pytest-rerunfailures, which counts attempts in ``execution_count``) the JUnit property
+    ``harness.flaky``: pytest writes the teardown report's properties into the case's record."""
+    before = report.when == "setup" or item.stash.get(_ATTEMPT_PASSED, False)
+    item.stash[_ATTEMPT_PASSED] = before and report.passed
+    attempt = getattr(item, "execution_count", 1)
+    if report.when == "teardown" and attempt > 1 and item.stash[_ATTEMPT_PASSED]:
+        report.user_properties.append(("harness.flaky", f"passed on attempt {attempt}"))
+
+
 class _Outcomes:
     """Records what pytest did with each planned case: one JSON object a line, flushed (a
     process that dies later keeps what it recorded), in this process's file."""
@@ -194,6 +218,8 @@ class _Outcomes:
                 if modules
                 else [a for a in callers if not (base / a.split("::", 1)[0]).exists()],
                 "junitxml": self.config.stash.get(_CALLER_JUNIT, None),
+                # xdist's worker count as it resolved it (-n auto included); 0: none.
+                "workers": _workers(self.config),
                 "junit_prefix": opt("junitprefix", None) or "",
             }
         )
@@ -232,6 +258,7 @@ class _Outcomes:
         report = yield
         # Travels with the report (xdist passes it on): its case, whatever pytest's node id.
         report.harness_case = _case_id(item, self.root)
+        _mark_flaky_pass(item, report)
         return report
 
     def pytest_collectreport(self, report: pytest.CollectReport) -> None:
@@ -280,6 +307,12 @@ def pytest_configure(config: pytest.Config) -> None:
         (LAUNCH_PLUGIN, "launched cases would run unlaunched"),
         # The planned cases' deadlines are its markers: without it nothing bounds them.
         (TIMEOUT_PLUGIN, "nothing would bound the cases' deadlines"),
+        # Flaky entries' reruns are its markers: without it their cases would run once.
+        *(
+            [(RERUN_PLUGIN, "flaky entries' cases would not be rerun")]
+            if sel.get("retries")
+            else []
+        ),
     ):
         if plugin not in loaded:
             raise pytest.UsageError(
@@ -345,7 +378,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         marker = deadline_marker(item, wanted[cid])
         if marker is not None:
             item.add_marker(marker)
-        if not _launched(item):
+        _entry_policies(item, cid, sel)
+        if not _launched(item) and not hasattr(item, "harness_case_id"):
+            # (A command case stops its own command at its deadline: no backstop.)
             timeout = item.get_closest_marker("timeout")
             seconds = (timeout.args or [timeout.kwargs.get("timeout")])[0] if timeout else None
             if isinstance(seconds, (int, float)) and seconds > 0:
@@ -402,6 +437,24 @@ def entry_env(env: dict[str, str] | None) -> Iterator[None]:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+def _entry_policies(item: pytest.Item, cid: str, sel: dict[str, Any]) -> None:
+    """A planned case's entry's ``flaky`` (a rerun marker) and ``quarantine`` (a JUnit property)."""
+    retries = sel.get("retries", {}).get(cid)
+    if retries and (marker := rerun_marker(item, retries)) is not None:
+        item.add_marker(marker)
+    reason = sel.get("quarantine", {}).get(cid)
+    if reason is not None:
+        item.user_properties.append(("harness.quarantine", reason))
+
+
+def rerun_marker(item: pytest.Item, retries: int) -> pytest.MarkDecorator | None:
+    """pytest-rerunfailures' ``flaky`` marker rerunning a failed case of a flaky entry up to
+    ``retries`` times; ``None`` where the case has a ``flaky`` marker of its own (it wins)."""
+    if item.get_closest_marker("flaky") is not None:
+        return None
+    return pytest.mark.flaky(reruns=retries)
 
 
 def _message(report: pytest.CollectReport | pytest.TestReport) -> str:
@@ -482,6 +535,30 @@ def _bounded_by_backstop(item: pytest.Item) -> Any:
         faulthandler.cancel_dump_traceback_later()
         log.seek(0)
         log.truncate()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    # pytest-rerunfailures reruns a failed case inside one pytest_runtest_protocol, where
+    # pytest-timeout armed the case's deadline once: a rerun after a timeout would run
+    # unbounded. Each attempt after the first gets the deadline (and the backstop) anew.
+    if getattr(item, "execution_count", 1) > 1 and _load(item.config) is not None:
+        _restart_deadline(item)
+
+
+def _restart_deadline(item: pytest.Item) -> None:
+    """Arm ``item``'s pytest-timeout deadline and its backstop again, from now."""
+    from pytest_timeout import _get_item_settings  # the settings its own hooks are given
+
+    settings = _get_item_settings(item)
+    if settings.timeout and settings.timeout > 0 and not settings.func_only:
+        hook = item.config.pluginmanager.hook
+        hook.pytest_timeout_cancel_timer(item=item)
+        hook.pytest_timeout_set_timer(item=item, settings=settings)
+    backstop = item.stash.get(_BACKSTOP, None)
+    log = item.config.stash.get(_BACKSTOP_LOG, None)
+    if backstop is not None and log is not None:  # a log: this run arms backstops
+        faulthandler.dump_traceback_later(backstop, exit=True, file=log)
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

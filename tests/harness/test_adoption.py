@@ -184,13 +184,9 @@ def test_a_new_project_goes_init_inventory_run_green(venv, tmp_path):
     launched = [c for c in summary["cases"] if c["nodeid"].endswith("test_all_reduce")]
     assert [c["outcome"] for c in launched] == ["passed"]
 
-    # Durations flow back: this repository's refresh script folds the run's output into
+    # Durations flow back: the installed harness folds the run's output into
     # suites/durations/cpu.json, each case's share of the pytest run's wall time.
-    refresh = sh(
-        [venv_python(venv), str(REPO / "scripts" / "refresh_durations.py"), "out/harness/cpu"],
-        project,
-        venv,
-    )
+    refresh = sh(["harness", "durations", "out/harness/cpu"], project, venv)
     assert refresh.returncode == 0, refresh.stderr
     recorded = json.loads((project / "suites" / "durations" / "cpu.json").read_text())["durations"]
     assert sorted(recorded) == [

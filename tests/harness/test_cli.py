@@ -608,6 +608,22 @@ def test_matrix_uses_checked_in_durations(pytester, capsys):
     assert "over --target-minutes 0.5" in capsys.readouterr().err
 
 
+def test_matrix_shards_over_budget_prints_the_plan_and_a_warning(pytester, capsys):
+    # Regression: `harness matrix --shards N` over the runner's budget refused the count.
+    entries = [{"id": "t", "paths": ["tests/t"], "estimated_s": 200}]
+    tests = {
+        "tests/t/test_t.py": "import pytest\n\n@pytest.mark.parametrize('i', range(4))\ndef test_t(i):\n    pass\n"
+    }
+    runner = {"labels": ["ubuntu-latest"], "cards": 0, "timeout_minutes": 10}  # 7.5-min budget
+    root = make_project(pytester.path, tests, {"cpu": manifest("cpu", "cpu", entries, runner)})
+    assert main(["--root", str(root), "matrix", "cpu", "--shards", "1"]) == 0
+    out = capsys.readouterr()
+    assert [(x["shard"], x["cases"]) for x in json.loads(out.out)["include"]] == [("1/1", 4)]
+    assert "warning: shard 1/1 is planned at 13.3 min, over the 7.5-min budget" in out.err
+    assert main(["--root", str(root), "matrix", "cpu", "--shards", "2"]) == 0
+    assert "warning" not in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("command", ["matrix", "run"])
 def test_numbers_that_are_not_numbers_stop_before_planning(pytester, capsys, command):
     # NaN / Infinity used to print invalid matrix JSON or fail every launched case.
@@ -964,9 +980,9 @@ def test_the_dependency_check_is_what_the_command_imports():
     assert {dist for _, dist in REQUIREMENTS} == set(done.stdout.split())
     assert {(modules.get(d, d), d) for d in done.stdout.split()} == set(REQUIREMENTS)
     # `harness run` also needs psutil and junitparser, imported where used (not by the
-    # import above), and pytest-timeout, which the run's pytest loads (each planned case's
-    # deadline).
-    run_only = {"psutil", "pytest-timeout", "junitparser"}
+    # import above), and pytest-timeout and pytest-rerunfailures, which the run's pytest
+    # loads (each planned case's deadline, flaky entries' reruns).
+    run_only = {"psutil", "pytest-timeout", "junitparser", "pytest-rerunfailures"}
     assert {dist for _, dist in RUN_REQUIREMENTS} == run_only <= declared
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import json
 from pathlib import Path
 
@@ -9,9 +10,13 @@ import jsonschema
 import pytest
 from suite_project import CPU_RUNNER, manifest
 
+from harness import names
 from harness.suites.manifest import (
+    Flaky,
     ManifestError,
+    Quarantine,
     duplicate_entries,
+    expired_quarantines,
     load_manifest,
     load_suites,
     path_matches,
@@ -342,6 +347,82 @@ def test_load_suites_reports_unknown_names(tmp_path):
     assert f"no such suite in {tmp_path / 'suites'} " in problems[0].message
 
 
+# --------------------------------------------------------------------------- flaky, quarantine
+
+
+def test_flaky_quarantine_and_run_everything_on_load(tmp_path):
+    doc = cpu_doc(
+        flaky={"retries": 2, "reason": "issue 7"},
+        quarantine={"reason": "issue 8", "until": "2999-12-31"},
+    )
+    doc["run_everything_on"] = ["uv.lock", "vendor/**"]
+    write(tmp_path, "suites/cpu.json", doc)
+    m = load_manifest(tmp_path / "suites/cpu.json", tmp_path)
+    (e,) = m.entries
+    assert e.flaky == Flaky(2, "issue 7")
+    assert e.quarantine == Quarantine("issue 8", datetime.date(2999, 12, 31))
+    assert m.run_everything_on == ("uv.lock", "vendor/**")
+    write(tmp_path, "suites/cpu.json", cpu_doc())
+    m = load_manifest(tmp_path / "suites/cpu.json", tmp_path)
+    assert m.run_everything_on is None
+    assert m.entries[0].flaky is None
+    assert m.entries[0].quarantine is None
+
+
+@pytest.mark.parametrize(
+    ("entry", "where", "says"),
+    [
+        ({"flaky": {"retries": 0, "reason": "r"}}, "/entries/0/flaky/retries", "minimum"),
+        ({"flaky": {"retries": 1.5, "reason": "r"}}, "/entries/0/flaky/retries", "integer"),
+        ({"flaky": {"retries": 2}}, "/entries/0/flaky", "'reason' is a required"),
+        ({"flaky": {"retries": 2, "reason": ""}}, "/entries/0/flaky/reason", ""),
+        ({"quarantine": {"until": "2999-01-01"}}, "/entries/0/quarantine", "'reason' is a"),
+        ({"quarantine": {"reason": "r"}}, "/entries/0/quarantine", "'until' is a required"),
+        ({"quarantine": {"reason": "r", "until": "soon"}}, "/entries/0/quarantine/until", ""),
+        ({"quarantine": {"reason": "r", "until": "2026-02-30"}}, "/entries/0/quarantine/until", ""),
+    ],
+)
+def test_bad_flaky_or_quarantine_is_named_with_file_and_pointer(tmp_path, entry, where, says):
+    write(tmp_path, "suites/cpu.json", cpu_doc(**entry))
+    (found,) = problems_of(tmp_path)
+    assert found.startswith(f"suites/cpu.json {where}: [schema]"), found
+    assert says in found, found
+
+
+def test_run_everything_on_outside_the_repository_is_named(tmp_path):
+    doc = cpu_doc()
+    doc["run_everything_on"] = ["uv.lock", "../other/**"]
+    write(tmp_path, "suites/cpu.json", doc)
+    (found,) = problems_of(tmp_path)
+    assert found.startswith("suites/cpu.json /run_everything_on/1: [path]"), found
+
+
+def test_an_expired_quarantine_is_a_blocking_problem_where_it_is_defined(tmp_path):
+    entries = [
+        {"id": "q", "paths": ["tests"], "quarantine": {"reason": "r", "until": "2026-03-01"}}
+    ]
+    write(tmp_path, "suites/cases/shared.json", {"entries": entries})
+    write(
+        tmp_path,
+        "suites/cpu.json",
+        manifest("cpu", "cpu", [{"include": "suites/cases/shared.json"}]),
+    )
+    m = load_manifest(tmp_path / "suites/cpu.json", tmp_path)
+    assert expired_quarantines(m, datetime.date(2026, 3, 1)) == []  # its last day
+    (p,) = expired_quarantines(m, datetime.date(2026, 3, 2))
+    assert (p.rule, p.file, p.where, p.suite) == (
+        names.QUARANTINE_EXPIRED,
+        "suites/cases/shared.json",
+        "/entries/0/quarantine/until",
+        "cpu",
+    )
+    assert p.rule in names.BLOCKING_RULES
+    _, problems = load_suites(tmp_path)  # today is past 2026-03-01 only some day: pin it
+    assert [q.rule for q in problems] == (
+        [names.QUARANTINE_EXPIRED] if datetime.date.today() > datetime.date(2026, 3, 1) else []
+    )
+
+
 def test_runner_classes_are_sorted_and_budget_defaults_to_three_quarters(tmp_path):
     runners = [
         {"labels": ["big"], "cards": 8, "timeout_minutes": 60},
@@ -394,6 +475,22 @@ def test_entry_device_cards_and_env_load(tmp_path):
     assert (b.device, b.cards, b.env, b.accelerator) == (None, 1, {}, None)
 
 
+# --------------------------------------------------------------------------- command entries
+
+
+def command_doc(**entry: object) -> dict:
+    return manifest("cpu", "cpu", [{"id": "smoke", **entry}])
+
+
+def test_a_command_entry_loads_with_its_argv_and_expected_output(tmp_path):
+    argv = ["torchrun", "--nproc-per-node", "2", "train.py"]
+    write(tmp_path, "suites/cpu.json", command_doc(command=argv, expect_output=r"^step \d+"))
+    (entry,) = load_manifest(tmp_path / "suites/cpu.json", tmp_path).entries
+    assert entry.command == tuple(argv)
+    assert entry.expect_output == r"^step \d+"
+    assert entry.paths == ()
+
+
 @pytest.mark.parametrize(
     ("entry", "where", "words"),
     [
@@ -432,3 +529,49 @@ def test_entry_device_of_another_suite_is_named_in_the_included_case_list(tmp_pa
         "suites/cases/acc.json /entries/0/device: [schema] entry 'a' says device 'cuda', but "
         "suite 'npu' runs on npu: give it the suite's device or leave `device` out"
     ]
+
+
+@pytest.mark.parametrize(
+    ("entry", "where", "words"),
+    [
+        (
+            {"command": ["python", "x.py"], "paths": ["tests"]},
+            "/entries/0/paths",
+            "either paths or a command",
+        ),
+        (
+            {"command": ["python", "x.py"], "markers": "slow"},
+            "/entries/0/markers",
+            "either paths or a command",
+        ),
+        ({"command": []}, "/entries/0/command", "non-empty"),
+        ({"command": ["python", 3]}, "/entries/0/command/1", "not of type 'string'"),
+        ({"command": ["python", ""]}, "/entries/0/command/1", ""),
+        ({"command": "python x.py"}, "/entries/0/command", "not of type 'array'"),
+        (
+            {"command": ["python"], "expect_output": "loss ("},
+            "/entries/0/expect_output",
+            "not a regular expression",
+        ),
+        (
+            {"paths": ["tests"], "expect_output": "ok"},
+            "/entries/0/expect_output",
+            "applies to a command entry",
+        ),
+        ({}, "/entries/0", "'paths' is a required property"),
+    ],
+)
+def test_a_bad_command_entry_is_named_by_file_and_pointer(tmp_path, entry, where, words):
+    write(tmp_path, "suites/cpu.json", command_doc(**entry))
+    found = problems_of(tmp_path)
+    assert any(p.startswith(f"suites/cpu.json {where}:") and words in p for p in found), found
+
+
+def test_a_bad_command_entry_in_a_shared_case_list_points_into_that_list(tmp_path):
+    write(tmp_path, "suites/cases/e2e.json", {"entries": [{"id": "e", "command": ["x", 1]}]})
+    write(
+        tmp_path, "suites/cpu.json", manifest("cpu", "cpu", [{"include": "suites/cases/e2e.json"}])
+    )
+    assert any(
+        p.startswith("suites/cases/e2e.json /entries/0/command/1:") for p in problems_of(tmp_path)
+    )

@@ -10,6 +10,7 @@ import dataclasses
 import json
 import os
 import random
+import re
 import stat
 import subprocess
 from pathlib import Path
@@ -126,9 +127,14 @@ def test_case_needing_more_cards_than_any_runner_is_refused():
 # --------------------------------------------------------------------------- budgets and targets
 
 
-def test_shards_over_budget_are_named():
-    with pytest.raises(PlanError, match=r"shard 1/2 is planned at .* over the 3.0-min budget"):
-        plan("s", [runner(timeout=4, budget=3)], cases([100.0] * 6), shards=2)
+def test_shards_over_budget_are_planned_as_asked_and_named():
+    # Regression: --shards N over the runner's budget refused the count the caller asked for.
+    result = plan("s", [runner(timeout=4, budget=3)], cases([100.0] * 6), shards=2)
+    assert [len(s.cases) for s in result.shards] == [3, 3]
+    (warning,) = result.warnings
+    assert re.search(r"shard 1/2 is planned at 5.0 min, over the 3.0-min budget", warning)
+    assert "shard 2/2" in warning
+    assert plan("s", [runner(timeout=4, budget=3)], cases([100.0] * 6), shards=6).warnings == []
 
 
 def test_single_case_over_budget_is_named():
@@ -281,8 +287,19 @@ ENTRIES = [
         (["tests/meter/test_m.py"], {"meter", "always"}, False),  # its own test files count
         (["README.md"], {"always"}, False),
         ([], {"always"}, False),
-        (["harness/plan.py"], {"ops", "meter", "always"}, True),
+        (["harness/plan.py"], {"always"}, False),  # a vendored harness: its depends_on say
         (["suites/gpu.json"], {"ops", "meter", "always"}, True),
+        # Regression: a lockfile, a requirements list or a CI workflow changed alone
+        # selected only the entries without depends_on.
+        (["uv.lock"], {"ops", "meter", "always"}, True),
+        (["poetry.lock"], {"ops", "meter", "always"}, True),
+        (["requirements-dev.txt"], {"ops", "meter", "always"}, True),
+        (["ci/requirements.txt"], {"ops", "meter", "always"}, True),
+        (["Pipfile.lock"], {"ops", "meter", "always"}, True),
+        (["pdm.lock"], {"ops", "meter", "always"}, True),
+        ([".github/workflows/ci.yml"], {"ops", "meter", "always"}, True),
+        (["pytest.ini"], {"ops", "meter", "always"}, True),
+        (["conftest.py"], {"ops", "meter", "always"}, True),
         (["pyproject.toml"], {"ops", "meter", "always"}, True),
         (["noxfile.py"], {"ops", "meter", "always"}, True),
         (["tests/conftest.py"], {"ops", "meter", "always"}, True),
@@ -345,10 +362,27 @@ def test_changes_since_the_merge_base_only(repo):
     assert changed_files(repo, "main") == (["channel_loss/ops.py"], "")
 
 
-def test_harness_change_in_git_runs_everything(repo):
-    (repo / "harness").mkdir()
-    (repo / "harness/x.py").write_text("")
-    assert select(ENTRIES, *changed_files(repo, "main")).everything
+def test_a_lockfile_change_alone_in_git_runs_everything(repo):
+    # Regression: a change to uv.lock alone selected only the entries without depends_on.
+    (repo / "uv.lock").write_text("version = 1\n")
+    git(repo, "add", "uv.lock")
+    git(repo, "commit", "-qm", "lock")
+    assert changed_files(repo, "main") == (["uv.lock"], "")
+    sel = select(ENTRIES, *changed_files(repo, "main"))
+    assert sel.everything
+    assert set(sel.entries) == {"ops", "meter", "always"}
+    assert sel.reason == "uv.lock changed: running every entry"
+
+
+def test_run_everything_on_replaces_the_default_list():
+    extended = ("uv.lock", "vendor/**")
+    sel = select(ENTRIES, ["vendor/lib/x.py"], run_everything_on=extended)
+    assert sel.everything
+    sel = select(ENTRIES, ["vendor/lib/x.py"])  # the default names no vendor/
+    assert set(sel.entries) == {"always"}
+    # The manifest's list replaces the default: pyproject.toml is not in it.
+    assert not select(ENTRIES, ["pyproject.toml"], run_everything_on=extended).everything
+    assert not select(ENTRIES, ["uv.lock"], run_everything_on=()).everything
 
 
 def test_unknown_ref_runs_everything_and_says_what_git_said(repo):

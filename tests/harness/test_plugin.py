@@ -130,8 +130,9 @@ def test_passing_case_runs_every_rank_with_its_environment(outcomes):
     assert session.case("test_pass").status == "passed", session.output
     for rank in (0, 1):
         env = json.loads((root / "out" / f"env-{rank}.json").read_text())
-        # A stuck collective must raise in the rank before the 300 s case deadline:
-        # the group's timeout is what was left of it when the ranks joined, less a margin.
+        # A stuck collective must raise in the rank before the 300 s case deadline
+        # (which starts when the ranks are ready, just after they join): the
+        # group's timeout is the deadline less a margin.
         timeout, left = env.pop("pg_timeout_s"), env.pop("left_s")
         assert timeout <= 270.0
         assert timeout < left

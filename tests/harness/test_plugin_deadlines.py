@@ -3,6 +3,7 @@ a failure, and the launching pytest process itself being signalled."""
 
 from __future__ import annotations
 
+import re
 import signal
 import subprocess
 import time
@@ -33,9 +34,8 @@ DEADLINES = """
         time.sleep(120)
 
 
-    # A case's deadline counts its ranks' start-up (importing torch), which a
-    # loaded machine can stretch past 5 s: the first case starts the kept pool,
-    # so the 5 s of the next one are all test body.
+    # The first case starts the kept pool (a case's deadline counts from the
+    # moment its ranks are ready, so the 5 s of the next one are all test body).
     @pytest.mark.launch(LaunchSpec(nproc=2, timeout=120))
     def test_a_warm_up():
         pass
@@ -210,8 +210,8 @@ FLOOD = """
 
     from harness import LaunchSpec
 
-    # Fresh ranks start inside the case's deadline (a loaded machine can take
-    # most of 8 s to import torch), kept ones were started by the warm-up.
+    # The deadline counts from the moment the ranks are ready; fresh ones keep
+    # the longer one they had when it counted their start (importing torch).
     FRESH = os.environ.get("FLOOD_FRESH") == "1"
 
 
@@ -315,3 +315,48 @@ def test_a_deadline_past_what_a_process_group_holds_runs_the_case(tmp_path, reus
     session = run_session(root, *args, env=inner_env(root / "out", root / "leases"))
     assert session.returncode == 0, session.output[-5000:]
     assert session.case("test_far").status == "passed"
+
+
+SLOW_START = """
+    import os
+    import time
+
+    import pytest
+
+    from harness import LaunchSpec
+
+    # What a slow import (torch on a loaded host) does to a rank: it takes longer
+    # than the case deadline before the test can run. Ranks only (RANK is theirs).
+    if os.environ.get("RANK") is not None:
+        time.sleep(6)
+
+
+    @pytest.mark.launch(LaunchSpec(nproc=2, timeout=4))
+    def test_quick_body_after_a_slow_start():
+        pass
+
+
+    @pytest.mark.launch(LaunchSpec(nproc=2, timeout=4))
+    def test_slow_body_after_a_slow_start():
+        time.sleep(60)
+"""
+
+
+@pytest.mark.parametrize("reuse", [False, True], ids=["fresh", "kept"])
+def test_the_deadline_counts_from_the_moment_the_ranks_are_ready(tmp_path, reuse):
+    # Regression: a case's deadline counted its ranks' start (spawning, importing
+    # torch and the test module), so at high load a short deadline failed a quick
+    # test with every rank "still running" inside its imports.
+    root = write_project(tmp_path / "project", {"test_slow.py": SLOW_START}, reuse=reuse)
+    session = run_session(root, env=inner_env(root / "out", root / "leases"))
+    assert session.case("test_quick_body_after_a_slow_start").status == "passed", session.output
+    case = session.case("test_slow_body_after_a_slow_start")
+    assert case.status == "failed"
+    assert re.search(
+        r"still running at the 4 s deadline \(LaunchSpec\.timeout\), counted from the moment "
+        r"the ranks were ready \((\d+\.\d) s after they were started\)",
+        case.text,
+    ), case.text
+    started = float(re.search(r"ready \((\d+\.\d) s after", case.text).group(1))
+    assert started >= 6.0
+    assert "in test_slow_body_after_a_slow_start" in case.text  # the body's stack, not imports

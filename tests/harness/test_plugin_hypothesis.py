@@ -4,6 +4,7 @@ shrunk example and the failing rank."""
 
 from __future__ import annotations
 
+import re
 import xml.etree.ElementTree as ET
 
 import pytest
@@ -90,3 +91,121 @@ def test_a_given_case_records_where_it_ran(given_session):
     assert props["harness.cards"] == ""
     assert props["harness.ranks"].startswith(("kept", "fresh")), props
     assert int(props["harness.examples"]) >= 5
+
+
+IN_TEST_API = """
+    import os
+
+    import pytest
+    from hypothesis import assume, event, given, note, settings, target, strategies as st
+
+    from recording import out_dir
+
+
+    @settings(max_examples={examples}, database=None, derandomize=True)
+    @given(x=st.integers(0, 1000))
+    @pytest.mark.launch(nproc=2)
+    def test_assume_rejects_the_example(x):
+        with open(out_dir() / f"assume-{{os.environ['RANK']}}.txt", "a") as f:
+            f.write(f"{{x}} {{os.getpid()}}\\n")
+        assume(x % 2 == 0)
+        assert x % 2 == 0
+
+
+    @settings(max_examples={examples}, database=None, derandomize=True)
+    @given(x=st.integers(0, 10))
+    @pytest.mark.launch(nproc=2)
+    def test_event_and_target(x):
+        event(f"parity {{x % 2}}")
+        target(7.0 + (x > 100), label="x")
+
+
+    @settings(max_examples=20, database=None, derandomize=True)
+    @given(x=st.integers(5, {highest}))
+    @pytest.mark.launch(nproc=2)
+    def test_note_in_the_failure_report(x):
+        note(f"noted {{x}} on rank {{os.environ['RANK']}}")
+        assert x < 5
+
+
+    @given(data=st.data())
+    @pytest.mark.launch(nproc=1)
+    def test_data_strategy(data):
+        (out_dir() / "data.ran").write_text("")
+"""
+
+
+@pytest.mark.parametrize("reuse", [False, True], ids=["fresh", "kept"])
+def test_hypothesis_in_test_api_works_on_the_ranks(tmp_path, reuse):
+    # Regression: the body ran on the ranks outside any Hypothesis build context:
+    # `assume` failed the test (and tore the kept pool down at each rejection),
+    # `note` / `event` / `target` raised InvalidArgument, and st.data() failed to pickle.
+    # Fresh ranks cost a start per example: fewer examples, no shrinking.
+    test = IN_TEST_API.format(examples=6 if reuse else 2, highest=50 if reuse else 5)
+    files = {"test_api.py": test}
+    root = write_project(tmp_path / "project", files, reuse=reuse)
+    session = run_session(
+        root,
+        "--hypothesis-show-statistics",
+        env=inner_env(root / "out", root / "leases"),
+        timeout=600,
+    )
+    assume = session.case("test_assume_rejects_the_example")
+    assert assume.status == "passed", session.output
+    runs = [
+        [line.split() for line in (root / "out" / f"assume-{r}.txt").read_text().splitlines()]
+        for r in (0, 1)
+    ]
+    drawn = [[x for x, _ in run] for run in runs]
+    assert drawn[0] == drawn[1]  # the same examples on both ranks, in order ...
+    assert any(int(x) % 2 for x in drawn[0])  # ... some rejected
+    if reuse:  # ... and no rejection replaced the pool
+        assert len({pid for _, pid in runs[0]}) == 1, runs[0]
+
+    assert session.case("test_event_and_target").status == "passed", session.output
+    assert re.search(r"\d%, parity [01]\n", session.output), session.output  # the events
+    assert "Highest target score: 7" in session.output, session.output
+
+    noted = session.case("test_note_in_the_failure_report")
+    assert noted.status == "failed"
+    assert "noted 5 on rank 0" in noted.text, noted.text
+    assert "rank 1: noted 5 on rank 1" in noted.text, noted.text
+
+    data = session.case("test_data_strategy")
+    assert data.status in ("failed", "error")
+    assert "st.data()" in data.text + data.message, session.output
+    assert "'data'" in data.text + data.message
+    assert not (root / "out" / "data.ran").exists()
+
+
+DATA_DRAWN = """
+    import pytest
+    from hypothesis import given, strategies as st
+
+
+    @given(data=st.data())
+    @pytest.mark.launch(nproc=1)
+    def test_draws_in_the_body(data):
+        pass
+
+
+    @given(x=st.integers())
+    @pytest.mark.launch(nproc=1)
+    def test_draws_in_given(x):
+        pass
+"""
+
+
+def test_inventory_refuses_the_data_strategy_the_plugin_refuses(pytester):
+    from suite_project import make_project, manifest
+
+    from harness.suites.inventory import build_inventory
+
+    root = make_project(
+        pytester.path,
+        {"tests/test_data.py": DATA_DRAWN},
+        {"cpu": manifest("cpu", "cpu", [{"id": "data", "paths": ["tests"]}])},
+    )
+    (problem,) = [p for p in build_inventory(root).problems if p.rule == "bad-launch-spec"]
+    assert problem.where == "tests/test_data.py::test_draws_in_the_body"
+    assert "st.data()" in problem.message

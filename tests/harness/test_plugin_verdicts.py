@@ -367,3 +367,102 @@ def test_a_launched_assertion_keeps_pytests_whole_explanation(tmp_path, reuse):
     for line in ("At index 2 diff: 3 != 4", "Use -v to get more diff"):
         assert line in here.text, session.output
         assert line in launched.text, session.output
+
+
+def test_assertion_settings_of_a_pytest_without_get_verbosity(pytestconfig):
+    # Regression: pytest 7 has no Config.get_verbosity (pytest 8 added it with per-type
+    # verbosity): every launched case failed there before its ranks started.
+    from harness.launcher.explain import AssertionSettings
+
+    class Pytest7Config:
+        """This session's configuration as pytest 7's Config offers it."""
+
+        def getini(self, name):
+            return pytestconfig.getini(name)
+
+        def getvalue(self, name):
+            return pytestconfig.getvalue(name)
+
+        def getoption(self, name):
+            return pytestconfig.getoption(name)
+
+    settings = AssertionSettings.of(Pytest7Config())
+    assert settings.verbosity == pytestconfig.getoption("verbose")
+    assert settings.assertmode == str(pytestconfig.getvalue("assertmode"))
+
+
+LOGGED = """
+    import logging
+
+    import pytest
+
+
+    def emit():
+        logging.getLogger("twin.logger").warning("something %s", "odd")
+        logging.getLogger("twin.logger").debug("below the level")
+
+
+    def test_log_in_process():
+        emit()
+        assert False
+
+
+    @pytest.mark.launch(nproc=1)
+    def test_log_launched():
+        emit()
+        assert False
+"""
+
+
+@pytest.mark.parametrize("reuse", [False, True], ids=["fresh", "kept"])
+def test_a_launched_log_record_is_in_the_captured_log_section(tmp_path, reuse):
+    # Regression: a rank's log record showed as bare text in the rank's output, not
+    # in a "Captured log call" section with its level, logger and line.
+    import re
+
+    root = write_project(tmp_path / "project", {"test_log.py": LOGGED}, reuse=reuse)
+    session = run_session(root, env=inner_env(root / "out", root / "leases"))
+    assert session.case("test_log_in_process").status == "failed", session.output
+    assert session.case("test_log_launched").status == "failed", session.output
+    captured = re.findall(
+        r"-+ Captured log call -+\n(WARNING +twin\.logger:test_log\.py:\d+ (?:\[rank 0\] )?"
+        r"something odd\n)(?!.*below the level)",
+        session.output,
+    )
+    assert len(captured) == 2, session.output
+    assert "below the level" not in session.output
+
+
+CAPTURING = """
+    import logging
+
+    import pytest
+
+    from recording import out_dir
+
+
+    @pytest.mark.launch(nproc=1)
+    def test_caplog_launched(caplog):
+        (out_dir() / "caplog.ran").write_text("")
+        logging.warning("seen?")
+        assert "seen?" in caplog.text
+
+
+    @pytest.mark.launch(nproc=1)
+    def test_capfd_launched(capfd):
+        (out_dir() / "capfd.ran").write_text("")
+"""
+
+
+@pytest.mark.parametrize("reuse", [False, True], ids=["fresh", "kept"])
+def test_a_capture_fixture_in_a_launched_test_is_refused_naming_it(tmp_path, reuse):
+    # Regression: pytest's capsys / capfd / caplog, which capture the pytest process,
+    # failed the test with a pickling error instead of saying they cannot work on ranks.
+    root = write_project(tmp_path / "project", {"test_cap.py": CAPTURING}, reuse=reuse)
+    session = run_session(root, env=inner_env(root / "out", root / "leases"))
+    for name in ("caplog", "capfd"):
+        case = session.case(f"test_{name}_launched")
+        assert case.status == "error", session.output
+        assert f"pytest's `{name}` fixture" in case.text + case.message, session.output
+        assert "Captured log call" in case.text + case.message
+    assert not list((root / "out").glob("*.ran"))

@@ -1,0 +1,316 @@
+"""Command cases: a manifest entry's ``command`` run as one pytest item of the session.
+
+``harness run`` writes the run's command cases to a JSON file and gives pytest that file,
+both as a path to collect and as ``--harness-commands FILE``: ``{"format":
+"harness-commands/1", "root": DIR, "cases": [CASE, ...]}``, each ``CASE`` ``{"id":
+"<suite>::<entry id>", "argv": [...], "expect_output": REGEX | null, "timeout_s": SECONDS |
+null, "device": "cpu" | "cuda" | "npu", "cards": N, "env": {...}, "source": MANIFEST}``
+(``source``: the file defining the entry, from the root). This plugin
+(registered by the launch plugin when the option is set) collects it as a
+:class:`CommandFile` of :class:`CommandItem` s, so leases, deadlines (pytest-timeout's marker,
+as every planned case), xdist distribution, reports and JUnit are pytest's as for any case.
+
+An item leases its cards (the device's visibility variable names exactly them), then runs
+its argv (no shell, from the root) under a supervisor (``harness.launcher.supervisor``,
+a child subreaper leading a session of its own): whatever the command starts, ``setsid``
+daemons included, is stopped when the command ends (and named in the report), when its
+deadline passes (after the stacks of what still runs: ``py-spy dump`` where installed, else
+the process tree with command lines), or when pytest dies. Its output (stdout and stderr
+together) goes to a file; the report keeps its head and tail
+(``harness.launcher.outcome.read_bounded``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, NoReturn
+
+import pytest
+
+from harness import processes
+from harness.devices import device_type, inventory
+from harness.launcher.case import current, missing_cards
+from harness.launcher.lease import Lease, LeaseError, acquire, card_want
+from harness.launcher.outcome import read_bounded
+from harness.names import COMMANDS_FORMAT as FORMAT
+from harness.names import DEFAULT_CASE_TIMEOUT_S
+
+#: Between SIGTERM and SIGKILL when a command's tree is stopped at its deadline.
+KILL_AFTER_S = 5.0
+#: How long one ``py-spy dump`` may take, and how many processes are dumped.
+PY_SPY_TIMEOUT_S = 10.0
+PY_SPY_MAX_PROCS = 16
+
+#: A command's deadline from pytest-timeout's hook (its marker), seconds.
+_DEADLINE = pytest.StashKey[float]()
+
+
+def pytest_collect_file(file_path: Path, parent: pytest.Collector) -> pytest.Collector | None:
+    option = parent.config.getoption("harness_commands", None)
+    if option and os.path.abspath(file_path) == os.path.abspath(option):
+        return CommandFile.from_parent(parent, path=file_path)
+    return None
+
+
+@pytest.hookimpl(optionalhook=True, tryfirst=True)
+def pytest_timeout_set_timer(item: pytest.Item, settings: Any) -> bool | None:
+    """pytest-timeout's timeout of a command case is its command's deadline: the command's
+    tree is stopped then, with its stacks, instead of a signal interrupting this process."""
+    if not isinstance(item, CommandItem):
+        return None
+    item.stash[_DEADLINE] = float(settings.timeout)
+    return True
+
+
+@pytest.hookimpl(optionalhook=True, tryfirst=True)
+def pytest_timeout_cancel_timer(item: pytest.Item) -> bool | None:
+    return True if isinstance(item, CommandItem) else None
+
+
+class CommandFile(pytest.File):
+    """The run's command cases file: one :class:`CommandItem` per case, in order."""
+
+    def collect(self) -> Iterator[CommandItem]:
+        doc = json.loads(self.path.read_text(encoding="utf-8"))
+        if doc.get("format") != FORMAT:  # another harness's run wrote it
+            raise ValueError(f"{self.path}: not a {FORMAT} file (format {doc.get('format')!r})")
+        root = doc["root"]
+        for case in doc["cases"]:
+            # Located at its manifest: where the report and warnings point.
+            where = Path(root, case["source"]) if case.get("source") else self.path
+            yield CommandItem.from_parent(
+                self, name=case["id"], nodeid=case["id"], path=where, case=case, root=root
+            )
+
+
+class CommandItem(pytest.Item):
+    """One command case: passes when its argv exits 0 within its deadline and its output
+    matches its ``expect_output``. ``harness_case_id`` is its case id (``<suite>::<entry>``)."""
+
+    def __init__(self, *, case: dict[str, Any], root: str, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.case = case
+        self.root = root
+        self.harness_case_id: str = case["id"]
+        self.argv: list[str] = list(case["argv"])
+        self.device: str = case.get("device") or "cpu"
+        self.cards: int = int(case.get("cards") or 0)
+        suite, _, entry = self.harness_case_id.partition("::")
+        self.keywords.update({suite: True, entry: True})
+
+    def reportinfo(self) -> tuple[Path, int, str]:
+        return self.path, 0, f"{self.harness_case_id}: {_shown(self.argv)}"
+
+    def repr_failure(self, excinfo: pytest.ExceptionInfo[BaseException], style: Any = None) -> Any:
+        if isinstance(excinfo.value, CommandFailed):
+            return str(excinfo.value)
+        return super().repr_failure(excinfo, style)
+
+    def _deadline(self) -> float:
+        """pytest-timeout's (the case's ``timeout`` marker), else the case's own ``timeout_s``,
+        else the default case deadline."""
+        given = self.stash.get(_DEADLINE, None) or self.case.get("timeout_s")
+        return float(given or DEFAULT_CASE_TIMEOUT_S)
+
+    def runtest(self) -> None:
+        settings = current()
+        reason = missing_cards(self.device, self.cards)
+        if reason is not None:
+            if self.device in settings.require:
+                _fail(
+                    f"{self.harness_case_id}: {reason}, and --harness-require {self.device} is set"
+                )
+            pytest.skip(reason)
+        env = {**os.environ, **self.case.get("env", {})}
+        if _which(self.argv[0], env, self.root) is None:
+            where = "from the repository root" if os.sep in self.argv[0] else "on PATH"
+            raise CommandFailed(
+                f"harness: {self.harness_case_id}: {_shown(self.argv)}\n"
+                f"PATH={env.get('PATH', '')}\nroot: {self.root}\n"
+                f"E   program {self.argv[0]!r} not found {where}"
+            )
+        with contextlib.ExitStack() as held:
+            keep: list[int] = []
+            if self.cards:
+                lease = held.enter_context(self._lease(settings))
+                keep = lease.fds()
+                names = [c.id for c in lease.cards()]
+                visible = device_type(self.device).visibility_env
+                if visible:
+                    env[visible] = ",".join(names)
+                self.user_properties.append(("harness.cards", ",".join(map(str, lease.cards()))))
+            self.user_properties.append(("harness.device", self.device))
+            folder = held.enter_context(tempfile.TemporaryDirectory(prefix="harness-command-"))
+            self._run(env, Path(folder), keep)
+
+    def _lease(self, settings: Any) -> Lease:
+        try:
+            return acquire(
+                settings.lease_dir,
+                [card_want(inventory(self.device), self.cards)],
+                timeout=settings.lease_timeout,
+                holder=self.harness_case_id,
+            )
+        except LeaseError as exc:
+            _fail(
+                f"{self.harness_case_id}: could not lease {self.cards} {self.device} card(s)\n{exc}"
+            )
+
+    def _run(self, env: dict[str, str], folder: Path, keep: list[int]) -> None:
+        """Run the command (its supervisor holding the lease descriptors ``keep``, so that the
+        cards stay leased until nothing of it runs, even past this process), then judge it."""
+        output, leftovers = folder / "output", folder / "leftovers"
+        deadline = self._deadline()
+        wrapper = [sys.executable, "-m", "harness.launcher.supervisor", str(os.getpid())]
+        started = time.monotonic()
+        with open(output, "wb") as out:
+            proc = subprocess.Popen(
+                [*wrapper, str(leftovers), ",".join(map(str, keep)), "--", *self.argv],
+                cwd=self.root,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                pass_fds=keep,
+            )
+        stacks = ""
+        try:
+            code = proc.wait(timeout=deadline)
+        except subprocess.TimeoutExpired:
+            stacks = _stacks(proc.pid)
+            processes.kill_trees([proc.pid], grace=KILL_AFTER_S, kill_wait=KILL_AFTER_S)
+            code = None
+        finally:
+            # However this ends (an interrupt included), nothing of the command outlives it.
+            processes.kill_trees([proc.pid], grace=0, kill_wait=KILL_AFTER_S)
+            with contextlib.suppress(subprocess.TimeoutExpired):  # stuck in the kernel: bounded
+                proc.wait(timeout=KILL_AFTER_S)
+        seconds = time.monotonic() - started
+        text = read_bounded(str(output), "the command's output")
+        size = output.stat().st_size
+        left = leftovers.read_text(encoding="utf-8", errors="replace") if leftovers.exists() else ""
+        leaked = self._left_running(left) if left.strip() else None
+        verdict = None
+        if code is None:
+            verdict = f"stopped at its deadline of {deadline:g} s (ran {seconds:.1f} s)"
+        elif code != 0:
+            verdict = _exit_words(code)
+        elif (pattern := self.case.get("expect_output")) and not _matches(pattern, output):
+            verdict = f"exited 0, but its output does not match expect_output {pattern!r}"
+        elif leaked is not None and _leaks_fail(self.config):
+            verdict = f"{leaked} (harness_leaks = fail)"
+        if verdict is None:
+            self.add_report_section("call", "output", text)  # shown by -rP
+            return
+        # The verdict first (pytest's short summary) and last, as an ``E`` line (the run's).
+        body = (
+            f"harness: {self.harness_case_id}: {verdict}\n"
+            f"command: {_shown(self.argv)} (from {self.root})\n"
+            f"----- output ({size} bytes) -----\n{text}"
+        )
+        if not text.endswith("\n"):
+            body += "\n"
+        body += "----- end of output -----\n"
+        if stacks:
+            body += f"----- still running at the deadline -----\n{stacks}"
+        raise CommandFailed(f"{body}E   {verdict}")
+
+    def _left_running(self, listing: str) -> str:
+        """Processes the command left running, stopped by its supervisor: reported as a
+        warning naming each (pid, command line); returns its words."""
+        procs = "; ".join(
+            f"pid {pid}: {cmd}"
+            for pid, _, cmd in (ln.partition("\t") for ln in listing.splitlines() if ln)
+        )
+        words = f"the command left process(es) running when it ended, now stopped: {procs}"
+        self.warn(pytest.PytestWarning(f"{self.harness_case_id}: {words}"))
+        return words
+
+
+class CommandFailed(Exception):
+    """A command case failed; the message is its whole report (output, stacks, verdict last)."""
+
+
+def _leaks_fail(config: pytest.Config) -> bool:
+    """Whether the ini ``harness_leaks`` (where the plugin declares it) says ``fail``."""
+    try:
+        return str(config.getini("harness_leaks")).strip().lower() == "fail"
+    except ValueError:  # not declared: leaks warn
+        return False
+
+
+def _fail(message: str) -> NoReturn:
+    raise pytest.fail.Exception(message, pytrace=False) from None
+
+
+def _shown(argv: list[str]) -> str:
+    import shlex
+
+    return shlex.join(argv)
+
+
+def _which(program: str, env: dict[str, str], root: str) -> str | None:
+    """Where ``program`` is (a path with a slash: from ``root``), as ``execvp`` would find it."""
+    if os.sep in program:
+        path = os.path.join(root, program)
+        return path if os.path.isfile(path) and os.access(path, os.X_OK) else None
+    return shutil.which(program, path=env.get("PATH", os.defpath))
+
+
+def _exit_words(code: int) -> str:
+    if code == 127:
+        return "exited with status 127 (the program could not be run: see its output)"
+    if code < 0:
+        import signal
+
+        with contextlib.suppress(ValueError):
+            return f"killed by {signal.Signals(-code).name}"
+    return f"exited with status {code}"
+
+
+def _matches(pattern: str, output: Path) -> bool:
+    """Whether ``pattern`` matches somewhere in the output (``^`` / ``$`` at each line)."""
+    text = output.read_text(encoding="utf-8", errors="replace")
+    return re.search(pattern, text, re.MULTILINE) is not None
+
+
+def _stacks(supervisor: int) -> str:
+    """What still runs below a command's ``supervisor``: each process (pid, parent, state,
+    command line), and where py-spy is installed (on the run's ``PATH``) ``py-spy dump`` of
+    each (the first line of its error for a process it cannot read: not Python, no rights)."""
+    import psutil
+
+    tree = [p for p in processes.process_tree(supervisor, own_session=True) if p.pid != supervisor]
+    lines = []
+    for proc in tree:
+        with contextlib.suppress(psutil.Error):
+            cmd = " ".join(proc.cmdline()) or proc.name()
+            lines.append(f"pid {proc.pid} (parent {proc.ppid()}, {proc.status()}): {cmd}\n")
+    py_spy = shutil.which("py-spy")
+    if py_spy is None:
+        lines.append("(py-spy is not installed: no Python stacks of these processes)\n")
+        return "".join(lines)
+    for proc in tree[:PY_SPY_MAX_PROCS]:
+        try:
+            done = subprocess.run(
+                [py_spy, "dump", "--pid", str(proc.pid)],
+                capture_output=True,
+                text=True,
+                timeout=PY_SPY_TIMEOUT_S,
+                check=False,
+            )
+            said = done.stdout if done.returncode == 0 else done.stderr.strip().split("\n")[0]
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            said = str(exc)
+        lines.append(f"--- py-spy dump --pid {proc.pid} ---\n{said.rstrip()}\n")
+    return "".join(lines)
