@@ -179,18 +179,6 @@ def load_suite(root: Path, suite: str, command: str) -> tuple[str, SuiteInventor
     return name, inv
 
 
-def plan_cases(
-    root: Path,
-    m: Manifest,
-    owned: Sequence[tuple[CollectedCase, Entry]],
-    durations: Path | None,
-    shard: tuple[int, int] | None,
-) -> list[tuple[CollectedCase, Entry]]:
-    """The cases of one shard (all of ``owned`` when ``shard`` is None), in collection order,
-    planned as ``harness matrix`` plans (``PlanError`` where the matrix refuses the suite)."""
-    return plan_shard(root, m, owned, durations, shard)[0]
-
-
 def plan_shard(
     root: Path,
     m: Manifest,
@@ -198,8 +186,10 @@ def plan_shard(
     durations: Path | None,
     shard: tuple[int, int] | None,
 ) -> tuple[list[tuple[CollectedCase, Entry]], str | None]:
-    """:func:`plan_cases`, and the name of the runner class the shard was planned onto (the
-    suite's one class when unsharded; ``None`` for an unsharded suite of several)."""
+    """The cases of one shard (all of ``owned`` when ``shard`` is None), in collection order,
+    planned as ``harness matrix`` plans (``PlanError`` where the matrix refuses the suite),
+    and the name of the runner class the shard was planned onto (the suite's one class when
+    unsharded; ``None`` for an unsharded suite of several)."""
     result = plan_suite(root, m, owned, durations=durations, shards=shard[1] if shard else None)
     for warning in result.warnings:
         print(f"harness run: warning: {warning}", file=sys.stderr)

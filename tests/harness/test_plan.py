@@ -405,7 +405,7 @@ def test_the_shard_run_is_the_shard_planned(pytester, capsys):
     from harness.suites.cli import main
     from harness.suites.inventory import build_inventory
     from harness.suites.plan import plan_suite
-    from harness.suites.run import plan_cases
+    from harness.suites.run import plan_shard
 
     tests = {
         "tests/t/test_t.py": "import pytest\n\n@pytest.mark.parametrize('i', range(7))\ndef test_t(i):\n    pass\n"
@@ -425,7 +425,7 @@ def test_the_shard_run_is_the_shard_planned(pytester, capsys):
         matrix = json.loads(capsys.readouterr().out)["include"]
         planned = plan_suite(root, m, owned, shards=n)
         ran = [
-            {c.nodeid for c, _ in plan_cases(root, m, owned, None, (i, n))} for i in range(1, n + 1)
+            {c.nodeid for c, _ in plan_shard(root, m, owned, None, (i, n))[0]} for i in range(1, n + 1)
         ]
         assert ran == [{c.nodeid for c in s.cases} for s in planned.shards]
         assert [len(r) for r in ran] == [row["cases"] for row in matrix]
