@@ -109,6 +109,7 @@ def run_nodes(
     result.label += f", {spec.nnodes} emulated nodes x {spec.nproc}"
     per_node = [tuple(cards[k * spec.cards : (k + 1) * spec.cards]) for k in range(spec.nnodes)]
     wall_deadline = time.time() + plan.deadline.seconds
+    deadline = time.monotonic() + plan.deadline.seconds
     case = nodes.NodeCase(
         task=task,
         what=plan.what,
@@ -146,7 +147,9 @@ def run_nodes(
                 agents.append(_start_agent(case_dir, k, per_node[k], plan, lease))
             if lease is not None:
                 lease.annotate(ranks=[a.pid for a in agents])
-            _supervise(run, agents, case_dir, run.deadline)
+            # The case deadline counts from the start here: the agents' rendezvous is
+            # bounded by it (``node.agent_main``), so there is no separate start bound.
+            _supervise(run, agents, case_dir, deadline)
         finally:
             with signals_deferred():
                 try:

@@ -149,6 +149,7 @@ def test_inventory_and_matrix_list_a_command_case_with_its_device_and_cards(pyte
         "device": "cuda",
         "nproc": 1,
         "cards": 1,
+        "nnodes": 1,
         "launched": False,
         "entries": ["gpu:smoke"],
         "command": ["torchrun", "train.py"],
