@@ -425,7 +425,8 @@ def test_the_shard_run_is_the_shard_planned(pytester, capsys):
         matrix = json.loads(capsys.readouterr().out)["include"]
         planned = plan_suite(root, m, owned, shards=n)
         ran = [
-            {c.nodeid for c, _ in plan_shard(root, m, owned, None, (i, n))[0]} for i in range(1, n + 1)
+            {c.nodeid for c, _ in plan_shard(root, m, owned, None, (i, n))[0]}
+            for i in range(1, n + 1)
         ]
         assert ran == [{c.nodeid for c in s.cases} for s in planned.shards]
         assert [len(r) for r in ran] == [row["cases"] for row in matrix]
