@@ -39,6 +39,7 @@ import pytest
 
 from harness import processes
 from harness.devices import device_type, inventory
+from harness.launcher import containment
 from harness.launcher.case import current, missing_cards
 from harness.launcher.lease import Lease, LeaseError, acquire, card_want
 from harness.launcher.outcome import read_bounded
@@ -242,11 +243,9 @@ class CommandFailed(Exception):
 
 
 def _leaks_fail(config: pytest.Config) -> bool:
-    """Whether the ini ``harness_leaks`` (where the plugin declares it) says ``fail``."""
-    try:
-        return str(config.getini("harness_leaks")).strip().lower() == "fail"
-    except ValueError:  # not declared: leaks warn
-        return False
+    """Whether the ini ``harness_leaks`` (the launch plugin's, checked at configure) says
+    ``fail``."""
+    return str(config.getini(containment.LEAKS_INI)).strip().lower() == "fail"
 
 
 def _fail(message: str) -> NoReturn:
