@@ -562,10 +562,9 @@ def _pytest_command(run: _Run) -> list[str]:
             # Each planned case's deadline: its entry's timeout_s (None: the default).
             "cases": {c.nodeid: e.timeout_s for c, e in run.cases},
             "entries": {c.nodeid: e.id for c, e in run.cases},
-            **selected_devices(run.cases),
+            **_entry_fields(run.cases),
             "suite": run.suite_ids,  # every shard's
             "files": files,  # the paths below; any other is the caller's, and narrows the run
-            **_policies(run),
         },
         indent=None,
     )
@@ -597,23 +596,17 @@ def _pytest_command(run: _Run) -> list[str]:
     return cmd
 
 
-def selected_devices(cases: Sequence[tuple[CollectedCase, Entry]]) -> dict[str, Any]:
-    """What the selection file says of the cases' entries beyond their deadlines:
-    ``"devices"``, node id -> ``[device, cards]`` of each plain case an accelerator entry
-    makes an accelerator case (run in a process of its own on those cards), and ``"env"``,
-    node id -> the environment its entry sets (only where it sets one)."""
+def _entry_fields(cases: Sequence[tuple[CollectedCase, Entry]]) -> dict[str, dict[str, Any]]:
+    """What the selection file says of the planned cases' entries beyond their deadlines,
+    by node id: ``"devices"``, ``[device, cards]`` of each plain case an accelerator entry
+    makes an accelerator case (run in a process of its own on those cards); ``"env"``, the
+    environment its entry sets; ``"retries"`` (flaky entries) and ``"quarantine"`` (the
+    reason); each only where the entry says it."""
     return {
         "devices": {c.nodeid: [c.entry_device, c.cards] for c, _ in cases if c.entry_device},
         "env": {c.nodeid: e.env for c, e in cases if e.env},
-    }
-
-
-def _policies(run: _Run) -> dict[str, dict[str, Any]]:
-    """The selection file's ``retries`` (flaky entries) and ``quarantine`` (their reasons),
-    by planned case."""
-    return {
-        "retries": {c.nodeid: e.flaky.retries for c, e in run.cases if e.flaky},
-        "quarantine": {c.nodeid: e.quarantine.reason for c, e in run.cases if e.quarantine},
+        "retries": {c.nodeid: e.flaky.retries for c, e in cases if e.flaky},
+        "quarantine": {c.nodeid: e.quarantine.reason for c, e in cases if e.quarantine},
     }
 
 
@@ -769,7 +762,7 @@ def _report(run: _Run, ran: _Ran, stop: _Stop) -> int:
     if ran.code == _PYTEST_USAGE_ERROR:  # its cases never ran for that reason
         halted = halted or "pytest stopped on a usage error (exit status 4)"
     results = report.results_from_records([c.nodeid for c, _ in run.cases], records, halted)
-    results = report.quarantine(results, _policies(run)["quarantine"])
+    results = report.quarantine(results, _entry_fields(run.cases)["quarantine"])
     prefix = records.options.get("junit_prefix") or ""
     report.complete_junit(junit, results.values(), prefix, records.aliases)
     asked = records.options.get("junitxml")

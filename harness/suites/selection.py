@@ -378,7 +378,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         marker = deadline_marker(item, wanted[cid])
         if marker is not None:
             item.add_marker(marker)
-        _entry_policies(item, cid, sel)
         if not _launched(item) and not hasattr(item, "harness_case_id"):
             # (A command case stops its own command at its deadline: no backstop.)
             timeout = item.get_closest_marker("timeout")
@@ -410,7 +409,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def _place(item: pytest.Item, sel: dict[str, Any], cid: str) -> None:
     """Give a planned case what its entry says beyond its deadline: a plain case of an
     accelerator entry gets the launch plugin's ``harness_device`` marker (its device and
-    cards: it runs apart on them), and the entry's ``env`` is kept for the case's run."""
+    cards: it runs apart on them), a flaky entry's case a rerun marker, a quarantined
+    entry's case a JUnit property; the entry's ``env`` is kept for the case's run."""
     placed = sel.get("devices", {}).get(cid)
     if placed is not None:
         device, cards = placed
@@ -418,6 +418,12 @@ def _place(item: pytest.Item, sel: dict[str, Any], cid: str) -> None:
     env = sel.get("env", {}).get(cid)
     if env:
         item.stash[_ENV] = env
+    retries = sel.get("retries", {}).get(cid)
+    if retries and (marker := rerun_marker(item, retries)) is not None:
+        item.add_marker(marker)
+    reason = sel.get("quarantine", {}).get(cid)
+    if reason is not None:
+        item.user_properties.append(("harness.quarantine", reason))
 
 
 @contextlib.contextmanager
@@ -437,16 +443,6 @@ def entry_env(env: dict[str, str] | None) -> Iterator[None]:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-
-
-def _entry_policies(item: pytest.Item, cid: str, sel: dict[str, Any]) -> None:
-    """A planned case's entry's ``flaky`` (a rerun marker) and ``quarantine`` (a JUnit property)."""
-    retries = sel.get("retries", {}).get(cid)
-    if retries and (marker := rerun_marker(item, retries)) is not None:
-        item.add_marker(marker)
-    reason = sel.get("quarantine", {}).get(cid)
-    if reason is not None:
-        item.user_properties.append(("harness.quarantine", reason))
 
 
 def rerun_marker(item: pytest.Item, retries: int) -> pytest.MarkDecorator | None:
