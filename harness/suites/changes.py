@@ -74,8 +74,9 @@ class ChangeSelection:
     reason: str
 
 
-def _git(root: Path, *args: str) -> tuple[str | None, str]:
-    """git's output, or ``None`` and why it failed (its first line of error)."""
+def run_git(root: Path, *args: str) -> tuple[str | None, str]:
+    """``git -C root ARGS``: its output and ``""``, or ``None`` and why it failed (its first
+    line of error)."""
     try:
         done = subprocess.run(
             ["git", "-C", str(root), *args],
@@ -111,24 +112,24 @@ def changed_files(root: Path, ref: str) -> tuple[list[str] | None, str]:
     The harness's root may be a folder of the git repository (a monorepo's project): a
     change outside it is given as a path from the root (``../libs/x.py``), and runs every
     entry (:func:`select`): a test may read anything in the repository."""
-    out, why = _git(root, "rev-parse", "--show-toplevel")
+    out, why = run_git(root, "rev-parse", "--show-toplevel")
     if not out or not out.strip():
         return None, why or f"git rev-parse: no top folder for {root}"
     top = Path(out.strip()).resolve()
-    outer, _ = _git(top, "rev-parse", "--show-superproject-working-tree")
+    outer, _ = run_git(top, "rev-parse", "--show-superproject-working-tree")
     if outer and outer.strip():
         # What changed in the superproject around it (a library beside it) is not seen here.
         return None, f"{top} is a submodule of {outer.strip()}, whose changes it cannot see"
-    base, why = _git(top, "merge-base", ref, "HEAD")
+    base, why = run_git(top, "merge-base", ref, "HEAD")
     if base is None:
         if why.endswith("exit status 1"):  # git found both and no common ancestor
             why = f"no merge base of {ref} and HEAD (a shallow clone lacks it: fetch more)"
         return None, why
     # -z: names as they are (git quotes a name with non-ASCII bytes otherwise).
-    diff, why = _git(top, "diff", "--name-only", "-z", "--no-renames", base.strip())
+    diff, why = run_git(top, "diff", "--name-only", "-z", "--no-renames", base.strip())
     if diff is None:
         return None, why
-    untracked, why = _git(top, "ls-files", "-z", "--others", "--exclude-standard")
+    untracked, why = run_git(top, "ls-files", "-z", "--others", "--exclude-standard")
     if untracked is None:
         return None, why
     try:
