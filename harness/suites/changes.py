@@ -21,8 +21,12 @@ from pathlib import Path
 
 from harness.suites.manifest import Entry, path_matches
 
-#: The build's files and every file pytest may read its configuration from.
-CONFIG_FILES: tuple[str, ...] = (
+#: The default of a manifest's ``run_everything_on``: a change to any of these runs
+#: everything, for they decide what and how every case runs: the suites, the build and every
+#: file pytest may read its configuration from, any ``conftest.py``, the noxfile, CI
+#: workflows, dependency lockfiles and requirement lists.
+RUN_EVERYTHING: tuple[str, ...] = (
+    "suites",
     "pyproject.toml",
     "setup.py",
     "setup.cfg",
@@ -31,11 +35,9 @@ CONFIG_FILES: tuple[str, ...] = (
     "pytest.toml",
     ".pytest.toml",
     "tox.ini",
-)
-
-#: Dependency lockfiles and requirement lists: a change of what is installed may change
-#: how any case runs.
-LOCKFILES: tuple[str, ...] = (
+    "noxfile.py",
+    "**/conftest.py",
+    ".github/workflows",
     "uv.lock",
     "poetry.lock",
     "pdm.lock",
@@ -48,17 +50,6 @@ LOCKFILES: tuple[str, ...] = (
     "**/constraints*.txt",
     "environment.yml",
     "environment.yaml",
-)
-
-#: The default of a manifest's ``run_everything_on``: a change to any of these runs
-#: everything, for they decide what and how every case runs.
-RUN_EVERYTHING: tuple[str, ...] = (
-    "suites",
-    *CONFIG_FILES,
-    "noxfile.py",
-    "**/conftest.py",
-    ".github/workflows",
-    *LOCKFILES,
 )
 
 
