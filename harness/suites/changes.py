@@ -1,14 +1,6 @@
-"""Change-based selection for ``harness run --changed-from REF``.
-
-It never narrows unsafely: when the changed files cannot be determined (an
-unknown ref, a shallow clone without the merge base, no git), or when the
-change touches a file the manifest's ``run_everything_on`` names (by default
-:data:`RUN_EVERYTHING`: the suites, the build, pytest's configuration, any
-``conftest.py``, the noxfile, CI workflows, dependency lockfiles) or anything
-outside the harness's root (a monorepo's other folders), every entry runs.
-Otherwise an entry runs when a changed file matches one of its ``depends_on``
-globs or lies under one of its own test paths; an entry without ``depends_on``
-always runs.
+"""Change-based selection for ``--changed-from REF`` (``harness run``, ``harness matrix``):
+the entries a change since REF's merge base affects, never narrowing unsafely (:func:`select`
+says the rules).
 """
 
 from __future__ import annotations
@@ -140,9 +132,12 @@ def select(
     *,
     run_everything_on: Sequence[str] | None = None,
 ) -> ChangeSelection:
-    """The entries a change makes run (see the module docstring for the rules); every entry
-    when ``changed`` is ``None`` (``unknown`` says why) or a changed file matches a glob of
-    ``run_everything_on`` (a manifest's; ``None``: :data:`RUN_EVERYTHING`)."""
+    """The entries a change makes run: every entry when ``changed`` is ``None`` (the changed
+    files are unknown; ``unknown`` says why), when a changed file matches a glob of
+    ``run_everything_on`` (a manifest's; ``None``: :data:`RUN_EVERYTHING`) or lies outside
+    the harness's root (a monorepo's other folders: a test may read them); else each entry
+    whose ``depends_on`` globs or own test paths match a changed file, and each entry
+    without ``depends_on``."""
     everything_on = RUN_EVERYTHING if run_everything_on is None else run_everything_on
     all_ids = frozenset(e.id for e in entries)
     if changed is None:
@@ -151,8 +146,6 @@ def select(
     changed = list(changed)
     for f in changed:
         if f == ".." or f.startswith("../") or any(path_matches(f, p) for p in everything_on):
-            # Outside the root (a monorepo's other folders: a test may read them), or what
-            # decides how every case runs.
             shown = f if f.isprintable() else repr(f)
             return ChangeSelection(all_ids, True, f"{shown} changed: running every entry")
     chosen = {

@@ -368,10 +368,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _main(argv: Sequence[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    extra: list[str] = []
-    if "--" in argv:
-        i = argv.index("--")
-        argv, extra = argv[:i], argv[i + 1 :]
+    i = argv.index("--") if "--" in argv else len(argv)
+    argv, extra = argv[:i], argv[i + 1 :]
     parser = _parser()
     args, unknown = parser.parse_known_args(argv)
     if not args.takes_pytest_args:

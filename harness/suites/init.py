@@ -12,7 +12,6 @@ loads is kept. ``.gitignore`` gets ``out/``.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import re
@@ -34,11 +33,10 @@ from harness.suites.manifest import (
     SUITES_DIR,
     Manifest,
     ManifestError,
-    load_manifest,
+    load_suites,
     path_matches,
     read_json,
     rel,
-    suite_files,
     validate,
 )
 from harness.suites.workflows import HarnessSourceError, harness_source, init_workflows
@@ -222,7 +220,7 @@ def render(
             }
         )
     }
-    on_disk = _suites_on_disk(root)
+    on_disk = {m.suite: m for m in load_suites(root)[0]}  # yours when it loads
     owned = {*accelerators, *(m.device for m in on_disk.values())}
     if unowned := sorted({d for _, d in layout.cases if d not in ("cpu", *owned)}):
         notes.append(
@@ -297,8 +295,7 @@ def render(
         )
     if workflows:
         files.update(_workflows(root, accelerators, on_disk, cpu_minutes, harness_ref))
-    gitignore = _gitignore(root)
-    if gitignore is not None:
+    if (gitignore := _gitignore(root)) is not None:
         files[".gitignore"] = gitignore
     return files
 
@@ -351,15 +348,6 @@ def _unloaded_notes(layout: PytestLayout, device_paths: Sequence[str]) -> list[s
         "written for them (the cpu suite owns them); name the folders whose tests run on an "
         "accelerator with --device-paths, or run `harness init` where they load"
     ]
-
-
-def _suites_on_disk(root: Path) -> dict[str, Manifest]:
-    """The repository's suites that load, by name (``harness inventory`` names the others)."""
-    out = {}
-    for path in suite_files(root):
-        with contextlib.suppress(ManifestError):
-            out[path.stem] = load_manifest(path, root)
-    return out
 
 
 def write(root: Path, files: dict[str, str], force: bool) -> list[tuple[str, str]]:

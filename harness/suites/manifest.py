@@ -325,7 +325,9 @@ def _validator(definition: str) -> jsonschema.Draft202012Validator:
     # One definition as the root, so that errors point into it rather than at the
     # root's if/then/else dispatch.
     defs = load_schema()["$defs"]
-    return jsonschema.Draft202012Validator({"$defs": defs, "$ref": f"#/$defs/{definition}"})
+    schema = {"$defs": defs, "$ref": f"#/$defs/{definition}"}
+    checker = jsonschema.Draft202012Validator.FORMAT_CHECKER  # quarantine's "until": a date
+    return jsonschema.Draft202012Validator(schema, format_checker=checker)
 
 
 def validate(doc: Any, root: Path, name: str, definition: str = "manifest") -> list[Problem]:
@@ -373,8 +375,7 @@ def _case_entry(
     """A (schema-valid) entry, with a problem for what the schema cannot say: a path that
     leaves the repository, a bad ``markers``, ``cards`` on an entry without an accelerator
     ``device`` (nothing would lease them), a command entry with ``paths`` or ``markers``,
-    an ``expect_output`` without a command or that does not compile, an ``until`` that is
-    no calendar date."""
+    an ``expect_output`` without a command or that does not compile."""
 
     def bad(key: str, why: str, rule: str = names.SCHEMA) -> None:
         problems.append(Problem(rule, name, f"{ptr}/{key}", why))
@@ -416,14 +417,7 @@ def _case_entry(
         )
     elif "cards" in raw and raw.get("device") is None:
         bad("cards", "`cards` needs the entry's `device` (cuda or npu): its plain cases lease them")
-    quarantine = None
-    if "quarantine" in raw:
-        until = raw["quarantine"]["until"]
-        try:
-            quarantine = Quarantine(raw["quarantine"]["reason"], datetime.date.fromisoformat(until))
-        except ValueError as e:
-            bad("quarantine/until", f"until {until!r} is not a date YYYY-MM-DD ({e})")
-    flaky = raw.get("flaky")
+    flaky, q = raw.get("flaky"), raw.get("quarantine")
     return Entry(
         id=raw["id"],
         paths=tuple(p.rstrip("/") or "." for p in raw.get("paths", ())),
@@ -437,7 +431,7 @@ def _case_entry(
         cards=int(raw.get("cards", 1)),
         env=dict(raw.get("env", {})),
         flaky=Flaky(flaky["retries"], flaky["reason"]) if flaky else None,
-        quarantine=quarantine,
+        quarantine=Quarantine(q["reason"], datetime.date.fromisoformat(q["until"])) if q else None,
         command=tuple(raw["command"]) if "command" in raw else None,
         expect_output=raw.get("expect_output"),
     )

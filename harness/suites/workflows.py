@@ -151,16 +151,24 @@ class Install:
 
 
 #: The templates (``templates/*.yml``, shipped in the package): ``%{name}`` is a value; a
-#: placeholder alone on its line is a block of whole lines (none when empty).
+#: placeholder alone on its line is a block of whole lines (none when empty); a line that
+#: starts with ``%{?name}`` is kept only when ``name`` is true.
 TEMPLATES = Path(__file__).resolve().parent / "templates"
-_PLACEHOLDER = re.compile(r"^%\{(\w+)\}\n|%\{(\w+)\}", re.MULTILINE)
+_PLACEHOLDER = re.compile(r"^%\{\?(\w+)\}(.*\n)|^%\{(\w+)\}\n|%\{(\w+)\}", re.MULTILINE)
 
 
-def _render(template: str, **values: str) -> str:
+def _render(template: str, **values: Any) -> str:
     text = (TEMPLATES / template).read_text(encoding="utf-8")
     pins = {k.replace("-", "_"): v for k, v in ACTIONS.items()}
     values = {**pins, "cpu_torch": CPU_TORCH, "opt_in": OPT_IN_LABEL, **values}
-    return _PLACEHOLDER.sub(lambda m: values[m[1] or m[2]], text)
+    values["empty_matrix"] = EMPTY_MATRIX
+
+    def value(m: re.Match[str]) -> str:
+        if m[1]:  # a line kept only when its flag is true
+            return _PLACEHOLDER.sub(value, m[2]) if values[m[1]] else ""
+        return values[m[3] or m[4]]
+
+    return _PLACEHOLDER.sub(value, text)
 
 
 def _lines(indent: int, lines: Sequence[str]) -> str:
@@ -172,25 +180,11 @@ EMPTY_MATRIX = '{"include":[]}'
 
 
 def gate_job(suite: str, needs: Sequence[str], *, planned: bool) -> str:
-    """The suite's required check: a job of a stable name (``SUITE gate``), ``if: always()``,
-    red unless every other job succeeded or was skipped for an empty plan (``planned``: the
-    workflow has a plan job; an untrusted run with shards planned is red)."""
-    untrusted = f"""\
-if [ "$TRUSTED" != true ] && [ "$MATRIX" != '{EMPTY_MATRIX}' ]; then
-  echo "::error::shards were planned and not run: a pull request from a fork runs them once a maintainer adds the label {OPT_IN_LABEL}"
-  exit 1
-fi"""
-    plan_env = (
-        "TRUSTED: ${{ needs.plan.outputs.trusted }}",
-        "MATRIX: ${{ needs.plan.outputs.matrix }}",
-    )
-    return _render(
-        "gate.yml",
-        suite=suite,
-        needs=", ".join(needs),
-        plan_env=_lines(10, plan_env) if planned else "",
-        untrusted=_lines(10, untrusted.splitlines()) if planned else "",
-    )
+    """The suite's required check (``templates/gate.yml``): a job of a stable name (``SUITE
+    gate``), ``if: always()``, red unless every other job succeeded or was skipped for an
+    empty plan (``planned``: the workflow has a plan job; an untrusted run with shards
+    planned is red)."""
+    return _render("gate.yml", suite=suite, needs=", ".join(needs), planned=planned)
 
 
 def accelerator_workflow(
