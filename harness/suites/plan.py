@@ -274,11 +274,8 @@ def partition(
     for c in cases:
         work[_fit(runners, c)] += c.seconds or 1e-9
     counts = _allocate(work, shards)
-    out: list[PlannedShard] = []
-    for r, n in zip(runners, counts, strict=True):
-        out.extend(PlannedShard(0, shards, r) for _ in range(n))
-    for i, s in enumerate(out, 1):
-        s.index = i
+    classes = [r for r, n in zip(runners, counts, strict=True) for _ in range(n)]
+    out = [PlannedShard(i, shards, r) for i, r in enumerate(classes, 1)]
     loads = [0.0] * len(out)
     for c in sorted(cases, key=lambda c: (-c.seconds, -c.cards, c.nodeid)):
         eligible = [i for i, s in enumerate(out) if _fits(s.runner, c)]
