@@ -212,7 +212,7 @@ def render(
             {
                 **schema_ref(root, suites_dir),
                 "suite": "cpu",
-                "description": f"Written by `harness init` from pytest's configuration "
+                "description": "Written by `harness init` from pytest's configuration "
                 f"({source}): every collected test that runs on CPU.",
                 "device": "cpu",
                 "runner": dict(CPU_RUNNER),

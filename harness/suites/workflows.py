@@ -154,14 +154,13 @@ class Install:
 #: placeholder alone on its line is a block of whole lines (none when empty); a line that
 #: starts with ``%{?name}`` is kept only when ``name`` is true.
 TEMPLATES = Path(__file__).resolve().parent / "templates"
-_PLACEHOLDER = re.compile(r"^%\{\?(\w+)\}(.*\n)|^%\{(\w+)\}\n|%\{(\w+)\}", re.MULTILINE)
+_PLACEHOLDER = re.compile(r"^%\{\?(\w+)\}(.*\n)|^%\{([\w-]+)\}\n|%\{([\w-]+)\}", re.MULTILINE)
 
 
 def _render(template: str, **values: Any) -> str:
     text = (TEMPLATES / template).read_text(encoding="utf-8")
-    pins = {k.replace("-", "_"): v for k, v in ACTIONS.items()}
-    values = {**pins, "cpu_torch": CPU_TORCH, "opt_in": OPT_IN_LABEL, **values}
-    values["empty_matrix"] = EMPTY_MATRIX
+    constants = {"cpu_torch": CPU_TORCH, "opt_in": OPT_IN_LABEL, "empty_matrix": EMPTY_MATRIX}
+    values = {**ACTIONS, **constants, **values}  # ACTIONS: %{checkout}, %{setup-python}, ...
 
     def value(m: re.Match[str]) -> str:
         if m[1]:  # a line kept only when its flag is true
