@@ -1,14 +1,6 @@
-"""Change-based selection for ``harness run --changed-from REF``.
-
-It never narrows unsafely: when the changed files cannot be determined (an
-unknown ref, a shallow clone without the merge base, no git), or when the
-change touches a file the manifest's ``run_everything_on`` names (by default
-:data:`RUN_EVERYTHING`: the suites, the build, pytest's configuration, any
-``conftest.py``, the noxfile, CI workflows, dependency lockfiles) or anything
-outside the harness's root (a monorepo's other folders), every entry runs.
-Otherwise an entry runs when a changed file matches one of its ``depends_on``
-globs or lies under one of its own test paths; an entry without ``depends_on``
-always runs.
+"""Change-based selection for ``--changed-from REF`` (``harness run``, ``harness matrix``):
+the entries a change since REF's merge base affects, never narrowing unsafely (:func:`select`
+says the rules).
 """
 
 from __future__ import annotations
@@ -21,8 +13,12 @@ from pathlib import Path
 
 from harness.suites.manifest import Entry, path_matches
 
-#: The build's files and every file pytest may read its configuration from.
-CONFIG_FILES: tuple[str, ...] = (
+#: The default of a manifest's ``run_everything_on``: a change to any of these runs
+#: everything, for they decide what and how every case runs: the suites, the build and every
+#: file pytest may read its configuration from, any ``conftest.py``, the noxfile, CI
+#: workflows, dependency lockfiles and requirement lists.
+RUN_EVERYTHING: tuple[str, ...] = (
+    "suites",
     "pyproject.toml",
     "setup.py",
     "setup.cfg",
@@ -31,11 +27,9 @@ CONFIG_FILES: tuple[str, ...] = (
     "pytest.toml",
     ".pytest.toml",
     "tox.ini",
-)
-
-#: Dependency lockfiles and requirement lists: a change of what is installed may change
-#: how any case runs.
-LOCKFILES: tuple[str, ...] = (
+    "noxfile.py",
+    "**/conftest.py",
+    ".github/workflows",
     "uv.lock",
     "poetry.lock",
     "pdm.lock",
@@ -48,17 +42,6 @@ LOCKFILES: tuple[str, ...] = (
     "**/constraints*.txt",
     "environment.yml",
     "environment.yaml",
-)
-
-#: The default of a manifest's ``run_everything_on``: a change to any of these runs
-#: everything, for they decide what and how every case runs.
-RUN_EVERYTHING: tuple[str, ...] = (
-    "suites",
-    *CONFIG_FILES,
-    "noxfile.py",
-    "**/conftest.py",
-    ".github/workflows",
-    *LOCKFILES,
 )
 
 
@@ -74,8 +57,9 @@ class ChangeSelection:
     reason: str
 
 
-def _git(root: Path, *args: str) -> tuple[str | None, str]:
-    """git's output, or ``None`` and why it failed (its first line of error)."""
+def run_git(root: Path, *args: str) -> tuple[str | None, str]:
+    """``git -C root ARGS``: its output and ``""``, or ``None`` and why it failed (its first
+    line of error)."""
     try:
         done = subprocess.run(
             ["git", "-C", str(root), *args],
@@ -111,24 +95,24 @@ def changed_files(root: Path, ref: str) -> tuple[list[str] | None, str]:
     The harness's root may be a folder of the git repository (a monorepo's project): a
     change outside it is given as a path from the root (``../libs/x.py``), and runs every
     entry (:func:`select`): a test may read anything in the repository."""
-    out, why = _git(root, "rev-parse", "--show-toplevel")
+    out, why = run_git(root, "rev-parse", "--show-toplevel")
     if not out or not out.strip():
         return None, why or f"git rev-parse: no top folder for {root}"
     top = Path(out.strip()).resolve()
-    outer, _ = _git(top, "rev-parse", "--show-superproject-working-tree")
+    outer, _ = run_git(top, "rev-parse", "--show-superproject-working-tree")
     if outer and outer.strip():
         # What changed in the superproject around it (a library beside it) is not seen here.
         return None, f"{top} is a submodule of {outer.strip()}, whose changes it cannot see"
-    base, why = _git(top, "merge-base", ref, "HEAD")
+    base, why = run_git(top, "merge-base", ref, "HEAD")
     if base is None:
         if why.endswith("exit status 1"):  # git found both and no common ancestor
             why = f"no merge base of {ref} and HEAD (a shallow clone lacks it: fetch more)"
         return None, why
     # -z: names as they are (git quotes a name with non-ASCII bytes otherwise).
-    diff, why = _git(top, "diff", "--name-only", "-z", "--no-renames", base.strip())
+    diff, why = run_git(top, "diff", "--name-only", "-z", "--no-renames", base.strip())
     if diff is None:
         return None, why
-    untracked, why = _git(top, "ls-files", "-z", "--others", "--exclude-standard")
+    untracked, why = run_git(top, "ls-files", "-z", "--others", "--exclude-standard")
     if untracked is None:
         return None, why
     try:
@@ -148,9 +132,12 @@ def select(
     *,
     run_everything_on: Sequence[str] | None = None,
 ) -> ChangeSelection:
-    """The entries a change makes run (see the module docstring for the rules); every entry
-    when ``changed`` is ``None`` (``unknown`` says why) or a changed file matches a glob of
-    ``run_everything_on`` (a manifest's; ``None``: :data:`RUN_EVERYTHING`)."""
+    """The entries a change makes run: every entry when ``changed`` is ``None`` (the changed
+    files are unknown; ``unknown`` says why), when a changed file matches a glob of
+    ``run_everything_on`` (a manifest's; ``None``: :data:`RUN_EVERYTHING`) or lies outside
+    the harness's root (a monorepo's other folders: a test may read them); else each entry
+    whose ``depends_on`` globs or own test paths match a changed file, and each entry
+    without ``depends_on``."""
     everything_on = RUN_EVERYTHING if run_everything_on is None else run_everything_on
     all_ids = frozenset(e.id for e in entries)
     if changed is None:
@@ -159,8 +146,6 @@ def select(
     changed = list(changed)
     for f in changed:
         if f == ".." or f.startswith("../") or any(path_matches(f, p) for p in everything_on):
-            # Outside the root (a monorepo's other folders: a test may read them), or what
-            # decides how every case runs.
             shown = f if f.isprintable() else repr(f)
             return ChangeSelection(all_ids, True, f"{shown} changed: running every entry")
     chosen = {

@@ -12,6 +12,7 @@ import math
 import os
 import signal
 import sys
+from collections import Counter
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -46,20 +47,15 @@ def number(
     return parse
 
 
-def version() -> str:
-    """The installed harness distribution and its version (``unknown`` when not installed)."""
-    from importlib import metadata
-
-    try:
-        return f"{DISTRIBUTION} {metadata.version(DISTRIBUTION)}"
-    except metadata.PackageNotFoundError:
-        return "unknown (not installed)"
-
-
 class _VersionAction(argparse.Action):
     # Reading distribution metadata costs tens of ms: only when asked.
     def __call__(self, parser: argparse.ArgumentParser, *_: object) -> None:
-        print(f"{parser.prog} {version()}")
+        from importlib import metadata
+
+        try:
+            print(f"{parser.prog} {DISTRIBUTION} {metadata.version(DISTRIBUTION)}")
+        except metadata.PackageNotFoundError:
+            print(f"{parser.prog} unknown (not installed)")
         parser.exit()
 
 
@@ -244,23 +240,17 @@ def _print_inventory(
                 f"{c['nodeid']:<{w}}  {c['device']:<6} {c['nproc']:>5} {c['cards']:>5}  {entries}"
             )
     elif not quiet and cases:  # one line per owning entry: cases, devices, most ranks / cards
-        rows: dict[str, dict] = {}
+        rows: dict[str, list[dict]] = {}
         for c in cases:
             for e in c["entries"] or ["-"]:
-                r = rows.setdefault(e, {"cases": 0, "devices": set(), "nproc": 0, "cards": 0})
-                r["cases"] += 1
-                r["devices"].add(c["device"])
-                r["nproc"] = max(r["nproc"], c["nproc"])
-                r["cards"] = max(r["cards"], c["cards"])
+                rows.setdefault(e, []).append(c)
         w = max(len("ENTRY"), *(len(e) for e in rows))
         print(f"{'ENTRY':<{w}}  CASES  DEVICES     NPROC CARDS")
-        for e, r in rows.items():
-            devices = ",".join(sorted(r["devices"]))
-            print(f"{e:<{w}}  {r['cases']:>5}  {devices:<11} {r['nproc']:>5} {r['cards']:>5}")
-    per_suite: dict[str, int] = {}
-    for c in cases:
-        for s in {e.split(":", 1)[0] for e in c["entries"]}:
-            per_suite[s] = per_suite.get(s, 0) + 1
+        for e, cs in rows.items():
+            devices = ",".join(sorted({c["device"] for c in cs}))
+            nproc, cards = (max(c[k] for c in cs) for k in ("nproc", "cards"))
+            print(f"{e:<{w}}  {len(cs):>5}  {devices:<11} {nproc:>5} {cards:>5}")
+    per_suite = Counter(s for c in cases for s in {e.split(":", 1)[0] for e in c["entries"]})
     counts = ", ".join(f"{s} {n}" for s, n in sorted(per_suite.items())) or "none"
     for p in inv.problems:
         print(f"{'warning' if p.rule in WARNING_RULES else 'error'}: {p}", file=sys.stderr)
@@ -286,35 +276,25 @@ def _cmd_matrix(root: Path, args: argparse.Namespace) -> int:
     if loaded is None:
         return EXIT_USAGE
     suite, inv = loaded
-    m = inv.manifests[suite]
+    m, selected = inv.manifests[suite], None
     try:
         owned = inv.suite_cases(suite)
+        shards, minutes = args.shards, args.target_minutes
         result = plan_suite(
-            root,
-            m,
-            owned,
-            durations=args.durations,
-            shards=args.shards,
-            target_minutes=args.target_minutes,
+            root, m, owned, durations=args.durations, shards=shards, target_minutes=minutes
         )
-        selected = None
         if args.changed_from:
-            sel = changes.select(
-                m.entries,
-                *changes.changed_files(root, args.changed_from),
-                run_everything_on=m.run_everything_on,
-            )
+            changed = changes.changed_files(root, args.changed_from)
+            sel = changes.select(m.entries, *changed, run_everything_on=m.run_everything_on)
             print(
                 f"harness matrix: --changed-from {args.changed_from}: {sel.reason}", file=sys.stderr
             )
             selected = sel.entries
-        rows = result.matrix(selected)
+        rows = result.matrix(selected)["include"]
         # allow_nan=False: a value that is not a number is an error here, never invalid JSON for CI.
+        compact = None if args.indent else (",", ":")
         text = json.dumps(
-            rows,
-            indent=args.indent,
-            separators=None if args.indent else (",", ":"),
-            allow_nan=False,
+            {"include": rows}, indent=args.indent, separators=compact, allow_nan=False
         )
     except (PlanError, ValueError) as e:
         print(f"harness matrix: {e}", file=sys.stderr)
@@ -322,17 +302,13 @@ def _cmd_matrix(root: Path, args: argparse.Namespace) -> int:
     print(text)
     for warning in result.warnings:
         print(f"harness matrix: warning: {warning}", file=sys.stderr)
+    loads = ", ".join(f"{r['shard']} {r['estimated_minutes']:.1f} min" for r in rows)
     if selected is None:
-        loads = ", ".join(f"{s.label} {s.load / 60:.1f} min" for s in result.shards)
-        planned = f"{len(owned)} case(s) in {len(result.shards)} shard(s): {loads}; "
+        planned = f"{len(owned)} case(s) in {len(rows)} shard(s): {loads}; "
         planned += f"longest/mean {result.balance():.3f}"
     else:  # what the matrix holds: the affected cases' shards, not the whole suite's
-        kept = rows["include"]
-        loads = ", ".join(f"{r['shard']} {r['estimated_minutes']:.1f} min" for r in kept)
-        planned = (
-            f"{sum(r['cases'] for r in kept)} affected case(s) in {len(kept)} of "
-            f"{len(result.shards)} shard(s)" + (f": {loads}" if kept else "")
-        )
+        planned = f"{sum(r['cases'] for r in rows)} affected case(s) in {len(rows)} of "
+        planned += f"{len(result.shards)} shard(s)" + (f": {loads}" if rows else "")
     print(f"harness matrix: {suite}: {planned}", file=sys.stderr)
     return EXIT_OK
 
@@ -392,10 +368,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _main(argv: Sequence[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    extra: list[str] = []
-    if "--" in argv:
-        i = argv.index("--")
-        argv, extra = argv[:i], argv[i + 1 :]
+    i = argv.index("--") if "--" in argv else len(argv)
+    argv, extra = argv[:i], argv[i + 1 :]
     parser = _parser()
     args, unknown = parser.parse_known_args(argv)
     if not args.takes_pytest_args:

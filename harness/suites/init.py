@@ -1,37 +1,28 @@
 """``harness init``: scaffold a repository's suites from pytest's own configuration.
 
-The inventory's in-process collect-only run (from the repository root, no arguments) says
-what pytest would run: its configuration file, ``testpaths`` and the test files it
-collects by its own rules. ``suites/cpu.json`` owns the ``testpaths`` that hold tests, else
-the directories holding the collected files (a top-level file by name). ``--accelerators
-cuda,npu`` adds one suite per accelerator, all including ``suites/cases/accelerator.json``
-(the paths holding cases that declare each device: a launch marker's device, a ``device``
-parameter), and, with ``--device-paths``, one entry per named path whose plain cases run on
-the suite's device (``device`` entries). A file that failed to import here, or skips as a
-whole, never makes an accelerator entry: what it would hold is unknown. ``--workflows``
-writes the GitHub Actions workflows of every suite.
-
-Writing is idempotent and refuses to clobber: a file whose content would not change is
-left alone; a suite manifest you changed that still loads (same device), or a case list
-that still validates, is yours and kept (delete it to have it written anew); any other
-file with other content is overwritten only with ``--force`` (else exit 2, naming it, and
-nothing written). ``$schema`` points at the installed schema only when it lies inside the
-repository. ``.gitignore`` gets ``out/`` (where ``harness run`` writes) when nothing names it.
+The inventory's collect-only run from the root says what pytest would run. ``suites/cpu.json``
+owns the ``testpaths`` that hold tests, else the folders holding the collected files;
+``--accelerators`` adds one suite per accelerator, all including ``suites/cases/accelerator.json``
+(the paths holding cases that declare the device), and ``--device-paths`` one ``device`` entry
+per named path. A file that did not load here never makes an accelerator entry. Writing is
+idempotent and refuses to clobber (``--force``); a suite or case list of yours that still
+loads is kept. ``.gitignore`` gets ``out/``.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import re
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from harness.devices import accelerators as device_types
+from harness.devices import device_type
 from harness.errors import HarnessError
 from harness.jsonio import write_text
 from harness.names import EXIT_FAILED, EXIT_OK, EXIT_USAGE
@@ -42,22 +33,13 @@ from harness.suites.manifest import (
     SUITES_DIR,
     Manifest,
     ManifestError,
-    load_manifest,
+    load_suites,
     path_matches,
     read_json,
     rel,
-    suite_files,
     validate,
 )
 from harness.suites.workflows import HarnessSourceError, harness_source, init_workflows
-
-
-def _suite_for(device: str) -> str:
-    """The suite name of an accelerator's runners (the device table's ``suite``: cuda -> gpu)."""
-    from harness.devices import device_type
-
-    return device_type(device).suite
-
 
 SHARED_CASES = "cases/accelerator.json"
 
@@ -75,21 +57,19 @@ class InitError(HarnessError):
 
 @dataclass(frozen=True)
 class PytestLayout:
-    """What pytest's configuration says about a repository: ``inifile``, the configuration
-    file it used; ``testpaths`` (empty when not set); ``files``, the test files it collected
-    by its own rules, sorted; ``launched_cards``, the most cards an accelerator case needs;
-    ``errors``, collection errors."""
+    """What pytest's configuration says about a repository: the configuration file it used,
+    ``testpaths``, the test files it collected (sorted), the most cards an accelerator case
+    needs, collection errors, ``(file, device)`` of every case, and the test files that
+    yield no case (an import error, a module-level skip)."""
 
     rootdir: Path
     inifile: Path | None
     testpaths: tuple[str, ...]
     files: tuple[str, ...]
     launched_cards: int = 0
-    errors: tuple[str, ...] = field(default=())
-    #: ``(file, device)`` of every collected case.
-    cases: tuple[tuple[str, str], ...] = field(default=())
-    #: Test files that yield no case (an import error, a module-level skip).
-    unloadable: tuple[str, ...] = field(default=())
+    errors: tuple[str, ...] = ()
+    cases: tuple[tuple[str, str], ...] = ()
+    unloadable: tuple[str, ...] = ()
 
 
 def _configures(inifile: Path) -> bool:
@@ -138,12 +118,9 @@ def read_pytest_layout(root: Path) -> PytestLayout:
 
 
 def owned_paths(layout: PytestLayout) -> list[str]:
-    """The repository-relative paths ``suites/cpu.json`` should own.
-
-    The ``testpaths`` pytest collected from that hold a collected file, when
-    the configuration sets them; else the directories holding the collected
-    files, a top-level file by name; nested paths dropped. Sorted.
-    """
+    """The paths ``suites/cpu.json`` should own, sorted: the ``testpaths`` that hold a
+    collected file; else the folders holding the collected files (a top-level file by name);
+    nested paths dropped."""
     files = layout.files
     candidates = [t for t in layout.testpaths if any(path_matches(f, t) for f in files)]
     if not candidates:
@@ -165,17 +142,13 @@ def runs_on(layout: PytestLayout, path: str, device: str) -> bool:
     return device == "cpu" and any(path_matches(f, path) for f in layout.unloadable)
 
 
-def _entry_id(path: str) -> str:
-    text = re.sub(r"\.py$", "", path).strip("/").replace("/", "-")
-    text = re.sub(r"[^A-Za-z0-9_.-]", "-", text).lstrip("_.-")
-    return text or "tests"
-
-
 def _entries(paths: Sequence[str]) -> list[dict[str, Any]]:
+    """One entry per path, its id the path's words (a second of one id numbered)."""
     seen: dict[str, int] = {}
     out = []
     for p in paths:
-        base = _entry_id(p)
+        words = re.sub(r"\.py$", "", p).strip("/").replace("/", "-")
+        base = re.sub(r"[^A-Za-z0-9_.-]", "-", words).lstrip("_.-") or "tests"
         seen[base] = seen.get(base, 0) + 1
         out.append({"id": base if seen[base] == 1 else f"{base}-{seen[base]}", "paths": [p]})
     return out
@@ -191,17 +164,14 @@ def schema_ref(root: Path, manifest_dir: Path) -> dict[str, str]:
     return {"$schema": os.path.relpath(schema, manifest_dir.resolve()).replace(os.sep, "/")}
 
 
-#: What ``harness init`` adds to ``.gitignore``: ``harness run``'s output folder.
-IGNORED = "out/"
-
-
 def _gitignore(root: Path) -> str | None:
-    """``.gitignore`` with :data:`IGNORED` appended; None when a line already names it."""
+    """``.gitignore`` with ``out/`` (``harness run``'s output) appended; None when a line
+    already names it."""
     path = root / ".gitignore"
     text = path.read_text(encoding="utf-8") if path.is_file() else ""
-    if any(line.strip().strip("/") == IGNORED.strip("/") for line in text.splitlines()):
+    if "out" in (line.strip().strip("/") for line in text.splitlines()):
         return None
-    return text + ("\n" if text and not text.endswith("\n") else "") + IGNORED + "\n"
+    return text + "\n" * (text != "" and not text.endswith("\n")) + "out/\n"
 
 
 def _dump(doc: dict[str, Any]) -> str:
@@ -220,14 +190,12 @@ def render(
     """Every file ``harness init`` would write: repository-relative path -> content.
 
     Each suite gets only the entries ``harness inventory`` accepts (:func:`runs_on`), plus
-    for each accelerator one ``device`` entry per path of ``device_paths`` (its plain cases
-    run on that accelerator); an accelerator suite with none is not written, and why goes
-    to ``notes``. A suite
-    manifest already in ``suites/`` that loads (for the same device), or a case list that
-    validates, is yours: kept as it is, ``--force`` or not (said in ``notes``; the cpu
-    workflow follows the kept cpu suite). The workflows install the harness from where the
-    installed one came from, or ``harness_ref``. Raises ``InitError`` when pytest found no
-    test file to own, or the workflows have no harness ref to install from.
+    for each accelerator one ``device`` entry per path of ``device_paths``; an accelerator
+    suite with none is not written (why goes to ``notes``). A suite in ``suites/`` that
+    loads (for the same device), or a case list that validates, is yours: kept, ``--force``
+    or not (said in ``notes``; the cpu workflow follows the kept cpu suite). Raises
+    ``InitError`` when pytest found no test file to own, or the workflows have no harness
+    ref to install from (``harness_ref``, else where the installed harness came from).
     """
     notes = [] if notes is None else notes
     all_paths = owned_paths(layout)
@@ -239,21 +207,22 @@ def render(
         )
     suites_dir = root / SUITES_DIR
     source = rel(layout.inifile, root) if layout.inifile else f"rootdir {rel(layout.rootdir, root)}"
-    files: dict[str, str] = {}
-    cpu = {
-        **schema_ref(root, suites_dir),
-        "suite": "cpu",
-        "description": f"Written by `harness init` from pytest's configuration ({source}): "
-        "every collected test that runs on CPU.",
-        "device": "cpu",
-        "runner": dict(CPU_RUNNER),
-        "entries": _entries(paths),
+    files = {
+        f"{SUITES_DIR}/cpu.json": _dump(
+            {
+                **schema_ref(root, suites_dir),
+                "suite": "cpu",
+                "description": "Written by `harness init` from pytest's configuration "
+                f"({source}): every collected test that runs on CPU.",
+                "device": "cpu",
+                "runner": dict(CPU_RUNNER),
+                "entries": _entries(paths),
+            }
+        )
     }
-    files[f"{SUITES_DIR}/cpu.json"] = _dump(cpu)
-    on_disk = _suites_on_disk(root)  # suite -> manifest
+    on_disk = {m.suite: m for m in load_suites(root)[0]}  # yours when it loads
     owned = {*accelerators, *(m.device for m in on_disk.values())}
-    unowned = sorted({d for _, d in layout.cases if d != "cpu" and d not in owned})
-    if unowned:
+    if unowned := sorted({d for _, d in layout.cases if d not in ("cpu", *owned)}):
         notes.append(
             f"collected cases run on {', '.join(unowned)}, which no suite owns "
             "(`harness inventory` reports them as unowned-case): add "
@@ -264,36 +233,33 @@ def render(
     ]
     if accelerators:
         notes.extend(_unloaded_notes(layout, device_paths))
-    if accelerators and not shared and not device_paths:
-        notes.append(
-            f"no collected case runs on {', '.join(accelerators)} (parametrize tests with "
-            "harness.DEVICES or mark them launch(device=...), or name the folders whose "
-            "tests pick the device at run time with --device-paths): no accelerator suite written"
-        )
-        accelerators = []
+        if not shared and not device_paths:
+            notes.append(
+                f"no collected case runs on {', '.join(accelerators)} (parametrize tests with "
+                "harness.DEVICES or mark them launch(device=...), or name the folders whose "
+                "tests pick the device at run time with --device-paths): no accelerator suite "
+                "written"
+            )
+            accelerators = []
     if shared:
         files[f"{SUITES_DIR}/{SHARED_CASES}"] = _dump(
             {
                 **schema_ref(root, (suites_dir / SHARED_CASES).parent),
-                "description": "Device-sensitive cases shared by the accelerator suites: each suite keeps "
-                "the variants for its own device.",
+                "description": "Device-sensitive cases shared by the accelerator suites: each "
+                "suite keeps the variants for its own device.",
                 "entries": _entries(shared),
             }
         )
-    include = [{"include": f"{SUITES_DIR}/{SHARED_CASES}"}] if shared else []
     cards = max(1, layout.launched_cards)
     for device in accelerators:
-        suite = _suite_for(device)
+        suite = device_type(device).suite
+        what = [f"the shared accelerator case list, {device} variants"] * bool(shared)
+        what += [f"the plain tests of {', '.join(device_paths)}"] * bool(device_paths)
         files[f"{SUITES_DIR}/{suite}.json"] = _dump(
             {
                 **schema_ref(root, suites_dir),
                 "suite": suite,
-                "description": f"{device} runners: "
-                + "; ".join(
-                    [f"the shared accelerator case list, {device} variants"] * bool(shared)
-                    + [f"the plain tests of {', '.join(device_paths)}"] * bool(device_paths)
-                )
-                + ".",
+                "description": f"{device} runners: {'; '.join(what)}.",
                 "device": device,
                 "runner": {
                     "name": f"{suite}-{cards}",
@@ -301,7 +267,8 @@ def render(
                     "cards": cards,
                     "timeout_minutes": ACCELERATOR_TIMEOUT_MINUTES,
                 },
-                "entries": include + device_entries(device_paths, device),
+                "entries": [{"include": f"{SUITES_DIR}/{SHARED_CASES}"}] * bool(shared)
+                + device_entries(device_paths, device),
             }
         )
     cpu_minutes = CPU_RUNNER["timeout_minutes"]
@@ -327,34 +294,40 @@ def render(
             "written anew from pytest's configuration)"
         )
     if workflows:
-        top = in_git_folder(root)
-        if top is not None:
-            raise InitError(
-                f"--workflows: {root} is a folder of the git repository {top}, and GitHub "
-                f"reads workflows only from {top / '.github/workflows'}. Run `harness init` "
-                "here without --workflows, and write the workflow at the top with `defaults: "
-                f"run: working-directory: {root.resolve().relative_to(top)}`",
-                EXIT_USAGE,
-            )
-        try:
-            source = harness_source(harness_ref)
-        except HarnessSourceError as e:
-            raise InitError(f"--workflows: {e}", EXIT_USAGE) from None
-        suites: list[tuple[str, str, Sequence[Any]]] = [
-            (_suite_for(d), d, ()) for d in accelerators
-        ]
-        written = {name for name, _, _ in suites}
-        # The accelerator suites already there get theirs too (init writes cpu's always).
-        suites += [
-            (name, m.device, m.runners)
-            for name, m in sorted(on_disk.items())
-            if m.device != "cpu" and name not in written
-        ]
-        files.update(init_workflows(root, suites, cpu_timeout_minutes=cpu_minutes, source=source))
-    gitignore = _gitignore(root)
-    if gitignore is not None:
+        files.update(_workflows(root, accelerators, on_disk, cpu_minutes, harness_ref))
+    if (gitignore := _gitignore(root)) is not None:
         files[".gitignore"] = gitignore
     return files
+
+
+def _workflows(
+    root: Path,
+    accelerators: Sequence[str],
+    on_disk: dict[str, Manifest],
+    cpu_minutes: int,
+    harness_ref: str | None,
+) -> dict[str, str]:
+    """``--workflows``: the cpu suite's, and those of the accelerator suites written and
+    already there; refused in a folder of a git repository (GitHub reads only the top's)."""
+    top = in_git_folder(root)
+    if top is not None:
+        raise InitError(
+            f"--workflows: {root} is a folder of the git repository {top}, and GitHub "
+            f"reads workflows only from {top / '.github/workflows'}. Run `harness init` "
+            "here without --workflows, and write the workflow at the top with `defaults: "
+            f"run: working-directory: {root.resolve().relative_to(top)}`",
+            EXIT_USAGE,
+        )
+    try:
+        source = harness_source(harness_ref)
+    except HarnessSourceError as e:
+        raise InitError(f"--workflows: {e}", EXIT_USAGE) from None
+    suites = {device_type(d).suite: (d, ()) for d in accelerators}
+    for name, m in sorted(on_disk.items()):
+        if m.device != "cpu":
+            suites.setdefault(name, (m.device, m.runners))
+    listed = [(name, d, runners) for name, (d, runners) in suites.items()]
+    return init_workflows(root, listed, cpu_timeout_minutes=cpu_minutes, source=source)
 
 
 def device_entries(paths: Sequence[str], device: str) -> list[dict[str, Any]]:
@@ -377,37 +350,24 @@ def _unloaded_notes(layout: PytestLayout, device_paths: Sequence[str]) -> list[s
     ]
 
 
-def _suites_on_disk(root: Path) -> dict[str, Manifest]:
-    """The repository's suites that load, by name (``harness inventory`` names the others)."""
-    out = {}
-    for path in suite_files(root):
-        with contextlib.suppress(ManifestError):
-            out[path.stem] = load_manifest(path, root)
-    return out
-
-
 def write(root: Path, files: dict[str, str], force: bool) -> list[tuple[str, str]]:
     """Write ``files`` under ``root``; returns ``(path, "written" | "unchanged" | "appended"
-    | "overwritten")``.
-
-    Refuses (``InitError`` with code 2, nothing written) when a file exists
-    with other content (``.gitignore``: more than the line init appends) and ``force``
-    is false.
-    """
-    clashes = []
+    | "overwritten")``. Refuses (``InitError`` with code 2, nothing written) when a file
+    exists with other content (``.gitignore``: more than the line init appends) and ``force``
+    is false."""
     actions = []
     for path, text in files.items():
-        target = root / path
-        new = text.encode("utf-8")
-        if not target.exists():
+        target, new = root / path, text.encode("utf-8")
+        old = target.read_bytes() if target.exists() else None
+        if old is None:
             actions.append((path, "written"))
-        elif (old := target.read_bytes()) == new:
+        elif old == new:
             actions.append((path, "unchanged"))
         elif path == ".gitignore" and new.startswith(old):  # init only adds a line there
             actions.append((path, "appended"))
         else:
-            clashes.append(path)
             actions.append((path, "overwritten"))
+    clashes = [path for path, action in actions if action == "overwritten"]
     if clashes and not force:
         raise InitError(
             "; ".join(f"{p} exists with other content" for p in clashes)
@@ -424,22 +384,19 @@ def write(root: Path, files: dict[str, str], force: bool) -> list[tuple[str, str
 
 
 def _devices(text: str) -> list[str]:
-    from harness.devices import accelerators
-
-    known = {word: d.name for d in accelerators() for word in (d.name, d.suite)}
-    words = [w.strip() for w in text.split(",") if w.strip()]
-    for word in [w for w in words if w not in known] or ([] if words else [text]):
+    known = {word: d.name for d in device_types() for word in (d.name, d.suite)}
+    words = [w.strip() for w in text.split(",") if w.strip()] or [text]
+    if bad := [w for w in words if w not in known]:
         raise argparse.ArgumentTypeError(
-            f"unknown accelerator {word!r}; known: {', '.join(known)} (comma-separated, e.g. cuda,npu)"
+            f"unknown accelerator {bad[0]!r}; known: {', '.join(known)} (comma-separated, e.g. cuda,npu)"
         )
     return list(dict.fromkeys(known[w] for w in words))
 
 
 def _paths(text: str) -> list[str]:
-    words = [w.strip().rstrip("/") for w in text.split(",") if w.strip()]
-    if not words:
-        raise argparse.ArgumentTypeError(f"no path in {text!r} (comma-separated, e.g. tests/gpu)")
-    return list(dict.fromkeys(words))
+    if words := [w.strip().rstrip("/") for w in text.split(",") if w.strip()]:
+        return list(dict.fromkeys(words))
+    raise argparse.ArgumentTypeError(f"no path in {text!r} (comma-separated, e.g. tests/gpu)")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -506,15 +463,8 @@ def cmd_init(root: Path, args: argparse.Namespace) -> int:
         _check_device_paths(root, args.accelerators, args.device_paths)
         layout = read_pytest_layout(root)
         notes: list[str] = []
-        files = render(
-            root,
-            layout,
-            args.accelerators,
-            args.workflows,
-            notes,
-            args.harness_ref,
-            args.device_paths,
-        )
+        accel, paths, ref = args.accelerators, args.device_paths, args.harness_ref
+        files = render(root, layout, accel, args.workflows, notes, ref, paths)
         actions = write(root, files, args.force)
     except InitError as e:
         print(f"harness init: {e}", file=sys.stderr)
@@ -524,11 +474,10 @@ def cmd_init(root: Path, args: argparse.Namespace) -> int:
         f"inifile {layout.inifile or 'none'}, testpaths {' '.join(layout.testpaths) or '-'}, "
         f"{len(layout.files)} test file(s)"
     )
-    for err in layout.errors:
-        print(
-            f"harness init: warning: collection error (the file is still owned): {err}",
-            file=sys.stderr,
-        )
+    for line in [
+        f"warning: collection error (the file is still owned): {e}" for e in layout.errors
+    ]:
+        print(f"harness init: {line}", file=sys.stderr)
     for note in notes:
         print(f"harness init: note: {note}", file=sys.stderr)
     for path, action in actions:

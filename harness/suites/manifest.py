@@ -1,10 +1,10 @@
 """Suite manifests: load ``suites/*.json``, validate them and expand shared case lists.
 
-A manifest (docs/suites.md) says which test cases run on which hardware. Every path is relative to the repository root; paths that leave it are rejected.
-``{"include": FILE}`` splices in the entries of a shared case list (``{"entries": [...]}``)
-or of another manifest. Problems are :class:`Problem` values naming the file and the JSON
-pointer of the bad value (``suites/cpu.json /entries/0/timeout_s``), or the line and column
-of a JSON syntax error.
+A manifest (docs/suites.md) says which test cases run on which hardware; every path is
+relative to the repository root, and one that leaves it is refused. ``{"include": FILE}``
+splices in the entries of a shared case list or of another manifest. Problems name the file
+and the JSON pointer of the bad value (``suites/cpu.json /entries/0/timeout_s``), or the line
+and column of a JSON syntax error.
 """
 
 from __future__ import annotations
@@ -37,12 +37,9 @@ DEFAULT_BUDGET_FRACTION = 0.75
 
 @dataclass(frozen=True)
 class Problem:
-    """One thing wrong with the suites, named precisely enough to fix it.
-
-    ``rule`` is a short stable name (``schema``, ``unowned-file``, ...); ``file`` the
-    repository-relative file at fault; ``where`` a JSON pointer into it or a test case's
-    node id; ``message`` says what is wrong.
-    """
+    """One thing wrong with the suites: ``rule``, a stable name (``schema``, ``unowned-file``,
+    ...); ``file``, the repository-relative file at fault; ``where``, a JSON pointer into it
+    or a case's node id; ``message``, what is wrong."""
 
     rule: str
     file: str
@@ -76,9 +73,7 @@ class Runner:
     budget_minutes: float
     name: str
     container: dict[str, str] | None = field(default=None, hash=False)
-    #: nodes a job of this runner class gives a multi-node case (``LaunchSpec.nnodes``):
-    #: emulated on its one host, or hosts that torchrun joins
-    nodes: int = 1
+    nodes: int = 1  # what a job gives a multi-node case: emulated on one host, or torchrun's
 
     @property
     def budget_s(self) -> float:
@@ -109,14 +104,10 @@ class Quarantine:
 
 @dataclass(frozen=True)
 class Entry:
-    """One manifest entry: a selection of cases plus how to run and plan them.
-
-    ``source`` / ``pointer`` locate the entry's definition (which may be a shared case list
-    included by the suite). ``depends_on`` is ``None`` when the entry declares no
-    dependencies (it then always runs). ``command`` (then ``paths`` is empty): the entry
-    is one case running this argv, passing when it exits 0 and its output matches
-    ``expect_output`` (a regular expression) when one is given.
-    """
+    """One manifest entry: a selection of cases plus how to run and plan them (docs/suites.md
+    says what each field means). ``source`` / ``pointer`` locate its definition (perhaps in an
+    included case list); ``depends_on`` is ``None`` when it declares none (it always runs);
+    ``device`` ``None``: each case's own; with ``command``, ``paths`` is empty."""
 
     id: str
     paths: tuple[str, ...]
@@ -126,15 +117,11 @@ class Entry:
     depends_on: tuple[str, ...] | None
     source: str
     pointer: str
-    #: The device its plain cases run on (``None``: each case's own, cpu for a plain one).
     device: str | None = None
-    #: Cards each plain case of an accelerator entry leases (1 unless the entry says).
     cards: int = 1
-    #: Environment of every case of the entry (its ranks and their children included).
     env: dict[str, str] = field(default_factory=dict, hash=False)
     flaky: Flaky | None = None
     quarantine: Quarantine | None = None
-
     command: tuple[str, ...] | None = None
     expect_output: str | None = None
 
@@ -153,10 +140,8 @@ class Manifest:
     runners: tuple[Runner, ...]
     entries: tuple[Entry, ...]
     path: str
-    includes: tuple[str, ...] = field(default=())
-    #: The manifest's ``run_everything_on`` globs; ``None`` when it gives none (the
-    #: default list of :mod:`harness.suites.changes` applies).
-    run_everything_on: tuple[str, ...] | None = None
+    includes: tuple[str, ...] = ()
+    run_everything_on: tuple[str, ...] | None = None  # None: changes.RUN_EVERYTHING
 
     @property
     def max_cards(self) -> int:
@@ -180,10 +165,8 @@ def find_root(start: Path | None = None) -> Path:
 
 
 def rel(path: Path, root: Path) -> str:
-    """``path`` relative to ``root`` in POSIX form (the path itself when outside).
-
-    Symlinks are not followed: a link inside the repository keeps its own name.
-    """
+    """``path`` relative to ``root`` in POSIX form (the path itself when outside); a link
+    inside the repository keeps its own name."""
     for p, r in ((os.path.abspath(path), os.path.abspath(root)), (path.resolve(), root.resolve())):
         try:  # the second: ``root`` reached through a symlink (/tmp -> /private/tmp)
             return Path(p).relative_to(r).as_posix()
@@ -205,13 +188,10 @@ def suite_name(name_or_path: str) -> str:
 def resolve_suite(root: Path, name_or_path: str) -> Path:
     """The manifest file for a suite name (``gpu``) or path (``suites/gpu.json``); raises
     ``ManifestError`` (``unknown-suite``) naming the known suites when there is none."""
-    p = Path(name_or_path)
-    candidates = [root / SUITES_DIR / f"{name_or_path}.json"]
-    if p.suffix == ".json":
-        candidates.insert(0, p if p.is_absolute() else root / p)
-    found = next((c for c in candidates if c.is_file()), None)
-    if found is not None:
-        return found
+    candidates = [root / name_or_path] * (Path(name_or_path).suffix == ".json")  # root / abs = abs
+    for found in [*candidates, root / SUITES_DIR / f"{name_or_path}.json"]:
+        if found.is_file():
+            return found
     known = ", ".join(f.stem for f in suite_files(root)) or "none"
     where = f"no such suite in {root / SUITES_DIR} (known: {known})"
     raise ManifestError([Problem(names.UNKNOWN_SUITE, f"{SUITES_DIR}/", name_or_path, where)])
@@ -226,15 +206,10 @@ def has_glob(pattern: str) -> bool:
 # than the patterns in use thrashes (inventory time went superlinear past 1,024).
 @functools.cache
 def glob_regex(pattern: str) -> re.Pattern[str]:
-    """Compile a repository-relative glob by git's wildmatch rules (pathspec): ``*`` and
-    ``?`` stay within one path segment, ``**`` spans any number of segments (``a/**/b``
-    also matches ``a/b``). ``match`` it against a path: a match may end at a ``/`` (the
-    path lies under a directory the glob names).
-
-    Unlike a ``.gitignore`` line, the glob is a path from the repository root even without
-    a ``/`` (``*.py`` is the top-level files), ``!`` and ``#`` are characters, and ``*``
-    matches a newline in a file name.
-    """
+    """A repository-relative glob compiled by git's wildmatch rules (pathspec; docs/suites.md
+    says them); ``match`` it against a path: a match may end at a ``/`` (the path lies under
+    a directory the glob names). Unlike a ``.gitignore`` line, the glob is a path from the
+    root even without a ``/``, ``!`` and ``#`` are characters, ``*`` matches a newline."""
     text = pattern.rstrip("/")
     if "/" not in text:
         text = "/" + text  # anchored at the root
@@ -281,9 +256,8 @@ def _outside(root: Path, path: str) -> str | None:
 
 
 class _NotJson(ValueError):
-    """What Python's JSON reader takes and JSON does not: a duplicate key (it would keep
-    the last silently), ``NaN`` / ``Infinity`` / an overflowing ``1e999`` (no schema
-    rejects them, and downstream they break ``harness matrix``'s JSON)."""
+    """What Python's JSON reader takes and JSON does not: a duplicate key (the last would win
+    silently), ``NaN`` / ``Infinity`` / ``1e999`` (they break ``harness matrix``'s JSON)."""
 
 
 def _object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -310,25 +284,17 @@ def _int(text: str) -> int:
 
 
 def read_json(path: Path, root: Path) -> Any:
-    """Parse a JSON file strictly (no duplicate keys, no numbers that are not finite).
-
-    Raises ``ManifestError`` with rule ``json`` naming the file, and the line and column
-    of a syntax error.
-    """
+    """Parse a JSON file strictly (no duplicate keys, no numbers that are not finite); raises
+    ``ManifestError`` (rule ``json``) naming the file, and the line and column of a syntax
+    error."""
     name = rel(path, root)
 
     def refused(message: str, file: str = name) -> ManifestError:
         return ManifestError([Problem(names.JSON, file, "", message)])
 
+    strict = {"parse_float": _finite, "parse_int": _int, "parse_constant": _finite}
     try:
-        text = path.read_text(encoding="utf-8")
-        return json.loads(
-            text,
-            object_pairs_hook=_object,
-            parse_float=_finite,
-            parse_int=_int,
-            parse_constant=_finite,
-        )
+        return json.loads(path.read_text(encoding="utf-8"), object_pairs_hook=_object, **strict)
     except OSError as e:
         raise refused(f"cannot read: {e.strerror or e}") from e
     except UnicodeDecodeError as e:
@@ -359,15 +325,15 @@ def _validator(definition: str) -> jsonschema.Draft202012Validator:
     # One definition as the root, so that errors point into it rather than at the
     # root's if/then/else dispatch.
     defs = load_schema()["$defs"]
-    return jsonschema.Draft202012Validator({"$defs": defs, "$ref": f"#/$defs/{definition}"})
+    schema = {"$defs": defs, "$ref": f"#/$defs/{definition}"}
+    checker = jsonschema.Draft202012Validator.FORMAT_CHECKER  # quarantine's "until": a date
+    return jsonschema.Draft202012Validator(schema, format_checker=checker)
 
 
 def validate(doc: Any, root: Path, name: str, definition: str = "manifest") -> list[Problem]:
     """Schema problems of ``doc`` (from file ``name``), each with the JSON pointer of the
     bad value, in document order."""
-    errors = sorted(
-        _validator(definition).iter_errors(doc), key=lambda e: list(map(str, e.absolute_path))
-    )
+    errors = sorted(_validator(definition).iter_errors(doc), key=lambda e: [*map(str, e.path)])
     return [Problem(names.SCHEMA, name, pointer(e.absolute_path), e.message) for e in errors]
 
 
@@ -406,21 +372,52 @@ def read_runners(doc: dict[str, Any]) -> tuple[Runner, ...]:
 def _case_entry(
     raw: dict[str, Any], name: str, ptr: str, root: Path, problems: list[Problem]
 ) -> Entry:
-    """A case entry, with a problem for each path that leaves the repository and a bad
-    ``markers`` (and those of :func:`_command_problems`)."""
+    """A (schema-valid) entry, with a problem for what the schema cannot say: a path that
+    leaves the repository, a bad ``markers``, ``cards`` on an entry without an accelerator
+    ``device`` (nothing would lease them), a command entry with ``paths`` or ``markers``,
+    an ``expect_output`` without a command or that does not compile."""
+
+    def bad(key: str, why: str, rule: str = names.SCHEMA) -> None:
+        problems.append(Problem(rule, name, f"{ptr}/{key}", why))
+
+    if "command" in raw:
+        for key in ("paths", "markers"):
+            if key in raw:
+                bad(
+                    key,
+                    "an entry has either paths or a command, not both: a command entry is one "
+                    f"case, its command, and selects no test ({key!r} given)",
+                )
+        try:
+            re.compile(raw.get("expect_output", ""), re.MULTILINE)
+        except re.error as e:
+            bad(
+                "expect_output",
+                f"expect_output {raw['expect_output']!r} is not a regular expression: {e}",
+            )
+    elif "expect_output" in raw:
+        bad(
+            "expect_output",
+            "expect_output applies to a command entry; this entry has paths, no command",
+        )
     deps = raw.get("depends_on")
-    problems.extend(_command_problems(raw, name, ptr))
     for key, values in (("paths", raw.get("paths", ())), ("depends_on", deps or ())):
-        for j, p in enumerate(values):
-            if why := _outside(root, p.split("::", 1)[0]):
-                problems.append(Problem(names.PATH, name, f"{ptr}/{key}/{j}", f"{p!r} {why}"))
+        for j, path in enumerate(values):
+            if why := _outside(root, path.split("::", 1)[0]):
+                bad(f"{key}/{j}", f"{path!r} {why}", names.PATH)
     if "markers" in raw:
         try:
             marker_expression(raw["markers"])
         except Exception as e:  # pytest's ParseError: keep the message, whatever the class
-            why = f"bad -m expression {raw['markers']!r}: {e}"
-            problems.append(Problem(names.SCHEMA, name, f"{ptr}/markers", why))
-    problems.extend(_cards_problems(raw, name, ptr))
+            bad("markers", f"bad -m expression {raw['markers']!r}: {e}")
+    if "cards" in raw and raw.get("device") == "cpu":
+        bad(
+            "cards",
+            "`cards` on a cpu entry: only an accelerator entry (device cuda or npu) leases cards",
+        )
+    elif "cards" in raw and raw.get("device") is None:
+        bad("cards", "`cards` needs the entry's `device` (cuda or npu): its plain cases lease them")
+    flaky, q = raw.get("flaky"), raw.get("quarantine")
     return Entry(
         id=raw["id"],
         paths=tuple(p.rstrip("/") or "." for p in raw.get("paths", ())),
@@ -433,86 +430,11 @@ def _case_entry(
         device=raw.get("device"),
         cards=int(raw.get("cards", 1)),
         env=dict(raw.get("env", {})),
-        **_reruns_and_quarantine(raw, name, ptr, problems),
+        flaky=Flaky(flaky["retries"], flaky["reason"]) if flaky else None,
+        quarantine=Quarantine(q["reason"], datetime.date.fromisoformat(q["until"])) if q else None,
         command=tuple(raw["command"]) if "command" in raw else None,
         expect_output=raw.get("expect_output"),
     )
-
-
-def _cards_problems(raw: dict[str, Any], name: str, ptr: str) -> list[Problem]:
-    """``cards`` on an entry whose plain cases are not accelerator cases (no ``device``, or
-    ``cpu``): nothing would lease them."""
-    if "cards" not in raw or raw.get("device") not in (None, "cpu"):
-        return []
-    device = raw.get("device")
-    why = (
-        "`cards` on a cpu entry: only an accelerator entry (device cuda or npu) leases cards"
-        if device == "cpu"
-        else "`cards` needs the entry's `device` (cuda or npu): its plain cases lease them"
-    )
-    return [Problem(names.SCHEMA, name, f"{ptr}/cards", why)]
-
-
-def _device_problems(entries: Iterable[Entry], suite: str, suite_device: str) -> list[Problem]:
-    """An entry whose ``device`` is not its suite's (a case list included by the gpu and the
-    npu suite cannot say ``cuda``): its cases would run on runners without that device."""
-    return [
-        Problem(
-            names.SCHEMA,
-            e.source,
-            f"{e.pointer}/device",
-            f"entry {e.id!r} says device {e.device!r}, but suite {suite!r} runs on "
-            f"{suite_device}: give it the suite's device or leave `device` out",
-        )
-        for e in entries
-        if e.device is not None and e.device != suite_device
-    ]
-
-
-def _reruns_and_quarantine(
-    raw: dict[str, Any], name: str, ptr: str, problems: list[Problem]
-) -> dict[str, Any]:
-    """An entry's ``flaky`` and ``quarantine`` (schema-valid), with a problem for an ``until``
-    that is no calendar date (``2026-02-30``)."""
-    out: dict[str, Any] = {}
-    if "flaky" in raw:
-        out["flaky"] = Flaky(raw["flaky"]["retries"], raw["flaky"]["reason"])
-    if "quarantine" in raw:
-        until = raw["quarantine"]["until"]
-        try:
-            day = datetime.date.fromisoformat(until)
-        except ValueError as e:
-            why = f"until {until!r} is not a date YYYY-MM-DD ({e})"
-            problems.append(Problem(names.SCHEMA, name, f"{ptr}/quarantine/until", why))
-        else:
-            out["quarantine"] = Quarantine(raw["quarantine"]["reason"], day)
-    return out
-
-
-def _command_problems(raw: dict[str, Any], name: str, ptr: str) -> list[Problem]:
-    """What the schema cannot say about a command entry (an entry with ``command``): it has
-    no ``paths`` or ``markers`` (it selects no collected test), and its ``expect_output``
-    compiles as a Python regular expression; ``expect_output`` belongs to a command."""
-    out = []
-    if "command" not in raw:
-        if "expect_output" in raw:
-            why = "expect_output applies to a command entry; this entry has paths, no command"
-            out.append(Problem(names.SCHEMA, name, f"{ptr}/expect_output", why))
-        return out
-    for key in ("paths", "markers"):
-        if key in raw:
-            why = (
-                f"an entry has either paths or a command, not both: a command entry is one "
-                f"case, its command, and selects no test ({key!r} given)"
-            )
-            out.append(Problem(names.SCHEMA, name, f"{ptr}/{key}", why))
-    if "expect_output" in raw:
-        try:
-            re.compile(raw["expect_output"], re.MULTILINE)
-        except re.error as e:
-            why = f"expect_output {raw['expect_output']!r} is not a regular expression: {e}"
-            out.append(Problem(names.SCHEMA, name, f"{ptr}/expect_output", why))
-    return out
 
 
 def _expand(
@@ -561,54 +483,56 @@ def load_manifest(path: Path, root: Path) -> Manifest:
 
     Raises ``ManifestError`` listing every problem found: JSON syntax (file, line,
     column), schema violations (file and JSON pointer), a ``suite`` that differs from the
-    file name, paths outside the repository, missing or cyclic includes, unparsable
-    ``markers``. Duplicate entry ids are :func:`duplicate_entries`' business.
+    file name, runner classes with different containers (one shard job runs them all), an
+    entry whose ``device`` is not its suite's, paths outside the repository, missing or
+    cyclic includes, unparsable ``markers``. Duplicate entry ids are
+    :func:`duplicate_entries`' business.
     """
     name = rel(path, root)
     doc = read_json(path, root)
     problems = validate(doc, root, name, "manifest")
     if problems:
         raise ManifestError(problems)
+
+    def bad(where: str, why: str, rule: str = names.SCHEMA, file: str = name) -> None:
+        problems.append(Problem(rule, file, where, why))
+
     if doc["suite"] != path.stem:
-        why = f"suite {doc['suite']!r} must match the file name {path.stem!r}"
-        problems.append(Problem(names.SCHEMA, name, "/suite", why))
-    raw = doc["runner"] if isinstance(doc["runner"], list) else [doc["runner"]]
-    if len({json.dumps(r.get("container"), sort_keys=True) for r in raw}) > 1:
-        # One shard job runs every class's shards: its container is the suite's.
-        why = (
+        bad("/suite", f"suite {doc['suite']!r} must match the file name {path.stem!r}")
+    runners = read_runners(doc)
+    if len({json.dumps(r.container, sort_keys=True) for r in runners}) > 1:
+        bad(
+            "/runner",
             "every runner class of a suite runs its shard jobs in the same container "
-            "(or none): give each the same `container`"
+            "(or none): give each the same `container`",
         )
-        problems.append(Problem(names.SCHEMA, name, "/runner", why))
     included: list[str] = []
     entries = _expand(doc["entries"], name, root, (name,), problems, included)
-    problems.extend(_device_problems(entries, doc["suite"], doc["device"]))
-    run_everything_on = _run_everything_on(doc, name, root, problems)
+    for e in entries:
+        if e.device is not None and e.device != doc["device"]:
+            # A case list the gpu and the npu suites include cannot say cuda.
+            bad(
+                f"{e.pointer}/device",
+                f"entry {e.id!r} says device {e.device!r}, but suite "
+                f"{doc['suite']!r} runs on {doc['device']}: give it the suite's device or leave "
+                "`device` out",
+                file=e.source,
+            )
+    globs = doc.get("run_everything_on")
+    for j, g in enumerate(globs or ()):
+        if why := _outside(root, g):
+            bad(f"/run_everything_on/{j}", f"{g!r} {why}", names.PATH)
     if problems:
         raise ManifestError(problems)
     return Manifest(
         suite=doc["suite"],
         device=doc["device"],
-        runners=read_runners(doc),
+        runners=runners,
         entries=tuple(entries),
         path=name,
         includes=tuple(dict.fromkeys(included)),
-        run_everything_on=run_everything_on,
+        run_everything_on=tuple(globs) if globs is not None else None,
     )
-
-
-def _run_everything_on(
-    doc: dict[str, Any], name: str, root: Path, problems: list[Problem]
-) -> tuple[str, ...] | None:
-    """A manifest's ``run_everything_on`` globs (``None``: absent), with a problem for each
-    that leaves the repository."""
-    globs = doc.get("run_everything_on")
-    if globs is None:
-        return None
-    for j, g in enumerate(globs):
-        if why := _outside(root, g):
-            problems.append(Problem(names.PATH, name, f"/run_everything_on/{j}", f"{g!r} {why}"))
-    return tuple(globs)
 
 
 def duplicate_entries(manifest: Manifest) -> list[Problem]:

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 from harness.errors import HarnessError
 from harness.jsonio import write_json
 from harness.suites.manifest import SUITES_DIR, Manifest, ManifestError, Runner, read_json
-from harness.validation import check_int, is_finite, is_real
+from harness.validation import check_int, is_finite
 
 if TYPE_CHECKING:
     from harness.suites.inventory import CollectedCase
@@ -214,15 +214,12 @@ def estimate(
     out = []
     for nodeid, entry, cards, estimated in cases:
         if nodeid in durations:
-            out.append(PlannedCase(nodeid, entry, cards, durations[nodeid], "recorded"))
+            seconds, basis = durations[nodeid], "recorded"
         elif per_entry.get(entry):
-            out.append(
-                PlannedCase(
-                    nodeid, entry, cards, statistics.median(per_entry[entry]), "entry-median"
-                )
-            )
+            seconds, basis = statistics.median(per_entry[entry]), "entry-median"
         else:
-            out.append(PlannedCase(nodeid, entry, cards, float(estimated), "estimated"))
+            seconds, basis = float(estimated), "estimated"
+        out.append(PlannedCase(nodeid, entry, cards, seconds, basis))
     return out
 
 
@@ -277,11 +274,8 @@ def partition(
     for c in cases:
         work[_fit(runners, c)] += c.seconds or 1e-9
     counts = _allocate(work, shards)
-    out: list[PlannedShard] = []
-    for r, n in zip(runners, counts, strict=True):
-        out.extend(PlannedShard(0, shards, r) for _ in range(n))
-    for i, s in enumerate(out, 1):
-        s.index = i
+    classes = [r for r, n in zip(runners, counts, strict=True) for _ in range(n)]
+    out = [PlannedShard(i, shards, r) for i, r in enumerate(classes, 1)]
     loads = [0.0] * len(out)
     for c in sorted(cases, key=lambda c: (-c.seconds, -c.cards, c.nodeid)):
         eligible = [i for i, s in enumerate(out) if _fits(s.runner, c)]
@@ -307,8 +301,9 @@ def plan(
 ) -> Plan:
     """Plan ``suite`` onto its runner classes.
 
-    ``shards``: exactly that many shards. ``target_minutes``: the fewest shards
-    whose every shard stays within the target (and the runner's budget).
+    ``shards``: exactly that many shards. ``target_minutes`` (not with ``shards``; a
+    positive finite number, as the command line checks): the fewest shards whose every
+    shard stays within the target (and the runner's budget).
     Neither: the fewest shards within each runner's budget (``budget_minutes``,
     by default 75% of the job timeout). With ``enforce_budget``, a case longer
     than its runner's budget or a shard over budget raises ``PlanError``
@@ -316,14 +311,6 @@ def plan(
     count is the caller's to choose) and named in :attr:`Plan.warnings`.
     An empty suite still gets one (empty) shard, so a CI matrix is never empty.
     """
-    if shards is not None and target_minutes is not None:
-        raise PlanError("give --shards or --target-minutes, not both")
-    if target_minutes is not None and not (
-        is_real(target_minutes) and 0 < target_minutes < math.inf
-    ):
-        raise PlanError(
-            f"--target-minutes must be a positive, finite number of minutes; got {target_minutes!r}"
-        )
     runners = sorted(runners, key=lambda r: r.cards)
     limit = target_minutes * 60.0 if target_minutes is not None else math.inf
     for c in cases if enforce_budget else ():

@@ -1,35 +1,22 @@
-"""GitHub Actions workflows for suites: the one template of each kind.
+"""GitHub Actions workflows for suites, rendered from the templates in ``templates/``.
 
-``harness init --workflows`` writes these into any repository, and this repository's own
-``.github/workflows/gpu.yml`` and ``npu.yml`` are this module's output too (a test compares
-them), so a fix to the template reaches every copy. The rules every rendered workflow keeps:
-
-- each workflow ends in one gate job of a stable name (``SUITE gate``, :func:`gate_job`):
-  ``if: always()``, ``needs`` every other job, red unless each succeeded; it is the
-  required check;
-- no path filters; on a pull request the plan job runs
-  ``harness matrix SUITE --changed-from origin/BASE``, and when the change needs no shard
-  (``{"include": []}``, e.g. a docs-only pull request) the shard job is skipped by its
-  ``if:`` without taking a self-hosted runner, and the gate passes;
-- pull requests from forks never reach self-hosted runners unless a maintainer adds
-  :data:`OPT_IN_LABEL` (it opts in the commit labelled, not later pushes);
-- a new push to a pull request cancels its older run; a label event never cancels a run:
-  the opt-in label queues behind the pull request's run, any other label runs in a group of
-  its own and plans nothing;
-- actions are pinned by full commit SHA (:data:`ACTIONS`), checkouts keep no credentials;
-- on self-hosted runners nothing is installed into the image's (externally managed) Python:
-  a virtualenv over it (``--system-site-packages``, so the image's own torch is used) holds
-  the harness and the project;
-- the harness comes from the checkout (``./harness`` here) or a git commit the installed
-  harness knows it came from (:func:`harness_source`), never from a guessed tag or a
-  package name anyone could register on the public index.
+``harness init --workflows`` writes them into any repository, and this repository's
+``.github/workflows/gpu.yml`` and ``npu.yml`` are their output too (a test compares them).
+What every rendered workflow keeps (``tests/harness/test_workflows.py`` checks each): one
+gate job of a stable name, the required check (:func:`gate_job`); no path filters (a pull
+request plans what ``--changed-from`` selects; an empty plan starts no shard and passes);
+pull requests from forks reach self-hosted runners only once a maintainer adds
+:data:`OPT_IN_LABEL`; a new push cancels a pull request's older run, a label event never
+does; actions pinned by commit SHA (:data:`ACTIONS`), checkouts without credentials; on
+self-hosted runners a virtualenv over the image's Python; the harness from the checkout or
+a git commit it knows it came from (:func:`harness_source`), never a guessed ref or a name
+anyone could register on the public index.
 """
 
 from __future__ import annotations
 
 import json
 import re
-import subprocess
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -78,16 +65,6 @@ class HarnessSource:
         return f'"{DISTRIBUTION} @ git+{url}@{self.ref}#subdirectory={self.subdirectory}"'
 
 
-def _git(folder: Path, *args: str) -> str | None:
-    try:
-        done = subprocess.run(
-            ["git", "-C", str(folder), *args], capture_output=True, text=True, timeout=30
-        )
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return done.stdout.strip() if done.returncode == 0 else None
-
-
 def _https(url: str) -> str | None:
     """A remote's URL as pip can fetch it on a CI runner: scp-like ``git@host:o/r`` and
     ``ssh://`` (which need a key the runner lacks) become ``https://host/o/r``; a local path
@@ -103,11 +80,16 @@ def _https(url: str) -> str | None:
 def _checkout_source(folder: Path) -> tuple[str | None, str | None, str]:
     """``(URL a CI runner can fetch of a remote whose branch holds HEAD, or None; HEAD;
     subdirectory)`` of the git checkout holding ``folder``."""
-    commit = _git(folder, "rev-parse", "HEAD")
-    sub = (_git(folder, "rev-parse", "--show-prefix") or "harness/").rstrip("/") or "."
-    branches = _git(folder, "branch", "-r", "--contains", "HEAD", "--format=%(refname:short)")
+    from harness.suites.changes import run_git
+
+    def git(*args: str) -> str | None:
+        return (run_git(folder, *args)[0] or "").strip() or None
+
+    commit = git("rev-parse", "HEAD")
+    sub = (git("rev-parse", "--show-prefix") or "harness/").rstrip("/") or "."
+    branches = git("branch", "-r", "--contains", "HEAD", "--format=%(refname:short)")
     for branch in (branches or "").splitlines():
-        url = _https(_git(folder, "remote", "get-url", branch.split("/", 1)[0]) or "")
+        url = _https(git("remote", "get-url", branch.split("/", 1)[0]) or "")
         if url:
             return url, commit, sub
     return None, commit, sub
@@ -168,52 +150,28 @@ class Install:
     shard_packages: str | None = None
 
 
-_CONCURRENCY = f"""\
-# A new push to a pull request cancels its older run; a label event never cancels one (the
-# opt-in label queues behind the pull request's run, any other label runs in a group of its
-# own and plans nothing); pushes to main and manual runs each get their own group.
-concurrency:
-  group: ${{{{ github.workflow }}}}-${{{{ github.event_name == 'pull_request' && (github.event.action != 'labeled' || github.event.label.name == '{OPT_IN_LABEL}') && github.event.pull_request.number || github.run_id }}}}
-  cancel-in-progress: ${{{{ github.event_name == 'pull_request' && github.event.action != 'labeled' }}}}
-"""
-
-_CPU_CONCURRENCY = """\
-# One run per pull request (a new push cancels the older run); pushes to main and manual runs
-# each get their own group and are never cancelled.
-concurrency:
-  group: ${{ github.workflow }}-${{ github.event_name == 'pull_request' && github.event.pull_request.number || github.run_id }}
-  cancel-in-progress: ${{ github.event_name == 'pull_request' }}
-"""
+#: The templates (``templates/*.yml``, shipped in the package): ``%{name}`` is a value; a
+#: placeholder alone on its line is a block of whole lines (none when empty); a line that
+#: starts with ``%{?name}`` is kept only when ``name`` is true.
+TEMPLATES = Path(__file__).resolve().parent / "templates"
+_PLACEHOLDER = re.compile(r"^%\{\?(\w+)\}(.*\n)|^%\{([\w-]+)\}\n|%\{([\w-]+)\}", re.MULTILINE)
 
 
-_CHECKOUT = f"""\
-      - uses: {ACTIONS["checkout"]}
-        with:
-          fetch-depth: 0  # --changed-from needs the merge base
-          persist-credentials: false
-"""
+def _render(template: str, **values: Any) -> str:
+    text = (TEMPLATES / template).read_text(encoding="utf-8")
+    constants = {"cpu_torch": CPU_TORCH, "opt_in": OPT_IN_LABEL, "empty_matrix": EMPTY_MATRIX}
+    values = {**ACTIONS, **constants, **values}  # ACTIONS: %{checkout}, %{setup-python}, ...
+
+    def value(m: re.Match[str]) -> str:
+        if m[1]:  # a line kept only when its flag is true
+            return _PLACEHOLDER.sub(value, m[2]) if values[m[1]] else ""
+        return values[m[3] or m[4]]
+
+    return _PLACEHOLDER.sub(value, text)
 
 
-def _hosted_python(install: Install) -> str:
-    paths = "".join(f"            {p}\n" for p in install.cache_paths)
-    return (
-        f"      - uses: {ACTIONS['setup-python']}\n"
-        "        with:\n"
-        '          python-version: "3.11"\n'
-        "          cache: pip\n"
-        "          cache-dependency-path: |\n"
-        f"{paths}"
-    )
-
-
-def _upload(name: str, path: str) -> str:
-    return (
-        f"      - uses: {ACTIONS['upload-artifact']}\n"
-        "        if: always()\n"
-        "        with:\n"
-        f"          name: {name}\n"
-        f"          path: {path}\n"
-    )
+def _lines(indent: int, lines: Sequence[str]) -> str:
+    return "".join(f"{' ' * indent}{line}\n" for line in lines)
 
 
 #: What the gate accepts from an empty plan: ``harness matrix`` prints this when nothing runs.
@@ -221,55 +179,11 @@ EMPTY_MATRIX = '{"include":[]}'
 
 
 def gate_job(suite: str, needs: Sequence[str], *, planned: bool) -> str:
-    """The suite's required check: a job of a stable name (``SUITE gate``), ``if: always()``,
-    red unless every other job succeeded or was skipped for an empty plan (``planned``: the
-    workflow has a plan job; an untrusted run with shards planned is red)."""
-    untrusted = (
-        f"""          if [ "$TRUSTED" != true ] && [ "$MATRIX" != '{EMPTY_MATRIX}' ]; then
-            echo "::error::shards were planned and not run: a pull request from a fork runs them once a maintainer adds the label {OPT_IN_LABEL}"
-            exit 1
-          fi
-"""
-        if planned
-        else ""
-    )
-    plan_env = (
-        "          TRUSTED: ${{ needs.plan.outputs.trusted }}\n"
-        "          MATRIX: ${{ needs.plan.outputs.matrix }}\n"
-        if planned
-        else ""
-    )
-    return f"""
-  # The required check (branch protection): the shard jobs' names change with the plan, and a
-  # job skipped by its `if:` counts as passed, so this one job gathers them all.
-  gate:
-    name: {suite} gate
-    if: always()
-    needs: [{", ".join(needs)}]
-    runs-on: ubuntu-latest
-    timeout-minutes: 5
-    steps:
-      - name: Every job succeeded (a shard job skipped for an empty plan counts)
-        env:
-          RESULTS: ${{{{ join(needs.*.result, ' ') }}}}
-{plan_env}        run: |
-          echo "jobs: $RESULTS"
-          for result in $RESULTS; do
-            if [ "$result" != success ] && [ "$result" != skipped ]; then
-              echo "::error::a job of the suite ended $result"
-              exit 1
-            fi
-          done
-{untrusted}"""
-
-
-def _container(runners: Sequence[Any]) -> str:
-    """The shard job's ``container:``: the runner classes' ``container`` (image and
-    options; one for all classes of a suite, the manifest checks), or none: on the host."""
-    spec = next((r.container for r in runners if r.container), None)
-    if spec is None:
-        return ""
-    return "    container:\n" + "".join(f"      {k}: {json.dumps(v)}\n" for k, v in spec.items())
+    """The suite's required check (``templates/gate.yml``): a job of a stable name (``SUITE
+    gate``), ``if: always()``, red unless every other job succeeded or was skipped for an
+    empty plan (``planned``: the workflow has a plan job; an untrusted run with shards
+    planned is red)."""
+    return _render("gate.yml", suite=suite, needs=", ".join(needs), planned=planned)
 
 
 def accelerator_workflow(
@@ -281,162 +195,49 @@ def accelerator_workflow(
     header: str = "",
     runners: Sequence[Any] = (),
 ) -> str:
-    """The workflow of an accelerator suite: a GitHub-hosted plan job (``harness matrix``),
-    one self-hosted shard job per matrix row (``harness run --shard``) in the ``container``
-    of ``runners`` (the suite's :class:`~harness.suites.manifest.Runner` classes), and the
-    gate (:func:`gate_job`). ``name``: the workflow's (default ``suite``); ``header``:
+    """The workflow of an accelerator suite (``templates/accelerator.yml``): a GitHub-hosted
+    plan job (``harness matrix``), one self-hosted shard job per matrix row (``harness run
+    --shard``) in the ``container`` of ``runners`` (the suite's
+    :class:`~harness.suites.manifest.Runner` classes; one for all, the manifest checks), and
+    the gate (:func:`gate_job`). ``name``: the workflow's (default ``suite``); ``header``:
     ``#`` lines put above the generated description."""
     from harness.devices import device_type
 
-    title = device_type(device).title
-    return f"""\
-{header}# {title} CI: a plan job turns suites/{suite}.json into a matrix of shards
-# (`harness matrix`, balanced on recorded durations, each shard within its runner's budget);
-# each shard job runs `harness run --shard` for its shard on its self-hosted runner; the
-# gate job `{suite} gate` fails unless every shard passed: make it the required check.
-# No path filters: on a pull request the plan covers only what the change needs
-# (`--changed-from`); when that is nothing, no shard job starts and the gate passes.
-#
-# Pull requests from forks never reach the self-hosted runners: the plan job (GitHub-hosted)
-# marks such a run untrusted and the shard jobs do not start, unless a maintainer adds the
-# label `{OPT_IN_LABEL}`, which opts in the commit it was added on (a later push needs the
-# label again).
-name: {name or suite}
-
-on:
-  pull_request:
-    types: [opened, synchronize, reopened, labeled]
-  push:
-    branches: [main]
-  workflow_dispatch:
-    inputs:
-      target_minutes:
-        description: "Planned minutes per shard (empty: the runner's budget)"
-        required: false
-        default: ""
-
-{_CONCURRENCY}
-permissions:
-  contents: read
-
-env:
-  PIP_DISABLE_PIP_VERSION_CHECK: "1"
-
-jobs:
-  plan:
-    runs-on: ubuntu-latest
-    timeout-minutes: 15
-    outputs:
-      matrix: ${{{{ steps.matrix.outputs.matrix }}}}
-      trusted: ${{{{ github.event_name != 'pull_request' || github.event.pull_request.head.repo.full_name == github.repository || (github.event.action == 'labeled' && github.event.label.name == '{OPT_IN_LABEL}') }}}}
-    steps:
-{_CHECKOUT}{_hosted_python(install)}      - name: Install what planning needs (it collects the tests; CPU torch is enough)
-        run: |
-          python -m pip install {CPU_TORCH}
-          python -m pip install {install.packages}
-      - id: matrix
-        name: Plan shards
-        env:
-          ACTION: ${{{{ github.event.action }}}}
-          LABEL: ${{{{ github.event.label.name }}}}
-          BASE_REF: ${{{{ github.base_ref }}}}
-          TARGET_MINUTES: ${{{{ inputs.target_minutes }}}}
-        run: |
-          args=()
-          if [ -n "$BASE_REF" ]; then args+=(--changed-from "origin/$BASE_REF"); fi
-          if [ -n "$TARGET_MINUTES" ]; then args+=(--target-minutes "$TARGET_MINUTES"); fi
-          if [ "$ACTION" = labeled ] && [ "$LABEL" != "{OPT_IN_LABEL}" ]; then
-            matrix='{{"include":[]}}'
-          else
-            matrix="$(python -m harness matrix {suite} "${{args[@]}}")"
-          fi
-          echo "$matrix"
-          echo "matrix=$matrix" >> "$GITHUB_OUTPUT"
-
-  suite:
-    needs: plan
-    # Self-hosted: never for an untrusted pull request from a fork (see the top), and no
-    # runner at all when the plan has no shard.
-    if: needs.plan.outputs.trusted == 'true' && fromJSON(needs.plan.outputs.matrix).include[0] != null
-    name: {suite} ${{{{ matrix.shard }}}}
-    strategy:
-      fail-fast: false
-      matrix: ${{{{ fromJSON(needs.plan.outputs.matrix) }}}}
-    runs-on: ${{{{ matrix.runner }}}}
-    # `harness run` stops pytest at matrix.timeout_minutes and still writes its summary; the
-    # job's own limit adds time for checkout and install.
-    timeout-minutes: ${{{{ matrix.job_timeout_minutes }}}}
-{_container(runners)}    steps:
-{_CHECKOUT}      - name: Install into a virtualenv over the image's Python
-        run: |
-          # The image's Python is externally managed and ships torch for {title}: a venv over
-          # its packages adds only what is missing and leaves the image untouched. Self-hosted
-          # runners keep pip's cache between jobs.
-          python3 -m venv --system-site-packages "$RUNNER_TEMP/venv"
-          "$RUNNER_TEMP/venv/bin/python" -m pip install {install.shard_packages or install.packages}
-          echo "$RUNNER_TEMP/venv/bin" >> "$GITHUB_PATH"
-      - name: {title} suite, shard ${{{{ matrix.shard }}}}
-        env:
-          BASE_REF: ${{{{ github.base_ref }}}}
-          SHARD: ${{{{ matrix.shard }}}}
-        run: |
-          out="out/harness/{suite}-${{SHARD/\\//of}}"
-          if [ -n "$BASE_REF" ]; then
-            python -m harness run {suite} --shard "$SHARD" --changed-from "origin/$BASE_REF" --out "$out"
-          else
-            python -m harness run {suite} --shard "$SHARD" --out "$out"
-          fi
-      # plan.json + JUnit XML: the recorded durations are refreshed from a push run's artifacts.
-{_upload(f"harness-{suite}-${{{{ strategy.job-index }}}}", "out/harness/")}{gate_job(suite, ["plan", "suite"], planned=True)}"""
+    container = next((r.container for r in runners if r.container), None) or {}
+    return _render(
+        "accelerator.yml",
+        header=header,
+        suite=suite,
+        name=name or suite,
+        title=device_type(device).title,
+        cache_paths=_lines(12, install.cache_paths),
+        packages=install.packages,
+        shard_packages=install.shard_packages or install.packages,
+        container=_lines(4, ["container:"] * bool(container))
+        + _lines(6, [f"{k}: {json.dumps(v)}" for k, v in container.items()]),
+        gate=gate_job(suite, ["plan", "suite"], planned=True),
+    )
 
 
 def cpu_workflow(
     install: Install, *, timeout_minutes: int, name: str = "harness-cpu", header: str = ""
 ) -> str:
-    """The workflow of a CPU suite on a GitHub-hosted runner: the inventory, then
-    ``harness run cpu`` (``--changed-from`` on pull requests). ``timeout_minutes`` is the
-    suite's runner timeout; the job's own limit is 10 minutes above it."""
-    return f"""\
-{header}# The inventory and the CPU suite on every pull request and push; the gate job `cpu gate` is
-# the check to require. No path filters: on a pull request `--changed-from` decides what it
-# tests.
-name: {name}
+    """The workflow of a CPU suite on a GitHub-hosted runner (``templates/cpu.yml``): the
+    inventory, then ``harness run cpu`` (``--changed-from`` on pull requests).
+    ``timeout_minutes`` is the suite's runner timeout; the job's own limit is
+    :data:`~harness.suites.plan.JOB_SETUP_MINUTES` above it."""
+    from harness.suites.plan import JOB_SETUP_MINUTES
 
-on:
-  pull_request:
-  push:
-    branches: [main]
-  workflow_dispatch:
-
-{_CPU_CONCURRENCY}
-permissions:
-  contents: read
-
-env:
-  PIP_DISABLE_PIP_VERSION_CHECK: "1"
-
-jobs:
-  cpu:
-    runs-on: ubuntu-latest
-    # Above the suite's runner timeout_minutes ({timeout_minutes}), where `harness run` stops pytest
-    # and still writes its summary.
-    timeout-minutes: {timeout_minutes + 10}
-    steps:
-{_CHECKOUT}{_hosted_python(install)}      - name: Install
-        run: |
-          python -m pip install {CPU_TORCH}
-          python -m pip install {install.packages}
-      - run: python -m harness inventory
-      - name: CPU suite
-        env:
-          BASE_REF: ${{{{ github.base_ref }}}}
-        run: |
-          if [ -n "$BASE_REF" ]; then
-            python -m harness run cpu --changed-from "origin/$BASE_REF" --out out/harness/cpu
-          else
-            python -m harness run cpu --out out/harness/cpu
-          fi
-{_upload("harness-cpu", "out/harness/cpu")}{gate_job("cpu", ["cpu"], planned=False)}"""
+    return _render(
+        "cpu.yml",
+        header=header,
+        name=name,
+        timeout_minutes=str(timeout_minutes),
+        job_timeout_minutes=str(timeout_minutes + JOB_SETUP_MINUTES),
+        cache_paths=_lines(12, install.cache_paths),
+        packages=install.packages,
+        gate=gate_job("cpu", ["cpu"], planned=False),
+    )
 
 
 #: This repository's own install: the project with its test extra, the harness from the

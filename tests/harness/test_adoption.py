@@ -148,15 +148,14 @@ def test_the_venv_has_torch_and_the_harness_but_not_channel_loss(venv):
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == [torch.__version__, "True"]
-    # The schema travels inside the wheel, and the plugin is found through its entry point.
-    assert (
-        Path(
-            sh(
-                [py, "-c", "import harness.suites as s; print(s.__file__)"], venv, venv
-            ).stdout.strip()
-        ).parent
-        / "schema.json"
-    ).is_file()
+    # The schema and the workflow templates travel inside the wheel, and the plugin is found
+    # through its entry point.
+    suites = Path(
+        sh([py, "-c", "import harness.suites as s; print(s.__file__)"], venv, venv).stdout.strip()
+    ).parent
+    assert (suites / "schema.json").is_file()
+    for template in ("accelerator.yml", "cpu.yml", "gate.yml"):
+        assert (suites / "templates" / template).is_file(), template
     listed = sh([py, "-m", "pytest", "--version", "--version"], venv, venv)
     assert "pytest-accel-harness" in listed.stdout + listed.stderr
 
