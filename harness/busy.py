@@ -40,12 +40,12 @@ def card_users(device: str, exclude: Collection[int] = (), timeout: float = 30.0
     """One line per process other than ``exclude`` holding a ``device`` card (card, pid,
     command line, memory), by the device's own tool; none when the tool is not on ``PATH``.
     Raises :class:`BusyCheckError` when it fails or does not answer within ``timeout``."""
-    import psutil
-
     argv, parse = device_type(device).busy_query, device_type(device).parse_busy
     tool = shutil.which(argv[0])
     if tool is None:
         return []
+    import psutil
+
     try:
         done = subprocess.run([tool, *argv[1:]], capture_output=True, text=True, timeout=timeout)
     except (OSError, subprocess.TimeoutExpired) as e:
@@ -59,7 +59,7 @@ def card_users(device: str, exclude: Collection[int] = (), timeout: float = 30.0
         if pid in exclude:
             continue
         try:
-            name = command_line(psutil.Process(pid))
+            name = command_line(psutil.Process(pid), fallback=name)
         except psutil.Error:  # gone, or in another pid namespace: the tool's name for it
             pass
         lines.append(

@@ -211,15 +211,15 @@ def _below(root: int) -> set[int]:
     return found
 
 
-def command_line(proc: psutil.Process) -> str:
-    """``proc``'s command line (its name in brackets when it has none, ``?`` when it cannot
-    be read), cut to ``COMMAND_CHARS``."""
+def command_line(proc: psutil.Process, fallback: str = "?") -> str:
+    """``proc``'s command line (its name in brackets when it has none, ``fallback`` when it
+    cannot be read), cut to ``COMMAND_CHARS``."""
     import psutil
 
     try:
         text = " ".join(proc.cmdline()) or f"[{proc.name()}]"
     except psutil.Error:
-        text = "?"
+        text = fallback
     return text if len(text) <= COMMAND_CHARS else text[: COMMAND_CHARS - 3] + "..."
 
 
