@@ -232,9 +232,7 @@ def parse_cards(text: str) -> dict[str, list[Card]]:
     text = text.strip()
     if text.lower() in ("", "none"):
         return cards
-    for group in text.replace(" ", ";").split(";"):
-        if not group:
-            continue
+    for group in filter(None, text.replace(" ", ";").split(";")):
         device, sep, ids = group.partition(":")
         if not sep or device not in ACCELERATOR_NAMES:
             raise ValueError(

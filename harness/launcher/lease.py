@@ -42,7 +42,6 @@ from harness.errors import HarnessError
 LEASE_DIR_ENV = "HARNESS_LEASE_DIR"
 #: Where a lease directory came from, as ``resolve_lease_dir`` names it.
 LEASE_DIR_OPTION = "--harness-lease-dir"
-_QUEUE = "queue.lock"
 _POLL_MAX_S = 0.2  # the longest pause between two looks of a waiting lease
 _BUSY = (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK)
 _RECORD_MAX = 1 << 20
@@ -257,7 +256,7 @@ def waiters(lease_dir: str) -> list[dict]:
     """The waiter at the head of ``lease_dir``'s queue, as a one-item list of its record
     (``pid``, ``holder``, ``since``, ``wants``: resource names), or ``[]`` when nobody
     waits (a waiter that died does not)."""
-    held, record = _peek(os.path.join(lease_dir, _QUEUE))
+    held, record = _peek(_lock_path(lease_dir, "queue"))
     return [record] if held and record and "wants" in record else []
 
 
@@ -339,7 +338,7 @@ def acquire(lease_dir: str, wants: Iterable[Want], *, timeout: float, holder: st
             )
     chosen, source = resolve_lease_dir(None)
     check_lease_dir(lease_dir, source if os.path.abspath(lease_dir) == chosen else "the caller")
-    queue = _open(os.path.join(lease_dir, _QUEUE))
+    queue = _open(_lock_path(lease_dir, "queue"))
     head = False
     start = time.monotonic()
     delay = 0.02
