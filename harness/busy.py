@@ -2,11 +2,10 @@
 
 A card a previous job left a process on (a crashed training run, a stuck rank) fails the
 next suite in ways that look like the suite's fault: out of memory, a hung collective. At
-the start of a session the plugin asks the device's tool which processes hold cards
-(``busy_query`` of its row in the device table: every accelerator has one, a test checks),
-leaves out this run's own processes and names the others: a warning, or with ini
-``harness_busy_cards = fail`` a stop before any test runs. A device whose tool is not on
-``PATH`` has no cards here to check.
+session start the plugin asks the tool of each accelerator row (``busy_query`` /
+``parse_busy``; a test checks every accelerator has one) and names the processes outside
+this run: a warning, or with ini ``harness_busy_cards = fail`` a stop before any test
+runs. A device whose tool is not on ``PATH`` has no cards here to check.
 """
 
 from __future__ import annotations
@@ -17,19 +16,15 @@ from collections.abc import Collection
 
 from harness.devices import DEVICE_TABLE, device_type
 from harness.errors import HarnessError
+from harness.processes import command_line
+
+#: The ini option: ``off``, ``warn`` (the default) or ``fail``.
+BUSY_CARDS_INI = "harness_busy_cards"
+BUSY_MODES = ("off", "warn", "fail")
 
 
 class BusyCheckError(HarnessError):
     """The device's tool is there but did not answer."""
-
-
-def _command(pid: int, fallback: str) -> str:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            words = f.read().split(b"\0")
-    except OSError:  # gone, or in another pid namespace: the tool's name for it
-        return fallback
-    return " ".join(w.decode(errors="replace") for w in words if w) or fallback
 
 
 def own_processes() -> set[int]:
@@ -49,6 +44,8 @@ def card_users(device: str, exclude: Collection[int] = (), timeout: float = 30.0
     tool = shutil.which(argv[0])
     if tool is None:
         return []
+    import psutil
+
     try:
         done = subprocess.run([tool, *argv[1:]], capture_output=True, text=True, timeout=timeout)
     except (OSError, subprocess.TimeoutExpired) as e:
@@ -57,19 +54,19 @@ def card_users(device: str, exclude: Collection[int] = (), timeout: float = 30.0
         raise BusyCheckError(
             f"{' '.join(argv)} exited {done.returncode}: {done.stderr.strip()[-300:]}"
         )
-    return [
-        f"{device} card {card}: pid {pid} ({_command(pid, name)}"
-        + (f", {memory} MiB)" if memory is not None else ")")
-        for pid, card, memory, name in parse(done.stdout)
-        if pid not in exclude
-    ]
-
-
-# --------------------------------------------------------------------------- pytest
-
-#: The ini option: ``off``, ``warn`` (the default) or ``fail``.
-BUSY_CARDS_INI = "harness_busy_cards"
-BUSY_MODES = ("off", "warn", "fail")
+    lines = []
+    for pid, card, memory, name in parse(done.stdout):
+        if pid in exclude:
+            continue
+        try:
+            name = command_line(psutil.Process(pid), fallback=name)
+        except psutil.Error:  # gone, or in another pid namespace: the tool's name for it
+            pass
+        lines.append(
+            f"{device} card {card}: pid {pid} ({name}"
+            + (f", {memory} MiB)" if memory is not None else ")")
+        )
+    return lines
 
 
 def addoption(parser) -> None:
@@ -83,10 +80,10 @@ def addoption(parser) -> None:
 
 
 def check_busy_cards(config) -> None:
-    """The session-start check, for the plugin's ``pytest_sessionstart`` (xdist's controller
-    runs it once, before any worker starts; workers skip it). Names each process outside
-    this run holding a card of an accelerator whose tool is on ``PATH``: a warning line, or
-    under ``fail`` a stop (exit 1) before any test runs; a tool that fails is a warning."""
+    """The session-start check, for the plugin's ``pytest_sessionstart``: names each process
+    outside this run holding a card of an accelerator whose tool is on ``PATH``, in a
+    warning line, or under ``fail`` a stop (exit 1) before any test runs; a tool that fails
+    is a warning."""
     import pytest
 
     mode = str(config.getini(BUSY_CARDS_INI)).strip().lower() or "warn"

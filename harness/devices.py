@@ -1,12 +1,11 @@
 """The device table, the host's cards, and how a process is pointed at one.
 
-``DEVICE_TABLE`` holds one ``DeviceType`` row per device type; ``LaunchSpec``
-validation, ``DEVICES``, the card inventory, the pool reset, the backend ->
-device map and the suite schema's device enum (a test checks) derive from it.
-The inventory comes from the device runtime unless ``HARNESS_CARDS``
-overrides it (``cuda:0,1;npu:0``, ``none``: a subset, or a *simulated*
-inventory on a CPU machine); card ids are what the visibility variable
-understands. Nothing here imports torch at module import time.
+Everything device-shaped derives from ``DEVICE_TABLE`` (``LaunchSpec`` validation,
+``DEVICES``, the card inventory, the pool reset, the backend -> device map, the suite
+schema's device enum: a test checks). The inventory comes from the device runtime unless
+``HARNESS_CARDS`` overrides it (``cuda:0,1;npu:0``, ``none``: a subset, or a simulated
+inventory on a CPU machine); card ids are what the visibility variable understands.
+Nothing here imports torch at module import time.
 """
 
 from __future__ import annotations
@@ -65,20 +64,16 @@ def _npu_smi_info(text: str) -> list[BusyRow]:
 class DeviceType:
     """Everything the harness knows about one device type (one row of ``DEVICE_TABLE``).
 
-    ``name`` is what ``LaunchSpec.device``, ``DEVICES``, ``HARNESS_CARDS`` and
-    the suite manifests call it; ``backend`` the ``torch.distributed``
-    backend its ranks initialise by default; ``backends`` every backend whose
-    collectives take tensors on this device; ``visibility_env`` the variable
-    that pins a process to cards (None: the device has no cards);
-    ``runtime`` the ``torch.<runtime>`` namespace (``set_device``,
-    ``device_count``, ``synchronize``, RNG state); ``extension`` a module
-    that must be imported to register that namespace (``torch_npu``);
-    ``cheap_probe`` says, without importing torch, whether asking the
-    runtime can find any card at all; ``title`` is its human name (workflow
-    comments and step names) and ``suite`` the name ``harness init`` gives
-    the suite of its runners (both default to ``name``); ``busy_query`` the argv of
-    the tool that lists the processes holding its cards and ``parse_busy`` the parser of
-    that tool's output into :data:`BusyRow` values (``harness/busy.py``).
+    ``name``: what ``LaunchSpec.device``, ``DEVICES``, ``HARNESS_CARDS`` and manifests call
+    it; ``backend``: the ``torch.distributed`` backend its ranks initialise by default;
+    ``backends``: every backend whose collectives take tensors on this device;
+    ``visibility_env``: the variable that pins a process to cards (None: no cards);
+    ``runtime``: the ``torch.<runtime>`` namespace; ``extension``: a module to import to
+    register it (``torch_npu``); ``cheap_probe``: whether, without importing torch, the
+    runtime can find any card at all; ``title``: its human name (workflows) and ``suite``:
+    the suite ``harness init`` names for its runners (both default to ``name``);
+    ``busy_query``: the argv of the tool that lists the processes holding its cards, and
+    ``parse_busy`` its output's parser into :data:`BusyRow` values (``harness/busy.py``).
     """
 
     name: str
@@ -94,9 +89,8 @@ class DeviceType:
     parse_busy: Callable[[str], list[BusyRow]] | None = None
 
     def __post_init__(self) -> None:
-        for attr in ("title", "suite"):
-            if not getattr(self, attr):
-                object.__setattr__(self, attr, self.name)  # frozen: set once, here
+        object.__setattr__(self, "title", self.title or self.name)  # frozen: set once, here
+        object.__setattr__(self, "suite", self.suite or self.name)
 
     @property
     def is_accelerator(self) -> bool:
@@ -115,11 +109,8 @@ class DeviceType:
 
     def initialised_runtime(self) -> Any:
         """The runtime if this process already initialised it, else None (never initialises one)."""
-        torch = sys.modules.get("torch")
-        runtime = getattr(torch, self.runtime, None) if torch is not None and self.runtime else None
-        if runtime is None or not runtime.is_initialized():
-            return None
-        return runtime
+        runtime = getattr(sys.modules.get("torch"), self.runtime or "", None)
+        return runtime if runtime is not None and runtime.is_initialized() else None
 
     def card_count(self) -> int:
         """Cards the runtime reports in this process (0: none, no runtime, or a broken driver)."""
@@ -141,13 +132,10 @@ class DeviceType:
 
 
 def _torch_has_gpu_build() -> bool:
-    """Whether the installed torch was built for CUDA / ROCm, read from its
-    ``version.py`` without importing torch (a CPU build has ``cuda = None``).
-
-    Importing torch only to learn that a CPU build has no cards would cost
-    every pytest process over a second, and an import from inside a pytester
-    in-process run is undone afterwards, which torch does not survive.
-    """
+    """Whether the installed torch was built for CUDA / ROCm, read from its ``version.py``
+    (a CPU build has ``cuda = None``): importing torch only to learn that would cost every
+    pytest process over a second, and an import inside a pytester in-process run is undone
+    afterwards, which torch does not survive."""
     if "torch" in sys.modules:
         return True
     spec = importlib.util.find_spec("torch")
@@ -159,13 +147,7 @@ def _torch_has_gpu_build() -> bool:
     except OSError:
         return True  # unknown: ask the runtime
     values = dict(re.findall(r"^(cuda|hip)\b[^=\n]*=\s*(.+?)\s*$", text, re.MULTILINE))
-    if not values:
-        return True
-    return any(v != "None" for v in values.values())
-
-
-def _has_module(name: str) -> Callable[[], bool]:
-    return lambda: importlib.util.find_spec(name) is not None
+    return not values or any(v != "None" for v in values.values())
 
 
 #: The device table: one row per device type, in ``DEVICES`` order. A new
@@ -195,7 +177,7 @@ DEVICE_TABLE: tuple[DeviceType, ...] = (
         visibility_env="ASCEND_RT_VISIBLE_DEVICES",
         runtime="npu",
         extension="torch_npu",
-        cheap_probe=_has_module("torch_npu"),
+        cheap_probe=lambda: importlib.util.find_spec("torch_npu") is not None,
         title="Ascend NPU",
         busy_query=("npu-smi", "info"),
         parse_busy=_npu_smi_info,
@@ -243,19 +225,14 @@ class Card:
 
 
 def parse_cards(text: str) -> dict[str, list[Card]]:
-    """Parse a ``HARNESS_CARDS`` value into cards per accelerator type.
-
-    Guarantees every accelerator type is a key (possibly with no cards), ids
-    keep their order, and a malformed value (a signed id such as ``cuda:-1`` included)
-    raises ``ValueError`` quoting it.
-    """
+    """A ``HARNESS_CARDS`` value as cards per accelerator type: every accelerator type a
+    key (possibly with no cards), ids in their order; a malformed value (a signed id such
+    as ``cuda:-1`` included) raises ``ValueError`` quoting it."""
     cards: dict[str, list[Card]] = {device: [] for device in ACCELERATOR_NAMES}
     text = text.strip()
     if text.lower() in ("", "none"):
         return cards
-    for group in text.replace(" ", ";").split(";"):
-        if not group:
-            continue
+    for group in filter(None, text.replace(" ", ";").split(";")):
         device, sep, ids = group.partition(":")
         if not sep or device not in ACCELERATOR_NAMES:
             raise ValueError(
@@ -285,13 +262,10 @@ def is_simulated() -> bool:
 
 
 def inventory(device: str) -> list[Card]:
-    """The cards of ``device`` this host offers to tests, in id order as listed.
-
-    ``cpu`` has none; an unknown device raises ``ValueError``. With
-    ``HARNESS_CARDS`` set, exactly the cards it names; otherwise the cards the
-    device runtime reports (honouring the process's visibility variable). A
-    missing runtime means no cards, never an error.
-    """
+    """The cards of ``device`` this host offers to tests, in id order as listed: with
+    ``HARNESS_CARDS`` set, exactly those it names, else those the device runtime reports
+    (honouring the visibility variable; no runtime: no cards). ``cpu`` has none; an unknown
+    device raises ``ValueError``."""
     kind = device_type(device)
     if not kind.is_accelerator:
         return []
@@ -303,14 +277,11 @@ def inventory(device: str) -> list[Card]:
 
 @functools.cache
 def _runtime_cards(device: str, visible: str | None) -> tuple[Card, ...]:
+    # The runtime numbers the visible cards 0..n-1; the lease and the ranks'
+    # visibility variable need the ids the variable itself uses.
     count = device_type(device).card_count()
-    if visible is not None:
-        # The runtime numbers the visible cards 0..n-1; the lease and the
-        # ranks' visibility variable need the ids the variable itself uses.
-        ids = [i.strip() for i in visible.split(",") if i.strip()][:count]
-    else:
-        ids = [str(i) for i in range(count)]
-    return tuple(Card(device, i) for i in ids)
+    ids = [str(i) for i in range(count)] if visible is None else visible.split(",")
+    return tuple(Card(device, i.strip()) for i in ids if i.strip())[:count]
 
 
 def runtime_available(device: str) -> bool:
@@ -346,8 +317,7 @@ def describe_inventory() -> str:
     """One line naming the cards per accelerator and where they came from."""
     parts = []
     for kind in accelerators():
-        cards = inventory(kind.name)
-        ids = ",".join(c.id for c in cards)
-        parts.append(f"{kind.name}:{ids}" if cards else f"{kind.name}: none")
+        ids = ",".join(c.id for c in inventory(kind.name))
+        parts.append(f"{kind.name}:{ids}" if ids else f"{kind.name}: none")
     source = CARDS_ENV if is_simulated() else "device runtime"
     return f"{'; '.join(parts)} (from {source})"

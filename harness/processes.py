@@ -1,11 +1,10 @@
-"""Process trees: finding every process below another, stopping them all
-(SIGTERM with SIGCONT, a grace, SIGKILL to what still runs and was forked
-meanwhile, a bounded wait), and tying a process's life to its parent's
-(``die_with_parent``), and stopping what a stretch of this process's life left
-running below it (``descendants`` before, ``stop_leftovers`` after: a case, a
-session, a run). Waits poll instead of ``wait()``ing, so they never reap a child
-behind its ``Popen``'s back; a zombie counts as gone. Shared by the launcher, the
-ranks' supervisors, the plugin's containment of every case and ``harness run``.
+"""Process trees: finding every process below another, stopping them all (SIGTERM with
+SIGCONT, a grace, SIGKILL to what still runs and was forked meanwhile, a bounded wait),
+tying a process's life to its parent's (``die_with_parent``), and stopping what a stretch
+of this process's life left running below it (``descendants`` before, ``stop_leftovers``
+after: a case, a session, a run). Waits poll instead of ``wait()``ing, so they never reap
+a child behind its ``Popen``'s back; a zombie counts as gone. psutil is imported where
+used: ``harness inventory`` and collection need none.
 """
 
 from __future__ import annotations
@@ -20,40 +19,23 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # imported where used: `harness inventory` and collection need no psutil
+if TYPE_CHECKING:
     import psutil
-
-__all__ = [
-    "Leftover",
-    "descendants",
-    "die_with_parent",
-    "is_subreaper",
-    "kill_trees",
-    "process_tree",
-    "session_members",
-    "stop_leftovers",
-    "subreaper",
-    "terminate",
-    "wait_gone",
-]
 
 _PR_SET_PDEATHSIG = 1
 _PR_SET_CHILD_SUBREAPER = 36
 _PR_GET_CHILD_SUBREAPER = 37
-_LINUX = sys.platform.startswith("linux")
 # Loaded once, here: a ``preexec_fn`` runs between fork and exec, where
 # loading a library (allocating) is unsafe.
 _libc = None
-if _LINUX:
+if sys.platform.startswith("linux"):
     with contextlib.suppress(OSError):
         _libc = ctypes.CDLL(None, use_errno=True)
 
 
-def _prctl(option: int, value: int) -> bool:
-    if _libc is None:
-        return False
+def _prctl(option: int, value: object) -> bool:
     try:
-        return _libc.prctl(option, value, 0, 0, 0) == 0
+        return _libc is not None and _libc.prctl(option, value, 0, 0, 0) == 0
     except AttributeError:
         return False
 
@@ -66,21 +48,15 @@ def subreaper(enable: bool = True) -> bool:
 
 def is_subreaper() -> bool:
     """Whether this process is a child subreaper (False where that cannot be read)."""
-    if _libc is None:
-        return False
     flag = ctypes.c_int(0)
-    try:
-        done = _libc.prctl(_PR_GET_CHILD_SUBREAPER, ctypes.byref(flag), 0, 0, 0) == 0
-    except AttributeError:
-        return False
-    return done and bool(flag.value)
+    return _prctl(_PR_GET_CHILD_SUBREAPER, ctypes.byref(flag)) and bool(flag.value)
 
 
 def die_with_parent(parent_pid: int, sig: int = signal.SIGKILL) -> bool:
-    """Have the kernel send ``sig`` to this process when its parent dies;
-    exit at once (status 1) when ``parent_pid`` is already gone. False where
-    unsupported (not Linux). The kernel acts on the death of the parent *thread*
-    that started this process, and children do not inherit the request."""
+    """Have the kernel send ``sig`` to this process when its parent dies; exit at once
+    (status 1) when ``parent_pid`` is already gone. False where unsupported (not Linux).
+    The kernel acts on the death of the parent *thread* that started this process, and
+    children do not inherit the request."""
     if not _prctl(_PR_SET_PDEATHSIG, int(sig)):
         return False
     if os.getppid() != parent_pid:
@@ -97,32 +73,21 @@ def _gone(proc: psutil.Process) -> bool:
         return True
 
 
-def session_members(sid: int) -> list[psutil.Process]:
-    """Processes in session ``sid`` other than its leader (the kernel keeps a pid
-    out of reuse while it names a live session, so for a session a rank created
-    these are that rank's leftovers)."""
-    import psutil
-
-    members = []
-    for proc in psutil.process_iter():
-        with contextlib.suppress(OSError):
-            if proc.pid != sid and os.getsid(proc.pid) == sid:
-                members.append(proc)
-    return members
-
-
 def process_tree(root: int, *, own_session: bool) -> list[psutil.Process]:
-    """``root`` (if alive), its descendants, and, with ``own_session``, every
-    other process still in the session ``root`` leads. Never raises for
-    processes that vanish meanwhile."""
+    """``root`` (if alive), its descendants, and, with ``own_session``, every other process
+    still in the session ``root`` leads (the kernel keeps a pid out of reuse while it
+    names a live session, so for a session a rank created these are its leftovers).
+    Never raises for processes that vanish meanwhile."""
     import psutil
 
     procs: dict[int, psutil.Process] = {}
     with contextlib.suppress(psutil.Error):
         proc = psutil.Process(root)
         procs = {p.pid: p for p in [proc, *proc.children(recursive=True)]}
-    for member in session_members(root) if own_session else ():
-        procs.setdefault(member.pid, member)
+    for member in psutil.process_iter() if own_session else ():
+        with contextlib.suppress(OSError):
+            if member.pid != root and os.getsid(member.pid) == root:
+                procs.setdefault(member.pid, member)
     return [p for p in procs.values() if not _gone(p)]
 
 
@@ -137,9 +102,8 @@ def _signal(procs: Iterable[psutil.Process], sig: int) -> None:
 def wait_gone(
     procs: list[psutil.Process], timeout: float, *, reap: Callable[[], object] | None = None
 ) -> list[psutil.Process]:
-    """Wait until every process in ``procs`` is dead (polling; ``reap`` is called
-    on every poll by a caller that reaps its own children); return those still
-    alive at ``timeout``."""
+    """Wait until every process in ``procs`` is dead (polling; ``reap`` is called on every
+    poll by a caller that reaps its own children); return those alive at ``timeout``."""
     deadline = time.monotonic() + timeout
     alive = [p for p in procs if not _gone(p)]
     while alive and time.monotonic() < deadline:
@@ -158,11 +122,10 @@ def terminate(
     more: Callable[[], Iterable[psutil.Process]] = tuple,
     reap: Callable[[], object] | None = None,
 ) -> list[psutil.Process]:
-    """Stop ``procs``: SIGTERM (and SIGCONT: a stopped process acts on SIGTERM only
-    once it runs), then after ``grace`` seconds SIGKILL to whatever still runs and
-    what ``more()`` finds then (processes forked meanwhile); ``grace`` 0 sends
-    SIGKILL alone. Returns the processes still alive ``kill_wait`` seconds after
-    SIGKILL (stuck in the kernel), normally none."""
+    """Stop ``procs``: SIGTERM (and SIGCONT: a stopped process acts on SIGTERM only once it
+    runs), then after ``grace`` seconds SIGKILL to whatever still runs and what ``more()``
+    finds then (processes forked meanwhile); ``grace`` 0 sends SIGKILL alone. Returns the
+    processes still alive ``kill_wait`` seconds after SIGKILL (stuck in the kernel)."""
     found = {p.pid: p for p in procs if not _gone(p)}
     if not found:
         return []
@@ -186,8 +149,8 @@ def kill_trees(
     reap: Callable[[], object] | None = None,
 ) -> list[psutil.Process]:
     """Stop every process of the trees rooted at ``roots`` (``process_tree``) as
-    ``terminate`` does, leaving the pids in ``spare`` alone. Returns processes
-    still alive ``kill_wait`` seconds after SIGKILL."""
+    ``terminate`` does, but the pids in ``spare``. Returns those still alive
+    ``kill_wait`` seconds after SIGKILL."""
     roots, spared = list(roots), set(spare)
 
     def collect() -> list[psutil.Process]:
@@ -214,8 +177,8 @@ class Leftover:
 
 def descendants() -> set[psutil.Process]:
     """Every process below this one now (exited ones not yet waited for included).
-    psutil's processes compare by pid *and* start time: a pid reused later is a
-    different process."""
+    psutil's processes compare by pid *and* start time: a pid reused later is a different
+    process."""
     import psutil
 
     found: set[psutil.Process] = set()
@@ -227,8 +190,8 @@ def descendants() -> set[psutil.Process]:
 
 def _below(root: int) -> set[int]:
     """The pids below ``root``. Walks only its tree where Linux lists each thread's
-    children (``/proc/PID/task/TID/children``), not the whole process table (a case pays
-    for this twice)."""
+    children (``/proc/PID/task/TID/children``), not the whole process table as psutil
+    does (1000x slower, and a case pays for this twice)."""
     import psutil
 
     if not os.path.exists(f"/proc/{root}/task/{root}/children"):
@@ -238,30 +201,25 @@ def _below(root: int) -> set[int]:
     found: set[int] = set()
     stack = [root]
     while stack:
-        for pid in _children(stack.pop()):
-            if pid not in found:
-                found.add(pid)
-                stack.append(pid)
+        pid = stack.pop()
+        with contextlib.suppress(OSError):
+            for tid in os.listdir(f"/proc/{pid}/task"):
+                with contextlib.suppress(OSError), open(f"/proc/{pid}/task/{tid}/children") as f:
+                    new = {int(c) for c in f.read().split()} - found
+                    found |= new
+                    stack.extend(new)
     return found
 
 
-def _children(pid: int) -> list[int]:
-    """The pids of ``pid``'s children, as its threads list them (each lists those it forked)."""
-    out: list[int] = []
-    with contextlib.suppress(OSError):
-        for tid in os.listdir(f"/proc/{pid}/task"):
-            with contextlib.suppress(OSError), open(f"/proc/{pid}/task/{tid}/children") as f:
-                out.extend(int(c) for c in f.read().split())
-    return out
-
-
-def _command(proc: psutil.Process) -> str:
+def command_line(proc: psutil.Process, fallback: str = "?") -> str:
+    """``proc``'s command line (its name in brackets when it has none, ``fallback`` when it
+    cannot be read), cut to ``COMMAND_CHARS``."""
     import psutil
 
     try:
         text = " ".join(proc.cmdline()) or f"[{proc.name()}]"
     except psutil.Error:
-        text = "?"
+        text = fallback
     return text if len(text) <= COMMAND_CHARS else text[: COMMAND_CHARS - 3] + "..."
 
 
@@ -276,22 +234,22 @@ def stop_leftovers(
     """Stop what runs below this process now and did not at ``before`` (``descendants``),
     but the pids ``spare()`` names (asked again before SIGKILL) and the processes below
     them: each gets ``settle`` seconds to end by itself (a process told to stop that has
-    not yet), then the rest are stopped as ``terminate`` does (SIGTERM, ``grace``,
-    SIGKILL, what was forked meanwhile included). Those that were this process's
-    children (its own, or orphans a child subreaper gets) are reaped. Returns the
-    stopped ones, described before they were stopped; one walk of the process table
+    not yet), then the rest are stopped as ``terminate`` does. Those that were this
+    process's children (its own, or orphans a child subreaper gets) are reaped. Returns
+    the stopped ones, described before they were stopped; one walk of the process table
     when nothing is new."""
 
     def new() -> list[psutil.Process]:
         found = [p for p in descendants() if p not in before]
-        spared = _with_descendants(spare()) if found else set()
+        spared = set(spare()) if found else set()
+        spared = spared.union(*(_below(pid) for pid in spared))
         return [p for p in found if p.pid not in spared]
 
     found = new()
     if not found:
         return []
     alive = wait_gone(found, settle)
-    left = [Leftover(p.pid, _command(p)) for p in alive]
+    left = [Leftover(p.pid, command_line(p)) for p in alive]
     seen = {p.pid: p for p in found}
 
     def more() -> list[psutil.Process]:
@@ -300,18 +258,9 @@ def stop_leftovers(
         return later
 
     terminate(alive, grace=grace, kill_wait=kill_wait, more=more)
-    _reap(seen.values())
-    return left
-
-
-def _with_descendants(pids: set[int]) -> set[int]:
-    return pids.union(*(_below(pid) for pid in pids))
-
-
-def _reap(procs: Iterable[psutil.Process]) -> None:
-    """Wait for those of ``procs`` that are exited children of this process."""
     me = os.getpid()
-    for proc in procs:
+    for proc in seen.values():  # reap those that were children of this process
         with contextlib.suppress(Exception):
             if proc.ppid() == me and _gone(proc):
                 os.waitpid(proc.pid, os.WNOHANG)
+    return left

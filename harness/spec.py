@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 from harness.devices import ACCELERATOR_NAMES, BACKEND_DEVICES, DEVICE_NAMES, DEVICE_TABLE
@@ -24,20 +24,15 @@ class LaunchSpecError(HarnessError, ValueError):
 class LaunchSpec:
     """How one test case is launched.
 
-    ``device`` is a device type of the device table (``cpu``, ``cuda``,
-    ``npu``); ``nproc`` is the number of rank processes (>= 1); ``timeout``
-    is the case deadline in seconds (``None``: the session default);
-    ``backend`` overrides the ``torch.distributed`` backend (one the table
-    knows; default gloo / nccl / hccl by device);
-    ``reuse``: run the case on kept rank processes (True), on fresh ones
-    (False), or as the session says (None: ini ``harness_reuse`` /
-    ``--harness-reuse``, fresh by default);
-    ``nnodes``: nodes of ``nproc`` ranks each (>= 1; ``cards`` is per node):
-    more than one runs the ranks under torch's elastic launcher (torchrun),
-    emulated on this host or across hosts (``harness.launcher.nodes``), on
-    fresh ranks only.
-
-    Invalid values raise ``LaunchSpecError`` (a ``ValueError``) naming the field and the value.
+    ``device``: a device type of the device table (``cpu``, ``cuda``, ``npu``); ``nproc``:
+    rank processes (>= 1); ``timeout``: the case deadline in seconds (None: the session
+    default); ``backend``: the ``torch.distributed`` backend, one the table knows (default
+    gloo / nccl / hccl by device); ``reuse``: kept rank processes (True), fresh ones
+    (False), or as the session says (None: ini ``harness_reuse`` / ``--harness-reuse``,
+    fresh by default); ``nnodes``: nodes of ``nproc`` ranks each (>= 1; ``cards`` is per
+    node), more than one under torch's elastic launcher (torchrun), emulated on this host
+    or across hosts (``harness.launcher.nodes``), on fresh ranks only. Invalid values raise
+    ``LaunchSpecError`` (a ``ValueError``) naming the field and the value.
     """
 
     device: str = "cpu"
@@ -54,8 +49,11 @@ class LaunchSpec:
             )
         # Integer-like values of any kind (numpy ints) are stored as plain ints,
         # so equal specs compare, hash and pickle alike.
-        nproc = check_int(self.nproc, "LaunchSpec.nproc", minimum=1, error=LaunchSpecError)
-        object.__setattr__(self, "nproc", nproc)
+        for name in ("nproc", "nnodes"):
+            value = check_int(
+                getattr(self, name), f"LaunchSpec.{name}", minimum=1, error=LaunchSpecError
+            )
+            object.__setattr__(self, name, value)
         timeout = check_seconds(
             self.timeout, "LaunchSpec.timeout", allow_none=True, error=LaunchSpecError
         )
@@ -69,12 +67,10 @@ class LaunchSpec:
             )
         if self.reuse is not None and not isinstance(self.reuse, bool):
             raise LaunchSpecError(f"LaunchSpec.reuse must be None or a bool; got {self.reuse!r}")
-        nnodes = check_int(self.nnodes, "LaunchSpec.nnodes", minimum=1, error=LaunchSpecError)
-        object.__setattr__(self, "nnodes", nnodes)
-        if nnodes > 1 and self.reuse:
+        if self.nnodes > 1 and self.reuse:
             raise LaunchSpecError(
                 f"LaunchSpec.reuse=True cannot keep the ranks of a multi-node case "
-                f"(nnodes={nnodes}): torch's elastic launcher starts fresh ranks per case"
+                f"(nnodes={self.nnodes}): torch's elastic launcher starts fresh ranks per case"
             )
 
     @property
@@ -102,26 +98,22 @@ def _device_param(item: Any) -> str | None:
 
 
 def spec_from_marker(args: tuple, kwargs: dict, device_param: str | None = None) -> LaunchSpec:
-    """Build the spec a ``launch`` marker declares.
-
-    Accepts ``launch(LaunchSpec(...))`` or ``launch(nproc=..., nnodes=..., timeout=..., ...)``.
-    With keyword form and no ``device``, the device is ``device_param`` (the
-    test's ``device`` parameter) or ``cpu``. Raises ``ValueError`` for any
-    other form.
-    """
+    """The spec a ``launch`` marker declares: ``launch(LaunchSpec(...))`` or
+    ``launch(nproc=..., nnodes=..., timeout=..., ...)``, whose device is, when not given,
+    ``device_param`` (the test's ``device`` parameter) or ``cpu``. Any other form raises
+    ``LaunchSpecError`` (a ``ValueError``)."""
+    names = [f.name for f in fields(LaunchSpec)]
     if args:
         if len(args) != 1 or not isinstance(args[0], LaunchSpec) or kwargs:
             raise LaunchSpecError(
                 "@pytest.mark.launch takes one LaunchSpec or keyword arguments "
-                f"(device, nproc, timeout, backend, reuse, nnodes); got args={args!r} kwargs={kwargs!r}"
+                f"({', '.join(names)}); got args={args!r} kwargs={kwargs!r}"
             )
         return args[0]
-    unknown = set(kwargs) - {"device", "nproc", "timeout", "backend", "reuse", "nnodes"}
+    unknown = set(kwargs) - set(names)
     if unknown:
         raise LaunchSpecError(f"@pytest.mark.launch got unknown keyword(s) {sorted(unknown)}")
-    kwargs = dict(kwargs)
-    kwargs.setdefault("device", device_param or "cpu")
-    return LaunchSpec(**kwargs)
+    return LaunchSpec(**{"device": device_param or "cpu", **kwargs})
 
 
 def is_launched(item: Any) -> bool:
@@ -130,12 +122,9 @@ def is_launched(item: Any) -> bool:
 
 
 def spec_for_item(item: Any) -> LaunchSpec:
-    """The spec of a collected pytest item.
-
-    A ``launch``-marked test gets the marker's spec. Any other test runs
-    in-process as one rank on the device of its ``device`` parameter (cpu when
-    it has none), so a plain test parametrized with an accelerator needs one card.
-    """
+    """The spec of a collected pytest item: its ``launch`` marker's, else one rank on the
+    device of its ``device`` parameter (cpu when it has none), so a plain test
+    parametrized with an accelerator needs one card."""
     marker = item.get_closest_marker("launch")
     if marker is None:
         return LaunchSpec(device=_device_param(item) or "cpu", nproc=1)

@@ -1,7 +1,6 @@
-"""The watchdog that holds each phase of this process's work (a test's setup,
-call or teardown) to its deadline, on a thread of its own. Shared ground: the
-launcher bounds launched cases' fixtures with it and the suite side bounds
-planned plain cases."""
+"""The watchdog that holds each phase of this process's work (a launched case's fixture
+setup or teardown) to its deadline, on a thread of its own (faulthandler's single timer is
+pytest's ``faulthandler_timeout``'s)."""
 
 from __future__ import annotations
 
@@ -16,27 +15,28 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import IO, Any, NoReturn
-
-__all__ = [
-    "BACKSTOP_MARGIN_S",
-    "INTERRUPT_SIGNAL",
-    "WATCHDOG_GRACE_S",
-    "Watchdog",
-    "faulthandler_free",
-    "watchdog",
-]
-
+from typing import Any, NoReturn
 
 #: How long past its deadline the watchdog waits, after interrupting the main
 #: thread, before it stops the process (never more than the deadline again).
 WATCHDOG_GRACE_S = 60.0
-
-#: The signal that interrupts this process's main thread at a phase deadline:
-#: one whose default action is to be ignored (a late one, arriving after the
-#: handler is gone, does nothing) and that neither pytest-timeout (SIGALRM) nor
-#: faulthandler uses.
+#: The signal that interrupts the main thread at a phase deadline: one whose default
+#: action is to be ignored (a late one, arriving after the handler is gone, does nothing)
+#: and that neither pytest-timeout (SIGALRM) nor faulthandler uses.
 INTERRUPT_SIGNAL = getattr(signal, "SIGURG", None)
+#: How long after the watch thread should have stopped the process faulthandler's C timer
+#: does it (see :class:`Watchdog`).
+BACKSTOP_MARGIN_S = 5.0
+# The longest the watch thread sleeps at once (a deadline years away would overflow the
+# wait), and the latest backstop faulthandler takes (its timer overflows beyond a year).
+_LONGEST_WAIT_S = 3600.0
+_LONGEST_BACKSTOP_S = 365 * 86400.0
+# This process's stderr as it was when the harness was loaded: pytest loads its plugins
+# before its capture replaces fd 2 with a file that dies with the process.
+try:
+    _STDERR: int | None = os.dup(2)
+except OSError:  # no stderr at all
+    _STDERR = None
 
 
 @dataclass
@@ -47,51 +47,26 @@ class _Armed:
     why: str
     error: Callable[[str], BaseException]
     start: float
-    #: Whether faulthandler's timer is free for the backstop while this phase is armed.
-    backstop: bool = True
+    backstop: bool = True  # faulthandler's timer is free for the backstop while armed
     interrupted: bool = False
     signalled: bool = False
     raised: bool = False
 
-
-#: The longest the watch thread sleeps at once; it then looks at its deadlines again.
-_LONGEST_WAIT_S = 3600.0
-
-#: How long after the watch thread should have stopped the process faulthandler's C timer
-#: does it (see :class:`Watchdog`).
-BACKSTOP_MARGIN_S = 5.0
-
-#: The latest backstop faulthandler takes (its timer overflows far beyond a year).
-_LONGEST_BACKSTOP_S = 365 * 86400.0
-
-
-def _stderr_copy() -> int | None:
-    try:
-        return os.dup(2)
-    except OSError:  # no stderr at all
-        return None
-
-
-#: This process's stderr as it was when the harness was loaded: pytest loads its plugins
-#: before its capture replaces fd 2 with a file that dies with the process.
-_STDERR = _stderr_copy()
+    def headline(self) -> str:
+        return f"{self.what} ran past {self.seconds:g} s" + (f" {self.why}" if self.why else "")
 
 
 class Watchdog:
-    """The deadlines of the phases of this process's work (a test's setup, call
-    or teardown), on a thread of its own (faulthandler's single timer is
-    pytest's ``faulthandler_timeout``'s).
+    """The deadlines of the phases of this process's work, on a thread of its own.
 
-    Past ``seconds`` the main thread is interrupted (``INTERRUPT_SIGNAL``):
-    ``error(message)`` is raised where it is, the phase fails with its stack
-    and the process goes on. A main thread still in the phase ``grace`` seconds
-    later is not coming back: ``exit_hooks`` are called with the headline,
-    every thread's stack goes to ``exit_log`` (None: stderr) and the process
-    exits with status 1. Phases are armed per ``key`` (one per owner: a nested
-    pytester session keeps the outer deadline armed). Native code holding the
-    GIL starves the thread, so with ``backstop`` faulthandler's C timer also
-    stops the process ``BACKSTOP_MARGIN_S`` later; a phase armed with
-    ``backstop=False`` (its session uses that timer itself, see
+    Past ``seconds`` the main thread is interrupted (``INTERRUPT_SIGNAL``): ``error(message)``
+    is raised where it is, the phase fails with its stack and the process goes on. A main
+    thread still in the phase ``grace`` seconds later is not coming back: ``exit_hooks`` are
+    called with the headline, every thread's stack goes to stderr and the process exits with
+    status 1. Phases are armed per ``key`` (one per owner: a nested pytester session keeps
+    the outer deadline armed). Native code holding the GIL starves the thread, so with
+    ``backstop`` faulthandler's C timer also stops the process ``BACKSTOP_MARGIN_S`` later;
+    a phase armed with ``backstop=False`` (its session uses that timer itself, see
     :func:`faulthandler_free`) leaves the timer alone while armed.
     """
 
@@ -101,15 +76,13 @@ class Watchdog:
         self._thread: threading.Thread | None = None
         self._previous: Any = None
         self._installed = False
-        self.exit_log: IO[str] | None = None
         self.exit_hooks: list[Callable[[str], None]] = []
         self._backstop_set = False
 
     def _set_backstop(self) -> None:
-        """Set faulthandler's timer for the earliest stop of the phases armed (under the lock).
-
-        While a phase armed without ``backstop`` is armed, the timer is its session's: it
-        is neither set nor cancelled (pytest may have set it since this process did)."""
+        """Set faulthandler's timer for the earliest stop of the phases armed (under the
+        lock). While a phase armed without ``backstop`` is armed, the timer is its
+        session's: neither set nor cancelled (pytest may have set it since we did)."""
         free = all(a.backstop for a in self._armed.values())
         stops = [a.start + a.seconds + a.grace for a in self._armed.values()]
         seconds = min(stops) - time.monotonic() + BACKSTOP_MARGIN_S if stops else None
@@ -120,24 +93,6 @@ class Watchdog:
             if free:  # nobody else's: ours is stale
                 faulthandler.cancel_dump_traceback_later()
             self._backstop_set = False
-
-    def _arm(self, key: object, armed: _Armed) -> None:
-        with self._lock:
-            if (
-                not self._installed
-                and INTERRUPT_SIGNAL is not None
-                and threading.current_thread() is threading.main_thread()
-            ):
-                self._previous = signal.signal(INTERRUPT_SIGNAL, self._on_signal)
-                self._installed = True
-            self._armed[key] = armed
-            self._set_backstop()
-            if self._thread is None:
-                self._thread = threading.Thread(
-                    target=self._watch, name="harness-watchdog", daemon=True
-                )
-                self._thread.start()
-            self._lock.notify_all()
 
     def disarm(self, key: object) -> None:
         """``key``'s phase is over (it ended, or failed at its deadline)."""
@@ -163,13 +118,28 @@ class Watchdog:
         start: float | None = None,
         backstop: bool = True,
     ) -> Iterator[None]:
-        """Bound ``key``'s phase, the body (run in the main thread), replacing
-        the phase ``key`` had armed; disarmed however the body ends.
-        ``seconds`` count from ``start`` (a ``time.monotonic()``; default: now).
-        The messages read ``{what} ran past {seconds} s {why}``. ``backstop``:
-        see the class docstring."""
+        """Bound ``key``'s phase, the body (run in the main thread), replacing the phase
+        ``key`` had armed; disarmed however the body ends. ``seconds`` count from ``start``
+        (a ``time.monotonic()``; default: now). The messages read ``{what} ran past
+        {seconds} s {why}``. ``backstop``: see the class docstring."""
         now = time.monotonic() if start is None else start
-        self._arm(key, _Armed(seconds, grace, what, why, error, now, backstop))
+        armed = _Armed(seconds, grace, what, why, error, now, backstop)
+        with self._lock:
+            if (
+                not self._installed
+                and INTERRUPT_SIGNAL is not None
+                and threading.current_thread() is threading.main_thread()
+            ):
+                self._previous = signal.signal(INTERRUPT_SIGNAL, self._on_signal)
+                self._installed = True
+            self._armed[key] = armed
+            self._set_backstop()
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._watch, name="harness-watchdog", daemon=True
+                )
+                self._thread.start()
+            self._lock.notify_all()
         try:
             yield
         finally:
@@ -183,9 +153,8 @@ class Watchdog:
                 self._previous(signum, frame)
             return
         due[0].raised = True
-        stacks = _stacks()
         raise due[0].error(
-            f"{_headline(due[0])}; the stacks of this process's threads then:\n{stacks}"
+            f"{due[0].headline()}; the stacks of this process's threads then:\n{_stacks()}"
         )
 
     def _watch(self) -> None:
@@ -208,19 +177,16 @@ class Watchdog:
                 if wake is None:
                     self._lock.wait()
                 elif wake > now:
-                    # A deadline years away (a manifest's timeout_s may be any number) would
-                    # overflow the wait (OverflowError past threading.TIMEOUT_MAX): wake sooner.
                     self._lock.wait(min(wake - now, _LONGEST_WAIT_S))
 
     def _exit(self, armed: _Armed) -> NoReturn:
-        headline = _headline(armed)
         try:
             for hook in self.exit_hooks:
                 with contextlib.suppress(Exception):
-                    hook(headline)
-            log = self.exit_log if self.exit_log is not None else sys.__stderr__
+                    hook(armed.headline())
+            log = sys.__stderr__
             log.write(
-                f"{headline}\nTimeout ({datetime.timedelta(seconds=round(armed.seconds))})! "
+                f"{armed.headline()}\nTimeout ({datetime.timedelta(seconds=round(armed.seconds))})! "
                 f"{'still running' if armed.signalled else 'not interruptible here;'} "
                 f"{armed.grace:g} s later; the stacks of this process's threads:\n"
             )
@@ -231,15 +197,10 @@ class Watchdog:
             os._exit(1)
 
 
-def _headline(armed: _Armed) -> str:
-    return f"{armed.what} ran past {armed.seconds:g} s" + (f" {armed.why}" if armed.why else "")
-
-
 def _stacks() -> str:
     """Every thread's stack as faulthandler writes it (it needs a real file)."""
     with tempfile.TemporaryFile("w+", encoding="utf-8", errors="replace") as f:
         faulthandler.dump_traceback(file=f, all_threads=True)
-        f.flush()
         f.seek(0)
         return f.read()
 

@@ -1,24 +1,22 @@
 """Exclusive, crash-safe leases on accelerator cards and CPU process slots.
 
-Every process on the host that leases (pytest sessions and their xdist workers,
-other projects and users, scripts calling ``harness.launch``) does it through
-one *lease directory*, one lock file per resource (``cuda-0.lock``,
-``slot-3.lock``), created world-writable so that every user leases through
-the same file. A resource is held while some process holds an exclusive
-``flock`` on its file: the OS drops it when the last holder exits, however it
-exits, and ranks that inherited the descriptor keep the lease until they are
-gone. The holder's record (pid, what it runs, since when, its ranks) in the
-file lets a waiter that gives up name who holds what.
+Every process of the host that leases (pytest sessions, their xdist workers, other
+projects and users, ``harness.launch`` callers) does it through one *lease directory*,
+one lock file per resource (``cuda-0.lock``, ``slot-3.lock``, world-writable: every user
+leases through the same file). A resource is held while some process holds an exclusive
+``flock`` on its file: the OS drops it when the last holder exits, however it exits, and
+ranks that inherited the descriptor keep the lease until they are gone. The holder's
+record in the file (pid, what it runs, since when, its ranks) names it to a waiter.
 
-A waiting lease takes ``queue.lock`` if it can (it is then the *head*) and
-writes what it wants there; every other lease leaves that alone, unless this
-very process holds part of it (deferring would deadlock), so a holder that
-gives back and leases again at once (a kept pool) lines up behind a waiting
-wide case, and an idle pool yields (``Lease.contended()``). Waiters behind the
-head are not ordered. Limits: lock files are opened with ``O_NOFOLLOW`` and
-only files created here are chmod'ed; otherwise the directory is trusted (see
-docs/harness.md). ``flock`` rather than ``filelock``: the descriptors travel
-to the ranks and the record lives in the lock file (filelock truncates it).
+A waiting lease takes ``queue.lock`` if it can (it is then the *head*) and writes what it
+wants there; every other lease leaves that alone, unless this very process holds part of
+it (deferring would deadlock), so a holder that gives back and leases again at once (a
+kept pool) lines up behind a waiting wide case, and an idle pool yields
+(``Lease.contended()``). Waiters behind the head are not ordered. Limits: lock files are
+opened with ``O_NOFOLLOW`` and only files created here are chmod'ed; otherwise the
+directory is trusted (docs/harness.md). ``flock`` rather than ``filelock``: the
+descriptors travel to the ranks and the record lives in the lock file (filelock
+truncates it).
 """
 
 from __future__ import annotations
@@ -30,7 +28,6 @@ import json
 import os
 import random
 import re
-import socket
 import stat
 import tempfile
 import threading
@@ -45,9 +42,7 @@ from harness.errors import HarnessError
 LEASE_DIR_ENV = "HARNESS_LEASE_DIR"
 #: Where a lease directory came from, as ``resolve_lease_dir`` names it.
 LEASE_DIR_OPTION = "--harness-lease-dir"
-_QUEUE = "queue.lock"
-#: Longest pause between two looks of a waiting lease.
-_POLL_MAX_S = 0.2
+_POLL_MAX_S = 0.2  # the longest pause between two looks of a waiting lease
 _BUSY = (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK)
 _RECORD_MAX = 1 << 20
 
@@ -61,8 +56,7 @@ class LeaseTimeout(LeaseError, TimeoutError):
 
 
 class LeaseFileError(LeaseError):
-    """A file in the lease directory cannot be used (a planted link, not ours to
-    open). The message names the file and what to do."""
+    """A file in the lease directory cannot be used (a planted link, not ours to open)."""
 
 
 class LeaseDirError(LeaseError):
@@ -73,29 +67,17 @@ def _shared_dir() -> str:
     return os.path.join(os.path.abspath(tempfile.gettempdir()), "harness-leases")
 
 
-def _default_source() -> str:
-    return f"the default (neither {LEASE_DIR_OPTION} nor ${LEASE_DIR_ENV} is set)"
-
-
 def default_lease_dir() -> str:
-    """``$HARNESS_LEASE_DIR``, else ``<system temp>/harness-leases`` (absolute).
-
-    The default is shared by every user and project on the host (cards are a
-    host-wide resource); when another user created it without letting us
-    write, a per-user directory ``harness-leases-<uid>`` is used instead.
-    """
+    """``$HARNESS_LEASE_DIR``, else the host-wide default (``resolve_lease_dir``)."""
     return resolve_lease_dir(None)[0]
 
 
 def resolve_lease_dir(option: str | None) -> tuple[str, str]:
-    """The lease directory to use, as an absolute path, and what chose it.
-
-    ``option`` is ``--harness-lease-dir``'s value (None: not given); then
-    ``$HARNESS_LEASE_DIR``; then the host-wide default. A relative path is
-    resolved against the current directory now, once. The second item names
-    the source: ``"--harness-lease-dir"``, ``"$HARNESS_LEASE_DIR"`` or a phrase
-    saying it is the default.
-    """
+    """The lease directory, as an absolute path (a relative one is resolved now, once),
+    and what chose it: ``option`` (``--harness-lease-dir``'s value; None: not given), else
+    ``$HARNESS_LEASE_DIR``, else the default ``<system temp>/harness-leases``, shared by
+    every user and project of the host (cards are a host-wide resource), or a per-user
+    ``harness-leases-<uid>`` when another user made that one unwritable to us."""
     if option:
         return os.path.abspath(option), LEASE_DIR_OPTION
     env = os.environ.get(LEASE_DIR_ENV)
@@ -103,19 +85,17 @@ def resolve_lease_dir(option: str | None) -> tuple[str, str]:
         return os.path.abspath(env), f"${LEASE_DIR_ENV}"
     shared = _shared_dir()
     if os.path.isdir(shared) and not os.access(shared, os.W_OK | os.X_OK):
-        return f"{shared}-{os.getuid()}", _default_source()
-    return shared, _default_source()
+        shared = f"{shared}-{os.getuid()}"
+    return shared, f"the default (neither {LEASE_DIR_OPTION} nor ${LEASE_DIR_ENV} is set)"
 
 
 def check_lease_dir(path: str, source: str) -> None:
-    """Make sure ``path`` is a usable lease directory, creating it if missing
-    (the host-wide default world-writable and sticky, any other ``0700``,
-    whatever the umask).
+    """Make sure ``path`` is a usable lease directory, creating it if missing (the
+    host-wide default world-writable and sticky, any other ``0700``, whatever the umask).
 
-    Raises ``LeaseDirError`` naming ``path`` and ``source`` (what set it, e.g.
-    ``"--harness-lease-dir"``) when it is not a directory, cannot be created,
-    cannot be written, or is world-writable without the sticky bit (anyone
-    could delete the lock files others hold).
+    Raises ``LeaseDirError`` naming ``path`` and ``source`` (what set it) when it is not a
+    directory, cannot be created or written, or is world-writable without the sticky bit
+    (anyone could delete the lock files others hold).
     """
 
     def fail(problem: str) -> LeaseDirError:
@@ -146,41 +126,28 @@ def check_lease_dir(path: str, source: str) -> None:
         )
 
 
-def _source_of(lease_dir: str) -> str:
-    env = os.environ.get(LEASE_DIR_ENV)
-    if env and os.path.abspath(lease_dir) == os.path.abspath(env):
-        return f"${LEASE_DIR_ENV}"
-    if os.path.abspath(lease_dir) == resolve_lease_dir(None)[0]:
-        return _default_source()
-    return "the caller"
-
-
 def _open(path: str, *, create: bool = True) -> int:
-    """Open lease file ``path`` for reading and writing without following a link;
-    only a file created here is chmod'ed (world-writable: every user leases
-    through it). ``FileNotFoundError`` when missing and not ``create``."""
+    """Open lease file ``path`` read-write without following a link; only a file created
+    here is chmod'ed. ``FileNotFoundError`` when missing and not ``create``."""
     flags = os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW
     try:
         if create:
-            try:
+            with contextlib.suppress(FileExistsError):
                 fd = os.open(path, flags | os.O_CREAT | os.O_EXCL, 0o666)
-            except FileExistsError:
-                pass
-            else:
                 with contextlib.suppress(OSError):
-                    os.fchmod(fd, 0o666)
+                    os.fchmod(fd, 0o666)  # whatever the umask
                 return fd
         return os.open(path, flags)
     except FileNotFoundError:
         raise
     except OSError as exc:
-        if exc.errno == errno.ELOOP:
-            raise LeaseFileError(
-                f"lease file {path} is a symbolic link, which the harness never follows: remove it"
-            ) from None
+        problem = (
+            "is a symbolic link, which the harness never follows"
+            if exc.errno == errno.ELOOP
+            else f"cannot be opened ({exc.strerror})"
+        )
         raise LeaseFileError(
-            f"cannot open lease file {path}: {exc.strerror}; remove it or use another lease "
-            "directory"
+            f"lease file {path} {problem}: remove it or use another lease directory"
         ) from None
 
 
@@ -195,9 +162,15 @@ def _try_lock(fd: int, how: int) -> bool:
     return True
 
 
+def _unlock(fds: Iterable[int]) -> None:
+    for fd in fds:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
+
+
 def _write_record(fd: int, record: dict) -> None:
-    """Replace the file's content by ``record``; a failure (a full disk) is
-    ignored: the record only informs waiters."""
+    """Replace the file's content by ``record``; a failure (a full disk) is ignored: the
+    record only informs waiters."""
     with contextlib.suppress(OSError):
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps(record, sort_keys=True).encode(), 0)
@@ -210,6 +183,22 @@ def _read_record(fd: int) -> dict | None:
     except (OSError, ValueError):
         return None
     return record if isinstance(record, dict) else None
+
+
+def _peek(path: str) -> tuple[bool, dict | None]:
+    """Whether lease file ``path`` is locked (by anyone, this process included), and its
+    record."""
+    try:
+        fd = _open(path, create=False)
+    except (FileNotFoundError, LeaseFileError):
+        return False, None
+    try:
+        free = _try_lock(fd, fcntl.LOCK_SH)
+        if free:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+        return not free, _read_record(fd)
+    finally:
+        os.close(fd)
 
 
 @dataclass(frozen=True)
@@ -228,11 +217,8 @@ def card_want(cards: Sequence[Card], count: int) -> Want:
 
 
 def slot_want(max_procs: int, count: int) -> Want:
-    """Want ``count`` CPU process slots out of ``max_procs``.
-
-    A case with more ranks than there are slots takes all of them (it then
-    runs alone) instead of never running.
-    """
+    """Want ``count`` CPU process slots out of ``max_procs``; a case with more ranks than
+    there are slots takes all of them (it then runs alone) instead of never running."""
     return Want(
         "process slots", tuple(f"slot:{i}" for i in range(max_procs)), min(count, max_procs)
     )
@@ -244,31 +230,9 @@ def _lock_path(lease_dir: str, name: str) -> str:
     )
 
 
-def _held_elsewhere(lease_dir: str, name: str) -> bool:
-    """Whether resource ``name`` is locked (by anyone, this process's leases included)."""
-    try:
-        fd = _open(_lock_path(lease_dir, name), create=False)
-    except (FileNotFoundError, LeaseFileError):
-        return False
-    try:
-        if not _try_lock(fd, fcntl.LOCK_SH):
-            return True
-        fcntl.flock(fd, fcntl.LOCK_UN)
-        return False
-    finally:
-        os.close(fd)
-
-
 def read_holder(lease_dir: str, name: str) -> dict | None:
     """The holder record of resource ``name`` (None when unreadable or empty)."""
-    try:
-        fd = _open(_lock_path(lease_dir, name), create=False)
-    except (FileNotFoundError, LeaseFileError):
-        return None
-    try:
-        return _read_record(fd)
-    finally:
-        os.close(fd)
+    return _peek(_lock_path(lease_dir, name))[1]
 
 
 def describe_holder(record: dict | None) -> str:
@@ -277,38 +241,23 @@ def describe_holder(record: dict | None) -> str:
         return "held by a process that left no record"
     import psutil
 
-    pid = record["pid"]
-    words = f"held by pid {pid}"
-    if not psutil.pid_exists(pid):
+    words = f"held by pid {record['pid']}"
+    if not psutil.pid_exists(record["pid"]):
         words += " (exited; processes it started still hold the lock)"
-    details = []
-    if record.get("holder"):
-        details.append(str(record["holder"]))
+    details = [str(record["holder"])] if record.get("holder") else []
     if record.get("since"):
         details.append(f"for {max(0.0, time.time() - record['since']):.1f} s")
     if record.get("ranks"):
         details.append("ranks " + ",".join(str(p) for p in record["ranks"]))
-    if details:
-        words += " (" + "; ".join(details) + ")"
-    return words
+    return words + (" (" + "; ".join(details) + ")" if details else "")
 
 
 def waiters(lease_dir: str) -> list[dict]:
-    """The waiter at the head of ``lease_dir``'s queue, as a one-item list of its
-    record (``pid``, ``holder``, ``since``, ``wants``: resource names), or ``[]``
-    when nobody waits (a waiter that died does not)."""
-    try:
-        fd = _open(os.path.join(lease_dir, _QUEUE), create=False)
-    except (FileNotFoundError, LeaseFileError):
-        return []
-    try:
-        if _try_lock(fd, fcntl.LOCK_SH):
-            fcntl.flock(fd, fcntl.LOCK_UN)
-            return []
-        record = _read_record(fd)
-        return [record] if record and "wants" in record else []
-    finally:
-        os.close(fd)
+    """The waiter at the head of ``lease_dir``'s queue, as a one-item list of its record
+    (``pid``, ``holder``, ``since``, ``wants``: resource names), or ``[]`` when nobody
+    waits (a waiter that died does not)."""
+    held, record = _peek(_lock_path(lease_dir, "queue"))
+    return [record] if held and record and "wants" in record else []
 
 
 class Lease:
@@ -317,12 +266,7 @@ class Lease:
     def __init__(self, lease_dir: str, locks: dict[str, int], holder: str) -> None:
         self.lease_dir = lease_dir
         self._locks = locks
-        self._record = {
-            "pid": os.getpid(),
-            "host": socket.gethostname(),
-            "holder": holder,
-            "since": time.time(),
-        }
+        self._record = {"pid": os.getpid(), "holder": holder, "since": time.time()}
         with _held_lock:
             _held_here.update((lease_dir, name) for name in locks)
         self.annotate()
@@ -337,8 +281,8 @@ class Lease:
         return [Card(*name.split(":", 1)) for name in self._locks if not name.startswith("slot:")]
 
     def annotate(self, **info: object) -> None:
-        """Add facts (e.g. ``ranks=[pids]``) to the holder record waiters see.
-        The record only informs: a failure to write it leaves the lease held."""
+        """Add facts (e.g. ``ranks=[pids]``) to the holder record waiters see (a failure
+        to write it leaves the lease held)."""
         self._record.update(info)
         for fd in self._locks.values():
             _write_record(fd, self._record)
@@ -349,16 +293,12 @@ class Lease:
 
     def contended(self) -> bool:
         """Whether the waiter at the head of the queue wants one of these resources."""
-        mine = set(self._locks)
-        return any(set(w["wants"]) & mine for w in waiters(self.lease_dir))
+        return any(set(w["wants"]) & set(self._locks) for w in waiters(self.lease_dir))
 
     def release(self, *, holders_gone: bool = True) -> None:
-        """Give the resources back.
-
-        ``holders_gone=False`` says processes the descriptors were passed to
-        may still run: then this process only closes its descriptors and the
-        OS frees each resource when the last of them exits.
-        """
+        """Give the resources back. ``holders_gone=False`` says processes the descriptors
+        were passed to may still run: this process then only closes its descriptors and
+        the OS frees each resource when the last of them exits."""
         locks, self._locks = self._locks, {}
         with _held_lock:
             _held_here.subtract((self.lease_dir, name) for name in locks)
@@ -382,13 +322,12 @@ class Lease:
 def acquire(lease_dir: str, wants: Iterable[Want], *, timeout: float, holder: str) -> Lease:
     """Lease every ``Want`` at once, waiting at most ``timeout`` seconds.
 
-    All-or-nothing: a partial grab is given back before waiting again, so two
-    waiters can never deadlock holding halves of what each needs. A waiter at
-    the head of the queue is served before newcomers (see the module
-    docstring). Raises ``LeaseTimeout`` naming what was wanted, who holds it
-    and who waits ahead; ``LeaseDirError`` / ``LeaseFileError`` when the lease
-    directory or a file in it is unusable; ``LeaseError`` for any other
-    failure, with nothing left held.
+    All-or-nothing: a partial grab is given back before waiting again, so two waiters can
+    never deadlock holding halves of what each needs; the head of the queue is served
+    before newcomers (module docstring). Raises ``LeaseTimeout`` naming what was wanted,
+    who holds it and who waits ahead; ``LeaseDirError`` / ``LeaseFileError`` when the
+    lease directory or a file in it is unusable; ``LeaseError`` for any other failure,
+    with nothing left held.
     """
     wants = [w for w in wants if w.count > 0]
     for want in wants:
@@ -397,8 +336,9 @@ def acquire(lease_dir: str, wants: Iterable[Want], *, timeout: float, holder: st
                 f"cannot lease {want.count} {want.what}: only {len(want.names)} exist "
                 f"({', '.join(want.names) or 'none'})"
             )
-    check_lease_dir(lease_dir, _source_of(lease_dir))
-    queue = _open(os.path.join(lease_dir, _QUEUE))
+    chosen, source = resolve_lease_dir(None)
+    check_lease_dir(lease_dir, source if os.path.abspath(lease_dir) == chosen else "the caller")
+    queue = _open(_lock_path(lease_dir, "queue"))
     head = False
     start = time.monotonic()
     delay = 0.02
@@ -442,8 +382,8 @@ def acquire(lease_dir: str, wants: Iterable[Want], *, timeout: float, holder: st
 def _grab(
     lease_dir: str, wants: list[Want], promised: set[str]
 ) -> tuple[dict[str, int], list[Want], set[str]]:
-    """Lock what ``wants`` asks for, leaving ``promised`` alone: (the locks, the
-    wants left short, the names found busy). Nothing stays locked unless all is had."""
+    """Lock what ``wants`` asks for, leaving ``promised`` alone: (the locks, the wants left
+    short, the names found busy). Nothing stays locked unless all is had."""
     locks: dict[str, int] = {}
     short: list[Want] = []
     busy: set[str] = set()
@@ -464,24 +404,19 @@ def _grab(
                     busy.add(name)
             if got < want.count:
                 short.append(want)
-        if not short:
-            return locks, short, busy
     except BaseException:
-        short = wants
+        _unlock(locks.values())
         raise
-    finally:
-        if short:
-            for fd in locks.values():
-                fcntl.flock(fd, fcntl.LOCK_UN)
-                os.close(fd)
-    return {}, short, busy
+    if short:
+        _unlock(locks.values())
+        return {}, short, busy
+    return locks, short, busy
 
 
 def _promised(queue: int, lease_dir: str) -> set[str]:
-    """What the head of the queue waits for, unless it waits for something this
-    process holds (it waits for us, then: deferring would deadlock)."""
-    record = _read_record(queue) or {}
-    wanted = set(record.get("wants") or ())
+    """What the head of the queue waits for, unless it waits for something this process
+    holds (it waits for us, then: deferring would deadlock)."""
+    wanted = set((_read_record(queue) or {}).get("wants") or ())
     with _held_lock:
         mine = {name for (d, name), n in _held_here.items() if d == lease_dir and n > 0}
     return set() if wanted & mine else wanted
@@ -492,9 +427,8 @@ def _timeout_message(lease_dir: str, short: list[Want], waited: float, head: boo
     for want in short:
         lines.append(f"  waited for {want.count} of the {len(want.names)} {want.what}:")
         for name in want.names:
-            held = _held_elsewhere(lease_dir, name)
-            state = describe_holder(read_holder(lease_dir, name)) if held else "free"
-            lines.append(f"    {name}: {state}")
+            held, record = _peek(_lock_path(lease_dir, name))
+            lines.append(f"    {name}: {describe_holder(record) if held else 'free'}")
     wanted = {name for want in short for name in want.names}
     ahead = [] if head else [w for w in waiters(lease_dir) if set(w["wants"]) & wanted]
     if ahead:
@@ -512,17 +446,15 @@ _yield_hooks: list[YieldHook] = []
 
 
 def add_yield_hook(hook: YieldHook) -> None:
-    """Register ``hook``: a lease wait in this process that finds resources busy
-    calls it before waiting (e.g. to close this process's idle rank pool)."""
+    """Register ``hook``: a lease wait in this process that finds resources busy calls it
+    before waiting (e.g. to close this process's idle rank pool)."""
     if hook not in _yield_hooks:
         _yield_hooks.append(hook)
 
 
 def _yield(lease_dir: str, busy: set[str]) -> bool:
-    freed = False
-    for hook in list(_yield_hooks):
-        freed = bool(hook(lease_dir, frozenset(busy))) or freed
-    return freed
+    # Every hook is called, even after one freed something.
+    return any([bool(hook(lease_dir, frozenset(busy))) for hook in list(_yield_hooks)])
 
 
 # What the leases of this process hold, per lease directory: the head of the

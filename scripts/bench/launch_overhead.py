@@ -64,23 +64,14 @@ def run(root: Path, *args: str, timeout: float) -> tuple[float, list[float]]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HARNESS_", "PYTEST_"))}
     env.update({"HARNESS_CARDS": "none", "HARNESS_LEASE_DIR": str(root / "leases")})
     start = time.monotonic()
+    pytest = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
     proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pytest",
-            "-q",
-            "-p",
-            "no:cacheprovider",
-            f"--junitxml={junit}",
-            *args,
-        ],
+        [*pytest, f"--junitxml={junit}", *args],
         cwd=root,
         env=env,
         capture_output=True,
         text=True,
         timeout=timeout,
-        check=False,
     )
     wall = time.monotonic() - start
     if proc.returncode != 0:

@@ -197,24 +197,10 @@ CHDIR_CASES = """
         monkeypatch.chdir(tmp_path)
 
 
+    @pytest.mark.parametrize("case", "abcd")
     @pytest.mark.launch(ON_THE_CARD)
-    def test_a():
-        record_card_use("a")
-
-
-    @pytest.mark.launch(ON_THE_CARD)
-    def test_b():
-        record_card_use("b")
-
-
-    @pytest.mark.launch(ON_THE_CARD)
-    def test_c():
-        record_card_use("c")
-
-
-    @pytest.mark.launch(ON_THE_CARD)
-    def test_d():
-        record_card_use("d")
+    def test_case(case):
+        record_card_use(case)
 """
 
 

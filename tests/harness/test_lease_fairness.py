@@ -7,6 +7,7 @@ when they held what through JSON lines in a file.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import os
@@ -15,13 +16,14 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from launch_project import inner_env, pytest_command, read_card_uses, run_session, write_project
 
 from harness.launcher import lease as leases
-from harness.launcher.lease import acquire, slot_want
+from harness.launcher.lease import Lease, acquire, slot_want
 
 #: Leases both slots of 2 over and over, holding each lease ``hold`` seconds and
 #: leasing again right after giving it back, until ``stop`` exists (or
@@ -143,42 +145,45 @@ def wait_for_queue(lease_dir: Path, length: int, proc: subprocess.Popen) -> None
     assert len(leases.waiters(str(lease_dir))) == length
 
 
-def test_a_newcomer_does_not_jump_the_queue(tmp_path):
+@contextlib.contextmanager
+def queued(
+    tmp_path: Path, hold: float = 0, name: str = "waiter"
+) -> Iterator[tuple[str, Lease, subprocess.Popen]]:
+    """Both slots of 2 held here, and a waiter for them (then holding them ``hold`` s)
+    queued: (the lease directory, the holder's lease, the waiter)."""
     lease_dir = str(tmp_path / "leases")
-    log = tmp_path / "log.jsonl"
     holder = acquire(lease_dir, [slot_want(2, 2)], timeout=0, holder="the holder")
-    waiter = spawn(WAITER, lease_dir, log, "waiter", 60, 0.2)
+    waiter = spawn(WAITER, lease_dir, tmp_path / "log.jsonl", name, 60, hold)
     try:
         wait_for_queue(tmp_path / "leases", 1, waiter)
+        yield lease_dir, holder, waiter
+    finally:
+        holder.release()
+        if waiter.poll() is None:
+            waiter.kill()
+            waiter.communicate()
+
+
+def test_a_newcomer_does_not_jump_the_queue(tmp_path):
+    with queued(tmp_path, hold=0.2) as (lease_dir, holder, waiter):
         holder.release()
         # Free now, but promised to the waiter: a bounded newcomer gets it only after.
         with acquire(lease_dir, [slot_want(2, 1)], timeout=30, holder="newcomer"):
             got = time.time()
         output = finish(waiter, 30)
         assert waiter.returncode == 0, output
-    finally:
-        holder.release()
-        if waiter.poll() is None:
-            waiter.kill()
-            waiter.communicate()
-    (served,) = read_log(log)
+    (served,) = read_log(tmp_path / "log.jsonl")
     assert served["end"] <= got
 
 
 def test_a_waiter_does_not_wait_behind_a_queue_for_other_resources(tmp_path):
-    lease_dir = str(tmp_path / "leases")
-    with acquire(lease_dir, [slot_want(2, 2)], timeout=0, holder="the holder"):
-        log = tmp_path / "log.jsonl"
-        waiter = spawn(WAITER, lease_dir, log, "waiter", 60, 0)
-        try:
-            wait_for_queue(tmp_path / "leases", 1, waiter)
-            # The queue is for slots of 2 over; slots of 3 over are other lock
-            # files (slot:2) only partly: slot:2 is free and nobody waits for it.
-            with acquire(lease_dir, [slot_want(3, 1)], timeout=0, holder="other") as other:
-                assert other.resources == ("slot:2",)
-        finally:
-            waiter.kill()
-            waiter.communicate()
+    # The queue is for slots of 2 over; slots of 3 over are other lock
+    # files (slot:2) only partly: slot:2 is free and nobody waits for it.
+    with (
+        queued(tmp_path) as (lease_dir, _, _),
+        acquire(lease_dir, [slot_want(3, 1)], timeout=0, holder="other") as other,
+    ):
+        assert other.resources == ("slot:2",)
 
 
 @pytest.mark.parametrize("held", [True, False])
@@ -205,36 +210,20 @@ def test_a_process_never_defers_to_a_waiter_for_what_it_holds_itself(tmp_path, h
 
 
 def test_a_waiter_that_died_is_not_waited_for(tmp_path):
-    lease_dir = str(tmp_path / "leases")
-    log = tmp_path / "log.jsonl"
-    holder = acquire(lease_dir, [slot_want(2, 2)], timeout=0, holder="the holder")
-    waiter = spawn(WAITER, lease_dir, log, "waiter", 60, 0)
-    try:
-        wait_for_queue(tmp_path / "leases", 1, waiter)
+    with queued(tmp_path) as (lease_dir, holder, waiter):
         waiter.send_signal(signal.SIGKILL)
         waiter.wait()
         assert leases.waiters(lease_dir) == []
         holder.release()
         acquire(lease_dir, [slot_want(2, 2)], timeout=0, holder="next").release()
-    finally:
-        holder.release()
-        if waiter.poll() is None:
-            waiter.kill()
-            waiter.communicate()
 
 
 def test_a_timed_out_wait_names_who_is_queued_ahead(tmp_path):
-    lease_dir = str(tmp_path / "leases")
-    log = tmp_path / "log.jsonl"
-    with acquire(lease_dir, [slot_want(2, 2)], timeout=0, holder="the holder"):
-        waiter = spawn(WAITER, lease_dir, log, "first in line", 60, 0)
-        try:
-            wait_for_queue(tmp_path / "leases", 1, waiter)
-            with pytest.raises(leases.LeaseTimeout) as info:
-                acquire(lease_dir, [slot_want(2, 1)], timeout=0.3, holder="second in line")
-        finally:
-            waiter.kill()
-            waiter.communicate()
+    with (
+        queued(tmp_path, name="first in line") as (lease_dir, _, waiter),
+        pytest.raises(leases.LeaseTimeout) as info,
+    ):
+        acquire(lease_dir, [slot_want(2, 1)], timeout=0.3, holder="second in line")
     message = str(info.value)
     assert f"slot:0: held by pid {os.getpid()} (the holder; for " in message
     assert "queued behind 1 earlier waiter(s):" in message

@@ -139,16 +139,23 @@ def test_a_nested_session_leaves_the_outer_faulthandler_timeout_alone(pytester):
         "def test_2_slow():\n"
         "    time.sleep(3)\n"
     )
+    output = run_passing(pytester, nested, 'faulthandler_timeout = 1\naddopts = "-p pytester"\n')
+    assert "Timeout (0:00:01)!" in output, output
+
+
+def run_passing(pytester, test_file: str, pytest_ini: str, *args: str) -> str:
+    """``harness run`` over a project of ``test_file`` with ``pytest_ini`` appended to its
+    pytest configuration; it passes. Its output."""
     root = make_project(
         pytester.path,
-        {"tests/c/test_c.py": nested},
-        {"cpu": manifest("cpu", "cpu", [{"id": "c", "paths": ["tests/c"], "timeout_s": 60}])},
+        {"tests/n/test_n.py": test_file},
+        {"cpu": manifest("cpu", "cpu", [{"id": "n", "paths": ["tests/n"], "timeout_s": 60}])},
     )
     with (root / "pyproject.toml").open("a") as f:
-        f.write('faulthandler_timeout = 1\naddopts = "-p pytester"\n')
-    done = harness(root, "run", "cpu", "--out", "out", "--", "-n", "0", timeout=120)
+        f.write(pytest_ini)
+    done = harness(root, "run", "cpu", "--out", "out", "--", "-n", "0", *args, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "Timeout (0:00:01)!" in done.stdout + done.stderr, done.stdout + done.stderr
+    return done.stdout + done.stderr
 
 
 INNER_WITH_TIMEOUT = """
@@ -180,16 +187,8 @@ def test_an_outer_session_leaves_a_nested_faulthandler_timeout_alone(pytester):
     # Regression: the outer session's phase held the backstop; the nested session's own
     # phase cancelled that timer, which was by then pytest's for the nested test: its
     # faulthandler_timeout dump never came.
-    root = make_project(
-        pytester.path,
-        {"tests/n/test_n.py": INNER_WITH_TIMEOUT},
-        {"cpu": manifest("cpu", "cpu", [{"id": "n", "paths": ["tests/n"], "timeout_s": 60}])},
-    )
-    with (root / "pyproject.toml").open("a") as f:
-        f.write('addopts = "-p pytester"\n')
-    done = harness(root, "run", "cpu", "--out", "out", "--", "-n", "0", "-s", timeout=120)
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert "Timeout (0:00:01)!" in done.stdout + done.stderr, done.stdout + done.stderr
+    output = run_passing(pytester, INNER_WITH_TIMEOUT, 'addopts = "-p pytester"\n', "-s")
+    assert "Timeout (0:00:01)!" in output, output
 
 
 class _Overdue(Exception):
