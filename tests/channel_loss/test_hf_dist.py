@@ -6,6 +6,9 @@ mean over ranks of each batch's gradient (what DDP's and FSDP2's averaging
 all-reduce produce). Tolerances: loss ``rtol=1e-5, atol=1e-6``, gradients
 ``rtol=1e-4, atol=1e-6`` (fp32 logits chunk by chunk, and a float sum over
 ranks in another order).
+
+The cases run on kept ranks (``reuse=True``): a fresh pair of ranks per case
+would import transformers again each time.
 """
 
 from __future__ import annotations
@@ -75,7 +78,7 @@ def train_step(model, batch, meter):
     return out.loss.detach(), meter.end_step()
 
 
-@pytest.mark.launch(nproc=2, timeout=240)
+@pytest.mark.launch(nproc=2, timeout=240, reuse=True)
 def test_ddp_fused_path_matches_the_all_reduced_reference():
     # fused_causal_lm_loss(ddp_model) raised AttributeError; on ddp_model.module it returned
     # gradients that were never all-reduced (1.6 relative error).
@@ -107,7 +110,7 @@ def test_ddp_fused_path_matches_the_all_reduced_reference():
         fused_causal_lm_loss(model, **batch.inputs, labels=batch.labels)
 
 
-@pytest.mark.launch(nproc=2, timeout=240)
+@pytest.mark.launch(nproc=2, timeout=240, reuse=True)
 def test_fsdp2_fused_path_matches_the_all_reduced_reference():
     # fully_shard per layer + root: the old path called model.base_model outside the root
     # forward and crashed with "mixed torch.Tensor and DTensor".
@@ -139,7 +142,7 @@ def test_fsdp2_fused_path_matches_the_all_reduced_reference():
     check({n: p.grad.full_tensor() for n, p in model.named_parameters()}, want)
 
 
-@pytest.mark.launch(nproc=2, timeout=240)
+@pytest.mark.launch(nproc=2, timeout=240, reuse=True)
 @pytest.mark.parametrize("tied", [False, True], ids=["own-unit", "tied-group"])
 def test_fsdp2_output_embeddings_sharded_as_their_own_unit(tied):
     # Regression: with lm_head a fully_shard unit of its own (or grouped with the tied input
@@ -175,7 +178,7 @@ def test_fsdp2_output_embeddings_sharded_as_their_own_unit(tied):
             assert type(model.lm_head.weight).__name__ == "DTensor"
 
 
-@pytest.mark.launch(nproc=2, timeout=240)
+@pytest.mark.launch(nproc=2, timeout=240, reuse=True)
 def test_ddp_fused_path_under_autocast_tracks_the_autocast_reference():
     # Mixed-precision DDP (fp32 parameters, bf16 autocast): the fused head casts its
     # operands as the model's own lm_head does under autocast, and DDP all-reduces the
@@ -197,7 +200,7 @@ def test_ddp_fused_path_under_autocast_tracks_the_autocast_reference():
             check_rounded({n: p.grad for n, p in model.named_parameters()}, want)
 
 
-@pytest.mark.launch(nproc=2, timeout=240)
+@pytest.mark.launch(nproc=2, timeout=240, reuse=True)
 def test_fsdp2_mixed_precision_policy_fused_path_tracks_a_bf16_reference():
     # FSDP2's own mixed precision (bf16 compute parameters, fp32 gradient reduction): the
     # fused head gets the unsharded bf16 weight and bf16 hidden states, and the sharded

@@ -5,6 +5,9 @@ theirs; each DP rank has its own, with its own set of sources), feeds its
 slice through the meter with integer-valued losses, and checks that
 ``end_step`` returns exactly the metrics a plain loop over all ranks' data
 gives, using at most two collectives and none outside ``end_step``.
+
+The cases run on kept ranks (``reuse=True``): consecutive cases of one rank
+count share one pool instead of a start each.
 """
 
 from __future__ import annotations
@@ -115,7 +118,7 @@ def expected(*case_lists, dropped: int = 0, names=None) -> dict:
 
 
 @pytest.mark.parametrize("device", harness.DEVICES)
-@pytest.mark.launch(nproc=2, timeout=120)
+@pytest.mark.launch(nproc=2, timeout=120, reuse=True)
 def test_two_ranks_sp_only_and_dp_only(device):
     rank = dist.get_rank()
     for mode in SHARD_MODES:
@@ -140,7 +143,7 @@ def test_two_ranks_sp_only_and_dp_only(device):
 
 
 @pytest.mark.parametrize("device", harness.DEVICES)
-@pytest.mark.launch(nproc=4, timeout=150)
+@pytest.mark.launch(nproc=4, timeout=150, reuse=True)
 def test_four_ranks_sp_dp_and_sp_by_dp_subgroups(device):
     rank = dist.get_rank()
     cases = micro_batches(seed=1)
@@ -180,7 +183,7 @@ def rank_columns(rank: int) -> tuple[tuple, dict]:
     }
 
 
-@pytest.mark.launch(nproc=2, timeout=60)
+@pytest.mark.launch(nproc=2, timeout=60, reuse=True)
 def test_the_two_rank_reduction_carries_every_column():
     # Built from COLUMNS alone: a column added there is reduced, or this fails.
     rank = dist.get_rank()
@@ -213,7 +216,7 @@ def short_ids(case) -> list:
     return list(case.source_ids)[:-1]
 
 
-@pytest.mark.launch(nproc=2, timeout=60)
+@pytest.mark.launch(nproc=2, timeout=60, reuse=True)
 def test_strict_bad_metadata_raises_on_every_rank():
     rank = dist.get_rank()
     cases = micro_batches(seed=5)
@@ -243,7 +246,7 @@ def test_strict_bad_metadata_raises_on_every_rank():
         )
 
 
-@pytest.mark.launch(nproc=2, timeout=60)
+@pytest.mark.launch(nproc=2, timeout=60, reuse=True)
 def test_lenient_bad_metadata_drops_the_same_micro_batch_everywhere():
     rank = dist.get_rank()
     cases = micro_batches(seed=6)
@@ -271,7 +274,7 @@ def test_lenient_bad_metadata_drops_the_same_micro_batch_everywhere():
     assert got == expected(own[0][1:], own[1], dropped=1)
 
 
-@pytest.mark.launch(nproc=2, timeout=90)
+@pytest.mark.launch(nproc=2, timeout=90, reuse=True)
 def test_a_bad_layout_on_one_sp_rank_drops_only_its_micro_batch():
     # Regression: the layout went into the step's fingerprint before it was checked, so a
     # bad one on one rank read as "SP ranks ran different micro-batches": the whole step
@@ -293,7 +296,7 @@ def test_a_bad_layout_on_one_sp_rank_drops_only_its_micro_batch():
     assert run_step(meter, cases, "cpu", shard=(2, rank, "zigzag")) == expected(cases)
 
 
-@pytest.mark.launch(nproc=2, timeout=60)
+@pytest.mark.launch(nproc=2, timeout=60, reuse=True)
 def test_registries_that_differ_across_ranks_raise_on_every_rank():
     # Regression: a state restored on rank 0 only made each rank sum rows in its own
     # registry's order; at different lengths Gloo aborted the process.
@@ -309,7 +312,7 @@ def test_registries_that_differ_across_ranks_raise_on_every_rank():
     assert run_step(meter, cases, "cpu") == expected(cases, cases)  # DP: both ranks' data
 
 
-@pytest.mark.launch(nproc=2, timeout=60)
+@pytest.mark.launch(nproc=2, timeout=60, reuse=True)
 def test_failed_forward_on_one_rank_is_dropped_on_every_sp_rank():
     rank = dist.get_rank()
     cases = micro_batches(seed=7)
@@ -319,7 +322,7 @@ def test_failed_forward_on_one_rank_is_dropped_on_every_sp_rank():
     assert run_step(meter, cases, "cpu", shard=(2, rank, "zigzag")) == expected(cases)
 
 
-@pytest.mark.launch(nproc=8, timeout=150)
+@pytest.mark.launch(nproc=8, timeout=150, reuse=True)
 def test_sp_by_dp_blocks_inside_a_larger_world():
     # 2 (DP) x 2 (SP) x 2 (TP): rank = 4 * dp + 2 * sp + tp. TP peers see the same data, so each
     # TP slice is its own SP x DP block: the meter derives a group per block, not the world.
@@ -348,7 +351,7 @@ def test_sp_by_dp_blocks_inside_a_larger_world():
         assert got == expected(*own)
 
 
-@pytest.mark.launch(nproc=2, timeout=120)
+@pytest.mark.launch(nproc=2, timeout=120, reuse=True)
 def test_one_failure_among_300_micro_batches_drops_exactly_that_one():
     # Regression: past 256 micro-batches the failure bits were shared: a failure at index 299
     # of 300 dropped 45 micro-batches. Still two collectives (run_step checks).
@@ -365,7 +368,7 @@ def test_one_failure_among_300_micro_batches_drops_exactly_that_one():
 
 
 @pytest.mark.parametrize("bad", ["\ud800", True, 1.0], ids=["lone surrogate", "bool", "float"])
-@pytest.mark.launch(nproc=2, timeout=90)
+@pytest.mark.launch(nproc=2, timeout=90, reuse=True)
 def test_bad_source_ids_on_one_rank_are_metadata_errors_everywhere(bad):
     # Regression: a lone surrogate raised UnicodeEncodeError in end_step on rank 1 (and a
     # peer-closed error on rank 0) even with strict=False; True / 1.0 merged into source 1.
@@ -382,7 +385,7 @@ def test_bad_source_ids_on_one_rank_are_metadata_errors_everywhere(bad):
     assert run_step(meter, cases, "cpu", shard=(2, rank, "zigzag")) == expected(cases)
 
 
-@pytest.mark.launch(nproc=2, timeout=90)
+@pytest.mark.launch(nproc=2, timeout=90, reuse=True)
 def test_rank_inconsistent_names():
     # Regression: rank 0's name silently won, even with strict=True.
     rank = dist.get_rank()
@@ -408,7 +411,7 @@ def _gloo_under_another_name(store, rank, size, timeout):
     return dist.ProcessGroupGloo(store, rank, size, timeout)
 
 
-@pytest.mark.launch(nproc=2, timeout=60)
+@pytest.mark.launch(nproc=2, timeout=60, reuse=True)
 def test_an_unknown_backend_raises_instead_of_guessing_the_device():
     # Regression: an unknown backend silently got host tensors.
     if "channel_loss_test" not in dist.Backend.backend_list:  # kept ranks run this twice

@@ -2,7 +2,7 @@
 
 The tests are launched ``@given`` tests: Hypothesis draws (and shrinks) each
 example once, in the pytest process, and every example runs on all ranks of
-one kept pool.
+one kept pool (``reuse=True``: fresh ranks would cost a start per example).
 One launch checks the example under every shard mode of ``SHARD_MODES`` and
 every ``sp x dp`` split of the ranks (SP only, DP only, and 2 x 2 on four
 ranks):
@@ -185,7 +185,7 @@ def check_example(example: dict, device: str) -> None:
 @pytest.mark.parametrize("device", harness.DEVICES)
 @settings(max_examples=EXAMPLES)
 @given(example=examples(2))
-@pytest.mark.launch(nproc=2, timeout=240)
+@pytest.mark.launch(nproc=2, timeout=240, reuse=True)
 def test_drawn_layouts_on_two_ranks_match_the_reference(device, example):
     check_example(example, device)
 
@@ -193,6 +193,6 @@ def test_drawn_layouts_on_two_ranks_match_the_reference(device, example):
 @pytest.mark.parametrize("device", harness.DEVICES)
 @settings(max_examples=EXAMPLES)
 @given(example=examples(4))
-@pytest.mark.launch(nproc=4, timeout=240)
+@pytest.mark.launch(nproc=4, timeout=240, reuse=True)
 def test_drawn_layouts_on_four_ranks_match_the_reference(device, example):
     check_example(example, device)

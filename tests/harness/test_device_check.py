@@ -5,8 +5,9 @@ install of this checkout from a wheel folder into a throwaway venv, the
 inventory, a narrowed cpu suite run through ``harness run``, the claims and the
 benchmark of ``scripts/bench/cuda_qualify.py`` on the CPU at a tiny shape, and
 the verdict. The CUDA-only parts (profiler kernel counts, sync debug mode,
-peak device memory, Liger) need a card and are not run here. The benchmark
-script is driven through its command line, as the shell script drives it.
+peak device memory, Liger) need a card and are not run here. Elsewhere the
+benchmark script is driven through its command line in this process
+(``cuda_qualify.main(argv)``): a subprocess would only add a torch import.
 """
 
 from __future__ import annotations
@@ -19,22 +20,20 @@ from pathlib import Path
 
 from scripts import device_wheels
 from scripts._common import write_outer_site_pth
+from scripts.bench import cuda_qualify
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "device_check.sh"
-QUALIFY = REPO / "scripts" / "bench" / "cuda_qualify.py"
 PROBE = "dc-outer-probe"
 
 
-def qualify(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    """``scripts/bench/cuda_qualify.py ARGS`` in a subprocess (its exit status and output)."""
-    return subprocess.run(
-        [sys.executable, str(QUALIFY), *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        cwd=REPO,
-    )
+def qualify(*args: str) -> int:
+    """``scripts/bench/cuda_qualify.py ARGS``, its command line run in this process (a
+    subprocess would import torch again): its exit status."""
+    try:
+        return cuda_qualify.main(list(args))
+    except SystemExit as e:  # argparse's usage errors
+        return e.code
 
 
 def phases_of(out: Path) -> list[dict]:
@@ -227,9 +226,9 @@ HELD = {"name": "observed == plain", "status": "held", "detail": "equal", "data"
 
 def report(out: Path) -> tuple[int, dict]:
     """``cuda_qualify.py report --out OUT``: its exit status and ``device_check.json``."""
-    done = qualify("report", "--out", str(out))
-    assert done.returncode in (0, 1), done.stderr
-    return done.returncode, json.loads((out / "device_check.json").read_text())
+    code = qualify("report", "--out", str(out))
+    assert code in (0, 1)
+    return code, json.loads((out / "device_check.json").read_text())
 
 
 def test_report_passes_only_when_every_phase_and_claim_held(tmp_path):
@@ -258,11 +257,10 @@ def test_report_passes_only_when_every_phase_and_claim_held(tmp_path):
     ]
 
 
-def test_bad_shape_is_named():
+def test_bad_shape_is_named(capsys):
     for shape in ("16384x4096", "1x0x3"):
-        done = qualify("bench", "--out", "x", "--device", "cpu", "--shape", shape)
-        assert done.returncode == 2
-        assert shape in done.stderr
+        assert qualify("bench", "--out", "x", "--device", "cpu", "--shape", shape) == 2
+        assert shape in capsys.readouterr().err
 
 
 def test_wheel_folder_carries_what_the_checkout_needs_but_never_torch():

@@ -203,24 +203,15 @@ def test_sigterm_to_pytest_with_fresh_ranks_leaves_no_case_directory(tmp_path):
 
 
 FLOOD = """
-    import os
     import sys
 
     import pytest
 
     from harness import LaunchSpec
 
-    # The deadline counts from the moment the ranks are ready; fresh ones keep
-    # the longer one they had when it counted their start (importing torch).
-    FRESH = os.environ.get("FLOOD_FRESH") == "1"
 
-
-    @pytest.mark.launch(LaunchSpec(nproc=2, timeout=120))
-    def test_a_warm_up():
-        pass
-
-
-    @pytest.mark.launch(LaunchSpec(nproc=2, timeout=15 if FRESH else 8))
+    # The deadline counts from the moment the ranks are ready: 8 s of flooding.
+    @pytest.mark.launch(LaunchSpec(nproc=2, timeout=8))
     def test_floods():
         line = "x" * 200 + "\\n"
         sys.stderr.write("first words\\n")
@@ -233,8 +224,7 @@ FLOOD = """
 def test_flooding_rank_output_is_kept_to_its_head_and_tail(tmp_path, reuse):
     root = write_project(tmp_path / "project", {"test_flood.py": FLOOD})
     args = ("--harness-reuse",) if reuse else ()
-    env = {**inner_env(root / "out", root / "leases"), "FLOOD_FRESH": "0" if reuse else "1"}
-    session = run_session(root, *args, env=env)
+    session = run_session(root, *args, env=inner_env(root / "out", root / "leases"))
     case = session.case("test_floods")
     assert case.status == "failed"
     assert case.text.startswith("case timed out (2 ranks, cpu/gloo)"), case.text[:2000]
@@ -328,15 +318,15 @@ SLOW_START = """
     # What a slow import (torch on a loaded host) does to a rank: it takes longer
     # than the case deadline before the test can run. Ranks only (RANK is theirs).
     if os.environ.get("RANK") is not None:
-        time.sleep(6)
+        time.sleep(4)
 
 
-    @pytest.mark.launch(LaunchSpec(nproc=2, timeout=4))
+    @pytest.mark.launch(LaunchSpec(nproc=2, timeout=3))
     def test_quick_body_after_a_slow_start():
         pass
 
 
-    @pytest.mark.launch(LaunchSpec(nproc=2, timeout=4))
+    @pytest.mark.launch(LaunchSpec(nproc=2, timeout=3))
     def test_slow_body_after_a_slow_start():
         time.sleep(60)
 """
@@ -353,10 +343,10 @@ def test_the_deadline_counts_from_the_moment_the_ranks_are_ready(tmp_path, reuse
     case = session.case("test_slow_body_after_a_slow_start")
     assert case.status == "failed"
     assert re.search(
-        r"still running at the 4 s deadline \(LaunchSpec\.timeout\), counted from the moment "
+        r"still running at the 3 s deadline \(LaunchSpec\.timeout\), counted from the moment "
         r"the ranks were ready \((\d+\.\d) s after they were started\)",
         case.text,
     ), case.text
     started = float(re.search(r"ready \((\d+\.\d) s after", case.text).group(1))
-    assert started >= 6.0
+    assert started >= 4.0
     assert "in test_slow_body_after_a_slow_start" in case.text  # the body's stack, not imports

@@ -415,7 +415,8 @@ def test_no_rank_outlives_the_session(sequence):
     assert survivors(everyone, wait=5) == []
 
 
-SHORT = """
+#: Two consecutive launched cases of one shape: enough to tell kept ranks from fresh ones.
+PAIR = """
     import os
 
     import pytest
@@ -437,7 +438,11 @@ SHORT = """
     @pytest.mark.launch(nproc=2)
     def test_b():
         record_pid(f"b-{os.environ['RANK']}")
+"""
 
+SHORT = (
+    PAIR
+    + """
 
     def test_launch_from_the_session():
         # Needs both process slots, which the kept pool holds: it must give them up.
@@ -450,10 +455,11 @@ SHORT = """
     def test_c():
         record_pid(f"c-{os.environ['RANK']}")
 """
+)
 
 
-def short_session(tmp_path, *args, reuse=True):
-    root = write_project(tmp_path, {"test_short.py": SHORT}, reuse=reuse)
+def short_session(tmp_path, *args, reuse=True, cases=SHORT):
+    root = write_project(tmp_path, {"test_short.py": cases}, reuse=reuse)
     session = run_session(
         root,
         "--harness-max-procs",
@@ -479,15 +485,15 @@ def test_a_pool_gives_its_slots_to_a_launch_of_its_own_process(tmp_path):
 
 
 def test_no_reuse_option_spawns_fresh_ranks_for_every_case(tmp_path):
-    pids = short_session(tmp_path, "--harness-no-reuse")
-    assert len(pids["a"] | pids["b"] | pids["c"]) == 6
+    pids = short_session(tmp_path, "--harness-no-reuse", cases=PAIR)
+    assert len(pids["a"] | pids["b"]) == 4
 
 
 def test_fresh_ranks_for_every_case_unless_the_session_opts_in(tmp_path):
     # Kept pools are opt-in: without harness_reuse every case gets its own ranks.
-    pids = short_session(tmp_path / "default", reuse=False)
-    assert len(pids["a"] | pids["b"] | pids["c"]) == 6
-    pids = short_session(tmp_path / "option", "--harness-reuse", reuse=False)
+    pids = short_session(tmp_path / "default", reuse=False, cases=PAIR)
+    assert len(pids["a"] | pids["b"]) == 4
+    pids = short_session(tmp_path / "option", "--harness-reuse", reuse=False, cases=PAIR)
     assert pids["a"] == pids["b"]
 
 
