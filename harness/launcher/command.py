@@ -13,9 +13,10 @@ as every planned case), xdist distribution, reports and JUnit are pytest's as fo
 An item leases its cards (the device's visibility variable names exactly them), then runs
 its argv (no shell, from the root) under a supervisor (``harness.launcher.supervisor``,
 a child subreaper leading a session of its own): whatever the command starts, ``setsid``
-daemons included, is stopped when the command ends (and named in the report), when its
-deadline passes (after the stacks of what still runs: ``py-spy dump`` where installed, else
-the process tree with command lines), or when pytest dies. Its output (stdout and stderr
+daemons included, is stopped when the command ends (and reported as any case's leftovers,
+``harness.launcher.containment``), when its deadline passes (after the stacks of what still
+runs: ``py-spy dump`` where installed, else the process tree with command lines), or when
+pytest dies. Its output (stdout and stderr
 together) goes to a file; the report keeps its head and tail
 (``harness.launcher.outcome.read_bounded``).
 """
@@ -200,7 +201,11 @@ class CommandItem(pytest.Item):
         text = read_bounded(str(output), "the command's output")
         size = output.stat().st_size
         left = leftovers.read_text(encoding="utf-8", errors="replace") if leftovers.exists() else ""
-        leaked = self._left_running(left) if left.strip() else None
+        # What the supervisor stopped is reported as any case's leftovers (containment).
+        self.stash.setdefault(containment.RANK_LEAKS, []).extend(
+            f"pid {pid}: {cmd}"
+            for pid, _, cmd in (ln.partition("\t") for ln in left.splitlines() if ln)
+        )
         verdict = None
         if code is None:
             verdict = f"stopped at its deadline of {deadline:g} s (ran {seconds:.1f} s)"
@@ -208,8 +213,6 @@ class CommandItem(pytest.Item):
             verdict = _exit_words(code)
         elif (pattern := self.case.get("expect_output")) and not _matches(pattern, output):
             verdict = f"exited 0, but its output does not match expect_output {pattern!r}"
-        elif leaked is not None and _leaks_fail(self.config):
-            verdict = f"{leaked} (harness_leaks = fail)"
         if verdict is None:
             self.add_report_section("call", "output", text)  # shown by -rP
             return
@@ -226,26 +229,9 @@ class CommandItem(pytest.Item):
             body += f"----- still running at the deadline -----\n{stacks}"
         raise CommandFailed(f"{body}E   {verdict}")
 
-    def _left_running(self, listing: str) -> str:
-        """Processes the command left running, stopped by its supervisor: reported as a
-        warning naming each (pid, command line); returns its words."""
-        procs = "; ".join(
-            f"pid {pid}: {cmd}"
-            for pid, _, cmd in (ln.partition("\t") for ln in listing.splitlines() if ln)
-        )
-        words = f"the command left process(es) running when it ended, now stopped: {procs}"
-        self.warn(pytest.PytestWarning(f"{self.harness_case_id}: {words}"))
-        return words
-
 
 class CommandFailed(Exception):
     """A command case failed; the message is its whole report (output, stacks, verdict last)."""
-
-
-def _leaks_fail(config: pytest.Config) -> bool:
-    """Whether the ini ``harness_leaks`` (the launch plugin's, checked at configure) says
-    ``fail``."""
-    return str(config.getini(containment.LEAKS_INI)).strip().lower() == "fail"
 
 
 def _fail(message: str) -> NoReturn:

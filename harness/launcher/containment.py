@@ -41,8 +41,9 @@ SETTLE_S = 0.5
 GRACE_S = 1.0
 
 _BEFORE = pytest.StashKey["set[psutil.Process]"]()
-#: What a launched case's ranks (or a plain case run apart) left running: each rank stops
-#: and names its own (``harness.launcher.rank``), reported here with the case's other leaks.
+#: What a case's own processes left running, stopped and named where they ran (each rank:
+#: ``harness.launcher.rank``; a command's supervisor: ``harness.launcher.command``), reported
+#: here with the case's other leaks.
 RANK_LEAKS = pytest.StashKey[list[str]]()
 
 

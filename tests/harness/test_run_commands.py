@@ -15,6 +15,7 @@ import psutil
 from suite_project import make_project, manifest
 from test_cli import harness, summary_rows
 
+from harness.names import LEAK_PROPERTY
 from harness.suites.report import read_junit
 
 PY = sys.executable
@@ -111,17 +112,18 @@ def test_command_cases_run_with_the_suite_each_with_its_own_verdict(pytester):
     assert _gone(child)
     assert took < 120
 
-    # The setsid daemon was stopped when its case ended, and named against that case (not
-    # left for the run to find after pytest).
+    # The setsid daemon was stopped when its case ended and reported against that case as
+    # any case's leftovers are (containment: a LeakWarning, the JUnit property
+    # harness.leaked, the run's summary), not left for the run to find after pytest.
     daemon = int((root / "leak.pid").read_text())
     assert _gone(daemon)
-    assert (
-        f"cpu::leak: the command left process(es) running when it ended, now stopped: pid {daemon}"
-        in said
-    )
+    assert "cpu::leak left 1 process(es) running after its teardown; stopped them:" in said
+    assert f"left running: `cpu::leak` — pid {daemon}: " in said
     assert "outlived pytest" not in said
 
     junit = read_junit([root / "out/junit.xml"])
+    xml = (root / "out/junit.xml").read_text()
+    assert f'<property name="{LEAK_PROPERTY}" value="pid {daemon}: ' in xml
     for entry in ("ok", "exit3", "absent", "hang", "leak"):
         assert ("cpu", entry) in junit, sorted(junit)
     durations = json.loads((root / "d.json").read_text())["durations"]
