@@ -33,7 +33,8 @@ from typing import NoReturn
 
 from harness.devices import Card
 from harness.launcher.coverage import CoverageSpec
-from harness.launcher.rank import RankContext, RankTask
+from harness.launcher.rank import CASE_ENV, RankContext, RankTask, run_one
+from harness.launcher.supervisor import split
 
 #: The loopback address of emulated node K is ``127.0.0.<NODE_ADDR_BASE + K>``:
 #: three digits, so that torch's order of the addresses (as strings) is node order.
@@ -176,11 +177,8 @@ def rank_main(case_dir: str) -> NoReturn:
     """A rank under node's agent: run the case's function on it with the
     process group initialised from torchrun's environment, write its
     ``RankOutcome`` (``rank-<RANK>.outcome``) and exit as an ordinary rank does."""
-    from harness.launcher import coverage as rank_coverage
-    from harness.launcher import rank as ranks
-    from harness.launcher.supervisor import split
 
-    try:
+    def start() -> tuple[RankContext, RankTask]:
         case = load(case_dir)
         sys.path[:] = case.sys_path or sys.path
         rank, local, node = (int(os.environ[v]) for v in ("RANK", "LOCAL_RANK", "GROUP_RANK"))
@@ -188,7 +186,6 @@ def rank_main(case_dir: str) -> NoReturn:
         with open(rank_path(case_dir, rank, "pid"), "w") as f:
             f.write(str(os.getpid()))
         faulthandler.enable(file=sys.stderr, all_threads=True)
-        rank_coverage.start(case.coverage)
         cards = case.cards[node] if node < len(case.cards) else ()
         ctx = RankContext(
             rank=rank,
@@ -197,43 +194,18 @@ def rank_main(case_dir: str) -> NoReturn:
             backend=case.backend,
             card=cards[local] if local < len(cards) else None,
             simulated=case.simulated,
-            store_path="",
+            store_path="",  # env://
             outcome_path=rank_path(case_dir, rank, "outcome"),
             stacks_path=rank_path(case_dir, rank, "stacks"),
             log_path=rank_path(case_dir, rank, "log") if case.capture else None,
             pg_timeout_s=case.pg_timeout_s,
             parent_pid=case.launcher_pid,
-            env={ranks.CASE_ENV: case.enclosing[node]},
+            env={CASE_ENV: case.enclosing[node]},
             coverage=case.coverage,
         )
-        ranks._enter_case(ctx)
-        try:
-            _init_from_env(ctx)
-        except BaseException as exc:
-            outcome = ranks.outcome_from_exception(rank, exc)
-        else:
-            outcome = ranks._run(ctx, case.task, fresh_module=False)
-        outcome.write(ctx.outcome_path)
-    except BaseException:
-        ranks._fatal()
-    ranks._exit(outcome)
+        return ctx, case.task
 
-
-def _init_from_env(ctx: RankContext) -> None:
-    """Select the rank's card (its ``LOCAL_RANK``-th of the node's), then join
-    the process group through torchrun's environment (``env://``)."""
-    from datetime import timedelta
-
-    import torch.distributed as dist
-
-    from harness.launcher import groups
-    from harness.launcher import rank as ranks
-
-    if ctx.card is not None:
-        ranks._select_card(ctx)
-    timeout = ctx.pg_timeout_s
-    dist.init_process_group(ctx.backend, timeout=timedelta(seconds=timeout))
-    groups.set_timeout(timeout)
+    run_one(start)
 
 
 if __name__ == "__main__":

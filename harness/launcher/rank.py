@@ -30,6 +30,7 @@ import time
 import traceback
 import types
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
@@ -198,13 +199,26 @@ def rank_main(ctx: RankContext, task: RankTask, lease_fds: list[int]) -> NoRetur
     (``harness.launcher.supervisor``), the last of the case's processes to
     exit, keeps them open, so the OS keeps the lease until the case is gone,
     even if the launcher dies first; the rank and what it starts never hold
-    them. Never returns: the rank exits with ``os._exit`` once its outcome is
-    written (0 unless it failed).
+    them. The case's directory goes with a launcher that dies mid-case (the
+    supervisor removes it).
     """
-    try:
-        # The case's directory (where its outcome goes) goes with a launcher
-        # that dies mid-case: the supervisor removes it.
+
+    def start() -> tuple[RankContext, RankTask]:
         _start_rank(ctx.parent_pid, lease_fds, leftover_dir=os.path.dirname(ctx.outcome_path))
+        return ctx, task
+
+    run_one(start)
+
+
+def run_one(start: Callable[[], tuple[RankContext, RankTask]]) -> NoReturn:
+    """The one way a rank process runs one case (fresh ranks, emulated nodes' ranks):
+    ``start()`` splits off the rank's supervisor and says which case; then coverage,
+    output, stack dump and environment are set up, the function runs (joining the process
+    group first: ``RankContext.store_path``'s FileStore, or torchrun's environment when it
+    is empty), its ``RankOutcome`` is written and the rank exits with ``os._exit`` (0 unless
+    it failed; 1 and no outcome when the harness's own code failed)."""
+    try:
+        ctx, task = start()
         rank_coverage.start(ctx.coverage)
         _enter_case(ctx)
         outcome = _run(ctx, task, fresh_module=False)
@@ -537,16 +551,17 @@ def _init_distributed(ctx: RankContext) -> None:
 
     if ctx.card is not None:
         _select_card(ctx)
-    store = dist.FileStore(ctx.store_path, ctx.world_size)
+    # No store: torchrun's environment (env://), as code written for torchrun joins.
+    where = (
+        {"store": dist.FileStore(ctx.store_path, ctx.world_size), "rank": ctx.rank}
+        if ctx.store_path
+        else {}
+    )
     # The case deadline starts once the ranks are ready, just after they join:
     # the whole deadline's timeout, so a blocked collective raises before it.
     timeout = ctx.pg_timeout_s
     dist.init_process_group(
-        ctx.backend,
-        store=store,
-        rank=ctx.rank,
-        world_size=ctx.world_size,
-        timeout=timedelta(seconds=timeout),
+        ctx.backend, world_size=ctx.world_size, timeout=timedelta(seconds=timeout), **where
     )
     groups.set_timeout(timeout)
 
