@@ -189,29 +189,33 @@ class CaseRun:
 
     def rank_context(self, rank: int) -> RankContext:
         """What rank ``rank`` of the case needs to know: its environment, card,
-        the case's files and the rendezvous store."""
+        the case's files and the rendezvous store. A case run apart (:class:`ProcessSpec`)
+        gets its leased cards in the visibility variable (for it and its children) and
+        nothing of a rank: no card selected, no process group."""
         spec = self.plan.spec
-        if isinstance(spec, ProcessSpec):
-            return self._apart_context()
-        env = {
-            "RANK": str(rank),
-            "WORLD_SIZE": str(spec.nproc),
-            "LOCAL_RANK": str(rank),
-            "LOCAL_WORLD_SIZE": str(spec.nproc),
-            CASE_ENV: self.enclosing.to_env(),
-        }
-        if "OMP_NUM_THREADS" not in os.environ:
+        apart = isinstance(spec, ProcessSpec)
+        env = {CASE_ENV: self.enclosing.to_env()}
+        card = None
+        if apart:
+            visible = device_type(spec.device).visibility_env
+            if visible is not None:
+                env[visible] = ",".join(c.id for c in self.cards[: spec.cards])
+        else:
+            for name in ("RANK", "LOCAL_RANK"):
+                env[name] = str(rank)
+            for name in ("WORLD_SIZE", "LOCAL_WORLD_SIZE"):
+                env[name] = str(spec.nproc)
             # As torchrun does: N ranks each using every core oversubscribe the host.
-            env["OMP_NUM_THREADS"] = "1"
-        if "TORCH_DIST_INIT_BARRIER" not in os.environ:
-            # torch's store-based barrier at the end of init_process_group and
-            # new_group: a rank leaves (os._exit) as soon as its function returns,
-            # and must not close its connections while a peer is still joining the
-            # group (it would fail with "connectFullMesh failed ... closed by peer").
-            env["TORCH_DIST_INIT_BARRIER"] = "1"
-        card = self.cards[rank] if spec.cards else None
-        if card is not None:
-            env.update(visibility(card))
+            # TORCH_DIST_INIT_BARRIER: torch's store-based barrier at the end of
+            # init_process_group and new_group, since a rank leaves (os._exit) as soon as
+            # its function returns and must not close its connections while a peer still
+            # joins the group ("connectFullMesh failed ... closed by peer").
+            for name in ("OMP_NUM_THREADS", "TORCH_DIST_INIT_BARRIER"):
+                if name not in os.environ:
+                    env[name] = "1"
+            card = self.cards[rank] if spec.cards else None
+            if card is not None:
+                env.update(visibility(card))
         return RankContext(
             rank=rank,
             world_size=spec.nproc,
@@ -229,32 +233,7 @@ class CaseRun:
             parent_pid=os.getpid(),
             env=env,
             coverage=CoverageSpec.of_launcher(),
-        )
-
-    def _apart_context(self) -> RankContext:
-        """The context of a case run apart (:class:`ProcessSpec`): its leased cards in the
-        visibility variable (what the process and its children see), nothing of a rank."""
-        spec = self.plan.spec
-        env = {CASE_ENV: self.enclosing.to_env()}
-        visible = device_type(spec.device).visibility_env
-        if visible is not None:
-            env[visible] = ",".join(c.id for c in self.cards[: spec.cards])
-        return RankContext(
-            rank=0,
-            world_size=1,
-            device=spec.device,
-            backend=spec.dist_backend,
-            card=None,  # the test picks its device among the visible ones
-            simulated=is_simulated(),
-            store_path=self.store_path,
-            outcome_path=self.path(0, "outcome"),
-            stacks_path=self.path(0, "stacks"),
-            log_path=self.path(0, "log") if self.capture else None,
-            pg_timeout_s=pg_timeout_for(self.plan.deadline.seconds),
-            parent_pid=os.getpid(),
-            env=env,
-            coverage=CoverageSpec.of_launcher(),
-            process_group=False,
+            process_group=not apart,
         )
 
     def supervise(
