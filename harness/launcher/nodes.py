@@ -38,7 +38,7 @@ from harness import processes
 from harness.devices import Card, is_simulated
 from harness.launcher import node as nodes
 from harness.launcher.coverage import CoverageSpec
-from harness.launcher.outcome import FAILED, CaseOutcome, RankOutcome
+from harness.launcher.outcome import CaseOutcome
 from harness.launcher.rank import (
     CASE_ENV,
     STACK_DUMP_SIGNAL,
@@ -195,24 +195,12 @@ def _start_agent(
             out.close()
 
 
-def _observe(run: CaseRun, case_dir: str) -> list[int]:
-    """Record new outcomes and exits (from the ranks' supervisors' status
-    files); return the ranks neither reported nor exited."""
-    result = run.result
-    pending = []
-    for rank in range(result.nproc):
-        status = nodes.rank_path(case_dir, rank, "status")
-        exited = os.path.exists(status)  # before the outcome: it is written before exit
-        if rank not in result.outcomes:
-            outcome = RankOutcome.read(run.path(rank, "outcome"))
-            if outcome is not None:
-                result.outcomes[rank] = outcome
-        if exited and rank not in result.exits:
-            with contextlib.suppress(OSError, ValueError), open(status) as f:
-                result.exits[rank] = (os.path.getmtime(status), int(f.read()))
-        if rank not in result.outcomes and rank not in result.exits:
-            pending.append(rank)
-    return pending
+def _exited(case_dir: str, rank: int) -> tuple[float, int] | None:
+    """When and how a rank exited, from its supervisor's status file (None: not yet)."""
+    status = nodes.rank_path(case_dir, rank, "status")
+    with contextlib.suppress(OSError, ValueError), open(status) as f:
+        return os.path.getmtime(status), int(f.read())
+    return None
 
 
 def _supervise(
@@ -222,7 +210,7 @@ def _supervise(
     per_node = result.ranks_per_node
     first_failure: float | None = None
     while True:
-        pending = _observe(run, case_dir)
+        pending = run.observe(lambda r: _exited(case_dir, r))
         if not pending:
             return
         now = time.monotonic()
@@ -231,7 +219,7 @@ def _supervise(
         node_gone = any(
             agents[r // per_node].poll() is not None and not _started(case_dir, r) for r in pending
         )
-        if first_failure is None and (node_gone or _has_failure(result)):
+        if first_failure is None and (node_gone or result.has_failure()):
             first_failure = now
         if now >= deadline:
             result.timed_out = [r for r in pending if _started(case_dir, r)]
@@ -247,12 +235,6 @@ def _supervise(
 
 def _started(case_dir: str, rank: int) -> bool:
     return os.path.exists(nodes.rank_path(case_dir, rank, "pid"))
-
-
-def _has_failure(result: CaseOutcome) -> bool:
-    return any(o.status == FAILED for o in result.outcomes.values()) or any(
-        rank not in result.outcomes or code != 0 for rank, (_, code) in result.exits.items()
-    )
 
 
 def _rank_pid(case_dir: str, rank: int) -> int | None:
@@ -274,12 +256,12 @@ def _wind_down(
     stopping = [*result.timed_out, *result.abandoned]
     if stopping and STACK_DUMP_SIGNAL is not None:
         handles = [SimpleNamespace(pid=_rank_pid(case_dir, r)) for r in range(result.nproc)]
-        run._dump_stacks(handles, [r for r in stopping if handles[r].pid is not None])
+        run.dump_stacks(handles, [r for r in stopping if handles[r].pid is not None])
     if not stopping and len(result.outcomes) == result.nproc:
         stop_at = time.monotonic() + EXIT_WAIT_S
         while time.monotonic() < stop_at and any(a.poll() is None for a in agents):
             time.sleep(_POLL_S)
-        _observe(run, case_dir)
+        run.observe(lambda r: _exited(case_dir, r))
     states = [a.poll() for a in agents]
     survivors = processes.kill_trees([a.pid for a in agents], grace=KILL_GRACE_S)
     for agent in agents:

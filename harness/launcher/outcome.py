@@ -188,6 +188,12 @@ class CaseOutcome:
             return f"node {rank // self.ranks_per_node} rank {rank}"
         return f"rank {rank}"
 
+    def has_failure(self) -> bool:
+        """A rank failed, or exited before reporting or with a non-zero code."""
+        return any(o.status == FAILED for o in self.outcomes.values()) or any(
+            rank not in self.outcomes or code != 0 for rank, (_, code) in self.exits.items()
+        )
+
     def _failures(self) -> list[_Failure]:
         failures = []
         for rank in range(self.nproc):

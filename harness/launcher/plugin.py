@@ -73,11 +73,9 @@ from harness.validation import check_int, check_seconds
 from harness.watchdog import WATCHDOG_GRACE_S, faulthandler_free, watchdog
 
 SETTINGS_KEY = pytest.StashKey[Settings]()
-#: How to deactivate this config's settings (``harness.launcher.case.active``).
 ACTIVATION_KEY = pytest.StashKey["contextvars.Token[Settings]"]()
 #: A test's spec and (launched) deadline, derived once (``_case``).
 CASE_KEY = pytest.StashKey[tuple[LaunchSpec, Deadline]]()
-#: Why the default lease directory is unusable, when it is (see ``_settings_from``).
 _LEASE_DIR_PROBLEM = pytest.StashKey[str]()
 CARD_LEASE_KEY = pytest.StashKey["_HeldCard"]()
 #: pytest-timeout's timeout of a launched test (its marker or ini), in seconds
@@ -200,7 +198,6 @@ def _settings_from(config: pytest.Config) -> Settings:
             parse_cards(os.environ["HARNESS_CARDS"])
         except ValueError as exc:
             raise pytest.UsageError(str(exc)) from None
-    # --harness-reuse / --harness-no-reuse, else the ini (default: fresh ranks per case).
     reuse = opt("harness_reuse")
     if reuse is None:
         reuse = config.getini("harness_reuse")
@@ -232,8 +229,7 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
-    # No rank outlives the session that started it.
-    keeper.close()
+    keeper.close()  # no rank outlives the session that started it
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
@@ -312,20 +308,11 @@ def runs_apart(item: pytest.Item) -> bool:
         return True
     if not isinstance(item, pytest.Function) or entry_device(item) is None:
         return False
-    body = item.obj
-    return launch_refusal(item) is None and not (
-        inspect.iscoroutinefunction(body) or inspect.isasyncgenfunction(body)
-    )
+    return launch_refusal(item) is None and not _is_async(item.obj)
 
 
-def _spec_of(item: pytest.Function) -> LaunchSpec:
-    """The spec the test runs under: its own, or the entry's device and cards for a plain
-    case of an accelerator entry (:func:`entry_device`)."""
-    placed = entry_device(item)
-    if placed is None:
-        return spec_for_item(item)
-    device, cards = placed
-    return ProcessSpec(device=device, card_count=cards)
+def _is_async(body: Any) -> bool:
+    return inspect.iscoroutinefunction(body) or inspect.isasyncgenfunction(body)
 
 
 @dataclass(frozen=True)
@@ -350,8 +337,7 @@ def _lease_card_in_process(item: pytest.Function, spec: LaunchSpec, settings: Se
         _fail(f"{item.nodeid}: could not lease {what}\n{exc}")
     held = lease.cards()
     card = held[0]
-    # The test is a case of one rank on its card: a harness.launch it makes on
-    # that device runs on the card it holds instead of waiting for it.
+    # A case of one rank on its card: a harness.launch it makes runs on that card.
     budget = tempfile.mkdtemp(prefix="harness-plain-")
     enclosing = EnclosingCase(
         item.nodeid,
@@ -369,8 +355,7 @@ def _lease_card_in_process(item: pytest.Function, spec: LaunchSpec, settings: Se
         updates[visible] = ",".join(c.id for c in held)
     item.stash[CARD_LEASE_KEY] = _HeldCard(lease, {k: os.environ.get(k) for k in updates}, budget)
     os.environ.update(updates)
-    # A simulated inventory on a host whose tests never imported torch needs no
-    # device selection (and should not pay for importing torch).
+    # A simulated inventory where torch was never imported: no device to select.
     if (not is_simulated() or "torch" in sys.modules) and runtime_available(card.device):
         index = local_index(card)
         if index is not None:
@@ -395,10 +380,9 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None):
 
 
 class _FixtureDeadlines:
-    """The setup and teardown of a launched case (its fixtures run here, in
-    this process) are each bounded by the case's deadline, as its call is on
-    the ranks: past it the phase fails with this process's stacks and the
-    session goes on (see ``harness.watchdog.Watchdog``)."""
+    """The setup and teardown of a case run apart (its fixtures run here) are each bounded
+    by the case's deadline: past it the phase fails with this process's stacks and the
+    session goes on (``harness.watchdog``)."""
 
     def __init__(self, config: pytest.Config) -> None:
         self.config = config
@@ -431,8 +415,7 @@ class _FixtureDeadlines:
         )
 
     def on_exit(self, headline: str) -> None:
-        """The watchdog stops this process: what pytest captured goes to the
-        terminal first, so the stacks written after it are seen."""
+        """The watchdog stops this process: what pytest captured goes out first."""
         capman = self.config.pluginmanager.get_plugin("capturemanager")
         if capman is not None:
             capman.suspend_global_capture(in_=True)
@@ -449,7 +432,12 @@ def _case(item: pytest.Function) -> tuple[LaunchSpec, Deadline]:
     else pytest-timeout's timeout of the test, else ``--harness-timeout``."""
     case = item.stash.get(CASE_KEY, None)
     if case is None:
-        spec = _spec_of(item)
+        placed = entry_device(item)
+        spec = (
+            spec_for_item(item)
+            if placed is None
+            else ProcessSpec(device=placed[0], card_count=placed[1])
+        )
         settings = item.config.stash[SETTINGS_KEY]
         timeout = item.stash.get(TIMEOUT_KEY, None)
         if timeout is None:
@@ -467,10 +455,8 @@ def _case(item: pytest.Function) -> tuple[LaunchSpec, Deadline]:
 
 
 def _warn_longer_spec_timeout(item: pytest.Function, spec_s: float, marker_s: float) -> None:
-    """A ``timeout`` marker on the test (or `harness run`'s, carrying its entry's
-    ``timeout_s``) shorter than its ``LaunchSpec.timeout``: the spec's deadline applies,
-    which the marker's author may not expect. (The ini's ``timeout`` is a session default a
-    spec overrides without a word.)"""
+    """A ``timeout`` marker shorter than the test's ``LaunchSpec.timeout``, which applies
+    (the ini's ``timeout``, a session default, is overridden without a word)."""
     if item.get_closest_marker("timeout") is None:
         return
     path, lineno, _ = item.location
@@ -488,15 +474,11 @@ def _warn_longer_spec_timeout(item: pytest.Function, spec_s: float, marker_s: fl
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
-    if (
-        not runs_apart(pyfuncitem)
-        or inspect.iscoroutinefunction(pyfuncitem.obj)
-        or (inspect.isasyncgenfunction(pyfuncitem.obj))
-    ):
-        # An async test runs (or fails) as pytest and its async plugins decide,
-        # exactly as its in-process twin: nothing here would await it.
+    body = pyfuncitem.obj
+    if not runs_apart(pyfuncitem) or _is_async(body):
+        # An async test runs as pytest and its async plugins decide: nothing here awaits it.
         return None
-    spec, _ = _case(pyfuncitem)
+    spec, deadline = _case(pyfuncitem)
     settings = pyfuncitem.config.stash[SETTINGS_KEY]
     fixtures = {name: pyfuncitem.funcargs[name] for name in pyfuncitem._fixtureinfo.argnames}
     if spec.nnodes > 1 and under_torchrun():
@@ -504,7 +486,6 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
         problem = shape_problem(spec)
         if problem is not None:
             _fail(f"{pyfuncitem.nodeid}: {problem}")
-        _, deadline = _case(pyfuncitem)
         report = run_here(pyfuncitem.obj, fixtures, spec, pyfuncitem.nodeid, deadline.seconds)
         if report is not None:
             _fail(report)
@@ -526,10 +507,9 @@ def _run_on_ranks(
     example: bool = False,
     placements: list | None = None,
 ) -> None:
-    """Run the test's body on ranks with these arguments and report it as
-    pytest would the in-process test; ``example``: one Hypothesis example
-    (a failure raises ``LaunchError`` for Hypothesis to shrink on). The
-    case's ``(cards, ranks)`` is appended to ``placements`` when given."""
+    """Run the test's body on ranks and report it as pytest would in-process; ``example``:
+    one Hypothesis example (a failure raises ``LaunchError`` for Hypothesis to shrink on),
+    its ``(cards, ranks)`` appended to ``placements``."""
     params = item.callspec.params if hasattr(item, "callspec") else {}
     fixtures = set(item._fixtureinfo.argnames)
     kinds = {
@@ -573,7 +553,6 @@ def _run_on_ranks(
     if leaked:
         item.stash.setdefault(containment.RANK_LEAKS, []).extend(leaked)
     if not example:
-        # JUnit <properties> of the case: where and how it ran.
         item.user_properties.extend(_placement(spec, placed))
 
     def fail(report: str) -> NoReturn:
@@ -583,9 +562,7 @@ def _run_on_ranks(
         _fail(report)
 
     if example:
-        # What the body told Hypothesis on the ranks (notes, events, targets),
-        # told again here, in the example's build context, before its verdict.
-        given.replay(result.feedbacks())
+        given.replay(result.feedbacks())  # in the example's build context, before its verdict
     try:
         conclude(result, fail=fail, skip=_skip_at_test, xfail=pytest.xfail, echo=not plan.live)
     finally:
@@ -609,10 +586,8 @@ def _placement(spec: LaunchSpec, placed: tuple[str, Any]) -> list[tuple[str, Any
 
 
 def _run_given(item: pytest.Function, spec: LaunchSpec, settings: Settings, fixtures: dict) -> None:
-    """A ``@given`` test: Hypothesis runs here, in the launcher, drawing,
-    shrinking and storing its examples once; each example runs on all ranks
-    (the kept pool makes that cheap). Its per-example deadline is off: each
-    example is a case under the case deadline."""
+    """A ``@given`` test: Hypothesis draws, shrinks and stores its examples here; each
+    example runs on all ranks, a case under the case deadline (Hypothesis's is off)."""
     test = item.obj
     hypothesis = test.hypothesis
     body = hypothesis.inner_test
@@ -624,14 +599,13 @@ def _run_given(item: pytest.Function, spec: LaunchSpec, settings: Settings, fixt
             args = args[1:]
         _run_on_ranks(item, spec, settings, args, kwargs, example=True, placements=placements)
 
-    # Hypothesis names the failing example after this function: the test's name.
+    # Hypothesis names the failing example after it.
     on_ranks.__name__, on_ranks.__qualname__ = body.__name__, body.__qualname__
 
     import hypothesis as hyp
 
     chosen = getattr(test, "_hypothesis_internal_use_settings", None) or hyp.settings.default
-    # Its "explain" phase would report the lines only failing examples ran: here
-    # the launcher's own failure handling, not the test's code (which runs on ranks).
+    # Its "explain" phase would report the launcher's lines, not the test's (on ranks).
     explain = getattr(hyp.Phase, "explain", None)
     phases = tuple(phase for phase in chosen.phases if phase is not explain)
     hypothesis.inner_test = on_ranks
@@ -653,9 +627,8 @@ def _live(config: pytest.Config) -> bool:
 
 
 def _raise_for_xfail(item: pytest.Function, names: tuple[str, ...], report: str) -> None:
-    """When an ``xfail(raises=E)`` marker names a class the failing rank's
-    exception is (by ``module.qualname`` of its class and bases), raise an ``E``
-    carrying the report, so pytest's xfail matching sees what the rank raised."""
+    """Raise an ``E`` carrying the report when an ``xfail(raises=E)`` marker names a class
+    the failing rank's exception is (``names``: ``module.qualname`` of it and its bases)."""
     __tracebackhide__ = True
     for mark in item.iter_markers("xfail"):
         raises = mark.kwargs.get("raises")
@@ -691,11 +664,7 @@ def _fail(message: str) -> NoReturn:
 
 def _skip_at_test(reason: str) -> NoReturn:
     """Skip, reported at the test's location rather than at this plugin's line."""
-    try:
-        exc = pytest.skip.Exception(reason, _use_item_location=True)
-    except TypeError:  # a pytest without the keyword
-        exc = pytest.skip.Exception(reason)
-    raise exc
+    raise pytest.skip.Exception(reason, _use_item_location=True)
 
 
 def _warning_filters(item: pytest.Function) -> tuple[tuple[str, bool], ...]:

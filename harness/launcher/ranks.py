@@ -30,7 +30,6 @@ from harness import processes
 from harness.devices import Card, device_type, is_simulated, visibility
 from harness.launcher.coverage import CoverageSpec
 from harness.launcher.outcome import (
-    FAILED,
     OUTPUT_TAIL_BYTES,
     CaseOutcome,
     RankOutcome,
@@ -261,13 +260,17 @@ class CaseRun:
         first_failure: float | None = None
         first_done: float | None = None
         while True:
-            pending = self._observe(started)
+            pending = self.observe(
+                lambda r: (
+                    None if started[r].exitcode is None else (time.time(), started[r].exitcode)
+                )
+            )
             if not pending:
                 return
             now = time.monotonic()
             if not self.ready:
                 self._note_ready(now)
-            if first_failure is None and _has_failure(result):
+            if first_failure is None and result.has_failure():
                 first_failure = now
             if release is not None and result.outcomes:
                 first_done = now if first_done is None else first_done
@@ -306,18 +309,20 @@ class CaseRun:
         result.start_s = now - self._started
         self.deadline = now + self.plan.deadline.seconds
 
-    def _observe(self, started: list[Any]) -> list[int]:
-        """Record new outcomes and exits; return the ranks neither reported nor exited."""
+    def observe(self, exited: Callable[[int], tuple[float, int] | None]) -> list[int]:
+        """Record new outcomes and exits (``exited(rank)``: when and how the rank exited, or
+        None; asked before its outcome is read, which a rank writes before it exits);
+        return the ranks neither reported nor exited."""
         result = self.result
         pending = []
-        for rank, proc in enumerate(started):
-            code = proc.exitcode  # before reading the outcome: it is written before exit
+        for rank in range(self.plan.spec.nproc):
+            exit_ = None if rank in result.exits else exited(rank)
             if rank not in result.outcomes:
                 outcome = RankOutcome.read(self.path(rank, "outcome"))
                 if outcome is not None:
                     result.outcomes[rank] = outcome
-            if code is not None and rank not in result.exits:
-                result.exits[rank] = (time.time(), code)
+            if exit_ is not None:
+                result.exits[rank] = exit_
             if rank not in result.outcomes and rank not in result.exits:
                 pending.append(rank)
         return pending
@@ -327,7 +332,7 @@ class CaseRun:
         result = self.result
         stopping = [r for r in (*result.timed_out, *result.abandoned) if r < len(started)]
         if stopping and STACK_DUMP_SIGNAL is not None:
-            self._dump_stacks(started, stopping)
+            self.dump_stacks(started, stopping)
         # Ranks that reported get a moment to tear down and exit by themselves;
         # the others (interrupted launcher, overdue ranks) are stopped right away.
         stop_at = time.monotonic() + EXIT_WAIT_S
@@ -380,7 +385,9 @@ class CaseRun:
                 out.write(f"[rank {rank}] {line}\n")
         out.flush()
 
-    def _dump_stacks(self, started: list[Any], ranks: list[int]) -> None:
+    def dump_stacks(self, started: list[Any], ranks: list[int]) -> None:
+        """Have ``ranks`` (of the processes ``started``, by rank) dump their Python stacks
+        into ``result.stacks``."""
         paths = {r: self.path(r, "stacks") for r in ranks}
         for rank in ranks:
             # Only ranks that registered the dump handler (it creates the file):
@@ -512,12 +519,6 @@ def signals_deferred() -> Iterator[None]:
                 signal.signal(sig, handler)
         for sig in dict.fromkeys(pending):
             signal.raise_signal(sig)
-
-
-def _has_failure(result: CaseOutcome) -> bool:
-    return any(o.status == FAILED for o in result.outcomes.values()) or any(
-        rank not in result.outcomes or code != 0 for rank, (_, code) in result.exits.items()
-    )
 
 
 def _trim_stack(text: str) -> str:
