@@ -1,16 +1,13 @@
-"""The code that runs inside one rank process (``rank_main``: one case;
-``pool_rank_main``: a kept rank serving case after case, restoring the
-per-case state of ``harness.launcher.reset`` in between).
+"""The code inside a rank process (``rank_main`` / ``run_one``: one case;
+``pool_rank_main``: a kept rank serving case after case, restoring
+``harness.launcher.reset``'s state in between).
 
-A rank splits off its supervisor (``harness.launcher.supervisor``), sends its
-output to its log file, registers a stack dump on SIGUSR1, sets its
-environment before anything imports torch (nothing here imports it at module
-level), selects its card, joins the process group through a ``FileStore``,
-runs the function and writes its ``RankOutcome``. It then leaves with
-``os._exit``: interpreter finalisation races the process group's C++ threads
-(``std::terminate`` after the rank passed), and the OS closing its sockets
-fails the peers' pending operations at once, as ``destroy_process_group``
-(known to hang) would.
+A rank splits off its supervisor, sends its output to its log file, registers a stack
+dump on SIGUSR1, sets its environment before anything imports torch, selects its card,
+joins the process group, runs the function and writes its ``RankOutcome``. It leaves
+with ``os._exit``: interpreter finalisation races the process group's C++ threads, and
+the OS closing its sockets fails the peers' pending operations at once, as
+``destroy_process_group`` (known to hang) would.
 """
 
 from __future__ import annotations
@@ -91,42 +88,29 @@ class EnclosingCase:
         raw = os.environ.get(CASE_ENV)
         if not raw:
             return None
-        d = json.loads(raw)
-        return EnclosingCase(
-            d["what"],
-            d["nproc"],
-            d["device"],
-            tuple(d["cards"]),
-            d["deadline"],
-            d.get("budget_dir"),
-        )
+        fields = json.loads(raw)
+        return EnclosingCase(**{**fields, "cards": tuple(fields["cards"])})
 
 
 @dataclass(frozen=True)
 class RankTask:
-    """The function a rank runs, its pickled ``(args, kwargs)`` and, for a test
-    method, the pickled state of the instance it is bound to."""
+    """The function a rank runs and what it runs with, as the launcher's pytest would:
+    ``args`` the pickled ``(args, kwargs)``; ``state`` the pickled attributes of the test's
+    instance; ``warning_filters`` (filter, escape) pairs in pytest's order;
+    ``show_deprecations`` as pytest without ``-W``; ``conftests`` (name, file), outermost
+    first; ``example``: the arguments are one Hypothesis example for the ``@given`` body;
+    ``assertions``: how pytest explains a failing comparison (None: no pytest);
+    ``log_level``: the root logger's level while it runs (None: left as it is)."""
 
     ref: FunctionRef
     args: bytes
     want_value: bool = True
-    #: pickled attributes of the test's instance (set by ``setup_method`` and
-    #: fixture methods in the launcher), given to the rank's own instance
     state: bytes | None = None
-    #: the warning filters the launcher applies to the test, in pytest's
-    #: order: (filter, escape) pairs as ``-W`` / ini / marker strings
     warning_filters: tuple[tuple[str, bool], ...] = ()
-    #: show deprecation warnings, as pytest does when no ``-W`` option is given
     show_deprecations: bool = False
-    #: the test's conftest modules, (name, file), outermost first
     conftests: tuple[tuple[str, str], ...] = ()
-    #: the arguments are one Hypothesis example: call the body inside the
-    #: test's ``@given`` wrapper with them
     example: bool = False
-    #: explain failing comparisons as pytest does in the launcher (None: no pytest)
     assertions: AssertionSettings | None = None
-    #: the root logger's level while the function runs, as pytest's ``log_level``
-    #: sets it (None: left as it is); its records are reported (``harness.launcher.logs``)
     log_level: int | None = None
 
 
@@ -148,13 +132,11 @@ class RankContext:
     pg_timeout_s: float
     parent_pid: int
     env: dict[str, str] = field(default_factory=dict)
-    #: measure coverage as the launcher does (None: it does not)
     coverage: CoverageSpec | None = None
-    #: join the case's process group before the function runs (False: a plain case run
-    #: apart, which starts its own ranks if it has any)
+    #: False: a plain case run apart, which joins no process group
     process_group: bool = True
-    #: the file this rank creates when it is ready to run the function: the
-    #: case deadline (``deadline_s`` seconds) counts from then (None: no such file)
+    #: created when the rank is ready to run the function: the case deadline
+    #: (``deadline_s``) counts from then
     ready_path: str | None = None
     deadline_s: float | None = None
 
@@ -237,15 +219,11 @@ def pool_rank_main(
 ) -> NoReturn:
     """Entry point of a pooled rank: runs the cases ``conn`` delivers until told to exit.
 
-    Per case: the launcher's current environment, working directory and
-    ``sys.path`` are taken over (what a fresh rank would inherit), output and
-    the stack-dump file go to the case's files, and the state a case can
-    change is restored to the pool's baseline; then the function runs, in a fresh copy of its test module and a
-    fresh context, exactly as in a one-case rank, and its outcome is written.
-    A failed case ends the rank (its pool is never reused); a passed one is
-    cleaned up and the rank reports whether it can run another. Exits with
-    ``os._exit``, never through interpreter finalisation. With ``coverage``
-    the rank measures coverage as the launcher does, across all its cases.
+    Per case: the launcher's current environment, working directory and ``sys.path`` are
+    taken over (what a fresh rank would inherit), the state of ``harness.launcher.reset``
+    is restored to the pool's baseline, then the function runs in a fresh copy of its test
+    module and a fresh context, as in a one-case rank. A failed case ends the rank; a
+    passed one is cleaned up and the rank reports whether it can run another.
     """
     try:
         _serve(parent_pid, conn, lease_fds, pool_dir, coverage)
@@ -276,17 +254,13 @@ def _serve(
                 _select_card(ctx)  # the last case may have made another device current
         outcome, baseline = _run_kept(ctx, message.task, baseline)
         outcome.write(ctx.outcome_path)
-        # A kept rank may outlive the launcher's coverage report (it combines
-        # the data files at the end of the run loop, before the pool closes).
-        rank_coverage.checkpoint()
+        rank_coverage.checkpoint()  # the launcher's report may come before the pool closes
         _flush()
         _send(conn, OutcomeWritten())
         if outcome.status == FAILED:
-            _exit(outcome)
+            _hard_exit(1)
         _send(conn, Idle(_leftovers(baseline) or _once_per_process(message.task), os.getpid()))
-        # Free the case's garbage (device memory in reference cycles, too)
-        # before the next case, off the launcher's critical path.
-        gc.collect()
+        gc.collect()  # the case's garbage (device memory too), off the critical path
 
 
 def _receive_case(conn: Any) -> RunCase:
@@ -309,16 +283,11 @@ def _send(conn: Any, message: object) -> None:
 
 
 def _launcher_gone() -> NoReturn:
-    """The launcher's end of the pipe closed: the launcher died (a pool it
-    closes is sent ``Exit`` first). Wait, at most ``LAUNCHER_GONE_WAIT_S``,
-    for the supervisor to stop this rank.
-
-    The kernel closes a dying launcher's files before it re-parents its
-    children, so the rank can read EOF before its supervisor learns of the
-    death. A rank that exited then would look to the supervisor like one
-    that ended on its own, and the pool's directory, which only the
-    supervisor can remove once the launcher is dead, would be left behind.
-    """
+    """The launcher died (a pool it closes sends ``Exit`` first): wait, at most
+    ``LAUNCHER_GONE_WAIT_S``, for the supervisor to stop this rank. The kernel closes a
+    dying launcher's files before it re-parents its children: a rank exiting on EOF would
+    look to its supervisor like one that ended on its own, and the pool's directory, which
+    only the supervisor removes, would be left behind."""
     rank_coverage.save()
     _flush()
     end = time.monotonic() + LAUNCHER_GONE_WAIT_S
@@ -334,12 +303,12 @@ def _run_kept(
     records the baseline every later case starts from (before any test code
     has run); later ones get this case's process-group timeout."""
     if baseline is None:
-        outcome = _join(ctx)
-        if outcome is not None:
-            return outcome, None
+        try:
+            _init_distributed(ctx)
+        except BaseException as exc:
+            return outcome_from_exception(ctx.rank, exc), None
         baseline = Baseline.capture()
     else:
-        # A kept rank starts the case at once: the whole deadline's timeout.
         groups.set_timeout(ctx.pg_timeout_s)
     return _run(ctx, task, fresh_module=True), baseline
 
@@ -354,9 +323,7 @@ def _start_rank(
     crash dump."""
     split(parent_pid, keep=lease_fds, rank_only=rank_only, leftover_dir=leftover_dir)
     faulthandler.enable(file=sys.stderr, all_threads=True)
-    # A spawned child starts with its start method set (to spawn); the test
-    # process it stands in for has none set, and a test module calling
-    # multiprocessing.set_start_method() at import must work here as there.
+    # As in the test process it stands in for: no start method set yet.
     multiprocessing.set_start_method(None, force=True)
 
 
@@ -365,8 +332,7 @@ def _enter_case(ctx: RankContext) -> None:
     if ctx.log_path is not None:
         _redirect_output(ctx.log_path)
     if STACK_DUMP_SIGNAL is not None:
-        # A file of its own, so the launcher can quote the dump whether or not
-        # the rank's output is captured. faulthandler needs it kept open.
+        # A file of its own, kept open for faulthandler: quoted whether output is captured.
         previous = _keep.get("stacks")
         _keep["stacks"] = open(ctx.stacks_path, "w")  # noqa: SIM115
         faulthandler.register(STACK_DUMP_SIGNAL, file=_keep["stacks"], all_threads=True)
@@ -443,14 +409,15 @@ def _call(
 ) -> RankOutcome:
     with warnings.catch_warnings(record=True) as log:
         try:
-            _apply_warning_filters(task)
             return _call_recorded(ctx, task, fresh_module, feedback)
         finally:
             caught.extend(log)
 
 
-def _apply_warning_filters(task: RankTask) -> None:
-    """The test's filters, as pytest applies them around the in-process test."""
+def _call_recorded(
+    ctx: RankContext, task: RankTask, fresh_module: bool, feedback: given.Feedback | None
+) -> RankOutcome:
+    # The test's warning filters, as pytest applies them around the in-process test.
     if task.show_deprecations:
         warnings.filterwarnings("always", category=DeprecationWarning)
         warnings.filterwarnings("always", category=PendingDeprecationWarning)
@@ -459,11 +426,6 @@ def _apply_warning_filters(task: RankTask) -> None:
 
         for arg, escape in task.warning_filters:
             warnings.filterwarnings(*parse_warning_filter(arg, escape=escape))
-
-
-def _call_recorded(
-    ctx: RankContext, task: RankTask, fresh_module: bool, feedback: given.Feedback | None
-) -> RankOutcome:
     import_conftests(task.conftests)
     fn = test = task.ref.load(fresh=fresh_module)
     if task.example:
@@ -533,15 +495,6 @@ def _ready(ctx: RankContext) -> None:
     if ctx.ready_path is not None:
         with open(ctx.ready_path, "w"):
             pass
-
-
-def _join(ctx: RankContext) -> RankOutcome | None:
-    """Join the process group; a failure is the case's outcome (None: joined)."""
-    try:
-        _init_distributed(ctx)
-    except BaseException as exc:
-        return outcome_from_exception(ctx.rank, exc)
-    return None
 
 
 def _init_distributed(ctx: RankContext) -> None:
@@ -661,11 +614,8 @@ def _user_traceback(exc: BaseException) -> str:
 
 
 def _exit(outcome: RankOutcome) -> NoReturn:
-    """End a rank whose outcome is written: 0 unless it failed.
-
-    A failed rank exits at once as well: peers blocked in a collective with it
-    see its sockets close and fail now instead of at the group timeout.
-    """
+    """End a rank whose outcome is written: 0 unless it failed (at once either way: a
+    peer blocked in a collective with it fails now, not at the group timeout)."""
     _hard_exit(1 if outcome.status == FAILED else 0)
 
 

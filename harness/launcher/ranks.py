@@ -1,13 +1,9 @@
-"""Rank processes of one case: start them (``spawn_ranks``, the *spawn* start
-method, each rank inheriting the lease descriptors), tell each what it needs
-(``CaseRun.rank_context``), supervise them until every rank reported or
-exited, the deadline passed or the others overstayed ``ABANDON_GRACE_S``
-after a failure (``CaseRun.supervise``), then wind down (``CaseRun.wind_down``:
-stack dumps, tree kill, reaping, bounded output). ``run_ranks`` is a case on
-fresh ranks, start to end; a kept pool (``harness.launcher.pool``) goes through
-the same phases. While ranks run, SIGTERM reaps them before the process goes
-(``reap_on_sigterm``) and a second Ctrl-C cannot interrupt the reaping
-(``signals_deferred``).
+"""Rank processes of one case: start them (``spawn_ranks``: spawn, each inheriting the
+lease descriptors), tell each what it needs (``CaseRun.rank_context``), supervise them
+(``CaseRun.supervise``), then wind down (``CaseRun.wind_down``: stack dumps, tree kill,
+reaping, bounded output). ``run_ranks`` is a case on fresh ranks, start to end; a kept
+pool (``harness.launcher.pool``) goes through the same phases. While ranks run, SIGTERM
+reaps them before the process goes and a second Ctrl-C cannot interrupt the reaping.
 """
 
 from __future__ import annotations
@@ -54,33 +50,26 @@ if TYPE_CHECKING:
 
 #: SIGTERM -> SIGKILL grace when stopping a rank's process tree.
 KILL_GRACE_S = 3.0
-#: How long a stopped rank, already dead, gets to be reaped.
 _REAP_WAIT_S = 1.0
-
-
 #: After one rank failed, the others get this long to finish before they are
 #: stopped (a peer blocked in a collective that never notices).
 ABANDON_GRACE_S = 5.0
 #: How long a rank that reported its outcome may take to exit by itself.
 EXIT_WAIT_S = 5.0
 STACK_DUMP_WAIT_S = 2.0
-#: Kept ranks that finished a case wait this long for their peers to finish
-#: too before they leave (as fresh ranks leave at once), see ``CaseRun.supervise``.
+#: Kept ranks that finished a case wait this long for their peers before they leave.
 STRAGGLER_GRACE_S = 1.0
 _HARNESS_RANK_FILE = os.path.join("harness", "launcher", "rank.py")
-#: How long a case's ranks may take to be ready to run its function (spawning,
-#: importing torch and the test module, joining the process group): a bound of
-#: its own, generous for a loaded host, since the case deadline counts from the
-#: moment they are ready (the report says how long they took).
+#: How long a case's ranks may take to be ready to run its function (spawning, imports,
+#: joining the process group): the case deadline counts from the moment they are.
 START_BOUND_S = 300.0
 
 
 @dataclass(frozen=True)
 class ProcessSpec(LaunchSpec):
-    """A plain case of an accelerator suite entry, run apart (internal to the launch side):
-    one process of its own that joins no process group and gets no ``RANK`` /
-    ``WORLD_SIZE``, holding ``card_count`` leased cards, all of them in its visibility
-    variable, for it and every process it starts (it starts its own ranks, if any)."""
+    """A plain case of an accelerator suite entry, run apart (internal): one process of its
+    own, no process group, no ``RANK`` / ``WORLD_SIZE``, its ``card_count`` leased cards
+    in its visibility variable, for it and every process it starts."""
 
     card_count: int = 1
     reuse: bool | None = False
@@ -92,7 +81,6 @@ class ProcessSpec(LaunchSpec):
 
     @property
     def cards(self) -> int:
-        """The cards the process holds (0 on cpu)."""
         return self.card_count if device_type(self.device).is_accelerator else 0
 
 
@@ -101,11 +89,10 @@ def run_ranks(
 ) -> CaseOutcome:
     """Run ``task`` in ``plan.spec.nproc`` fresh rank processes and report what happened.
 
-    Guarantees: returns within the deadline plus the stop grace periods; no
-    process of any rank's tree is alive on return (``result.survivors`` lists
-    any the kernel would not kill); rank ``r`` gets card ``cards[r]``; with
-    ``settings.capture`` the ranks' (bounded) output is in ``result.logs``
-    instead of the launcher's stdout / stderr; the case directory is gone.
+    Returns within the deadline plus the stop grace periods; no process of any rank's tree
+    is alive then (``result.survivors``: any the kernel would not kill); rank ``r`` gets
+    card ``cards[r]``; with ``settings.capture`` the ranks' bounded output is in
+    ``result.logs``; the case directory is gone.
     """
     run = CaseRun(plan, cards, tempfile.mkdtemp(prefix="harness-case-"))
     started: list[Any] = []
@@ -122,8 +109,7 @@ def run_ranks(
                 lease.annotate(ranks=[p.pid for p in started])
             run.supervise(started)
         finally:
-            # Inside reap_on_sigterm: a SIGTERM re-raised on its way out ends
-            # the process, and the directory must be gone by then.
+            # Inside reap_on_sigterm: gone before a re-raised SIGTERM ends the process.
             with signals_deferred():
                 try:
                     run.wind_down(started)
@@ -140,10 +126,6 @@ class CaseRun:
         self, plan: CasePlan, cards: list[Card], case_dir: str, *, store_path: str | None = None
     ) -> None:
         spec = plan.spec
-        if len(cards) < spec.cards:
-            raise ValueError(
-                f"{spec.nproc} {spec.device} ranks need {spec.cards} cards; got {cards}"
-            )
         apart = isinstance(spec, ProcessSpec)
         label = (
             f"{spec.device} (a process of its own)"
@@ -245,16 +227,11 @@ class CaseRun:
         """Wait until every rank has reported or exited, the deadline passes, or the
         others overstay ``ABANDON_GRACE_S`` after a failure; record which.
 
-        ``channels`` (kept ranks: one per rank, with ``fileno()``, ``closed``
-        and ``drain()``) wake the wait when a rank says its outcome is
-        written, instead of the outcome files being polled. Meanwhile each
-        rank's output file is kept to its head and tail (``bound_output``).
-
-        ``release`` (kept ranks, which outlive their case) is called once with
-        the ranks that finished when others are still running
-        ``STRAGGLER_GRACE_S`` after the first finished: it makes them leave as
-        fresh ranks would have at once, so a peer blocked in a collective with
-        them fails now instead of at the process-group timeout.
+        Kept ranks: ``channels`` (one per rank, with ``fileno()``, ``closed``, ``drain()``)
+        wake the wait when a rank says its outcome is written; ``release`` is called once
+        with the ranks that finished when others still run ``STRAGGLER_GRACE_S`` after the
+        first finished, so that they leave as fresh ranks would have and a peer blocked in
+        a collective with them fails now, not at the process-group timeout.
         """
         result = self.result
         first_failure: float | None = None
