@@ -275,19 +275,40 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     refusal = launch_refusal(item) if is_launched(item) else None
     if refusal is not None:
         _fail(f"{item.nodeid}: {refusal}")
-    settings = item.config.stash[SETTINGS_KEY]
     # Emulated nodes share this host: it needs every node's cards (a real node, its own).
-    reason = missing_cards(spec.device, spec.cards * (1 if under_torchrun() else spec.nnodes))
-    if reason is not None:
-        if spec.device in settings.require:
-            # `harness run` of an accelerator suite sets it: a runner without its cards fails.
-            _fail(
-                f"{reason}, and --harness-require {spec.device} is set (`harness run` sets it "
-                f"for a {spec.device} suite; --max-cards N runs only what fits)"
-            )
-        _skip_at_test(reason)
+    need_cards(item, spec.device, spec.cards * (1 if under_torchrun() else spec.nnodes))
     if spec.cards and not runs_apart(item):
-        _lease_card_in_process(item, spec, settings)
+        _lease_card_in_process(item, spec, item.config.stash[SETTINGS_KEY])
+
+
+def need_cards(item: pytest.Item, device: str, count: int) -> None:
+    """Skip the test when this host lacks ``count`` cards of ``device``; fail it instead
+    when ``--harness-require`` names the device (`harness run` of an accelerator suite)."""
+    reason = missing_cards(device, count)
+    if reason is None:
+        return
+    if device in item.config.stash[SETTINGS_KEY].require:
+        _fail(
+            f"{reason}, and --harness-require {device} is set (`harness run` sets it "
+            f"for a {device} suite; --max-cards N runs only what fits)"
+        )
+    _skip_at_test(reason)
+
+
+def lease_cards(item: pytest.Item, device: str, count: int) -> Lease:
+    """Lease ``count`` cards of ``device`` for the test (bounded wait: a failure naming
+    what it waited for)."""
+    settings = item.config.stash[SETTINGS_KEY]
+    try:
+        return acquire(
+            settings.lease_dir,
+            [card_want(inventory(device), count)],
+            timeout=settings.lease_timeout,
+            holder=item.nodeid,
+        )
+    except LeaseError as exc:
+        what = f"a {device} card" if count == 1 else f"{count} {device} cards"
+        _fail(f"{item.nodeid}: could not lease {what}\n{exc}")
 
 
 def entry_device(item: pytest.Item) -> tuple[str, int] | None:
@@ -325,16 +346,7 @@ class _HeldCard:
 
 
 def _lease_card_in_process(item: pytest.Function, spec: LaunchSpec, settings: Settings) -> None:
-    try:
-        lease = acquire(
-            settings.lease_dir,
-            [card_want(inventory(spec.device), spec.cards)],
-            timeout=settings.lease_timeout,
-            holder=item.nodeid,
-        )
-    except LeaseError as exc:
-        what = f"a {spec.device} card" if spec.cards == 1 else f"{spec.cards} {spec.device} cards"
-        _fail(f"{item.nodeid}: could not lease {what}\n{exc}")
+    lease = lease_cards(item, spec.device, spec.cards)
     held = lease.cards()
     card = held[0]
     # A case of one rank on its card: a harness.launch it makes runs on that card.
@@ -641,10 +653,10 @@ def _raise_for_xfail(item: pytest.Function, names: tuple[str, ...], report: str)
 
 @pytest.hookimpl(optionalhook=True, tryfirst=True)
 def pytest_timeout_set_timer(item: pytest.Item, settings) -> bool | None:
-    """pytest-timeout's timeout of a launched test becomes its case deadline:
-    the ranks are stopped at it and their stacks reported, instead of a timer
-    in this process interrupting the launcher (whose stack says nothing)."""
-    if not runs_apart(item):
+    """pytest-timeout's timeout of a case run apart (or a command case) becomes its
+    deadline: its processes are stopped at it and their stacks reported, instead of a
+    timer in this process interrupting the launcher (whose stack says nothing)."""
+    if not _times_itself(item):
         return None
     item.stash[TIMEOUT_KEY] = float(settings.timeout)
     if CASE_KEY in item.stash:  # set at the call (func_only): the call's deadline is this
@@ -654,7 +666,11 @@ def pytest_timeout_set_timer(item: pytest.Item, settings) -> bool | None:
 
 @pytest.hookimpl(optionalhook=True, tryfirst=True)
 def pytest_timeout_cancel_timer(item: pytest.Item) -> bool | None:
-    return True if runs_apart(item) else None
+    return True if _times_itself(item) else None
+
+
+def _times_itself(item: pytest.Item) -> bool:
+    return runs_apart(item) or getattr(item, "times_itself", False)
 
 
 def _fail(message: str) -> NoReturn:

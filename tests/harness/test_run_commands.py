@@ -91,7 +91,7 @@ def test_command_cases_run_with_the_suite_each_with_its_own_verdict(pytester):
         "cpu::leak": "passed",
         "cpu::loud": "failed",
     }
-    assert cases["cpu::exit3"]["message"] == "exited with status 3"
+    assert cases["cpu::exit3"]["message"] == "exited with code 3"
     assert "does not match expect_output '^loss'" in cases["cpu::nomatch"]["message"]
     assert "'no-such-program-for-harness' not found" in cases["cpu::absent"]["message"]
     assert "stopped at its deadline of 6 s" in cases["cpu::hang"]["message"]
