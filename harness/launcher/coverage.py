@@ -1,10 +1,7 @@
-"""Coverage in ranks: when the launcher measures coverage (``pytest --cov``,
-``coverage run``), each rank measures the same way and saves its data, with a
-suffix of its own, next to the launcher's data file, where ``coverage
-combine`` (and pytest-cov at the end of the session) picks it up.
-
-Ranks leave with ``os._exit``, which skips coverage's own exit hook: the
-rank saves its data just before (``save``).
+"""Coverage in ranks: when the launcher measures coverage (``pytest --cov``, ``coverage
+run``), each rank measures the same way and saves its data (before ``os._exit``, which
+skips coverage's exit hook) next to the launcher's data file, for ``coverage combine`` /
+pytest-cov.
 """
 
 from __future__ import annotations
@@ -15,9 +12,8 @@ from dataclasses import dataclass
 from typing import Any
 
 _active: list[Any] = []
-#: Whether anything may have been measured since the data was last written. A kept
-#: rank writes after each case; at its exit, after pytest-cov has combined (and
-#: removed) the data files, a second write would leave an empty file behind.
+#: Measured since the data was last written (a kept rank's second write after pytest-cov
+#: combined the files would leave an empty file behind).
 _unsaved: list[bool] = [False]
 
 
@@ -58,10 +54,8 @@ class CoverageSpec:
 
 def _data_file(cov: Any) -> str:
     """The absolute name of ``cov``'s data file. Never ``cov.get_data()``: on a live
-    measurement it flushes and runs coverage's end-of-run checks, whose warnings ("module
-    was never imported": code only ranks run) fail every launched test under ``-W error``.
-    The data object, made when measuring starts, holds the name made absolute then; the
-    configured name is relative to the directory the measurement started in."""
+    measurement it runs coverage's end-of-run checks, whose warnings fail every launched
+    test under ``-W error``."""
     data = getattr(cov, "_data", None)
     base = getattr(data, "base_filename", None)
     return base() if base is not None else os.path.abspath(cov.config.data_file)

@@ -1,13 +1,6 @@
-"""Log records a rank emits, reported as pytest reports them in-process.
-
-In-process, pytest's logging plugin catches the records a test emits (at its
-``log_level``, else the root logger's level) and shows them in the report's
-"Captured log call" section, with level, logger and line. A rank has no pytest
-session: it catches its records the same way (``capture``: a handler on the
-root logger, the root set to the launcher's ``log_level`` as pytest sets it),
-and the launcher hands each record to its own logging (``reissue``), where
-pytest's handlers catch it as if the test had emitted it there; the message
-is prefixed with the rank, as the ranks' warnings are.
+"""Log records a rank emits, reported as pytest reports them in-process ("Captured log
+call"): the rank catches them (``capture``, at the launcher's ``log_level``) and the
+launcher hands each to its own logging (``reissue``), prefixed with the rank.
 """
 
 from __future__ import annotations
@@ -23,8 +16,7 @@ MAX_RECORDS = 1000
 
 
 def level_of(config: Any) -> int | None:
-    """The launcher's ``log_level`` (ini or ``--log-level``) as pytest reads it
-    (None: not set, the root logger's level applies)."""
+    """The launcher's ``log_level`` (ini or ``--log-level``; None: not set)."""
     try:
         from _pytest.logging import get_log_level_for_setting
 
@@ -57,8 +49,8 @@ class _Collector(logging.Handler):
 
 @contextlib.contextmanager
 def capture(level: int | None) -> Iterator[list[dict[str, Any]]]:
-    """In a rank: catch the records emitted inside, as plain dicts, the root
-    logger at ``level`` meanwhile (None: left as it is)."""
+    """In a rank: catch the records emitted inside as plain dicts, the root logger at
+    ``level`` meanwhile (None: left as it is)."""
     records: list[dict[str, Any]] = []
     handler = _Collector(records)
     root = logging.getLogger()

@@ -1,14 +1,9 @@
-"""Multi-node cases on real nodes: the pytest process is itself a rank that
-torch's elastic launcher started (``torchrun ... -m pytest ...`` on each host).
-
-There is nothing to launch: the case's body runs here, in this rank, with the
-process group initialised from torchrun's environment (``env://``), after
-the world's shape is checked against the case's ``LaunchSpec``. Each rank
-then publishes its outcome in the rendezvous store torchrun's agents share
-(``MASTER_ADDR`` / ``MASTER_PORT``), and rank 0 waits for every rank's (until
-the case deadline): its verdict is the case's, naming the node and rank of
-each failure, so node 0's report is the one to read. Every other rank
-reports its own outcome in its own pytest session.
+"""Multi-node cases on real nodes: the pytest process is itself a rank that torch's
+elastic launcher started (``torchrun ... -m pytest ...`` on each host). The case's body
+runs here, with the process group initialised from torchrun's environment, after the
+world's shape is checked against the case's ``LaunchSpec``; each rank publishes its
+outcome in torchrun's rendezvous store, and rank 0's verdict (until the case deadline)
+is the case's, naming the node and rank of each failure.
 """
 
 from __future__ import annotations
