@@ -50,7 +50,6 @@ from harness.launcher.rank import (
     run_one,
 )
 from harness.launcher.ranks import (
-    ABANDON_GRACE_S,
     EXIT_WAIT_S,
     KILL_GRACE_S,
     CaseRun,
@@ -247,9 +246,7 @@ def node_delays(nnodes: int, raw: str | None = None) -> tuple[float, ...]:
     return tuple(delays)
 
 
-def run_nodes(
-    task: RankTask, plan: CasePlan, cards: list[Card], *, lease: Lease | None = None
-) -> CaseOutcome:
+def run_nodes(task: RankTask, plan: CasePlan, cards: list[Card], *, lease: Lease) -> CaseOutcome:
     """Run ``task`` on ``plan.spec.nnodes`` emulated nodes of ``plan.spec.nproc``
     fresh ranks each and report what happened (``run_ranks``'s guarantees:
     within the deadline plus the stop grace periods; no process of any node
@@ -271,7 +268,9 @@ def run_nodes(
     result.label += f", {spec.nnodes} emulated nodes x {spec.nproc}"
     per_node = [tuple(cards[k * spec.cards : (k + 1) * spec.cards]) for k in range(spec.nnodes)]
     wall_deadline = time.time() + plan.deadline.seconds
-    deadline = time.monotonic() + plan.deadline.seconds
+    # The case deadline counts from the start here: the agents' rendezvous is bounded by
+    # it (``agent_main``), so there is no separate start bound.
+    run.ready, run.deadline = True, time.monotonic() + plan.deadline.seconds
     case = NodeCase(
         task=task,
         nnodes=spec.nnodes,
@@ -306,11 +305,19 @@ def run_nodes(
         try:
             for k in range(spec.nnodes):
                 agents.append(_start_agent(case_dir, k, per_node[k], plan, lease))
-            if lease is not None:
-                lease.annotate(ranks=[a.pid for a in agents])
-            # The case deadline counts from the start here: the agents' rendezvous is
-            # bounded by it (``node.agent_main``), so there is no separate start bound.
-            _supervise(run, agents, case_dir, deadline)
+            lease.annotate(ranks=[a.pid for a in agents])
+            per_node = spec.nproc
+            run.supervise(
+                [],
+                exited=lambda r: _exited(case_dir, r),
+                # A node whose agent ended with ranks of its own still pending (it failed at
+                # the rendezvous, or crashed) is a failure as a rank's is.
+                gone=lambda pending: any(
+                    agents[r // per_node].poll() is not None and not _started(case_dir, r)
+                    for r in pending
+                ),
+                begun=lambda r: _started(case_dir, r),
+            )
         finally:
             with signals_deferred():
                 try:
@@ -321,7 +328,7 @@ def run_nodes(
 
 
 def _start_agent(
-    case_dir: str, node: int, cards: tuple[Card, ...], plan: CasePlan, lease: Lease | None
+    case_dir: str, node: int, cards: tuple[Card, ...], plan: CasePlan, lease: Lease
 ) -> subprocess.Popen:
     """Start node ``node``'s agent in a session of its own, its output in its
     log (when the case's output is captured), the lease descriptors kept by it."""
@@ -337,7 +344,7 @@ def _start_agent(
         variable = device_type(cards[0].device).visibility_env
         assert variable is not None
         env[variable] = ",".join(c.id for c in cards)
-    fds = lease.fds() if lease is not None else []
+    fds = lease.fds()
     out = None
     if plan.settings.capture:
         out = open(os.path.join(case_dir, f"node-{node}.log"), "wb")  # noqa: SIM115
@@ -362,36 +369,6 @@ def _exited(case_dir: str, rank: int) -> tuple[float, int] | None:
     with contextlib.suppress(OSError, ValueError), open(status) as f:
         return os.path.getmtime(status), int(f.read())
     return None
-
-
-def _supervise(
-    run: CaseRun, agents: list[subprocess.Popen], case_dir: str, deadline: float
-) -> None:
-    result = run.result
-    per_node = result.ranks_per_node
-    first_failure: float | None = None
-    while True:
-        pending = run.observe(lambda r: _exited(case_dir, r))
-        if not pending:
-            return
-        now = time.monotonic()
-        # A node whose agent ended with ranks of its own still pending (it
-        # failed at the rendezvous, or crashed) is a failure as a rank's is.
-        node_gone = any(
-            agents[r // per_node].poll() is not None and not _started(case_dir, r) for r in pending
-        )
-        if first_failure is None and (node_gone or result.has_failure()):
-            first_failure = now
-        if now >= deadline:
-            result.timed_out = [r for r in pending if _started(case_dir, r)]
-            result.deadline_passed = True
-            return
-        if first_failure is not None and now >= first_failure + ABANDON_GRACE_S:
-            result.abandoned = [r for r in pending if _started(case_dir, r)]
-            return
-        if run.capture:
-            run.stream_output()  # with `pytest -s`: each line as it comes, `[rank N] ...`
-        time.sleep(min(_POLL_S, max(0.0, deadline - now)))
 
 
 def _started(case_dir: str, rank: int) -> bool:

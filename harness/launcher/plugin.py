@@ -17,7 +17,6 @@ import sys
 import tempfile
 import time
 import warnings
-from dataclasses import dataclass
 from typing import Any, NoReturn
 
 import pytest
@@ -77,7 +76,8 @@ ACTIVATION_KEY = pytest.StashKey["contextvars.Token[Settings]"]()
 #: A test's spec and (launched) deadline, derived once (``_case``).
 CASE_KEY = pytest.StashKey[tuple[LaunchSpec, Deadline]]()
 _LEASE_DIR_PROBLEM = pytest.StashKey[str]()
-CARD_LEASE_KEY = pytest.StashKey["_HeldCard"]()
+#: A plain test's card lease, its environment and its nested-launch slots, until teardown.
+CARD_LEASE_KEY = pytest.StashKey[contextlib.ExitStack]()
 #: pytest-timeout's timeout of a launched test (its marker or ini), in seconds
 TIMEOUT_KEY = pytest.StashKey[float]()
 
@@ -336,21 +336,15 @@ def _is_async(body: Any) -> bool:
     return inspect.iscoroutinefunction(body) or inspect.isasyncgenfunction(body)
 
 
-@dataclass(frozen=True)
-class _HeldCard:
-    """A plain test's card lease, the environment it replaced, its nested-launch slots."""
-
-    lease: Lease
-    environ: dict[str, str | None]
-    budget_dir: str
-
-
 def _lease_card_in_process(item: pytest.Function, spec: LaunchSpec, settings: Settings) -> None:
+    held_until_teardown = item.stash[CARD_LEASE_KEY] = contextlib.ExitStack()
     lease = lease_cards(item, spec.device, spec.cards)
+    held_until_teardown.callback(lease.release)
     held = lease.cards()
     card = held[0]
     # A case of one rank on its card: a harness.launch it makes runs on that card.
     budget = tempfile.mkdtemp(prefix="harness-plain-")
+    held_until_teardown.callback(shutil.rmtree, budget, ignore_errors=True)
     enclosing = EnclosingCase(
         item.nodeid,
         len(held),
@@ -365,8 +359,9 @@ def _lease_card_in_process(item: pytest.Function, spec: LaunchSpec, settings: Se
         # A plain case of an accelerator entry that cannot run apart: what it starts sees
         # exactly its cards (this process does only if it had not initialised the runtime).
         updates[visible] = ",".join(c.id for c in held)
-    item.stash[CARD_LEASE_KEY] = _HeldCard(lease, {k: os.environ.get(k) for k in updates}, budget)
-    os.environ.update(updates)
+    environ = held_until_teardown.enter_context(pytest.MonkeyPatch.context())
+    for name, value in updates.items():
+        environ.setenv(name, value)
     # A simulated inventory where torch was never imported: no device to select.
     if (not is_simulated() or "torch" in sys.modules) and runtime_available(card.device):
         index = local_index(card)
@@ -382,13 +377,7 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None):
         held = item.stash.get(CARD_LEASE_KEY, None)
         if held is not None:
             del item.stash[CARD_LEASE_KEY]
-            held.lease.release()
-            for name, previous in held.environ.items():
-                if previous is None:
-                    os.environ.pop(name, None)
-                else:
-                    os.environ[name] = previous
-            shutil.rmtree(held.budget_dir, ignore_errors=True)
+            held.close()  # the environment put back, the budget directory and the lease gone
 
 
 class _FixtureDeadlines:

@@ -66,8 +66,7 @@ _Message = TypeVar("_Message")
 
 
 def pool_key(spec: LaunchSpec) -> tuple[str, int, str]:
-    """What a case must share with a pool to run on it."""
-    return (spec.device, spec.nproc, spec.dist_backend)
+    return (spec.device, spec.nproc, spec.dist_backend)  # what a case shares with its pool
 
 
 class _Channel:
@@ -117,11 +116,11 @@ class RankPool:
     """``spec.nproc`` kept rank processes holding ``lease``. Only the thread that created
     it may use it (Linux kills the ranks when the thread that spawned them ends)."""
 
-    def __init__(self, spec: LaunchSpec, lease: Lease | None, *, capture: bool) -> None:
+    def __init__(self, spec: LaunchSpec, lease: Lease, *, capture: bool) -> None:
         self.spec = LaunchSpec(device=spec.device, nproc=spec.nproc, backend=spec.backend)
         self.key = pool_key(spec)
         self.lease = lease
-        self.cards = lease.cards() if lease is not None else []
+        self.cards = lease.cards()
         self.capture = capture
         self.usable = True  # False once it must not run another case
         self.problem = ""  # why it could not take the last case
@@ -157,7 +156,7 @@ class RankPool:
     def should_yield(self, *, busy: bool) -> bool:
         """Whether to give the lease back to another process waiting for it: once the pool
         had its slice, or (``busy`` False) once it sat idle ``IDLE_YIELD_S``."""
-        if self.lease is None or not self.lease.contended():
+        if not self.lease.contended():
             return False
         now = time.monotonic()
         slice_s = min(MAX_SLICE_S, max(MIN_SLICE_S, SLICE_FACTOR * (self.startup_s or 0.0)))
@@ -190,8 +189,7 @@ class RankPool:
         os.mkdir(case_dir)
         run = CaseRun(plan, self.cards, case_dir, store_path=self._store)
         run.result.ranks = f"kept (case {self.cases} of its pool)"
-        if self.lease is not None:
-            self.lease.annotate(holder=plan.what, ranks=self.pids)
+        self.lease.annotate(holder=plan.what, ranks=self.pids)
         kept = False
         try:
             with reap_on_sigterm():
@@ -301,9 +299,8 @@ class RankPool:
         for channel in self._channels:
             channel.close()
         self.survivors += survivors
-        if self.lease is not None:
-            # Ranks the kernel would not kill keep their inherited lock.
-            self.lease.release(holders_gone=not self.survivors)
+        # Ranks the kernel would not kill keep their inherited lock.
+        self.lease.release(holders_gone=not self.survivors)
         shutil.rmtree(self._dir, ignore_errors=True)
 
 
@@ -377,7 +374,7 @@ class PoolKeeper:
             return False
         try:
             pool = self._pool
-            if pool is None or pool.busy or pool.lease is None:
+            if pool is None or pool.busy:
                 return False
             if pool.lease.lease_dir != lease_dir or not busy & set(pool.lease.resources):
                 return False

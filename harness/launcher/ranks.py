@@ -223,6 +223,9 @@ class CaseRun:
         channels: list[Any] | None = None,
         *,
         release: Callable[[list[int]], None] | None = None,
+        exited: Callable[[int], tuple[float, int] | None] | None = None,
+        gone: Callable[[list[int]], bool] | None = None,
+        begun: Callable[[int], bool] | None = None,
     ) -> None:
         """Wait until every rank has reported or exited, the deadline passes, or the
         others overstay ``ABANDON_GRACE_S`` after a failure; record which.
@@ -231,43 +234,49 @@ class CaseRun:
         wake the wait when a rank says its outcome is written; ``release`` is called once
         with the ranks that finished when others still run ``STRAGGLER_GRACE_S`` after the
         first finished, so that they leave as fresh ranks would have and a peer blocked in
-        a collective with them fails now, not at the process-group timeout.
+        a collective with them fails now, not at the process-group timeout. Ranks that are
+        not this process's children (emulated nodes, ``started`` empty): ``exited(rank)``
+        (see ``observe``), ``gone(pending)`` (a failure besides the ranks': a node agent
+        ended), ``begun(rank)`` (only such ranks are timed out or abandoned).
         """
         result = self.result
         first_failure: float | None = None
         first_done: float | None = None
+        if exited is None:
+
+            def exited(rank: int) -> tuple[float, int] | None:
+                code = started[rank].exitcode
+                return None if code is None else (time.time(), code)
+
         while True:
-            pending = self.observe(
-                lambda r: (
-                    None if started[r].exitcode is None else (time.time(), started[r].exitcode)
-                )
-            )
+            pending = self.observe(exited)
             if not pending:
                 return
             now = time.monotonic()
             if not self.ready:
                 self._note_ready(now)
-            if first_failure is None and result.has_failure():
+            if first_failure is None and (result.has_failure() or (gone and gone(pending))):
                 first_failure = now
             if release is not None and result.outcomes:
                 first_done = now if first_done is None else first_done
                 if now >= first_done + STRAGGLER_GRACE_S:
                     release(sorted(r for r in result.outcomes if r not in result.exits))
                     release = None
+            running = [r for r in pending if begun is None or begun(r)]
             if now >= self.deadline:
-                result.timed_out = pending
+                result.timed_out, result.deadline_passed = running, True
                 if not self.ready:
                     result.deadline_s, result.starting = START_BOUND_S, True
                     result.deadline_source = "the harness's bound on starting ranks"
                 return
             if first_failure is not None and now >= first_failure + ABANDON_GRACE_S:
-                result.abandoned = pending
+                result.abandoned = running
                 return
             if self.capture:
                 self.stream_output()
             # Exits wake us at once, and so do kept ranks' messages; outcomes of
             # ranks still tearing down are polled.
-            waitables: list[Any] = [started[r].sentinel for r in pending]
+            waitables: list[Any] = [started[r].sentinel for r in pending if r < len(started)]
             if channels is not None:
                 waitables += [channels[r] for r in pending if not channels[r].closed]
             for ready in wait_any(waitables, timeout=min(0.1, self.deadline - now)):
