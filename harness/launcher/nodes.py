@@ -34,11 +34,10 @@ import tempfile
 import time
 from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from harness import processes
 from harness.devices import Card, is_simulated
-from harness.launcher.coverage import CoverageSpec
 from harness.launcher.outcome import CaseOutcome
 from harness.launcher.rank import (
     CASE_ENV,
@@ -46,6 +45,7 @@ from harness.launcher.rank import (
     EnclosingCase,
     RankContext,
     RankTask,
+    coverage_of_launcher,
     pg_timeout_for,
     run_one,
 )
@@ -87,7 +87,7 @@ class NodeCase:
     pg_timeout_s: float
     capture: bool
     simulated: bool
-    coverage: CoverageSpec | None
+    coverage: dict[str, Any] | None
     #: the cards of each node (empty lists on cpu)
     cards: tuple[tuple[Card, ...], ...]
     #: node -> the ``HARNESS_CASE`` value its ranks see (nested launches stay
@@ -281,7 +281,7 @@ def run_nodes(task: RankTask, plan: CasePlan, cards: list[Card], *, lease: Lease
         pg_timeout_s=pg_timeout_for(plan.deadline.seconds),
         capture=plan.settings.capture,
         simulated=is_simulated(),
-        coverage=CoverageSpec.of_launcher(),
+        coverage=coverage_of_launcher(),
         cards=tuple(per_node),
         enclosing=tuple(
             EnclosingCase(

@@ -8,9 +8,10 @@ failure. Each rank's captured output is read back to its head and tail only.
 
 from __future__ import annotations
 
-import importlib
+import contextlib
 import os
 import pickle
+import pydoc
 import signal
 import sys
 import warnings
@@ -86,18 +87,10 @@ class RankOutcome:
 
 def _warning_class(name: str) -> type[Warning]:
     """The warning class ``module.qualname`` names, else ``UserWarning``."""
-    parts = name.split(".")
-    for split in range(len(parts) - 1, 0, -1):
-        module, qualname = ".".join(parts[:split]), parts[split:]
-        try:
-            obj: Any = importlib.import_module(module)
-            for part in qualname:
-                obj = getattr(obj, part)
-        except Exception:
-            continue
-        if isinstance(obj, type) and issubclass(obj, Warning):
-            return obj
-        break
+    with contextlib.suppress(Exception):
+        found = pydoc.locate(name)
+        if isinstance(found, type) and issubclass(found, Warning):
+            return found
     return UserWarning
 
 

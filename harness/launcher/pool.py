@@ -27,10 +27,17 @@ from multiprocessing.connection import wait as wait_any
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from harness import processes
-from harness.launcher.coverage import CoverageSpec
 from harness.launcher.lease import Lease, add_yield_hook
 from harness.launcher.outcome import FAILED, CaseOutcome
-from harness.launcher.rank import Exit, Idle, OutcomeWritten, RankTask, RunCase, pool_rank_main
+from harness.launcher.rank import (
+    Exit,
+    Idle,
+    OutcomeWritten,
+    RankTask,
+    RunCase,
+    coverage_of_launcher,
+    pool_rank_main,
+)
 from harness.launcher.ranks import (
     EXIT_WAIT_S,
     KILL_GRACE_S,
@@ -136,7 +143,7 @@ class RankPool:
         self._procs: list[Any] = []
         self._channels: list[_Channel] = []
         theirs: list[Any] = []
-        coverage = CoverageSpec.of_launcher()
+        coverage = coverage_of_launcher()
 
         def args_for(rank: int, fds: list[Any]) -> tuple:
             ours, end = get_context("spawn").Pipe()

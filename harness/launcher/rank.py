@@ -33,9 +33,7 @@ from typing import Any, NoReturn
 
 from harness import processes
 from harness.devices import Card, local_index, runtime_available, set_device
-from harness.launcher import coverage as rank_coverage
 from harness.launcher import explain, given, groups, logs, values
-from harness.launcher.coverage import CoverageSpec
 from harness.launcher.explain import AssertionSettings
 from harness.launcher.outcome import FAILED, PASSED, REJECTED, SKIPPED, XFAILED, RankOutcome
 from harness.launcher.reset import Baseline, Inherited, fresh_context
@@ -132,7 +130,7 @@ class RankContext:
     pg_timeout_s: float
     parent_pid: int
     env: dict[str, str] = field(default_factory=dict)
-    coverage: CoverageSpec | None = None
+    coverage: dict[str, Any] | None = None  # ``coverage_of_launcher``
     #: False: a plain case run apart, which joins no process group
     process_group: bool = True
     #: created when the rank is ready to run the function: the case deadline
@@ -174,6 +172,60 @@ class Idle:
     pid: int
 
 
+def coverage_of_launcher() -> dict[str, Any] | None:
+    """How this process measures coverage now (``pytest --cov``, ``coverage run``), as the
+    ``coverage.Coverage`` keywords a rank measures with, its data file next to this one's
+    for ``coverage combine`` / pytest-cov (None: no measurement)."""
+    coverage = sys.modules.get("coverage")
+    cov = coverage.Coverage.current() if coverage is not None else None
+    if cov is None:
+        return None
+    config = cov.config
+    # Never cov.get_data(): on a live measurement it runs coverage's end-of-run checks,
+    # whose warnings fail every launched test under -W error.
+    data = getattr(cov, "_data", None)
+    return {
+        "data_file": data.base_filename() if data else os.path.abspath(config.data_file),
+        "config_file": config.config_file or False,
+        "source": config.source or None,
+        "branch": bool(config.branch),
+        "include": config.run_include or None,
+        "omit": config.run_omit or None,
+    }
+
+
+#: The rank's measurement, and whether it measured since its data was last written (a
+#: kept rank's second write after pytest-cov combined the files would leave an empty one).
+_coverage: dict[str, Any] = {"cov": None, "unsaved": False}
+
+
+def _start_coverage(keywords: dict[str, Any] | None) -> None:
+    if keywords is None or _coverage["cov"] is not None:
+        return
+    import coverage
+
+    _coverage["cov"] = coverage.Coverage(data_suffix=True, auto_data=False, **keywords)
+    _coverage["cov"].start()
+    _coverage["unsaved"] = True
+
+
+def _save_coverage(*, stop: bool = True) -> None:
+    """Write the rank's coverage data (before ``os._exit``, which skips coverage's own exit
+    hook), unless nothing was measured since it last did; ``stop``: measuring ends."""
+    cov = _coverage["cov"]
+    if cov is None:
+        return
+    try:
+        if stop:
+            _coverage["cov"] = None
+            cov.stop()
+        if _coverage["unsaved"]:
+            cov.save()
+    except Exception as exc:  # the rank's verdict stands; say what coverage lost
+        print(f"harness: saving this rank's coverage data failed: {exc}", file=sys.stderr)
+    _coverage["unsaved"] = False
+
+
 def rank_main(ctx: RankContext, task: RankTask, lease_fds: list[int]) -> NoReturn:
     """Entry point of a spawned rank that runs one case (a ``multiprocessing`` target).
 
@@ -201,7 +253,7 @@ def run_one(start: Callable[[], tuple[RankContext, RankTask]]) -> NoReturn:
     it failed; 1 and no outcome when the harness's own code failed)."""
     try:
         ctx, task = start()
-        rank_coverage.start(ctx.coverage)
+        _start_coverage(ctx.coverage)
         _enter_case(ctx)
         outcome = _run(ctx, task, fresh_module=False)
         outcome.write(ctx.outcome_path)
@@ -215,7 +267,7 @@ def pool_rank_main(
     conn: Any,
     lease_fds: list[int],
     pool_dir: str | None = None,
-    coverage: CoverageSpec | None = None,
+    coverage: dict[str, Any] | None = None,
 ) -> NoReturn:
     """Entry point of a pooled rank: runs the cases ``conn`` delivers until told to exit.
 
@@ -236,25 +288,25 @@ def _serve(
     conn: Any,
     lease_fds: list[int],
     pool_dir: str | None,
-    coverage: CoverageSpec | None,
+    coverage: dict[str, Any] | None,
 ) -> NoReturn:
     # The pool's directory goes with a launcher that dies (its supervisor removes it).
     _start_rank(parent_pid, lease_fds, rank_only=(conn.fileno(),), leftover_dir=pool_dir)
-    rank_coverage.start(coverage)
+    _start_coverage(coverage)
     baseline: Baseline | None = None
     while True:
         message = _receive_case(conn)
         ctx = message.ctx
         message.inherited.apply(ctx.env)
         _enter_case(ctx)
-        rank_coverage.case_started()
+        _coverage["unsaved"] = True
         if baseline is not None:
             baseline.restore()
             if ctx.card is not None:
                 _select_card(ctx)  # the last case may have made another device current
         outcome, baseline = _run_kept(ctx, message.task, baseline)
         outcome.write(ctx.outcome_path)
-        rank_coverage.checkpoint()  # the launcher's report may come before the pool closes
+        _save_coverage(stop=False)  # the launcher's report may come before the pool closes
         _flush()
         _send(conn, OutcomeWritten())
         if outcome.status == FAILED:
@@ -288,7 +340,7 @@ def _launcher_gone() -> NoReturn:
     dying launcher's files before it re-parents its children: a rank exiting on EOF would
     look to its supervisor like one that ended on its own, and the pool's directory, which
     only the supervisor removes, would be left behind."""
-    rank_coverage.save()
+    _save_coverage()
     _flush()
     end = time.monotonic() + LAUNCHER_GONE_WAIT_S
     while time.monotonic() < end:
@@ -645,6 +697,6 @@ def _fatal() -> NoReturn:
 def _hard_exit(code: int) -> NoReturn:
     """Save coverage data, flush, then leave without interpreter finalisation
     (see the module docstring)."""
-    rank_coverage.save()
+    _save_coverage()
     _flush()
     os._exit(code)

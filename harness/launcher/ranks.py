@@ -24,7 +24,6 @@ from typing import TYPE_CHECKING, Any
 
 from harness import processes
 from harness.devices import Card, device_type, is_simulated, visibility
-from harness.launcher.coverage import CoverageSpec
 from harness.launcher.outcome import (
     OUTPUT_TAIL_BYTES,
     CaseOutcome,
@@ -38,6 +37,7 @@ from harness.launcher.rank import (
     EnclosingCase,
     RankContext,
     RankTask,
+    coverage_of_launcher,
     pg_timeout_for,
     rank_main,
 )
@@ -213,7 +213,7 @@ class CaseRun:
             pg_timeout_s=pg_timeout_for(self.plan.deadline.seconds),
             parent_pid=os.getpid(),
             env=env,
-            coverage=CoverageSpec.of_launcher(),
+            coverage=coverage_of_launcher(),
             process_group=not apart,
         )
 

@@ -25,15 +25,6 @@ from harness.devices import ACCELERATOR_NAMES, accelerators
 from harness.launcher.groups import kept_entries, process_groups
 
 
-def set_environ(target: dict[str, str]) -> None:
-    """Make ``os.environ`` equal ``target``, touching only the keys that differ."""
-    for key in [k for k in os.environ if k not in target]:
-        del os.environ[key]
-    for key, value in target.items():
-        if os.environ.get(key) != value:
-            os.environ[key] = value
-
-
 @dataclass(frozen=True)
 class Inherited:
     """What a rank spawned now would inherit from the launcher (as ``spawn`` passes it)."""
@@ -49,7 +40,12 @@ class Inherited:
 
     def apply(self, overlay: dict[str, str]) -> None:
         """Take them over in this rank, with ``overlay`` (the rank's own variables) on top."""
-        set_environ({**self.environ, **overlay})
+        target = {**self.environ, **overlay}
+        for key in [k for k in os.environ if k not in target]:
+            del os.environ[key]
+        for key, value in target.items():
+            if os.environ.get(key) != value:  # only the keys that differ are touched
+                os.environ[key] = value
         with contextlib.suppress(OSError):
             os.chdir(self.cwd)
         sys.path[:] = self.sys_path
@@ -203,9 +199,7 @@ _MODULE_HOOKS = (
 
 
 def _module_hooks() -> dict[str, Any]:
-    module = sys.modules.get("torch.nn.modules.module")
-    if module is None:
-        return {}
+    module = sys.modules["torch.nn.modules.module"]
     hooks: dict[str, Any] = {
         name: dict(getattr(module, name)) for name in _MODULE_HOOKS if hasattr(module, name)
     }
@@ -214,9 +208,7 @@ def _module_hooks() -> dict[str, Any]:
 
 
 def _set_module_hooks(hooks: dict[str, Any]) -> None:
-    module = sys.modules.get("torch.nn.modules.module")
-    if module is None:
-        return
+    module = sys.modules["torch.nn.modules.module"]
     for name in _MODULE_HOOKS:
         registry = getattr(module, name, None)
         if registry is not None:
