@@ -480,7 +480,6 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
         # An async test runs as pytest and its async plugins decide: nothing here awaits it.
         return None
     spec, deadline = _case(pyfuncitem)
-    settings = pyfuncitem.config.stash[SETTINGS_KEY]
     fixtures = {name: pyfuncitem.funcargs[name] for name in pyfuncitem._fixtureinfo.argnames}
     if spec.nnodes > 1 and under_torchrun():
         # Real nodes: this process is one of the case's ranks, torchrun started it.
@@ -492,16 +491,14 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
             _fail(report)
         return True
     if hasattr(pyfuncitem.obj, "hypothesis"):
-        _run_given(pyfuncitem, spec, settings, fixtures)
+        _run_given(pyfuncitem, fixtures)
     else:
-        _run_on_ranks(pyfuncitem, spec, settings, (), fixtures)
+        _run_on_ranks(pyfuncitem, (), fixtures)
     return True
 
 
 def _run_on_ranks(
     item: pytest.Function,
-    spec: LaunchSpec,
-    settings: Settings,
     args: tuple,
     kwargs: dict,
     *,
@@ -521,7 +518,8 @@ def _run_on_ranks(
         else "Hypothesis example argument"
         for name in kwargs
     }
-    _, deadline = _case(item)
+    spec, deadline = _case(item)
+    settings = item.config.stash[SETTINGS_KEY]
     try:
         task, plan = prepare_case(
             FunctionRef.for_test(item),
@@ -538,7 +536,7 @@ def _run_on_ranks(
             warning_filters=_warning_filters(item),
             show_deprecations=not sys.warnoptions,
             conftests=conftests_for(item),
-            live=_live(item.config),
+            live=item.config.getoption("capture", "fd") == "no",  # -s: streamed as they run
             example=example,
             assertions=AssertionSettings.of(item.config),
             log_level=logs.level_of(item.config),
@@ -554,7 +552,7 @@ def _run_on_ranks(
     if leaked:
         item.stash.setdefault(containment.RANK_LEAKS, []).extend(leaked)
     if not example:
-        item.user_properties.extend(_placement(spec, placed))
+        item.user_properties.extend(_placement(item, placed))
 
     def fail(report: str) -> NoReturn:
         _raise_for_xfail(item, result.failure_types(), report)
@@ -575,8 +573,9 @@ def _run_on_ranks(
         reject()  # a rejected example, as `assume` in-process: no failure, nothing torn down
 
 
-def _placement(spec: LaunchSpec, placed: tuple[str, Any]) -> list[tuple[str, Any]]:
+def _placement(item: pytest.Function, placed: tuple[str, Any]) -> list[tuple[str, Any]]:
     """The JUnit properties saying where and how a launched case ran."""
+    spec, _ = _case(item)
     cards, ranks = placed
     return [
         ("harness.device", spec.device),
@@ -586,7 +585,7 @@ def _placement(spec: LaunchSpec, placed: tuple[str, Any]) -> list[tuple[str, Any
     ]
 
 
-def _run_given(item: pytest.Function, spec: LaunchSpec, settings: Settings, fixtures: dict) -> None:
+def _run_given(item: pytest.Function, fixtures: dict) -> None:
     """A ``@given`` test: Hypothesis draws, shrinks and stores its examples here; each
     example runs on all ranks, a case under the case deadline (Hypothesis's is off)."""
     test = item.obj
@@ -598,7 +597,7 @@ def _run_given(item: pytest.Function, spec: LaunchSpec, settings: Settings, fixt
         __tracebackhide__ = True
         if args and item.instance is not None and args[0] is item.instance:
             args = args[1:]
-        _run_on_ranks(item, spec, settings, args, kwargs, example=True, placements=placements)
+        _run_on_ranks(item, args, kwargs, example=True, placements=placements)
 
     # Hypothesis names the failing example after it.
     on_ranks.__name__, on_ranks.__qualname__ = body.__name__, body.__qualname__
@@ -618,13 +617,8 @@ def _run_given(item: pytest.Function, spec: LaunchSpec, settings: Settings, fixt
         test._hypothesis_internal_use_settings = chosen
         last = placements[-1] if placements else ("", 0)
         item.user_properties.extend(
-            [*_placement(spec, last), ("harness.examples", len(placements))]
+            [*_placement(item, last), ("harness.examples", len(placements))]
         )
-
-
-def _live(config: pytest.Config) -> bool:
-    """Output capture is off (``-s``): the ranks' output is streamed as they run."""
-    return config.getoption("capture", "fd") == "no"
 
 
 def _raise_for_xfail(item: pytest.Function, names: tuple[str, ...], report: str) -> None:
