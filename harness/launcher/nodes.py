@@ -33,15 +33,14 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
-from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from harness import processes
 from harness.devices import Card, is_simulated
+from harness.jsonio import write_text
 from harness.launcher.outcome import CaseOutcome
 from harness.launcher.rank import (
     CASE_ENV,
-    STACK_DUMP_SIGNAL,
     EnclosingCase,
     RankContext,
     RankTask,
@@ -137,8 +136,6 @@ def agent_main(case_dir: str, node: int) -> NoReturn:
         # Kept open for the agent's life: torch's rendezvous, asking for a
         # multi-tenant store on this port in this process, gets this one.
         store = TCPStore("127.0.0.1", 0, is_master=True, multi_tenant=True, wait_for_workers=False)
-        from harness.jsonio import write_text
-
         write_text(os.path.join(case_dir, PORT_FILE), str(store.port))
         port = store.port
     else:
@@ -200,8 +197,7 @@ def rank_main(case_dir: str) -> NoReturn:
         sys.path[:] = case.sys_path or sys.path
         rank, local, node = (int(os.environ[v]) for v in ("RANK", "LOCAL_RANK", "GROUP_RANK"))
         split(os.getppid(), status_path=rank_path(case_dir, rank, "status"))
-        with open(rank_path(case_dir, rank, "pid"), "w") as f:
-            f.write(str(os.getpid()))
+        write_text(rank_path(case_dir, rank, "pid"), str(os.getpid()))  # atomic: whole or none
         faulthandler.enable(file=sys.stderr, all_threads=True)
         cards = case.cards[node] if node < len(case.cards) else ()
         ctx = RankContext(
@@ -313,10 +309,10 @@ def run_nodes(task: RankTask, plan: CasePlan, cards: list[Card], *, lease: Lease
                 # A node whose agent ended with ranks of its own still pending (it failed at
                 # the rendezvous, or crashed) is a failure as a rank's is.
                 gone=lambda pending: any(
-                    agents[r // per_node].poll() is not None and not _started(case_dir, r)
+                    agents[r // per_node].poll() is not None and _rank_pid(case_dir, r) is None
                     for r in pending
                 ),
-                begun=lambda r: _started(case_dir, r),
+                begun=lambda r: _rank_pid(case_dir, r) is not None,
             )
         finally:
             with signals_deferred():
@@ -371,11 +367,8 @@ def _exited(case_dir: str, rank: int) -> tuple[float, int] | None:
     return None
 
 
-def _started(case_dir: str, rank: int) -> bool:
-    return os.path.exists(rank_path(case_dir, rank, "pid"))
-
-
 def _rank_pid(case_dir: str, rank: int) -> int | None:
+    """The pid of a rank that started (None: not yet)."""
     with (
         contextlib.suppress(OSError, ValueError),
         open(rank_path(case_dir, rank, "pid")) as f,
@@ -392,9 +385,9 @@ def _wind_down(
     reap, collect output and say what went wrong with nodes."""
     result = run.result
     stopping = [*result.timed_out, *result.abandoned]
-    if stopping and STACK_DUMP_SIGNAL is not None:
-        handles = [SimpleNamespace(pid=_rank_pid(case_dir, r)) for r in range(result.nproc)]
-        run.dump_stacks(handles, [r for r in stopping if handles[r].pid is not None])
+    if stopping:
+        pids = {r: _rank_pid(case_dir, r) for r in stopping}
+        run.dump_stacks({r: pid for r, pid in pids.items() if pid is not None})
     if not stopping and len(result.outcomes) == result.nproc:
         stop_at = time.monotonic() + EXIT_WAIT_S
         while time.monotonic() < stop_at and any(a.poll() is None for a in agents):
@@ -421,7 +414,7 @@ def _node_problems(
     for k in sorted(range(len(states)), key=lambda k: arrived[k]):
         code = states[k]
         ranks = range(k * per_node, (k + 1) * per_node)
-        if all(_started(case_dir, r) for r in ranks):
+        if all(_rank_pid(case_dir, r) is not None for r in ranks):
             continue
         late = delays[k]
         if not arrived[k]:

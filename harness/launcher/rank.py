@@ -42,7 +42,7 @@ from harness.launcher.target import FunctionRef, import_conftests
 
 #: How long a pooled rank whose launcher is gone waits for its supervisor to stop it.
 LAUNCHER_GONE_WAIT_S = 10.0
-STACK_DUMP_SIGNAL = getattr(signal, "SIGUSR1", None)
+STACK_DUMP_SIGNAL = signal.SIGUSR1
 _HARNESS_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 _keep: dict[str, Any] = {}
 
@@ -383,14 +383,13 @@ def _enter_case(ctx: RankContext) -> None:
     """Point output and the stack dump at the case's files, set its environment."""
     if ctx.log_path is not None:
         _redirect_output(ctx.log_path)
-    if STACK_DUMP_SIGNAL is not None:
-        # A file of its own, kept open for faulthandler: quoted whether output is captured.
-        previous = _keep.get("stacks")
-        _keep["stacks"] = open(ctx.stacks_path, "w")  # noqa: SIM115
-        faulthandler.register(STACK_DUMP_SIGNAL, file=_keep["stacks"], all_threads=True)
-        if previous is not None:
-            with contextlib.suppress(Exception):
-                previous.close()
+    # A file of its own, kept open for faulthandler: quoted whether output is captured.
+    previous = _keep.get("stacks")
+    _keep["stacks"] = open(ctx.stacks_path, "w")  # noqa: SIM115
+    faulthandler.register(STACK_DUMP_SIGNAL, file=_keep["stacks"], all_threads=True)
+    if previous is not None:
+        with contextlib.suppress(Exception):
+            previous.close()
     os.environ.update(ctx.env)
 
 
@@ -415,14 +414,13 @@ def _redirect_output(path: str) -> None:
 def _run(ctx: RankContext, task: RankTask, *, fresh_module: bool) -> RankOutcome:
     """Run the case's function (joining the process group first if this rank
     has not) and return its outcome; never raises."""
-    caught: list[warnings.WarningMessage] = []
     feedback = given.Feedback() if task.example else None
     # Orphans of what the body starts (setsid daemons) come back to this rank, in sight.
     processes.subreaper()
     before = processes.descendants()
-    with logs.capture(task.log_level) as records:
+    with logs.capture(task.log_level) as records, warnings.catch_warnings(record=True) as caught:
         try:
-            outcome = fresh_context().run(_call, ctx, task, fresh_module, caught, feedback)
+            outcome = fresh_context().run(_call, ctx, task, fresh_module, feedback)
         except BaseException as exc:
             if feedback is not None and feedback.rejected and given.is_rejection(exc):
                 outcome = RankOutcome(ctx.rank, REJECTED, time.time(), summary="assumption not met")
@@ -453,20 +451,6 @@ MAX_WARNINGS = 100
 
 
 def _call(
-    ctx: RankContext,
-    task: RankTask,
-    fresh_module: bool,
-    caught: list[warnings.WarningMessage],
-    feedback: given.Feedback | None,
-) -> RankOutcome:
-    with warnings.catch_warnings(record=True) as log:
-        try:
-            return _call_recorded(ctx, task, fresh_module, feedback)
-        finally:
-            caught.extend(log)
-
-
-def _call_recorded(
     ctx: RankContext, task: RankTask, fresh_module: bool, feedback: given.Feedback | None
 ) -> RankOutcome:
     # The test's warning filters, as pytest applies them around the in-process test.

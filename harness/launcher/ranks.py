@@ -317,8 +317,8 @@ class CaseRun:
         """Dump stacks of ranks being stopped, stop every tree, reap, collect output."""
         result = self.result
         stopping = [r for r in (*result.timed_out, *result.abandoned) if r < len(started)]
-        if stopping and STACK_DUMP_SIGNAL is not None:
-            self.dump_stacks(started, stopping)
+        if stopping:
+            self.dump_stacks({r: started[r].pid for r in stopping})
         # Ranks that reported get a moment to tear down and exit by themselves;
         # the others (interrupted launcher, overdue ranks) are stopped right away.
         stop_at = time.monotonic() + EXIT_WAIT_S
@@ -371,16 +371,15 @@ class CaseRun:
                 out.write(f"[rank {rank}] {line}\n")
         out.flush()
 
-    def dump_stacks(self, started: list[Any], ranks: list[int]) -> None:
-        """Have ``ranks`` (of the processes ``started``, by rank) dump their Python stacks
-        into ``result.stacks``."""
-        paths = {r: self.path(r, "stacks") for r in ranks}
-        for rank in ranks:
+    def dump_stacks(self, pids: dict[int, int]) -> None:
+        """Have these ranks (rank -> pid) dump their Python stacks into ``result.stacks``."""
+        paths = {r: self.path(r, "stacks") for r in pids}
+        for rank in pids:
             # Only ranks that registered the dump handler (it creates the file):
             # the signal's default action would kill one that has not.
             if os.path.exists(paths[rank]):
                 with contextlib.suppress(OSError):
-                    os.kill(started[rank].pid, STACK_DUMP_SIGNAL)
+                    os.kill(pids[rank], STACK_DUMP_SIGNAL)
         end = time.monotonic() + STACK_DUMP_WAIT_S
         sizes: dict[int, int] = {}
         while time.monotonic() < end:
