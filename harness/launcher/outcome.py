@@ -9,12 +9,14 @@ failure. Each rank's captured output is read back to its head and tail only.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import pickle
 import pydoc
 import signal
 import sys
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -83,6 +85,55 @@ class RankOutcome:
                 return pickle.load(f)
         except FileNotFoundError:
             return None
+
+
+#: Log records a rank reports per case (a loop logging a million times must not flood it).
+MAX_RECORDS = 1000
+
+
+class _Collector(logging.Handler):
+    def __init__(self, records: list[dict[str, Any]]) -> None:
+        super().__init__(logging.NOTSET)
+        self.records = records
+        self.dropped = 0
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if len(self.records) >= MAX_RECORDS:
+            self.dropped += 1
+            return
+        # Plain values only: the message formatted, the exception as text.
+        fields = dict(vars(record))
+        fields["msg"], fields["args"] = record.getMessage(), None
+        if record.exc_info:
+            fields["exc_text"] = record.exc_text or logging.Formatter().formatException(
+                record.exc_info
+            )
+        fields["exc_info"] = None
+        fields = {k: v for k, v in fields.items() if isinstance(v, (str, int, float, type(None)))}
+        self.records.append(fields)
+
+
+@contextlib.contextmanager
+def capture_logs(level: int | None) -> Iterator[list[dict[str, Any]]]:
+    """In a rank: catch the log records emitted inside as plain dicts (``RankOutcome.records``,
+    the first ``MAX_RECORDS``), the root logger at ``level`` meanwhile, as pytest's
+    ``log_level`` sets it (None: left as it is)."""
+    records: list[dict[str, Any]] = []
+    handler = _Collector(records)
+    root = logging.getLogger()
+    previous = root.level
+    root.addHandler(handler)
+    if level is not None:
+        root.setLevel(level)
+    try:
+        yield records
+    finally:
+        root.removeHandler(handler)
+        root.setLevel(previous)
+        if handler.dropped:
+            message = f"{handler.dropped} more log records of this rank dropped"
+            records.append({"name": "harness", "levelno": logging.WARNING, "msg": message})
+            records[-1]["levelname"] = "WARNING"
 
 
 def _warning_class(name: str) -> type[Warning]:
@@ -252,11 +303,13 @@ class CaseOutcome:
         return {r: o.feedback for r, o in self.outcomes.items() if o.feedback is not None}
 
     def reissue_logs(self) -> None:
-        """Hand the ranks' log records to this process's loggers, rank by rank."""
-        from harness.launcher import logs
-
+        """Hand the ranks' log records to the loggers they were emitted on, here, rank by
+        rank (prefixed ``[rank N]``), as pytest's log capture shows the test's own."""
         for rank in sorted(self.outcomes):
-            logs.reissue(rank, self.outcomes[rank].records)
+            for fields in self.outcomes[rank].records:
+                message = f"[rank {rank}] {fields.get('msg', '')}"
+                record = logging.makeLogRecord(dict(fields, msg=message))
+                logging.getLogger(record.name).handle(record)
 
     def reason(self) -> str:
         """The skip / xfail reason of the first rank that gave one."""

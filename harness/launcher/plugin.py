@@ -20,6 +20,7 @@ import warnings
 from typing import Any, NoReturn
 
 import pytest
+from _pytest.logging import get_log_level_for_setting
 
 from harness import busy
 from harness.devices import (
@@ -34,7 +35,7 @@ from harness.devices import (
     runtime_available,
     set_device,
 )
-from harness.launcher import containment, given, logs
+from harness.launcher import containment, given
 from harness.launcher.case import (
     DEFAULT_LEASE_TIMEOUT_S,
     DEFAULT_TIMEOUT_S,
@@ -539,7 +540,7 @@ def _run_on_ranks(
             live=item.config.getoption("capture", "fd") == "no",  # -s: streamed as they run
             example=example,
             assertions=AssertionSettings.of(item.config),
-            log_level=logs.level_of(item.config),
+            log_level=get_log_level_for_setting(item.config, "log_level"),
         )
     except TypeError as exc:
         _fail(f"{item.nodeid}: {exc}")

@@ -33,9 +33,17 @@ from typing import Any, NoReturn
 
 from harness import processes
 from harness.devices import Card, local_index, runtime_available, set_device
-from harness.launcher import explain, given, groups, logs, values
+from harness.launcher import explain, given, groups, values
 from harness.launcher.explain import AssertionSettings
-from harness.launcher.outcome import FAILED, PASSED, REJECTED, SKIPPED, XFAILED, RankOutcome
+from harness.launcher.outcome import (
+    FAILED,
+    PASSED,
+    REJECTED,
+    SKIPPED,
+    XFAILED,
+    RankOutcome,
+    capture_logs,
+)
 from harness.launcher.reset import Baseline, Inherited, fresh_context
 from harness.launcher.supervisor import split
 from harness.launcher.target import FunctionRef, import_conftests
@@ -418,7 +426,7 @@ def _run(ctx: RankContext, task: RankTask, *, fresh_module: bool) -> RankOutcome
     # Orphans of what the body starts (setsid daemons) come back to this rank, in sight.
     processes.subreaper()
     before = processes.descendants()
-    with logs.capture(task.log_level) as records, warnings.catch_warnings(record=True) as caught:
+    with capture_logs(task.log_level) as records, warnings.catch_warnings(record=True) as caught:
         try:
             outcome = fresh_context().run(_call, ctx, task, fresh_module, feedback)
         except BaseException as exc:
