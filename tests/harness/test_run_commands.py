@@ -15,7 +15,7 @@ import psutil
 from suite_project import make_project, manifest
 from test_cli import harness, summary_rows
 
-from harness.names import LEAK_PROPERTY
+from harness.names import COMMANDS_FORMAT, LEAK_PROPERTY
 from harness.suites.report import read_junit
 
 PY = sys.executable
@@ -239,3 +239,33 @@ def outcomes(out: Path) -> dict[str, str]:
     return {
         c["nodeid"]: c["outcome"] for c in json.loads((out / "summary.json").read_text())["cases"]
     }
+
+
+def test_what_a_command_left_running_fails_its_teardown_under_harness_leaks_fail(
+    pytester, tmp_path
+):
+    # A command case's leftovers are any case's (containment): harness_leaks = fail makes
+    # them a teardown error of the case, which itself passed.
+    pytester.makeini("[pytest]\nharness_leaks = fail\n")
+    commands = pytester.path / "commands.json"
+    case = {"id": "cpu::leak", "argv": [PY, "-c", LEAK], "device": "cpu", "cards": 0}
+    commands.write_text(
+        json.dumps({"format": COMMANDS_FORMAT, "root": str(pytester.path), "cases": [case]})
+    )
+    result = pytester.runpytest_subprocess(
+        "-p",
+        "no:cacheprovider",
+        f"--harness-lease-dir={tmp_path / 'leases'}",
+        f"--harness-commands={commands}",
+        str(commands),
+    )
+    result.assert_outcomes(passed=1, errors=1)
+    daemon = int((pytester.path / "leak.pid").read_text())
+    assert _gone(daemon)
+    result.stdout.fnmatch_lines(
+        [
+            "*ERROR at teardown of *leak*",
+            "*cpu::leak left 1 process(es) running after its teardown; stopped them:",
+            f"*pid {daemon}: *",
+        ]
+    )
