@@ -32,7 +32,6 @@ from harness.launcher.outcome import FAILED, CaseOutcome
 from harness.launcher.rank import (
     Exit,
     Idle,
-    OutcomeWritten,
     RankTask,
     RunCase,
     coverage_of_launcher,
@@ -257,8 +256,6 @@ class RankPool:
         reported itself clean); processes the case started are stopped either way."""
         if result.status == FAILED or result.exits or len(result.outcomes) < self.spec.nproc:
             return False
-        for channel in self._channels:  # OutcomeWritten said the files were written
-            channel.take(OutcomeWritten)
         idle = self._collect(Idle, EXIT_WAIT_S)
         problems = [f"rank {r}: {idle[r].problem}" for r in sorted(idle) if idle[r].problem]
         problems += [
