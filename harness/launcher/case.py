@@ -38,12 +38,9 @@ DEFAULT_LEASE_TIMEOUT_S = 600.0
 
 @dataclass(frozen=True)
 class Settings:
-    """``timeout``: default case deadline (s); ``lease_dir`` (made absolute
-    against the current directory at construction); ``max_procs``: CPU
-    process slots on the host; ``lease_timeout``: bound on a lease wait (s);
-    ``require``: accelerator types whose absence fails instead of skipping;
-    ``capture``: collect rank output into the report instead of streaming it;
-    ``reuse``: run consecutive launched cases on kept rank pools (``harness.launcher.pool``)."""
+    """A session's launch settings: the default case deadline, the lease directory (made
+    absolute), the host's process slots, the bound on a lease wait, the accelerators whose
+    absence fails instead of skipping, rank output captured (not streamed), kept pools."""
 
     timeout: float = DEFAULT_TIMEOUT_S
     lease_dir: str = field(default_factory=default_lease_dir)
@@ -230,11 +227,9 @@ class LaunchBudgetError(LaunchError, ValueError):
 
 
 def run_case(task: RankTask, plan: CasePlan) -> CaseOutcome:
-    """Lease, run ``task`` on ranks and release, as ``plan`` says: on the kept
-    pool when ``plan.reuse`` (and this is the main thread, which outlives the
-    pool), on the enclosing case's ``plan.cards`` unleased, on emulated nodes
-    when ``plan.spec.nnodes > 1`` (``harness.launcher.nodes``), else on fresh
-    ranks. No process of the case is alive when it returns."""
+    """Lease, run ``task`` and release, as ``plan`` says: on the kept pool (``reuse``, main
+    thread), on an enclosing case's ``cards`` unleased, on emulated nodes (``nnodes > 1``)
+    or on fresh ranks. No process of the case is alive when it returns."""
     if plan.cards is not None:
         return run_ranks(task, plan, list(plan.cards))
     multi_node = plan.spec.nnodes > 1

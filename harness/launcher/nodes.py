@@ -243,11 +243,8 @@ def node_delays(nnodes: int, raw: str | None = None) -> tuple[float, ...]:
 
 
 def run_nodes(task: RankTask, plan: CasePlan, cards: list[Card], *, lease: Lease) -> CaseOutcome:
-    """Run ``task`` on ``plan.spec.nnodes`` emulated nodes of ``plan.spec.nproc``
-    fresh ranks each and report what happened (``run_ranks``'s guarantees:
-    within the deadline plus the stop grace periods; no process of any node
-    alive on return, ``result.survivors`` lists any the kernel would not
-    kill; the case directory is gone)."""
+    """Run ``task`` on ``plan.spec.nnodes`` emulated nodes of ``plan.spec.nproc`` fresh
+    ranks each and report what happened, with ``run_ranks``'s guarantees."""
     spec = plan.spec
     if spec.nnodes > MAX_EMULATED_NODES:
         raise ValueError(

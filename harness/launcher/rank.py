@@ -236,14 +236,9 @@ def _save_coverage(*, stop: bool = True) -> None:
 
 def rank_main(ctx: RankContext, task: RankTask, lease_fds: list[int]) -> NoReturn:
     """Entry point of a spawned rank that runs one case (a ``multiprocessing`` target).
-
-    ``lease_fds`` are the launcher's lease descriptors: the rank's supervisor
-    (``harness.launcher.supervisor``), the last of the case's processes to
-    exit, keeps them open, so the OS keeps the lease until the case is gone,
-    even if the launcher dies first; the rank and what it starts never hold
-    them. The case's directory goes with a launcher that dies mid-case (the
-    supervisor removes it).
-    """
+    ``lease_fds``: the launcher's lease descriptors, which only the rank's supervisor (the
+    last of the case's processes to exit) holds, so the lease lasts as long as the case,
+    even past a launcher that died; the supervisor then removes the case's directory."""
 
     def start() -> tuple[RankContext, RankTask]:
         _start_rank(ctx.parent_pid, lease_fds, leftover_dir=os.path.dirname(ctx.outcome_path))

@@ -87,13 +87,10 @@ class ProcessSpec(LaunchSpec):
 def run_ranks(
     task: RankTask, plan: CasePlan, cards: list[Card], *, lease: Lease | None = None
 ) -> CaseOutcome:
-    """Run ``task`` in ``plan.spec.nproc`` fresh rank processes and report what happened.
-
-    Returns within the deadline plus the stop grace periods; no process of any rank's tree
-    is alive then (``result.survivors``: any the kernel would not kill); rank ``r`` gets
-    card ``cards[r]``; with ``settings.capture`` the ranks' bounded output is in
-    ``result.logs``; the case directory is gone.
-    """
+    """Run ``task`` in ``plan.spec.nproc`` fresh rank processes (rank ``r`` on card
+    ``cards[r]``) and report what happened, within the deadline plus the stop graces; no
+    process of any rank's tree is alive then (``result.survivors``: any the kernel would
+    not kill), the case directory is gone."""
     run = CaseRun(plan, cards, tempfile.mkdtemp(prefix="harness-case-"))
     started: list[Any] = []
     with reap_on_sigterm():
@@ -342,10 +339,9 @@ class CaseRun:
                 self.result.logs[rank] = read_bounded(self.path(rank, "log"))
 
     def stream_output(self, *, final: bool = False) -> None:
-        """With ``plan.live``: write what each rank printed since the last call
-        to this process's stdout, line by line, prefixed ``[rank N]`` (only
-        whole lines unless ``final``). A rank that writes faster than this
-        follows has what falls out of its kept tail skipped, and a note says so."""
+        """With ``plan.live`` (``-s``): write what each rank printed since the last call to
+        stdout, line by line, prefixed ``[rank N]`` (whole lines unless ``final``; what
+        fell out of a fast rank's kept tail skipped, with a note)."""
         if not self.plan.live:
             return
         out = sys.stdout
@@ -402,9 +398,7 @@ def spawn_ranks(
     lease: Lease | None = None,
 ) -> None:
     """Start ``nproc`` rank processes ``target(*args_for(rank, fds))`` (``fds``: the
-    lease's descriptors, inherited by each rank), appending each to ``started``
-    as soon as it runs, so that a caller stopping ``started`` after a failure
-    midway stops every one that did start."""
+    lease's descriptors, inherited), each appended to ``started`` as soon as it runs."""
     mp = get_context("spawn")
     fds = lease_fds(lease)
     for rank in range(nproc):
