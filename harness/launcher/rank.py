@@ -421,14 +421,17 @@ def _run(ctx: RankContext, task: RankTask, *, fresh_module: bool) -> RankOutcome
     # Orphans of what the body starts (setsid daemons) come back to this rank, in sight.
     processes.subreaper()
     before = processes.descendants()
-    with capture_logs(task.log_level) as records, warnings.catch_warnings(record=True) as caught:
-        try:
-            outcome = fresh_context().run(_call, ctx, task, fresh_module, feedback)
-        except BaseException as exc:
-            if feedback is not None and feedback.rejected and given.is_rejection(exc):
-                outcome = RankOutcome(ctx.rank, REJECTED, time.time(), summary="assumption not met")
-            else:
-                outcome = outcome_from_exception(ctx.rank, exc)
+    error: BaseException | None = None
+    with capture_logs(task.log_level) as records:
+        with warnings.catch_warnings(record=True) as caught:  # the test's filters inside
+            try:
+                outcome = fresh_context().run(_call, ctx, task, fresh_module, feedback)
+            except BaseException as exc:
+                error = exc
+        if feedback is not None and feedback.rejected and given.is_rejection(error):
+            outcome = RankOutcome(ctx.rank, REJECTED, time.time(), summary="assumption not met")
+        elif error is not None:
+            outcome = outcome_from_exception(ctx.rank, error)
     outcome.feedback = feedback
     outcome.records = records
     outcome.leaked = _contain(before)
