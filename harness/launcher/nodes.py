@@ -51,6 +51,7 @@ from harness.launcher.rank import (
 from harness.launcher.ranks import (
     EXIT_WAIT_S,
     KILL_GRACE_S,
+    RANK_ENV_DEFAULTS,
     CaseRun,
     reap_on_sigterm,
     signals_deferred,
@@ -325,12 +326,8 @@ def _start_agent(
 ) -> subprocess.Popen:
     """Start node ``node``'s agent in a session of its own, its output in its
     log (when the case's output is captured), the lease descriptors kept by it."""
-    env = dict(os.environ)
+    env = {**RANK_ENV_DEFAULTS, **os.environ}
     env.pop(CASE_ENV, None)
-    # As torchrun does: N ranks each using every core oversubscribe the host.
-    env.setdefault("OMP_NUM_THREADS", "1")
-    # See CaseRun.rank_context: no rank leaves while a peer still joins a group.
-    env.setdefault("TORCH_DIST_INIT_BARRIER", "1")
     if cards:
         from harness.devices import device_type
 

@@ -63,6 +63,12 @@ _HARNESS_RANK_FILE = os.path.join("harness", "launcher", "rank.py")
 #: How long a case's ranks may take to be ready to run its function (spawning, imports,
 #: joining the process group): the case deadline counts from the moment they are.
 START_BOUND_S = 300.0
+#: What every rank gets unless the launcher's environment says otherwise: one OpenMP
+#: thread (as torchrun does: N ranks each using every core oversubscribe the host), and
+#: torch's store-based barrier at the end of init_process_group / new_group (a rank leaves
+#: with os._exit as soon as its function returns, and must not close its connections while
+#: a peer still joins the group: "connectFullMesh failed ... closed by peer").
+RANK_ENV_DEFAULTS = {"OMP_NUM_THREADS": "1", "TORCH_DIST_INIT_BARRIER": "1"}
 
 
 @dataclass(frozen=True)
@@ -183,14 +189,7 @@ class CaseRun:
                 env[name] = str(rank)
             for name in ("WORLD_SIZE", "LOCAL_WORLD_SIZE"):
                 env[name] = str(spec.nproc)
-            # As torchrun does: N ranks each using every core oversubscribe the host.
-            # TORCH_DIST_INIT_BARRIER: torch's store-based barrier at the end of
-            # init_process_group and new_group, since a rank leaves (os._exit) as soon as
-            # its function returns and must not close its connections while a peer still
-            # joins the group ("connectFullMesh failed ... closed by peer").
-            for name in ("OMP_NUM_THREADS", "TORCH_DIST_INIT_BARRIER"):
-                if name not in os.environ:
-                    env[name] = "1"
+            env.update({k: v for k, v in RANK_ENV_DEFAULTS.items() if k not in os.environ})
             card = self.cards[rank] if spec.cards else None
             if card is not None:
                 env.update(visibility(card))
