@@ -22,7 +22,6 @@ from harness.devices import Card, cpu_count, inventory
 from harness.errors import HarnessError
 from harness.launcher import lease as leases
 from harness.launcher import values
-from harness.launcher.explain import AssertionSettings
 from harness.launcher.lease import default_lease_dir
 from harness.launcher.nodes import run_nodes
 from harness.launcher.outcome import FAILED, SKIPPED, XFAILED, CaseOutcome, echo_logs
@@ -39,12 +38,9 @@ DEFAULT_LEASE_TIMEOUT_S = 600.0
 
 @dataclass(frozen=True)
 class Settings:
-    """``timeout``: default case deadline (s); ``lease_dir`` (made absolute
-    against the current directory at construction); ``max_procs``: CPU
-    process slots on the host; ``lease_timeout``: bound on a lease wait (s);
-    ``require``: accelerator types whose absence fails instead of skipping;
-    ``capture``: collect rank output into the report instead of streaming it;
-    ``reuse``: run consecutive launched cases on kept rank pools (``harness.launcher.pool``)."""
+    """A session's launch settings: the default case deadline, the lease directory (made
+    absolute), the host's process slots, the bound on a lease wait, the accelerators whose
+    absence fails instead of skipping, rank output captured (not streamed), kept pools."""
 
     timeout: float = DEFAULT_TIMEOUT_S
     lease_dir: str = field(default_factory=default_lease_dir)
@@ -130,44 +126,28 @@ def prepare_case(
     deadline: Deadline,
     reuse: bool,
     kinds: dict[str, str] | None = None,
-    want_value: bool = True,
-    cards: tuple[Card, ...] | None = None,
     state: dict | None = None,
-    warning_filters: tuple[tuple[str, bool], ...] = (),
-    show_deprecations: bool = False,
-    conftests: tuple[tuple[str, str], ...] = (),
+    cards: tuple[Card, ...] | None = None,
     live: bool = False,
-    example: bool = False,
-    assertions: AssertionSettings | None = None,
-    log_level: int | None = None,
+    **task: Any,
 ) -> tuple[RankTask, CasePlan]:
-    """The task the ranks run (``ref`` called with the pickled ``args`` /
-    ``kwargs``; ``TypeError`` names a value that cannot travel, ``kinds``
-    saying what each keyword is) and the plan it runs under: its ``deadline``
-    (the caller's ``choose_deadline``), kept ranks when ``reuse``, and the
-    ``cards`` of an enclosing case it runs on without leasing. ``state``: the
-    attributes of the test method's instance, set on the rank's instance;
-    ``warning_filters`` / ``show_deprecations``: the warning filters the
-    ranks apply around the function; ``conftests``: the conftest modules
-    the ranks import first (see ``RankTask``); ``live``: stream the ranks'
-    output while they run (``CasePlan.live``); ``example``: ``args`` /
-    ``kwargs`` are one Hypothesis example for the body of a ``@given`` test;
-    ``assertions``: how pytest
-    explains a failing comparison, ``log_level``: the level of the log records the
-    ranks report (see ``RankTask``)."""
-    task = RankTask(
-        ref,
-        pickle_args(args, kwargs, kinds=kinds),
-        want_value=want_value,
-        state=None if state is None else pickle_state(state),
-        warning_filters=warning_filters,
-        show_deprecations=show_deprecations,
-        conftests=conftests,
-        example=example,
-        assertions=assertions,
-        log_level=log_level,
+    """The task the ranks run (``ref`` called with the pickled ``args`` / ``kwargs``,
+    ``state`` the attributes of the test method's instance, ``task`` the other fields of
+    ``RankTask``; ``TypeError`` names a value that cannot travel, ``kinds`` saying what
+    each keyword is) and the ``CasePlan`` it runs under (the caller's ``deadline``, kept
+    ranks when ``reuse``, the ``cards`` of an enclosing case used unleased, ``live``
+    output)."""
+    kinds = kinds or {}
+    named = {f"argument {index}": value for index, value in enumerate(args)}
+    named.update({f"{kinds.get(k, 'argument')} {k!r}": v for k, v in kwargs.items()})
+    pickled_state = None
+    if state is not None:
+        attributes = {f"attribute self.{k} of the test's instance": v for k, v in state.items()}
+        pickled_state = _pickled(state, attributes)
+    return (
+        RankTask(ref, _pickled((args, kwargs), named), state=pickled_state, **task),
+        CasePlan(spec, settings, what, deadline, reuse=reuse, cards=cards, live=live),
     )
-    return task, CasePlan(spec, settings, what, deadline, reuse=reuse, cards=cards, live=live)
 
 
 def lease_case(plan: CasePlan) -> leases.Lease:
@@ -219,34 +199,19 @@ def missing_cards(device: str, need: int) -> str | None:
     return f"needs {need} {device} card{'s' if need > 1 else ''}; this host has {found}"
 
 
-def pickle_args(args: tuple, kwargs: dict, *, kinds: dict[str, str] | None = None) -> bytes:
-    """Pickle what the ranks receive; an unpicklable value raises ``TypeError``
-    naming it (``kinds`` maps keyword names to words like "fixture")."""
-    kinds = kinds or {}
-    for index, value in enumerate(args):
-        _check_picklable(value, f"argument {index}")
-    for name, value in kwargs.items():
-        _check_picklable(value, f"{kinds.get(name, 'argument')} {name!r}")
-    return values.dumps((args, kwargs))
-
-
-def pickle_state(state: dict[str, Any]) -> bytes:
-    """Pickle a test instance's attributes for the ranks; an unpicklable one
-    raises ``TypeError`` naming it (``self.<name>``)."""
-    for name, value in state.items():
-        _check_picklable(value, f"attribute self.{name} of the test's instance")
-    return values.dumps(state)
-
-
-def _check_picklable(value: Any, what: str) -> None:
-    try:
-        values.dumps(value)
-    except Exception as exc:
-        raise TypeError(
-            f"{what} (a {type(value).__module__}.{type(value).__qualname__}) cannot be sent to "
-            f"the rank processes: {type(exc).__name__}: {exc}. Ranks receive values by pickling; "
-            "pass something picklable or build it inside the ranks."
-        ) from None
+def _pickled(value: Any, named: dict[str, Any]) -> bytes:
+    """``value`` pickled for the ranks; ``TypeError`` names the first of ``named`` (words
+    -> value) that cannot be."""
+    for what, part in named.items():
+        try:
+            values.dumps(part)
+        except Exception as exc:
+            raise TypeError(
+                f"{what} (a {type(part).__module__}.{type(part).__qualname__}) cannot be sent "
+                f"to the rank processes: {type(exc).__name__}: {exc}. Ranks receive values by "
+                "pickling; pass something picklable or build it inside the ranks."
+            ) from None
+    return values.dumps(value)
 
 
 class LaunchError(HarnessError):
@@ -262,11 +227,9 @@ class LaunchBudgetError(LaunchError, ValueError):
 
 
 def run_case(task: RankTask, plan: CasePlan) -> CaseOutcome:
-    """Lease, run ``task`` on ranks and release, as ``plan`` says: on the kept
-    pool when ``plan.reuse`` (and this is the main thread, which outlives the
-    pool), on the enclosing case's ``plan.cards`` unleased, on emulated nodes
-    when ``plan.spec.nnodes > 1`` (``harness.launcher.nodes``), else on fresh
-    ranks. No process of the case is alive when it returns."""
+    """Lease, run ``task`` and release, as ``plan`` says: on the kept pool (``reuse``, main
+    thread), on an enclosing case's ``cards`` unleased, on emulated nodes (``nnodes > 1``)
+    or on fresh ranks. No process of the case is alive when it returns."""
     if plan.cards is not None:
         return run_ranks(task, plan, list(plan.cards))
     multi_node = plan.spec.nnodes > 1

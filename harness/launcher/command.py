@@ -13,9 +13,10 @@ as every planned case), xdist distribution, reports and JUnit are pytest's as fo
 An item leases its cards (the device's visibility variable names exactly them), then runs
 its argv (no shell, from the root) under a supervisor (``harness.launcher.supervisor``,
 a child subreaper leading a session of its own): whatever the command starts, ``setsid``
-daemons included, is stopped when the command ends (and named in the report), when its
-deadline passes (after the stacks of what still runs: ``py-spy dump`` where installed, else
-the process tree with command lines), or when pytest dies. Its output (stdout and stderr
+daemons included, is stopped when the command ends (and reported as any case's leftovers,
+``harness.launcher.containment``), when its deadline passes (after the stacks of what still
+runs: ``py-spy dump`` where installed, else the process tree with command lines), or when
+pytest dies. Its output (stdout and stderr
 together) goes to a file; the report keeps its head and tail
 (``harness.launcher.outcome.read_bounded``).
 """
@@ -33,16 +34,15 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 import pytest
 
 from harness import processes
-from harness.devices import device_type, inventory
+from harness.devices import device_type
 from harness.launcher import containment
-from harness.launcher.case import current, missing_cards
-from harness.launcher.lease import Lease, LeaseError, acquire, card_want
-from harness.launcher.outcome import read_bounded
+from harness.launcher.outcome import describe_exit, read_bounded
+from harness.launcher.plugin import TIMEOUT_KEY, lease_cards, need_cards
 from harness.names import COMMANDS_FORMAT as FORMAT
 from harness.names import DEFAULT_CASE_TIMEOUT_S
 
@@ -52,30 +52,12 @@ KILL_AFTER_S = 5.0
 PY_SPY_TIMEOUT_S = 10.0
 PY_SPY_MAX_PROCS = 16
 
-#: A command's deadline from pytest-timeout's hook (its marker), seconds.
-_DEADLINE = pytest.StashKey[float]()
-
 
 def pytest_collect_file(file_path: Path, parent: pytest.Collector) -> pytest.Collector | None:
     option = parent.config.getoption("harness_commands", None)
     if option and os.path.abspath(file_path) == os.path.abspath(option):
         return CommandFile.from_parent(parent, path=file_path)
     return None
-
-
-@pytest.hookimpl(optionalhook=True, tryfirst=True)
-def pytest_timeout_set_timer(item: pytest.Item, settings: Any) -> bool | None:
-    """pytest-timeout's timeout of a command case is its command's deadline: the command's
-    tree is stopped then, with its stacks, instead of a signal interrupting this process."""
-    if not isinstance(item, CommandItem):
-        return None
-    item.stash[_DEADLINE] = float(settings.timeout)
-    return True
-
-
-@pytest.hookimpl(optionalhook=True, tryfirst=True)
-def pytest_timeout_cancel_timer(item: pytest.Item) -> bool | None:
-    return True if isinstance(item, CommandItem) else None
 
 
 class CommandFile(pytest.File):
@@ -96,7 +78,10 @@ class CommandFile(pytest.File):
 
 class CommandItem(pytest.Item):
     """One command case: passes when its argv exits 0 within its deadline and its output
-    matches its ``expect_output``. ``harness_case_id`` is its case id (``<suite>::<entry>``)."""
+    matches its ``expect_output``. ``harness_case_id`` is its case id (``<suite>::<entry>``).
+    pytest-timeout's timeout (its marker) is its command's deadline (``times_itself``)."""
+
+    times_itself = True
 
     def __init__(self, *, case: dict[str, Any], root: str, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -120,18 +105,11 @@ class CommandItem(pytest.Item):
     def _deadline(self) -> float:
         """pytest-timeout's (the case's ``timeout`` marker), else the case's own ``timeout_s``,
         else the default case deadline."""
-        given = self.stash.get(_DEADLINE, None) or self.case.get("timeout_s")
+        given = self.stash.get(TIMEOUT_KEY, None) or self.case.get("timeout_s")
         return float(given or DEFAULT_CASE_TIMEOUT_S)
 
     def runtest(self) -> None:
-        settings = current()
-        reason = missing_cards(self.device, self.cards)
-        if reason is not None:
-            if self.device in settings.require:
-                _fail(
-                    f"{self.harness_case_id}: {reason}, and --harness-require {self.device} is set"
-                )
-            pytest.skip(reason)
+        need_cards(self, self.device, self.cards)
         env = {**os.environ, **self.case.get("env", {})}
         if _which(self.argv[0], env, self.root) is None:
             where = "from the repository root" if os.sep in self.argv[0] else "on PATH"
@@ -143,7 +121,7 @@ class CommandItem(pytest.Item):
         with contextlib.ExitStack() as held:
             keep: list[int] = []
             if self.cards:
-                lease = held.enter_context(self._lease(settings))
+                lease = held.enter_context(lease_cards(self, self.device, self.cards))
                 keep = lease.fds()
                 names = [c.id for c in lease.cards()]
                 visible = device_type(self.device).visibility_env
@@ -153,19 +131,6 @@ class CommandItem(pytest.Item):
             self.user_properties.append(("harness.device", self.device))
             folder = held.enter_context(tempfile.TemporaryDirectory(prefix="harness-command-"))
             self._run(env, Path(folder), keep)
-
-    def _lease(self, settings: Any) -> Lease:
-        try:
-            return acquire(
-                settings.lease_dir,
-                [card_want(inventory(self.device), self.cards)],
-                timeout=settings.lease_timeout,
-                holder=self.harness_case_id,
-            )
-        except LeaseError as exc:
-            _fail(
-                f"{self.harness_case_id}: could not lease {self.cards} {self.device} card(s)\n{exc}"
-            )
 
     def _run(self, env: dict[str, str], folder: Path, keep: list[int]) -> None:
         """Run the command (its supervisor holding the lease descriptors ``keep``, so that the
@@ -200,16 +165,20 @@ class CommandItem(pytest.Item):
         text = read_bounded(str(output), "the command's output")
         size = output.stat().st_size
         left = leftovers.read_text(encoding="utf-8", errors="replace") if leftovers.exists() else ""
-        leaked = self._left_running(left) if left.strip() else None
+        # What the supervisor stopped is reported as any case's leftovers (containment).
+        self.stash.setdefault(containment.RANK_LEAKS, []).extend(
+            f"pid {pid}: {cmd}"
+            for pid, _, cmd in (ln.partition("\t") for ln in left.splitlines() if ln)
+        )
         verdict = None
         if code is None:
             verdict = f"stopped at its deadline of {deadline:g} s (ran {seconds:.1f} s)"
         elif code != 0:
-            verdict = _exit_words(code)
+            verdict = describe_exit(code)
+            if code == 127:
+                verdict += " (the program could not be run: see its output)"
         elif (pattern := self.case.get("expect_output")) and not _matches(pattern, output):
             verdict = f"exited 0, but its output does not match expect_output {pattern!r}"
-        elif leaked is not None and _leaks_fail(self.config):
-            verdict = f"{leaked} (harness_leaks = fail)"
         if verdict is None:
             self.add_report_section("call", "output", text)  # shown by -rP
             return
@@ -226,30 +195,9 @@ class CommandItem(pytest.Item):
             body += f"----- still running at the deadline -----\n{stacks}"
         raise CommandFailed(f"{body}E   {verdict}")
 
-    def _left_running(self, listing: str) -> str:
-        """Processes the command left running, stopped by its supervisor: reported as a
-        warning naming each (pid, command line); returns its words."""
-        procs = "; ".join(
-            f"pid {pid}: {cmd}"
-            for pid, _, cmd in (ln.partition("\t") for ln in listing.splitlines() if ln)
-        )
-        words = f"the command left process(es) running when it ended, now stopped: {procs}"
-        self.warn(pytest.PytestWarning(f"{self.harness_case_id}: {words}"))
-        return words
-
 
 class CommandFailed(Exception):
     """A command case failed; the message is its whole report (output, stacks, verdict last)."""
-
-
-def _leaks_fail(config: pytest.Config) -> bool:
-    """Whether the ini ``harness_leaks`` (the launch plugin's, checked at configure) says
-    ``fail``."""
-    return str(config.getini(containment.LEAKS_INI)).strip().lower() == "fail"
-
-
-def _fail(message: str) -> NoReturn:
-    raise pytest.fail.Exception(message, pytrace=False) from None
 
 
 def _shown(argv: list[str]) -> str:
@@ -264,17 +212,6 @@ def _which(program: str, env: dict[str, str], root: str) -> str | None:
         path = os.path.join(root, program)
         return path if os.path.isfile(path) and os.access(path, os.X_OK) else None
     return shutil.which(program, path=env.get("PATH", os.defpath))
-
-
-def _exit_words(code: int) -> str:
-    if code == 127:
-        return "exited with status 127 (the program could not be run: see its output)"
-    if code < 0:
-        import signal
-
-        with contextlib.suppress(ValueError):
-            return f"killed by {signal.Signals(-code).name}"
-    return f"exited with status {code}"
 
 
 def _matches(pattern: str, output: Path) -> bool:

@@ -1,20 +1,15 @@
 """Every case contained, plain or launched: a process a case started that is still
 running when its teardown ends is stopped and reported against that case.
 
-The pytest process (each xdist worker, the controller) is a child subreaper for the
-session, so a daemon that left its parent (``setsid`` and a double fork) is re-parented
-to it and stays in sight. Before a case's setup the plugin remembers the processes
-below this one; after its teardown, those that are new and still running (after
-``SETTLE_S`` to end by themselves) are stopped (SIGTERM, ``GRACE_S``, SIGKILL) and named
-(pid, command line): ini ``harness_leaks = warn`` (the default) reports them as a
-:class:`LeakWarning` of the case (pytest's warnings summary, and the JUnit property
-``harness.leaked``), ``fail`` fails the case's teardown. Never stopped: processes of a
-fixture of a wider scope (session, package, module, class) that is still set up (they
-are checked when it is torn down, against the case whose teardown ends it), the kept
-rank pool (``harness_reuse``), and the helpers the runtime keeps for the process's life
-(multiprocessing's resource tracker and forkserver, torch inductor's compile workers).
-What started outside any case (at collection, say) and outlives the session is stopped
-as the session finishes, with a warning. See docs/harness.md ("Process containment").
+The pytest process is a child subreaper for the session, so a daemon that left its
+parent stays in sight. After a case's teardown, the processes below this one that are
+new and still running (after ``SETTLE_S``) are stopped (SIGTERM, ``GRACE_S``, SIGKILL) and
+named (pid, command line): ini ``harness_leaks = warn`` (the default) reports them as a
+:class:`LeakWarning` of the case and the JUnit property ``harness.leaked``, ``fail``
+fails the case's teardown. Spared: processes of a wider-scoped fixture still set up
+(checked when it is torn down), the kept rank pool, and the runtime's lifelong helpers.
+What started outside any case is stopped as the session finishes, with a warning. See
+docs/harness.md ("Process containment").
 """
 
 from __future__ import annotations
@@ -32,7 +27,6 @@ from harness.names import LEAK_PROPERTY
 if TYPE_CHECKING:
     import psutil
 
-#: The ini setting and its values.
 LEAKS_INI = "harness_leaks"
 LEAK_MODES = ("warn", "fail")
 #: How long a case's leftover gets to end by itself (one told to stop that has not yet).
@@ -41,8 +35,9 @@ SETTLE_S = 0.5
 GRACE_S = 1.0
 
 _BEFORE = pytest.StashKey["set[psutil.Process]"]()
-#: What a launched case's ranks (or a plain case run apart) left running: each rank stops
-#: and names its own (``harness.launcher.rank``), reported here with the case's other leaks.
+#: What a case's own processes left running, stopped and named where they ran (each rank:
+#: ``harness.launcher.rank``; a command's supervisor: ``harness.launcher.command``), reported
+#: here with the case's other leaks.
 RANK_LEAKS = pytest.StashKey[list[str]]()
 
 
@@ -60,8 +55,8 @@ def addoption(parser: pytest.Parser) -> None:
 
 
 def configure(config: pytest.Config) -> None:
-    """Register the containment of every case for this session (called by the plugin's
-    ``pytest_configure``; a bad ``harness_leaks`` is a usage error)."""
+    """Register the containment of every case for this session (a bad ``harness_leaks``
+    is a usage error)."""
     mode = str(config.getini(LEAKS_INI)).strip().lower()
     if mode not in LEAK_MODES:
         raise pytest.UsageError(
@@ -71,8 +66,7 @@ def configure(config: pytest.Config) -> None:
 
 
 class _Containment:
-    """One session's containment: each case's, and the session's at its end (the module
-    docstring says what is stopped and what is spared)."""
+    """One session's containment: each case's, and the session's at its end."""
 
     def __init__(self, config: pytest.Config, mode: str) -> None:
         self.config = config
@@ -81,9 +75,9 @@ class _Containment:
         self.was_subreaper = processes.is_subreaper()
         processes.subreaper()
         self.session_before = processes.descendants()
-        #: The processes each wider-scoped fixture started while it was set up.
+        #: what each wider-scoped fixture started while it was set up
         self.owned: dict[Any, set[psutil.Process]] = {}
-        #: Processes of wider-scoped fixtures torn down since the running case began.
+        #: processes of wider-scoped fixtures torn down since the running case began
         self.released: set[psutil.Process] = set()
 
     def _spare(self) -> set[int]:
@@ -154,8 +148,7 @@ class _Containment:
 
     @pytest.hookimpl(trylast=True)
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
-        # After the last teardown, xdist's workers and the kept pool are gone: what is
-        # left started outside any case (at collection, in a plugin) or in a worker that died.
+        # What is left started outside any case, or in a worker that died.
         left = processes.stop_leftovers(
             self.session_before, settle=SETTLE_S, grace=GRACE_S, spare=self._spare
         )
@@ -174,9 +167,9 @@ class _Containment:
 
 
 def runtime_helpers() -> set[int]:
-    """The processes the runtime keeps for this process's life, started on first use by
-    whichever case needed them: multiprocessing's resource tracker and forkserver,
-    torch inductor's compile-worker pools."""
+    """The processes the runtime keeps for this process's life, started by whichever case
+    first needed them: multiprocessing's resource tracker and forkserver, torch
+    inductor's compile-worker pools."""
     pids: set[int] = set()
     tracker = sys.modules.get("multiprocessing.resource_tracker")
     forkserver = sys.modules.get("multiprocessing.forkserver")

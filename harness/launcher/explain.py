@@ -1,11 +1,6 @@
-"""pytest's assertion explanations in ranks: a failing ``assert a == b`` in a launched
-test explains itself as in-process ("At index 2 diff: 3 != 4"), not in one line.
-
-In-process, pytest points the rewritten asserts at its ``pytest_assertrepr_compare``
-hook around each test (``_pytest.assertion.util._reprcompare``); a rank has no pytest
-session, so it calls pytest's own implementation of that hook with the launcher's
-settings (``AssertionSettings``: verbosity, truncation limits, diff style). A
-conftest's own ``pytest_assertrepr_compare`` is not consulted in ranks.
+"""pytest's assertion explanations in ranks: a failing ``assert a == b`` explains itself
+as in-process, through pytest's own ``pytest_assertrepr_compare`` with the launcher's
+settings (``AssertionSettings``). A conftest's own hook is not consulted in ranks.
 """
 
 from __future__ import annotations
@@ -67,9 +62,8 @@ class _NoPlugins:
 
 
 def install(settings: AssertionSettings) -> None:
-    """Explain this rank's failing comparisons as pytest would in the launcher (what
-    pytest's ``pytest_runtest_protocol`` sets up around an in-process test); a
-    comparison pytest's hook cannot explain here keeps its one-line message."""
+    """Explain this rank's failing comparisons as pytest would in the launcher (a
+    comparison its hook cannot explain here keeps its one-line message)."""
     from _pytest import assertion
     from _pytest.assertion import util
 

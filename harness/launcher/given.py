@@ -1,18 +1,11 @@
 """Hypothesis's in-test API across processes, for a launched ``@given`` test.
 
-Hypothesis runs in the launcher (it draws, shrinks and stores examples there);
-each example's body runs on the ranks. So that ``assume``, ``note``, ``event``
-and ``target`` work there as in-process, a rank runs the body inside a build
-context of its own (``example_context``) that records what the body told
-Hypothesis (``Feedback``: notes, events, target observations, a rejection),
-and the launcher replays it inside its own build context (``replay``), where
-Hypothesis acts on it as if the body had run there: a rejected example is a
-rejection (not a failure), notes appear in the failure report, events in the
-statistics, targets guide the search.
-
-``st.data()`` cannot be split this way (its draws are made by the body, on the
-ranks, and must be Hypothesis's choices in the launcher to be shrunk and
-replayed), so a launched test using it is refused (``harness.spec.launch_refusal``).
+Hypothesis draws, shrinks and stores examples in the launcher; each example's body runs
+on the ranks, inside a build context of their own (``example_context``) that records
+what the body told Hypothesis (``Feedback``: notes, events, targets, a rejection); the
+launcher replays it inside its own build context (``replay``). ``st.data()`` cannot be
+split this way (its draws are made on the ranks), so a launched test using it is refused
+(``harness.spec.launch_refusal``).
 """
 
 from __future__ import annotations
@@ -26,9 +19,7 @@ from typing import Any
 
 @dataclass
 class Feedback:
-    """What one rank's run of an example told Hypothesis: notes (in order,
-    as text), events (``event(value, payload)``), target observations
-    (label -> score), and whether the example was rejected (``assume``)."""
+    """What one rank's run of an example told Hypothesis."""
 
     notes: list[str] = field(default_factory=list)
     events: dict[str, Any] = field(default_factory=dict)
@@ -47,8 +38,7 @@ def example_context(test: Any, feedback: Feedback) -> Iterator[None]:
     from hypothesis.reporting import with_reporter
 
     data = ConjectureData.for_choices(())
-    # is_final: every note is recorded; the launcher's own note() decides
-    # whether it is reported (only for the final, failing example, or verbose).
+    # is_final: every note is recorded; the launcher's note() decides what is reported.
     try:
         with (
             with_reporter(feedback.notes.append),
@@ -70,10 +60,9 @@ def is_rejection(exc: BaseException) -> bool:
 
 
 def replay(feedbacks: dict[int, Feedback]) -> None:
-    """In the launcher's build context (the example is running): replay what the
-    ranks' bodies told Hypothesis. Events and targets come from the lowest rank
-    that reported (every rank ran the same example); notes from it verbatim and
-    the other ranks' notes it did not make, prefixed ``rank N:``."""
+    """In the launcher's build context: replay what the ranks' bodies told Hypothesis
+    (events and targets of the lowest rank that reported; its notes, then the other
+    ranks' notes it did not make, prefixed ``rank N:``)."""
     if not feedbacks:
         return
     from hypothesis import event, note, target

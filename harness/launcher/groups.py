@@ -1,8 +1,6 @@
-"""Sub-groups a rank keeps for its whole life (``harness.kept_group``), so that a
-case making its ``sp x dp`` sub-groups does not retire its kept ranks (a
-``dist.new_group`` of the case does: sub-groups hold connections and threads,
-and destroying them is a hang risk); and how the harness counts process groups
-(``process_groups``). Nothing here imports torch at module level.
+"""Sub-groups a rank keeps for its whole life (``harness.kept_group``), so that a case
+making its ``sp x dp`` sub-groups does not retire its kept ranks (a ``dist.new_group``
+of the case does); and how the harness counts process groups (``process_groups``).
 """
 
 from __future__ import annotations
@@ -40,8 +38,8 @@ def process_groups() -> tuple[int, Any]:
 
 
 def kept_entries() -> int:
-    """How many of this rank's process groups :func:`kept_group` made (for the
-    current default group): the count a kept rank may have above its baseline."""
+    """How many of this rank's process groups :func:`kept_group` made (for the current
+    default group)."""
     _forget_stale()
     return _entries
 

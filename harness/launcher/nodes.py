@@ -1,28 +1,29 @@
-"""Multi-node cases (``LaunchSpec(nnodes > 1)``) on torch's own launcher,
-emulated on this host: ``run_nodes`` starts one process tree per node, each
-torch's elastic agent (``harness.launcher.node``) with the c10d rendezvous on
-loopback, and supervises them as ``harness.launcher.ranks`` does one node's
-ranks: until every rank reported or exited, the deadline passed, or the
-others overstayed ``ABANDON_GRACE_S`` after a failure (a rank's, or a node
-agent's that ended before its ranks did); then stack dumps, every node's tree
-stopped and reaped, one ``CaseOutcome`` whose report names the node and rank.
+"""Multi-node cases (``LaunchSpec(nnodes > 1)``) on torch's own launcher, emulated on
+this host: ``run_nodes`` starts one process tree per node, each torch's elastic agent
+(``python -m harness.launcher.nodes agent CASE_DIR K``: ``agent_main``) with the c10d
+rendezvous on loopback, and supervises them as ``harness.launcher.ranks`` does one node's
+ranks (a node agent that ended before its ranks did is a failure as a rank's is); then
+stack dumps, every node's tree stopped and reaped, one ``CaseOutcome`` whose report names
+the node and rank.
 
-Ranks are numbered as torch numbers them: node K holds ranks ``K*nproc`` to
-``(K+1)*nproc - 1``. The case's cards (``nnodes * cards``) and process slots
-are leased by the caller (``harness.launcher.case.run_case``); node K gets
-the K-th ``cards`` of them, visible to its agent and ranks through the
-device's visibility variable (each rank selects its ``LOCAL_RANK``-th).
+Node 0's agent hosts the rendezvous store on a port the kernel picked and publishes it;
+each node gives torch its own loopback address (``127.0.0.<100+K>``), so that node K is
+``GROUP_RANK`` K, as across hosts. A rank (``rank_main``) is started by its agent with
+torchrun's environment, splits off its supervisor (which writes the rank's exit status
+for the launcher, not its parent) and runs the case through ``harness.launcher.rank``'s
+``run_one``, joining the process group through that environment (``env://``). Node K
+holds ranks ``K*nproc`` to ``(K+1)*nproc - 1`` and gets the K-th ``cards`` of the case's
+lease, visible through the device's visibility variable.
 
-``HARNESS_EMULATED_NODE_DELAY`` (``K=SECONDS`` or ``K=never``, comma
-separated) makes node K's agent go to the rendezvous that late, or never:
-a node that starts late or never arrives, for tests of what a case (or the
-code under test) does then.
+``HARNESS_EMULATED_NODE_DELAY`` (``K=SECONDS`` or ``K=never``, comma separated) makes
+node K's agent go to the rendezvous that late, or never (for tests).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import faulthandler
 import math
 import os
 import pickle
@@ -31,29 +32,31 @@ import subprocess
 import sys
 import tempfile
 import time
-from types import SimpleNamespace
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from harness import processes
 from harness.devices import Card, is_simulated
-from harness.launcher import node as nodes
-from harness.launcher.coverage import CoverageSpec
-from harness.launcher.outcome import FAILED, CaseOutcome, RankOutcome
+from harness.jsonio import write_text
+from harness.launcher.outcome import CaseOutcome
 from harness.launcher.rank import (
     CASE_ENV,
-    STACK_DUMP_SIGNAL,
     EnclosingCase,
+    RankContext,
     RankTask,
+    coverage_of_launcher,
     pg_timeout_for,
+    run_one,
 )
 from harness.launcher.ranks import (
-    ABANDON_GRACE_S,
     EXIT_WAIT_S,
     KILL_GRACE_S,
+    RANK_ENV_DEFAULTS,
     CaseRun,
     reap_on_sigterm,
     signals_deferred,
 )
+from harness.launcher.supervisor import split
 
 if TYPE_CHECKING:
     from harness.launcher.case import CasePlan
@@ -62,6 +65,161 @@ if TYPE_CHECKING:
 DELAY_ENV = "HARNESS_EMULATED_NODE_DELAY"
 _POLL_S = 0.1
 _NODE_LOG_TAIL_LINES = 20
+#: The loopback address of emulated node K is ``127.0.0.<NODE_ADDR_BASE + K>``:
+#: three digits, so that torch's order of the addresses (as strings) is node order.
+NODE_ADDR_BASE = 100
+MAX_EMULATED_NODES = 255 - NODE_ADDR_BASE
+CASE_FILE = "case.pkl"
+PORT_FILE = "store-port"
+
+
+@dataclass(frozen=True)
+class NodeCase:
+    """What every node of a multi-node case reads from its case directory."""
+
+    task: RankTask
+    nnodes: int
+    nproc: int
+    device: str
+    backend: str
+    #: wall-clock time of the case deadline
+    deadline: float
+    pg_timeout_s: float
+    capture: bool
+    simulated: bool
+    coverage: dict[str, Any] | None
+    #: the cards of each node (empty lists on cpu)
+    cards: tuple[tuple[Card, ...], ...]
+    #: node -> the ``HARNESS_CASE`` value its ranks see (nested launches stay
+    #: within the node's ranks, cards and the case deadline)
+    enclosing: tuple[str, ...]
+    #: node -> seconds its agent waits before it goes to the rendezvous
+    #: (``math.inf``: it never does), the emulated late / missing node
+    delays: tuple[float, ...]
+    launcher_pid: int
+    #: the launcher's ``sys.path``, which a rank takes over (as a spawned rank does)
+    sys_path: tuple[str, ...] = ()
+
+
+def rank_path(case_dir: str, rank: int, kind: str) -> str:
+    """The file ``rank-<rank>.<kind>`` (outcome, status, pid, stacks, log), as
+    ``harness.launcher.ranks.CaseRun.path`` names it."""
+    return os.path.join(case_dir, f"rank-{rank}.{kind}")
+
+
+def joined_path(case_dir: str, node: int) -> str:
+    """Written by node ``node``'s agent as it goes to the rendezvous."""
+    return os.path.join(case_dir, f"node-{node}.joining")
+
+
+def load(case_dir: str) -> NodeCase:
+    """The case's ``NodeCase``."""
+    with open(os.path.join(case_dir, CASE_FILE), "rb") as f:
+        return pickle.load(f)
+
+
+def agent_main(case_dir: str, node: int) -> NoReturn:
+    """Node ``node``'s agent: wait its emulated delay, find the rendezvous
+    store (node 0 hosts it), then run torch's elastic agent until its ranks
+    are done; exits as ``torchrun`` does."""
+    from harness.processes import die_with_parent, subreaper
+
+    case = load(case_dir)
+    die_with_parent(case.launcher_pid)
+    subreaper()
+    delay = case.delays[node]
+    if delay:
+        time.sleep(delay if math.isfinite(delay) else max(0.0, case.deadline - time.time()) + 60)
+    store = None
+    if node == 0:
+        from torch.distributed import TCPStore
+
+        # Kept open for the agent's life: torch's rendezvous, asking for a
+        # multi-tenant store on this port in this process, gets this one.
+        store = TCPStore("127.0.0.1", 0, is_master=True, multi_tenant=True, wait_for_workers=False)
+        write_text(os.path.join(case_dir, PORT_FILE), str(store.port))
+        port = store.port
+    else:
+        port = _wait_port(case_dir, case.deadline)
+    with open(joined_path(case_dir, node), "w"):
+        pass
+    # Past the case deadline the launcher stops the case: torch must not give up
+    # first (its default join timeout is 600 s, far past any case deadline).
+    join_timeout = math.ceil(max(1.0, case.deadline - time.time())) + 5
+    argv = [
+        f"--nnodes={case.nnodes}",
+        f"--nproc-per-node={case.nproc}",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=127.0.0.1:{port}",
+        f"--rdzv-id={os.path.basename(case_dir)}",
+        f"--rdzv-conf=join_timeout={join_timeout},is_host={'true' if node == 0 else 'false'}",
+        f"--local-addr=127.0.0.{NODE_ADDR_BASE + node}",
+        "--max-restarts=0",
+        "--monitor-interval=0.1",
+        "-m",
+        "harness.launcher.nodes",
+        "rank",
+        case_dir,
+    ]
+    from torch.distributed.run import main
+
+    try:
+        main(argv)
+    except SystemExit:
+        raise
+    except BaseException:
+        # torch's @record summary went to this node's log already.
+        os._exit(1)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def _wait_port(case_dir: str, deadline: float) -> int:
+    """The rendezvous store's port, once node 0 published it (until the case deadline)."""
+    while True:
+        try:
+            with open(os.path.join(case_dir, PORT_FILE)) as f:
+                return int(f.read())
+        except (FileNotFoundError, ValueError):
+            pass
+        if time.time() > deadline + 60:
+            raise TimeoutError("node 0 never published the rendezvous store's port")
+        time.sleep(_POLL_S)
+
+
+def rank_main(case_dir: str) -> NoReturn:
+    """A rank under node's agent: run the case's function on it with the
+    process group initialised from torchrun's environment, write its
+    ``RankOutcome`` (``rank-<RANK>.outcome``) and exit as an ordinary rank does."""
+
+    def start() -> tuple[RankContext, RankTask]:
+        case = load(case_dir)
+        sys.path[:] = case.sys_path or sys.path
+        rank, local, node = (int(os.environ[v]) for v in ("RANK", "LOCAL_RANK", "GROUP_RANK"))
+        split(os.getppid(), status_path=rank_path(case_dir, rank, "status"))
+        write_text(rank_path(case_dir, rank, "pid"), str(os.getpid()))  # atomic: whole or none
+        faulthandler.enable(file=sys.stderr, all_threads=True)
+        cards = case.cards[node] if node < len(case.cards) else ()
+        ctx = RankContext(
+            rank=rank,
+            world_size=int(os.environ["WORLD_SIZE"]),
+            device=case.device,
+            backend=case.backend,
+            card=cards[local] if local < len(cards) else None,
+            simulated=case.simulated,
+            store_path="",  # env://
+            outcome_path=rank_path(case_dir, rank, "outcome"),
+            stacks_path=rank_path(case_dir, rank, "stacks"),
+            log_path=rank_path(case_dir, rank, "log") if case.capture else None,
+            pg_timeout_s=case.pg_timeout_s,
+            parent_pid=case.launcher_pid,
+            env={CASE_ENV: case.enclosing[node]},
+            coverage=case.coverage,
+        )
+        return ctx, case.task
+
+    run_one(start)
 
 
 def node_delays(nnodes: int, raw: str | None = None) -> tuple[float, ...]:
@@ -85,18 +243,13 @@ def node_delays(nnodes: int, raw: str | None = None) -> tuple[float, ...]:
     return tuple(delays)
 
 
-def run_nodes(
-    task: RankTask, plan: CasePlan, cards: list[Card], *, lease: Lease | None = None
-) -> CaseOutcome:
-    """Run ``task`` on ``plan.spec.nnodes`` emulated nodes of ``plan.spec.nproc``
-    fresh ranks each and report what happened (``run_ranks``'s guarantees:
-    within the deadline plus the stop grace periods; no process of any node
-    alive on return, ``result.survivors`` lists any the kernel would not
-    kill; the case directory is gone)."""
+def run_nodes(task: RankTask, plan: CasePlan, cards: list[Card], *, lease: Lease) -> CaseOutcome:
+    """Run ``task`` on ``plan.spec.nnodes`` emulated nodes of ``plan.spec.nproc`` fresh
+    ranks each and report what happened, with ``run_ranks``'s guarantees."""
     spec = plan.spec
-    if spec.nnodes > nodes.MAX_EMULATED_NODES:
+    if spec.nnodes > MAX_EMULATED_NODES:
         raise ValueError(
-            f"{spec.nnodes} nodes cannot be emulated on one host (at most {nodes.MAX_EMULATED_NODES})"
+            f"{spec.nnodes} nodes cannot be emulated on one host (at most {MAX_EMULATED_NODES})"
         )
     delays = node_delays(spec.nnodes)
     case_dir = tempfile.mkdtemp(prefix="harness-nodes-")
@@ -109,10 +262,11 @@ def run_nodes(
     result.label += f", {spec.nnodes} emulated nodes x {spec.nproc}"
     per_node = [tuple(cards[k * spec.cards : (k + 1) * spec.cards]) for k in range(spec.nnodes)]
     wall_deadline = time.time() + plan.deadline.seconds
-    deadline = time.monotonic() + plan.deadline.seconds
-    case = nodes.NodeCase(
+    # The case deadline counts from the start here: the agents' rendezvous is bounded by
+    # it (``agent_main``), so there is no separate start bound.
+    run.ready, run.deadline = True, time.monotonic() + plan.deadline.seconds
+    case = NodeCase(
         task=task,
-        what=plan.what,
         nnodes=spec.nnodes,
         nproc=spec.nproc,
         device=spec.device,
@@ -121,7 +275,7 @@ def run_nodes(
         pg_timeout_s=pg_timeout_for(plan.deadline.seconds),
         capture=plan.settings.capture,
         simulated=is_simulated(),
-        coverage=CoverageSpec.of_launcher(),
+        coverage=coverage_of_launcher(),
         cards=tuple(per_node),
         enclosing=tuple(
             EnclosingCase(
@@ -138,18 +292,26 @@ def run_nodes(
         launcher_pid=os.getpid(),
         sys_path=tuple(sys.path),
     )
-    with open(nodes.path(case_dir, nodes.CASE_FILE), "wb") as f:
+    with open(os.path.join(case_dir, CASE_FILE), "wb") as f:
         pickle.dump(case, f)
     agents: list[subprocess.Popen] = []
     with reap_on_sigterm():
         try:
             for k in range(spec.nnodes):
                 agents.append(_start_agent(case_dir, k, per_node[k], plan, lease))
-            if lease is not None:
-                lease.annotate(ranks=[a.pid for a in agents])
-            # The case deadline counts from the start here: the agents' rendezvous is
-            # bounded by it (``node.agent_main``), so there is no separate start bound.
-            _supervise(run, agents, case_dir, deadline)
+            lease.annotate(ranks=[a.pid for a in agents])
+            per_node = spec.nproc
+            run.supervise(
+                [],
+                exited=lambda r: _exited(case_dir, r),
+                # A node whose agent ended with ranks of its own still pending (it failed at
+                # the rendezvous, or crashed) is a failure as a rank's is.
+                gone=lambda pending: any(
+                    agents[r // per_node].poll() is not None and _rank_pid(case_dir, r) is None
+                    for r in pending
+                ),
+                begun=lambda r: _rank_pid(case_dir, r) is not None,
+            )
         finally:
             with signals_deferred():
                 try:
@@ -160,29 +322,25 @@ def run_nodes(
 
 
 def _start_agent(
-    case_dir: str, node: int, cards: tuple[Card, ...], plan: CasePlan, lease: Lease | None
+    case_dir: str, node: int, cards: tuple[Card, ...], plan: CasePlan, lease: Lease
 ) -> subprocess.Popen:
     """Start node ``node``'s agent in a session of its own, its output in its
     log (when the case's output is captured), the lease descriptors kept by it."""
-    env = dict(os.environ)
+    env = {**RANK_ENV_DEFAULTS, **os.environ}
     env.pop(CASE_ENV, None)
-    # As torchrun does: N ranks each using every core oversubscribe the host.
-    env.setdefault("OMP_NUM_THREADS", "1")
-    # See CaseRun.rank_context: no rank leaves while a peer still joins a group.
-    env.setdefault("TORCH_DIST_INIT_BARRIER", "1")
     if cards:
         from harness.devices import device_type
 
         variable = device_type(cards[0].device).visibility_env
         assert variable is not None
         env[variable] = ",".join(c.id for c in cards)
-    fds = lease.fds() if lease is not None else []
+    fds = lease.fds()
     out = None
     if plan.settings.capture:
-        out = open(nodes.path(case_dir, f"node-{node}.log"), "wb")  # noqa: SIM115
+        out = open(os.path.join(case_dir, f"node-{node}.log"), "wb")  # noqa: SIM115
     try:
         return subprocess.Popen(
-            [sys.executable, "-m", "harness.launcher.node", "agent", case_dir, str(node)],
+            [sys.executable, "-m", "harness.launcher.nodes", "agent", case_dir, str(node)],
             env=env,
             stdin=subprocess.DEVNULL,
             stdout=out,
@@ -195,70 +353,19 @@ def _start_agent(
             out.close()
 
 
-def _observe(run: CaseRun, case_dir: str) -> list[int]:
-    """Record new outcomes and exits (from the ranks' supervisors' status
-    files); return the ranks neither reported nor exited."""
-    result = run.result
-    pending = []
-    for rank in range(result.nproc):
-        status = nodes.rank_path(case_dir, rank, "status")
-        exited = os.path.exists(status)  # before the outcome: it is written before exit
-        if rank not in result.outcomes:
-            outcome = RankOutcome.read(run.path(rank, "outcome"))
-            if outcome is not None:
-                result.outcomes[rank] = outcome
-        if exited and rank not in result.exits:
-            with contextlib.suppress(OSError, ValueError), open(status) as f:
-                result.exits[rank] = (os.path.getmtime(status), int(f.read()))
-        if rank not in result.outcomes and rank not in result.exits:
-            pending.append(rank)
-    return pending
-
-
-def _supervise(
-    run: CaseRun, agents: list[subprocess.Popen], case_dir: str, deadline: float
-) -> None:
-    result = run.result
-    per_node = result.ranks_per_node
-    first_failure: float | None = None
-    while True:
-        pending = _observe(run, case_dir)
-        if not pending:
-            return
-        now = time.monotonic()
-        # A node whose agent ended with ranks of its own still pending (it
-        # failed at the rendezvous, or crashed) is a failure as a rank's is.
-        node_gone = any(
-            agents[r // per_node].poll() is not None and not _started(case_dir, r) for r in pending
-        )
-        if first_failure is None and (node_gone or _has_failure(result)):
-            first_failure = now
-        if now >= deadline:
-            result.timed_out = [r for r in pending if _started(case_dir, r)]
-            result.deadline_passed = True
-            return
-        if first_failure is not None and now >= first_failure + ABANDON_GRACE_S:
-            result.abandoned = [r for r in pending if _started(case_dir, r)]
-            return
-        if run.capture:
-            run.stream_output()  # with `pytest -s`: each line as it comes, `[rank N] ...`
-        time.sleep(min(_POLL_S, max(0.0, deadline - now)))
-
-
-def _started(case_dir: str, rank: int) -> bool:
-    return os.path.exists(nodes.rank_path(case_dir, rank, "pid"))
-
-
-def _has_failure(result: CaseOutcome) -> bool:
-    return any(o.status == FAILED for o in result.outcomes.values()) or any(
-        rank not in result.outcomes or code != 0 for rank, (_, code) in result.exits.items()
-    )
+def _exited(case_dir: str, rank: int) -> tuple[float, int] | None:
+    """When and how a rank exited, from its supervisor's status file (None: not yet)."""
+    status = rank_path(case_dir, rank, "status")
+    with contextlib.suppress(OSError, ValueError), open(status) as f:
+        return os.path.getmtime(status), int(f.read())
+    return None
 
 
 def _rank_pid(case_dir: str, rank: int) -> int | None:
+    """The pid of a rank that started (None: not yet)."""
     with (
         contextlib.suppress(OSError, ValueError),
-        open(nodes.rank_path(case_dir, rank, "pid")) as f,
+        open(rank_path(case_dir, rank, "pid")) as f,
     ):
         return int(f.read())
     return None
@@ -272,14 +379,14 @@ def _wind_down(
     reap, collect output and say what went wrong with nodes."""
     result = run.result
     stopping = [*result.timed_out, *result.abandoned]
-    if stopping and STACK_DUMP_SIGNAL is not None:
-        handles = [SimpleNamespace(pid=_rank_pid(case_dir, r)) for r in range(result.nproc)]
-        run._dump_stacks(handles, [r for r in stopping if handles[r].pid is not None])
+    if stopping:
+        pids = {r: _rank_pid(case_dir, r) for r in stopping}
+        run.dump_stacks({r: pid for r, pid in pids.items() if pid is not None})
     if not stopping and len(result.outcomes) == result.nproc:
         stop_at = time.monotonic() + EXIT_WAIT_S
         while time.monotonic() < stop_at and any(a.poll() is None for a in agents):
             time.sleep(_POLL_S)
-        _observe(run, case_dir)
+        run.observe(lambda r: _exited(case_dir, r))
     states = [a.poll() for a in agents]
     survivors = processes.kill_trees([a.pid for a in agents], grace=KILL_GRACE_S)
     for agent in agents:
@@ -296,12 +403,12 @@ def _node_problems(
     """node -> what its agent did wrong, for nodes with ranks that never started."""
     per_node = result.ranks_per_node
     problems: dict[int, str] = {}
-    arrived = [os.path.exists(nodes.joined_path(case_dir, k)) for k in range(len(states))]
+    arrived = [os.path.exists(joined_path(case_dir, k)) for k in range(len(states))]
     # The nodes that never arrived first: they are why the others waited.
     for k in sorted(range(len(states)), key=lambda k: arrived[k]):
         code = states[k]
         ranks = range(k * per_node, (k + 1) * per_node)
-        if all(_started(case_dir, r) for r in ranks):
+        if all(_rank_pid(case_dir, r) is not None for r in ranks):
             continue
         late = delays[k]
         if not arrived[k]:
@@ -315,7 +422,7 @@ def _node_problems(
             why = f"waited at the rendezvous for node {', '.join(missing)}; its ranks never started"
         else:
             why = "its ranks never started"
-        tail = _log_tail(nodes.path(case_dir, f"node-{k}.log"))
+        tail = _log_tail(os.path.join(case_dir, f"node-{k}.log"))
         problems[k] = why + (
             f"\n--- node {k} agent output (last lines) ---\n{tail}" if tail else ""
         )
@@ -327,3 +434,11 @@ def _log_tail(path: str) -> str:
         lines = f.read().rstrip("\n").splitlines()
         return "\n".join(lines[-_NODE_LOG_TAIL_LINES:])
     return ""
+
+
+if __name__ == "__main__":
+    if len(sys.argv) >= 3 and sys.argv[1] == "agent":
+        agent_main(sys.argv[2], int(sys.argv[3]))
+    if len(sys.argv) >= 3 and sys.argv[1] == "rank":
+        rank_main(sys.argv[2])
+    sys.exit("usage: python -m harness.launcher.nodes agent CASE_DIR NODE | rank CASE_DIR")

@@ -1,23 +1,22 @@
 """What each rank of a case did, and the one verdict and report made of it.
 
-A rank writes its ``RankOutcome`` to a file when its function returns or
-raises; a rank that dies first (signal, ``os._exit``, deadline) leaves none,
-and the launcher records how it ended instead. ``CaseOutcome`` turns all of
-that into one status and a report that starts with the first failure.
-
-Each rank's captured output is read back to its head and tail, so a chatty
-rank's output costs no memory (it stays on disk, in the case's directory, until
-the case ends).
+A rank writes its ``RankOutcome`` to a file when its function returns or raises; a rank
+that dies first leaves none, and the launcher records how it ended instead.
+``CaseOutcome`` turns all of that into one status and a report that starts with the first
+failure. Each rank's captured output is read back to its head and tail only.
 """
 
 from __future__ import annotations
 
-import importlib
+import contextlib
+import logging
 import os
 import pickle
+import pydoc
 import signal
 import sys
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,11 +48,13 @@ def bounded(text: str, keep: int) -> str:
 
 @dataclass
 class RankOutcome:
-    """How one rank's function ended: ``status`` is passed / failed / skipped /
-    xfailed / rejected; ``at`` is the wall-clock time it ended; ``summary`` one line (the
-    exception or the skip reason); ``traceback`` the formatted failure;
-    ``value`` the pickled return value; ``exc_types`` names the class (and
-    bases) of the exception a failed rank raised."""
+    """How one rank's function ended: ``status`` (passed / failed / skipped / xfailed /
+    rejected), ``at`` (wall-clock time), ``summary`` (one line: the exception or the skip
+    reason), ``traceback``, ``value`` (pickled return value), ``exc_types`` (a failure's
+    exception class and bases, ``module.qualname``), ``warnings`` (category, message, file,
+    line), ``feedback`` (``harness.launcher.given.Feedback`` of a Hypothesis example),
+    ``records`` (log records as plain dicts), ``leaked`` (processes the function left
+    running, stopped after it: ``pid N: command``)."""
 
     rank: int
     status: str
@@ -61,22 +62,14 @@ class RankOutcome:
     summary: str = ""
     traceback: str = ""
     value: bytes | None = None
-    #: a failure's exception class and its bases, as ``module.qualname``
     exc_types: tuple[str, ...] = ()
-    #: warnings the function issued: (category ``module.qualname``, message,
-    #: file, line)
     warnings: list[tuple[str, str, str, int]] = field(default_factory=list)
-    #: what the body of a Hypothesis example told Hypothesis
-    #: (``harness.launcher.given.Feedback``; None: no example)
     feedback: Any = None
-    #: log records the function emitted (``harness.launcher.logs``), as plain dicts
     records: list[dict[str, Any]] = field(default_factory=list)
-    #: processes the function left running, stopped after it (``pid N: command``)
     leaked: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        # However big the exception's message, the outcome file, the report and
-        # the JUnit XML built from it stay small (as rank output is bounded).
+        # However big the exception's message, the report and JUnit XML stay small.
         self.summary = bounded(self.summary, SUMMARY_KEEP_CHARS)
         self.traceback = bounded(self.traceback, TRACEBACK_KEEP_CHARS)
 
@@ -94,21 +87,61 @@ class RankOutcome:
             return None
 
 
+#: Log records a rank reports per case (a loop logging a million times must not flood it).
+MAX_RECORDS = 1000
+
+
+class _Collector(logging.Handler):
+    def __init__(self, records: list[dict[str, Any]]) -> None:
+        super().__init__(logging.NOTSET)
+        self.records = records
+        self.dropped = 0
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if len(self.records) >= MAX_RECORDS:
+            self.dropped += 1
+            return
+        # Plain values only: the message formatted, the exception as text.
+        fields = dict(vars(record))
+        fields["msg"], fields["args"] = record.getMessage(), None
+        if record.exc_info:
+            fields["exc_text"] = record.exc_text or logging.Formatter().formatException(
+                record.exc_info
+            )
+        fields["exc_info"] = None
+        fields = {k: v for k, v in fields.items() if isinstance(v, (str, int, float, type(None)))}
+        self.records.append(fields)
+
+
+@contextlib.contextmanager
+def capture_logs(level: int | None) -> Iterator[list[dict[str, Any]]]:
+    """In a rank: catch the log records emitted inside as plain dicts (``RankOutcome.records``,
+    the first ``MAX_RECORDS``), the root logger at ``level`` meanwhile, as pytest's
+    ``log_level`` sets it (None: left as it is)."""
+    records: list[dict[str, Any]] = []
+    handler = _Collector(records)
+    root = logging.getLogger()
+    previous = root.level
+    root.addHandler(handler)
+    if level is not None:
+        root.setLevel(level)
+    try:
+        yield records
+    finally:
+        root.removeHandler(handler)
+        root.setLevel(previous)
+        if handler.dropped:
+            message = f"{handler.dropped} more log records of this rank dropped"
+            records.append({"name": "harness", "levelno": logging.WARNING, "msg": message})
+            records[-1]["levelname"] = "WARNING"
+
+
 def _warning_class(name: str) -> type[Warning]:
-    """The warning class ``module.qualname`` names, if this process can import
-    it; else ``UserWarning``."""
-    parts = name.split(".")
-    for split in range(len(parts) - 1, 0, -1):
-        module, qualname = ".".join(parts[:split]), parts[split:]
-        try:
-            obj: Any = importlib.import_module(module)
-            for part in qualname:
-                obj = getattr(obj, part)
-        except Exception:
-            continue
-        if isinstance(obj, type) and issubclass(obj, Warning):
-            return obj
-        break
+    """The warning class ``module.qualname`` names, else ``UserWarning``."""
+    with contextlib.suppress(Exception):
+        found = pydoc.locate(name)
+        if isinstance(found, type) and issubclass(found, Warning):
+            return found
     return UserWarning
 
 
@@ -150,34 +183,23 @@ class CaseOutcome:
     #: rank -> (wall time its exit was observed, exit code), for ranks that
     #: exited by themselves (not stopped by the launcher)
     exits: dict[int, tuple[float, int]] = field(default_factory=dict)
-    #: ranks still running at the deadline
     timed_out: list[int] = field(default_factory=list)
-    #: the ranks timed out before they were all ready to run the function (the
-    #: start bound, ``deadline_s`` then, ran out; not the case deadline)
+    #: timed out before every rank was ready (``deadline_s`` is then the start bound)
     starting: bool = False
-    #: seconds the ranks took to be ready to run the function (None: never all were)
-    start_s: float | None = None
+    start_s: float | None = None  # how long the ranks took to be ready
     #: ranks stopped because they kept running after another rank failed
     abandoned: list[int] = field(default_factory=list)
     abandon_grace_s: float = 0.0
-    #: rank -> its Python stacks, dumped just before it was stopped
-    stacks: dict[int, str] = field(default_factory=dict)
-    #: rank -> its captured stdout/stderr (when output is captured)
-    logs: dict[int, str] = field(default_factory=dict)
-    #: pids still alive after SIGKILL (stuck in the kernel)
-    survivors: list[int] = field(default_factory=list)
-    #: the cards the ranks ran on
+    stacks: dict[int, str] = field(default_factory=dict)  # dumped just before a stop
+    logs: dict[int, str] = field(default_factory=dict)  # captured output
+    survivors: list[int] = field(default_factory=list)  # alive after SIGKILL
     cards: tuple[str, ...] = ()
-    #: the ranks it ran on: "fresh", or "kept (case N of its pool)"
-    ranks: str = "fresh"
-    #: what the harness did around the case worth telling (e.g. a kept pool
-    #: with a rank gone was replaced)
-    notes: list[str] = field(default_factory=list)
-    #: a multi-node case (``harness.launcher.nodes``): ranks per node, so that
-    #: reports name each rank's node (0: one node, ranks are named alone)
+    ranks: str = "fresh"  # or "kept (case N of its pool)"
+    notes: list[str] = field(default_factory=list)  # what the harness did worth telling
+    #: multi-node: ranks per node, so that reports name each rank's node (0: one node)
     ranks_per_node: int = 0
-    #: node -> what went wrong with it besides its ranks' outcomes (an agent
-    #: that never arrived at the rendezvous or ended before its ranks started)
+    #: node -> what went wrong with it besides its ranks (an agent that never arrived
+    #: at the rendezvous or ended before its ranks started)
     node_problems: dict[int, str] = field(default_factory=dict)
     #: the deadline passed (with ``timed_out`` empty: before any pending rank started)
     deadline_passed: bool = False
@@ -187,6 +209,12 @@ class CaseOutcome:
         if self.ranks_per_node:
             return f"node {rank // self.ranks_per_node} rank {rank}"
         return f"rank {rank}"
+
+    def has_failure(self) -> bool:
+        """A rank failed, or exited before reporting or with a non-zero code."""
+        return any(o.status == FAILED for o in self.outcomes.values()) or any(
+            rank not in self.outcomes or code != 0 for rank, (_, code) in self.exits.items()
+        )
 
     def _failures(self) -> list[_Failure]:
         failures = []
@@ -247,18 +275,16 @@ class CaseOutcome:
         return PASSED
 
     def failure_types(self) -> tuple[str, ...]:
-        """The exception class names (``module.qualname``, with its bases) of
-        the failure heading the report; empty when that failure is no
-        exception (a timeout, a dead rank)."""
+        """The exception class names (``module.qualname``, with its bases) of the failure
+        heading the report; empty when it is no exception (a timeout, a dead rank)."""
         if self.timed_out:
             return ()
         failures = self._failures()
         return failures[0].exc_types if failures else ()
 
     def reissue_warnings(self) -> None:
-        """Issue the ranks' warnings again in this process (once per distinct
-        warning, naming the ranks), so the caller's filters and pytest's
-        warnings summary see them as warnings of the test."""
+        """Issue the ranks' warnings again here (once per distinct warning, naming the
+        ranks), as warnings of the test for the caller's filters and pytest."""
         seen: dict[tuple[str, str, str, int], list[int]] = {}
         for rank in sorted(self.outcomes):
             for warning in self.outcomes[rank].warnings:
@@ -277,12 +303,13 @@ class CaseOutcome:
         return {r: o.feedback for r, o in self.outcomes.items() if o.feedback is not None}
 
     def reissue_logs(self) -> None:
-        """Hand the ranks' log records to this process's loggers, rank by rank, so
-        pytest's log capture reports them as the test's (``harness.launcher.logs``)."""
-        from harness.launcher import logs
-
+        """Hand the ranks' log records to the loggers they were emitted on, here, rank by
+        rank (prefixed ``[rank N]``), as pytest's log capture shows the test's own."""
         for rank in sorted(self.outcomes):
-            logs.reissue(rank, self.outcomes[rank].records)
+            for fields in self.outcomes[rank].records:
+                message = f"[rank {rank}] {fields.get('msg', '')}"
+                record = logging.makeLogRecord(dict(fields, msg=message))
+                logging.getLogger(record.name).handle(record)
 
     def reason(self) -> str:
         """The skip / xfail reason of the first rank that gave one."""
@@ -376,8 +403,7 @@ class CaseOutcome:
         return f"--- {self.who(rank)} stack {when} ---\n{stack}"
 
 
-#: Per rank and case, the first and the last this many bytes of its output
-#: are kept; what lies between is dropped and counted.
+#: Per rank and case, the first and the last this many bytes of its output are kept.
 OUTPUT_HEAD_BYTES = 64 * 1024
 OUTPUT_TAIL_BYTES = 256 * 1024
 
@@ -392,8 +418,7 @@ def file_size(path: str) -> int:
 
 def read_bounded(path: str, what: str = "this rank's output") -> str:
     """A rank's output (``what``): all of it when short, else its head, a line saying how
-    many bytes were dropped, and its tail (never more than head + tail bytes
-    read into memory)."""
+    many bytes were dropped, and its tail (only those read into memory)."""
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
         if size <= OUTPUT_HEAD_BYTES + OUTPUT_TAIL_BYTES:
@@ -411,8 +436,7 @@ def read_bounded(path: str, what: str = "this rank's output") -> str:
 
 
 def echo_logs(result: CaseOutcome, stream: Any = None) -> None:
-    """Write the harness's notes on the case, then the ranks' captured output,
-    one headed block per rank."""
+    """Write the harness's notes on the case, then each rank's captured output."""
     stream = stream or sys.stdout
     for note in result.notes:
         stream.write(f"harness: {note}\n")

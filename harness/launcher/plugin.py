@@ -11,16 +11,18 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
+import json
 import os
 import shutil
 import sys
 import tempfile
 import time
+import traceback
 import warnings
-from dataclasses import dataclass
 from typing import Any, NoReturn
 
 import pytest
+from _pytest.logging import get_log_level_for_setting
 
 from harness import busy
 from harness.devices import (
@@ -35,7 +37,7 @@ from harness.devices import (
     runtime_available,
     set_device,
 )
-from harness.launcher import containment, given, logs
+from harness.launcher import containment, given
 from harness.launcher.case import (
     DEFAULT_LEASE_TIMEOUT_S,
     DEFAULT_TIMEOUT_S,
@@ -62,24 +64,22 @@ from harness.launcher.lease import (
 )
 from harness.launcher.outcome import REJECTED
 from harness.launcher.pool import keeper
-from harness.launcher.rank import CASE_ENV, EnclosingCase
+from harness.launcher.rank import CASE_ENV, EnclosingCase, pg_timeout_for
 from harness.launcher.ranks import ProcessSpec
 from harness.launcher.supervisor import tie_to_controller
 from harness.launcher.target import FunctionRef, conftests_for
-from harness.launcher.torchrun import run_here, shape_problem, under_torchrun
 from harness.names import DEVICE_MARKER, OPT_COMMANDS
 from harness.spec import ACCELERATORS, LaunchSpec, is_launched, launch_refusal, spec_for_item
 from harness.validation import check_int, check_seconds
 from harness.watchdog import WATCHDOG_GRACE_S, faulthandler_free, watchdog
 
 SETTINGS_KEY = pytest.StashKey[Settings]()
-#: How to deactivate this config's settings (``harness.launcher.case.active``).
 ACTIVATION_KEY = pytest.StashKey["contextvars.Token[Settings]"]()
 #: A test's spec and (launched) deadline, derived once (``_case``).
 CASE_KEY = pytest.StashKey[tuple[LaunchSpec, Deadline]]()
-#: Why the default lease directory is unusable, when it is (see ``_settings_from``).
 _LEASE_DIR_PROBLEM = pytest.StashKey[str]()
-CARD_LEASE_KEY = pytest.StashKey["_HeldCard"]()
+#: A plain test's card lease, its environment and its nested-launch slots, until teardown.
+CARD_LEASE_KEY = pytest.StashKey[contextlib.ExitStack]()
 #: pytest-timeout's timeout of a launched test (its marker or ini), in seconds
 TIMEOUT_KEY = pytest.StashKey[float]()
 
@@ -200,7 +200,6 @@ def _settings_from(config: pytest.Config) -> Settings:
             parse_cards(os.environ["HARNESS_CARDS"])
         except ValueError as exc:
             raise pytest.UsageError(str(exc)) from None
-    # --harness-reuse / --harness-no-reuse, else the ini (default: fresh ranks per case).
     reuse = opt("harness_reuse")
     if reuse is None:
         reuse = config.getini("harness_reuse")
@@ -232,8 +231,7 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
-    # No rank outlives the session that started it.
-    keeper.close()
+    keeper.close()  # no rank outlives the session that started it
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
@@ -279,19 +277,40 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     refusal = launch_refusal(item) if is_launched(item) else None
     if refusal is not None:
         _fail(f"{item.nodeid}: {refusal}")
-    settings = item.config.stash[SETTINGS_KEY]
     # Emulated nodes share this host: it needs every node's cards (a real node, its own).
-    reason = missing_cards(spec.device, spec.cards * (1 if under_torchrun() else spec.nnodes))
-    if reason is not None:
-        if spec.device in settings.require:
-            # `harness run` of an accelerator suite sets it: a runner without its cards fails.
-            _fail(
-                f"{reason}, and --harness-require {spec.device} is set (`harness run` sets it "
-                f"for a {spec.device} suite; --max-cards N runs only what fits)"
-            )
-        _skip_at_test(reason)
+    need_cards(item, spec.device, spec.cards * (1 if under_torchrun() else spec.nnodes))
     if spec.cards and not runs_apart(item):
-        _lease_card_in_process(item, spec, settings)
+        _lease_card_in_process(item, spec, item.config.stash[SETTINGS_KEY])
+
+
+def need_cards(item: pytest.Item, device: str, count: int) -> None:
+    """Skip the test when this host lacks ``count`` cards of ``device``; fail it instead
+    when ``--harness-require`` names the device (`harness run` of an accelerator suite)."""
+    reason = missing_cards(device, count)
+    if reason is None:
+        return
+    if device in item.config.stash[SETTINGS_KEY].require:
+        _fail(
+            f"{reason}, and --harness-require {device} is set (`harness run` sets it "
+            f"for a {device} suite; --max-cards N runs only what fits)"
+        )
+    _skip_at_test(reason)
+
+
+def lease_cards(item: pytest.Item, device: str, count: int) -> Lease:
+    """Lease ``count`` cards of ``device`` for the test (bounded wait: a failure naming
+    what it waited for)."""
+    settings = item.config.stash[SETTINGS_KEY]
+    try:
+        return acquire(
+            settings.lease_dir,
+            [card_want(inventory(device), count)],
+            timeout=settings.lease_timeout,
+            holder=item.nodeid,
+        )
+    except LeaseError as exc:
+        what = f"a {device} card" if count == 1 else f"{count} {device} cards"
+        _fail(f"{item.nodeid}: could not lease {what}\n{exc}")
 
 
 def entry_device(item: pytest.Item) -> tuple[str, int] | None:
@@ -312,47 +331,22 @@ def runs_apart(item: pytest.Item) -> bool:
         return True
     if not isinstance(item, pytest.Function) or entry_device(item) is None:
         return False
-    body = item.obj
-    return launch_refusal(item) is None and not (
-        inspect.iscoroutinefunction(body) or inspect.isasyncgenfunction(body)
-    )
+    return launch_refusal(item) is None and not _is_async(item.obj)
 
 
-def _spec_of(item: pytest.Function) -> LaunchSpec:
-    """The spec the test runs under: its own, or the entry's device and cards for a plain
-    case of an accelerator entry (:func:`entry_device`)."""
-    placed = entry_device(item)
-    if placed is None:
-        return spec_for_item(item)
-    device, cards = placed
-    return ProcessSpec(device=device, card_count=cards)
-
-
-@dataclass(frozen=True)
-class _HeldCard:
-    """A plain test's card lease, the environment it replaced, its nested-launch slots."""
-
-    lease: Lease
-    environ: dict[str, str | None]
-    budget_dir: str
+def _is_async(body: Any) -> bool:
+    return inspect.iscoroutinefunction(body) or inspect.isasyncgenfunction(body)
 
 
 def _lease_card_in_process(item: pytest.Function, spec: LaunchSpec, settings: Settings) -> None:
-    try:
-        lease = acquire(
-            settings.lease_dir,
-            [card_want(inventory(spec.device), spec.cards)],
-            timeout=settings.lease_timeout,
-            holder=item.nodeid,
-        )
-    except LeaseError as exc:
-        what = f"a {spec.device} card" if spec.cards == 1 else f"{spec.cards} {spec.device} cards"
-        _fail(f"{item.nodeid}: could not lease {what}\n{exc}")
+    held_until_teardown = item.stash[CARD_LEASE_KEY] = contextlib.ExitStack()
+    lease = lease_cards(item, spec.device, spec.cards)
+    held_until_teardown.callback(lease.release)
     held = lease.cards()
     card = held[0]
-    # The test is a case of one rank on its card: a harness.launch it makes on
-    # that device runs on the card it holds instead of waiting for it.
+    # A case of one rank on its card: a harness.launch it makes runs on that card.
     budget = tempfile.mkdtemp(prefix="harness-plain-")
+    held_until_teardown.callback(shutil.rmtree, budget, ignore_errors=True)
     enclosing = EnclosingCase(
         item.nodeid,
         len(held),
@@ -367,10 +361,10 @@ def _lease_card_in_process(item: pytest.Function, spec: LaunchSpec, settings: Se
         # A plain case of an accelerator entry that cannot run apart: what it starts sees
         # exactly its cards (this process does only if it had not initialised the runtime).
         updates[visible] = ",".join(c.id for c in held)
-    item.stash[CARD_LEASE_KEY] = _HeldCard(lease, {k: os.environ.get(k) for k in updates}, budget)
-    os.environ.update(updates)
-    # A simulated inventory on a host whose tests never imported torch needs no
-    # device selection (and should not pay for importing torch).
+    environ = held_until_teardown.enter_context(pytest.MonkeyPatch.context())
+    for name, value in updates.items():
+        environ.setenv(name, value)
+    # A simulated inventory where torch was never imported: no device to select.
     if (not is_simulated() or "torch" in sys.modules) and runtime_available(card.device):
         index = local_index(card)
         if index is not None:
@@ -385,20 +379,13 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None):
         held = item.stash.get(CARD_LEASE_KEY, None)
         if held is not None:
             del item.stash[CARD_LEASE_KEY]
-            held.lease.release()
-            for name, previous in held.environ.items():
-                if previous is None:
-                    os.environ.pop(name, None)
-                else:
-                    os.environ[name] = previous
-            shutil.rmtree(held.budget_dir, ignore_errors=True)
+            held.close()  # the environment put back, the budget directory and the lease gone
 
 
 class _FixtureDeadlines:
-    """The setup and teardown of a launched case (its fixtures run here, in
-    this process) are each bounded by the case's deadline, as its call is on
-    the ranks: past it the phase fails with this process's stacks and the
-    session goes on (see ``harness.watchdog.Watchdog``)."""
+    """The setup and teardown of a case run apart (its fixtures run here) are each bounded
+    by the case's deadline: past it the phase fails with this process's stacks and the
+    session goes on (``harness.watchdog``)."""
 
     def __init__(self, config: pytest.Config) -> None:
         self.config = config
@@ -431,8 +418,7 @@ class _FixtureDeadlines:
         )
 
     def on_exit(self, headline: str) -> None:
-        """The watchdog stops this process: what pytest captured goes to the
-        terminal first, so the stacks written after it are seen."""
+        """The watchdog stops this process: what pytest captured goes out first."""
         capman = self.config.pluginmanager.get_plugin("capturemanager")
         if capman is not None:
             capman.suspend_global_capture(in_=True)
@@ -449,7 +435,12 @@ def _case(item: pytest.Function) -> tuple[LaunchSpec, Deadline]:
     else pytest-timeout's timeout of the test, else ``--harness-timeout``."""
     case = item.stash.get(CASE_KEY, None)
     if case is None:
-        spec = _spec_of(item)
+        placed = entry_device(item)
+        spec = (
+            spec_for_item(item)
+            if placed is None
+            else ProcessSpec(device=placed[0], card_count=placed[1])
+        )
         settings = item.config.stash[SETTINGS_KEY]
         timeout = item.stash.get(TIMEOUT_KEY, None)
         if timeout is None:
@@ -467,10 +458,8 @@ def _case(item: pytest.Function) -> tuple[LaunchSpec, Deadline]:
 
 
 def _warn_longer_spec_timeout(item: pytest.Function, spec_s: float, marker_s: float) -> None:
-    """A ``timeout`` marker on the test (or `harness run`'s, carrying its entry's
-    ``timeout_s``) shorter than its ``LaunchSpec.timeout``: the spec's deadline applies,
-    which the marker's author may not expect. (The ini's ``timeout`` is a session default a
-    spec overrides without a word.)"""
+    """A ``timeout`` marker shorter than the test's ``LaunchSpec.timeout``, which applies
+    (the ini's ``timeout``, a session default, is overridden without a word)."""
     if item.get_closest_marker("timeout") is None:
         return
     path, lineno, _ = item.location
@@ -488,48 +477,39 @@ def _warn_longer_spec_timeout(item: pytest.Function, spec_s: float, marker_s: fl
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
-    if (
-        not runs_apart(pyfuncitem)
-        or inspect.iscoroutinefunction(pyfuncitem.obj)
-        or (inspect.isasyncgenfunction(pyfuncitem.obj))
-    ):
-        # An async test runs (or fails) as pytest and its async plugins decide,
-        # exactly as its in-process twin: nothing here would await it.
+    body = pyfuncitem.obj
+    if not runs_apart(pyfuncitem) or _is_async(body):
+        # An async test runs as pytest and its async plugins decide: nothing here awaits it.
         return None
-    spec, _ = _case(pyfuncitem)
-    settings = pyfuncitem.config.stash[SETTINGS_KEY]
+    spec, deadline = _case(pyfuncitem)
     fixtures = {name: pyfuncitem.funcargs[name] for name in pyfuncitem._fixtureinfo.argnames}
     if spec.nnodes > 1 and under_torchrun():
         # Real nodes: this process is one of the case's ranks, torchrun started it.
         problem = shape_problem(spec)
         if problem is not None:
             _fail(f"{pyfuncitem.nodeid}: {problem}")
-        _, deadline = _case(pyfuncitem)
         report = run_here(pyfuncitem.obj, fixtures, spec, pyfuncitem.nodeid, deadline.seconds)
         if report is not None:
             _fail(report)
         return True
     if hasattr(pyfuncitem.obj, "hypothesis"):
-        _run_given(pyfuncitem, spec, settings, fixtures)
+        _run_given(pyfuncitem, fixtures)
     else:
-        _run_on_ranks(pyfuncitem, spec, settings, (), fixtures)
+        _run_on_ranks(pyfuncitem, (), fixtures)
     return True
 
 
 def _run_on_ranks(
     item: pytest.Function,
-    spec: LaunchSpec,
-    settings: Settings,
     args: tuple,
     kwargs: dict,
     *,
     example: bool = False,
     placements: list | None = None,
 ) -> None:
-    """Run the test's body on ranks with these arguments and report it as
-    pytest would the in-process test; ``example``: one Hypothesis example
-    (a failure raises ``LaunchError`` for Hypothesis to shrink on). The
-    case's ``(cards, ranks)`` is appended to ``placements`` when given."""
+    """Run the test's body on ranks and report it as pytest would in-process; ``example``:
+    one Hypothesis example (a failure raises ``LaunchError`` for Hypothesis to shrink on),
+    its ``(cards, ranks)`` appended to ``placements``."""
     params = item.callspec.params if hasattr(item, "callspec") else {}
     fixtures = set(item._fixtureinfo.argnames)
     kinds = {
@@ -540,7 +520,8 @@ def _run_on_ranks(
         else "Hypothesis example argument"
         for name in kwargs
     }
-    _, deadline = _case(item)
+    spec, deadline = _case(item)
+    settings = item.config.stash[SETTINGS_KEY]
     try:
         task, plan = prepare_case(
             FunctionRef.for_test(item),
@@ -557,10 +538,10 @@ def _run_on_ranks(
             warning_filters=_warning_filters(item),
             show_deprecations=not sys.warnoptions,
             conftests=conftests_for(item),
-            live=_live(item.config),
+            live=item.config.getoption("capture", "fd") == "no",  # -s: streamed as they run
             example=example,
             assertions=AssertionSettings.of(item.config),
-            log_level=logs.level_of(item.config),
+            log_level=get_log_level_for_setting(item.config, "log_level"),
         )
     except TypeError as exc:
         _fail(f"{item.nodeid}: {exc}")
@@ -573,8 +554,7 @@ def _run_on_ranks(
     if leaked:
         item.stash.setdefault(containment.RANK_LEAKS, []).extend(leaked)
     if not example:
-        # JUnit <properties> of the case: where and how it ran.
-        item.user_properties.extend(_placement(spec, placed))
+        item.user_properties.extend(_placement(item, placed))
 
     def fail(report: str) -> NoReturn:
         _raise_for_xfail(item, result.failure_types(), report)
@@ -583,9 +563,7 @@ def _run_on_ranks(
         _fail(report)
 
     if example:
-        # What the body told Hypothesis on the ranks (notes, events, targets),
-        # told again here, in the example's build context, before its verdict.
-        given.replay(result.feedbacks())
+        given.replay(result.feedbacks())  # in the example's build context, before its verdict
     try:
         conclude(result, fail=fail, skip=_skip_at_test, xfail=pytest.xfail, echo=not plan.live)
     finally:
@@ -597,8 +575,9 @@ def _run_on_ranks(
         reject()  # a rejected example, as `assume` in-process: no failure, nothing torn down
 
 
-def _placement(spec: LaunchSpec, placed: tuple[str, Any]) -> list[tuple[str, Any]]:
+def _placement(item: pytest.Function, placed: tuple[str, Any]) -> list[tuple[str, Any]]:
     """The JUnit properties saying where and how a launched case ran."""
+    spec, _ = _case(item)
     cards, ranks = placed
     return [
         ("harness.device", spec.device),
@@ -608,11 +587,9 @@ def _placement(spec: LaunchSpec, placed: tuple[str, Any]) -> list[tuple[str, Any
     ]
 
 
-def _run_given(item: pytest.Function, spec: LaunchSpec, settings: Settings, fixtures: dict) -> None:
-    """A ``@given`` test: Hypothesis runs here, in the launcher, drawing,
-    shrinking and storing its examples once; each example runs on all ranks
-    (the kept pool makes that cheap). Its per-example deadline is off: each
-    example is a case under the case deadline."""
+def _run_given(item: pytest.Function, fixtures: dict) -> None:
+    """A ``@given`` test: Hypothesis draws, shrinks and stores its examples here; each
+    example runs on all ranks, a case under the case deadline (Hypothesis's is off)."""
     test = item.obj
     hypothesis = test.hypothesis
     body = hypothesis.inner_test
@@ -622,16 +599,15 @@ def _run_given(item: pytest.Function, spec: LaunchSpec, settings: Settings, fixt
         __tracebackhide__ = True
         if args and item.instance is not None and args[0] is item.instance:
             args = args[1:]
-        _run_on_ranks(item, spec, settings, args, kwargs, example=True, placements=placements)
+        _run_on_ranks(item, args, kwargs, example=True, placements=placements)
 
-    # Hypothesis names the failing example after this function: the test's name.
+    # Hypothesis names the failing example after it.
     on_ranks.__name__, on_ranks.__qualname__ = body.__name__, body.__qualname__
 
     import hypothesis as hyp
 
     chosen = getattr(test, "_hypothesis_internal_use_settings", None) or hyp.settings.default
-    # Its "explain" phase would report the lines only failing examples ran: here
-    # the launcher's own failure handling, not the test's code (which runs on ranks).
+    # Its "explain" phase would report the launcher's lines, not the test's (on ranks).
     explain = getattr(hyp.Phase, "explain", None)
     phases = tuple(phase for phase in chosen.phases if phase is not explain)
     hypothesis.inner_test = on_ranks
@@ -643,19 +619,13 @@ def _run_given(item: pytest.Function, spec: LaunchSpec, settings: Settings, fixt
         test._hypothesis_internal_use_settings = chosen
         last = placements[-1] if placements else ("", 0)
         item.user_properties.extend(
-            [*_placement(spec, last), ("harness.examples", len(placements))]
+            [*_placement(item, last), ("harness.examples", len(placements))]
         )
 
 
-def _live(config: pytest.Config) -> bool:
-    """Output capture is off (``-s``): the ranks' output is streamed as they run."""
-    return config.getoption("capture", "fd") == "no"
-
-
 def _raise_for_xfail(item: pytest.Function, names: tuple[str, ...], report: str) -> None:
-    """When an ``xfail(raises=E)`` marker names a class the failing rank's
-    exception is (by ``module.qualname`` of its class and bases), raise an ``E``
-    carrying the report, so pytest's xfail matching sees what the rank raised."""
+    """Raise an ``E`` carrying the report when an ``xfail(raises=E)`` marker names a class
+    the failing rank's exception is (``names``: ``module.qualname`` of it and its bases)."""
     __tracebackhide__ = True
     for mark in item.iter_markers("xfail"):
         raises = mark.kwargs.get("raises")
@@ -668,10 +638,10 @@ def _raise_for_xfail(item: pytest.Function, names: tuple[str, ...], report: str)
 
 @pytest.hookimpl(optionalhook=True, tryfirst=True)
 def pytest_timeout_set_timer(item: pytest.Item, settings) -> bool | None:
-    """pytest-timeout's timeout of a launched test becomes its case deadline:
-    the ranks are stopped at it and their stacks reported, instead of a timer
-    in this process interrupting the launcher (whose stack says nothing)."""
-    if not runs_apart(item):
+    """pytest-timeout's timeout of a case run apart (or a command case) becomes its
+    deadline: its processes are stopped at it and their stacks reported, instead of a
+    timer in this process interrupting the launcher (whose stack says nothing)."""
+    if not _times_itself(item):
         return None
     item.stash[TIMEOUT_KEY] = float(settings.timeout)
     if CASE_KEY in item.stash:  # set at the call (func_only): the call's deadline is this
@@ -681,7 +651,11 @@ def pytest_timeout_set_timer(item: pytest.Item, settings) -> bool | None:
 
 @pytest.hookimpl(optionalhook=True, tryfirst=True)
 def pytest_timeout_cancel_timer(item: pytest.Item) -> bool | None:
-    return True if runs_apart(item) else None
+    return True if _times_itself(item) else None
+
+
+def _times_itself(item: pytest.Item) -> bool:
+    return runs_apart(item) or getattr(item, "times_itself", False)
 
 
 def _fail(message: str) -> NoReturn:
@@ -691,11 +665,7 @@ def _fail(message: str) -> NoReturn:
 
 def _skip_at_test(reason: str) -> NoReturn:
     """Skip, reported at the test's location rather than at this plugin's line."""
-    try:
-        exc = pytest.skip.Exception(reason, _use_item_location=True)
-    except TypeError:  # a pytest without the keyword
-        exc = pytest.skip.Exception(reason)
-    raise exc
+    raise pytest.skip.Exception(reason, _use_item_location=True)
 
 
 def _warning_filters(item: pytest.Function) -> tuple[tuple[str, bool], ...]:
@@ -707,3 +677,116 @@ def _warning_filters(item: pytest.Function) -> tuple[tuple[str, bool], ...]:
     for mark in item.iter_markers(name="filterwarnings"):
         filters += [(arg, False) for arg in mark.args]
     return tuple(filters)
+
+
+# Real nodes: this pytest process is itself a rank torch's elastic launcher started
+# (``torchrun ... -m pytest ...`` on each host). The case's body runs here, with the
+# process group initialised from torchrun's environment, after the world's shape is
+# checked against the case's ``LaunchSpec``; each rank publishes its outcome in
+# torchrun's rendezvous store, and rank 0's verdict (until the case deadline) is the
+# case's, naming the node and rank of each failure.
+
+#: torchrun's environment, which a pytest process it started has.
+TORCHRUN_ENV = ("TORCHELASTIC_RUN_ID", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")
+
+
+def under_torchrun() -> bool:
+    """Whether this process is a rank torch's elastic launcher started."""
+    return all(name in os.environ for name in TORCHRUN_ENV)
+
+
+def shape_problem(spec: LaunchSpec) -> str | None:
+    """Why the torchrun world this process is in cannot run a case of ``spec``
+    (None: its nodes and ranks per node are the case's)."""
+    world = int(os.environ["WORLD_SIZE"])
+    local = int(os.environ["LOCAL_WORLD_SIZE"])
+    if (world, local) == (spec.world_size, spec.nproc):
+        return None
+    return (
+        f"the case needs {spec.nnodes} nodes x {spec.nproc} ranks; torchrun started this rank "
+        f"in a world of {world} ranks, {local} per node (start it with --nnodes {spec.nnodes} "
+        f"--nproc-per-node {spec.nproc})"
+    )
+
+
+def run_here(
+    test: Any, kwargs: dict[str, Any], spec: LaunchSpec, case: str, deadline_s: float
+) -> str | None:
+    """Run the case's body ``test(**kwargs)`` on this rank of a torchrun world
+    of the case's shape, then agree on the verdict: a failure here is raised
+    here; on rank 0, the other ranks' failures (and ranks that reported
+    nothing by the deadline) are returned as a report naming each one's node
+    and rank (None: every rank passed or skipped)."""
+    __tracebackhide__ = True
+    import torch.distributed as dist
+
+    end = time.monotonic() + deadline_s
+    rank, per_node = int(os.environ["RANK"]), spec.nproc
+    if not dist.is_initialized():
+        _init_torchrun(spec, deadline_s)
+    store = _torchrun_store(case, end)
+    error: BaseException | None = None
+    try:
+        test(**kwargs)
+        outcome = {"status": "passed"}
+    except BaseException as exc:
+        error = exc
+        only = "".join(traceback.format_exception_only(type(exc), exc)).strip()
+        status = "skipped" if type(exc).__name__ in ("Skipped", "XFailed") else "failed"
+        outcome = {"status": status, "summary": only.splitlines()[0] if only else ""}
+    store.set(f"rank-{rank}", json.dumps(outcome))
+    if error is not None:
+        raise error
+    if rank != 0:
+        return None
+    failures = []
+    for other in range(1, spec.world_size):
+        got = _wait_key(store, f"rank-{other}", end)
+        who = f"node {other // per_node} rank {other}"
+        if got is None:
+            failures.append(f"{who} reported no outcome by the {deadline_s:g} s deadline")
+        elif got["status"] == "failed":
+            failures.append(f"{who} failed: {got['summary']}")
+    if not failures:
+        return None
+    shape = f"({spec.world_size} ranks, {spec.nnodes} nodes x {per_node}, started by torchrun)"
+    return "\n".join([*failures, shape])
+
+
+def _init_torchrun(spec: LaunchSpec, deadline_s: float) -> None:
+    """Join torchrun's process group, on the ``LOCAL_RANK``-th card of an accelerator."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from harness.devices import device_type
+
+    kind = device_type(spec.device)
+    if kind.is_accelerator:
+        kind.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group(
+        spec.dist_backend, timeout=timedelta(seconds=pg_timeout_for(deadline_s))
+    )
+
+
+def _torchrun_store(case: str, end: float) -> Any:
+    """A client of the rendezvous store torchrun's agents host, under a prefix of this case."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    timeout = timedelta(seconds=max(1.0, end - time.monotonic()))
+    client = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout
+    )
+    run = os.environ["TORCHELASTIC_RUN_ID"]
+    return dist.PrefixStore(f"harness/{run}/{case}/", client)
+
+
+def _wait_key(store: Any, key: str, end: float) -> dict[str, Any] | None:
+    while True:
+        if store.check([key]):
+            return json.loads(store.get(key))
+        if time.monotonic() >= end:
+            return None
+        time.sleep(0.1)

@@ -1,15 +1,13 @@
 """Kept rank processes (opt-in): consecutive launched cases with the same
 (device, nproc, backend) run on one pool of ranks whose process group stays up.
 
-One pool per process, one case at a time (``PoolKeeper``); before each case
-the ranks restore the per-case state (``harness.launcher.reset``); a pool
-with a rank gone is replaced before the case. A failing, crashing, overdue or
-interrupted case tears the pool down as fresh ranks are stopped; so does a
-passed case that left what cannot be reset. The pool holds its lease (the
-ranks inherit the descriptors) until it is closed: on a key change, when this
-process needs the resources (``lease.add_yield_hook``), when another process
-waits for them (after the pool's slice, or once idle), at session end and at
-interpreter exit. The rank side is ``harness.launcher.rank.pool_rank_main``.
+One pool per process, one case at a time (``PoolKeeper``). A pool with a rank gone is
+replaced before the case; a failing, crashing, overdue or interrupted case tears it down
+as fresh ranks are stopped, and so does a passed case that left what cannot be reset. The
+pool holds its lease until it is closed: on a key change, when this process needs the
+resources (``lease.add_yield_hook``), when another process waits for them (after the
+pool's slice, or once idle), at session end and at interpreter exit. The rank side is
+``harness.launcher.rank.pool_rank_main``.
 """
 
 from __future__ import annotations
@@ -29,10 +27,16 @@ from multiprocessing.connection import wait as wait_any
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from harness import processes
-from harness.launcher.coverage import CoverageSpec
 from harness.launcher.lease import Lease, add_yield_hook
 from harness.launcher.outcome import FAILED, CaseOutcome
-from harness.launcher.rank import Exit, Idle, OutcomeWritten, RankTask, RunCase, pool_rank_main
+from harness.launcher.rank import (
+    Exit,
+    Idle,
+    RankTask,
+    RunCase,
+    coverage_of_launcher,
+    pool_rank_main,
+)
 from harness.launcher.ranks import (
     EXIT_WAIT_S,
     KILL_GRACE_S,
@@ -48,24 +52,18 @@ from harness.spec import LaunchSpec
 if TYPE_CHECKING:
     from harness.launcher.case import CasePlan
 
-#: What leases a case's process slots and cards (``harness.launcher.case.lease_case``).
 LeaseFor = Callable[["CasePlan"], Lease]
 
 #: How often an idle pool checks whether another process waits for its lease.
 IDLE_CHECK_S = 0.25
-#: A pool another process waits for is kept, while its process runs case after
-#: case, for this many times what starting it cost (and at least
-#: ``MIN_SLICE_S``), then given back: pools of xdist workers sharing too few
-#: slots then take turns in slices instead of being restarted for every case
-#: (which made ``-n 2`` many times slower than ``-n 0``). The slice never exceeds
-#: ``MAX_SLICE_S``, so a waiting session (another project's, with its own lease
-#: timeout) is served after about one slice and one case, never starved.
+#: A pool another process waits for is kept, while its process runs case after case,
+#: for ``SLICE_FACTOR`` x what starting it cost (within ``MIN_SLICE_S`` .. ``MAX_SLICE_S``),
+#: then given back: pools of xdist workers sharing too few slots take turns in slices
+#: instead of restarting for every case, and a waiting session is never starved.
 SLICE_FACTOR = 10.0
 MIN_SLICE_S = 2.0
 MAX_SLICE_S = 8.0
-#: An idle pool another process waits for is given back after this long idle
-#: (at once when its slice is used up): the gap between two cases of its own
-#: process is shorter.
+#: An idle pool another process waits for is given back after this long idle.
 IDLE_YIELD_S = 1.0
 #: How long ranks told to exit get before their trees are killed.
 CLOSE_WAIT_S = 2.0
@@ -74,8 +72,7 @@ _Message = TypeVar("_Message")
 
 
 def pool_key(spec: LaunchSpec) -> tuple[str, int, str]:
-    """What a case must share with a pool to run on it."""
-    return (spec.device, spec.nproc, spec.dist_backend)
+    return (spec.device, spec.nproc, spec.dist_backend)  # what a case shares with its pool
 
 
 class _Channel:
@@ -122,29 +119,22 @@ class _Channel:
 
 
 class RankPool:
-    """``spec.nproc`` kept rank processes holding ``lease``; see the module docstring.
+    """``spec.nproc`` kept rank processes holding ``lease``. Only the thread that created
+    it may use it (Linux kills the ranks when the thread that spawned them ends)."""
 
-    Only the thread that created a pool may use it (Linux kills the ranks
-    when the thread that spawned them ends).
-    """
-
-    def __init__(self, spec: LaunchSpec, lease: Lease | None, *, capture: bool) -> None:
+    def __init__(self, spec: LaunchSpec, lease: Lease, *, capture: bool) -> None:
         self.spec = LaunchSpec(device=spec.device, nproc=spec.nproc, backend=spec.backend)
         self.key = pool_key(spec)
         self.lease = lease
-        self.cards = lease.cards() if lease is not None else []
+        self.cards = lease.cards()
         self.capture = capture
-        #: False once the pool must not run another case (it is then closed)
-        self.usable = True
-        #: why the pool could not take the last case
-        self.problem = ""
+        self.usable = True  # False once it must not run another case
+        self.problem = ""  # why it could not take the last case
         self.busy = False
         self.cases = 0
         self.survivors: list[int] = []
         self.started = time.monotonic()
-        #: seconds from spawning the ranks to the end of their first case
-        self.startup_s: float | None = None
-        #: when its last case ended (None: never idle yet)
+        self.startup_s: float | None = None  # from spawning to the end of the first case
         self.idle_since: float | None = None
         self._closed = False
         self._dir = tempfile.mkdtemp(prefix="harness-pool-")
@@ -152,7 +142,7 @@ class RankPool:
         self._procs: list[Any] = []
         self._channels: list[_Channel] = []
         theirs: list[Any] = []
-        coverage = CoverageSpec.of_launcher()
+        coverage = coverage_of_launcher()
 
         def args_for(rank: int, fds: list[Any]) -> tuple:
             ours, end = get_context("spawn").Pipe()
@@ -170,11 +160,9 @@ class RankPool:
                 end.close()  # so that a rank's death reads as EOF here
 
     def should_yield(self, *, busy: bool) -> bool:
-        """Whether to give the lease back to another process waiting for it:
-        once the pool had its slice (``SLICE_FACTOR`` x its start-up cost, within
-        ``MIN_SLICE_S`` .. ``MAX_SLICE_S``), or
-        (``busy`` False: between cases) once it sat idle ``IDLE_YIELD_S``."""
-        if self.lease is None or not self.lease.contended():
+        """Whether to give the lease back to another process waiting for it: once the pool
+        had its slice, or (``busy`` False) once it sat idle ``IDLE_YIELD_S``."""
+        if not self.lease.contended():
             return False
         now = time.monotonic()
         slice_s = min(MAX_SLICE_S, max(MIN_SLICE_S, SLICE_FACTOR * (self.startup_s or 0.0)))
@@ -198,19 +186,16 @@ class RankPool:
     def run(self, task: RankTask, plan: CasePlan) -> CaseOutcome | None:
         """Run one case on the pool, through the phases fresh ranks go through.
 
-        Returns None when a rank of the pool was gone before the case started
-        (``problem`` says why); the pool is then closed. After
-        any other problem the result reports it and the pool is closed too
-        (``usable`` is False). Never returns with a rank of a closed pool or
-        a process a case started under a kept rank alive.
+        Returns None when a rank of the pool was gone before the case started (``problem``
+        says why). After any other problem the result reports it and ``usable`` is False.
+        Never returns with a rank of a closed pool, or a process a case started, alive.
         """
         self.cases += 1
         case_dir = os.path.join(self._dir, f"case-{self.cases}")
         os.mkdir(case_dir)
         run = CaseRun(plan, self.cards, case_dir, store_path=self._store)
         run.result.ranks = f"kept (case {self.cases} of its pool)"
-        if self.lease is not None:
-            self.lease.annotate(holder=plan.what, ranks=self.pids)
+        self.lease.annotate(holder=plan.what, ranks=self.pids)
         kept = False
         try:
             with reap_on_sigterm():
@@ -242,8 +227,8 @@ class RankPool:
         return True
 
     def _collect(self, kind: type[Idle], timeout: float) -> dict[int, Any]:
-        """Each rank's next message of type ``kind``, waiting at most ``timeout``
-        seconds (ranks that die or close their pipe are left out at once)."""
+        """Each rank's next message of type ``kind``, waiting at most ``timeout`` seconds
+        (ranks that die or close their pipe are left out at once)."""
         got: dict[int, Any] = {}
         end = time.monotonic() + timeout
         while True:
@@ -267,13 +252,10 @@ class RankPool:
             )
 
     def _settle(self, result: CaseOutcome) -> bool:
-        """After a case: whether the pool can run another. It can when every rank
-        passed (or skipped) and reported itself clean; processes the case
-        started under the ranks are stopped either way."""
+        """After a case: whether the pool can run another (every rank passed or skipped and
+        reported itself clean); processes the case started are stopped either way."""
         if result.status == FAILED or result.exits or len(result.outcomes) < self.spec.nproc:
             return False
-        for channel in self._channels:  # OutcomeWritten said the files were written
-            channel.take(OutcomeWritten)
         idle = self._collect(Idle, EXIT_WAIT_S)
         problems = [f"rank {r}: {idle[r].problem}" for r in sorted(idle) if idle[r].problem]
         problems += [
@@ -293,9 +275,8 @@ class RankPool:
         return True
 
     def _release(self, ranks: list[int]) -> None:
-        """Let ``ranks`` (finished while peers still run) leave now, as fresh ranks
-        would have: a peer blocked in a collective with them then fails at
-        once. The pool is not reused."""
+        """Let ``ranks`` (finished while peers still run) leave now, as fresh ranks would
+        have; the pool is not reused."""
         self.usable = False
         for rank in ranks:
             self._channels[rank].send(Exit())
@@ -310,8 +291,8 @@ class RankPool:
         self.close()
 
     def close(self) -> None:
-        """Stop every rank (asked to exit, then their trees killed), reap them
-        and give the lease back. Idempotent."""
+        """Stop every rank (asked to exit, then their trees killed), reap them and give the
+        lease back. Idempotent."""
         self.usable = False
         if self._closed:
             return
@@ -322,15 +303,13 @@ class RankPool:
         for channel in self._channels:
             channel.close()
         self.survivors += survivors
-        if self.lease is not None:
-            # Ranks the kernel would not kill keep their inherited lock: the
-            # cards stay leased until they are really gone.
-            self.lease.release(holders_gone=not self.survivors)
+        # Ranks the kernel would not kill keep their inherited lock.
+        self.lease.release(holders_gone=not self.survivors)
         shutil.rmtree(self._dir, ignore_errors=True)
 
 
 class PoolKeeper:
-    """This process's pool: reused, replaced, yielded and closed per the module docstring."""
+    """This process's pool: reused, replaced, yielded and closed (see the module docstring)."""
 
     def __init__(self) -> None:
         self._lock = threading.RLock()
@@ -343,12 +322,9 @@ class PoolKeeper:
         return self._pool
 
     def run(self, task: RankTask, plan: CasePlan, lease_for: LeaseFor) -> CaseOutcome:
-        """Run a case on the kept pool for ``plan.spec``, starting one (leasing
-        for it with ``lease_for``: ``LeaseTimeout``) when there is none that fits
-        or has every rank alive.
-
-        Call it from the main thread only (the one that outlives the pool).
-        """
+        """Run a case on the kept pool for ``plan.spec``, starting one (leased with
+        ``lease_for``: ``LeaseTimeout``) when none fits or has every rank alive. Main
+        thread only (the one that outlives the pool)."""
         with self._lock:
             notes: list[str] = []
             self._drop_unfit(plan.spec)
@@ -377,9 +353,7 @@ class PoolKeeper:
         if pool is not None and (pool.key != pool_key(spec) or not pool.alive()):
             self._close_locked()
         elif pool is not None and pool.should_yield(busy=True):
-            # Another process waits for what the pool holds and the pool had
-            # its slice: give it back and lease again.
-            self._close_locked()
+            self._close_locked()  # another process waits and the pool had its slice
 
     def _start(self, plan: CasePlan, lease_for: LeaseFor) -> RankPool:
         """Lease for ``plan`` and start a pool on the lease (kept from now on)."""
@@ -404,7 +378,7 @@ class PoolKeeper:
             return False
         try:
             pool = self._pool
-            if pool is None or pool.busy or pool.lease is None:
+            if pool is None or pool.busy:
                 return False
             if pool.lease.lease_dir != lease_dir or not busy & set(pool.lease.resources):
                 return False

@@ -1,16 +1,13 @@
-"""The code that runs inside one rank process (``rank_main``: one case;
-``pool_rank_main``: a kept rank serving case after case, restoring the
-per-case state of ``harness.launcher.reset`` in between).
+"""The code inside a rank process (``rank_main`` / ``run_one``: one case;
+``pool_rank_main``: a kept rank serving case after case, restoring
+``harness.launcher.reset``'s state in between).
 
-A rank splits off its supervisor (``harness.launcher.supervisor``), sends its
-output to its log file, registers a stack dump on SIGUSR1, sets its
-environment before anything imports torch (nothing here imports it at module
-level), selects its card, joins the process group through a ``FileStore``,
-runs the function and writes its ``RankOutcome``. It then leaves with
-``os._exit``: interpreter finalisation races the process group's C++ threads
-(``std::terminate`` after the rank passed), and the OS closing its sockets
-fails the peers' pending operations at once, as ``destroy_process_group``
-(known to hang) would.
+A rank splits off its supervisor, sends its output to its log file, registers a stack
+dump on SIGUSR1, sets its environment before anything imports torch, selects its card,
+joins the process group, runs the function and writes its ``RankOutcome``. It leaves
+with ``os._exit``: interpreter finalisation races the process group's C++ threads, and
+the OS closing its sockets fails the peers' pending operations at once, as
+``destroy_process_group`` (known to hang) would.
 """
 
 from __future__ import annotations
@@ -30,23 +27,30 @@ import time
 import traceback
 import types
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
 from harness import processes
 from harness.devices import Card, local_index, runtime_available, set_device
-from harness.launcher import coverage as rank_coverage
-from harness.launcher import explain, given, groups, logs, values
-from harness.launcher.coverage import CoverageSpec
+from harness.launcher import explain, given, groups, values
 from harness.launcher.explain import AssertionSettings
-from harness.launcher.outcome import FAILED, PASSED, REJECTED, SKIPPED, XFAILED, RankOutcome
+from harness.launcher.outcome import (
+    FAILED,
+    PASSED,
+    REJECTED,
+    SKIPPED,
+    XFAILED,
+    RankOutcome,
+    capture_logs,
+)
 from harness.launcher.reset import Baseline, Inherited, fresh_context
 from harness.launcher.supervisor import split
 from harness.launcher.target import FunctionRef, import_conftests
 
 #: How long a pooled rank whose launcher is gone waits for its supervisor to stop it.
 LAUNCHER_GONE_WAIT_S = 10.0
-STACK_DUMP_SIGNAL = getattr(signal, "SIGUSR1", None)
+STACK_DUMP_SIGNAL = signal.SIGUSR1
 _HARNESS_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 _keep: dict[str, Any] = {}
 
@@ -90,42 +94,29 @@ class EnclosingCase:
         raw = os.environ.get(CASE_ENV)
         if not raw:
             return None
-        d = json.loads(raw)
-        return EnclosingCase(
-            d["what"],
-            d["nproc"],
-            d["device"],
-            tuple(d["cards"]),
-            d["deadline"],
-            d.get("budget_dir"),
-        )
+        fields = json.loads(raw)
+        return EnclosingCase(**{**fields, "cards": tuple(fields["cards"])})
 
 
 @dataclass(frozen=True)
 class RankTask:
-    """The function a rank runs, its pickled ``(args, kwargs)`` and, for a test
-    method, the pickled state of the instance it is bound to."""
+    """The function a rank runs and what it runs with, as the launcher's pytest would:
+    ``args`` the pickled ``(args, kwargs)``; ``state`` the pickled attributes of the test's
+    instance; ``warning_filters`` (filter, escape) pairs in pytest's order;
+    ``show_deprecations`` as pytest without ``-W``; ``conftests`` (name, file), outermost
+    first; ``example``: the arguments are one Hypothesis example for the ``@given`` body;
+    ``assertions``: how pytest explains a failing comparison (None: no pytest);
+    ``log_level``: the root logger's level while it runs (None: left as it is)."""
 
     ref: FunctionRef
     args: bytes
     want_value: bool = True
-    #: pickled attributes of the test's instance (set by ``setup_method`` and
-    #: fixture methods in the launcher), given to the rank's own instance
     state: bytes | None = None
-    #: the warning filters the launcher applies to the test, in pytest's
-    #: order: (filter, escape) pairs as ``-W`` / ini / marker strings
     warning_filters: tuple[tuple[str, bool], ...] = ()
-    #: show deprecation warnings, as pytest does when no ``-W`` option is given
     show_deprecations: bool = False
-    #: the test's conftest modules, (name, file), outermost first
     conftests: tuple[tuple[str, str], ...] = ()
-    #: the arguments are one Hypothesis example: call the body inside the
-    #: test's ``@given`` wrapper with them
     example: bool = False
-    #: explain failing comparisons as pytest does in the launcher (None: no pytest)
     assertions: AssertionSettings | None = None
-    #: the root logger's level while the function runs, as pytest's ``log_level``
-    #: sets it (None: left as it is); its records are reported (``harness.launcher.logs``)
     log_level: int | None = None
 
 
@@ -147,13 +138,11 @@ class RankContext:
     pg_timeout_s: float
     parent_pid: int
     env: dict[str, str] = field(default_factory=dict)
-    #: measure coverage as the launcher does (None: it does not)
-    coverage: CoverageSpec | None = None
-    #: join the case's process group before the function runs (False: a plain case run
-    #: apart, which starts its own ranks if it has any)
+    coverage: dict[str, Any] | None = None  # ``coverage_of_launcher``
+    #: False: a plain case run apart, which joins no process group
     process_group: bool = True
-    #: the file this rank creates when it is ready to run the function: the
-    #: case deadline (``deadline_s`` seconds) counts from then (None: no such file)
+    #: created when the rank is ready to run the function: the case deadline
+    #: (``deadline_s``) counts from then
     ready_path: str | None = None
     deadline_s: float | None = None
 
@@ -191,21 +180,83 @@ class Idle:
     pid: int
 
 
+def coverage_of_launcher() -> dict[str, Any] | None:
+    """How this process measures coverage now (``pytest --cov``, ``coverage run``), as the
+    ``coverage.Coverage`` keywords a rank measures with, its data file next to this one's
+    for ``coverage combine`` / pytest-cov (None: no measurement)."""
+    coverage = sys.modules.get("coverage")
+    cov = coverage.Coverage.current() if coverage is not None else None
+    if cov is None:
+        return None
+    config = cov.config
+    # Never cov.get_data(): on a live measurement it runs coverage's end-of-run checks,
+    # whose warnings fail every launched test under -W error.
+    data = getattr(cov, "_data", None)
+    return {
+        "data_file": data.base_filename() if data else os.path.abspath(config.data_file),
+        "config_file": config.config_file or False,
+        "source": config.source or None,
+        "branch": bool(config.branch),
+        "include": config.run_include or None,
+        "omit": config.run_omit or None,
+    }
+
+
+#: The rank's measurement, and whether it measured since its data was last written (a
+#: kept rank's second write after pytest-cov combined the files would leave an empty one).
+_coverage: dict[str, Any] = {"cov": None, "unsaved": False}
+
+
+def _start_coverage(keywords: dict[str, Any] | None) -> None:
+    if keywords is None or _coverage["cov"] is not None:
+        return
+    import coverage
+
+    _coverage["cov"] = coverage.Coverage(data_suffix=True, auto_data=False, **keywords)
+    _coverage["cov"].start()
+    _coverage["unsaved"] = True
+
+
+def _save_coverage(*, stop: bool = True) -> None:
+    """Write the rank's coverage data (before ``os._exit``, which skips coverage's own exit
+    hook), unless nothing was measured since it last did; ``stop``: measuring ends."""
+    cov = _coverage["cov"]
+    if cov is None:
+        return
+    try:
+        if stop:
+            _coverage["cov"] = None
+            cov.stop()
+        if _coverage["unsaved"]:
+            cov.save()
+    except Exception as exc:  # the rank's verdict stands; say what coverage lost
+        print(f"harness: saving this rank's coverage data failed: {exc}", file=sys.stderr)
+    _coverage["unsaved"] = False
+
+
 def rank_main(ctx: RankContext, task: RankTask, lease_fds: list[int]) -> NoReturn:
     """Entry point of a spawned rank that runs one case (a ``multiprocessing`` target).
+    ``lease_fds``: the launcher's lease descriptors, which only the rank's supervisor (the
+    last of the case's processes to exit) holds, so the lease lasts as long as the case,
+    even past a launcher that died; the supervisor then removes the case's directory."""
 
-    ``lease_fds`` are the launcher's lease descriptors: the rank's supervisor
-    (``harness.launcher.supervisor``), the last of the case's processes to
-    exit, keeps them open, so the OS keeps the lease until the case is gone,
-    even if the launcher dies first; the rank and what it starts never hold
-    them. Never returns: the rank exits with ``os._exit`` once its outcome is
-    written (0 unless it failed).
-    """
-    try:
-        # The case's directory (where its outcome goes) goes with a launcher
-        # that dies mid-case: the supervisor removes it.
+    def start() -> tuple[RankContext, RankTask]:
         _start_rank(ctx.parent_pid, lease_fds, leftover_dir=os.path.dirname(ctx.outcome_path))
-        rank_coverage.start(ctx.coverage)
+        return ctx, task
+
+    run_one(start)
+
+
+def run_one(start: Callable[[], tuple[RankContext, RankTask]]) -> NoReturn:
+    """The one way a rank process runs one case (fresh ranks, emulated nodes' ranks):
+    ``start()`` splits off the rank's supervisor and says which case; then coverage,
+    output, stack dump and environment are set up, the function runs (joining the process
+    group first: ``RankContext.store_path``'s FileStore, or torchrun's environment when it
+    is empty), its ``RankOutcome`` is written and the rank exits with ``os._exit`` (0 unless
+    it failed; 1 and no outcome when the harness's own code failed)."""
+    try:
+        ctx, task = start()
+        _start_coverage(ctx.coverage)
         _enter_case(ctx)
         outcome = _run(ctx, task, fresh_module=False)
         outcome.write(ctx.outcome_path)
@@ -219,19 +270,15 @@ def pool_rank_main(
     conn: Any,
     lease_fds: list[int],
     pool_dir: str | None = None,
-    coverage: CoverageSpec | None = None,
+    coverage: dict[str, Any] | None = None,
 ) -> NoReturn:
     """Entry point of a pooled rank: runs the cases ``conn`` delivers until told to exit.
 
-    Per case: the launcher's current environment, working directory and
-    ``sys.path`` are taken over (what a fresh rank would inherit), output and
-    the stack-dump file go to the case's files, and the state a case can
-    change is restored to the pool's baseline; then the function runs, in a fresh copy of its test module and a
-    fresh context, exactly as in a one-case rank, and its outcome is written.
-    A failed case ends the rank (its pool is never reused); a passed one is
-    cleaned up and the rank reports whether it can run another. Exits with
-    ``os._exit``, never through interpreter finalisation. With ``coverage``
-    the rank measures coverage as the launcher does, across all its cases.
+    Per case: the launcher's current environment, working directory and ``sys.path`` are
+    taken over (what a fresh rank would inherit), the state of ``harness.launcher.reset``
+    is restored to the pool's baseline, then the function runs in a fresh copy of its test
+    module and a fresh context, as in a one-case rank. A failed case ends the rank; a
+    passed one is cleaned up and the rank reports whether it can run another.
     """
     try:
         _serve(parent_pid, conn, lease_fds, pool_dir, coverage)
@@ -244,35 +291,31 @@ def _serve(
     conn: Any,
     lease_fds: list[int],
     pool_dir: str | None,
-    coverage: CoverageSpec | None,
+    coverage: dict[str, Any] | None,
 ) -> NoReturn:
     # The pool's directory goes with a launcher that dies (its supervisor removes it).
     _start_rank(parent_pid, lease_fds, rank_only=(conn.fileno(),), leftover_dir=pool_dir)
-    rank_coverage.start(coverage)
+    _start_coverage(coverage)
     baseline: Baseline | None = None
     while True:
         message = _receive_case(conn)
         ctx = message.ctx
         message.inherited.apply(ctx.env)
         _enter_case(ctx)
-        rank_coverage.case_started()
+        _coverage["unsaved"] = True
         if baseline is not None:
             baseline.restore()
             if ctx.card is not None:
                 _select_card(ctx)  # the last case may have made another device current
         outcome, baseline = _run_kept(ctx, message.task, baseline)
         outcome.write(ctx.outcome_path)
-        # A kept rank may outlive the launcher's coverage report (it combines
-        # the data files at the end of the run loop, before the pool closes).
-        rank_coverage.checkpoint()
+        _save_coverage(stop=False)  # the launcher's report may come before the pool closes
         _flush()
         _send(conn, OutcomeWritten())
         if outcome.status == FAILED:
-            _exit(outcome)
+            _hard_exit(1)
         _send(conn, Idle(_leftovers(baseline) or _once_per_process(message.task), os.getpid()))
-        # Free the case's garbage (device memory in reference cycles, too)
-        # before the next case, off the launcher's critical path.
-        gc.collect()
+        gc.collect()  # the case's garbage (device memory too), off the critical path
 
 
 def _receive_case(conn: Any) -> RunCase:
@@ -295,17 +338,12 @@ def _send(conn: Any, message: object) -> None:
 
 
 def _launcher_gone() -> NoReturn:
-    """The launcher's end of the pipe closed: the launcher died (a pool it
-    closes is sent ``Exit`` first). Wait, at most ``LAUNCHER_GONE_WAIT_S``,
-    for the supervisor to stop this rank.
-
-    The kernel closes a dying launcher's files before it re-parents its
-    children, so the rank can read EOF before its supervisor learns of the
-    death. A rank that exited then would look to the supervisor like one
-    that ended on its own, and the pool's directory, which only the
-    supervisor can remove once the launcher is dead, would be left behind.
-    """
-    rank_coverage.save()
+    """The launcher died (a pool it closes sends ``Exit`` first): wait, at most
+    ``LAUNCHER_GONE_WAIT_S``, for the supervisor to stop this rank. The kernel closes a
+    dying launcher's files before it re-parents its children: a rank exiting on EOF would
+    look to its supervisor like one that ended on its own, and the pool's directory, which
+    only the supervisor removes, would be left behind."""
+    _save_coverage()
     _flush()
     end = time.monotonic() + LAUNCHER_GONE_WAIT_S
     while time.monotonic() < end:
@@ -320,12 +358,12 @@ def _run_kept(
     records the baseline every later case starts from (before any test code
     has run); later ones get this case's process-group timeout."""
     if baseline is None:
-        outcome = _join(ctx)
-        if outcome is not None:
-            return outcome, None
+        try:
+            _init_distributed(ctx)
+        except BaseException as exc:
+            return outcome_from_exception(ctx.rank, exc), None
         baseline = Baseline.capture()
     else:
-        # A kept rank starts the case at once: the whole deadline's timeout.
         groups.set_timeout(ctx.pg_timeout_s)
     return _run(ctx, task, fresh_module=True), baseline
 
@@ -340,9 +378,7 @@ def _start_rank(
     crash dump."""
     split(parent_pid, keep=lease_fds, rank_only=rank_only, leftover_dir=leftover_dir)
     faulthandler.enable(file=sys.stderr, all_threads=True)
-    # A spawned child starts with its start method set (to spawn); the test
-    # process it stands in for has none set, and a test module calling
-    # multiprocessing.set_start_method() at import must work here as there.
+    # As in the test process it stands in for: no start method set yet.
     multiprocessing.set_start_method(None, force=True)
 
 
@@ -350,15 +386,13 @@ def _enter_case(ctx: RankContext) -> None:
     """Point output and the stack dump at the case's files, set its environment."""
     if ctx.log_path is not None:
         _redirect_output(ctx.log_path)
-    if STACK_DUMP_SIGNAL is not None:
-        # A file of its own, so the launcher can quote the dump whether or not
-        # the rank's output is captured. faulthandler needs it kept open.
-        previous = _keep.get("stacks")
-        _keep["stacks"] = open(ctx.stacks_path, "w")  # noqa: SIM115
-        faulthandler.register(STACK_DUMP_SIGNAL, file=_keep["stacks"], all_threads=True)
-        if previous is not None:
-            with contextlib.suppress(Exception):
-                previous.close()
+    # A file of its own, kept open for faulthandler: quoted whether output is captured.
+    previous = _keep.get("stacks")
+    _keep["stacks"] = open(ctx.stacks_path, "w")  # noqa: SIM115
+    faulthandler.register(STACK_DUMP_SIGNAL, file=_keep["stacks"], all_threads=True)
+    if previous is not None:
+        with contextlib.suppress(Exception):
+            previous.close()
     os.environ.update(ctx.env)
 
 
@@ -383,19 +417,21 @@ def _redirect_output(path: str) -> None:
 def _run(ctx: RankContext, task: RankTask, *, fresh_module: bool) -> RankOutcome:
     """Run the case's function (joining the process group first if this rank
     has not) and return its outcome; never raises."""
-    caught: list[warnings.WarningMessage] = []
     feedback = given.Feedback() if task.example else None
     # Orphans of what the body starts (setsid daemons) come back to this rank, in sight.
     processes.subreaper()
     before = processes.descendants()
-    with logs.capture(task.log_level) as records:
-        try:
-            outcome = fresh_context().run(_call, ctx, task, fresh_module, caught, feedback)
-        except BaseException as exc:
-            if feedback is not None and feedback.rejected and given.is_rejection(exc):
-                outcome = RankOutcome(ctx.rank, REJECTED, time.time(), summary="assumption not met")
-            else:
-                outcome = outcome_from_exception(ctx.rank, exc)
+    error: BaseException | None = None
+    with capture_logs(task.log_level) as records:
+        with warnings.catch_warnings(record=True) as caught:  # the test's filters inside
+            try:
+                outcome = fresh_context().run(_call, ctx, task, fresh_module, feedback)
+            except BaseException as exc:
+                error = exc
+        if feedback is not None and feedback.rejected and given.is_rejection(error):
+            outcome = RankOutcome(ctx.rank, REJECTED, time.time(), summary="assumption not met")
+        elif error is not None:
+            outcome = outcome_from_exception(ctx.rank, error)
     outcome.feedback = feedback
     outcome.records = records
     outcome.leaked = _contain(before)
@@ -421,22 +457,9 @@ MAX_WARNINGS = 100
 
 
 def _call(
-    ctx: RankContext,
-    task: RankTask,
-    fresh_module: bool,
-    caught: list[warnings.WarningMessage],
-    feedback: given.Feedback | None,
+    ctx: RankContext, task: RankTask, fresh_module: bool, feedback: given.Feedback | None
 ) -> RankOutcome:
-    with warnings.catch_warnings(record=True) as log:
-        try:
-            _apply_warning_filters(task)
-            return _call_recorded(ctx, task, fresh_module, feedback)
-        finally:
-            caught.extend(log)
-
-
-def _apply_warning_filters(task: RankTask) -> None:
-    """The test's filters, as pytest applies them around the in-process test."""
+    # The test's warning filters, as pytest applies them around the in-process test.
     if task.show_deprecations:
         warnings.filterwarnings("always", category=DeprecationWarning)
         warnings.filterwarnings("always", category=PendingDeprecationWarning)
@@ -445,11 +468,6 @@ def _apply_warning_filters(task: RankTask) -> None:
 
         for arg, escape in task.warning_filters:
             warnings.filterwarnings(*parse_warning_filter(arg, escape=escape))
-
-
-def _call_recorded(
-    ctx: RankContext, task: RankTask, fresh_module: bool, feedback: given.Feedback | None
-) -> RankOutcome:
     import_conftests(task.conftests)
     fn = test = task.ref.load(fresh=fresh_module)
     if task.example:
@@ -521,15 +539,6 @@ def _ready(ctx: RankContext) -> None:
             pass
 
 
-def _join(ctx: RankContext) -> RankOutcome | None:
-    """Join the process group; a failure is the case's outcome (None: joined)."""
-    try:
-        _init_distributed(ctx)
-    except BaseException as exc:
-        return outcome_from_exception(ctx.rank, exc)
-    return None
-
-
 def _init_distributed(ctx: RankContext) -> None:
     from datetime import timedelta
 
@@ -537,16 +546,17 @@ def _init_distributed(ctx: RankContext) -> None:
 
     if ctx.card is not None:
         _select_card(ctx)
-    store = dist.FileStore(ctx.store_path, ctx.world_size)
+    # No store: torchrun's environment (env://), as code written for torchrun joins.
+    where = (
+        {"store": dist.FileStore(ctx.store_path, ctx.world_size), "rank": ctx.rank}
+        if ctx.store_path
+        else {}
+    )
     # The case deadline starts once the ranks are ready, just after they join:
     # the whole deadline's timeout, so a blocked collective raises before it.
     timeout = ctx.pg_timeout_s
     dist.init_process_group(
-        ctx.backend,
-        store=store,
-        rank=ctx.rank,
-        world_size=ctx.world_size,
-        timeout=timedelta(seconds=timeout),
+        ctx.backend, world_size=ctx.world_size, timeout=timedelta(seconds=timeout), **where
     )
     groups.set_timeout(timeout)
 
@@ -646,11 +656,8 @@ def _user_traceback(exc: BaseException) -> str:
 
 
 def _exit(outcome: RankOutcome) -> NoReturn:
-    """End a rank whose outcome is written: 0 unless it failed.
-
-    A failed rank exits at once as well: peers blocked in a collective with it
-    see its sockets close and fail now instead of at the group timeout.
-    """
+    """End a rank whose outcome is written: 0 unless it failed (at once either way: a
+    peer blocked in a collective with it fails now, not at the group timeout)."""
     _hard_exit(1 if outcome.status == FAILED else 0)
 
 
@@ -680,6 +687,6 @@ def _fatal() -> NoReturn:
 def _hard_exit(code: int) -> NoReturn:
     """Save coverage data, flush, then leave without interpreter finalisation
     (see the module docstring)."""
-    rank_coverage.save()
+    _save_coverage()
     _flush()
     os._exit(code)

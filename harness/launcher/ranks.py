@@ -1,13 +1,9 @@
-"""Rank processes of one case: start them (``spawn_ranks``, the *spawn* start
-method, each rank inheriting the lease descriptors), tell each what it needs
-(``CaseRun.rank_context``), supervise them until every rank reported or
-exited, the deadline passed or the others overstayed ``ABANDON_GRACE_S``
-after a failure (``CaseRun.supervise``), then wind down (``CaseRun.wind_down``:
-stack dumps, tree kill, reaping, bounded output). ``run_ranks`` is a case on
-fresh ranks, start to end; a kept pool (``harness.launcher.pool``) goes through
-the same phases. While ranks run, SIGTERM reaps them before the process goes
-(``reap_on_sigterm``) and a second Ctrl-C cannot interrupt the reaping
-(``signals_deferred``).
+"""Rank processes of one case: start them (``spawn_ranks``: spawn, each inheriting the
+lease descriptors), tell each what it needs (``CaseRun.rank_context``), supervise them
+(``CaseRun.supervise``), then wind down (``CaseRun.wind_down``: stack dumps, tree kill,
+reaping, bounded output). ``run_ranks`` is a case on fresh ranks, start to end; a kept
+pool (``harness.launcher.pool``) goes through the same phases. While ranks run, SIGTERM
+reaps them before the process goes and a second Ctrl-C cannot interrupt the reaping.
 """
 
 from __future__ import annotations
@@ -28,9 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from harness import processes
 from harness.devices import Card, device_type, is_simulated, visibility
-from harness.launcher.coverage import CoverageSpec
 from harness.launcher.outcome import (
-    FAILED,
     OUTPUT_TAIL_BYTES,
     CaseOutcome,
     RankOutcome,
@@ -43,6 +37,7 @@ from harness.launcher.rank import (
     EnclosingCase,
     RankContext,
     RankTask,
+    coverage_of_launcher,
     pg_timeout_for,
     rank_main,
 )
@@ -55,33 +50,32 @@ if TYPE_CHECKING:
 
 #: SIGTERM -> SIGKILL grace when stopping a rank's process tree.
 KILL_GRACE_S = 3.0
-#: How long a stopped rank, already dead, gets to be reaped.
 _REAP_WAIT_S = 1.0
-
-
 #: After one rank failed, the others get this long to finish before they are
 #: stopped (a peer blocked in a collective that never notices).
 ABANDON_GRACE_S = 5.0
 #: How long a rank that reported its outcome may take to exit by itself.
 EXIT_WAIT_S = 5.0
 STACK_DUMP_WAIT_S = 2.0
-#: Kept ranks that finished a case wait this long for their peers to finish
-#: too before they leave (as fresh ranks leave at once), see ``CaseRun.supervise``.
+#: Kept ranks that finished a case wait this long for their peers before they leave.
 STRAGGLER_GRACE_S = 1.0
 _HARNESS_RANK_FILE = os.path.join("harness", "launcher", "rank.py")
-#: How long a case's ranks may take to be ready to run its function (spawning,
-#: importing torch and the test module, joining the process group): a bound of
-#: its own, generous for a loaded host, since the case deadline counts from the
-#: moment they are ready (the report says how long they took).
+#: How long a case's ranks may take to be ready to run its function (spawning, imports,
+#: joining the process group): the case deadline counts from the moment they are.
 START_BOUND_S = 300.0
+#: What every rank gets unless the launcher's environment says otherwise: one OpenMP
+#: thread (as torchrun does: N ranks each using every core oversubscribe the host), and
+#: torch's store-based barrier at the end of init_process_group / new_group (a rank leaves
+#: with os._exit as soon as its function returns, and must not close its connections while
+#: a peer still joins the group: "connectFullMesh failed ... closed by peer").
+RANK_ENV_DEFAULTS = {"OMP_NUM_THREADS": "1", "TORCH_DIST_INIT_BARRIER": "1"}
 
 
 @dataclass(frozen=True)
 class ProcessSpec(LaunchSpec):
-    """A plain case of an accelerator suite entry, run apart (internal to the launch side):
-    one process of its own that joins no process group and gets no ``RANK`` /
-    ``WORLD_SIZE``, holding ``card_count`` leased cards, all of them in its visibility
-    variable, for it and every process it starts (it starts its own ranks, if any)."""
+    """A plain case of an accelerator suite entry, run apart (internal): one process of its
+    own, no process group, no ``RANK`` / ``WORLD_SIZE``, its ``card_count`` leased cards
+    in its visibility variable, for it and every process it starts."""
 
     card_count: int = 1
     reuse: bool | None = False
@@ -93,21 +87,16 @@ class ProcessSpec(LaunchSpec):
 
     @property
     def cards(self) -> int:
-        """The cards the process holds (0 on cpu)."""
         return self.card_count if device_type(self.device).is_accelerator else 0
 
 
 def run_ranks(
     task: RankTask, plan: CasePlan, cards: list[Card], *, lease: Lease | None = None
 ) -> CaseOutcome:
-    """Run ``task`` in ``plan.spec.nproc`` fresh rank processes and report what happened.
-
-    Guarantees: returns within the deadline plus the stop grace periods; no
-    process of any rank's tree is alive on return (``result.survivors`` lists
-    any the kernel would not kill); rank ``r`` gets card ``cards[r]``; with
-    ``settings.capture`` the ranks' (bounded) output is in ``result.logs``
-    instead of the launcher's stdout / stderr; the case directory is gone.
-    """
+    """Run ``task`` in ``plan.spec.nproc`` fresh rank processes (rank ``r`` on card
+    ``cards[r]``) and report what happened, within the deadline plus the stop graces; no
+    process of any rank's tree is alive then (``result.survivors``: any the kernel would
+    not kill), the case directory is gone."""
     run = CaseRun(plan, cards, tempfile.mkdtemp(prefix="harness-case-"))
     started: list[Any] = []
     with reap_on_sigterm():
@@ -123,8 +112,7 @@ def run_ranks(
                 lease.annotate(ranks=[p.pid for p in started])
             run.supervise(started)
         finally:
-            # Inside reap_on_sigterm: a SIGTERM re-raised on its way out ends
-            # the process, and the directory must be gone by then.
+            # Inside reap_on_sigterm: gone before a re-raised SIGTERM ends the process.
             with signals_deferred():
                 try:
                     run.wind_down(started)
@@ -141,10 +129,6 @@ class CaseRun:
         self, plan: CasePlan, cards: list[Card], case_dir: str, *, store_path: str | None = None
     ) -> None:
         spec = plan.spec
-        if len(cards) < spec.cards:
-            raise ValueError(
-                f"{spec.nproc} {spec.device} ranks need {spec.cards} cards; got {cards}"
-            )
         apart = isinstance(spec, ProcessSpec)
         label = (
             f"{spec.device} (a process of its own)"
@@ -189,29 +173,26 @@ class CaseRun:
 
     def rank_context(self, rank: int) -> RankContext:
         """What rank ``rank`` of the case needs to know: its environment, card,
-        the case's files and the rendezvous store."""
+        the case's files and the rendezvous store. A case run apart (:class:`ProcessSpec`)
+        gets its leased cards in the visibility variable (for it and its children) and
+        nothing of a rank: no card selected, no process group."""
         spec = self.plan.spec
-        if isinstance(spec, ProcessSpec):
-            return self._apart_context()
-        env = {
-            "RANK": str(rank),
-            "WORLD_SIZE": str(spec.nproc),
-            "LOCAL_RANK": str(rank),
-            "LOCAL_WORLD_SIZE": str(spec.nproc),
-            CASE_ENV: self.enclosing.to_env(),
-        }
-        if "OMP_NUM_THREADS" not in os.environ:
-            # As torchrun does: N ranks each using every core oversubscribe the host.
-            env["OMP_NUM_THREADS"] = "1"
-        if "TORCH_DIST_INIT_BARRIER" not in os.environ:
-            # torch's store-based barrier at the end of init_process_group and
-            # new_group: a rank leaves (os._exit) as soon as its function returns,
-            # and must not close its connections while a peer is still joining the
-            # group (it would fail with "connectFullMesh failed ... closed by peer").
-            env["TORCH_DIST_INIT_BARRIER"] = "1"
-        card = self.cards[rank] if spec.cards else None
-        if card is not None:
-            env.update(visibility(card))
+        apart = isinstance(spec, ProcessSpec)
+        env = {CASE_ENV: self.enclosing.to_env()}
+        card = None
+        if apart:
+            visible = device_type(spec.device).visibility_env
+            if visible is not None:
+                env[visible] = ",".join(c.id for c in self.cards[: spec.cards])
+        else:
+            for name in ("RANK", "LOCAL_RANK"):
+                env[name] = str(rank)
+            for name in ("WORLD_SIZE", "LOCAL_WORLD_SIZE"):
+                env[name] = str(spec.nproc)
+            env.update({k: v for k, v in RANK_ENV_DEFAULTS.items() if k not in os.environ})
+            card = self.cards[rank] if spec.cards else None
+            if card is not None:
+                env.update(visibility(card))
         return RankContext(
             rank=rank,
             world_size=spec.nproc,
@@ -228,33 +209,8 @@ class CaseRun:
             pg_timeout_s=pg_timeout_for(self.plan.deadline.seconds),
             parent_pid=os.getpid(),
             env=env,
-            coverage=CoverageSpec.of_launcher(),
-        )
-
-    def _apart_context(self) -> RankContext:
-        """The context of a case run apart (:class:`ProcessSpec`): its leased cards in the
-        visibility variable (what the process and its children see), nothing of a rank."""
-        spec = self.plan.spec
-        env = {CASE_ENV: self.enclosing.to_env()}
-        visible = device_type(spec.device).visibility_env
-        if visible is not None:
-            env[visible] = ",".join(c.id for c in self.cards[: spec.cards])
-        return RankContext(
-            rank=0,
-            world_size=1,
-            device=spec.device,
-            backend=spec.dist_backend,
-            card=None,  # the test picks its device among the visible ones
-            simulated=is_simulated(),
-            store_path=self.store_path,
-            outcome_path=self.path(0, "outcome"),
-            stacks_path=self.path(0, "stacks"),
-            log_path=self.path(0, "log") if self.capture else None,
-            pg_timeout_s=pg_timeout_for(self.plan.deadline.seconds),
-            parent_pid=os.getpid(),
-            env=env,
-            coverage=CoverageSpec.of_launcher(),
-            process_group=False,
+            coverage=coverage_of_launcher(),
+            process_group=not apart,
         )
 
     def supervise(
@@ -263,52 +219,60 @@ class CaseRun:
         channels: list[Any] | None = None,
         *,
         release: Callable[[list[int]], None] | None = None,
+        exited: Callable[[int], tuple[float, int] | None] | None = None,
+        gone: Callable[[list[int]], bool] | None = None,
+        begun: Callable[[int], bool] | None = None,
     ) -> None:
         """Wait until every rank has reported or exited, the deadline passes, or the
         others overstay ``ABANDON_GRACE_S`` after a failure; record which.
 
-        ``channels`` (kept ranks: one per rank, with ``fileno()``, ``closed``
-        and ``drain()``) wake the wait when a rank says its outcome is
-        written, instead of the outcome files being polled. Meanwhile each
-        rank's output file is kept to its head and tail (``bound_output``).
-
-        ``release`` (kept ranks, which outlive their case) is called once with
-        the ranks that finished when others are still running
-        ``STRAGGLER_GRACE_S`` after the first finished: it makes them leave as
-        fresh ranks would have at once, so a peer blocked in a collective with
-        them fails now instead of at the process-group timeout.
+        Kept ranks: ``channels`` (one per rank, with ``fileno()``, ``closed``, ``drain()``)
+        wake the wait when a rank says its outcome is written; ``release`` is called once
+        with the ranks that finished when others still run ``STRAGGLER_GRACE_S`` after the
+        first finished, so that they leave as fresh ranks would have and a peer blocked in
+        a collective with them fails now, not at the process-group timeout. Ranks that are
+        not this process's children (emulated nodes, ``started`` empty): ``exited(rank)``
+        (see ``observe``), ``gone(pending)`` (a failure besides the ranks': a node agent
+        ended), ``begun(rank)`` (only such ranks are timed out or abandoned).
         """
         result = self.result
         first_failure: float | None = None
         first_done: float | None = None
+        if exited is None:
+
+            def exited(rank: int) -> tuple[float, int] | None:
+                code = started[rank].exitcode
+                return None if code is None else (time.time(), code)
+
         while True:
-            pending = self._observe(started)
+            pending = self.observe(exited)
             if not pending:
                 return
             now = time.monotonic()
             if not self.ready:
                 self._note_ready(now)
-            if first_failure is None and _has_failure(result):
+            if first_failure is None and (result.has_failure() or (gone and gone(pending))):
                 first_failure = now
             if release is not None and result.outcomes:
                 first_done = now if first_done is None else first_done
                 if now >= first_done + STRAGGLER_GRACE_S:
                     release(sorted(r for r in result.outcomes if r not in result.exits))
                     release = None
+            running = [r for r in pending if begun is None or begun(r)]
             if now >= self.deadline:
-                result.timed_out = pending
+                result.timed_out, result.deadline_passed = running, True
                 if not self.ready:
                     result.deadline_s, result.starting = START_BOUND_S, True
                     result.deadline_source = "the harness's bound on starting ranks"
                 return
             if first_failure is not None and now >= first_failure + ABANDON_GRACE_S:
-                result.abandoned = pending
+                result.abandoned = running
                 return
             if self.capture:
                 self.stream_output()
             # Exits wake us at once, and so do kept ranks' messages; outcomes of
             # ranks still tearing down are polled.
-            waitables: list[Any] = [started[r].sentinel for r in pending]
+            waitables: list[Any] = [started[r].sentinel for r in pending if r < len(started)]
             if channels is not None:
                 waitables += [channels[r] for r in pending if not channels[r].closed]
             for ready in wait_any(waitables, timeout=min(0.1, self.deadline - now)):
@@ -327,18 +291,20 @@ class CaseRun:
         result.start_s = now - self._started
         self.deadline = now + self.plan.deadline.seconds
 
-    def _observe(self, started: list[Any]) -> list[int]:
-        """Record new outcomes and exits; return the ranks neither reported nor exited."""
+    def observe(self, exited: Callable[[int], tuple[float, int] | None]) -> list[int]:
+        """Record new outcomes and exits (``exited(rank)``: when and how the rank exited, or
+        None; asked before its outcome is read, which a rank writes before it exits);
+        return the ranks neither reported nor exited."""
         result = self.result
         pending = []
-        for rank, proc in enumerate(started):
-            code = proc.exitcode  # before reading the outcome: it is written before exit
+        for rank in range(self.plan.spec.nproc):
+            exit_ = None if rank in result.exits else exited(rank)
             if rank not in result.outcomes:
                 outcome = RankOutcome.read(self.path(rank, "outcome"))
                 if outcome is not None:
                     result.outcomes[rank] = outcome
-            if code is not None and rank not in result.exits:
-                result.exits[rank] = (time.time(), code)
+            if exit_ is not None:
+                result.exits[rank] = exit_
             if rank not in result.outcomes and rank not in result.exits:
                 pending.append(rank)
         return pending
@@ -347,8 +313,8 @@ class CaseRun:
         """Dump stacks of ranks being stopped, stop every tree, reap, collect output."""
         result = self.result
         stopping = [r for r in (*result.timed_out, *result.abandoned) if r < len(started)]
-        if stopping and STACK_DUMP_SIGNAL is not None:
-            self._dump_stacks(started, stopping)
+        if stopping:
+            self.dump_stacks({r: started[r].pid for r in stopping})
         # Ranks that reported get a moment to tear down and exit by themselves;
         # the others (interrupted launcher, overdue ranks) are stopped right away.
         stop_at = time.monotonic() + EXIT_WAIT_S
@@ -372,10 +338,9 @@ class CaseRun:
                 self.result.logs[rank] = read_bounded(self.path(rank, "log"))
 
     def stream_output(self, *, final: bool = False) -> None:
-        """With ``plan.live``: write what each rank printed since the last call
-        to this process's stdout, line by line, prefixed ``[rank N]`` (only
-        whole lines unless ``final``). A rank that writes faster than this
-        follows has what falls out of its kept tail skipped, and a note says so."""
+        """With ``plan.live`` (``-s``): write what each rank printed since the last call to
+        stdout, line by line, prefixed ``[rank N]`` (whole lines unless ``final``; what
+        fell out of a fast rank's kept tail skipped, with a note)."""
         if not self.plan.live:
             return
         out = sys.stdout
@@ -401,14 +366,15 @@ class CaseRun:
                 out.write(f"[rank {rank}] {line}\n")
         out.flush()
 
-    def _dump_stacks(self, started: list[Any], ranks: list[int]) -> None:
-        paths = {r: self.path(r, "stacks") for r in ranks}
-        for rank in ranks:
+    def dump_stacks(self, pids: dict[int, int]) -> None:
+        """Have these ranks (rank -> pid) dump their Python stacks into ``result.stacks``."""
+        paths = {r: self.path(r, "stacks") for r in pids}
+        for rank in pids:
             # Only ranks that registered the dump handler (it creates the file):
             # the signal's default action would kill one that has not.
             if os.path.exists(paths[rank]):
                 with contextlib.suppress(OSError):
-                    os.kill(started[rank].pid, STACK_DUMP_SIGNAL)
+                    os.kill(pids[rank], STACK_DUMP_SIGNAL)
         end = time.monotonic() + STACK_DUMP_WAIT_S
         sizes: dict[int, int] = {}
         while time.monotonic() < end:
@@ -431,9 +397,7 @@ def spawn_ranks(
     lease: Lease | None = None,
 ) -> None:
     """Start ``nproc`` rank processes ``target(*args_for(rank, fds))`` (``fds``: the
-    lease's descriptors, inherited by each rank), appending each to ``started``
-    as soon as it runs, so that a caller stopping ``started`` after a failure
-    midway stops every one that did start."""
+    lease's descriptors, inherited), each appended to ``started`` as soon as it runs."""
     mp = get_context("spawn")
     fds = lease_fds(lease)
     for rank in range(nproc):
@@ -533,12 +497,6 @@ def signals_deferred() -> Iterator[None]:
                 signal.signal(sig, handler)
         for sig in dict.fromkeys(pending):
             signal.raise_signal(sig)
-
-
-def _has_failure(result: CaseOutcome) -> bool:
-    return any(o.status == FAILED for o in result.outcomes.values()) or any(
-        rank not in result.outcomes or code != 0 for rank, (_, code) in result.exits.items()
-    )
 
 
 def _trim_stack(text: str) -> str:

@@ -1,13 +1,10 @@
-"""Putting a kept rank back, before each case, into the state a fresh rank
-starts the case in -- for the state listed here (DESIGN's list), nothing else.
-
-``Inherited``: what the harness set up, taken from the launcher *now*
-(environment, working directory, ``sys.path``; the temp dir follows
-``TMPDIR``). ``FACTS``: the torch state distributed tests commonly change, each
-with how to read it and put it back, or nothing (a rank where it changed is
-retired). ContextVars need no restoring (``fresh_context``). Anything else a
-case changes carries over to the next case on these ranks, as between the
-tests of one pytest process. Nothing here imports torch at module level.
+"""Putting a kept rank back, before each case, into the state a fresh rank starts the
+case in -- for DESIGN's list, nothing else: ``Inherited`` (what the harness set up, taken
+from the launcher *now*: environment, working directory, ``sys.path``, the temp dir) and
+``FACTS`` (the torch state distributed tests commonly change, each with how to read it
+and put it back, or nothing: a rank where it changed is retired). Anything else a case
+changes carries over to the next case on these ranks, as between the tests of one
+pytest process.
 """
 
 from __future__ import annotations
@@ -28,15 +25,6 @@ from harness.devices import ACCELERATOR_NAMES, accelerators
 from harness.launcher.groups import kept_entries, process_groups
 
 
-def set_environ(target: dict[str, str]) -> None:
-    """Make ``os.environ`` equal ``target``, touching only the keys that differ."""
-    for key in [k for k in os.environ if k not in target]:
-        del os.environ[key]
-    for key, value in target.items():
-        if os.environ.get(key) != value:
-            os.environ[key] = value
-
-
 @dataclass(frozen=True)
 class Inherited:
     """What a rank spawned now would inherit from the launcher (as ``spawn`` passes it)."""
@@ -52,7 +40,12 @@ class Inherited:
 
     def apply(self, overlay: dict[str, str]) -> None:
         """Take them over in this rank, with ``overlay`` (the rank's own variables) on top."""
-        set_environ({**self.environ, **overlay})
+        target = {**self.environ, **overlay}
+        for key in [k for k in os.environ if k not in target]:
+            del os.environ[key]
+        for key, value in target.items():
+            if os.environ.get(key) != value:  # only the keys that differ are touched
+                os.environ[key] = value
         with contextlib.suppress(OSError):
             os.chdir(self.cwd)
         sys.path[:] = self.sys_path
@@ -60,21 +53,16 @@ class Inherited:
 
 
 def fresh_context() -> contextvars.Context:
-    """A context in which a case runs: a copy of this (never case-touched)
-    context, so ContextVars the case sets do not outlive it."""
+    """A context for a case: ContextVars the case sets do not outlive it."""
     return contextvars.copy_context()
 
 
 @dataclass(frozen=True)
 class Fact:
-    """One piece of process state a case can change.
-
-    ``read()`` gives its value now; ``restore(value)`` puts a recorded value
-    back (None: it cannot be, and a rank where the fact changed is retired).
-    ``compare``: values compare with ``==`` (False: restored unconditionally,
-    e.g. random generator states). ``after``: the value a fresh rank would
-    have, given the recorded one; by default the recorded one.
-    """
+    """One piece of process state a case can change: ``read()`` its value now,
+    ``restore(value)`` (None: it cannot be put back, and a rank where it changed is
+    retired); ``compare`` False: restored unconditionally (e.g. random generator states);
+    ``after``: the value a fresh rank would have, given the recorded one."""
 
     name: str
     read: Callable[[], Any]
@@ -124,9 +112,7 @@ def _torch_rng() -> dict[str, Any]:
 
 
 def _set_torch_rng(state: dict[str, Any]) -> None:
-    # Every generator to a known state: accelerators' (lazily, without
-    # initialising a runtime) reseeded with the rank's initial seed, then the
-    # recorded states put back exactly.
+    # Every generator reseeded (accelerators' lazily), then the recorded states put back.
     torch = _torch()
     torch.manual_seed(state["seed"])
     torch.set_rng_state(state["cpu"])
@@ -152,7 +138,6 @@ def _autocast_nesting() -> int:
 
 
 def _autocast() -> dict[str, Any]:
-    """Per device type: autocast enabled and its dtype; the nesting depth and the cache flag."""
     torch = _torch()
     state: dict[str, Any] = {
         "nesting": _autocast_nesting(),
@@ -165,8 +150,7 @@ def _autocast() -> dict[str, Any]:
 
 
 def _set_autocast(state: dict[str, Any]) -> None:
-    # An autocast left entered keeps its device type enabled and the nesting
-    # above zero (its cast cache never cleared): both go back.
+    # An autocast left entered keeps its device type enabled and the nesting above zero.
     torch = _torch()
     for _ in range(_autocast_nesting() - state["nesting"]):
         torch.autocast_decrement_nesting()
@@ -195,8 +179,7 @@ def _set_deterministic(value: tuple[bool, bool, bool, bool]) -> None:
 
 
 def _threads_wanted(recorded: int) -> int:
-    # A fresh rank's torch starts with the threads OMP_NUM_THREADS (as the
-    # launcher's environment has it now, e.g. set by a fixture) asks for.
+    # A fresh rank's torch starts with the threads the inherited OMP_NUM_THREADS asks for.
     value = os.environ.get("OMP_NUM_THREADS", "")
     return int(value) if value.isdigit() and int(value) > 0 else recorded
 
@@ -216,9 +199,7 @@ _MODULE_HOOKS = (
 
 
 def _module_hooks() -> dict[str, Any]:
-    module = sys.modules.get("torch.nn.modules.module")
-    if module is None:
-        return {}
+    module = sys.modules["torch.nn.modules.module"]
     hooks: dict[str, Any] = {
         name: dict(getattr(module, name)) for name in _MODULE_HOOKS if hasattr(module, name)
     }
@@ -227,9 +208,7 @@ def _module_hooks() -> dict[str, Any]:
 
 
 def _set_module_hooks(hooks: dict[str, Any]) -> None:
-    module = sys.modules.get("torch.nn.modules.module")
-    if module is None:
-        return
+    module = sys.modules["torch.nn.modules.module"]
     for name in _MODULE_HOOKS:
         registry = getattr(module, name, None)
         if registry is not None:
@@ -261,15 +240,13 @@ FACTS: tuple[Fact, ...] = (
 
 @dataclass
 class Baseline:
-    """Every fact of ``FACTS`` as it was before the ranks' first case
-    (``capture``), and what else a case must not leave behind (threads,
-    process groups)."""
+    """Every fact of ``FACTS`` as it was before the ranks' first case (``capture``), and
+    what else a case must not leave behind (threads, process groups)."""
 
     facts: dict[str, Any]
     threads: frozenset[int]
     groups: int = 0
     default_group: Any = None
-    #: facts whose restore failed (the rank is then retired)
     unrestored: list[str] = field(default_factory=list)
 
     @classmethod
@@ -284,9 +261,7 @@ class Baseline:
             threads=frozenset(t.ident for t in threading.enumerate() if t.ident is not None),
         )
         baseline.groups, baseline.default_group = process_groups()
-        # What exists now (the imported libraries) lives as long as the rank:
-        # keep it out of every later collection, so that collecting a case's
-        # garbage costs milliseconds, not a scan of all of torch.
+        # What exists now lives as long as the rank: out of every later collection.
         gc.collect()
         gc.freeze()
         return baseline
@@ -304,8 +279,8 @@ class Baseline:
                 self.unrestored.append(f"{fact.name} ({type(exc).__name__}: {exc})")
 
     def leftovers(self) -> str | None:
-        """Why this rank cannot run another case (None: it can). Called after a case:
-        restores what it can first, then names what changed for good."""
+        """Why this rank cannot run another case (None: it can): restores what it can,
+        then names what changed for good."""
         self.restore()
         changed = list(self.unrestored)
         for fact in FACTS:
@@ -324,9 +299,8 @@ class Baseline:
         groups, default = process_groups()
         if default is not self.default_group:
             return "the case destroyed or replaced the default process group"
-        # Sub-groups hold connections and threads of their own; destroying
-        # them is itself a hang risk, so their ranks are not reused. Those
-        # made by harness.kept_group are the rank's own (kept on purpose).
+        # Destroying sub-groups is a hang risk: their ranks are not reused (those of
+        # harness.kept_group are the rank's own).
         made = groups - self.groups - kept_entries()
         if made:
             return (

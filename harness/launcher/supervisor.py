@@ -1,19 +1,14 @@
 """A rank's supervisor: nothing a case starts outlives the case, or the launcher.
 
-A spawned rank first *splits* (``split``): it leads a new session, declares
-itself a child subreaper and forks; the child is the rank, the parent (the
-process the launcher knows by pid) its supervisor, running no test code. Every
-orphan the case leaves (``setsid()`` daemons included) is re-parented to the
-supervisor; the rank leads a process group of its own; when the rank exits the
-supervisor stops what is left below it (SIGTERM, SIGKILL after
-``LEFTOVER_GRACE_S``) and exits with the rank's status; when the launcher dies
-(``PR_SET_PDEATHSIG``) it kills the tree, removes the directory the launcher
-left, and exits. Only the supervisor holds the lease descriptors; signals for
-the rank are forwarded to it. Linux only; elsewhere ``split`` does nothing and
-the rank watches its parent from a thread.
-
-A command case (``harness.launcher.command``) runs its argv under the same
-supervisor: ``python -m harness.launcher.supervisor`` (:func:`main`).
+A spawned rank first *splits* (``split``): it leads a new session, declares itself a
+child subreaper and forks; the child is the rank (leading a process group of its own),
+the parent (the pid the launcher knows) its supervisor, running no test code. Orphans
+the case leaves (``setsid()`` daemons included) come to the supervisor; when the rank
+exits, the supervisor stops what is left below it and exits with the rank's status; when
+the launcher dies (``PR_SET_PDEATHSIG``) it kills the tree, removes the directory the
+launcher left, and exits. Only the supervisor holds the lease descriptors; signals for
+the rank are forwarded to it. Linux only; elsewhere the rank watches its parent from a
+thread. A command case runs its argv under the same supervisor (:func:`main`).
 """
 
 from __future__ import annotations
@@ -48,15 +43,10 @@ _FORWARDED = tuple(
 
 
 def tie_to_controller(*, worker: bool) -> None:
-    """Tie an xdist worker's life to its pytest controller's (called as pytest
-    configures, in both).
-
-    The controller records its pid for the workers it is about to start
-    (``$HARNESS_CONTROLLER_PID``); a worker has the kernel SIGKILL it when the
-    controller dies however it dies (the OOM killer included), and exits at
-    once when the controller is already gone. The ranks' supervisors die
-    with their worker in turn, so no level of a run outlives the one above.
-    """
+    """Tie an xdist worker's life to its pytest controller's (called in both as pytest
+    configures): the controller records its pid (``$HARNESS_CONTROLLER_PID``); a worker
+    has the kernel SIGKILL it when the controller dies, however it dies, and exits at
+    once when the controller is already gone."""
     if not worker:
         os.environ[CONTROLLER_ENV] = str(os.getpid())
         return
@@ -73,20 +63,13 @@ def split(
     status_path: str | None = None,
     leftovers_to: str | None = None,
 ) -> None:
-    """Split this freshly spawned rank process into supervisor and rank; only
-    the rank returns. ``keep`` (the lease descriptors) stay in the supervisor
-    alone; ``rank_only`` (the pool's pipe) in the rank alone. When the
-    launcher dies, the supervisor also removes ``leftover_dir`` (a kept
-    pool's or a fresh case's directory, which the dead launcher can no longer
-    remove). With ``status_path``, the supervisor writes the rank's exit there
-    (an exit code, or minus the signal that killed it) before it leaves, for
-    a launcher that is not its parent (a rank under torch's elastic agent).
-    ``leftovers_to``: a file where the supervisor writes, when the rank has
-    exited, a line ``PID<TAB>COMMAND LINE`` for each process still running
-    below it, before it stops them.
-
-    Where subreapers are unsupported, returns at once in this process, which
-    then leads its own session and dies with its parent.
+    """Split this freshly spawned rank process into supervisor and rank; only the rank
+    returns. ``keep`` (the lease descriptors) stay in the supervisor alone; ``rank_only``
+    (the pool's pipe) in the rank alone. When the launcher dies, the supervisor also
+    removes ``leftover_dir``. ``status_path``: where the supervisor writes the rank's exit
+    (a code, or minus the signal) for a launcher that is not its parent (emulated nodes).
+    ``leftovers_to``: where it writes ``PID<TAB>COMMAND LINE`` for each process still
+    running below it once the rank exited, before it stops them.
     """
     with contextlib.suppress(OSError):
         os.setsid()
@@ -100,9 +83,7 @@ def split(
     supervisor = os.getpid()
     rank = os.fork()
     if rank == 0:
-        # A process group of its own: `kill 0` (or a signal to the group)
-        # from the rank or anything it starts stops the rank, never its
-        # supervisor, which then stops whatever is left.
+        # `kill 0` from the rank or what it starts stops the rank, never its supervisor.
         with contextlib.suppress(OSError):
             os.setpgid(0, 0)
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
@@ -197,10 +178,9 @@ def _stop_all(*, grace: float) -> None:
 
 def main(argv: Sequence[str]) -> NoReturn:
     """``python -m harness.launcher.supervisor PARENT_PID LEFTOVERS KEEP -- PROGRAM [ARG...]``:
-    run a command case's argv as a supervised rank (:func:`split`; ``LEFTOVERS``, the file
-    naming what it left running, or ``""``; ``KEEP``, comma-separated lease descriptors
-    the supervisor alone holds, or ``""``). The program is looked up on ``PATH``; when it
-    cannot be run, exits 127 saying so on stderr."""
+    run a command case's argv as a supervised rank (:func:`split`'s ``leftovers_to`` and
+    ``keep``, comma-separated, each possibly ``""``); a program that cannot be run exits
+    127 saying so on stderr."""
     parent, leftovers, keep, sep, *command = argv
     if sep != "--" or not command:
         sys.exit(

@@ -1,11 +1,7 @@
-"""Naming a function so that a freshly spawned process can import and call it.
-
-Ranks start in new interpreters (spawn), so the function they run travels by
-reference (module, qualified name, file) and is imported again in the rank.
-Test modules are loaded from their file with pytest's assertion rewriting, so
-a failing ``assert`` inside a rank explains itself like it does in pytest;
-loading by file also works where the module name alone would not import
-(pytester temp projects, ``--import-mode=importlib``).
+"""Naming a function so that a freshly spawned process can import and call it: by
+module, qualified name and file. Test modules are loaded from their file with pytest's
+assertion rewriting (which also works where the name alone would not import:
+``--import-mode=importlib``, pytester projects).
 """
 
 from __future__ import annotations
@@ -55,14 +51,10 @@ class FunctionRef:
         return cls(module.__name__, qualname, getattr(module, "__file__", None), True)
 
     def load(self, *, fresh: bool = False) -> Callable[..., Any]:
-        """Import the module (if this process has not yet) and return the callable.
-
-        With ``fresh`` a module that has a source file is executed again into a
-        new module object (replacing it in ``sys.modules``), so globals a
-        previous call changed start over, as in a new process; the modules it
-        imports are not reloaded. A test method comes back bound to a fresh
-        instance of its class, as pytest would call it.
-        """
+        """Import the module (if this process has not yet) and return the callable; with
+        ``fresh`` a module with a source file is executed again into a new module object
+        (its globals start over; what it imports is not reloaded). A test method comes
+        back bound to a fresh instance of its class."""
         module = None if fresh and _loadable(self.path) else sys.modules.get(self.module)
         if module is None:
             module = _import(self.module, self.path, self.rewrite_asserts, fresh=fresh)
@@ -102,18 +94,14 @@ def conftests_for(item: Any) -> tuple[tuple[str, str], ...]:
     return tuple((name, path) for _, name, path in sorted(found))
 
 
-#: The conftest modules this process imported, by file: in the default import
-#: mode every one of them is named ``conftest``, so the name alone cannot say.
+#: The conftest modules this process imported, by file (each may be named ``conftest``).
 _conftests: dict[str, types.ModuleType] = {}
 
 
 def import_conftests(conftests: tuple[tuple[str, str], ...]) -> None:
-    """Import each conftest module this process has not (with pytest's assertion
-    rewriting), outermost first, so what they do at import -- a Hypothesis
-    profile, a ``sys.path`` entry -- is in effect here as in the launcher.
-    Conftests sharing a module name (each ``conftest`` of the default import
-    mode) are each imported, as pytest does; the innermost then holds the name
-    in ``sys.modules``, so a fixture value of a class it defines unpickles."""
+    """Import each conftest module this process has not (with assertion rewriting),
+    outermost first, so what they do at import is in effect here as in the launcher;
+    the innermost holds a shared name in ``sys.modules`` (its classes unpickle)."""
     for name, path in conftests:
         module = _conftests.get(path)
         if module is None and _loadable(path):
@@ -156,8 +144,6 @@ def _load_from_file(name: str, path: str, *, rewrite: bool) -> types.ModuleType:
     if spec is None or spec.loader is None:
         raise ImportError(f"cannot load {name} from {path}")
     module = importlib.util.module_from_spec(spec)
-    # Registered before running it, as the import system does, so pickled
-    # values referring to classes of this module resolve to it.
     sys.modules[name] = module
     try:
         code = _rewritten_code(path) if rewrite else None
@@ -171,8 +157,7 @@ def _load_from_file(name: str, path: str, *, rewrite: bool) -> types.ModuleType:
     return module
 
 
-#: (path, mtime, size) -> rewritten code: a pooled rank executes a test module
-#: once per case, and rewriting is most of the cost of loading one.
+#: (path, mtime, size) -> rewritten code (a kept rank executes a test module per case).
 _rewritten: dict[tuple[str, int, int], types.CodeType] = {}
 
 

@@ -1,17 +1,8 @@
-"""How a launched case's values (fixtures, arguments, ``self`` state) reach its
-ranks: pickled, with two kinds of value sent as what they stand for.
-
-- A module travels by name: the rank imports its own.
-- pytest's ``MonkeyPatch`` travels as the patches it holds. pytest gives every
-  fixture of a test the same ``monkeypatch``, so a test taking it after a
-  fixture of its own used it receives one holding that fixture's patches,
-  whose undo records (``os.environ``, a module) do not pickle. In the rank it
-  becomes a new ``MonkeyPatch`` that applies the same patches there (the
-  attribute and item values they set in the launcher), so the body sees what
-  it would in-process; ``undo_monkeypatches`` takes them back when the body
-  ends (the launcher's fixture teardown undoes the launcher's). Environment
-  variables, ``sys.path`` and the working directory need no replay: ranks
-  start from the launcher's (see ``harness.launcher.rank``).
+"""How a launched case's values (fixtures, arguments, ``self`` state) reach its ranks:
+pickled, a module by name (the rank imports its own), pytest's ``MonkeyPatch`` as the
+patches it holds (its undo records do not pickle): in the rank a new ``MonkeyPatch``
+applies the same values there, and ``undo_monkeypatches`` takes them back when the body
+ends. Environment variables need no replay: ranks start from the launcher's.
 """
 
 from __future__ import annotations
@@ -24,9 +15,8 @@ import sys
 import types
 from typing import Any
 
-#: A ``MonkeyPatch`` operation as it travels: ("setattr", target, name, value),
-#: ("delattr", target, name), ("setitem", mapping, key, value) or
-#: ("delitem", mapping, key).
+#: ("setattr", target, name, value), ("delattr", target, name),
+#: ("setitem", mapping, key, value) or ("delitem", mapping, key)
 Operation = tuple
 
 _ABSENT = object()
@@ -52,9 +42,8 @@ def dumps(value: Any) -> bytes:
 
 
 def _operations(patch: Any) -> list[Operation]:
-    """What ``patch`` has patched, as operations setting the values in effect now
-    (each target once, in the order first patched). ``os.environ`` is left out:
-    the ranks' environment is the launcher's."""
+    """What ``patch`` has patched, as operations setting the values in effect now (each
+    target once, in the order first patched; ``os.environ`` left out)."""
     operations: list[Operation] = []
     seen: set[tuple[int, Any]] = set()
     for target, name, _ in patch._setattr:
@@ -120,8 +109,7 @@ def _rebuild_monkeypatch(operations: list[Operation]) -> Any:
 
 
 def undo_monkeypatches() -> None:
-    """Undo, in a rank, every patch of the ``MonkeyPatch`` objects it received
-    (what the launcher's fixtures patched and what the body patched through
-    them), newest first: their teardown runs in the launcher, on its own."""
+    """Undo, in a rank, every patch of the ``MonkeyPatch`` objects it received, newest
+    first (their fixtures' teardown runs in the launcher)."""
     while _rebuilt:
         _rebuilt.pop().undo()

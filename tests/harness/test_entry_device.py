@@ -173,3 +173,28 @@ def test_entry_env_reaches_launched_ranks_and_plain_cases_of_that_entry_only(pyt
     assert done.returncode == 0, done.stdout + done.stderr
     summary = json.loads((Path(root) / "out" / "summary.json").read_text())
     assert {c["outcome"] for c in summary["cases"]} == {"passed"}, summary["cases"]
+
+
+def test_a_case_run_apart_is_stopped_at_its_deadline_not_at_the_start_bound(
+    pytester, tmp_path, monkeypatch
+):
+    # Regression: the process of a plain case run apart never said it was ready, so its
+    # deadline never began: it ran on under the bound on starting ranks (300 s) and a body
+    # past its deadline passed.
+    pytester.makepyfile(
+        """
+        import time
+
+        import pytest
+
+
+        @pytest.mark.harness_device(device="cuda", cards=1)
+        def test_slow():
+            time.sleep(8)
+        """
+    )
+    monkeypatch.setenv("HARNESS_CARDS", "cuda:0")
+    monkeypatch.setenv("HARNESS_LEASE_DIR", str(tmp_path / "leases"))
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--harness-timeout", "2")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*still running at the 2 s deadline (--harness-timeout)*"])

@@ -15,6 +15,7 @@ import psutil
 from suite_project import make_project, manifest
 from test_cli import harness, summary_rows
 
+from harness.names import COMMANDS_FORMAT, LEAK_PROPERTY
 from harness.suites.report import read_junit
 
 PY = sys.executable
@@ -90,7 +91,7 @@ def test_command_cases_run_with_the_suite_each_with_its_own_verdict(pytester):
         "cpu::leak": "passed",
         "cpu::loud": "failed",
     }
-    assert cases["cpu::exit3"]["message"] == "exited with status 3"
+    assert cases["cpu::exit3"]["message"] == "exited with code 3"
     assert "does not match expect_output '^loss'" in cases["cpu::nomatch"]["message"]
     assert "'no-such-program-for-harness' not found" in cases["cpu::absent"]["message"]
     assert "stopped at its deadline of 6 s" in cases["cpu::hang"]["message"]
@@ -111,17 +112,18 @@ def test_command_cases_run_with_the_suite_each_with_its_own_verdict(pytester):
     assert _gone(child)
     assert took < 120
 
-    # The setsid daemon was stopped when its case ended, and named against that case (not
-    # left for the run to find after pytest).
+    # The setsid daemon was stopped when its case ended and reported against that case as
+    # any case's leftovers are (containment: a LeakWarning, the JUnit property
+    # harness.leaked, the run's summary), not left for the run to find after pytest.
     daemon = int((root / "leak.pid").read_text())
     assert _gone(daemon)
-    assert (
-        f"cpu::leak: the command left process(es) running when it ended, now stopped: pid {daemon}"
-        in said
-    )
+    assert "cpu::leak left 1 process(es) running after its teardown; stopped them:" in said
+    assert f"left running: `cpu::leak` — pid {daemon}: " in said
     assert "outlived pytest" not in said
 
     junit = read_junit([root / "out/junit.xml"])
+    xml = (root / "out/junit.xml").read_text()
+    assert f'<property name="{LEAK_PROPERTY}" value="pid {daemon}: ' in xml
     for entry in ("ok", "exit3", "absent", "hang", "leak"):
         assert ("cpu", entry) in junit, sorted(junit)
     durations = json.loads((root / "d.json").read_text())["durations"]
@@ -237,3 +239,33 @@ def outcomes(out: Path) -> dict[str, str]:
     return {
         c["nodeid"]: c["outcome"] for c in json.loads((out / "summary.json").read_text())["cases"]
     }
+
+
+def test_what_a_command_left_running_fails_its_teardown_under_harness_leaks_fail(
+    pytester, tmp_path
+):
+    # A command case's leftovers are any case's (containment): harness_leaks = fail makes
+    # them a teardown error of the case, which itself passed.
+    pytester.makeini("[pytest]\nharness_leaks = fail\n")
+    commands = pytester.path / "commands.json"
+    case = {"id": "cpu::leak", "argv": [PY, "-c", LEAK], "device": "cpu", "cards": 0}
+    commands.write_text(
+        json.dumps({"format": COMMANDS_FORMAT, "root": str(pytester.path), "cases": [case]})
+    )
+    result = pytester.runpytest_subprocess(
+        "-p",
+        "no:cacheprovider",
+        f"--harness-lease-dir={tmp_path / 'leases'}",
+        f"--harness-commands={commands}",
+        str(commands),
+    )
+    result.assert_outcomes(passed=1, errors=1)
+    daemon = int((pytester.path / "leak.pid").read_text())
+    assert _gone(daemon)
+    result.stdout.fnmatch_lines(
+        [
+            "*ERROR at teardown of *leak*",
+            "*cpu::leak left 1 process(es) running after its teardown; stopped them:",
+            f"*pid {daemon}: *",
+        ]
+    )
