@@ -64,7 +64,7 @@ IN_TEST_API = """
         assert x % 2 == 0
 
 
-    @settings(max_examples={examples}, database=None, derandomize=True)
+    @settings(max_examples={event_examples}, database=None, derandomize=True)
     @given(x=st.integers(0, 10))
     @pytest.mark.launch(nproc=2, reuse={reuse})
     def test_event_and_target_{variant}(x):
@@ -91,10 +91,15 @@ VARIANTS = ("fresh", "kept")
 
 def in_test_api(variant: str) -> str:
     """``IN_TEST_API`` on fresh or kept ranks, its tests and files named after ``variant``.
-    Fresh ranks cost a start per example: fewer examples, no shrinking."""
+    Fresh ranks cost a start per example: fewer examples (one shows an event and a
+    target), no shrinking."""
     kept = variant == "kept"
     return IN_TEST_API.format(
-        variant=variant, reuse=kept, examples=6 if kept else 2, highest=50 if kept else 5
+        variant=variant,
+        reuse=kept,
+        examples=6 if kept else 2,
+        event_examples=6 if kept else 1,
+        highest=50 if kept else 5,
     )
 
 
