@@ -9,6 +9,7 @@ which is the run's own.
 from __future__ import annotations
 
 import os
+import re
 import stat
 import subprocess
 import sys
@@ -74,39 +75,45 @@ def _tools(folder: Path, **scripts: str) -> str:
     return f"{folder}{os.pathsep}{os.environ['PATH']}"
 
 
-@pytest.mark.parametrize(
-    ("tool", "script", "card"),
-    [("nvidia-smi", NVIDIA_SMI, "00000000:02:00.0"), ("npu-smi", NPU_SMI, "0/0")],
-)
+#: The card each stand-in tool says the foreign process holds.
+CARDS = {"nvidia-smi": "00000000:02:00.0", "npu-smi": "0/0"}
+
+
 def test_a_card_held_outside_the_run_is_named_and_fails_in_strict_mode(
-    pytester, foreign, monkeypatch, tool, script, card
+    pytester, foreign, monkeypatch
 ):
+    # Both tools on PATH: each session asks both, so each check below holds for each tool.
     pytester.makepyfile("def test_a():\n    pass\n")
-    monkeypatch.setenv("PATH", _tools(pytester.path / "bin", **{tool: script}))
+    scripts = {"nvidia-smi": NVIDIA_SMI, "npu-smi": NPU_SMI}
+    monkeypatch.setenv("PATH", _tools(pytester.path / "bin", **scripts))
     monkeypatch.setenv("FOREIGN_PID", str(foreign.pid))
-    named = f"card {card}: pid {foreign.pid} ("
+    named = {tool: f"card {card}: pid {foreign.pid} (" for tool, card in CARDS.items()}
 
     warned = pytester.runpytest_subprocess("-p", "no:cacheprovider")
     assert warned.ret == 0
     out = warned.stdout.str()
     assert "harness: warning: cards held by processes outside this run" in out
-    assert named in out
-    assert "time.sleep(60)" in out  # its command line, read from /proc
-    assert "2048 MiB" in out
-    # The pytest process that ran the tool is the run's own: never named.
+    for tool, card in CARDS.items():
+        # its command line, read from /proc, and the memory the tool gave
+        entry = r"\((?:(?! card ).)*time\.sleep\(60\), 2048 MiB\)"  # within this card's entry
+        held = rf"card {re.escape(card)}: pid {foreign.pid} {entry}"
+        assert re.search(held, out), (tool, out)
+    # The pytest process that ran the tools is the run's own: never named.
     assert "python, 100 MiB" not in out, out
 
     failed = pytester.runpytest_subprocess(
         "-p", "no:cacheprovider", "-o", "harness_busy_cards=fail"
     )
     assert failed.ret == 1
-    assert named in failed.stdout.str() + failed.stderr.str()
+    for text in named.values():
+        assert text in failed.stdout.str() + failed.stderr.str()
     assert "1 passed" not in failed.stdout.str()  # nothing ran
 
     # Under xdist: checked once, by the controller (whose workers are its own processes).
     spread = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-n", "2")
     assert spread.ret == 0
-    assert spread.stdout.str().count(named) == 1, spread.stdout.str()
+    for text in named.values():
+        assert spread.stdout.str().count(text) == 1, spread.stdout.str()
 
     off = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-o", "harness_busy_cards=off")
     assert off.ret == 0

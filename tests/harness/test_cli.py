@@ -828,11 +828,12 @@ def test_workers_never_let_the_runs_own_cases_starve_each_other(monkeypatch):
 
 def test_run_sizes_workers_to_its_largest_case(pytester, tmp_path_factory):
     # `harness run cpu` on 2 slots used -n 2 with 2-rank cases, so one
-    # worker waited for the other's slots until its lease timed out.
+    # worker waited for the other's slots until its lease timed out. Two cases: enough
+    # for two workers, had the run sized them by its case count and CPUs alone.
     body = "".join(
         f"\n\n@pytest.mark.launch(nproc=2)\ndef test_r{i}():\n    import torch.distributed as dist\n"
         f"    assert dist.get_world_size() == 2\n"
-        for i in range(4)
+        for i in range(2)
     )
     root = make_project(
         pytester.path,
@@ -852,8 +853,8 @@ def test_run_sizes_workers_to_its_largest_case(pytester, tmp_path_factory):
         f"--harness-lease-dir={lease}",
     )
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "4 case(s) in 1 entry on cpu; up to 1 xdist worker(s)" in done.stdout
-    assert summary_rows((root / "out/summary.md").read_text())["total"][:3] == ["4", "4", "0"]
+    assert "2 case(s) in 1 entry on cpu; up to 1 xdist worker(s)" in done.stdout
+    assert summary_rows((root / "out/summary.md").read_text())["total"][:3] == ["2", "2", "0"]
 
 
 def test_a_wide_case_runs_beside_the_others_in_one_pytest(pytester, tmp_path_factory):

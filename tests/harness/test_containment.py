@@ -263,11 +263,11 @@ def group_timeout_and_case_deadline() -> tuple[float, float, float]:
 
 
 def test_a_collective_blocked_after_a_slow_start_times_out_before_the_deadline(monkeypatch):
-    # 10 s of the 40 s go to start-up (importing this module): a group timeout
-    # taken from the whole deadline (32 s) would end after it.
-    monkeypatch.setenv(SLOW_START_ENV, "10")
+    # 6 s of the 20 s go to start-up (importing this module): a group timeout
+    # taken from the whole deadline (16 s) would end after it.
+    monkeypatch.setenv(SLOW_START_ENV, "6")
     results = harness.launch(
-        group_timeout_and_case_deadline, LaunchSpec(nproc=2, timeout=40, reuse=False)
+        group_timeout_and_case_deadline, LaunchSpec(nproc=2, timeout=20, reuse=False)
     )
     for timeout, now, deadline in results:
         # A collective started now, blocked, raises at now + timeout at the latest.

@@ -1,6 +1,6 @@
 """Multi-node cases (``LaunchSpec(nnodes=2)``) emulated on this host by torch's
-own elastic agents: one real pytest session runs a passing case and the three
-node faults; each test below checks one of them. A case passes with the
+own elastic agents: one real pytest session runs a passing case (its node 1 late)
+and two node faults; each test below checks one of them. A case passes with the
 environment ``torchrun`` gives, fails naming the node and the rank, and
 leaves nothing running."""
 
@@ -8,10 +8,8 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import subprocess
 import sys
-import textwrap
 import time
 
 import psutil
@@ -59,8 +57,9 @@ NODES = """
         monkeypatch.setenv("HARNESS_EMULATED_NODE_DELAY", "1=never")
 
 
+    # Node 1 late within the join timeout: the case still passes, with torchrun's shape.
     @pytest.mark.launch(nnodes=2, nproc=2, timeout=120)
-    def test_two_nodes():
+    def test_two_nodes(node_1_late):
         record("pass")
         print(f"hello from node {os.environ['GROUP_RANK']}", flush=True)
         total = torch.tensor([float(dist.get_rank())])
@@ -74,12 +73,6 @@ NODES = """
         record("dies")
         if dist.get_rank() == 3:
             os._exit(7)
-        dist.barrier()
-
-
-    @pytest.mark.launch(nnodes=2, nproc=2, timeout=120)
-    def test_node_starts_late(node_1_late):
-        record("late")
         dist.barrier()
 
 
@@ -132,12 +125,9 @@ def _records(root, tag: str) -> dict[int, dict]:
 def test_nothing_of_any_case_is_left_running(nodes):
     root, session, _ = nodes
     pids = {
-        pid
-        for tag in ("pass", "dies", "late")
-        for r in _records(root, tag).values()
-        for pid in r["pids"]
+        pid for tag in ("pass", "dies") for r in _records(root, tag).values() for pid in r["pids"]
     }
-    assert len(pids) >= 3 * 4, session.output
+    assert len(pids) >= 2 * 4, session.output
     alive = [
         p
         for p in pids
@@ -177,8 +167,9 @@ def test_one_nodes_dead_rank_fails_the_case_naming_node_and_rank(nodes):
 
 def test_a_node_late_within_the_join_timeout_still_passes(nodes):
     root, session, _ = nodes
-    assert session.case("test_node_starts_late").status == "passed", session.output
-    assert sorted(_records(root, "late")) == [0, 1, 2, 3]
+    # The passing case is the late one (node_1_late): no case of its own for it.
+    assert session.case("test_two_nodes").status == "passed", session.output
+    assert sorted(_records(root, "pass")) == [0, 1, 2, 3]
 
 
 def test_a_node_that_never_arrives_fails_at_the_deadline_naming_it(nodes):
@@ -192,14 +183,6 @@ def test_a_node_that_never_arrives_fails_at_the_deadline_naming_it(nodes):
 
 
 # ---------------------------------------------------------------- torchrun itself
-
-TORCHRUN_SCRIPT = """
-    import json, os, sys
-    import torch.distributed as dist
-    dist.init_process_group("gloo")
-    with open(os.path.join(sys.argv[1], f"torchrun-{os.environ['RANK']}.json"), "w") as f:
-        json.dump({"env": dict(os.environ)}, f)
-"""
 
 
 def torchrun_hosts(
@@ -249,39 +232,6 @@ def torchrun_hosts(
     return [(a.returncode, out) for a, out in zip(agents, outputs, strict=True)]
 
 
-def _base_env() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if not k.startswith(("HARNESS_", "PYTEST_"))}
-
-
-def test_ranks_see_the_environment_torchrun_gives_for_the_same_shape(nodes, tmp_path):
-    # The reference: torchrun itself, two agents (`--node-rank k`) on loopback.
-    root, session, _ = nodes
-    harness_ranks = _records(root, "pass")
-    assert sorted(harness_ranks) == [0, 1, 2, 3], session.output
-    script = tmp_path / "print_env.py"
-    script.write_text(textwrap.dedent(TORCHRUN_SCRIPT))
-    base = _base_env()
-    done = torchrun_hosts("reference", [str(script), str(tmp_path)], [base, base], tmp_path)
-    assert [code for code, _ in done] == [0, 0], done
-    reference = {
-        r: json.loads((tmp_path / f"torchrun-{r}.json").read_text())["env"] for r in range(4)
-    }
-    for rank, env in reference.items():
-        torchrun_vars = {k for k in env if k not in base}
-        ours = harness_ranks[rank]["env"]
-        assert torchrun_vars <= set(ours), sorted(torchrun_vars - set(ours))
-        same = {k: env[k] for k in torchrun_vars - PER_RUN}
-        assert {k: ours[k] for k in same} == same
-    # The shape seen on each node: the same (RANK, LOCAL_RANK, GROUP_RANK) triples.
-    triples = {
-        tuple(env[k] for k in ("RANK", "LOCAL_RANK", "GROUP_RANK")) for env in reference.values()
-    }
-    assert triples == {
-        tuple(doc["env"][k] for k in ("RANK", "LOCAL_RANK", "GROUP_RANK"))
-        for doc in harness_ranks.values()
-    }
-
-
 # ---------------------------------------------------------------- real nodes
 
 REAL_NODES = """
@@ -311,20 +261,50 @@ REAL_NODES = """
 """
 
 
-def test_real_nodes_recipe_two_torchrun_hosts_run_the_case_node_0_reports(tmp_path):
-    # The recipe of docs/harness.md (real nodes), with two agents standing for two
-    # hosts: each runs `torchrun ... -m pytest` on its own checkout, lease directory
-    # and temp directory; they share only the c10d rendezvous endpoint.
-    root = write_project(tmp_path / "project", {"test_real_inner.py": REAL_NODES})
+#: Each rank of the real-nodes recipe runs ``python -m record_env_then_pytest ...``: it
+#: records the environment torchrun gave it (before pytest adds variables of its own),
+#: then runs pytest as ``python -m pytest`` would (the same argv, ``sys.path[0]`` the
+#: working directory).
+RECORD_THEN_PYTEST = """
+    import json
+    import os
+    import runpy
+
+    out = os.path.join(os.environ["HARNESS_TEST_OUT"], f"torchrun-{os.environ['RANK']}.json")
+    with open(out, "w") as f:
+        json.dump({"env": dict(os.environ)}, f)
+    runpy.run_module("pytest", run_name="__main__", alter_sys=True)
+"""
+
+
+@pytest.fixture(scope="module")
+def real_nodes(tmp_path_factory):
+    """The recipe of docs/harness.md (real nodes), with two agents standing for two hosts:
+    each runs ``torchrun ... -m pytest`` (through ``RECORD_THEN_PYTEST``) on its own
+    checkout, lease directory and temp directory; they share only the c10d rendezvous endpoint. The folder, the project, each
+    host's environment and the agents' exit codes and output."""
+    tmp = tmp_path_factory.mktemp("real")
+    files = {"test_real_inner.py": REAL_NODES, "record_env_then_pytest.py": RECORD_THEN_PYTEST}
+    root = write_project(tmp / "project", files)
     envs = []
     for k in range(2):
-        (tmp_path / f"host{k}").mkdir()
-        envs.append(inner_env(root / "out", tmp_path / f"host{k}" / "leases"))
-        envs[-1]["TMPDIR"] = str(tmp_path / f"host{k}")
-    pytest_args = ["-m", "pytest", "-p", "no:cacheprovider", "-q", "-rA", "test_real_inner.py"]
+        (tmp / f"host{k}").mkdir()
+        envs.append(inner_env(root / "out", tmp / f"host{k}" / "leases"))
+        envs[-1]["TMPDIR"] = str(tmp / f"host{k}")
+    pytest_args = ["-m", "record_env_then_pytest", "-p", "no:cacheprovider", "-q", "-rA"]
     done = torchrun_hosts(
-        "real-nodes", pytest_args, envs, root, f"--log-dir={tmp_path}/logs{{node}}", "--redirects=3"
+        "real-nodes",
+        [*pytest_args, "test_real_inner.py"],
+        envs,
+        root,
+        f"--log-dir={tmp}/logs{{node}}",
+        "--redirects=3",
     )
+    return tmp, root, envs, done
+
+
+def test_real_nodes_recipe_two_torchrun_hosts_run_the_case_node_0_reports(real_nodes):
+    tmp_path, _, _, done = real_nodes
     # A failing case fails the job on every host.
     assert [code != 0 for code, _ in done] == [True, True], done
     logs = {
@@ -341,6 +321,35 @@ def test_real_nodes_recipe_two_torchrun_hosts_run_the_case_node_0_reports(tmp_pa
     # Ranks 1 and 2 passed the failing case; rank 3 reports its own failure.
     assert "PASSED test_real_inner.py::test_rank_3_fails" in logs[(0, 1)]
     assert "FAILED test_real_inner.py::test_rank_3_fails" in logs[(1, 1)]
+
+
+def test_ranks_see_the_environment_torchrun_gives_for_the_same_shape(nodes, real_nodes):
+    # The reference: torchrun itself, two agents (`--node-rank k`) on loopback, for the
+    # same shape (the real-nodes recipe's ranks, as torchrun started them).
+    root, session, _ = nodes
+    harness_ranks = _records(root, "pass")
+    assert sorted(harness_ranks) == [0, 1, 2, 3], session.output
+    _, project, envs, done = real_nodes
+    recorded = sorted(p.name for p in (project / "out").glob("torchrun-*.json"))
+    assert recorded == [f"torchrun-{r}.json" for r in range(4)], done
+    reference = {
+        r: json.loads((project / "out" / f"torchrun-{r}.json").read_text())["env"] for r in range(4)
+    }
+    for rank, env in reference.items():
+        base = envs[int(env["GROUP_RANK"])]  # what that host's agent was started with
+        torchrun_vars = {k for k in env if k not in base}
+        ours = harness_ranks[rank]["env"]
+        assert torchrun_vars <= set(ours), sorted(torchrun_vars - set(ours))
+        same = {k: env[k] for k in torchrun_vars - PER_RUN}
+        assert {k: ours[k] for k in same} == same
+    # The shape seen on each node: the same (RANK, LOCAL_RANK, GROUP_RANK) triples.
+    triples = {
+        tuple(env[k] for k in ("RANK", "LOCAL_RANK", "GROUP_RANK")) for env in reference.values()
+    }
+    assert triples == {
+        tuple(doc["env"][k] for k in ("RANK", "LOCAL_RANK", "GROUP_RANK"))
+        for doc in harness_ranks.values()
+    }
 
 
 # ---------------------------------------------------------------- pieces

@@ -261,43 +261,71 @@ LAUNCHED_LEAKS = """
     SLEEPER = [sys.executable, "-c", "import time; time.sleep(600)"]
 
 
-    @pytest.mark.launch(nproc=2)
-    def test_ranks_leak_a_daemon():
+    @pytest.mark.launch(nproc=2, reuse={reuse})
+    def test_ranks_leak_a_daemon_{variant}():
         child = subprocess.Popen(SLEEPER, start_new_session=True)
-        record_pid(f"daemon-{dist.get_rank()}", child.pid)
+        record_pid(f"daemon-{variant}-{{dist.get_rank()}}", child.pid)
 
 
-    @pytest.mark.launch(nproc=2)
-    def test_ranks_wait_for_their_children():
+    @pytest.mark.launch(nproc=2, reuse={reuse})
+    def test_ranks_wait_for_their_children_{variant}():
         subprocess.run([sys.executable, "-c", "pass"], check=True)
 """
 
 
-@pytest.mark.parametrize("reuse", [False, True], ids=["fresh", "kept"])
-def test_what_a_launched_cases_ranks_leave_is_named_against_the_case(tmp_path, reuse):
+@pytest.fixture(scope="module")
+def launched_leaks(tmp_path_factory):
+    """``{mode: (root, session)}``: for each ``harness_leaks`` mode, one inner session of
+    ``LAUNCHED_LEAKS`` on fresh ranks and again on kept ranks (a file each, ``reuse=`` on
+    its markers); every daemon pid recorded is killed at the end, whatever happened."""
+    tmp_path = tmp_path_factory.mktemp("launched")
+    sessions = {}
+    try:
+        for mode in ("warn", "fail"):
+            files = {
+                f"test_launched_{v}.py": LAUNCHED_LEAKS.format(variant=v, reuse=v == "kept")
+                for v in ("fresh", "kept")
+            }
+            root = write_project(tmp_path / mode, files)
+            with open(root / "pytest.ini", "a") as ini:
+                ini.write(f"harness_leaks = {mode}\n")
+            sessions[mode] = (
+                root,
+                run_session(
+                    root, "-p", "no:xdist", env=inner_env(root / "out", tmp_path / "leases")
+                ),
+            )
+        yield sessions
+    finally:
+        for mode in ("warn", "fail"):
+            for pid in read_pids(tmp_path / mode / "out").values():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("variant", ["fresh", "kept"])
+def test_what_a_launched_cases_ranks_leave_is_named_against_the_case(launched_leaks, variant):
     # Regression: a launched case's ranks (and a plain case run apart on its cards) had
     # their leftovers stopped by their supervisors, silently: no warning, no JUnit
     # property, and `harness_leaks = fail` did not fail the case.
-    for mode in ("warn", "fail"):
-        root = write_project(tmp_path / mode, {"test_launched.py": LAUNCHED_LEAKS}, reuse=reuse)
-        with open(root / "pytest.ini", "a") as ini:
-            ini.write(f"harness_leaks = {mode}\n")
-        session = run_session(
-            root, "-p", "no:xdist", env=inner_env(root / "out", tmp_path / "leases")
-        )
+    for mode, (root, session) in launched_leaks.items():
         pids = read_pids(root / "out")
-        daemons = [pids["daemon-0"], pids["daemon-1"]]
+        daemons = [pids[f"daemon-{variant}-0"], pids[f"daemon-{variant}-1"]]
         assert survivors(daemons, wait=0) == [], session.output
-        case = "test_launched.py::test_ranks_leak_a_daemon"
+        leaker, waiter = (
+            f"test_ranks_leak_a_daemon_{variant}",
+            f"test_ranks_wait_for_their_children_{variant}",
+        )
+        case = f"test_launched_{variant}.py::{leaker}"
         assert f"{case} left 2 process(es) running after its teardown" in session.output
         for rank, pid in enumerate(daemons):
             assert f"rank {rank}: pid {pid}: " in session.output, session.output
         props = _junit_properties(root / "junit.xml")
-        assert "harness.leaked" not in props["test_ranks_wait_for_their_children"]
-        assert session.case("test_ranks_wait_for_their_children").status == "passed"
-        leaked = session.case("test_ranks_leak_a_daemon")
+        assert "harness.leaked" not in props[waiter]
+        assert session.case(waiter).status == "passed"
+        leaked = session.case(leaker)
         if mode == "fail":
             assert leaked.status == "error", session.output
         else:
             assert leaked.status == "passed", session.output
-            assert f"pid {daemons[0]}: " in props["test_ranks_leak_a_daemon"]["harness.leaked"]
+            assert f"pid {daemons[0]}: " in props[leaker]["harness.leaked"]

@@ -34,7 +34,9 @@ GIVEN = """
             f.write(f"{x} {time.time()}\\n")
 
 
-    @settings(max_examples=30, database=None, derandomize=True)
+    # One bug is all it has: no search for more after the first failing example (a
+    # failing example costs the kept pool a restart).
+    @settings(max_examples=30, database=None, derandomize=True, report_multiple_bugs=False)
     @given(x=st.integers(0, 50))
     @pytest.mark.launch(nproc=2)
     def test_failure_shows_the_shrunk_example(x):
@@ -43,11 +45,84 @@ GIVEN = """
 """
 
 
+IN_TEST_API = """
+    import os
+
+    import pytest
+    from hypothesis import assume, event, given, note, settings, target, strategies as st
+
+    from recording import out_dir
+
+
+    @settings(max_examples={examples}, database=None, derandomize=True)
+    @given(x=st.integers(0, 1000))
+    @pytest.mark.launch(nproc=2, reuse={reuse})
+    def test_assume_rejects_the_example_{variant}(x):
+        with open(out_dir() / f"assume-{variant}-{{os.environ['RANK']}}.txt", "a") as f:
+            f.write(f"{{x}} {{os.getpid()}}\\n")
+        assume(x % 2 == 0)
+        assert x % 2 == 0
+
+
+    @settings(max_examples={event_examples}, database=None, derandomize=True)
+    @given(x=st.integers(0, 10))
+    @pytest.mark.launch(nproc=2, reuse={reuse})
+    def test_event_and_target_{variant}(x):
+        event(f"parity {{x % 2}}")
+        target(7.0 + (x > 100), label="x")
+
+
+    @settings(max_examples=20, database=None, derandomize=True, report_multiple_bugs=False)
+    @given(x=st.integers(5, {highest}))
+    @pytest.mark.launch(nproc=2, reuse={reuse})
+    def test_note_in_the_failure_report_{variant}(x):
+        note(f"noted {{x}} on rank {{os.environ['RANK']}}")
+        assert x < 5
+
+
+    @given(data=st.data())
+    @pytest.mark.launch(nproc=1, reuse={reuse})
+    def test_data_strategy_{variant}(data):
+        (out_dir() / "data-{variant}.ran").write_text("")
+"""
+
+VARIANTS = ("fresh", "kept")
+
+
+def in_test_api(variant: str) -> str:
+    """``IN_TEST_API`` on fresh or kept ranks, its tests and files named after ``variant``.
+    Fresh ranks cost a start per example: fewer examples (one shows an event and a
+    target), no shrinking."""
+    kept = variant == "kept"
+    return IN_TEST_API.format(
+        variant=variant,
+        reuse=kept,
+        examples=6 if kept else 2,
+        event_examples=6 if kept else 1,
+        highest=50 if kept else 5,
+    )
+
+
+def _statistics(output: str, test: str) -> str:
+    """The ``--hypothesis-show-statistics`` block of ``test`` (a node id) in ``output``."""
+    block = output.split(f"{test}:\n", 1)[1]
+    return re.split(r"\n(?=\S)", block, maxsplit=1)[0]
+
+
 @pytest.fixture(scope="module")
 def given_session(tmp_path_factory):
+    """One inner session for every launched ``@given`` test of this module: ``GIVEN`` and
+    ``IN_TEST_API`` on kept ranks, ``IN_TEST_API`` again on fresh ranks (its own file,
+    ``reuse=False`` on its markers)."""
     # Kept ranks: each example is a case, and a fresh pair of ranks per example is slow.
-    root = write_project(tmp_path_factory.mktemp("given"), {"test_given.py": GIVEN}, reuse=True)
-    session = run_session(root, env=inner_env(root / "out", root / "leases"), timeout=600)
+    files = {"test_given.py": GIVEN, **{f"test_api_{v}.py": in_test_api(v) for v in VARIANTS}}
+    root = write_project(tmp_path_factory.mktemp("given"), files, reuse=True)
+    session = run_session(
+        root,
+        "--hypothesis-show-statistics",
+        env=inner_env(root / "out", root / "leases"),
+        timeout=600,
+    )
     return root, session
 
 
@@ -93,89 +168,42 @@ def test_a_given_case_records_where_it_ran(given_session):
     assert int(props["harness.examples"]) >= 5
 
 
-IN_TEST_API = """
-    import os
-
-    import pytest
-    from hypothesis import assume, event, given, note, settings, target, strategies as st
-
-    from recording import out_dir
-
-
-    @settings(max_examples={examples}, database=None, derandomize=True)
-    @given(x=st.integers(0, 1000))
-    @pytest.mark.launch(nproc=2)
-    def test_assume_rejects_the_example(x):
-        with open(out_dir() / f"assume-{{os.environ['RANK']}}.txt", "a") as f:
-            f.write(f"{{x}} {{os.getpid()}}\\n")
-        assume(x % 2 == 0)
-        assert x % 2 == 0
-
-
-    @settings(max_examples={examples}, database=None, derandomize=True)
-    @given(x=st.integers(0, 10))
-    @pytest.mark.launch(nproc=2)
-    def test_event_and_target(x):
-        event(f"parity {{x % 2}}")
-        target(7.0 + (x > 100), label="x")
-
-
-    @settings(max_examples=20, database=None, derandomize=True)
-    @given(x=st.integers(5, {highest}))
-    @pytest.mark.launch(nproc=2)
-    def test_note_in_the_failure_report(x):
-        note(f"noted {{x}} on rank {{os.environ['RANK']}}")
-        assert x < 5
-
-
-    @given(data=st.data())
-    @pytest.mark.launch(nproc=1)
-    def test_data_strategy(data):
-        (out_dir() / "data.ran").write_text("")
-"""
-
-
-@pytest.mark.parametrize("reuse", [False, True], ids=["fresh", "kept"])
-def test_hypothesis_in_test_api_works_on_the_ranks(tmp_path, reuse):
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_hypothesis_in_test_api_works_on_the_ranks(given_session, variant):
     # Regression: the body ran on the ranks outside any Hypothesis build context:
     # `assume` failed the test (and tore the kept pool down at each rejection),
     # `note` / `event` / `target` raised InvalidArgument, and st.data() failed to pickle.
-    # Fresh ranks cost a start per example: fewer examples, no shrinking.
-    test = IN_TEST_API.format(examples=6 if reuse else 2, highest=50 if reuse else 5)
-    files = {"test_api.py": test}
-    root = write_project(tmp_path / "project", files, reuse=reuse)
-    session = run_session(
-        root,
-        "--hypothesis-show-statistics",
-        env=inner_env(root / "out", root / "leases"),
-        timeout=600,
-    )
-    assume = session.case("test_assume_rejects_the_example")
+    root, session = given_session
+    assume = session.case(f"test_assume_rejects_the_example_{variant}")
     assert assume.status == "passed", session.output
     runs = [
-        [line.split() for line in (root / "out" / f"assume-{r}.txt").read_text().splitlines()]
+        [
+            line.split()
+            for line in (root / "out" / f"assume-{variant}-{r}.txt").read_text().splitlines()
+        ]
         for r in (0, 1)
     ]
     drawn = [[x for x, _ in run] for run in runs]
     assert drawn[0] == drawn[1]  # the same examples on both ranks, in order ...
     assert any(int(x) % 2 for x in drawn[0])  # ... some rejected
-    if reuse:  # ... and no rejection replaced the pool
+    if variant == "kept":  # ... and no rejection replaced the pool
         assert len({pid for _, pid in runs[0]}) == 1, runs[0]
 
-    assert session.case("test_event_and_target").status == "passed", session.output
-    assert re.search(r"\d%, parity [01]\n", session.output), session.output  # the events
-    assert "Highest target score: 7" in session.output, session.output
+    assert session.case(f"test_event_and_target_{variant}").status == "passed", session.output
+    stats = _statistics(session.output, f"test_api_{variant}.py::test_event_and_target_{variant}")
+    assert re.search(r"\d%, parity [01]\n", stats), session.output  # the events
+    assert "Highest target score: 7" in stats, session.output
 
-    noted = session.case("test_note_in_the_failure_report")
+    noted = session.case(f"test_note_in_the_failure_report_{variant}")
     assert noted.status == "failed"
     assert "noted 5 on rank 0" in noted.text, noted.text
     assert "rank 1: noted 5 on rank 1" in noted.text, noted.text
 
-    data = session.case("test_data_strategy")
+    data = session.case(f"test_data_strategy_{variant}")
     assert data.status in ("failed", "error")
     assert "st.data()" in data.text + data.message, session.output
     assert "'data'" in data.text + data.message
-    assert not (root / "out" / "data.ran").exists()
+    assert not (root / "out" / f"data-{variant}.ran").exists()
 
 
 DATA_DRAWN = """

@@ -137,7 +137,7 @@ def test_a_nested_session_leaves_the_outer_faulthandler_timeout_alone(pytester):
         "    pytester.makepyfile('def test_x(): pass')\n"
         "    pytester.runpytest_inprocess('-p', 'no:cacheprovider').assert_outcomes(passed=1)\n\n"
         "def test_2_slow():\n"
-        "    time.sleep(3)\n"
+        "    time.sleep(2)\n"
     )
     output = run_passing(pytester, nested, 'faulthandler_timeout = 1\naddopts = "-p pytester"\n')
     assert "Timeout (0:00:01)!" in output, output
@@ -167,7 +167,7 @@ INNER_WITH_TIMEOUT = """
 
     @pytest.fixture
     def slow():
-        time.sleep(3)
+        time.sleep(2)
 
 
     @pytest.mark.launch(nproc=1)
