@@ -395,16 +395,11 @@ def failures(results: Mapping[str, CaseRow]) -> str:
     )
 
 
-#: Why cases pytest collected were not run: the suite does not hold them (``suite``), or
-#: pytest collected them only with the arguments given to it (``beyond``).
-NOT_RUN = {
-    "suite": "not in suite {suite}, not run: `{n}` (collected under the paths given to pytest; "
-    "`harness inventory` says whether an entry of any suite owns it)",
-    "beyond": "not planned, not run: `{n}` (pytest collected it only with the arguments given "
-    "to it, after `--` or in PYTEST_ADDOPTS; the suite's inventory collects without them: "
-    "collect it always, and skip it unless your option is given, as pytest's --runslow "
-    "recipe does)",
-}
+#: A case pytest collected under the paths given to it that the suite does not hold.
+NOT_IN_SUITE = (
+    "not in suite {suite}, not run: `{n}` (collected under the paths given to pytest; "
+    "`harness inventory` says whether an entry of any suite owns it)"
+)
 
 
 def bullets(lines: Sequence[str], limit: int = 30) -> str:

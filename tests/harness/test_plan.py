@@ -405,7 +405,7 @@ def test_the_shard_run_is_the_shard_planned(pytester, capsys):
     from harness.suites.cli import main
     from harness.suites.inventory import build_inventory
     from harness.suites.plan import plan_suite
-    from harness.suites.run import plan_shard
+    from harness.suites.selection import plan_shard
 
     tests = {
         "tests/t/test_t.py": "import pytest\n\n@pytest.mark.parametrize('i', range(7))\ndef test_t(i):\n    pass\n"
