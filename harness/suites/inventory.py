@@ -111,8 +111,6 @@ class SuiteInventory:
     cases: list[CollectedCase]
     owners: dict[str, list[tuple[str, str]]] = field(default_factory=dict)
     problems: list[Problem] = field(default_factory=list)
-    #: The pytest configuration file the collection used (``None``: none found).
-    inipath: Path | None = None
     #: Test files that yield no case: repository-relative file -> why (an import error, or a
     #: module-level skip; a folder whose conftest skips at module level is one too).
     unloadable: dict[str, str] = field(default_factory=dict)
@@ -1062,7 +1060,6 @@ def _judge(
         problems=_missing_dependencies(
             dict.fromkeys([*scope.problems, *found.problems, *spec_problems])
         ),
-        inipath=found.inipath,
         unloadable={**found.skipped, **unloadable},
     )
     inv.problems.extend(_outside_problems(root, {*found.files, *(c.file for c in found.cases)}))

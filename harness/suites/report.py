@@ -204,10 +204,6 @@ def results_from_records(
         or (f"{records.interrupted} during a case" if exited_in_a_case else "")
         or records.interrupted
     )
-    # Whether pytest's collection is known to have finished: what it lacks, it never will have.
-    collected_all = records.collection_finished or (
-        records.collection_ended and records.finish in (0, 1, 5)
-    )
     out = {}
     for n in nodeids:
         if n in records.reports:
@@ -230,8 +226,6 @@ def results_from_records(
             out[n] = CaseRow(n, "deselected")
         elif (broken := _collect_problem(n, records.collect)) is not None:
             out[n] = CaseRow(n, broken[0], 0.0, broken[1])
-        elif opts.get("narrowed") and n not in records.collected and collected_all:
-            out[n] = CaseRow(n, "deselected", 0.0, "not among the paths given, or --lf's")
         elif stopped and (n in records.collected or not records.collected):
             out[n] = CaseRow(n, "not run", 0.0, why_stopped)
         else:

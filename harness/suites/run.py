@@ -173,15 +173,13 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 class _Stop:
     """The stop signals of a whole ``harness run``: passed on to the running pytest as SIGINT
     (its own process group: a Ctrl-C to ours reaches it once, through here), which stops its
-    workers and ranks and reports; with no pytest running, acted on when the inventory ends,
-    or at once on a second signal. A second signal stops pytest's process tree at once."""
+    workers and ranks and reports; with no pytest running, acted on before pytest starts.
+    A second signal stops pytest's process tree at once."""
 
     def __init__(self) -> None:
         self.signum: int | None = None
         self.child: subprocess.Popen[bytes] | None = None
         self.tree: dict[int, psutil.Process] = {}
-        #: While planning (the in-process inventory) a second signal raises.
-        self.planning = True
         self._previous: dict[int, Any] = {}
 
     def __enter__(self) -> _Stop:
@@ -198,8 +196,6 @@ class _Stop:
         again = self.signum is not None
         self.signum = self.signum or signum
         if self.child is None:
-            if self.planning and again:
-                raise KeyboardInterrupt  # a second signal: stop the inventory now
             return  # acted on between phases: a raise could land in any import (and be swallowed)
         self.snapshot()
         if again:
@@ -555,31 +551,29 @@ def _config_args(run: _Run) -> list[str]:
 
 
 def _inipath(root: Path) -> Path | None:
-    """The pytest configuration file in ``root``, as pytest looks for one in a folder:
-    ``pytest.ini``, ``.pytest.ini``, then ``pyproject.toml``, ``tox.ini``, ``setup.cfg``
-    holding a pytest section."""
+    """The pytest configuration file in ``root``, found as pytest looks in a folder."""
     import configparser
 
     import tomllib
 
-    for name in ("pytest.ini", ".pytest.ini"):
-        if (root / name).is_file():
-            return root / name
-    try:
-        with open(root / "pyproject.toml", "rb") as f:
-            if "pytest" in tomllib.load(f).get("tool", {}):
-                return root / "pyproject.toml"
-    except (OSError, tomllib.TOMLDecodeError):
-        pass
-    for name, section in (("tox.ini", "pytest"), ("setup.cfg", "tool:pytest")):
-        cfg = configparser.ConfigParser(interpolation=None)
-        try:
-            cfg.read(root / name, encoding="utf-8")
-        except configparser.Error:
-            continue
-        if cfg.has_section(section):
-            return root / name
+    for name, section in _INI_FILES:
+        path = root / name
+        with contextlib.suppress(OSError, ValueError, configparser.Error):
+            if path.suffix == ".toml":
+                found = section in tomllib.loads(path.read_text(encoding="utf-8")).get("tool", {})
+            else:
+                (cfg := configparser.ConfigParser(interpolation=None)).read(path, "utf-8")
+                found = not section or cfg.has_section(section)
+            if found and path.is_file():
+                return path
     return None
+
+
+#: pytest's configuration files, in the order it looks for them, with the section it reads.
+_INI_FILES = (
+    ("pytest.ini", ""), (".pytest.ini", ""), ("pyproject.toml", "pytest"),
+    ("tox.ini", "pytest"), ("setup.cfg", "tool:pytest"),
+)  # fmt: skip
 
 
 @dataclass
@@ -636,7 +630,7 @@ def _verdict(total: report.EntryRow, ran: _Ran, stop: _Stop, whole: bool) -> lis
     (pytest alone exits 5 when it runs nothing; a shard may hold none of the cases a ``-k``
     or a path selects); a case that ends the session (``pytest.exit``, even with status 0)
     is."""
-    narrowed = bool(total.deselected or total.not_run)
+    narrowed = bool(total.deselected or total.not_run or ran.records.options.get("narrowed"))
     verdict = [f"interrupted by {stop.name}"] if stop.signum is not None else []
     if total.failed:
         verdict.append(f"{total.failed} failed")
@@ -649,7 +643,7 @@ def _verdict(total: report.EntryRow, ran: _Ran, stop: _Stop, whole: bool) -> lis
     absent = ran.records.options.get("not_found", ())
     if absent:  # under xdist workers pytest only says "no tests ran"
         verdict.append(f"paths given to pytest are not there: {', '.join(absent)}")
-    elif whole and total.cases and total.deselected == total.cases and stop.signum is None:
+    elif whole and total.deselected == total.cases and stop.signum is None and ran.records.plan:
         # A -k matching nothing, a file outside the suite: pytest alone exits 5 ("no tests ran").
         verdict.append("the paths and options given to pytest select no case of the run: none ran")
     if stop.signum is not None:
@@ -695,7 +689,7 @@ def _report(run: _Run, ran: _Ran, stop: _Stop) -> int:
         run.out / "plan.json",
         {"suite": run.manifest.suite, "shard": run.opts.shard, "cases": [p[:2] for p in planned]},
     )
-    if plan and not planned and stop.signum is None:
+    if plan and not planned and stop.signum is None and not records.options.get("narrowed"):
         return _nothing_to_run(run, plan)
     if ran.code == _PYTEST_USAGE_ERROR:  # its cases never ran for that reason
         halted = halted or "pytest stopped on a usage error (exit status 4)"
@@ -809,9 +803,6 @@ def run_suite(root: Path, opts: RunOptions) -> int:
                 if str(e):
                     print(e, file=sys.stderr)
                 return EXIT_USAGE
-        except KeyboardInterrupt:
-            pass
-        stop.planning = False
         if run is None or stop.signum is not None:
             _print(f"{stop.name}: stopped before any case ran")
             return stop.exit_code

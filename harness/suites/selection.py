@@ -205,7 +205,6 @@ class _Outcomes:
         self.planned: dict[str, Pair] | None = None
         self.file = open(path, "w", encoding="utf-8")  # noqa: SIM115 (closed at unconfigure)
         self.worker = _is_worker(config)
-        self.collection_complete = False
         #: Every item collected, before any deselection: the order the plan keeps.
         self.collected: list[pytest.Item] = []
         #: Items deselected (``-k``, ``-m``, ``--deselect``) before this process planned.
@@ -260,9 +259,8 @@ class _Outcomes:
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_collection_modifyitems(self, items: list[pytest.Item]) -> None:
-        # Called only when collection completed; pytest_collection_finish also runs when
-        # collection was interrupted (from a ``finally``), with the items found so far.
-        self.collection_complete = True
+        # Called only when collection completed (pytest_collection_finish also runs when
+        # it was interrupted, from a ``finally``, with the items found so far).
         self.collected = list(items)
 
     def plan(self, items: Sequence[pytest.Item]) -> dict[str, Pair]:
@@ -292,6 +290,11 @@ class _Outcomes:
 
     @pytest.hookimpl(trylast=True)
     def pytest_collection_finish(self, session: pytest.Session) -> None:
+        if self.planned is None:  # (only a process that collects calls this hook)
+            # Collection did not finish (files that fail to collect under node ids given,
+            # a folder skipped as a whole, an interrupt): plan what it found, so that each
+            # case it found (and each file that failed) is reported.
+            self.plan(session.items)
         unplanned = set(self.unplanned)
         lf = self.config.pluginmanager.get_plugin("lfplugin")
         if self.config.getoption("lf", False) and getattr(lf, "_previously_failed_count", 0):
@@ -302,7 +305,6 @@ class _Outcomes:
         ids = [(i.nodeid, _case_id(i, self.root)) for i in session.items]
         self.record(
             collected=[cid for _, cid in ids],
-            complete=self.collection_complete,
             # pytest's node ids that are not the case's: a path reached through a link to
             # the repository, which pytest names without its file ("::test_x"), so that two
             # files' cases may share one.
@@ -492,6 +494,10 @@ def make_plan(
     ]
     shard = tuple(sel["shard"]) if sel.get("shard") else None
     durations = Path(sel["durations"]) if sel.get("durations") else None
+    if shard and not whole and shard[1] > len(owned):
+        # A narrowed run's shard is cut from the cases it collected; one beyond them holds none.
+        shard = (shard[0], max(1, len(owned))) if shard[0] <= len(owned) else None
+        owned = owned if shard else []
     try:
         cases, runner, warnings = plan_shard(root, m, owned, durations, shard)
     except PlanError as e:
@@ -711,12 +717,6 @@ class Records:
     plan: dict[str, Any] | None = None
     #: Planned cases pytest collected and kept (after every deselection).
     collected: set[str] = field(default_factory=set)
-    #: Whether a process of the run completed its collection (``collected`` is then final,
-    #: even when empty or when the run was interrupted later); not when an interrupt or a
-    #: crash ended collection.
-    collection_finished: bool = False
-    #: Whether a process of the run got to the end of its collection, finished or not.
-    collection_ended: bool = False
     #: Planned cases deselected by pytest's own options or plugins (``-k``, ``-m``, ``--lf``, ...).
     deselected: set[str] = field(default_factory=set)
     #: Collector node id -> (``failed`` | ``skipped``, message): files that failed to import or
@@ -765,8 +765,6 @@ def read_records(select_file: Path) -> Records:
                 out.collected.update(ev["collected"])
                 for nodeid, cid in ev.get("aliases", ()):
                     out.aliases.setdefault(nodeid, set()).add(cid)
-                out.collection_finished |= bool(ev.get("complete"))
-                out.collection_ended = True
             elif "unplanned" in ev:
                 out.unplanned.update(ev["unplanned"])
             elif "deselected" in ev:
