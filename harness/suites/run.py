@@ -1,12 +1,14 @@
 """``harness run``: run a suite's planned cases through pytest and the harness plugin.
 
-The suite is inventoried in-process (collect only) and planned as ``harness matrix``
-plans it: a shard ``I/N`` is cut from the whole suite, then ``--changed-from`` narrows
-it. The cases run in ONE pytest subprocess (its own process group; the project's
-configuration pinned with ``-c``; with autoloading off, the plugins the harness needs
-loaded with ``-p``) with xdist workers sized to the cards or process slots this host can
-lease, and ``-p harness.suites.selection``, which keeps exactly the planned cases, gives
-each its entry's ``timeout_s`` and records their outcomes. Accelerator suites pass
+Nothing is collected here: the suite's manifest is read, ``--changed-from``'s entries
+listed, and the plan's inputs written to the selection file. The cases run in ONE pytest
+subprocess (its own process group; the project's configuration pinned with ``-c``; with
+autoloading off, the plugins the harness needs loaded with ``-p``) with xdist workers
+sized to the process slots (and cards) this host can lease, and ``-p
+harness.suites.selection``, which plans the suite from pytest's own collection as
+``harness matrix`` plans it (a shard ``I/N`` cut from the whole suite, then narrowed),
+keeps exactly the planned cases, gives each its entry's ``timeout_s`` and records the
+plan and their outcomes. Accelerator suites pass
 ``--harness-require DEVICE``: a runner without cards goes red, not green. The run is
 bounded by its runner's ``timeout_minutes`` only in CI (``CI`` set) or by
 ``--timeout-minutes M``. SIGINT / SIGTERM / SIGHUP stop the whole run: pytest is

@@ -494,6 +494,7 @@ def make_plan(
     ]
     shard = tuple(sel["shard"]) if sel.get("shard") else None
     durations = Path(sel["durations"]) if sel.get("durations") else None
+    suite = owned
     if shard and not whole and shard[1] > len(owned):
         # A narrowed run's shard is cut from the cases it collected; one beyond them holds none.
         shard = (shard[0], max(1, len(owned))) if shard[0] <= len(owned) else None
@@ -511,11 +512,11 @@ def make_plan(
         "cases": [[c.nodeid, e.id, c.cards] for c, e in cases],
         "quarantine": {c.nodeid: e.quarantine.reason for c, e in cases if e.quarantine},
         "too_big": [[c.nodeid, c.cards] for c in too_big],
-        "whole": len(cases) == len(owned),
+        "whole": len(cases) == len(suite),
         "runner": runner,
         "warnings": warnings,
     }
-    return {c.nodeid: (c, e) for c, e in cases}, {c.nodeid for c, _ in owned}, record
+    return {c.nodeid: (c, e) for c, e in cases}, {c.nodeid for c, _ in suite}, record
 
 
 def plan_shard(
@@ -725,7 +726,7 @@ class Records:
     #: Node id -> its phases' ``(when, outcome, seconds, message)``.
     reports: dict[str, list[tuple[str, str, float, str]]] = field(default_factory=dict)
     #: Cases pytest collected that the suite does not hold (under paths given to pytest, of
-    #: another suite or none, or collected only with the arguments given): never planned.
+    #: another suite or none): never planned.
     unplanned: set[str] = field(default_factory=set)
     #: pytest's node id -> the case ids it names, where they differ (a path through a link
     #: to the repository: two files' cases may share one); ``reports`` are by case id.

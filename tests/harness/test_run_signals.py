@@ -456,7 +456,7 @@ DIES = """
     def test_leaks_a_daemon_and_dies():
         child = subprocess.Popen([sys.executable, "-c", STUBBORN], start_new_session=True)
         Path(os.environ["PIDS_DIR"], "stubborn").write_text(str(child.pid))
-        os.kill(os.getpid(), signal.SIGKILL)  # one case: it runs in pytest's own process
+        os.kill(os.getpid(), signal.SIGKILL)  # -n 0: it runs in pytest's own process
 """
 
 
@@ -464,7 +464,7 @@ def test_what_a_pytest_that_died_left_is_stopped_by_the_run(pytester, tmp_path_f
     # The plugin cannot act for a pytest that died; the run (a child subreaper) gets its
     # orphans and stops them, naming each with its command line.
     pids_dir = tmp_path_factory.mktemp("pids")
-    proc, out, err = run_one_file(pytester.path, "dies", DIES, pids_dir)
+    proc, out, err = run_one_file(pytester.path, "dies", DIES, pids_dir, "--", "-n", "0")
     stubborn = int((pids_dir / "stubborn").read_text())
     try:
         assert proc.returncode == 1, out + err
