@@ -110,6 +110,38 @@ def test_pytest_paths_given_in_a_subfolder_mean_what_they_mean_there(pytester):
     assert not (root / "j.xml").exists()
 
 
+def test_the_run_collects_once_in_its_own_pytest(pytester):
+    # `harness run` collected the suite in-process (importing every test module and its
+    # conftests) to plan it, then its pytest collected it again: about twice plain pytest's
+    # cost on a small repository. The plan is made from the run's own collection now.
+    tests = {
+        **TESTS,
+        "tests/conftest.py": (
+            "import os\n\nwith open(os.environ['IMPORTS'], 'a') as f:\n"
+            "    f.write(f'{os.getpid()}\\n')\n"
+        ),
+    }
+    root = make_project(pytester.path, tests, {"cpu": manifest("cpu", "cpu", ENTRIES)})
+    imports = root / "imports.txt"
+    for shard in ((), ("--shard", "1/2")):
+        imports.write_text("")
+        done = harness(
+            root,
+            "run",
+            "cpu",
+            *shard,
+            "--out",
+            "out",
+            "--",
+            "-n",
+            "0",
+            env={"IMPORTS": str(imports)},
+        )
+        assert done.returncode in (0, 1), done.stdout + done.stderr
+        assert len(imports.read_text().split()) == 1, imports.read_text()  # pytest's alone
+    assert outcomes(root / "out")  # the shard was planned and run
+
+
 def test_a_run_from_a_subfolder_or_elsewhere_imports_from_the_root(pytester, tmp_path):
     # pytest runs where the run was started: the root stays importable first, as under
     # `python -m pytest` there (a package at the root, not installed, no pythonpath).
