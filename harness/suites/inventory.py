@@ -111,8 +111,6 @@ class SuiteInventory:
     cases: list[CollectedCase]
     owners: dict[str, list[tuple[str, str]]] = field(default_factory=dict)
     problems: list[Problem] = field(default_factory=list)
-    #: The pytest configuration file the collection used (``None``: none found).
-    inipath: Path | None = None
     #: Test files that yield no case: repository-relative file -> why (an import error, or a
     #: module-level skip; a folder whose conftest skips at module level is one too).
     unloadable: dict[str, str] = field(default_factory=dict)
@@ -359,8 +357,13 @@ class Collection:
 
     def pytest_collection_finish(self, session: Any) -> None:
         self.scope = [rel(Path(a.split("::", 1)[0]), self.root) for a in session.config.args]
-        for item in session.items:
-            self.cases.append(_case(item, self.root))
+        if not self.cases:  # (harness run's plan added them as it planned)
+            self.add_items(session.items)
+
+    def add_items(self, items: Iterable[Any]) -> None:
+        """Record pytest's collected ``items`` as cases (a command case's item aside: its
+        case comes from its manifest entry, :func:`command_case`)."""
+        self.cases += [_case(i, self.root) for i in items if not hasattr(i, "harness_case_id")]
 
 
 def is_test_module(nodeid: str) -> bool:
@@ -554,7 +557,7 @@ def _glob_all(root: Path, patterns: Iterable[str]) -> set[str]:
     return found
 
 
-def _entry_targets(
+def entry_targets(
     root: Path, manifests: Iterable[Manifest], *, skip: set[str] | None = None
 ) -> list[str]:
     """Minimal collection arguments covering every entry path of ``manifests`` but those in
@@ -773,10 +776,10 @@ def command_case(m: Manifest, entry: Entry) -> CollectedCase:
     return CollectedCase(nodeid, entry.source, spec, False, None, command=entry.command)
 
 
-def _assign_owners(inv: SuiteInventory, m: Manifest, judged: bool) -> None:
+def _assign_owners(inv: SuiteInventory, m: Manifest, judged: bool, idle: bool = True) -> None:
     """Phase 4, one suite: record the first matching entry of ``m`` for each case, and the
-    case of each command entry; when the suite is ``judged``, add their fit problems and
-    ``entry-matches-nothing``."""
+    case of each command entry; when the suite is ``judged``, add their fit problems and,
+    with ``idle`` (the collection saw the whole suite), ``entry-matches-nothing``."""
     index = EntryIndex(m.entries)
     owned_by = dict.fromkeys((e.id for e in m.entries), 0)
     for e in m.entries:
@@ -798,7 +801,7 @@ def _assign_owners(inv: SuiteInventory, m: Manifest, judged: bool) -> None:
         inv.owners.setdefault(c.nodeid, []).append((m.suite, hits[0].id))
         if judged:
             inv.problems.extend(_fit_problems(m, hits[0], c))
-    if not judged:
+    if not (judged and idle):
         return
     # An entry naming a file that fails to import or skips as a whole is not idle: a run
     # reports it (failed or skipped) through that file.
@@ -982,17 +985,63 @@ def build_inventory(
         # every test file below the working directory first.
         return SuiteInventory(root=root, manifests={}, cases=[], problems=scope.problems)
     if not check_ownership:
-        found = collect(root, _entry_targets(root, scope.selected))
-    else:
-        found = collect(root, None)
-        # An entry may name what pytest does not collect by default (outside testpaths,
-        # under norecursedirs): collect those paths by name, as `harness run` will. Paths
-        # under a collected file's folders are skipped first, so that an entry naming
-        # tests/dist (hidden by norecursedirs) under another's tests is collected too.
-        seen = {a for f in found.files for a in _ancestors(f)}
-        extra = _entry_targets(root, scope.all, skip=seen)
-        if extra:
-            found.extend(collect(root, extra))
+        found = collect(root, entry_targets(root, scope.selected))
+        return _judge(root, scope, found, check_ownership=False)
+    found = collect(root, None)
+    # An entry may name what pytest does not collect by default (outside testpaths,
+    # under norecursedirs): collect those paths by name, as `harness run` does. Paths
+    # under a collected file's folders are skipped first, so that an entry naming
+    # tests/dist (hidden by norecursedirs) under another's tests is collected too.
+    seen = {a for f in found.files for a in _ancestors(f)}
+    extra = entry_targets(root, scope.all, skip=seen)
+    if extra:
+        found.extend(collect(root, extra))
+    return _judge(root, scope, found, check_ownership=True)
+
+
+def run_inventory(
+    root: Path, manifest: Manifest, found: Collection, *, whole: bool
+) -> SuiteInventory:
+    """The inventory of one suite (``manifest``) from a collection made elsewhere: the
+    items ``harness run``'s own pytest session collected (``harness.suites.selection``),
+    recorded in ``found``. Its rules are :func:`build_inventory`'s without ownership;
+    ``entry-matches-nothing`` is judged only where the collection saw the ``whole`` suite
+    (no paths given to pytest)."""
+    scope = _Scope([manifest], [manifest], [], True)
+    return _judge(root, scope, found, check_ownership=False, idle=whole)
+
+
+def load_suite_manifest(root: Path, suite: str) -> tuple[Manifest | None, list[Problem]]:
+    """The manifest of ``suite`` (a name or a manifest path) and the blocking problems
+    found loading it (``no-suites``, ``unknown-suite``, schema, duplicate ids, an expired
+    quarantine): what keeps ``harness run`` from starting before anything is collected."""
+    scope = _load_scope(root.resolve(), [suite])
+    name = suite_name(suite)
+    problems = [
+        p for p in scope.problems if p.suite in (name, None) and p.rule in names.BLOCKING_RULES
+    ]
+    return next((m for m in scope.selected if m.suite == name), None), problems
+
+
+def blocking_problems(inv: SuiteInventory, suite: str) -> list[Problem]:
+    """The problems of ``inv`` that keep ``harness run`` / ``matrix`` from planning
+    ``suite``: rules of ``BLOCKING_RULES`` of that suite or of none, save a test file that
+    fails to import (a run reports it as its entry's failure; a conftest, or pytest itself,
+    failing spoils every case)."""
+    return [
+        p
+        for p in inv.problems
+        if p.suite in (suite, None)
+        and p.rule in names.BLOCKING_RULES
+        and not (p.rule == names.COLLECTION_ERROR and p.file in inv.unloadable)
+    ]
+
+
+def _judge(
+    root: Path, scope: _Scope, found: Collection, *, check_ownership: bool, idle: bool = True
+) -> SuiteInventory:
+    """Phases 3 to 5 of :func:`build_inventory`: what ``found`` collected, held against
+    the manifests of ``scope``."""
     unloadable = {
         p.file: p.message
         for p in found.problems
@@ -1011,7 +1060,6 @@ def build_inventory(
         problems=_missing_dependencies(
             dict.fromkeys([*scope.problems, *found.problems, *spec_problems])
         ),
-        inipath=found.inipath,
         unloadable={**found.skipped, **unloadable},
     )
     inv.problems.extend(_outside_problems(root, {*found.files, *(c.file for c in found.cases)}))
@@ -1019,7 +1067,7 @@ def build_inventory(
     # "match nothing" and every file be "unowned": noise hiding the cause.
     judged = set() if found.failed else {m.suite for m in scope.selected}
     for m in scope.all if check_ownership else scope.selected:
-        _assign_owners(inv, m, m.suite in judged)
+        _assign_owners(inv, m, m.suite in judged, idle)
     if check_ownership and scope.manifests_ok and not found.failed:
         inv.problems.extend(_ownership_problems(inv, scope.all, found.files))
         inv.problems.extend(_hidden_problems(root, found.layout, found.files))

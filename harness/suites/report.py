@@ -204,10 +204,6 @@ def results_from_records(
         or (f"{records.interrupted} during a case" if exited_in_a_case else "")
         or records.interrupted
     )
-    # Whether pytest's collection is known to have finished: what it lacks, it never will have.
-    collected_all = records.collection_finished or (
-        records.collection_ended and records.finish in (0, 1, 5)
-    )
     out = {}
     for n in nodeids:
         if n in records.reports:
@@ -230,8 +226,6 @@ def results_from_records(
             out[n] = CaseRow(n, "deselected")
         elif (broken := _collect_problem(n, records.collect)) is not None:
             out[n] = CaseRow(n, broken[0], 0.0, broken[1])
-        elif opts.get("narrowed") and n not in records.collected and collected_all:
-            out[n] = CaseRow(n, "deselected", 0.0, "not among the paths given, or --lf's")
         elif stopped and (n in records.collected or not records.collected):
             out[n] = CaseRow(n, "not run", 0.0, why_stopped)
         else:
@@ -395,16 +389,11 @@ def failures(results: Mapping[str, CaseRow]) -> str:
     )
 
 
-#: Why cases pytest collected were not run: the suite does not hold them (``suite``), or
-#: pytest collected them only with the arguments given to it (``beyond``).
-NOT_RUN = {
-    "suite": "not in suite {suite}, not run: `{n}` (collected under the paths given to pytest; "
-    "`harness inventory` says whether an entry of any suite owns it)",
-    "beyond": "not planned, not run: `{n}` (pytest collected it only with the arguments given "
-    "to it, after `--` or in PYTEST_ADDOPTS; the suite's inventory collects without them: "
-    "collect it always, and skip it unless your option is given, as pytest's --runslow "
-    "recipe does)",
-}
+#: A case pytest collected under the paths given to it that the suite does not hold.
+NOT_IN_SUITE = (
+    "not in suite {suite}, not run: `{n}` (collected under the paths given to pytest; "
+    "`harness inventory` says whether an entry of any suite owns it)"
+)
 
 
 def bullets(lines: Sequence[str], limit: int = 30) -> str:

@@ -1,12 +1,14 @@
 """``harness run``: run a suite's planned cases through pytest and the harness plugin.
 
-The suite is inventoried in-process (collect only) and planned as ``harness matrix``
-plans it: a shard ``I/N`` is cut from the whole suite, then ``--changed-from`` narrows
-it. The cases run in ONE pytest subprocess (its own process group; the project's
-configuration pinned with ``-c``; with autoloading off, the plugins the harness needs
-loaded with ``-p``) with xdist workers sized to the cards or process slots this host can
-lease, and ``-p harness.suites.selection``, which keeps exactly the planned cases, gives
-each its entry's ``timeout_s`` and records their outcomes. Accelerator suites pass
+Nothing is collected here: the suite's manifest is read, ``--changed-from``'s entries
+listed, and the plan's inputs written to the selection file. The cases run in ONE pytest
+subprocess (its own process group; the project's configuration pinned with ``-c``; with
+autoloading off, the plugins the harness needs loaded with ``-p``) with xdist workers
+sized to the process slots (and cards) this host can lease, and ``-p
+harness.suites.selection``, which plans the suite from pytest's own collection as
+``harness matrix`` plans it (a shard ``I/N`` cut from the whole suite, then narrowed),
+keeps exactly the planned cases, gives each its entry's ``timeout_s`` and records the
+plan and their outcomes. Accelerator suites pass
 ``--harness-require DEVICE``: a runner without cards goes red, not green. The run is
 bounded by its runner's ``timeout_minutes`` only in CI (``CI`` set) or by
 ``--timeout-minutes M``. SIGINT / SIGTERM / SIGHUP stop the whole run: pytest is
@@ -22,6 +24,7 @@ and, when set, ``$GITHUB_STEP_SUMMARY``. One run at a time writes a folder
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fcntl
 import importlib.util
 import os
@@ -42,15 +45,17 @@ from harness.jsonio import write_json, write_text
 from harness.names import EXIT_FAILED, EXIT_OK, EXIT_USAGE
 from harness.suites import changes, report, selection
 from harness.suites.inventory import (
-    CollectedCase,
-    EntryIndex,
     SuiteInventory,
     autoload_disabled,
+    blocking_problems,
     build_inventory,
+    command_case,
+    entry_targets,
+    load_suite_manifest,
     plugin_args,
 )
-from harness.suites.manifest import Entry, Manifest, suite_name
-from harness.suites.plan import PlanError, parse_shard, plan_suite, write_durations
+from harness.suites.manifest import Manifest, suite_name
+from harness.suites.plan import PlanError, parse_shard, write_durations
 
 if TYPE_CHECKING:  # imported where used: the inventory and the planner need no psutil
     import psutil
@@ -115,33 +120,18 @@ def _slots(pytest_args: Sequence[str]) -> int:
     return cpu_count()
 
 
-def worker_count(
-    device: str,
-    cases: Sequence[CollectedCase],
-    pytest_args: Sequence[str],
-    requested: int | None = None,
-) -> int:
-    """xdist workers for running ``cases``, sized so that the run's own cases do not wait
-    for each other's leases: ``slots // (most ranks of a case)`` (slots:
-    ``--harness-max-procs``, else the CPUs) and, on accelerators, at most ``leasable cards
-    // (most cards of a case)``, not counting *wide* cases (launched on more than half the
-    slots, or needing more than half the cards), which wait for their lease. Between one and
-    the number of cases; ``requested`` (``--workers``) wins."""
+def worker_count(device: str, pytest_args: Sequence[str], requested: int | None = None) -> int:
+    """xdist workers for a run of a suite on ``device``, sized before anything is collected:
+    the process slots (``--harness-max-procs``, else the CPUs) and, on accelerators, at most
+    the leasable cards (a case needs one at least). A case wider than that waits for its
+    lease (slots or cards, head of the queue first) while the others run; ``requested``
+    (``--workers``) wins."""
     if requested:
         return max(1, requested)
-    slots = _slots(pytest_args)
-    cards = leasable_cards(device)
-
-    def wide(c: CollectedCase) -> bool:
-        return (c.launched and 2 * c.nproc > slots) or (device != "cpu" and 2 * c.cards > cards)
-
-    sizing = [c for c in cases if not wide(c)] or list(cases)
-    # Two workers each running a 2-rank case on 2 slots: one of them waits out
-    # its lease timeout. Size for the largest case instead.
-    n = slots // max((c.nproc for c in sizing if c.launched), default=1)
+    n = _slots(pytest_args)
     if device != "cpu":
-        n = min(n, cards // max((c.cards for c in sizing), default=1))
-    return max(1, min(n, len(cases)))
+        n = min(n, leasable_cards(device))
+    return max(1, n)
 
 
 def _title(suite: str, shard: tuple[int, int] | None) -> str:
@@ -159,15 +149,7 @@ def load_suite(root: Path, suite: str, command: str) -> tuple[str, SuiteInventor
     why it cannot be planned (problems of file ownership are ``harness inventory``'s)."""
     name = suite_name(suite)
     inv = build_inventory(root, [suite], check_ownership=False)
-    # A test file that fails to import is reported by the run, as that entry's failure; a
-    # conftest (or pytest itself) that fails spoils every case.
-    problems = [
-        p
-        for p in inv.problems
-        if p.suite in (name, None)
-        and p.rule in names.BLOCKING_RULES
-        and not (p.rule == names.COLLECTION_ERROR and p.file in inv.unloadable)
-    ]
+    problems = blocking_problems(inv, name)
     if problems or name not in inv.manifests:
         for p in problems:
             print(f"error: {p}", file=sys.stderr)
@@ -177,27 +159,6 @@ def load_suite(root: Path, suite: str, command: str) -> tuple[str, SuiteInventor
         )
         return None
     return name, inv
-
-
-def plan_shard(
-    root: Path,
-    m: Manifest,
-    owned: Sequence[tuple[CollectedCase, Entry]],
-    durations: Path | None,
-    shard: tuple[int, int] | None,
-) -> tuple[list[tuple[CollectedCase, Entry]], str | None]:
-    """The cases of one shard (all of ``owned`` when ``shard`` is None), in collection order,
-    planned as ``harness matrix`` plans (``PlanError`` where the matrix refuses the suite),
-    and the name of the runner class the shard was planned onto (the suite's one class when
-    unsharded; ``None`` for an unsharded suite of several)."""
-    result = plan_suite(root, m, owned, durations=durations, shards=shard[1] if shard else None)
-    for warning in result.warnings:
-        print(f"harness run: warning: {warning}", file=sys.stderr)
-    if shard is None:
-        return list(owned), (m.runners[0].name if len(m.runners) == 1 else None)
-    planned = result.shard(shard[0])
-    mine = {p.nodeid for p in planned.cases}
-    return [(c, e) for c, e in owned if c.nodeid in mine], planned.runner.name
 
 
 #: After an interrupt is passed on, how long pytest gets to stop its workers and
@@ -214,15 +175,13 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 class _Stop:
     """The stop signals of a whole ``harness run``: passed on to the running pytest as SIGINT
     (its own process group: a Ctrl-C to ours reaches it once, through here), which stops its
-    workers and ranks and reports; with no pytest running, acted on when the inventory ends,
-    or at once on a second signal. A second signal stops pytest's process tree at once."""
+    workers and ranks and reports; with no pytest running, acted on before pytest starts.
+    A second signal stops pytest's process tree at once."""
 
     def __init__(self) -> None:
         self.signum: int | None = None
         self.child: subprocess.Popen[bytes] | None = None
         self.tree: dict[int, psutil.Process] = {}
-        #: While planning (the in-process inventory) a second signal raises.
-        self.planning = True
         self._previous: dict[int, Any] = {}
 
     def __enter__(self) -> _Stop:
@@ -239,8 +198,6 @@ class _Stop:
         again = self.signum is not None
         self.signum = self.signum or signum
         if self.child is None:
-            if self.planning and again:
-                raise KeyboardInterrupt  # a second signal: stop the inventory now
             return  # acted on between phases: a raise could land in any import (and be swallowed)
         self.snapshot()
         if again:
@@ -357,30 +314,21 @@ class _Refused(Exception):
     """``harness run`` cannot start as asked; the message is already printed or is the reason."""
 
 
-Pair = tuple[CollectedCase, Entry]
-
-
 @dataclass
 class _Run:
-    """One ``harness run``, passed from phase to phase."""
+    """One ``harness run``, passed from phase to phase: what it knows before pytest
+    collects (the plan is made inside pytest, :mod:`harness.suites.selection`)."""
 
     root: Path
     opts: RunOptions
     manifest: Manifest
     shard: tuple[int, int] | None
-    cases: list[Pair]
-    too_big: list[CollectedCase]  # left out by --max-cards
     out: Path
     started: float
-    inipath: Path | None = None  # the pytest configuration file the inventory found
+    #: ``--changed-from``'s entry ids (None: every entry).
+    changed: list[str] | None = None
     workers: int = 1
     budget: Budget | None = None
-    #: Whether the run plans every case of the suite (no shard, ``--changed-from`` or
-    #: ``--max-cards`` left one out).
-    whole: bool = True
-    inventoried: frozenset[str] = frozenset()  # every case collected, of any suite or none
-    suite_ids: tuple[str, ...] = ()  # every case the suite holds, other shards' too
-    runner: str | None = None  # the runner class the shard was planned onto (plan_shard)
 
     @property
     def title(self) -> str:
@@ -388,38 +336,28 @@ class _Run:
 
     @property
     def select_file(self) -> Path:
-        """The planned cases (read by ``harness.suites.selection``)."""
+        """The run's inputs (read by ``harness.suites.selection``)."""
         return self.out / "select.json"
-
-    @property
-    def not_here(self) -> str:
-        """Markdown lines for the cases ``--max-cards`` left out."""
-        return "".join(
-            f"- not run here (needs {c.cards} cards > --max-cards {self.opts.max_cards}): `{c.nodeid}`\n"
-            for c in self.too_big
-        )
 
 
 def _plan_run(root: Path, opts: RunOptions, started: float) -> _Run:
-    """Phase 1: load the suite, narrow it (``--changed-from``), cut the shard, drop what
-    exceeds ``--max-cards``. Raises ``_Refused`` when the suite cannot be planned."""
+    """Phase 1, what needs no collection: the options, the suite's manifest (its blocking
+    problems refuse the run), ``--changed-from``'s entries. Raises ``_Refused``."""
     try:
         shard = parse_shard(opts.shard) if opts.shard is not None else None
     except PlanError as e:
         raise _Refused(f"harness run: {e}") from None
-    loaded = load_suite(root, opts.suite, "run")
-    if loaded is None:
-        raise _Refused("")
-    suite_name, inv = loaded
-    m = inv.manifests[suite_name]
-    try:
-        # The shard is cut from the whole suite, as `harness matrix` planned it,
-        # and only then narrowed: re-partitioning the narrowed cases would move
-        # them between shards (onto runners with fewer cards, say).
-        owned = inv.suite_cases(suite_name)
-        cases, runner = plan_shard(root, m, owned, opts.durations, shard)
-    except PlanError as e:
-        raise _Refused(f"harness run: {e}") from None
+    m, problems = load_suite_manifest(root, opts.suite)
+    if problems or m is None:
+        for p in problems:
+            print(f"error: {p}", file=sys.stderr)
+        name = suite_name(opts.suite)
+        raise _Refused(
+            f"harness run: suite {opts.suite!r} cannot be planned; see `harness inventory {name}`"
+        )
+    if opts.durations is not None and not opts.durations.is_file():
+        raise _Refused(f"harness run: {opts.durations}: no such durations file")
+    changed = None
     if opts.changed_from:
         sel = changes.select(
             m.entries,
@@ -427,22 +365,11 @@ def _plan_run(root: Path, opts: RunOptions, started: float) -> _Run:
             run_everything_on=m.run_everything_on,
         )
         _print(f"--changed-from {opts.changed_from}: {sel.reason}")
-        cases = [(c, e) for c, e in cases if e.id in sel.entries]
-    too_big: list[CollectedCase] = []
-    if opts.max_cards is not None:
-        # A smaller machine than the suite's runners (a workstation, a device
-        # check): run what fits and say what did not, rather than fail it.
-        too_big = [c for c, _ in cases if c.cards > opts.max_cards]
-        cases = [(c, e) for c, e in cases if c.cards <= opts.max_cards]
+        changed = sorted(sel.entries)
     out = (opts.out or _default_out(root, m.suite, shard)).resolve()
-    workers = worker_count(m.device, [c for c, _ in cases], opts.pytest_args, opts.workers)
+    workers = worker_count(m.device, opts.pytest_args, opts.workers)
     budget = run_budget(m, opts.timeout_minutes)
-    whole = len(cases) == len(owned)
-    inventoried = frozenset(c.nodeid for c in inv.cases)
-    return _Run(
-        root, opts, m, shard, cases, too_big, out, started, inv.inipath, workers, budget,
-        whole, inventoried, tuple(sorted(c.nodeid for c, _ in owned)), runner,
-    )  # fmt: skip
+    return _Run(root, opts, m, shard, out, started, changed, workers, budget)
 
 
 #: The lock file in a run's output folder: ``flock``'d by the run that writes there, from before
@@ -497,16 +424,11 @@ _REPORT_FILES = ("junit.xml", "summary.md", "summary.json")
 
 
 def _prepare_out(run: _Run) -> None:
-    """Phase 2: the output folder, cleared of a previous run's files, with ``plan.json``."""
+    """Phase 2: the output folder, cleared of a previous run's files."""
     # A previous run's: this run reports its own, and one that dies early leaves none of them.
-    for pattern in ("select.json*", COMMANDS_FILE, "backstop-*.log", *_REPORT_FILES):
+    for pattern in ("select.json*", COMMANDS_FILE, "backstop-*.log", "plan.json", *_REPORT_FILES):
         for stale in run.out.glob(pattern):
             stale.unlink()
-    cases = [[c.nodeid, e.id] for c, e in run.cases]
-    write_json(
-        run.out / "plan.json",
-        {"suite": run.manifest.suite, "shard": run.opts.shard, "cases": cases},
-    )
 
 
 #: ``python -c`` code that runs pytest with the root (its first argument, taken off)
@@ -524,12 +446,13 @@ COMMANDS_FILE = "commands.json"
 
 
 def _write_commands(run: _Run) -> Path | None:
-    """The file of the run's command cases, for the launch plugin to collect and run (None:
-    the run has none)."""
+    """The file of the suite's command cases, for the launch plugin to collect and run (the
+    plan keeps those of its shard; None: the suite has none)."""
+    m = run.manifest
     cases = [
         {
             "id": c.nodeid,
-            "argv": list(c.command),
+            "argv": list(c.command or ()),
             "expect_output": e.expect_output,
             "timeout_s": e.timeout_s,
             "device": c.device,
@@ -537,8 +460,9 @@ def _write_commands(run: _Run) -> Path | None:
             "env": dict(e.env),
             "source": e.source,
         }
-        for c, e in run.cases
-        if c.command is not None
+        for e in m.entries
+        if e.command is not None and (run.changed is None or e.id in run.changed)
+        for c in [command_case(m, e)]
     ]
     if not cases:
         return None
@@ -548,23 +472,28 @@ def _write_commands(run: _Run) -> Path | None:
 
 
 def _pytest_command(run: _Run) -> list[str]:
-    """The pytest command line of the run; writes its selection file (and its command cases'
-    file, collected as a test file of its own)."""
-    select_file = run.select_file
-    files = sorted({str(run.root / c.file) for c, _ in run.cases if c.command is None})
+    """The pytest command line of the run; writes its selection file (the plan's inputs)
+    and its command cases' file (collected as a test file of its own)."""
+    m = run.manifest
+    # The entries' paths, as the inventory collects them; --changed-from's alone when
+    # no shard is cut (a shard is cut from the whole suite, as `harness matrix` cut it).
+    chosen = m if run.changed is None or run.shard else _only(m, run.changed)
+    files = [str(run.root / t) for t in entry_targets(run.root, [chosen])]
     commands = _write_commands(run)
     if commands is not None:
         files.append(str(commands))
     write_json(
-        select_file,
+        run.select_file,
         {
             "root": str(run.root),
-            # Each planned case's deadline: its entry's timeout_s (None: the default).
-            "cases": {c.nodeid: e.timeout_s for c, e in run.cases},
-            "entries": {c.nodeid: e.id for c, e in run.cases},
-            **_entry_fields(run.cases),
-            "suite": run.suite_ids,  # every shard's
+            "suite": str(run.root / m.path),
+            "shard": list(run.shard) if run.shard else None,
+            "durations": str(run.opts.durations.resolve()) if run.opts.durations else None,
+            "changed": run.changed,
+            "max_cards": run.opts.max_cards,
+            "flaky": any(e.flaky for e in m.entries),
             "files": files,  # the paths below; any other is the caller's, and narrows the run
+            "partial": chosen is not m,  # files of some entries: whole-suite rules not judged
         },
         indent=None,
     )
@@ -576,7 +505,7 @@ def _pytest_command(run: _Run) -> list[str]:
     # The test files are absolute; the root and configuration are pinned (_config_args).
     cmd = [sys.executable, "-c", _PYTEST_FROM_ROOT, str(run.root), *files, *run.opts.pytest_args]
     cmd += _config_args(run)
-    cmd += ["-p", "harness.suites.selection", f"{names.OPT_SELECT}={select_file}"]
+    cmd += ["-p", "harness.suites.selection", f"{names.OPT_SELECT}={run.select_file}"]
     if commands is not None:
         cmd.append(f"{names.OPT_COMMANDS}={commands}")
     cmd += [
@@ -586,28 +515,16 @@ def _pytest_command(run: _Run) -> list[str]:
         "--continue-on-collection-errors",
     ]
     if _XDIST_INSTALLED:
-        # One case gains nothing from a worker process; more keep the
-        # worker boundary even at -n 1, so a case that kills its process
-        # fails alone.
-        n = min(run.workers, len(run.cases)) if len(run.cases) > 1 else 0
-        cmd.append(f"{names.OPT_WORKERS}={n}")
-    if run.manifest.device != "cpu":
-        cmd.append(f"{names.OPT_REQUIRE}={run.manifest.device}")
+        # Workers even at -n 1: a case that kills its process fails alone.
+        cmd.append(f"{names.OPT_WORKERS}={run.workers}")
+    if m.device != "cpu":
+        cmd.append(f"{names.OPT_REQUIRE}={m.device}")
     return cmd
 
 
-def _entry_fields(cases: Sequence[tuple[CollectedCase, Entry]]) -> dict[str, dict[str, Any]]:
-    """What the selection file says of the planned cases' entries beyond their deadlines,
-    by node id: ``"devices"``, ``[device, cards]`` of each plain case an accelerator entry
-    makes an accelerator case (run in a process of its own on those cards); ``"env"``, the
-    environment its entry sets; ``"retries"`` (flaky entries) and ``"quarantine"`` (the
-    reason); each only where the entry says it."""
-    return {
-        "devices": {c.nodeid: [c.entry_device, c.cards] for c, _ in cases if c.entry_device},
-        "env": {c.nodeid: e.env for c, e in cases if e.env},
-        "retries": {c.nodeid: e.flaky.retries for c, e in cases if e.flaky},
-        "quarantine": {c.nodeid: e.quarantine.reason for c, e in cases if e.quarantine},
-    }
+def _only(m: Manifest, ids: Sequence[str]) -> Manifest:
+    """``m`` with only the entries ``ids`` (whose paths then cover what pytest collects)."""
+    return dataclasses.replace(m, entries=tuple(e for e in m.entries if e.id in ids))
 
 
 _CONFIG_OPTIONS = ("-c", "--config-file", "--inifile")
@@ -624,14 +541,41 @@ def _config_args(run: _Run) -> list[str]:
     """
     given = [*shlex.split(os.environ.get("PYTEST_ADDOPTS", "")), *run.opts.pytest_args]
     out = [f"--rootdir={run.root}"]
-    if run.inipath is not None and not option_values(given, _CONFIG_OPTIONS):
-        out += ["-c", str(run.inipath)]
+    inipath = _inipath(run.root)
+    if inipath is not None and not option_values(given, _CONFIG_OPTIONS):
+        out += ["-c", str(inipath)]
     out += plugin_args(given)
     if autoload_disabled(given):
         out += ["-p", selection.TIMEOUT_PLUGIN]  # the planned cases' deadlines
-        if any(e.flaky for _, e in run.cases):
+        if any(e.flaky for e in run.manifest.entries):
             out += ["-p", selection.RERUN_PLUGIN]  # flaky entries' reruns
     return out
+
+
+def _inipath(root: Path) -> Path | None:
+    """The pytest configuration file in ``root``, found as pytest looks in a folder."""
+    import configparser
+
+    import tomllib
+
+    for name, section in _INI_FILES:
+        path = root / name
+        with contextlib.suppress(OSError, ValueError, configparser.Error):
+            if path.suffix == ".toml":
+                found = section in tomllib.loads(path.read_text(encoding="utf-8")).get("tool", {})
+            else:
+                (cfg := configparser.ConfigParser(interpolation=None)).read(path, "utf-8")
+                found = not section or cfg.has_section(section)
+            if found and path.is_file():
+                return path
+    return None
+
+
+#: pytest's configuration files, in the order it looks for them, with the section it reads.
+_INI_FILES = (
+    ("pytest.ini", ""), (".pytest.ini", ""), ("pyproject.toml", "pytest"),
+    ("tox.ini", "pytest"), ("setup.cfg", "tool:pytest"),
+)  # fmt: skip
 
 
 @dataclass
@@ -648,13 +592,11 @@ class _Ran:
 
 def _execute(run: _Run, stop: _Stop) -> _Ran:
     """Phase 3: the run's pytest, until it ends, a stop signal or the run's budget."""
-    m = run.manifest
-    entries = list(dict.fromkeys(e.id for _, e in run.cases))
     budget = f"bounded by {run.budget.name}" if run.budget else "no time budget (CI unset)"
     print(
-        f"{run.title}: {len(run.cases)} case(s) in {len(entries)} entr{'y' if len(entries) == 1 else 'ies'} "
-        f"on {m.device}; up to {run.workers} xdist worker(s) unless pytest's -n says otherwise; "
-        f"{budget}; output in {run.out}",
+        f"{run.title}: planned by pytest's own collection, on {run.manifest.device}; up to "
+        f"{run.workers} xdist worker(s) unless pytest's -n says otherwise; {budget}; output "
+        f"in {run.out}",
         flush=True,
     )
     # The plugin stops what each case leaves; what a pytest that died (its workers die
@@ -683,49 +625,27 @@ def _execute(run: _Run, stop: _Stop) -> _Ran:
 _PYTEST_USAGE_ERROR = 4
 
 
-def _unplanned(run: _Run, ran: _Ran) -> tuple[set[str], set[str]]:
-    """The cases pytest collected that the suite does not hold, in two kinds: those the
-    inventory lacks and an entry of the suite holds (its file whole, or by a node id naming
-    the case or its function: only the arguments given to pytest collect them, a conftest
-    option, --doctest-modules), and, where paths were given to pytest, the others (under
-    those paths, of another suite or none)."""
-    unplanned = ran.records.unplanned
-    index = EntryIndex(run.manifest.entries)
-    beyond = {
-        c
-        for c in unplanned - run.inventoried
-        if index.covers_file(c.split("::", 1)[0], node_ids=False) or index.names_id(c)
-    }
-    narrowed = ran.records.options.get("narrowed")
-    return beyond, (unplanned - beyond if narrowed else set())
-
-
-def _verdict(
-    total: report.EntryRow, ran: _Ran, stop: _Stop, whole: bool, beyond: set[str]
-) -> list[str]:
+def _verdict(total: report.EntryRow, ran: _Ran, stop: _Stop, whole: bool) -> list[str]:
     """Why the run is red (empty: green). Cases pytest's own options deselected or left
     unrun (``-k``, ``--lf``, ``-x``, ``--collect-only``) are the caller's choice, not a failure,
     unless they (or the paths given to pytest) leave no case of a ``whole`` suite to run
     (pytest alone exits 5 when it runs nothing; a shard may hold none of the cases a ``-k``
     or a path selects); a case that ends the session (``pytest.exit``, even with status 0)
     is."""
-    narrowed = bool(total.deselected or total.not_run)
+    narrowed = bool(total.deselected or total.not_run or ran.records.options.get("narrowed"))
     verdict = [f"interrupted by {stop.name}"] if stop.signum is not None else []
     if total.failed:
         verdict.append(f"{total.failed} failed")
     if total.missing:
         verdict.append(f"{total.missing} planned case(s) never ran")
-    if beyond:
-        verdict.append(
-            f"{len(beyond)} case(s) collected only with the arguments given to pytest "
-            "(after `--`, PYTEST_ADDOPTS) were not run"
-        )
-    if not (total.passed or total.flaky or total.quarantined) and not narrowed:
+    if ran.records.plan is None and stop.signum is None:
+        verdict.append("pytest ended before its collection planned the run")
+    elif not (total.passed or total.flaky or total.quarantined) and not narrowed:
         verdict.append(f"no case passed ({total.skipped} skipped)")
     absent = ran.records.options.get("not_found", ())
     if absent:  # under xdist workers pytest only says "no tests ran"
         verdict.append(f"paths given to pytest are not there: {', '.join(absent)}")
-    elif whole and total.cases and total.deselected == total.cases and stop.signum is None:
+    elif whole and total.deselected == total.cases and stop.signum is None and ran.records.plan:
         # A -k matching nothing, a file outside the suite: pytest alone exits 5 ("no tests ran").
         verdict.append("the paths and options given to pytest select no case of the run: none ran")
     if stop.signum is not None:
@@ -756,13 +676,27 @@ def _write_summary(run: _Run, text: str) -> None:
 def _report(run: _Run, ran: _Ran, stop: _Stop) -> int:
     """Phase 4: merge the JUnit files, write the summaries (partial after a stop
     signal or the runner's timeout: the cases of the pytest it stopped, and of those it
-    never started, are not run) and durations; the exit code."""
+    never started, are not run), ``plan.json`` and durations; the exit code."""
     junit = run.out / "junit.xml"
     records, halted = ran.records, ran.halted
+    plan = records.plan or {}
+    if plan.get("refused"):
+        print("\n".join(plan["refused"]), file=sys.stderr)
+        if stop.signum is None:
+            return EXIT_USAGE
+    for warning in plan.get("warnings", ()):
+        print(f"harness run: warning: {warning}", file=sys.stderr)
+    planned = [(n, e, cards) for n, e, cards in plan.get("cases", ())]
+    write_json(
+        run.out / "plan.json",
+        {"suite": run.manifest.suite, "shard": run.opts.shard, "cases": [p[:2] for p in planned]},
+    )
+    if plan and not planned and stop.signum is None and not records.options.get("narrowed"):
+        return _nothing_to_run(run, plan)
     if ran.code == _PYTEST_USAGE_ERROR:  # its cases never ran for that reason
         halted = halted or "pytest stopped on a usage error (exit status 4)"
-    results = report.results_from_records([c.nodeid for c, _ in run.cases], records, halted)
-    results = report.quarantine(results, _entry_fields(run.cases)["quarantine"])
+    results = report.results_from_records([n for n, _, _ in planned], records, halted)
+    results = report.quarantine(results, plan.get("quarantine", {}))
     prefix = records.options.get("junit_prefix") or ""
     report.complete_junit(junit, results.values(), prefix, records.aliases)
     asked = records.options.get("junitxml")
@@ -770,19 +704,16 @@ def _report(run: _Run, ran: _Ran, stop: _Stop) -> int:
         # The run's own JUnit path replaced the caller's --junitxml: they get its file.
         Path(asked).parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(junit, asked)
-    rows = report.summarize([(c.nodeid, e.id, c.cards) for c, e in run.cases], results)
+    rows = report.summarize(planned, results)
     table = report.render(rows, run.title, time.monotonic() - run.started)
-    beyond, outside = _unplanned(run, ran)
-    verdict = _verdict(report.totals(rows), ran, stop, run.whole, beyond)
+    verdict = _verdict(report.totals(rows), ran, stop, plan.get("whole", True))
     detail = report.failures(results)
     detail += report.bullets([f"left running: `{n}` — {t}" for n, t in records.leaked.items()])
     for headline, log in selection.fired(run.out):
         detail += f"- backstop: {headline}; stacks in {log}\n"
-    not_here = run.not_here + "".join(
-        report.bullets(
-            [report.NOT_RUN[k].format(n=n, suite=run.manifest.suite) for n in sorted(ns)]
-        )
-        for k, ns in (("beyond", beyond), ("suite", outside))
+    outside = sorted(records.unplanned) if records.options.get("narrowed") else []
+    not_here = _not_here(run, plan) + report.bullets(
+        [report.NOT_IN_SUITE.format(n=n, suite=run.manifest.suite) for n in outside]
     )
     text = (
         table
@@ -805,6 +736,32 @@ def _report(run: _Run, ran: _Ran, stop: _Stop) -> int:
     return EXIT_FAILED if verdict else EXIT_OK
 
 
+def _not_here(run: _Run, plan: dict[str, Any]) -> str:
+    """Markdown lines for the cases ``--max-cards`` left out."""
+    return "".join(
+        f"- not run here (needs {cards} cards > --max-cards {run.opts.max_cards}): `{n}`\n"
+        for n, cards in plan.get("too_big", ())
+    )
+
+
+def _nothing_to_run(run: _Run, plan: dict[str, Any] | None = None) -> int:
+    """The reports of a run with no case to run (green)."""
+    not_here = _not_here(run, plan or {})
+    text = f"### {run.title}\n\nnothing to run\n" + (f"\n{not_here}" if not_here else "")
+    write_text(run.out / "summary.md", text)
+    _step_summary(text)
+    # The files a CI job uploads or parses exist on every green run, empty here.
+    report.complete_junit(run.out / "junit.xml", [])
+    report.write_summary_json(run.out / "summary.json", run.title, [], {})
+    if not (run.out / "plan.json").exists():
+        write_json(
+            run.out / "plan.json",
+            {"suite": run.manifest.suite, "shard": run.opts.shard, "cases": []},
+        )
+    print(f"{run.title}: nothing to run; summary {run.out / 'summary.md'}", flush=True)
+    return EXIT_OK
+
+
 def _context(run: _Run, ran: _Ran) -> dict[str, Any]:
     """Where and under what load the run's cases took their time (``harness durations``
     says when a refresh mixes figures of different ones): the runner class it was planned
@@ -813,7 +770,7 @@ def _context(run: _Run, ran: _Ran) -> dict[str, Any]:
 
     workers = ran.records.options.get("workers")
     return {
-        "runner": run.runner,
+        "runner": (ran.records.plan or {}).get("runner"),
         "workers": workers if isinstance(workers, int) else run.workers,
         "cpus": cpu_count(),
         "cards": leasable_cards(run.manifest.device),
@@ -848,9 +805,6 @@ def run_suite(root: Path, opts: RunOptions) -> int:
                 if str(e):
                     print(e, file=sys.stderr)
                 return EXIT_USAGE
-        except KeyboardInterrupt:
-            pass
-        stop.planning = False
         if run is None or stop.signum is not None:
             _print(f"{stop.name}: stopped before any case ran")
             return stop.exit_code
@@ -861,18 +815,8 @@ def run_suite(root: Path, opts: RunOptions) -> int:
                 print(e, file=sys.stderr)
                 return EXIT_USAGE
             _prepare_out(run)
-            if not run.cases:
-                not_here = run.not_here
-                text = f"### {run.title}\n\nnothing to run\n" + (
-                    f"\n{not_here}" if not_here else ""
-                )
-                write_text(run.out / "summary.md", text)
-                _step_summary(text)
-                # The files a CI job uploads or parses exist on every green run, empty here.
-                report.complete_junit(run.out / "junit.xml", [])
-                report.write_summary_json(run.out / "summary.json", run.title, [], {})
-                print(f"{run.title}: nothing to run; summary {run.out / 'summary.md'}", flush=True)
-                return EXIT_OK
+            if run.changed == []:  # --changed-from selects no entry: no pytest to start
+                return _nothing_to_run(run)
             return _report(run, _execute(run, stop), stop)
 
 

@@ -1,18 +1,26 @@
-"""pytest plugin that ``harness run`` loads (``-p harness.suites.selection``): run exactly the planned cases.
+"""pytest plugin that ``harness run`` loads (``-p harness.suites.selection``): plan the suite
+from the run's own collection and run exactly the planned cases.
 
-``--harness-select FILE`` names a JSON file ``{"root": DIR, "cases": {nodeid: timeout_s
-or null}, "entries": {nodeid: entry id}, "suite": [nodeid, ...], "files": [path, ...],
-"devices": {nodeid: [device, cards]}, "env": {nodeid: {name: value}}, "retries": {nodeid:
-N}, "quarantine": {nodeid: reason}}``. Collected items not in ``cases`` are deselected;
-each kept one carries its entry as the JUnit property ``harness.entry``, its deadline as
+``--harness-select FILE`` names a JSON file of the run's inputs, written by ``harness run``
+before pytest starts: ``{"root": DIR, "suite": name, "shard": [I, N] or null,
+"durations": path or null, "changed": [entry id, ...] or null (``--changed-from``'s
+entries), "max_cards": N or null, "files": [path, ...], "partial": bool (the files of some entries
+only), "flaky": bool}``. Each process
+that collects (pytest itself, or each xdist worker, alike: the plan is a pure function of
+what they all collect) builds the suite's inventory from its own items
+(:func:`harness.suites.inventory.run_inventory`), refuses a suite with blocking problems
+(every item deselected, the problems recorded), cuts the shard from the whole suite's
+cases on their recorded durations as ``harness matrix`` does (:func:`plan_shard`), keeps
+``--changed-from``'s entries and what fits ``--max-cards``, and deselects the rest. Each
+kept case carries its entry as the JUnit property ``harness.entry``, its deadline as
 pytest-timeout's ``timeout`` marker (:func:`deadline_marker`), its entry's device and cards
 as the launch plugin's ``harness_device`` marker (a plain case of an accelerator entry) and
 its entry's ``env`` while it runs (:func:`entry_env`); a case of a flaky entry carries
 pytest-rerunfailures' ``flaky`` marker (:func:`rerun_marker`), and one that passes on a
 rerun the JUnit property ``harness.flaky``; a case of a quarantined entry the property
-``harness.quarantine``. What pytest does with each planned case is recorded from its own
-hooks (reports, deselections, exit status) by case id, one JSON-lines file per process
-(:func:`read_records`).
+``harness.quarantine``. The plan and what pytest does with each planned case are recorded
+from pytest's own hooks (reports, deselections, exit status) by case id, one JSON-lines
+file per process (:func:`read_records`).
 """
 
 from __future__ import annotations
@@ -25,7 +33,7 @@ import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 import pytest
 
@@ -37,6 +45,13 @@ from harness.names import (
     OPT_SELECT,
     OPT_WORKERS,
 )
+
+if TYPE_CHECKING:
+    from harness.suites.inventory import CollectedCase, Collection
+    from harness.suites.manifest import Entry, Manifest
+
+#: A case with its owning entry.
+Pair = tuple["CollectedCase", "Entry"]
 
 #: The launch side's pytest plugin, which every run of a suite needs.
 LAUNCH_PLUGIN = "harness.launcher.plugin"
@@ -182,12 +197,22 @@ class _Outcomes:
     process that dies later keeps what it recorded), in this process's file."""
 
     def __init__(self, config: pytest.Config, sel: dict[str, Any], path: Path):
+        from harness.suites.inventory import Collection
+
         self.config = config
         self.root = Path(sel["root"])
-        self.planned: dict[str, Any] = sel["cases"]
+        #: The planned cases by case id (None until this process has planned).
+        self.planned: dict[str, Pair] | None = None
         self.file = open(path, "w", encoding="utf-8")  # noqa: SIM115 (closed at unconfigure)
         self.worker = _is_worker(config)
-        self.collection_complete = False
+        #: Every item collected, before any deselection: the order the plan keeps.
+        self.collected: list[pytest.Item] = []
+        #: Items deselected (``-k``, ``-m``, ``--deselect``) before this process planned.
+        self.early: list[pytest.Item] = []
+        #: The run's collection as the inventory records it (collection errors, skipped
+        #: files, the files collected); its cases are added when the plan is made.
+        self.found = Collection(self.root)
+        config.pluginmanager.register(self.found, "harness-collection")
         #: Case id -> pytest's node id of the cases pytest collected that the suite does
         #: not hold (set by the selection hook, recorded at the end of collection).
         self.unplanned: dict[str, str] = {}
@@ -225,17 +250,51 @@ class _Outcomes:
         )
 
     def pytest_deselected(self, items: Sequence[pytest.Item]) -> None:
+        if self.planned is None:  # -k, -m, --deselect: before the plan, which counts them
+            self.early += items
+            return
         ids = [cid for cid in (_case_id(i, self.root) for i in items) if cid in self.planned]
         if ids:
             self.record(deselected=ids)
 
-    def pytest_collection_modifyitems(self) -> None:
-        # Called only when collection completed; pytest_collection_finish also runs when
-        # collection was interrupted (from a ``finally``), with the items found so far.
-        self.collection_complete = True
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_collection_modifyitems(self, items: list[pytest.Item]) -> None:
+        # Called only when collection completed (pytest_collection_finish also runs when
+        # it was interrupted, from a ``finally``, with the items found so far).
+        self.collected = list(items)
+
+    def plan(self, items: Sequence[pytest.Item]) -> dict[str, Pair]:
+        """Plan the run from what this process collected: ``items`` (what the project's
+        own hooks kept) and what pytest's options deselected before; record the plan (or
+        why the suite cannot be planned: then nothing is planned)."""
+        present = {id(i) for i in [*items, *self.early]}
+        seen = {id(i) for i in self.collected}
+        universe = [i for i in self.collected if id(i) in present]
+        universe += [i for i in items if id(i) not in seen]  # added by a later hook
+        sel = _load(self.config) or {}
+        narrowed = bool(_callers_args(self.config, sel)) or bool(self.config.getoption("lf"))
+        narrowed = narrowed or bool(sel.get("partial"))
+        try:
+            planned, suite, record = make_plan(sel, self.found, universe, whole=not narrowed)
+        except _Unplannable as e:
+            planned, suite, record = {}, set(), {"refused": e.lines}
+        self.record(plan=record)
+        self.planned = planned
+        early = [cid for cid in (_case_id(i, self.root) for i in self.early) if cid in planned]
+        if early:
+            self.record(deselected=early)
+        self.unplanned = {
+            cid: i.nodeid for i in items if (cid := _case_id(i, self.root)) not in suite
+        }
+        return planned
 
     @pytest.hookimpl(trylast=True)
     def pytest_collection_finish(self, session: pytest.Session) -> None:
+        if self.planned is None:  # (only a process that collects calls this hook)
+            # Collection did not finish (files that fail to collect under node ids given,
+            # a folder skipped as a whole, an interrupt): plan what it found, so that each
+            # case it found (and each file that failed) is reported.
+            self.plan(session.items)
         unplanned = set(self.unplanned)
         lf = self.config.pluginmanager.get_plugin("lfplugin")
         if self.config.getoption("lf", False) and getattr(lf, "_previously_failed_count", 0):
@@ -246,7 +305,6 @@ class _Outcomes:
         ids = [(i.nodeid, _case_id(i, self.root)) for i in session.items]
         self.record(
             collected=[cid for _, cid in ids],
-            complete=self.collection_complete,
             # pytest's node ids that are not the case's: a path reached through a link to
             # the repository, which pytest names without its file ("::test_x"), so that two
             # files' cases may share one.
@@ -308,11 +366,7 @@ def pytest_configure(config: pytest.Config) -> None:
         # The planned cases' deadlines are its markers: without it nothing bounds them.
         (TIMEOUT_PLUGIN, "nothing would bound the cases' deadlines"),
         # Flaky entries' reruns are its markers: without it their cases would run once.
-        *(
-            [(RERUN_PLUGIN, "flaky entries' cases would not be rerun")]
-            if sel.get("retries")
-            else []
-        ),
+        *([(RERUN_PLUGIN, "flaky entries' cases would not be rerun")] if sel.get("flaky") else []),
     ):
         if plugin not in loaded:
             raise pytest.UsageError(
@@ -359,12 +413,11 @@ def _callers_args(config: pytest.Config, sel: dict[str, Any]) -> list[str]:
 
 @pytest.hookimpl(trylast=True)  # after pytest's -k, -m and --deselect: what they leave
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    sel = _load(config)
-    if sel is None:
+    outcomes = config.pluginmanager.get_plugin("harness-outcomes")
+    if outcomes is None:
         return
-    root = Path(sel["root"])
-    wanted: dict[str, Any] = sel["cases"]
-    entries: dict[str, str] = sel.get("entries", {})
+    root = outcomes.root
+    wanted = outcomes.plan(items)
     keep, drop, ignored = [], [], []
     for item in items:
         cid = _case_id(item, root)
@@ -375,7 +428,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             ignored.append(item)
             continue
         keep.append(item)
-        marker = deadline_marker(item, wanted[cid])
+        case, entry = wanted[cid]
+        marker = deadline_marker(item, entry.timeout_s)
         if marker is not None:
             item.add_marker(marker)
         if not _launched(item) and not hasattr(item, "harness_case_id"):
@@ -384,20 +438,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             seconds = (timeout.args or [timeout.kwargs.get("timeout")])[0] if timeout else None
             if isinstance(seconds, (int, float)) and seconds > 0:
                 item.stash[_BACKSTOP] = seconds + min(seconds, BACKSTOP_GRACE_S)
-        if cid in entries:
-            item.user_properties.append(("harness.entry", entries[cid]))
-        _place(item, sel, cid)
-    outcomes = config.pluginmanager.get_plugin("harness-outcomes")
-    if drop and outcomes is not None:
-        # Cases pytest collected that the suite does not hold: under paths given to pytest
-        # that no entry of the suite owns, or collected only with the arguments given (a
-        # conftest option that adds cases, --doctest-modules). pytest alone would run them;
-        # the summary names them (`harness run` tells the two apart). Recorded once --lf,
-        # which deselects after this hook, has had its say (``_Outcomes``).
-        suite = set(sel.get("suite", ()))
-        outcomes.unplanned = {
-            cid: i.nodeid for i in drop if (cid := _case_id(i, root)) not in suite
-        }
+        item.user_properties.append(("harness.entry", entry.id))
+        _place(item, case, entry)
+    # Cases pytest collected that the suite does not hold (under paths given to pytest that
+    # no entry of the suite owns) are dropped: pytest alone would run them; the summary
+    # names them. Recorded once --lf, which deselects after this hook, has had its say.
     if drop or ignored:
         if drop:
             config.hook.pytest_deselected(items=drop)
@@ -406,24 +451,109 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         items[:] = keep
 
 
-def _place(item: pytest.Item, sel: dict[str, Any], cid: str) -> None:
+class _Unplannable(Exception):
+    """The suite cannot be planned from this collection: ``lines``, what ``harness run``
+    prints (as it printed them when it planned before pytest started)."""
+
+    def __init__(self, lines: list[str]):
+        super().__init__("\n".join(lines))
+        self.lines = lines
+
+
+def make_plan(
+    sel: dict[str, Any], found: Collection, items: Sequence[pytest.Item], *, whole: bool
+) -> tuple[dict[str, Pair], set[str], dict[str, Any]]:
+    """The run's plan from the run's own collection (``items``, recorded into ``found``):
+    the planned cases by case id (collection order), every case id the suite holds (other
+    shards' too), and the plan's record for ``harness run``'s report. ``whole``: no paths
+    were given to pytest, so whole-suite rules (``entry-matches-nothing``) are judged.
+    Raises :class:`_Unplannable` with what keeps the suite from being planned."""
+    from harness.suites.inventory import blocking_problems, case_id, run_inventory
+    from harness.suites.manifest import load_suites
+    from harness.suites.plan import PlanError
+
+    root = Path(sel["root"])
+    manifests, problems = load_suites(root, [sel["suite"]])
+    if not manifests:  # harness run checked it loads: changed since
+        raise _Unplannable([f"error: {p}" for p in problems])
+    m = manifests[0]
+    found.add_items(items)
+    inv = run_inventory(root, m, found, whole=whole)
+    problems = blocking_problems(inv, m.suite)
+    if problems:
+        raise _Unplannable(
+            [f"error: {p}" for p in problems]
+            + [
+                f"harness run: suite {m.suite!r} cannot be planned; see `harness inventory {m.suite}`"
+            ]
+        )
+    collected = {case_id(i, root) for i in items}
+    # A command entry's case is the manifest's: planned where its item was collected.
+    owned = [
+        (c, e) for c, e in inv.suite_cases(m.suite) if c.command is None or c.nodeid in collected
+    ]
+    shard = tuple(sel["shard"]) if sel.get("shard") else None
+    durations = Path(sel["durations"]) if sel.get("durations") else None
+    suite = owned
+    if shard and not whole and shard[1] > len(owned):
+        # A narrowed run's shard is cut from the cases it collected; one beyond them holds none.
+        shard = (shard[0], max(1, len(owned))) if shard[0] <= len(owned) else None
+        owned = owned if shard else []
+    try:
+        cases, runner, warnings = plan_shard(root, m, owned, durations, shard)
+    except PlanError as e:
+        raise _Unplannable([f"harness run: {e}"]) from None
+    if sel.get("changed") is not None:
+        cases = [(c, e) for c, e in cases if e.id in sel["changed"]]
+    max_cards = sel.get("max_cards")
+    too_big = [c for c, _ in cases if max_cards is not None and c.cards > max_cards]
+    cases = [(c, e) for c, e in cases if max_cards is None or c.cards <= max_cards]
+    record = {
+        "cases": [[c.nodeid, e.id, c.cards] for c, e in cases],
+        "quarantine": {c.nodeid: e.quarantine.reason for c, e in cases if e.quarantine},
+        "too_big": [[c.nodeid, c.cards] for c in too_big],
+        "whole": len(cases) == len(suite),
+        "runner": runner,
+        "warnings": warnings,
+    }
+    return {c.nodeid: (c, e) for c, e in cases}, {c.nodeid for c, _ in suite}, record
+
+
+def plan_shard(
+    root: Path,
+    m: Manifest,
+    owned: Sequence[Pair],
+    durations: Path | None,
+    shard: tuple[int, int] | None,
+) -> tuple[list[Pair], str | None, list[str]]:
+    """The cases of one shard (all of ``owned`` when ``shard`` is None), in collection order,
+    planned as ``harness matrix`` plans (``PlanError`` where the matrix refuses the suite),
+    the name of the runner class the shard was planned onto (the suite's one class when
+    unsharded; ``None`` for an unsharded suite of several) and the plan's warnings."""
+    from harness.suites.plan import plan_suite
+
+    result = plan_suite(root, m, owned, durations=durations, shards=shard[1] if shard else None)
+    if shard is None:
+        return list(owned), (m.runners[0].name if len(m.runners) == 1 else None), result.warnings
+    planned = result.shard(shard[0])
+    mine = {p.nodeid for p in planned.cases}
+    return [(c, e) for c, e in owned if c.nodeid in mine], planned.runner.name, result.warnings
+
+
+def _place(item: pytest.Item, case: CollectedCase, entry: Entry) -> None:
     """Give a planned case what its entry says beyond its deadline: a plain case of an
     accelerator entry gets the launch plugin's ``harness_device`` marker (its device and
     cards: it runs apart on them), a flaky entry's case a rerun marker, a quarantined
     entry's case a JUnit property; the entry's ``env`` is kept for the case's run."""
-    placed = sel.get("devices", {}).get(cid)
-    if placed is not None:
-        device, cards = placed
-        item.add_marker(getattr(pytest.mark, DEVICE_MARKER)(device=device, cards=cards))
-    env = sel.get("env", {}).get(cid)
-    if env:
-        item.stash[_ENV] = env
-    retries = sel.get("retries", {}).get(cid)
-    if retries and (marker := rerun_marker(item, retries)) is not None:
+    if case.entry_device:
+        marker = getattr(pytest.mark, DEVICE_MARKER)(device=case.entry_device, cards=case.cards)
         item.add_marker(marker)
-    reason = sel.get("quarantine", {}).get(cid)
-    if reason is not None:
-        item.user_properties.append(("harness.quarantine", reason))
+    if entry.env:
+        item.stash[_ENV] = dict(entry.env)
+    if entry.flaky and (marker := rerun_marker(item, entry.flaky.retries)) is not None:
+        item.add_marker(marker)
+    if entry.quarantine is not None:
+        item.user_properties.append(("harness.quarantine", entry.quarantine.reason))
 
 
 @contextlib.contextmanager
@@ -582,14 +712,12 @@ class Records:
     """What one pytest run of ``harness run`` recorded (:class:`_Outcomes`), all processes merged."""
 
     options: dict[str, Any] = field(default_factory=dict)
+    #: The plan a collecting process made (:func:`make_plan`): ``cases`` (``[node id, entry
+    #: id, cards]``), ``quarantine``, ``too_big``, ``whole``, ``runner``, ``warnings``; or
+    #: ``refused`` (what to print); ``None``: no process got to plan (pytest never collected).
+    plan: dict[str, Any] | None = None
     #: Planned cases pytest collected and kept (after every deselection).
     collected: set[str] = field(default_factory=set)
-    #: Whether a process of the run completed its collection (``collected`` is then final,
-    #: even when empty or when the run was interrupted later); not when an interrupt or a
-    #: crash ended collection.
-    collection_finished: bool = False
-    #: Whether a process of the run got to the end of its collection, finished or not.
-    collection_ended: bool = False
     #: Planned cases deselected by pytest's own options or plugins (``-k``, ``-m``, ``--lf``, ...).
     deselected: set[str] = field(default_factory=set)
     #: Collector node id -> (``failed`` | ``skipped``, message): files that failed to import or
@@ -598,7 +726,7 @@ class Records:
     #: Node id -> its phases' ``(when, outcome, seconds, message)``.
     reports: dict[str, list[tuple[str, str, float, str]]] = field(default_factory=dict)
     #: Cases pytest collected that the suite does not hold (under paths given to pytest, of
-    #: another suite or none, or collected only with the arguments given): never planned.
+    #: another suite or none): never planned.
     unplanned: set[str] = field(default_factory=set)
     #: pytest's node id -> the case ids it names, where they differ (a path through a link
     #: to the repository: two files' cases may share one); ``reports`` are by case id.
@@ -632,12 +760,12 @@ def read_records(select_file: Path) -> Records:
                 continue
             if "options" in ev:
                 out.options = ev["options"]
+            elif "plan" in ev:  # every collecting process plans alike
+                out.plan = ev["plan"]
             elif "collected" in ev:
                 out.collected.update(ev["collected"])
                 for nodeid, cid in ev.get("aliases", ()):
                     out.aliases.setdefault(nodeid, set()).add(cid)
-                out.collection_finished |= bool(ev.get("complete"))
-                out.collection_ended = True
             elif "unplanned" in ev:
                 out.unplanned.update(ev["unplanned"])
             elif "deselected" in ev:

@@ -15,10 +15,8 @@ from pathlib import Path
 import pytest
 from suite_project import make_project, manifest
 
-from harness.spec import LaunchSpec
 from harness.suites import changes, report
 from harness.suites.cli import main
-from harness.suites.inventory import CollectedCase
 from harness.suites.manifest import load_manifest
 from harness.suites.run import worker_count
 
@@ -552,6 +550,12 @@ def test_run_refuses_a_suite_with_problems(pytester):
     assert done.returncode == 2
     assert "[entry-matches-nothing]" in done.stderr
     assert "see `harness inventory cpu`" in done.stderr
+    # A narrow run plans what its paths collect: a rule that needs the whole suite is not
+    # judged there (the run's own collection is the plan's; `harness inventory` judges it).
+    done = harness(root, "run", "cpu", "--", "tests/fast")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "entry-matches-nothing" not in done.stderr
+    assert "cannot be planned" not in done.stderr
 
 
 @pytest.mark.parametrize(
@@ -576,7 +580,8 @@ def test_unplannable_suite_gives_the_same_code_from_run_and_matrix(
         ),
     }
     assert codes == {"run": 2, "matrix": 2}, capsys.readouterr()
-    assert not (root / "out").exists()  # nothing ran
+    # The run's own collection found the problems: no case ran, no summary was written.
+    assert not list(root.glob("out/**/summary.md"))
 
 
 def test_matrix_uses_checked_in_durations(pytester, capsys):
@@ -773,63 +778,22 @@ def test_wall_shares_of_cases_pytest_timed_at_zero(tmp_path):
 # --------------------------------------------------------------------------- workers
 
 
-def cases_needing(cards: int, n: int) -> list[CollectedCase]:
-    spec = LaunchSpec(device="cuda", nproc=cards)
-    return [CollectedCase(f"t::c{i}", "t", spec, True, None) for i in range(n)]
-
-
-def test_workers_sized_to_leasable_cards(monkeypatch):
+def test_workers_sized_to_slots_and_leasable_cards(monkeypatch):
+    # Sized before anything is collected (the run's one collection is pytest's own): the
+    # process slots, and on accelerators the leasable cards; a wider case waits for its lease.
     monkeypatch.setenv("HARNESS_CARDS", "cuda:0,1,2,3")
-    wide = ["--harness-max-procs", "16"]
-    assert worker_count("cuda", cases_needing(1, 10), wide) == 4
-    assert worker_count("cuda", cases_needing(2, 10), wide) == 2
-    assert worker_count("cuda", cases_needing(1, 3), wide) == 3  # never more than cases
-    assert (
-        worker_count("cuda", cases_needing(1, 10), ["--harness-max-procs=2"]) == 2
-    )  # nor than slots
+    assert worker_count("cuda", ["--harness-max-procs", "16"]) == 4
+    assert worker_count("cuda", ["--harness-max-procs=2"]) == 2  # nor more than slots
     monkeypatch.setenv("HARNESS_CARDS", "none")
-    assert worker_count("cuda", cases_needing(1, 10), wide) == 1
-    cpu = [CollectedCase(f"t::c{i}", "t", LaunchSpec(), False, None) for i in range(10)]
-    assert worker_count("cpu", cpu, ["--harness-max-procs", "3"]) == 3
-    assert worker_count("cpu", cpu, [], requested=5) == 5
-
-
-def test_one_wide_case_does_not_make_the_whole_run_serial():
-    # An 8-rank case on a 4-slot runner: the 2-rank and plain cases keep 2 workers (the
-    # run was split over two pytest processes for this; now the wide case waits for its
-    # lease in the run's one pytest).
-    narrow = [CollectedCase(f"t::r{i}", "t", LaunchSpec(nproc=2), True, None) for i in range(6)]
-    plain = [CollectedCase(f"t::p{i}", "t", LaunchSpec(), False, None) for i in range(3)]
-    wide = [CollectedCase("t::big", "t", LaunchSpec(nproc=8), True, None)]
-    assert worker_count("cpu", [*narrow, *wide, *plain], ["--harness-max-procs", "4"]) == 2
-    assert worker_count("cpu", wide, ["--harness-max-procs", "4"]) == 1
-
-
-def test_workers_never_let_the_runs_own_cases_starve_each_other(monkeypatch):
-    # Workers <= slots / most ranks of a case, cards / most cards of a case.
-    two_ranks = [CollectedCase(f"t::r{i}", "t", LaunchSpec(nproc=2), True, None) for i in range(10)]
-    plain = [CollectedCase(f"t::p{i}", "t", LaunchSpec(), False, None) for i in range(10)]
-    assert worker_count("cpu", two_ranks, ["--harness-max-procs", "2"]) == 1
-    assert worker_count("cpu", [*plain, *two_ranks], ["--harness-max-procs=5"]) == 2
-    assert (
-        worker_count("cpu", plain, ["--harness-max-procs", "2"]) == 2
-    )  # plain cases take no slot lease
-    monkeypatch.setenv("HARNESS_CARDS", "cuda:0,1,2,3")
-    # A case needing every card does not make the run serial: it waits for its lease.
-    mixed = [*cases_needing(1, 5), *cases_needing(4, 1)]
-    assert worker_count("cuda", mixed, ["--harness-max-procs", "16"]) == 4
-    assert (
-        worker_count(
-            "cuda", [*cases_needing(1, 5), *cases_needing(2, 1)], ["--harness-max-procs", "16"]
-        )
-        == 2
-    )
+    assert worker_count("cuda", ["--harness-max-procs", "16"]) == 1
+    assert worker_count("cpu", ["--harness-max-procs", "3"]) == 3
+    assert worker_count("cpu", [], requested=5) == 5
 
 
 def test_run_sizes_workers_to_its_largest_case(pytester, tmp_path_factory):
-    # `harness run cpu` on 2 slots used -n 2 with 2-rank cases, so one
-    # worker waited for the other's slots until its lease timed out. Two cases: enough
-    # for two workers, had the run sized them by its case count and CPUs alone.
+    # `harness run cpu` on 2 slots used -n 2 with 2-rank cases, so one worker waited for
+    # the other's slots until its lease timed out. Workers are sized before collection now
+    # (2 slots: 2 workers): the second 2-rank case waits for its lease, head of the queue.
     body = "".join(
         f"\n\n@pytest.mark.launch(nproc=2)\ndef test_r{i}():\n    import torch.distributed as dist\n"
         f"    assert dist.get_world_size() == 2\n"
@@ -853,7 +817,7 @@ def test_run_sizes_workers_to_its_largest_case(pytester, tmp_path_factory):
         f"--harness-lease-dir={lease}",
     )
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "2 case(s) in 1 entry on cpu; up to 1 xdist worker(s)" in done.stdout
+    assert "up to 2 xdist worker(s)" in done.stdout
     assert summary_rows((root / "out/summary.md").read_text())["total"][:3] == ["2", "2", "0"]
 
 
@@ -874,7 +838,7 @@ def test_a_wide_case_runs_beside_the_others_in_one_pytest(pytester, tmp_path_fac
     args = ["--harness-max-procs", "2", f"--harness-lease-dir={lease}"]
     done = harness(root, "run", "cpu", "--out", "out", "--", *args)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "4 case(s) in 1 entry on cpu; up to 2 xdist worker(s)" in done.stdout
+    assert "up to 2 xdist worker(s)" in done.stdout
     assert summary_rows((root / "out/summary.md").read_text())["total"][:3] == ["4", "4", "0"]
 
 

@@ -110,6 +110,38 @@ def test_pytest_paths_given_in_a_subfolder_mean_what_they_mean_there(pytester):
     assert not (root / "j.xml").exists()
 
 
+def test_the_run_collects_once_in_its_own_pytest(pytester):
+    # `harness run` collected the suite in-process (importing every test module and its
+    # conftests) to plan it, then its pytest collected it again: about twice plain pytest's
+    # cost on a small repository. The plan is made from the run's own collection now.
+    tests = {
+        **TESTS,
+        "tests/conftest.py": (
+            "import os\n\nwith open(os.environ['IMPORTS'], 'a') as f:\n"
+            "    f.write(f'{os.getpid()}\\n')\n"
+        ),
+    }
+    root = make_project(pytester.path, tests, {"cpu": manifest("cpu", "cpu", ENTRIES)})
+    imports = root / "imports.txt"
+    for shard in ((), ("--shard", "1/2")):
+        imports.write_text("")
+        done = harness(
+            root,
+            "run",
+            "cpu",
+            *shard,
+            "--out",
+            "out",
+            "--",
+            "-n",
+            "0",
+            env={"IMPORTS": str(imports)},
+        )
+        assert done.returncode in (0, 1), done.stdout + done.stderr
+        assert len(imports.read_text().split()) == 1, imports.read_text()  # pytest's alone
+    assert outcomes(root / "out")  # the shard was planned and run
+
+
 def test_a_run_from_a_subfolder_or_elsewhere_imports_from_the_root(pytester, tmp_path):
     # pytest runs where the run was started: the root stays importable first, as under
     # `python -m pytest` there (a package at the root, not installed, no pythonpath).
@@ -280,8 +312,9 @@ def test_a_case_that_kills_its_own_pytest_fails_and_records_no_duration(pytester
     # its setup's seconds recorded as its duration.
     root = slow_project(pytester.path)
     done = harness(
-        root, "run", "cpu", "--out", "out", "--durations-out", "d.json", env={"KILL_MY_PYTEST": "1"}
-    )
+        root, "run", "cpu", "--out", "out", "--durations-out", "d.json", "--", "-n", "0",
+        env={"KILL_MY_PYTEST": "1"},
+    )  # fmt: skip
     assert done.returncode == 1, done.stdout + done.stderr
     (case,) = json.loads((root / "out/summary.json").read_text())["cases"]
     assert case["outcome"] == "failed", case
@@ -359,7 +392,8 @@ def test_the_runners_timeout_bounds_a_run_only_in_ci(pytester, monkeypatch, caps
 
 
 def test_timeout_minutes_bounds_a_run_anywhere(pytester):
-    # --timeout-minutes takes a fraction of a minute: 0.02 min is 1.2 s, the case takes 120 s.
+    # --timeout-minutes takes a fraction of a minute: 0.5 min is 30 s, the case takes 120 s
+    # (and pytest, which plans the run as it collects, gets to plan it first).
     root = slow_project(pytester.path)
     started = root / "started"
     t0 = time.monotonic()
@@ -370,12 +404,12 @@ def test_timeout_minutes_bounds_a_run_anywhere(pytester):
         "--out",
         "out",
         "--timeout-minutes",
-        "0.02",
+        "0.5",
         env={"STARTED": str(started), "CI": ""},
     )
     assert done.returncode == 1, done.stdout + done.stderr
-    assert time.monotonic() - t0 < 60
-    assert "**FAILED**: stopped at --timeout-minutes 0.02" in done.stdout
+    assert time.monotonic() - t0 < 100
+    assert "**FAILED**: stopped at --timeout-minutes 0.5" in done.stdout
     assert outcomes(root / "out") == {SLOW_ID: "not run"}
 
 
@@ -630,13 +664,8 @@ def test_last_failed_reruns_the_runs_failures_only(pytester, failing):
     assert failed.returncode == 1, failed.stdout + failed.stderr
     again = harness(root, "run", "cpu", "--out", "out", "--", "--lf")
     assert again.returncode == 0, again.stdout + again.stderr
-    assert outcomes(root / "out") == {
-        f"tests/{g}/test_{g}.py::{t}": "passed"
-        if (g, t) == (failing, "test_flaky")
-        else "deselected"
-        for g in ("first", "second")
-        for t in ("test_flaky", "test_fine")
-    }
+    # (pytest's --lf collects only the failures: the run plans what it collects.)
+    assert outcomes(root / "out") == {f"tests/{failing}/test_{failing}.py::test_flaky": "passed"}
     # With no failure recorded anywhere, --lf reruns everything, as pytest's does.
     everything = harness(root, "run", "cpu", "--out", "out", "--", "--lf")
     assert everything.returncode == 0, everything.stdout + everything.stderr
@@ -657,19 +686,17 @@ def test_last_failed_deselects_the_files_it_skips(pytester):
     root = make_project(pytester.path, tests, {"cpu": manifest("cpu", "cpu", entries)})
     failed = harness(root, "run", "cpu", "--out", "out", "--", "-n", "0", env={"FAIL": "1"})
     assert failed.returncode == 1, failed.stdout + failed.stderr
-    # A failure to rerun: pytest skips the files without one, their cases deselected.
+    # A failure to rerun: pytest collects it alone, skipping the files without one, and
+    # the run plans what pytest collects.
     rerun = harness(root, "run", "cpu", "--out", "out", "--", "-n", "0", "--lf")
     assert rerun.returncode == 0, rerun.stdout + rerun.stderr
-    assert outcomes(root / "out") == {
-        "tests/test_a.py::test_flaky": "passed",
-        "tests/test_a.py::test_fine": "deselected",
-        "tests/test_b.py::test_b": "deselected",
-    }
+    assert outcomes(root / "out") == {"tests/test_a.py::test_flaky": "passed"}
 
 
-def test_a_usage_error_leaves_every_case_not_run(pytester, tmp_path):
+def test_a_usage_error_fails_the_run_once(pytester, tmp_path):
     # Regression: a usage error of pytest's (an unusable lease dir, a bad option, a --pdb
-    # refusal) called every planned case missing ("never collected").
+    # refusal) called every planned case missing ("never collected"). The run plans as
+    # pytest collects now: a pytest stopped before it collects planned no case.
     tests = {f"tests/{g}/test_{g}.py": "def test_it():\n    pass\n" for g in ("first", "second")}
     root = make_project(pytester.path, tests, {"cpu": manifest("cpu", "cpu", TWO_ENTRIES)})
     (tmp_path / "a-file").write_text("")
@@ -679,13 +706,7 @@ def test_a_usage_error_leaves_every_case_not_run(pytester, tmp_path):
     assert done.returncode == 1, done.stdout + done.stderr
     said = done.stdout + done.stderr
     assert said.count(f"harness lease directory {tmp_path / 'a-file'}") == 1, said
-    cases = {c["nodeid"]: c for c in json.loads((root / "out/summary.json").read_text())["cases"]}
-    for g in ("first", "second"):
-        case = cases[f"tests/{g}/test_{g}.py::test_it"]
-        assert (case["outcome"], case["message"]) == (
-            "not run",
-            "pytest stopped on a usage error (exit status 4)",
-        )
+    assert outcomes(root / "out") == {}
     assert "never ran" not in done.stdout
     assert "pytest exited with 4 (a usage error: see pytest's message above)" in done.stdout
 
@@ -820,9 +841,10 @@ def test_paths_and_node_ids_given_to_pytest_narrow_the_run(pytester):
     ]:
         done = harness(cwd, "run", "cpu", "--out", str(root / "out"), "--", *args)
         assert done.returncode == 0, done.stdout + done.stderr
-        assert outcomes(root / "out") == {
-            c: "passed" if i in ran else "deselected" for i, c in enumerate(cases)
-        }, args
+        # The run plans what the paths given collect: the other cases are in no plan.
+        assert outcomes(root / "out") == {c: "passed" for i, c in enumerate(cases) if i in ran}, (
+            args
+        )
 
 
 def test_a_configuration_that_disables_the_harness_plugin_fails_the_run(pytester):
@@ -841,7 +863,7 @@ def test_a_configuration_that_disables_the_harness_plugin_fails_the_run(pytester
         assert done.returncode == 1, done.stdout + done.stderr
         said = done.stdout + done.stderr
         assert "harness run needs the pytest plugin harness.launcher.plugin" in said
-        assert outcomes(root / "out") == {"tests/a/test_a.py::test_a": "not run"}
+        assert outcomes(root / "out") == {}  # pytest stopped before it collected
 
 
 def test_named_cases_whose_collection_crashed_are_never_deselected(pytester):
@@ -863,9 +885,8 @@ def test_named_cases_whose_collection_crashed_are_never_deselected(pytester):
     args = ("--", "-n", "2", "tests/first", "tests/second/test_second.py")
     done = harness(root, "run", "cpu", "--out", "out", *args, env=outer)
     assert done.returncode == 1, done.stdout + done.stderr
-    got = outcomes(root / "out")
-    assert got["tests/first/test_first.py::test_a"] == "missing", got
-    assert got["tests/first/test_first.py::test_b"] == "missing", got
+    # Every worker died as it collected: no plan was made, and the run says so.
+    assert "pytest ended before its collection planned the run" in done.stdout
 
 
 def test_what_the_callers_ignore_leaves_out_of_their_paths_is_deselected(pytester):
@@ -879,13 +900,14 @@ def test_what_the_callers_ignore_leaves_out_of_their_paths_is_deselected(pyteste
     for ignore in ("--ignore=tests/b", "--ignore-glob=*/b/*"):
         done = harness(root, "run", "cpu", "--out", "out", "--", "-n", "0", "tests/b", ignore)
         assert done.returncode == 1, done.stdout + done.stderr  # nothing of the run ran
-        assert outcomes(root / "out")["tests/b/test_b.py::test_b"] == "deselected"
+        assert outcomes(root / "out").get("tests/b/test_b.py::test_b", "none") in (
+            "deselected",  # pytest collected the path given, the run applied --ignore
+            "none",  # pytest applied --ignore to the path given: nothing collected
+        )
         done = harness(root, "run", "cpu", "--out", "out", "--", "tests", ignore)
         assert done.returncode == 0, done.stdout + done.stderr
-        assert outcomes(root / "out") == {
-            "tests/a/test_a.py::test_kept": "passed",
-            "tests/b/test_b.py::test_b": "deselected",
-        }
+        # (pytest never collects tests/b under tests: the run plans what it collects.)
+        assert outcomes(root / "out") == {"tests/a/test_a.py::test_kept": "passed"}
 
 
 def test_names_given_to_pytest_are_found_or_the_run_is_red(pytester):
@@ -903,7 +925,6 @@ def test_names_given_to_pytest_are_found_or_the_run_is_red(pytester):
     entries = [{"id": k, "paths": [f"tests/{k}"]} for k in "ab"]
     root = make_project(pytester.path, tests, {"cpu": manifest("cpu", "cpu", entries)})
     b = {"tests/b/test_b.py::test_b1": "passed", "tests/b/test_b.py::test_b2": "passed"}
-    a = {"tests/a/test_a.py::test_ok": "deselected", "tests/a/test_a.py::test_bad": "deselected"}
 
     def run(*args):
         return harness(root, "run", "cpu", "--out", "out", "--", "-p", "no:xdist", *args)
@@ -924,15 +945,15 @@ def test_names_given_to_pytest_are_found_or_the_run_is_red(pytester):
     assert "the paths and options given to pytest select no case of the run" in outside.stdout
     module = run("--pyargs", "tests.b.test_b")
     assert module.returncode == 0, module.stdout + module.stderr
-    assert outcomes(root / "out") == {**a, **b}
+    assert outcomes(root / "out") == b
     assert run().returncode == 1  # records test_bad as failed
     rerun = run("--lf", "tests/b")  # pytest alone: no failure there, so all of tests/b runs
     assert rerun.returncode == 0, rerun.stdout + rerun.stderr
-    assert outcomes(root / "out") == {**a, **b}
+    assert outcomes(root / "out") == b
     # A path whose cases pytest's own -k then deselects in part: the caller's choice, green.
     some = run("tests/b", "-k", "b1")
     assert some.returncode == 0, some.stdout + some.stderr
-    assert outcomes(root / "out") == {**a, **b, "tests/b/test_b.py::test_b2": "deselected"}
+    assert outcomes(root / "out") == {**b, "tests/b/test_b.py::test_b2": "deselected"}
     # ... and in full: nothing ran, where pytest alone exits 5; red (it was PASSED, exit 0).
     none = run("tests/b", "-k", "nomatch")
     assert none.returncode == 1, none.stdout + none.stderr
@@ -965,7 +986,7 @@ def test_the_repository_reached_through_a_link_names_its_own_files(pytester, tmp
         got = outcomes(root / "out")
         b = ("test_b1", "test_b2", "TestK::test_k")
         assert {got[f"tests/b/test_b.py::{t}"] for t in b} == {"passed"}, got
-        assert got["tests/a/test_a.py::test_a"] == "deselected", got
+        assert "tests/a/test_a.py::test_a" not in got, got  # not collected: in no plan
         # ... each once in JUnit (pytest names them from its rootdir, a class ".TestK").
         cases = list(ET.parse(root / "out/junit.xml").getroot().iter("testcase"))
         assert len(cases) == 3, [c.attrib for c in cases]
@@ -1022,11 +1043,11 @@ DROPS_SLOW_UNLESS_RUNSLOW = """
 """
 
 
-def test_cases_only_the_options_given_collect_make_the_run_red(pytester):
-    # Regression: a conftest option that adds cases (--runslow dropping slow items unless
-    # given) made pytest collect a case the inventory, collected without it, never saw: it
-    # was dropped without a word and the run green, or, with a path, called "not in suite"
-    # though an entry owns its file.
+def test_cases_only_the_options_given_collect_are_planned_and_run(pytester):
+    # A conftest option that adds cases (--runslow dropping slow items unless given) made
+    # pytest collect cases the inventory, collected without it, never saw: they were
+    # dropped without a word and the run green (then named "not planned" and the run red).
+    # The run plans from its own collection now: its entries own them, and they run.
     tests = {
         "tests/conftest.py": DROPS_SLOW_UNLESS_RUNSLOW,
         "tests/a/test_a.py": "def test_fast():\n    pass\n\ndef test_slow():\n    assert 0\n",
@@ -1050,17 +1071,17 @@ def test_cases_only_the_options_given_collect_make_the_run_red(pytester):
         {"id": "other", "paths": ["tests/c/test_c.py::test_other"]},
     ]
     root = make_project(pytester.path, tests, {"cpu": manifest("cpu", "cpu", entries)})
-    note = "- not planned, not run: `tests/a/test_a.py::test_slow` (pytest collected it only"
     for args in (["-n", "0"], ["-n", "2"], ["tests/a", "tests/c"]):
         done = harness(root, "run", "cpu", "--out", "out", "--", "--runslow", *args)
         assert done.returncode == 1, done.stdout + done.stderr
-        assert "2 case(s) collected only with the arguments given to pytest" in done.stdout
-        assert note in done.stdout, done.stdout
-        assert "- not planned, not run: `tests/c/test_c.py::test_p[slow]`" in done.stdout
+        got = outcomes(root / "out")
+        assert got["tests/a/test_a.py::test_slow"] == "failed", got
+        assert got["tests/c/test_c.py::test_p[slow]"] == "failed", got
+        assert "**FAILED**: 2 failed" in done.stdout, done.stdout
         assert "not in suite" not in done.stdout, done.stdout
     done = harness(root, "run", "cpu", "--out", "out")
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "not planned" not in done.stdout, done.stdout
+    assert "tests/a/test_a.py::test_slow" not in outcomes(root / "out")
 
 
 def test_last_failed_and_a_shared_file_keep_the_not_planned_rule_honest(pytester):
