@@ -99,14 +99,21 @@ def timed(cmd: list[str], cwd: Path, timeout: float) -> float:
     return wall
 
 
+def suite_paths(root: Path) -> list[str]:
+    """The paths of the ``cpu`` suite's entries: what plain pytest runs for the whole suite
+    (its ``testpaths`` may hold more; a command entry has no paths)."""
+    manifest = json.loads((root / "suites" / "cpu.json").read_text())
+    return [p for e in manifest["entries"] for p in e.get("paths", [])]
+
+
 def measure(
     name: str, root: Path, paths: list[str], workers: int, repeat: int, out: Path, timeout: float
 ) -> dict[str, object]:
     """``repeat`` alternating pairs of (harness run, pytest) on ``paths`` (empty: the whole
-    suite, and pytest on ``testpaths``) with ``-n workers``."""
+    suite, and pytest on the suite's entries' paths) with ``-n workers``."""
     n = ["-n", str(workers)]
     harness = [sys.executable, "-m", "harness", "run", "cpu", "--out", str(out), "--", *n, *paths]
-    plain = [sys.executable, "-m", "pytest", "-q", *n, *paths]
+    plain = [sys.executable, "-m", "pytest", "-q", *n, *(paths or suite_paths(root))]
     pairs = []
     for k in range(repeat):
         order = [("harness", harness), ("pytest", plain)]
