@@ -124,13 +124,25 @@ def worker_count(device: str, pytest_args: Sequence[str], requested: int | None 
     """xdist workers for a run of a suite on ``device``, sized before anything is collected:
     the process slots (``--harness-max-procs``, else the CPUs) and, on accelerators, at most
     the leasable cards (a case needs one at least). A case wider than that waits for its
-    lease (slots or cards, head of the queue first) while the others run; ``requested``
-    (``--workers``) wins."""
+    lease (slots or cards, head of the queue first) while the others run; when every
+    positional pytest argument is a node id, no more workers than node ids;
+    ``requested`` (``--workers``) wins."""
     if requested:
         return max(1, requested)
     n = _slots(pytest_args)
     if device != "cpu":
         n = min(n, leasable_cards(device))
+    # Rerunning named cases (`-- a.py::test_x b.py::test_y`) needs no more workers than
+    # cases; with a path among them the count is unknown before collection. (An argument
+    # after an option is taken for its value: at worst a run gets fewer workers.)
+    loose = [
+        a
+        for i, a in enumerate(pytest_args)
+        if not a.startswith("-") and not (i and pytest_args[i - 1].startswith("-"))
+    ]
+    named = [a for a in loose if "::" in a]
+    if named and len(named) == len(loose):
+        n = min(n, len(named))
     return max(1, n)
 
 

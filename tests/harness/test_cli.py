@@ -788,6 +788,13 @@ def test_workers_sized_to_slots_and_leasable_cards(monkeypatch):
     assert worker_count("cuda", ["--harness-max-procs", "16"]) == 1
     assert worker_count("cpu", ["--harness-max-procs", "3"]) == 3
     assert worker_count("cpu", [], requested=5) == 5
+    # Named cases only: no more workers than cases (a rerun of one case starts one worker).
+    wide = ["--harness-max-procs", "4"]
+    assert worker_count("cpu", [*wide, "t/test_a.py::test_x"]) == 1
+    assert worker_count("cpu", [*wide, "t/a.py::x", "t/b.py::C::y[p::q]"]) == 2
+    assert worker_count("cpu", [*wide, "t/a.py::x", "t/b.py"]) == 4  # a path: unknown
+    assert worker_count("cpu", [*wide, "-k", "x", "t/a.py::x"]) == 1  # -k's value
+    assert worker_count("cpu", ["t/a.py::x"], requested=3) == 3
 
 
 def test_run_sizes_workers_to_its_largest_case(pytester, tmp_path_factory):
