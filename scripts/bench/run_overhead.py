@@ -6,8 +6,9 @@ Side by side in one run, on two workloads:
   importing torch, one ``cpu`` suite of 3 entries), ``harness run cpu`` against
   ``python -m pytest tests``;
 - ``cpu``: this repository's ``cpu`` suite, ``harness run cpu`` against ``python -m
-  pytest`` on the suite's paths (``--quick``: one test file of it, given to both, as
-  ``harness run cpu -- FILE`` and ``python -m pytest FILE``).
+  pytest`` on the suite's paths followed by each of its command entries' argv (the same
+  cases: the harness runs a command entry as one case of the run); ``--quick``: one test
+  file of it, given to both, as ``harness run cpu -- FILE`` and ``python -m pytest FILE``.
 
 Both commands get the same ``-n`` (``--workers``, default 0 and 2 on ``small``, 2 on
 ``cpu``). The two commands of a workload alternate (``--repeat`` pairs, the first
@@ -86,24 +87,32 @@ def write_small(root: Path) -> None:
     (root / "suites/cpu.json").write_text(json.dumps(suite, indent=1))
 
 
-def timed(cmd: list[str], cwd: Path, timeout: float) -> float:
-    """Wall seconds of ``cmd``; raises, with its output, when it fails."""
+def timed(cmds: list[list[str]], cwd: Path, timeout: float) -> float:
+    """Wall seconds of ``cmds`` run one after the other; raises, with its output, when one
+    fails."""
     t0 = time.perf_counter()
-    done = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout)
-    wall = time.perf_counter() - t0
-    # pytest: 0 passed, 1 failed; the same cases on both sides, so only a crash is an error.
-    if done.returncode not in (0, 1):
-        raise RuntimeError(
-            f"{' '.join(cmd)} exited {done.returncode}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
-        )
-    return wall
+    for cmd in cmds:
+        done = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout)
+        # pytest: 0 passed, 1 failed; the same cases on both sides, so only a crash is an error.
+        if done.returncode not in (0, 1):
+            raise RuntimeError(
+                f"{' '.join(cmd)} exited {done.returncode}:\n"
+                f"{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+            )
+    return time.perf_counter() - t0
 
 
-def suite_paths(root: Path) -> list[str]:
-    """The paths of the ``cpu`` suite's entries: what plain pytest runs for the whole suite
-    (its ``testpaths`` may hold more; a command entry has no paths)."""
-    manifest = json.loads((root / "suites" / "cpu.json").read_text())
-    return [p for e in manifest["entries"] for p in e.get("paths", [])]
+def plain_suite(root: Path, n: list[str]) -> list[list[str]]:
+    """The whole ``cpu`` suite without the harness: pytest on its entries' paths (its
+    ``testpaths`` may hold more), then each command entry's argv, as a user would run them."""
+    entries = json.loads((root / "suites" / "cpu.json").read_text())["entries"]
+    paths = [p for e in entries for p in e.get("paths", [])]
+    commands = [
+        [sys.executable if e["command"][0] == "python" else e["command"][0], *e["command"][1:]]
+        for e in entries
+        if "command" in e
+    ]
+    return [[sys.executable, "-m", "pytest", "-q", *n, *paths], *commands]
 
 
 def measure(
@@ -112,8 +121,8 @@ def measure(
     """``repeat`` alternating pairs of (harness run, pytest) on ``paths`` (empty: the whole
     suite, and pytest on the suite's entries' paths) with ``-n workers``."""
     n = ["-n", str(workers)]
-    harness = [sys.executable, "-m", "harness", "run", "cpu", "--out", str(out), "--", *n, *paths]
-    plain = [sys.executable, "-m", "pytest", "-q", *n, *(paths or suite_paths(root))]
+    harness = [[sys.executable, "-m", "harness", "run", "cpu", "--out", str(out), "--", *n, *paths]]
+    plain = [[sys.executable, "-m", "pytest", "-q", *n, *paths]] if paths else plain_suite(root, n)
     pairs = []
     for k in range(repeat):
         order = [("harness", harness), ("pytest", plain)]
