@@ -8,7 +8,6 @@ import contextlib
 import json
 import os
 import secrets
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -36,14 +35,7 @@ def write_text(path: str | os.PathLike[str], text: str) -> None:
     write_bytes(path, text.encode("utf-8"))
 
 
-def write_json(
-    path: str | os.PathLike[str],
-    doc: Any,
-    *,
-    indent: int | None = 1,
-    default: Callable[[Any], Any] | None = None,
-) -> None:
+def write_json(path: str | os.PathLike[str], doc: Any, *, indent: int | None = 1) -> None:
     """Write ``doc`` as JSON (``indent``; ``None``: one line) plus a newline to ``path``,
-    atomically; ``default`` as for :func:`json.dumps`; a number that is not finite is a
-    ``ValueError``."""
-    write_text(path, json.dumps(doc, indent=indent, allow_nan=False, default=default) + "\n")
+    atomically; a number that is not finite is a ``ValueError``."""
+    write_text(path, json.dumps(doc, indent=indent, allow_nan=False) + "\n")
