@@ -32,10 +32,10 @@ def own_processes() -> set[int]:
     return {me.pid, *(p.pid for p in me.parents()), *(p.pid for p in descendants())}
 
 
-def card_users(device: str, exclude: Collection[int] = (), timeout: float = 30.0) -> list[str]:
+def card_users(device: str, exclude: Collection[int]) -> list[str]:
     """One line per process other than ``exclude`` holding a ``device`` card (card, pid,
     command line, memory), by the device's own tool; none when the tool is not on ``PATH``.
-    Raises :class:`BusyCheckError` when it fails or does not answer within ``timeout``."""
+    Raises :class:`BusyCheckError` when it fails or does not answer within 30 s."""
     argv, parse = device_type(device).busy_query, device_type(device).parse_busy
     tool = shutil.which(argv[0])
     if tool is None:
@@ -43,7 +43,7 @@ def card_users(device: str, exclude: Collection[int] = (), timeout: float = 30.0
     import psutil
 
     try:
-        done = subprocess.run([tool, *argv[1:]], capture_output=True, text=True, timeout=timeout)
+        done = subprocess.run([tool, *argv[1:]], capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.TimeoutExpired) as e:
         raise BusyCheckError(f"{' '.join(argv)}: {e}") from None
     if done.returncode != 0:

@@ -112,14 +112,11 @@ class Watchdog:
         what: str,
         why: str = "",
         error: Callable[[str], BaseException],
-        start: float | None = None,
         backstop: bool = True,
     ) -> Iterator[None]:
         """Bound ``key``'s phase, the body (in the main thread), replacing what ``key`` had
-        armed; disarmed however it ends. ``seconds`` count from ``start`` (monotonic;
-        default: now); messages read ``{what} ran past {seconds} s {why}``."""
-        now = time.monotonic() if start is None else start
-        armed = _Armed(seconds, grace, what, why, error, now, backstop)
+        armed; disarmed however it ends. Messages read ``{what} ran past {seconds} s {why}``."""
+        armed = _Armed(seconds, grace, what, why, error, time.monotonic(), backstop)
         with self._lock:
             if not self._installed and threading.current_thread() is threading.main_thread():
                 self._previous = signal.signal(INTERRUPT_SIGNAL, self._on_signal)
