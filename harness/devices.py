@@ -88,9 +88,7 @@ class DeviceType:
         return self.visibility_env is not None
 
     def torch_runtime(self) -> Any:
-        """The ``torch.<runtime>`` module (imports torch and the extension); None for cpu."""
-        if self.runtime is None:
-            return None
+        """The ``torch.<runtime>`` module of an accelerator (imports torch and the extension)."""
         import torch
 
         if self.extension is not None:
@@ -254,7 +252,6 @@ def inventory(device: str) -> list[Card]:
         return []
     if is_simulated():
         return parse_cards(os.environ[CARDS_ENV])[device]
-    assert kind.visibility_env is not None
     return list(_runtime_cards(device, os.environ.get(kind.visibility_env)))
 
 
