@@ -8,8 +8,6 @@ import math
 import numbers
 from typing import Any
 
-__all__ = ["check_int", "check_seconds", "is_finite", "is_int", "is_real"]
-
 
 def is_int(value: Any) -> bool:
     """True for integers of any kind (``numbers.Integral``), False for bools."""

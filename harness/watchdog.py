@@ -57,15 +57,12 @@ class _Armed:
 class Watchdog:
     """The deadlines of the phases of this process's work, on a thread of its own.
 
-    Past ``seconds`` the main thread is interrupted (``INTERRUPT_SIGNAL``): ``error(message)``
-    is raised where it is, the phase fails with its stack and the process goes on. A main
-    thread still in the phase ``grace`` seconds later is not coming back: ``exit_hooks`` are
-    called with the headline, every thread's stack goes to stderr and the process exits with
-    status 1. Phases are armed per ``key`` (one per owner: a nested pytester session keeps
-    the outer deadline armed). Native code holding the GIL starves the thread, so with
-    ``backstop`` faulthandler's C timer also stops the process ``BACKSTOP_MARGIN_S`` later;
-    a phase armed with ``backstop=False`` (its session uses that timer itself, see
-    :func:`faulthandler_free`) leaves the timer alone while armed.
+    Past ``seconds`` the main thread is interrupted: ``error(message)`` is raised where it
+    is and the process goes on. A main thread still in the phase ``grace`` seconds later:
+    ``exit_hooks`` are called with the headline, every thread's stack goes to stderr and the
+    process exits 1. Phases are armed per ``key`` (one per owner). Native code holding the
+    GIL starves the thread, so with ``backstop`` faulthandler's C timer also stops the
+    process ``BACKSTOP_MARGIN_S`` later (``backstop=False``: the session uses that timer).
     """
 
     def __init__(self) -> None:
