@@ -1,10 +1,7 @@
 """Declarative accelerator test matrix: launch specs, leasing, launching, suites.
 
-The public names are resolved on first use (module ``__getattr__``): the
-suite side (``harness.suites``) imports only the shared ground
-(``harness/*.py``); ``harness inventory`` / ``run`` / ``matrix`` load the launcher only
-through pytest's collection, which needs its plugin (its pool keeper then idle: it starts
-no process unless something launches ranks).
+The public names are resolved on first use, so the suite side imports only the shared
+ground (``harness/*.py``).
 """
 
 from __future__ import annotations

@@ -1,22 +1,18 @@
-"""Cards held by processes outside this run, asked of each device type's own tool.
-
-A card a previous job left a process on (a crashed training run, a stuck rank) fails the
-next suite in ways that look like the suite's fault: out of memory, a hung collective. At
-session start the plugin asks the tool of each accelerator row (``busy_query`` /
-``parse_busy``; a test checks every accelerator has one) and names the processes outside
-this run: a warning, or with ini ``harness_busy_cards = fail`` a stop before any test
-runs. A device whose tool is not on ``PATH`` has no cards here to check.
+"""Cards held by processes outside this run, asked of each device type's own tool
+(``busy_query`` / ``parse_busy`` of its device-table row) at session start: a card a
+previous job left a process on fails the next suite in ways that look like its fault.
 """
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import subprocess
 from collections.abc import Collection
 
 from harness.devices import DEVICE_TABLE, device_type
 from harness.errors import HarnessError
-from harness.processes import command_line
+from harness.processes import command_line, descendants
 
 #: The ini option: ``off``, ``warn`` (the default) or ``fail``.
 BUSY_CARDS_INI = "harness_busy_cards"
@@ -33,13 +29,13 @@ def own_processes() -> set[int]:
     import psutil
 
     me = psutil.Process()
-    return {me.pid, *(p.pid for p in me.parents()), *(p.pid for p in me.children(recursive=True))}
+    return {me.pid, *(p.pid for p in me.parents()), *(p.pid for p in descendants())}
 
 
-def card_users(device: str, exclude: Collection[int] = (), timeout: float = 30.0) -> list[str]:
+def card_users(device: str, exclude: Collection[int]) -> list[str]:
     """One line per process other than ``exclude`` holding a ``device`` card (card, pid,
     command line, memory), by the device's own tool; none when the tool is not on ``PATH``.
-    Raises :class:`BusyCheckError` when it fails or does not answer within ``timeout``."""
+    Raises :class:`BusyCheckError` when it fails or does not answer within 30 s."""
     argv, parse = device_type(device).busy_query, device_type(device).parse_busy
     tool = shutil.which(argv[0])
     if tool is None:
@@ -47,7 +43,7 @@ def card_users(device: str, exclude: Collection[int] = (), timeout: float = 30.0
     import psutil
 
     try:
-        done = subprocess.run([tool, *argv[1:]], capture_output=True, text=True, timeout=timeout)
+        done = subprocess.run([tool, *argv[1:]], capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.TimeoutExpired) as e:
         raise BusyCheckError(f"{' '.join(argv)}: {e}") from None
     if done.returncode != 0:
@@ -58,10 +54,8 @@ def card_users(device: str, exclude: Collection[int] = (), timeout: float = 30.0
     for pid, card, memory, name in parse(done.stdout):
         if pid in exclude:
             continue
-        try:
+        with contextlib.suppress(psutil.Error):  # gone, or in another pid namespace
             name = command_line(psutil.Process(pid), fallback=name)
-        except psutil.Error:  # gone, or in another pid namespace: the tool's name for it
-            pass
         lines.append(
             f"{device} card {card}: pid {pid} ({name}"
             + (f", {memory} MiB)" if memory is not None else ")")
@@ -80,10 +74,9 @@ def addoption(parser) -> None:
 
 
 def check_busy_cards(config) -> None:
-    """The session-start check, for the plugin's ``pytest_sessionstart``: names each process
-    outside this run holding a card of an accelerator whose tool is on ``PATH``, in a
-    warning line, or under ``fail`` a stop (exit 1) before any test runs; a tool that fails
-    is a warning."""
+    """The plugin's session-start check: each process outside this run holding a card of an
+    accelerator whose tool is on ``PATH``, in a warning line, or under ``fail`` a stop
+    (exit 1) before any test runs; a tool that fails is a warning."""
     import pytest
 
     mode = str(config.getini(BUSY_CARDS_INI)).strip().lower() or "warn"

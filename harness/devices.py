@@ -1,11 +1,6 @@
-"""The device table, the host's cards, and how a process is pointed at one.
-
-Everything device-shaped derives from ``DEVICE_TABLE`` (``LaunchSpec`` validation,
-``DEVICES``, the card inventory, the pool reset, the backend -> device map, the suite
-schema's device enum: a test checks). The inventory comes from the device runtime unless
-``HARNESS_CARDS`` overrides it (``cuda:0,1;npu:0``, ``none``: a subset, or a simulated
-inventory on a CPU machine); card ids are what the visibility variable understands.
-Nothing here imports torch at module import time.
+"""The device table (everything device-shaped derives from ``DEVICE_TABLE``), the host's
+cards (from the device runtime, or ``HARNESS_CARDS``: ``cuda:0,1;npu:0``, ``none``), and
+how a process is pointed at one. Nothing here imports torch at module import time.
 """
 
 from __future__ import annotations
@@ -29,8 +24,7 @@ CARD_ENV = "HARNESS_CARD"
 
 
 def cpu_count() -> int:
-    """CPUs this process may run on (affinity-aware where the OS tells): the host's CPU
-    process slots, for the launcher's leases and ``harness run``'s workers alike."""
+    """CPUs this process may run on (affinity-aware): the host's CPU process slots."""
     try:
         return max(1, len(os.sched_getaffinity(0)))
     except AttributeError:  # not on Linux
@@ -42,7 +36,6 @@ BusyRow = tuple[int, str, "int | None", str]
 
 
 def _nvidia_smi_apps(text: str) -> list[BusyRow]:
-    # pid, process_name, gpu_bus_id, used_memory ("123 MiB"), one process per line.
     out = []
     for row in csv.reader(text.splitlines(), skipinitialspace=True):
         if len(row) >= 4 and row[0].strip().isdigit():
@@ -64,16 +57,13 @@ def _npu_smi_info(text: str) -> list[BusyRow]:
 class DeviceType:
     """Everything the harness knows about one device type (one row of ``DEVICE_TABLE``).
 
-    ``name``: what ``LaunchSpec.device``, ``DEVICES``, ``HARNESS_CARDS`` and manifests call
-    it; ``backend``: the ``torch.distributed`` backend its ranks initialise by default;
-    ``backends``: every backend whose collectives take tensors on this device;
-    ``visibility_env``: the variable that pins a process to cards (None: no cards);
-    ``runtime``: the ``torch.<runtime>`` namespace; ``extension``: a module to import to
-    register it (``torch_npu``); ``cheap_probe``: whether, without importing torch, the
-    runtime can find any card at all; ``title``: its human name (workflows) and ``suite``:
-    the suite ``harness init`` names for its runners (both default to ``name``);
-    ``busy_query``: the argv of the tool that lists the processes holding its cards, and
-    ``parse_busy`` its output's parser into :data:`BusyRow` values (``harness/busy.py``).
+    ``backend``: its ranks' default ``torch.distributed`` backend; ``backends``: every
+    backend whose collectives take tensors on it; ``visibility_env``: the variable that pins
+    a process to cards (None: no cards); ``runtime``: the ``torch.<runtime>`` namespace;
+    ``extension``: a module registering it; ``cheap_probe``: whether, without importing
+    torch, any card can exist; ``title`` (workflows) and ``suite`` (``harness init``)
+    default to ``name``; ``busy_query``: the argv listing the processes on its cards, and
+    ``parse_busy`` its parser (``harness/busy.py``).
     """
 
     name: str
@@ -98,9 +88,7 @@ class DeviceType:
         return self.visibility_env is not None
 
     def torch_runtime(self) -> Any:
-        """The ``torch.<runtime>`` module (imports torch and the extension); None for cpu."""
-        if self.runtime is None:
-            return None
+        """The ``torch.<runtime>`` module of an accelerator (imports torch and the extension)."""
         import torch
 
         if self.extension is not None:
@@ -120,9 +108,7 @@ class DeviceType:
             if self.cheap_probe is not None and not self.cheap_probe():
                 return 0
             return int(self.torch_runtime().device_count())
-        except Exception:
-            # A broken driver is "no cards": the plugin then skips, or fails the
-            # case under --harness-require, which is the signal a runner needs.
+        except Exception:  # a broken driver: skipped, or failed under --harness-require
             return 0
 
     def set_device(self, index: int) -> None:
@@ -132,10 +118,9 @@ class DeviceType:
 
 
 def _torch_has_gpu_build() -> bool:
-    """Whether the installed torch was built for CUDA / ROCm, read from its ``version.py``
-    (a CPU build has ``cuda = None``): importing torch only to learn that would cost every
-    pytest process over a second, and an import inside a pytester in-process run is undone
-    afterwards, which torch does not survive."""
+    """Whether the installed torch was built for CUDA / ROCm, read from its ``version.py``:
+    importing torch would cost every pytest process a second, and pytester's in-process
+    runs undo imports, which torch does not survive."""
     if "torch" in sys.modules:
         return True
     spec = importlib.util.find_spec("torch")
@@ -150,8 +135,7 @@ def _torch_has_gpu_build() -> bool:
     return not values or any(v != "None" for v in values.values())
 
 
-#: The device table: one row per device type, in ``DEVICES`` order. A new
-#: device type is one more row here plus a suite manifest for its runners.
+#: One row per device type, in ``DEVICES`` order.
 DEVICE_TABLE: tuple[DeviceType, ...] = (
     DeviceType("cpu", backend="gloo", backends=("gloo", "mpi"), title="CPU"),
     DeviceType(
@@ -207,9 +191,8 @@ def accelerators() -> Iterator[DeviceType]:
     return (d for d in DEVICE_TABLE if d.is_accelerator)
 
 
-#: ``@pytest.mark.parametrize("device", DEVICES)``: cpu, cuda, npu. The harness
-#: plugin skips (or, under ``--harness-require``, fails) the accelerator
-#: params on hosts without such cards, before any fixture runs.
+#: ``@pytest.mark.parametrize("device", DEVICES)``: cpu, cuda, npu; the plugin skips (or,
+#: under ``--harness-require``, fails) the accelerator params on hosts without such cards.
 DEVICES: list = [pytest.param(d.name, id=d.name) for d in DEVICE_TABLE]
 
 
@@ -225,9 +208,8 @@ class Card:
 
 
 def parse_cards(text: str) -> dict[str, list[Card]]:
-    """A ``HARNESS_CARDS`` value as cards per accelerator type: every accelerator type a
-    key (possibly with no cards), ids in their order; a malformed value (a signed id such
-    as ``cuda:-1`` included) raises ``ValueError`` quoting it."""
+    """A ``HARNESS_CARDS`` value as cards per accelerator type (every one a key), ids in
+    their order; a malformed value (a signed id included) raises ``ValueError`` quoting it."""
     cards: dict[str, list[Card]] = {device: [] for device in ACCELERATOR_NAMES}
     text = text.strip()
     if text.lower() in ("", "none"):
@@ -262,16 +244,14 @@ def is_simulated() -> bool:
 
 
 def inventory(device: str) -> list[Card]:
-    """The cards of ``device`` this host offers to tests, in id order as listed: with
-    ``HARNESS_CARDS`` set, exactly those it names, else those the device runtime reports
-    (honouring the visibility variable; no runtime: no cards). ``cpu`` has none; an unknown
-    device raises ``ValueError``."""
+    """The cards of ``device`` this host offers to tests, in order: exactly those
+    ``HARNESS_CARDS`` names when set, else those the runtime reports (honouring the
+    visibility variable). ``cpu`` has none; an unknown device raises ``ValueError``."""
     kind = device_type(device)
     if not kind.is_accelerator:
         return []
     if is_simulated():
         return parse_cards(os.environ[CARDS_ENV])[device]
-    assert kind.visibility_env is not None
     return list(_runtime_cards(device, os.environ.get(kind.visibility_env)))
 
 
@@ -306,8 +286,8 @@ def set_device(card: Card, index: int) -> None:
 
 
 def visibility(card: Card) -> dict[str, str]:
-    """The environment that pins a process to ``card`` (its visibility variable
-    set to the card's id, and ``HARNESS_CARD``)."""
+    """The environment that pins a process to ``card`` (its visibility variable, and
+    ``HARNESS_CARD``)."""
     env = device_type(card.device).visibility_env
     assert env is not None, f"{card.device} has no cards"
     return {env: card.id, CARD_ENV: str(card)}

@@ -1,11 +1,8 @@
-"""The harness's exception base class: the harness's own error classes (a launch that failed,
-a lease wait that timed out, a refused launch spec, ...) derive from ``HarnessError``, so a
-caller can tell those refusals from a bug. A bad argument to a function raises ``ValueError``
-or ``TypeError``, as Python's own functions do."""
+"""``HarnessError``, the base of the harness's own error classes (a failed launch, a lease
+timeout, a refused spec, ...), so a caller can tell those refusals from a bug; a bad
+argument to a function raises ``ValueError`` or ``TypeError``."""
 
 from __future__ import annotations
-
-__all__ = ["HarnessError"]
 
 
 class HarnessError(Exception):

@@ -1,10 +1,6 @@
-"""The one way the harness and the repository's scripts write a file: atomically.
-
-A reader sees the old file or the new one, never a half-written one: the bytes go to a
-temporary file in the same directory, which then replaces the target (``os.replace``).
-Standard library only (the scripts run from a checkout, the harness installed or not).
-Not for a file whose identity matters (a ``flock``'d lease file): the new inode is not locked.
-"""
+"""The one way the harness and the repository's scripts write a file: atomically (a
+temporary file in the same directory replaces the target), so a reader never sees a
+half-written one. Standard library only: the scripts run from a checkout."""
 
 from __future__ import annotations
 
@@ -12,18 +8,14 @@ import contextlib
 import json
 import os
 import secrets
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 
 def write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
-    """Write ``data`` to ``path`` atomically, creating its parent directories.
-
-    The file gets the mode a plain ``open(path, "wb")`` would give (``0o666`` less the
-    umask), not ``mkstemp``'s owner-only one. On any error the target is left as it was
-    and no temporary file stays behind.
-    """
+    """Write ``data`` to ``path`` atomically, creating its parent directories, with the mode
+    ``open(path, "wb")`` would give. On any error the target is left as it was and no
+    temporary file stays behind."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
@@ -43,15 +35,7 @@ def write_text(path: str | os.PathLike[str], text: str) -> None:
     write_bytes(path, text.encode("utf-8"))
 
 
-def write_json(
-    path: str | os.PathLike[str],
-    doc: Any,
-    *,
-    indent: int | None = 1,
-    default: Callable[[Any], Any] | None = None,
-) -> None:
+def write_json(path: str | os.PathLike[str], doc: Any, *, indent: int | None = 1) -> None:
     """Write ``doc`` as JSON (``indent``; ``None``: one line) plus a newline to ``path``,
-    atomically. ``default`` converts what JSON cannot hold, as for :func:`json.dumps`; a
-    number that is not finite is a ``ValueError``; either error leaves the target as it was.
-    """
-    write_text(path, json.dumps(doc, indent=indent, allow_nan=False, default=default) + "\n")
+    atomically; a number that is not finite is a ``ValueError``."""
+    write_text(path, json.dumps(doc, indent=indent, allow_nan=False) + "\n")

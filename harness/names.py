@@ -1,12 +1,7 @@
 """Names the harness's modules share: inventory rule names, pytest option names, exit codes.
-
-A leaf module (it imports nothing from the harness), so that the launch side, the suite side
-and the scripts spell each shared name once and a rename cannot leave a stale copy behind.
-"""
+A leaf module: it imports nothing from the harness."""
 
 from __future__ import annotations
-
-# --------------------------------------------------------------------------- exit codes
 
 #: Every case passed or skipped (or there was nothing to do).
 EXIT_OK = 0
@@ -15,15 +10,10 @@ EXIT_FAILED = 1
 #: Bad arguments, or a suite that cannot be planned (argparse's convention for usage errors).
 EXIT_USAGE = 2
 
-# --------------------------------------------------------------------------- deadlines
-
 #: The deadline (seconds) of a case that names none: the plugin's ``--harness-timeout``
-#: default for a launched case, and what ``harness run`` gives a planned case whose entry
-#: sets no ``timeout_s`` (and that neither the case nor the project bounds through
-#: pytest-timeout), as the case's ``timeout`` marker.
+#: default, and ``harness run``'s for a case whose entry sets no ``timeout_s`` (and that
+#: neither the case nor the project bounds through pytest-timeout).
 DEFAULT_CASE_TIMEOUT_S = 300.0
-
-# --------------------------------------------------------------------------- pytest options
 
 #: The launch plugin's process-slot count (default: the CPUs this process may use).
 OPT_MAX_PROCS = "--harness-max-procs"
@@ -39,8 +29,6 @@ OPT_JUNIT = "--harness-junit"
 #: running after its teardown, which the launch plugin stopped; ``harness run`` lists them.
 LEAK_PROPERTY = "harness.leaked"
 
-# --------------------------------------------------------------------------- markers
-
 #: The marker ``harness run``'s selection plugin gives a plain case of an accelerator entry,
 #: ``harness_device(device="cuda", cards=2)``: the launch plugin runs its body in a process of
 #: its own with exactly those leased cards visible (docs/harness.md).
@@ -50,8 +38,6 @@ DEVICE_MARKER = "harness_device"
 OPT_COMMANDS = "--harness-commands"
 #: The version of that file's format (``harness.launcher.command`` reads it).
 COMMANDS_FORMAT = "harness-commands/1"
-
-# --------------------------------------------------------------------------- inventory rules
 
 SCHEMA = "schema"
 JSON = "json"
@@ -86,12 +72,8 @@ WARNING_RULES = frozenset({HIDDEN_TESTS, MISSING_DEPENDENCY})
 #: The rules that make a suite impossible to plan or run as written: ``harness run`` and
 #: ``harness matrix`` refuse a suite with one of these; any other rule (a new one included)
 #: is the inventory's business only.
-BLOCKING_RULES = frozenset(
+BLOCKING_RULES = MANIFEST_RULES | frozenset(
     {
-        SCHEMA,
-        JSON,
-        PATH,
-        INCLUDE,
         UNKNOWN_SUITE,
         NO_SUITES,
         DUPLICATE_ENTRY_ID,

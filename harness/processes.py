@@ -1,10 +1,8 @@
-"""Process trees: finding every process below another, stopping them all (SIGTERM with
-SIGCONT, a grace, SIGKILL to what still runs and was forked meanwhile, a bounded wait),
-tying a process's life to its parent's (``die_with_parent``), and stopping what a stretch
-of this process's life left running below it (``descendants`` before, ``stop_leftovers``
-after: a case, a session, a run). Waits poll instead of ``wait()``ing, so they never reap
-a child behind its ``Popen``'s back; a zombie counts as gone. psutil is imported where
-used: ``harness inventory`` and collection need none.
+"""Process trees: finding every process below another, stopping them all, tying a
+process's life to its parent's, and stopping what a stretch of this process's life left
+running below it. Waits poll instead of ``wait()``ing, so they never reap a child behind
+its ``Popen``'s back; a zombie counts as gone. psutil is imported where used (``harness
+inventory`` and collection need none).
 """
 
 from __future__ import annotations
@@ -13,7 +11,6 @@ import contextlib
 import ctypes
 import os
 import signal
-import sys
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -27,16 +24,13 @@ _PR_SET_CHILD_SUBREAPER = 36
 _PR_GET_CHILD_SUBREAPER = 37
 # Loaded once, here: a ``preexec_fn`` runs between fork and exec, where
 # loading a library (allocating) is unsafe.
-_libc = None
-if sys.platform.startswith("linux"):
-    with contextlib.suppress(OSError):
-        _libc = ctypes.CDLL(None, use_errno=True)
+_libc = ctypes.CDLL(None, use_errno=True)
 
 
 def _prctl(option: int, value: object) -> bool:
     try:
-        return _libc is not None and _libc.prctl(option, value, 0, 0, 0) == 0
-    except AttributeError:
+        return _libc.prctl(option, value, 0, 0, 0) == 0
+    except AttributeError:  # not Linux
         return False
 
 
@@ -53,10 +47,9 @@ def is_subreaper() -> bool:
 
 
 def die_with_parent(parent_pid: int, sig: int = signal.SIGKILL) -> bool:
-    """Have the kernel send ``sig`` to this process when its parent dies; exit at once
-    (status 1) when ``parent_pid`` is already gone. False where unsupported (not Linux).
-    The kernel acts on the death of the parent *thread* that started this process, and
-    children do not inherit the request."""
+    """Have the kernel send ``sig`` to this process when its parent (the *thread* that
+    started it) dies; exit at once (status 1) when ``parent_pid`` is already gone. False
+    where unsupported (not Linux). Children do not inherit the request."""
     if not _prctl(_PR_SET_PDEATHSIG, int(sig)):
         return False
     if os.getppid() != parent_pid:
@@ -75,15 +68,14 @@ def _gone(proc: psutil.Process) -> bool:
 
 def process_tree(root: int, *, own_session: bool) -> list[psutil.Process]:
     """``root`` (if alive), its descendants, and, with ``own_session``, every other process
-    still in the session ``root`` leads (the kernel keeps a pid out of reuse while it
-    names a live session, so for a session a rank created these are its leftovers).
-    Never raises for processes that vanish meanwhile."""
+    still in the session ``root`` leads (a live session keeps its pid from reuse: these are
+    the leftovers of a session a rank created). Never raises for vanished processes."""
     import psutil
 
     procs: dict[int, psutil.Process] = {}
-    with contextlib.suppress(psutil.Error):
-        proc = psutil.Process(root)
-        procs = {p.pid: p for p in [proc, *proc.children(recursive=True)]}
+    for pid in (root, *_below(root)):
+        with contextlib.suppress(psutil.Error):
+            procs[pid] = psutil.Process(pid)
     for member in psutil.process_iter() if own_session else ():
         with contextlib.suppress(OSError):
             if member.pid != root and os.getsid(member.pid) == root:
@@ -148,9 +140,8 @@ def kill_trees(
     spare: Iterable[int] = (),
     reap: Callable[[], object] | None = None,
 ) -> list[psutil.Process]:
-    """Stop every process of the trees rooted at ``roots`` (``process_tree``) as
-    ``terminate`` does, but the pids in ``spare``. Returns those still alive
-    ``kill_wait`` seconds after SIGKILL."""
+    """Stop the trees rooted at ``roots`` (``process_tree``) but the pids in ``spare``, as
+    ``terminate`` does, and return what it returns."""
     roots, spared = list(roots), set(spare)
 
     def collect() -> list[psutil.Process]:
@@ -160,7 +151,7 @@ def kill_trees(
     return terminate(collect(), grace=grace, kill_wait=kill_wait, more=collect, reap=reap)
 
 
-#: A leftover's command line is cut to this many characters in its description.
+#: A reported command line is cut to this many characters.
 COMMAND_CHARS = 300
 
 
@@ -176,9 +167,8 @@ class Leftover:
 
 
 def descendants() -> set[psutil.Process]:
-    """Every process below this one now (exited ones not yet waited for included).
-    psutil's processes compare by pid *and* start time: a pid reused later is a different
-    process."""
+    """Every process below this one now (exited ones not yet waited for included). They
+    compare by pid *and* start time: a pid reused later is a different process."""
     import psutil
 
     found: set[psutil.Process] = set()
@@ -189,9 +179,8 @@ def descendants() -> set[psutil.Process]:
 
 
 def _below(root: int) -> set[int]:
-    """The pids below ``root``. Walks only its tree where Linux lists each thread's
-    children (``/proc/PID/task/TID/children``), not the whole process table as psutil
-    does (1000x slower, and a case pays for this twice)."""
+    """The pids below ``root``, from ``/proc/PID/task/TID/children`` where Linux has it:
+    psutil walks the whole process table (1000x slower; a case pays for this twice)."""
     import psutil
 
     if not os.path.exists(f"/proc/{root}/task/{root}/children"):
@@ -232,12 +221,9 @@ def stop_leftovers(
     kill_wait: float = 5.0,
 ) -> list[Leftover]:
     """Stop what runs below this process now and did not at ``before`` (``descendants``),
-    but the pids ``spare()`` names (asked again before SIGKILL) and the processes below
-    them: each gets ``settle`` seconds to end by itself (a process told to stop that has
-    not yet), then the rest are stopped as ``terminate`` does. Those that were this
-    process's children (its own, or orphans a child subreaper gets) are reaped. Returns
-    the stopped ones, described before they were stopped; one walk of the process table
-    when nothing is new."""
+    but the trees of the pids ``spare()`` names (asked again before SIGKILL): ``settle``
+    seconds to end by themselves, then ``terminate``. Those that were this process's
+    children are reaped. Returns the stopped ones, described before they were stopped."""
 
     def new() -> list[psutil.Process]:
         found = [p for p in descendants() if p not in before]

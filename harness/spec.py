@@ -6,14 +6,10 @@ import sys
 from dataclasses import dataclass, fields
 from typing import Any
 
-from harness.devices import ACCELERATOR_NAMES, BACKEND_DEVICES, DEVICE_NAMES, DEVICE_TABLE
+from harness.devices import ACCELERATOR_NAMES as ACCELERATORS
+from harness.devices import BACKEND_DEVICES, DEVICE_NAMES, device_type
 from harness.errors import HarnessError
 from harness.validation import check_int, check_seconds
-
-#: Derived from the device table (``harness.devices.DEVICE_TABLE``).
-DEVICE_TYPES: tuple[str, ...] = DEVICE_NAMES
-ACCELERATORS: tuple[str, ...] = ACCELERATOR_NAMES
-DEFAULT_BACKENDS: dict[str, str] = {d.name: d.backend for d in DEVICE_TABLE}
 
 
 class LaunchSpecError(HarnessError, ValueError):
@@ -43,12 +39,11 @@ class LaunchSpec:
     nnodes: int = 1
 
     def __post_init__(self) -> None:
-        if self.device not in DEVICE_TYPES:
+        if self.device not in DEVICE_NAMES:
             raise LaunchSpecError(
-                f"LaunchSpec.device must be one of {', '.join(DEVICE_TYPES)}; got {self.device!r}"
+                f"LaunchSpec.device must be one of {', '.join(DEVICE_NAMES)}; got {self.device!r}"
             )
-        # Integer-like values of any kind (numpy ints) are stored as plain ints,
-        # so equal specs compare, hash and pickle alike.
+        # numpy ints stored as plain ints: equal specs compare, hash and pickle alike.
         for name in ("nproc", "nnodes"):
             value = check_int(
                 getattr(self, name), f"LaunchSpec.{name}", minimum=1, error=LaunchSpecError
@@ -86,7 +81,7 @@ class LaunchSpec:
     @property
     def dist_backend(self) -> str:
         """The ``torch.distributed`` backend the ranks initialise."""
-        return self.backend or DEFAULT_BACKENDS[self.device]
+        return self.backend or device_type(self.device).backend
 
 
 def _device_param(item: Any) -> str | None:
@@ -94,7 +89,7 @@ def _device_param(item: Any) -> str | None:
     if callspec is None:
         return None
     value = callspec.params.get("device")
-    return value if isinstance(value, str) and value in DEVICE_TYPES else None
+    return value if isinstance(value, str) and value in DEVICE_NAMES else None
 
 
 def spec_from_marker(args: tuple, kwargs: dict, device_param: str | None = None) -> LaunchSpec:
@@ -132,9 +127,8 @@ def spec_for_item(item: Any) -> LaunchSpec:
 
 
 def launch_refusal(item: Any) -> str | None:
-    """Why the ``launch`` marker of this collected test cannot be honoured
-    (None: its body can run on ranks). The plugin fails such a test with this
-    reason and the inventory lists it as a ``bad-launch-spec`` problem."""
+    """Why the ``launch`` marker of this collected test cannot be honoured (None: its body
+    can run on ranks); the plugin fails such a test, the inventory lists ``bad-launch-spec``."""
     unittest = sys.modules.get("unittest")
     cls = getattr(item, "cls", None)
     if unittest is not None and isinstance(cls, type) and issubclass(cls, unittest.TestCase):
@@ -144,7 +138,6 @@ def launch_refusal(item: Any) -> str | None:
             "process); write it as a pytest test function or a method of a plain class"
         )
     if "subtests" in getattr(item, "fixturenames", ()):
-        # Subtests report through the pytest session, which a rank has none of.
         return (
             "@pytest.mark.launch cannot run a test using the `subtests` fixture on ranks "
             "(each subtest reports to this pytest session, which ranks have none of); "
@@ -153,7 +146,6 @@ def launch_refusal(item: Any) -> str | None:
     info = getattr(item, "_fixtureinfo", None)
     captures = sorted(_CAPTURE_FIXTURES.intersection(getattr(info, "argnames", ())))
     if captures:
-        # Sent to a rank, they would capture nothing there: they hold this session's capture.
         return (
             f"@pytest.mark.launch cannot hand pytest's `{captures[0]}` fixture to ranks (it "
             "captures this pytest process's output or log records, not a rank's); a rank's "
@@ -164,14 +156,11 @@ def launch_refusal(item: Any) -> str | None:
     return _data_refusal(getattr(item, "obj", None))
 
 
-#: pytest's fixtures bound to the capture of the pytest process itself.
 _CAPTURE_FIXTURES = frozenset({"capsys", "capsysbinary", "capfd", "capfdbinary", "caplog"})
 
 
 def _data_refusal(test: Any) -> str | None:
-    """A ``@given`` test drawing with ``st.data()``: its draws would be made by the
-    body, on the ranks, where Hypothesis (in the launcher) cannot shrink or replay
-    them (see ``harness.launcher.given``)."""
+    """Why a ``@given`` test drawing with ``st.data()`` is refused (None: it is not one)."""
     given = getattr(getattr(test, "hypothesis", None), "_given_kwargs", None)
     core = sys.modules.get("hypothesis.strategies._internal.core")
     if not isinstance(given, dict) or core is None:

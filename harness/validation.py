@@ -1,17 +1,12 @@
-"""Checks of user-supplied values, written once for both rooms of the harness.
-
-Each check returns the value when it is acceptable and raises ``ValueError`` (or the error
-class the caller passes) with a message naming ``what`` and the bad value otherwise. Booleans
-are never integers here, numpy / torch integer scalars are (anything ``numbers.Integral``).
-"""
+"""Checks of user-supplied values, written once for both rooms of the harness (the int /
+real checks tied to ``channel_loss/validation.py``'s copy by a test). Booleans are never
+numbers here; numpy / torch scalars are."""
 
 from __future__ import annotations
 
 import math
 import numbers
 from typing import Any
-
-__all__ = ["check_int", "check_seconds", "is_finite", "is_int", "is_real"]
 
 
 def is_int(value: Any) -> bool:
@@ -25,8 +20,8 @@ def is_real(value: Any) -> bool:
 
 
 def is_finite(value: Any) -> bool:
-    """True for a real number (not a bool) that is finite as a float: not inf or NaN, nor an
-    integer too large for a float (on which ``math.isfinite`` raises ``OverflowError``)."""
+    """True for a real number (not a bool) that is finite as a float (not an int too large
+    for one)."""
     if not is_real(value):
         return False
     try:

@@ -20,12 +20,10 @@ from typing import Any, NoReturn
 #: How long past its deadline the watchdog waits, after interrupting the main
 #: thread, before it stops the process (never more than the deadline again).
 WATCHDOG_GRACE_S = 60.0
-#: The signal that interrupts the main thread at a phase deadline: one whose default
-#: action is to be ignored (a late one, arriving after the handler is gone, does nothing)
-#: and that neither pytest-timeout (SIGALRM) nor faulthandler uses.
-INTERRUPT_SIGNAL = getattr(signal, "SIGURG", None)
-#: How long after the watch thread should have stopped the process faulthandler's C timer
-#: does it (see :class:`Watchdog`).
+#: Interrupts the main thread at a phase deadline: ignored by default (a late one does
+#: nothing), and neither pytest-timeout's (SIGALRM) nor faulthandler's.
+INTERRUPT_SIGNAL = signal.SIGURG
+#: How long after the watch thread's stop faulthandler's C timer stops the process.
 BACKSTOP_MARGIN_S = 5.0
 # The longest the watch thread sleeps at once (a deadline years away would overflow the
 # wait), and the latest backstop faulthandler takes (its timer overflows beyond a year).
@@ -59,15 +57,12 @@ class _Armed:
 class Watchdog:
     """The deadlines of the phases of this process's work, on a thread of its own.
 
-    Past ``seconds`` the main thread is interrupted (``INTERRUPT_SIGNAL``): ``error(message)``
-    is raised where it is, the phase fails with its stack and the process goes on. A main
-    thread still in the phase ``grace`` seconds later is not coming back: ``exit_hooks`` are
-    called with the headline, every thread's stack goes to stderr and the process exits with
-    status 1. Phases are armed per ``key`` (one per owner: a nested pytester session keeps
-    the outer deadline armed). Native code holding the GIL starves the thread, so with
-    ``backstop`` faulthandler's C timer also stops the process ``BACKSTOP_MARGIN_S`` later;
-    a phase armed with ``backstop=False`` (its session uses that timer itself, see
-    :func:`faulthandler_free`) leaves the timer alone while armed.
+    Past ``seconds`` the main thread is interrupted: ``error(message)`` is raised where it
+    is and the process goes on. A main thread still in the phase ``grace`` seconds later:
+    ``exit_hooks`` are called with the headline, every thread's stack goes to stderr and the
+    process exits 1. Phases are armed per ``key`` (one per owner). Native code holding the
+    GIL starves the thread, so with ``backstop`` faulthandler's C timer also stops the
+    process ``BACKSTOP_MARGIN_S`` later (``backstop=False``: the session uses that timer).
     """
 
     def __init__(self) -> None:
@@ -81,8 +76,7 @@ class Watchdog:
 
     def _set_backstop(self) -> None:
         """Set faulthandler's timer for the earliest stop of the phases armed (under the
-        lock). While a phase armed without ``backstop`` is armed, the timer is its
-        session's: neither set nor cancelled (pytest may have set it since we did)."""
+        lock); while one without ``backstop`` is armed, the timer is its session's."""
         free = all(a.backstop for a in self._armed.values())
         stops = [a.start + a.seconds + a.grace for a in self._armed.values()]
         seconds = min(stops) - time.monotonic() + BACKSTOP_MARGIN_S if stops else None
@@ -115,21 +109,13 @@ class Watchdog:
         what: str,
         why: str = "",
         error: Callable[[str], BaseException],
-        start: float | None = None,
         backstop: bool = True,
     ) -> Iterator[None]:
-        """Bound ``key``'s phase, the body (run in the main thread), replacing the phase
-        ``key`` had armed; disarmed however the body ends. ``seconds`` count from ``start``
-        (a ``time.monotonic()``; default: now). The messages read ``{what} ran past
-        {seconds} s {why}``. ``backstop``: see the class docstring."""
-        now = time.monotonic() if start is None else start
-        armed = _Armed(seconds, grace, what, why, error, now, backstop)
+        """Bound ``key``'s phase, the body (in the main thread), replacing what ``key`` had
+        armed; disarmed however it ends. Messages read ``{what} ran past {seconds} s {why}``."""
+        armed = _Armed(seconds, grace, what, why, error, time.monotonic(), backstop)
         with self._lock:
-            if (
-                not self._installed
-                and INTERRUPT_SIGNAL is not None
-                and threading.current_thread() is threading.main_thread()
-            ):
+            if not self._installed and threading.current_thread() is threading.main_thread():
                 self._previous = signal.signal(INTERRUPT_SIGNAL, self._on_signal)
                 self._installed = True
             self._armed[key] = armed

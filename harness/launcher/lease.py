@@ -1,22 +1,11 @@
 """Exclusive, crash-safe leases on accelerator cards and CPU process slots.
 
-Every process of the host that leases (pytest sessions, their xdist workers, other
-projects and users, ``harness.launch`` callers) does it through one *lease directory*,
-one lock file per resource (``cuda-0.lock``, ``slot-3.lock``, world-writable: every user
-leases through the same file). A resource is held while some process holds an exclusive
-``flock`` on its file: the OS drops it when the last holder exits, however it exits, and
-ranks that inherited the descriptor keep the lease until they are gone. The holder's
-record in the file (pid, what it runs, since when, its ranks) names it to a waiter.
-
-A waiting lease takes ``queue.lock`` if it can (it is then the *head*) and writes what it
-wants there; every other lease leaves that alone, unless this very process holds part of
-it (deferring would deadlock), so a holder that gives back and leases again at once (a
-kept pool) lines up behind a waiting wide case, and an idle pool yields
-(``Lease.contended()``). Waiters behind the head are not ordered. Limits: lock files are
-opened with ``O_NOFOLLOW`` and only files created here are chmod'ed; otherwise the
-directory is trusted (docs/harness.md). ``flock`` rather than ``filelock``: the
-descriptors travel to the ranks and the record lives in the lock file (filelock
-truncates it).
+One lock file per resource in a host-wide lease directory, held by an exclusive ``flock``
+(the OS drops it when the last process sharing the descriptor exits), with the holder's
+record in it. A waiter that takes ``queue.lock`` is the head of the queue: other leases
+leave what it wants alone, unless this process holds part of it (deferring would
+deadlock). ``flock`` rather than ``filelock``: the descriptors travel to the ranks and the
+record lives in the lock file (filelock truncates it).
 """
 
 from __future__ import annotations
@@ -40,11 +29,9 @@ from harness.devices import Card
 from harness.errors import HarnessError
 
 LEASE_DIR_ENV = "HARNESS_LEASE_DIR"
-#: Where a lease directory came from, as ``resolve_lease_dir`` names it.
 LEASE_DIR_OPTION = "--harness-lease-dir"
 _POLL_MAX_S = 0.2  # the longest pause between two looks of a waiting lease
-_BUSY = (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK)
-_RECORD_MAX = 1 << 20
+_FLAGS = os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW
 
 
 class LeaseError(HarnessError, RuntimeError):
@@ -73,11 +60,9 @@ def default_lease_dir() -> str:
 
 
 def resolve_lease_dir(option: str | None) -> tuple[str, str]:
-    """The lease directory, as an absolute path (a relative one is resolved now, once),
-    and what chose it: ``option`` (``--harness-lease-dir``'s value; None: not given), else
-    ``$HARNESS_LEASE_DIR``, else the default ``<system temp>/harness-leases``, shared by
-    every user and project of the host (cards are a host-wide resource), or a per-user
-    ``harness-leases-<uid>`` when another user made that one unwritable to us."""
+    """The absolute lease directory and what chose it: ``option`` (``--harness-lease-dir``),
+    else ``$HARNESS_LEASE_DIR``, else the host-wide ``<system temp>/harness-leases`` (a
+    per-user ``harness-leases-<uid>`` when another user made that one unwritable to us)."""
     if option:
         return os.path.abspath(option), LEASE_DIR_OPTION
     env = os.environ.get(LEASE_DIR_ENV)
@@ -91,11 +76,9 @@ def resolve_lease_dir(option: str | None) -> tuple[str, str]:
 
 def check_lease_dir(path: str, source: str) -> None:
     """Make sure ``path`` is a usable lease directory, creating it if missing (the
-    host-wide default world-writable and sticky, any other ``0700``, whatever the umask).
-
-    Raises ``LeaseDirError`` naming ``path`` and ``source`` (what set it) when it is not a
-    directory, cannot be created or written, or is world-writable without the sticky bit
-    (anyone could delete the lock files others hold).
+    host-wide default ``1777``, any other ``0700``, whatever the umask). Raises
+    ``LeaseDirError`` naming ``path`` and ``source`` (what set it) when it is not a
+    directory, cannot be created or written, or is world-writable without the sticky bit.
     """
 
     def fail(problem: str) -> LeaseDirError:
@@ -104,16 +87,15 @@ def check_lease_dir(path: str, source: str) -> None:
             f"{LEASE_DIR_OPTION} or ${LEASE_DIR_ENV} at a writable directory"
         )
 
-    if not os.path.lexists(path):
-        try:
-            os.makedirs(path, mode=0o755)
-        except FileExistsError:
-            pass  # another process made it meanwhile
-        except OSError as exc:
-            raise fail(f"cannot be created ({exc.strerror})") from None
-        else:
-            with contextlib.suppress(OSError):
-                os.chmod(path, 0o1777 if path == _shared_dir() else 0o700)
+    try:
+        os.makedirs(path, mode=0o755)
+    except FileExistsError:
+        pass
+    except OSError as exc:
+        raise fail(f"cannot be created ({exc.strerror})") from None
+    else:
+        with contextlib.suppress(OSError):
+            os.chmod(path, 0o1777 if path == _shared_dir() else 0o700)
     if not os.path.isdir(path):
         raise fail("is not a directory")
     if not os.access(path, os.W_OK | os.X_OK):
@@ -126,20 +108,16 @@ def check_lease_dir(path: str, source: str) -> None:
         )
 
 
-def _open(path: str, *, create: bool = True) -> int:
-    """Open lease file ``path`` read-write without following a link; only a file created
-    here is chmod'ed. ``FileNotFoundError`` when missing and not ``create``."""
-    flags = os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW
+def _open(path: str) -> int:
+    """Open (create) lease file ``path`` read-write without following a link; only a file
+    created here is chmod'ed."""
     try:
-        if create:
-            with contextlib.suppress(FileExistsError):
-                fd = os.open(path, flags | os.O_CREAT | os.O_EXCL, 0o666)
-                with contextlib.suppress(OSError):
-                    os.fchmod(fd, 0o666)  # whatever the umask
-                return fd
-        return os.open(path, flags)
-    except FileNotFoundError:
-        raise
+        with contextlib.suppress(FileExistsError):
+            fd = os.open(path, _FLAGS | os.O_CREAT | os.O_EXCL, 0o666)
+            with contextlib.suppress(OSError):
+                os.fchmod(fd, 0o666)  # whatever the umask
+            return fd
+        return os.open(path, _FLAGS)
     except OSError as exc:
         problem = (
             "is a symbolic link, which the harness never follows"
@@ -155,10 +133,8 @@ def _try_lock(fd: int, how: int) -> bool:
     """``flock(fd, how)`` without waiting: False when another lock is in the way."""
     try:
         fcntl.flock(fd, how | fcntl.LOCK_NB)
-    except OSError as exc:
-        if exc.errno in _BUSY:
-            return False
-        raise
+    except BlockingIOError:
+        return False
     return True
 
 
@@ -178,7 +154,7 @@ def _write_record(fd: int, record: dict) -> None:
 
 def _read_record(fd: int) -> dict | None:
     try:
-        data = os.pread(fd, _RECORD_MAX, 0)
+        data = os.pread(fd, 1 << 20, 0)
         record = json.loads(data) if data else None
     except (OSError, ValueError):
         return None
@@ -189,8 +165,8 @@ def _peek(path: str) -> tuple[bool, dict | None]:
     """Whether lease file ``path`` is locked (by anyone, this process included), and its
     record."""
     try:
-        fd = _open(path, create=False)
-    except (FileNotFoundError, LeaseFileError):
+        fd = os.open(path, _FLAGS)
+    except OSError:  # missing, or not ours to open
         return False, None
     try:
         free = _try_lock(fd, fcntl.LOCK_SH)
@@ -217,8 +193,8 @@ def card_want(cards: Sequence[Card], count: int) -> Want:
 
 
 def slot_want(max_procs: int, count: int) -> Want:
-    """Want ``count`` CPU process slots out of ``max_procs``; a case with more ranks than
-    there are slots takes all of them (it then runs alone) instead of never running."""
+    """Want ``count`` of ``max_procs`` CPU process slots; more ranks than slots take all of
+    them (the case runs alone) instead of never running."""
     return Want(
         "process slots", tuple(f"slot:{i}" for i in range(max_procs)), min(count, max_procs)
     )
@@ -253,9 +229,8 @@ def describe_holder(record: dict | None) -> str:
 
 
 def waiters(lease_dir: str) -> list[dict]:
-    """The waiter at the head of ``lease_dir``'s queue, as a one-item list of its record
-    (``pid``, ``holder``, ``since``, ``wants``: resource names), or ``[]`` when nobody
-    waits (a waiter that died does not)."""
+    """The live head of ``lease_dir``'s queue as a one-item list of its record (``pid``,
+    ``holder``, ``since``, ``wants``: resource names); ``[]`` when nobody waits."""
     held, record = _peek(_lock_path(lease_dir, "queue"))
     return [record] if held and record and "wants" in record else []
 
@@ -281,8 +256,7 @@ class Lease:
         return [Card(*name.split(":", 1)) for name in self._locks if not name.startswith("slot:")]
 
     def annotate(self, **info: object) -> None:
-        """Add facts (e.g. ``ranks=[pids]``) to the holder record waiters see (a failure
-        to write it leaves the lease held)."""
+        """Add facts (e.g. ``ranks=[pids]``) to the holder record waiters see."""
         self._record.update(info)
         for fd in self._locks.values():
             _write_record(fd, self._record)
@@ -296,21 +270,18 @@ class Lease:
         return any(set(w["wants"]) & set(self._locks) for w in waiters(self.lease_dir))
 
     def release(self, *, holders_gone: bool = True) -> None:
-        """Give the resources back. ``holders_gone=False`` says processes the descriptors
-        were passed to may still run: this process then only closes its descriptors and
-        the OS frees each resource when the last of them exits."""
+        """Give the resources back. ``holders_gone=False``: processes the descriptors were
+        passed to may still run, and the OS frees each resource when the last of them exits."""
         locks, self._locks = self._locks, {}
         with _held_lock:
             _held_here.subtract((self.lease_dir, name) for name in locks)
         for fd in locks.values():
-            try:
-                if holders_gone:
-                    # Unlocking drops the lock for every process sharing this
-                    # open file (the ranks it was passed to): only once they are gone.
-                    _write_record(fd, {})
-                    fcntl.flock(fd, fcntl.LOCK_UN)
-            finally:
-                os.close(fd)
+            if holders_gone:
+                # Unlocking drops the lock for every process sharing this open file
+                # (the ranks it was passed to): only once they are gone.
+                _write_record(fd, {})
+                fcntl.flock(fd, fcntl.LOCK_UN)
+            os.close(fd)
 
     def __enter__(self) -> Lease:
         return self
@@ -322,12 +293,10 @@ class Lease:
 def acquire(lease_dir: str, wants: Iterable[Want], *, timeout: float, holder: str) -> Lease:
     """Lease every ``Want`` at once, waiting at most ``timeout`` seconds.
 
-    All-or-nothing: a partial grab is given back before waiting again, so two waiters can
-    never deadlock holding halves of what each needs; the head of the queue is served
-    before newcomers (module docstring). Raises ``LeaseTimeout`` naming what was wanted,
-    who holds it and who waits ahead; ``LeaseDirError`` / ``LeaseFileError`` when the
-    lease directory or a file in it is unusable; ``LeaseError`` for any other failure,
-    with nothing left held.
+    All-or-nothing (a partial grab is given back before waiting again: no deadlock), the
+    head of the queue served before newcomers. Raises ``LeaseTimeout`` naming what was
+    wanted, who holds it and who waits ahead; ``LeaseDirError`` / ``LeaseFileError`` for an
+    unusable lease directory or file; ``LeaseError`` for any other failure, nothing held.
     """
     wants = [w for w in wants if w.count > 0]
     for want in wants:
@@ -382,8 +351,8 @@ def acquire(lease_dir: str, wants: Iterable[Want], *, timeout: float, holder: st
 def _grab(
     lease_dir: str, wants: list[Want], promised: set[str]
 ) -> tuple[dict[str, int], list[Want], set[str]]:
-    """Lock what ``wants`` asks for, leaving ``promised`` alone: (the locks, the wants left
-    short, the names found busy). Nothing stays locked unless all is had."""
+    """Lock what ``wants`` asks for but ``promised``: (the locks, the wants left short, the
+    names found busy). Nothing stays locked unless all is had."""
     locks: dict[str, int] = {}
     short: list[Want] = []
     busy: set[str] = set()
@@ -409,7 +378,7 @@ def _grab(
         raise
     if short:
         _unlock(locks.values())
-        return {}, short, busy
+        locks = {}
     return locks, short, busy
 
 
@@ -439,15 +408,13 @@ def _timeout_message(lease_dir: str, short: list[Want], waited: float, head: boo
     return "\n".join(lines)
 
 
-#: ``hook(lease_dir, busy_names) -> bool``: free what this process holds idle
-#: among ``busy_names``; True when it freed something.
-YieldHook = Callable[[str, frozenset[str]], bool]
-_yield_hooks: list[YieldHook] = []
+_yield_hooks: list[Callable[[str, frozenset[str]], bool]] = []
 
 
-def add_yield_hook(hook: YieldHook) -> None:
-    """Register ``hook``: a lease wait in this process that finds resources busy calls it
-    before waiting (e.g. to close this process's idle rank pool)."""
+def add_yield_hook(hook: Callable[[str, frozenset[str]], bool]) -> None:
+    """Register ``hook(lease_dir, busy_names) -> bool``: a lease wait in this process that
+    finds resources busy calls it before waiting, to free what this process holds idle
+    among them (its idle rank pool); True when it freed something."""
     if hook not in _yield_hooks:
         _yield_hooks.append(hook)
 
@@ -457,7 +424,6 @@ def _yield(lease_dir: str, busy: set[str]) -> bool:
     return any([bool(hook(lease_dir, frozenset(busy))) for hook in list(_yield_hooks)])
 
 
-# What the leases of this process hold, per lease directory: the head of the
-# queue is not deferred to when it wants any of it (it waits for this process).
+# What the leases of this process hold, per lease directory (see ``_promised``).
 _held_here: Counter[tuple[str, str]] = Counter()
 _held_lock = threading.Lock()

@@ -77,9 +77,11 @@ def test_everything_device_shaped_derives_from_the_table():
 
     names = tuple(d.name for d in devices.DEVICE_TABLE)
     assert [p.values[0] for p in DEVICES] == list(names)
-    assert names == spec.DEVICE_TYPES
+    assert names == devices.DEVICE_NAMES
     assert tuple(d.name for d in devices.DEVICE_TABLE if d.is_accelerator) == spec.ACCELERATORS
-    assert {d.name: d.backend for d in devices.DEVICE_TABLE} == spec.DEFAULT_BACKENDS
+    assert [LaunchSpec(d.name).dist_backend for d in devices.DEVICE_TABLE] == [
+        d.backend for d in devices.DEVICE_TABLE
+    ]
     assert all((d.visibility_env is not None) == d.is_accelerator for d in devices.DEVICE_TABLE)
     assert set(parse_cards("none")) == set(spec.ACCELERATORS)
     # harness init's suite names and the workflows' titles are table columns too.
