@@ -172,8 +172,7 @@ _FRAME = re.compile(
 
 
 def _collection_error(report: Any, root: Path) -> Problem:
-    """The problem of a failed collect report: its file, that file's line on the stack (and
-    the repository file and line that raised, when deeper), the error's last line."""
+    """A failed collect report's problem: the file's line on the stack, where deeper it raised."""
     text = str(report.longrepr).strip()
     lines = text.splitlines()
     errors = [ln[1:].strip() for ln in lines if ln.startswith("E ")]
@@ -199,9 +198,8 @@ _NO_MODULE = re.compile(r"ModuleNotFoundError: No module named '(?P<top>[^'.]+)[
 
 
 def _absent_module(file: str, message: str, root: Path, raised_in: Sequence[str]) -> str | None:
-    """The top-level module whose absence kept test module ``file`` from importing, when
-    ``sys.path`` lacks it and no folder from ``file``'s (or ``raised_in``'s) up to ``root``
-    holds it (the repository's own module imported the wrong way: no install mends that)."""
+    """The uninstalled top-level module that kept test module ``file`` from importing (not one
+    of the repository's own, from ``file``'s or ``raised_in``'s folder up to ``root``)."""
     m = _NO_MODULE.fullmatch(message)
     if m is None or not is_test_module(file):
         return None
@@ -220,8 +218,7 @@ def _absent_module(file: str, message: str, root: Path, raised_in: Sequence[str]
 
 
 def _missing_dependencies(problems: Iterable[Problem]) -> list[Problem]:
-    """``problems`` with each absent module's per-file ``missing-dependency`` problems replaced,
-    where the first stood, by one naming every test file it keeps from loading."""
+    """``problems`` with each absent module's ``missing-dependency`` problems merged into one."""
     out: list[Problem | str] = []
     files: dict[str, list[str]] = {}
     for p in problems:
@@ -274,9 +271,7 @@ class Collection:
         self.cases += [c for c in other.cases if c.nodeid not in seen]
         self.problems += other.problems
         self.skipped.update(other.skipped)
-        self.layout = self.layout or other.layout
         self.files = list(dict.fromkeys([*self.files, *other.files]))
-        self.inipath = self.inipath or other.inipath
         self.failed = self.failed or other.failed
 
     def pytest_configure(self, config: Any) -> None:
@@ -458,8 +453,7 @@ def collect(root: Path, targets: Sequence[str] | None) -> Collection:
 
 
 def _glob_all(root: Path, patterns: Iterable[str]) -> set[str]:
-    """The ``.py`` files and folders under ``root`` (hidden ones aside) that a glob of
-    ``patterns`` matches, in one walk of each literal top folder; none below a match."""
+    """The ``.py`` files and folders a glob of ``patterns`` matches (hidden ones aside)."""
     patterns = tuple(patterns)
     index = EntryIndex([Entry("", patterns, None, None, 0.0, None, "", "")])
     tops = {
@@ -558,7 +552,7 @@ class EntryIndex:
                 elif has_glob(sel):
                     self.globs.setdefault(_literal_segment(sel), []).append((glob_regex(sel), i))
                 else:
-                    self.by_path.setdefault(sel.rstrip("/") or ".", []).append(i)
+                    self.by_path.setdefault(sel, []).append(i)
             if e.markers is not None:
                 self.markers[i] = marker_expression(e.markers)
 
@@ -678,9 +672,8 @@ def command_case(m: Manifest, entry: Entry) -> CollectedCase:
 
 
 def _assign_owners(inv: SuiteInventory, m: Manifest, judged: bool, idle: bool = True) -> None:
-    """Record the first matching entry of ``m`` for each case, and each command entry's case;
-    for a ``judged`` suite add fit problems and, with ``idle`` (the collection saw the whole
-    suite), ``entry-matches-nothing``."""
+    """Record each case's first matching entry of ``m``; if ``judged``, the fit (and ``idle``:
+    entry-matches-nothing) problems."""
     index = EntryIndex(m.entries)
     owned_by = dict.fromkeys((e.id for e in m.entries), 0)
     for e in m.entries:
@@ -724,13 +717,8 @@ def _assign_owners(inv: SuiteInventory, m: Manifest, judged: bool, idle: bool = 
 
 
 def _idle(m: Manifest, e: Entry, where: str, why: str) -> Problem:
-    return Problem(
-        names.ENTRY_MATCHES_NOTHING,
-        e.source,
-        f"{where} (entry {e.id!r})",
-        f"suite {m.suite!r}: {why}",
-        m.suite,
-    )
+    where, why = f"{where} (entry {e.id!r})", f"suite {m.suite!r}: {why}"
+    return Problem(names.ENTRY_MATCHES_NOTHING, e.source, where, why, m.suite)
 
 
 def _covers_unloadable(inv: SuiteInventory, entry: Entry) -> bool:
@@ -738,8 +726,7 @@ def _covers_unloadable(inv: SuiteInventory, entry: Entry) -> bool:
 
 
 def _dead_paths(inv: SuiteInventory, m: Manifest, owned_by: dict[str, int]) -> list[Problem]:
-    """``entry-matches-nothing`` for each path of an owning entry that selects no collected
-    case (of any device) and no unloadable file: a misspelling would go unnoticed."""
+    """``entry-matches-nothing`` for each path of an owning entry that selects nothing."""
     paths = [
         (e, j, replace(e, paths=(p,), markers=None))
         for e in m.entries
@@ -764,8 +751,7 @@ def _dead_paths(inv: SuiteInventory, m: Manifest, owned_by: dict[str, int]) -> l
 def _ownership_problems(
     inv: SuiteInventory, manifests: Sequence[Manifest], files: Sequence[str]
 ) -> list[Problem]:
-    """``unowned-file`` for each test file pytest collects by default none of whose cases any
-    suite owns, ``unowned-case`` for each other case no suite owns."""
+    """``unowned-file`` for each test file no case of which is owned, else ``unowned-case``."""
     by_file: dict[str, list[CollectedCase]] = {}
     for c in inv.cases:
         by_file.setdefault(c.file, []).append(c)
@@ -778,15 +764,8 @@ def _ownership_problems(
         # marker is invalid (each a bad-launch-spec problem), is its entry's.
         and not (all(c.spec is None for c in by_file.get(f, [])) and covered.covers_file(f))
     ]
-    out = [
-        Problem(
-            names.UNOWNED_FILE,
-            f,
-            "",
-            "test file owned by no suite entry: add it to a suite in suites/",
-        )
-        for f in unowned_files
-    ]
+    why = "test file owned by no suite entry: add it to a suite in suites/"
+    out = [Problem(names.UNOWNED_FILE, f, "", why) for f in unowned_files]
     for c in inv.cases:
         if c.spec is None or c.nodeid in inv.owners or c.file in unowned_files:
             continue
@@ -796,23 +775,15 @@ def _ownership_problems(
             if mine
             else f"no suite runs {c.device} cases: add one (`harness init --accelerators {c.device}`)"
         )
-        out.append(
-            Problem(
-                names.UNOWNED_CASE,
-                c.file,
-                c.nodeid,
-                f"{c.device} case owned by no suite entry: {hint}",
-            )
-        )
+        why = f"{c.device} case owned by no suite entry: {hint}"
+        out.append(Problem(names.UNOWNED_CASE, c.file, c.nodeid, why))
     return out
 
 
 def _hidden_problems(
-    root: Path, layout: dict[str, list[str]], collected: Iterable[str]
+    root: Path, layout: dict[str, list[str]], collected: set[str]
 ) -> list[Problem]:
-    """A ``tests-under-norecursedirs`` warning for each test file not ``collected`` under a
-    folder inside ``testpaths`` that ``norecursedirs`` hides (hidden folders and virtual
-    environments aside): it never runs."""
+    """A warning for each test file not ``collected`` that ``norecursedirs`` hides in testpaths."""
     patterns = [p for p in layout.get("norecursedirs", ()) if p != ".*"]
     python_files = layout.get("python_files", ())
     hidden: dict[str, str] = {}
@@ -832,7 +803,6 @@ def _hidden_problems(
                         if any(fnmatch.fnmatch(name, g) for g in python_files):
                             hidden.setdefault(rel(Path(sub, name), root), pat)
             dirnames[:] = keep
-    seen = set(collected)
     why = (
         "lies under a directory that norecursedirs pattern {!r} hides from pytest inside "
         "testpaths: it never runs; name it in a suite entry (harness run collects entry "
@@ -841,7 +811,7 @@ def _hidden_problems(
     return [
         Problem(names.HIDDEN_TESTS, f, "", why.format(pat))
         for f, pat in sorted(hidden.items())
-        if f not in seen
+        if f not in collected
     ]
 
 
@@ -951,5 +921,5 @@ def _judge(
         _assign_owners(inv, m, m.suite in judged, idle)
     if check_ownership and scope.manifests_ok and not found.failed:
         inv.problems.extend(_ownership_problems(inv, scope.all, found.files))
-        inv.problems.extend(_hidden_problems(root, found.layout, found.files))
+        inv.problems.extend(_hidden_problems(root, found.layout, set(found.files)))
     return inv

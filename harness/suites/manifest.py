@@ -127,7 +127,6 @@ class Manifest:
     runners: tuple[Runner, ...]
     entries: tuple[Entry, ...]
     path: str
-    includes: tuple[str, ...] = ()
     run_everything_on: tuple[str, ...] | None = None  # None: changes.RUN_EVERYTHING
 
     @property
@@ -408,10 +407,8 @@ def _expand(
     root: Path,
     chain: tuple[str, ...],
     problems: list[Problem],
-    included: list[str],
 ) -> list[Entry]:
-    """The entries of file ``name``, includes spliced in (``chain``: the files including it;
-    ``included`` gets every file spliced in)."""
+    """The entries of file ``name``, includes spliced in (``chain``: the files including it)."""
     out: list[Entry] = []
     for i, raw in enumerate(entries):
         ptr = f"/entries/{i}"
@@ -438,8 +435,7 @@ def _expand(
             found = validate(doc, root, tname, kind)
             problems.extend(found)
             if not found:
-                included.append(tname)
-                out += _expand(doc["entries"], tname, root, (*chain, tname), problems, included)
+                out += _expand(doc["entries"], tname, root, (*chain, tname), problems)
     return out
 
 
@@ -464,8 +460,7 @@ def load_manifest(path: Path, root: Path) -> Manifest:
             "every runner class of a suite runs its shard jobs in the same container "
             "(or none): give each the same `container`",
         )
-    included: list[str] = []
-    entries = _expand(doc["entries"], name, root, (name,), problems, included)
+    entries = _expand(doc["entries"], name, root, (name,), problems)
     for e in entries:
         if e.device is not None and e.device != doc["device"]:
             bad(
@@ -487,7 +482,6 @@ def load_manifest(path: Path, root: Path) -> Manifest:
         runners=runners,
         entries=tuple(entries),
         path=name,
-        includes=tuple(dict.fromkeys(included)),
         run_everything_on=tuple(globs) if globs is not None else None,
     )
 
