@@ -117,6 +117,22 @@ class SuiteInventory:
         """JSON form ``{"cases", "errors", "warnings"}`` (warnings: ``names.WARNING_RULES``,
         which do not fail the inventory), limited to ``suites`` when given."""
         wanted = set(suites) if suites is not None else None
+        # Each case as its owning entries (``suite:id``) run it: one row per (device, cards).
+        rows: list[tuple[CollectedCase, list[str]]] = []
+        by_id = {(m.suite, e.id): e for m in self.manifests.values() for e in reversed(m.entries)}
+        for c in self.cases:
+            owners = self.owners.get(c.nodeid, [])
+            if not owners:
+                if wanted is None:
+                    rows.append((c, []))
+                continue
+            views: dict[tuple[str, int], tuple[CollectedCase, list[str]]] = {}
+            for s, eid in owners:
+                if wanted is not None and s not in wanted:
+                    continue
+                seen = as_owned(c, by_id[s, eid])
+                views.setdefault((seen.device, seen.cards), (seen, []))[1].append(f"{s}:{eid}")
+            rows += views.values()
         cases = [
             {
                 "nodeid": c.nodeid,
@@ -128,32 +144,13 @@ class SuiteInventory:
                 "entries": entries,
                 **({"command": list(c.command)} if c.command is not None else {}),
             }
-            for c, entries in self._views(wanted)
+            for c, entries in rows
         ]
         return {
             "cases": cases,
             "errors": [asdict(p) for p in self.problems if p.rule not in names.WARNING_RULES],
             "warnings": [asdict(p) for p in self.problems if p.rule in names.WARNING_RULES],
         }
-
-    def _views(self, wanted: set[str] | None) -> list[tuple[CollectedCase, list[str]]]:
-        """Each case as its owning entries (``suite:id``) run it: one row per (device, cards)."""
-        out = []
-        by_id = {(m.suite, e.id): e for m in self.manifests.values() for e in reversed(m.entries)}
-        for c in self.cases:
-            owners = self.owners.get(c.nodeid, [])
-            if not owners:
-                if wanted is None:
-                    out.append((c, []))
-                continue
-            views: dict[tuple[str, int], tuple[CollectedCase, list[str]]] = {}
-            for s, eid in owners:
-                if wanted is not None and s not in wanted:
-                    continue
-                seen = as_owned(c, by_id[s, eid])
-                views.setdefault((seen.device, seen.cards), (seen, []))[1].append(f"{s}:{eid}")
-            out += views.values()
-        return out
 
 
 def as_owned(case: CollectedCase, entry: Entry) -> CollectedCase:
@@ -452,32 +449,13 @@ def collect(root: Path, targets: Sequence[str] | None) -> Collection:
     return rec
 
 
-def _glob_all(root: Path, patterns: Iterable[str]) -> set[str]:
-    """The ``.py`` files and folders a glob of ``patterns`` matches (hidden ones aside)."""
-    patterns = tuple(patterns)
-    index = EntryIndex([Entry("", patterns, None, None, 0.0, None, "", "")])
-    tops = {
-        "/".join(itertools.takewhile(lambda s: not has_glob(s), p.split("/"))) or "."
-        for p in patterns
-    }
-    walked: set[str] = set()
-    found: set[str] = set()
-    for top in sorted(tops, key=lambda p: (p.count("/"), p)):
-        if not walked.isdisjoint(_ancestors(top)):
-            continue  # walked from a directory above
-        walked.add(top)
-        for dirpath, dirnames, filenames in os.walk(root / top):
-            base = rel(Path(dirpath), root)
-            dirnames[:] = [d for d in dirnames if not d.startswith(".")]
-            files = [f for f in filenames if f.endswith(".py") and not f.startswith(".")]
-            hits = {
-                n
-                for n in [*dirnames, *files]
-                if index.covers_file(f"{base}/{n}".removeprefix("./"))
-            }
-            found.update(f"{base}/{n}".removeprefix("./") for n in hits)
-            dirnames[:] = [d for d in dirnames if d not in hits]
-    return found
+def _outermost(paths: Iterable[str]) -> list[str]:
+    """``paths`` but those under another of them, sorted."""
+    kept: set[str] = set()
+    for p in sorted(paths, key=lambda p: (p.count("/"), p)):
+        if kept.isdisjoint(_ancestors(p)):
+            kept.add(p)
+    return sorted(kept)
 
 
 def entry_targets(
@@ -495,13 +473,26 @@ def entry_targets(
                     patterns.add(file_part)
                 elif os.path.lexists(root / file_part):
                     paths.add(file_part)
-    paths.update(_glob_all(root, patterns))
-    paths -= skip or set()
-    kept: set[str] = set()
-    for p in sorted(paths, key=lambda p: (p.count("/"), p)):
-        if kept.isdisjoint(_ancestors(p)):
-            kept.add(p)
-    return sorted(kept)
+    # Globs: the .py files and folders they match, in one walk of each literal top folder
+    # (hidden ones aside, nothing below a match).
+    index = EntryIndex([Entry("", tuple(patterns), None, None, 0.0, None, "", "")])
+    tops = {
+        "/".join(itertools.takewhile(lambda s: not has_glob(s), p.split("/"))) or "."
+        for p in patterns
+    }
+    for top in _outermost(tops):
+        for dirpath, dirnames, filenames in os.walk(root / top):
+            base = rel(Path(dirpath), root)
+            dirnames[:] = [d for d in dirnames if not d.startswith(".")]
+            files = [f for f in filenames if f.endswith(".py") and not f.startswith(".")]
+            hits = {
+                n
+                for n in [*dirnames, *files]
+                if index.covers_file(f"{base}/{n}".removeprefix("./"))
+            }
+            paths.update(f"{base}/{n}".removeprefix("./") for n in hits)
+            dirnames[:] = [d for d in dirnames if d not in hits]
+    return _outermost(paths - (skip or set()))
 
 
 def _markers(case: CollectedCase) -> Any:
