@@ -834,17 +834,15 @@ def build_inventory(
     if any(p.rule == names.NO_SUITES for p in scope.problems):
         # Outside a repository a collection would import every test file below the cwd.
         return SuiteInventory(root=root, manifests={}, cases=[], problems=scope.problems)
-    if not check_ownership:
-        found = collect(root, entry_targets(root, scope.selected))
-        return _judge(root, scope, found, check_ownership=False)
-    found = collect(root, None)
-    # Entry paths pytest does not collect by default are collected by name, as `harness run`
-    # does; only folders above a collected file are skipped (tests/dist under tests is not).
-    seen = {a for f in found.files for a in _ancestors(f)}
-    extra = entry_targets(root, scope.all, skip=seen)
-    if extra:
-        found.extend(collect(root, extra))
-    return _judge(root, scope, found, check_ownership=True)
+    found = collect(root, None if check_ownership else entry_targets(root, scope.selected))
+    if check_ownership:
+        # Entry paths pytest does not collect by default are collected by name, as `harness
+        # run` does; only folders above a collected file are skipped (tests/dist under tests
+        # is not).
+        seen = {a for f in found.files for a in _ancestors(f)}
+        if extra := entry_targets(root, scope.all, skip=seen):
+            found.extend(collect(root, extra))
+    return _judge(root, scope, found, check_ownership=check_ownership)
 
 
 def run_inventory(
@@ -860,12 +858,9 @@ def run_inventory(
 def load_suite_manifest(root: Path, suite: str) -> tuple[Manifest | None, list[Problem]]:
     """The manifest of ``suite`` (a name or a path) and the blocking problems found loading it:
     what keeps ``harness run`` from starting before anything is collected."""
-    scope = _load_scope(root.resolve(), [suite])
-    name = suite_name(suite)
-    problems = [
-        p for p in scope.problems if p.suite in (name, None) and p.rule in names.BLOCKING_RULES
-    ]
-    return next((m for m in scope.selected if m.suite == name), None), problems
+    scope = _load_scope(root.resolve(), [suite])  # the problems and manifests of ``suite`` only
+    problems = [p for p in scope.problems if p.rule in names.BLOCKING_RULES]
+    return next(iter(scope.selected), None), problems
 
 
 def blocking_problems(inv: SuiteInventory, suite: str) -> list[Problem]:
