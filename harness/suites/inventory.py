@@ -346,19 +346,19 @@ def _case(item: Any, root: Path) -> CollectedCase:
         (m.name, tuple(sorted((k, v) for k, v in m.kwargs.items() if isinstance(v, plain))))
         for m in item.iter_markers()
     )
-    nodeid = case_id(item, root)
+    nodeid, launched = case_id(item, root), is_launched(item)
     try:
         spec, err = spec_for_item(item), None
     except (ValueError, TypeError) as e:
         spec, err = None, str(e)
-    refusal = launch_refusal(item) if spec is not None and is_launched(item) else None
-    if refusal is not None:  # the plugin refuses to run it: not a case of nproc ranks
+    # A launched case the plugin refuses to run is not a case of nproc ranks.
+    if spec is not None and launched and (refusal := launch_refusal(item)) is not None:
         spec, err = None, refusal
     return CollectedCase(
         nodeid=nodeid,
         file=nodeid.split("::", 1)[0],
         spec=spec,
-        launched=is_launched(item),
+        launched=launched,
         device_param=param if isinstance(param, str) else None,
         marks=marks,
         spec_error=err,
