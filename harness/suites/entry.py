@@ -1,8 +1,5 @@
-"""The start of the ``harness`` command (console script and ``python -m harness``): before
-anything imports them, it checks that the dependencies the command's modules import are
-installed, so that an environment without them (``pip install --no-deps``, a copied source
-tree) gets one line naming what is missing instead of a traceback from deep in an import.
-"""
+"""The start of the ``harness`` command (console script and ``python -m harness``): it names
+missing dependencies in one line before any import of them fails deep in a traceback."""
 
 from __future__ import annotations
 
@@ -20,10 +17,8 @@ REQUIREMENTS: tuple[tuple[str, str], ...] = (
     ("jsonschema", "jsonschema"),
     ("pathspec", "pathspec"),
 )
-#: What ``harness run`` needs besides: psutil (process trees; imported where used, so that
-#: the inventory, the planner and ``init`` work without it), junitparser (the run's
-#: junit.xml), and the plugins its pytest loads: pytest-timeout (each planned case's
-#: deadline) and pytest-rerunfailures (flaky entries' reruns).
+#: What ``harness run`` needs besides (psutil and junitparser are imported where used, so the
+#: inventory, the planner and ``init`` work without them), its pytest's plugins included.
 RUN_REQUIREMENTS: tuple[tuple[str, str], ...] = (
     ("psutil", "psutil"),
     ("pytest_timeout", "pytest-timeout"),
@@ -35,14 +30,8 @@ RUN_REQUIREMENTS: tuple[tuple[str, str], ...] = (
 def missing_requirements(argv: Sequence[str] = ()) -> list[str]:
     """The distributions the command in ``argv`` needs (``RUN_REQUIREMENTS`` too when it
     names ``run``) whose import package cannot be found (nothing is imported to find out)."""
-    gone = []
-    for module, distribution in REQUIREMENTS + (RUN_REQUIREMENTS if "run" in argv else ()):
-        try:
-            found = importlib.util.find_spec(module) is not None
-        except (ImportError, ValueError):  # a broken parent package, or a spec-less module
-            found = False
-        gone += [] if found else [distribution]
-    return gone
+    wanted = REQUIREMENTS + (RUN_REQUIREMENTS if "run" in argv else ())
+    return [dist for module, dist in wanted if importlib.util.find_spec(module) is None]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

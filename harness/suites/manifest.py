@@ -1,11 +1,5 @@
-"""Suite manifests: load ``suites/*.json``, validate them and expand shared case lists.
-
-A manifest (docs/suites.md) says which test cases run on which hardware; every path is
-relative to the repository root, and one that leaves it is refused. ``{"include": FILE}``
-splices in the entries of a shared case list or of another manifest. Problems name the file
-and the JSON pointer of the bad value (``suites/cpu.json /entries/0/timeout_s``), or the line
-and column of a JSON syntax error.
-"""
+"""Suite manifests (docs/suites.md): load ``suites/*.json`` strictly, validate them against
+the shipped schema and splice in includes; every problem names its file and JSON pointer."""
 
 from __future__ import annotations
 
@@ -30,16 +24,14 @@ from harness.errors import HarnessError
 SUITES_DIR = "suites"
 SCHEMA_FILE = "schema.json"
 DEFAULT_ESTIMATED_S = 5.0
-# Share of the job timeout a shard may be planned to fill: the rest absorbs
-# setup, estimate error and slow runners.
+# The rest of a job's timeout absorbs setup, estimate error and slow runners.
 DEFAULT_BUDGET_FRACTION = 0.75
 
 
 @dataclass(frozen=True)
 class Problem:
-    """One thing wrong with the suites: ``rule``, a stable name (``schema``, ``unowned-file``,
-    ...); ``file``, the repository-relative file at fault; ``where``, a JSON pointer into it
-    or a case's node id; ``message``, what is wrong."""
+    """One thing wrong with the suites: ``rule`` (a stable name, ``harness.names``), the
+    repository-relative ``file`` at fault, ``where`` in it (a JSON pointer or a node id)."""
 
     rule: str
     file: str
@@ -97,17 +89,12 @@ class Quarantine:
     reason: str
     until: datetime.date
 
-    def expired(self, today: datetime.date | None = None) -> bool:
-        """True once ``today`` (default: the local date now) is past ``until``."""
-        return (today or datetime.date.today()) > self.until
-
 
 @dataclass(frozen=True)
 class Entry:
-    """One manifest entry: a selection of cases plus how to run and plan them (docs/suites.md
-    says what each field means). ``source`` / ``pointer`` locate its definition (perhaps in an
-    included case list); ``depends_on`` is ``None`` when it declares none (it always runs);
-    ``device`` ``None``: each case's own; with ``command``, ``paths`` is empty."""
+    """One manifest entry (docs/suites.md says each field); ``source`` / ``pointer`` locate its
+    definition; ``depends_on`` None: none declared (it always runs); ``device`` None: each
+    case's own; with ``command``, ``paths`` is empty."""
 
     id: str
     paths: tuple[str, ...]
@@ -127,7 +114,7 @@ class Entry:
 
     @property
     def accelerator(self) -> str | None:
-        """The accelerator the entry's plain cases run on (``None``: a cpu entry or none said)."""
+        """The accelerator the entry's plain cases run on (None: cpu, or none said)."""
         return self.device if self.device not in (None, "cpu") else None
 
 
@@ -140,21 +127,15 @@ class Manifest:
     runners: tuple[Runner, ...]
     entries: tuple[Entry, ...]
     path: str
-    includes: tuple[str, ...] = ()
     run_everything_on: tuple[str, ...] | None = None  # None: changes.RUN_EVERYTHING
 
     @property
     def max_cards(self) -> int:
-        """Cards on the largest runner class of the suite."""
         return max(r.cards for r in self.runners)
 
     @property
     def max_nodes(self) -> int:
-        """Nodes the suite's runner class with the most of them provides."""
         return max(r.nodes for r in self.runners)
-
-
-# --------------------------------------------------------------------------- paths
 
 
 def find_root(start: Path | None = None) -> Path:
@@ -176,7 +157,7 @@ def rel(path: Path, root: Path) -> str:
 
 
 def suite_files(root: Path) -> list[Path]:
-    """The suite manifests of a repository: ``suites/*.json``, sorted."""
+    """``suites/*.json`` of the repository at ``root``, sorted."""
     return sorted((root / SUITES_DIR).glob("*.json"))
 
 
@@ -198,18 +179,15 @@ def resolve_suite(root: Path, name_or_path: str) -> Path:
 
 
 def has_glob(pattern: str) -> bool:
-    """True when ``pattern`` contains glob syntax."""
     return bool(re.search(r"[*?\[]", pattern))
 
 
-# Unbounded: one entry per distinct manifest pattern. A bounded cache smaller
-# than the patterns in use thrashes (inventory time went superlinear past 1,024).
+# Unbounded: a bounded cache smaller than the patterns in use thrashes (PITFALLS).
 @functools.cache
 def glob_regex(pattern: str) -> re.Pattern[str]:
-    """A repository-relative glob compiled by git's wildmatch rules (pathspec; docs/suites.md
-    says them); ``match`` it against a path: a match may end at a ``/`` (the path lies under
-    a directory the glob names). Unlike a ``.gitignore`` line, the glob is a path from the
-    root even without a ``/``, ``!`` and ``#`` are characters, ``*`` matches a newline."""
+    """A repository-relative glob compiled by git's wildmatch rules (pathspec); a ``match``
+    may end at a ``/`` (a path under a directory the glob names). Unlike a ``.gitignore``
+    line it is anchored at the root, and ``!`` / ``#`` are plain characters."""
     text = pattern.rstrip("/")
     if "/" not in text:
         text = "/" + text  # anchored at the root
@@ -236,7 +214,7 @@ def path_matches(path: str, pattern: str) -> bool:
 
 
 def _outside(root: Path, path: str) -> str | None:
-    """Why repository-relative ``path`` escapes ``root``, or ``None`` when it stays inside."""
+    """Why repository-relative ``path`` escapes ``root`` (None: it stays inside)."""
     if path.startswith(("/", "\\")) or re.match(r"^[A-Za-z]:", path):
         return "is absolute; paths are relative to the repository root"
     norm = posixpath.normpath(path)
@@ -250,9 +228,6 @@ def _outside(root: Path, path: str) -> str | None:
     ):
         return "leads outside the repository (through a symlink)"
     return None
-
-
-# --------------------------------------------------------------------------- JSON
 
 
 class _NotJson(ValueError):
@@ -276,17 +251,15 @@ def _finite(text: str) -> float:
 
 
 def _int(text: str) -> int:
-    # An integer no float can hold passes the schema, then breaks every comparison
-    # with a float deadline (OverflowError).
+    # One no float holds passes the schema, then breaks comparisons with float deadlines.
     if len(text.lstrip("-")) > 308 or not math.isfinite(float(value := int(text))):
         raise _NotJson(f"{text[:12]}... ({len(text)} digits) is not a finite number")
     return value
 
 
 def read_json(path: Path, root: Path) -> Any:
-    """Parse a JSON file strictly (no duplicate keys, no numbers that are not finite); raises
-    ``ManifestError`` (rule ``json``) naming the file, and the line and column of a syntax
-    error."""
+    """Parse a JSON file strictly (no duplicate keys, only finite numbers); raises
+    ``ManifestError`` (rule ``json``) naming the file (and a syntax error's line and column)."""
     name = rel(path, root)
 
     def refused(message: str, file: str = name) -> ManifestError:
@@ -315,15 +288,13 @@ def pointer(parts: Iterable[Any]) -> str:
 
 @functools.cache
 def load_schema() -> dict[str, Any]:
-    """The manifest JSON Schema shipped inside this package (``harness/suites/schema.json``):
-    every repository validates against the installed harness's."""
+    """The manifest JSON Schema shipped in this package (``harness/suites/schema.json``)."""
     return json.loads((Path(__file__).resolve().parent / SCHEMA_FILE).read_text(encoding="utf-8"))
 
 
 @functools.cache
 def _validator(definition: str) -> jsonschema.Draft202012Validator:
-    # One definition as the root, so that errors point into it rather than at the
-    # root's if/then/else dispatch.
+    # One definition as the root: errors point into it, not at the root's if/then/else.
     defs = load_schema()["$defs"]
     schema = {"$defs": defs, "$ref": f"#/$defs/{definition}"}
     checker = jsonschema.Draft202012Validator.FORMAT_CHECKER  # quarantine's "until": a date
@@ -337,14 +308,10 @@ def validate(doc: Any, root: Path, name: str, definition: str = "manifest") -> l
     return [Problem(names.SCHEMA, name, pointer(e.absolute_path), e.message) for e in errors]
 
 
-# --------------------------------------------------------------------------- loading
-
-
-# Unbounded, like glob_regex: one entry per distinct expression in the manifests.
-@functools.cache
+@functools.cache  # unbounded, like glob_regex
 def marker_expression(expr: str) -> Any:
     """pytest's own compiled ``-m`` expression for ``expr`` (raises its ``ParseError``)."""
-    from _pytest.mark.expression import Expression  # pytest's own -m language
+    from _pytest.mark.expression import Expression
 
     return Expression.compile(expr)
 
@@ -372,10 +339,7 @@ def read_runners(doc: dict[str, Any]) -> tuple[Runner, ...]:
 def _case_entry(
     raw: dict[str, Any], name: str, ptr: str, root: Path, problems: list[Problem]
 ) -> Entry:
-    """A (schema-valid) entry, with a problem for what the schema cannot say: a path that
-    leaves the repository, a bad ``markers``, ``cards`` on an entry without an accelerator
-    ``device`` (nothing would lease them), a command entry with ``paths`` or ``markers``,
-    an ``expect_output`` without a command or that does not compile."""
+    """A schema-valid entry; what the schema cannot say goes into ``problems``."""
 
     def bad(key: str, why: str, rule: str = names.SCHEMA) -> None:
         problems.append(Problem(rule, name, f"{ptr}/{key}", why))
@@ -443,10 +407,8 @@ def _expand(
     root: Path,
     chain: tuple[str, ...],
     problems: list[Problem],
-    included: list[str],
 ) -> list[Entry]:
-    """The entries of file ``name`` in order, includes spliced in (``chain``: the files
-    including it, ``included``: every file spliced in)."""
+    """The entries of file ``name``, includes spliced in (``chain``: the files including it)."""
     out: list[Entry] = []
     for i, raw in enumerate(entries):
         ptr = f"/entries/{i}"
@@ -473,21 +435,13 @@ def _expand(
             found = validate(doc, root, tname, kind)
             problems.extend(found)
             if not found:
-                included.append(tname)
-                out += _expand(doc["entries"], tname, root, (*chain, tname), problems, included)
+                out += _expand(doc["entries"], tname, root, (*chain, tname), problems)
     return out
 
 
 def load_manifest(path: Path, root: Path) -> Manifest:
-    """Load, validate and expand one suite manifest.
-
-    Raises ``ManifestError`` listing every problem found: JSON syntax (file, line,
-    column), schema violations (file and JSON pointer), a ``suite`` that differs from the
-    file name, runner classes with different containers (one shard job runs them all), an
-    entry whose ``device`` is not its suite's, paths outside the repository, missing or
-    cyclic includes, unparsable ``markers``. Duplicate entry ids are
-    :func:`duplicate_entries`' business.
-    """
+    """Load, validate and expand one suite manifest; raises ``ManifestError`` listing every
+    problem found (duplicate entry ids aside: :func:`duplicate_entries`)."""
     name = rel(path, root)
     doc = read_json(path, root)
     problems = validate(doc, root, name, "manifest")
@@ -506,11 +460,9 @@ def load_manifest(path: Path, root: Path) -> Manifest:
             "every runner class of a suite runs its shard jobs in the same container "
             "(or none): give each the same `container`",
         )
-    included: list[str] = []
-    entries = _expand(doc["entries"], name, root, (name,), problems, included)
+    entries = _expand(doc["entries"], name, root, (name,), problems)
     for e in entries:
         if e.device is not None and e.device != doc["device"]:
-            # A case list the gpu and the npu suites include cannot say cuda.
             bad(
                 f"{e.pointer}/device",
                 f"entry {e.id!r} says device {e.device!r}, but suite "
@@ -530,7 +482,6 @@ def load_manifest(path: Path, root: Path) -> Manifest:
         runners=runners,
         entries=tuple(entries),
         path=name,
-        includes=tuple(dict.fromkeys(included)),
         run_everything_on=tuple(globs) if globs is not None else None,
     )
 
@@ -552,11 +503,9 @@ def duplicate_entries(manifest: Manifest) -> list[Problem]:
 def load_suites(
     root: Path, names: Iterable[str] | None = None
 ) -> tuple[list[Manifest], list[Problem]]:
-    """Load the named suites (default: every ``suites/*.json``) of the repository at ``root``.
-
-    Returns the manifests that loaded and the problems of those that did not (plus
-    duplicate entry ids of those that did); an unknown name is an ``unknown-suite`` problem.
-    """
+    """Load the named suites (default: every ``suites/*.json``) of the repository at ``root``:
+    the manifests that loaded, and every problem (of those that did not, duplicate ids,
+    expired quarantines; an unknown name: ``unknown-suite``)."""
     problems: list[Problem] = []
     files: list[Path] = [] if names else suite_files(root)
     for n in names or ():
@@ -578,8 +527,8 @@ def load_suites(
 
 
 def expired_quarantines(manifest: Manifest, today: datetime.date | None = None) -> list[Problem]:
-    """One ``quarantine-expired`` problem per entry whose ``quarantine`` is past its ``until``
-    (``today``: default the local date now)."""
+    """One ``quarantine-expired`` problem per entry whose ``quarantine`` ended before ``today``
+    (default: the local date now)."""
     return [
         Problem(
             names.QUARANTINE_EXPIRED,
@@ -590,5 +539,5 @@ def expired_quarantines(manifest: Manifest, today: datetime.date | None = None) 
             manifest.suite,
         )
         for e in manifest.entries
-        if e.quarantine is not None and e.quarantine.expired(today)
+        if e.quarantine is not None and (today or datetime.date.today()) > e.quarantine.until
     ]
