@@ -32,7 +32,7 @@ from harness.names import (
 )
 from harness.spec import is_launched
 from harness.suites.inventory import Collection, blocking_problems, case_id, run_inventory
-from harness.suites.manifest import load_suites
+from harness.suites.manifest import load_suites, suite_name
 from harness.suites.plan import PlanError, plan_suite
 
 if TYPE_CHECKING:
@@ -359,14 +359,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         return
     root = outcomes.root
     wanted = outcomes.plan(items)
-    keep, drop, ignored = [], [], []
+    keep, drop = [], []
     for item in items:
         cid = case_id(item, root)
-        if cid not in wanted:
+        # Cases the suite does not hold (under paths given to pytest) are dropped; the
+        # summary names them.
+        if cid not in wanted or _ignored(config, Path(os.path.abspath(item.path))):
             drop.append(item)
-            continue
-        if _ignored(config, Path(os.path.abspath(item.path))):
-            ignored.append(item)
             continue
         keep.append(item)
         case, entry = wanted[cid]
@@ -380,13 +379,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 item.stash[_BACKSTOP] = seconds + min(seconds, BACKSTOP_GRACE_S)
         item.user_properties.append(("harness.entry", entry.id))
         _place(item, case, entry)
-    # Cases the suite does not hold (under paths given to pytest) are dropped; the summary
-    # names them.
-    if drop or ignored:
-        if drop:
-            config.hook.pytest_deselected(items=drop)
-        if ignored:
-            config.hook.pytest_deselected(items=ignored)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
         items[:] = keep
 
 
@@ -396,6 +390,16 @@ class _Unplannable(Exception):
     def __init__(self, lines: list[str]):
         super().__init__("\n".join(lines))
         self.lines = lines
+
+
+def cannot_plan(problems: Sequence[object], suite: str, command: str) -> list[str]:
+    """What ``harness COMMAND`` prints for ``suite`` (a name or a manifest path) that it cannot
+    plan: its blocking ``problems``, then where to look."""
+    name = suite_name(suite)
+    see = f"see `harness inventory {name}`"
+    return [f"error: {p}" for p in problems] + [
+        f"harness {command}: suite {suite!r} cannot be planned; {see}"
+    ]
 
 
 def make_plan(
@@ -415,12 +419,7 @@ def make_plan(
     inv = run_inventory(root, m, found, whole=whole)
     problems = blocking_problems(inv, m.suite)
     if problems:
-        raise _Unplannable(
-            [f"error: {p}" for p in problems]
-            + [
-                f"harness run: suite {m.suite!r} cannot be planned; see `harness inventory {m.suite}`"
-            ]
-        )
+        raise _Unplannable(cannot_plan(problems, m.suite, "run"))
     collected = {case_id(i, root) for i in items}
     # A command entry's case is the manifest's: planned where its item was collected.
     owned = [
@@ -480,8 +479,8 @@ def _place(item: pytest.Item, case: CollectedCase, entry: Entry) -> None:
         item.add_marker(marker)
     if entry.env:
         item.stash[_ENV] = dict(entry.env)
-    if entry.flaky and (marker := rerun_marker(item, entry.flaky.retries)) is not None:
-        item.add_marker(marker)
+    if entry.flaky and item.get_closest_marker("flaky") is None:  # the case's own wins
+        item.add_marker(pytest.mark.flaky(reruns=entry.flaky.retries))
     if entry.quarantine is not None:
         item.user_properties.append(("harness.quarantine", entry.quarantine.reason))
 
@@ -494,14 +493,6 @@ def entry_env(env: dict[str, str] | None) -> Iterator[None]:
         for k, v in (env or {}).items():
             mp.setenv(k, v)
         yield
-
-
-def rerun_marker(item: pytest.Item, retries: int) -> pytest.MarkDecorator | None:
-    """pytest-rerunfailures' ``flaky`` marker rerunning a failed case of a flaky entry up to
-    ``retries`` times; ``None`` where the case has a ``flaky`` marker of its own (it wins)."""
-    if item.get_closest_marker("flaky") is not None:
-        return None
-    return pytest.mark.flaky(reruns=retries)
 
 
 def _message(report: pytest.CollectReport | pytest.TestReport) -> str:
