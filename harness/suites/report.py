@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 import xml.etree.ElementTree as ET
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from itertools import count
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -314,22 +314,14 @@ def totals(rows: Sequence[EntryRow]) -> EntryRow:
     return _row("total", {**total, "cards": max((r.cards for r in rows), default=0)})
 
 
-#: The summary table's columns: header and ``EntryRow`` field.
-_COLUMNS = (
-    ("entry", "entry"), ("cases", "cases"), ("passed", "passed"), ("failed", "failed"),
-    ("skipped", "skipped"), ("missing", "missing"), ("cards", "cards"), ("time (s)", "seconds"),
-    ("deselected", "deselected"), ("not run", "not_run"), ("flaky", "flaky"),
-    ("quarantined", "quarantined"),
-)  # fmt: skip
-
-
 def render(rows: Sequence[EntryRow], title: str, wall_s: float) -> str:
     """A Markdown table (readable as plain text too) with a total line."""
-    cells = [[h for h, _ in _COLUMNS]] + [
-        [f"{v:.1f}" if f == "seconds" else str(v) for _, f in _COLUMNS for v in [getattr(r, f)]]
+    columns = [f.name for f in fields(EntryRow)]
+    cells = [[{"seconds": "time (s)"}.get(f, f.replace("_", " ")) for f in columns]] + [
+        [f"{v:.1f}" if f == "seconds" else str(v) for f in columns for v in [getattr(r, f)]]
         for r in (*rows, totals(rows))
     ]
-    widths = [max(len(c[i]) for c in cells) for i in range(len(_COLUMNS))]
+    widths = [max(len(c[i]) for c in cells) for i in range(len(columns))]
 
     def line(c: Sequence[str]) -> str:
         return (
