@@ -605,33 +605,25 @@ class Records:
 
     #: What pytest's options mean for the verdict (:meth:`_Outcomes.options`).
     options: dict[str, Any] = field(default_factory=dict)
-    #: The plan a collecting process made (:func:`make_plan`): ``cases`` (``[node id, entry
-    #: id, cards]``), ``quarantine``, ``too_big``, ``whole``, ``runner``, ``warnings``; or
-    #: ``refused`` (what to print); ``None``: no process got to plan (pytest never collected).
+    #: :func:`make_plan`'s record; ``None``: no process got to plan.
     plan: dict[str, Any] | None = None
-    #: Planned cases pytest collected and kept (after every deselection).
+    #: Planned cases pytest collected and kept, and those its own options deselected.
     collected: set[str] = field(default_factory=set)
-    #: Planned cases deselected by pytest's own options or plugins (``-k``, ``-m``, ``--lf``, ...).
     deselected: set[str] = field(default_factory=set)
-    #: Collector node id -> (``failed`` | ``skipped``, message): files that failed to import or
-    #: skipped at module level.
+    #: Collector node id -> (``failed`` | ``skipped``, message).
     collect: dict[str, tuple[str, str]] = field(default_factory=dict)
-    #: Node id -> its phases' ``(when, outcome, seconds, message)``.
+    #: Case id -> its phases' ``(when, outcome, seconds, message)``.
     reports: dict[str, list[tuple[str, str, float, str]]] = field(default_factory=dict)
-    #: Cases pytest collected that the suite does not hold (under paths given to pytest, of
-    #: another suite or none): never planned.
+    #: Cases pytest collected that the suite does not hold.
     unplanned: set[str] = field(default_factory=set)
-    #: pytest's node id -> the case ids it names, where they differ (a path through a link
-    #: to the repository: two files' cases may share one); ``reports`` are by case id.
+    #: pytest's node id -> the case ids it names, where they differ.
     aliases: dict[str, set[str]] = field(default_factory=dict)
-    #: pytest's exit status, ``None`` when the session never finished (killed, crashed).
+    #: pytest's exit status (``None``: the session never finished) and why it stopped early.
     finish: int | None = None
-    #: Why pytest stopped early (``-x``, ``--maxfail``), ``""`` when it did not.
     stopped: str = ""
-    #: ``pytest.exit`` or ``KeyboardInterrupt`` ended the session (``"Exit: <reason>"``),
-    #: ``""`` when neither did.
+    #: ``"Exit: <reason>"`` when ``pytest.exit`` or ``KeyboardInterrupt`` ended the session.
     interrupted: str = ""
-    #: Case id -> the processes it left running after its teardown (stopped by the plugin).
+    #: Case id -> the processes it left running after its teardown.
     leaked: dict[str, str] = field(default_factory=dict)
 
 
