@@ -510,12 +510,12 @@ _INI_FILES = (
 
 @dataclass
 class _Ran:
-    """What phase 3 left for the report: pytest's exit code (None: it never started), its
-    records, why the run stopped it (``""``: it did not)."""
+    """What phase 3 left for the report: pytest's exit code, its records, why the run
+    stopped it (``""``: it did not)."""
 
-    code: int | None = None
-    records: selection.Records = field(default_factory=selection.Records)
-    halted: str = ""
+    code: int
+    records: selection.Records
+    halted: str
 
 
 def _execute(run: _Run, stop: _Stop) -> _Ran:
@@ -576,7 +576,7 @@ def _verdict(total: report.EntryRow, ran: _Ran, stop: _Stop, whole: bool) -> lis
         verdict.append(ran.halted)
     elif ran.records.interrupted:
         verdict.append(f"a case ended pytest's session ({ran.records.interrupted})")
-    if ran.code not in (None, 0, 1, 5) and not timed_out:
+    if ran.code not in (0, 1, 5) and not timed_out:
         usage = " (a usage error: see pytest's message above)" if ran.code == _USAGE_ERROR else ""
         verdict.append(f"pytest exited with {ran.code}{usage}")
     if ran.code == 1 and not total.failed and not total.quarantined:
