@@ -267,7 +267,7 @@ def run_budget(m: Manifest, minutes: float | None) -> Budget | None:
 
 
 class _Refused(Exception):
-    """``harness run`` cannot start as asked; the message is already printed or is the reason."""
+    """``harness run`` cannot start as asked; the message says why."""
 
 
 @dataclass
@@ -702,8 +702,7 @@ def run_suite(root: Path, opts: RunOptions) -> int:
             run = _plan_run(root.resolve(), opts, time.monotonic())
         except _Refused as e:
             if stop.signum is None:
-                if str(e):
-                    print(e, file=sys.stderr)
+                print(e, file=sys.stderr)
                 return EXIT_USAGE
         if run is None or stop.signum is not None:
             _print(f"{stop.name}: stopped before any case ran")
