@@ -1,19 +1,9 @@
 """Results of ``harness run``: each planned case's outcome, summarised per entry.
 
-Outcomes come from what the selection plugin recorded inside the pytest run
-(:func:`results_from_records`): ``passed`` (its call and its teardown passed), ``failed``,
-``skipped`` (xfail included), ``deselected`` (by pytest's own options, or outside the
-paths given), ``not run`` (the run stopped before it finished: ``-x``, ``--maxfail``,
-``--collect-only``, ``--setup-only``, an interrupt, the runner's timeout) and ``missing``
-(never collected, or never reported by a run that did not stop: a failure). Two more
-say how a case got its verdict: ``flaky`` (it failed, and passed on a rerun: an entry's
-``flaky``, or pytest-rerunfailures' ``--reruns`` of the caller's), and ``quarantined`` (it
-failed, and its entry's ``quarantine`` keeps that from making the run red,
-:func:`quarantine`).
-
-JUnit XML is an output: pytest's own file, which :func:`complete_junit` completes with
-the planned cases it lacks. :func:`read_junit` and :func:`junit_key` read it back for
-tools that only have the XML (``harness durations``, ``.ci/run``).
+Outcomes (:data:`OUTCOMES`) come from the selection plugin's records of the pytest run
+(:func:`results_from_records`). pytest's own JUnit file is completed with the planned cases
+it lacks (:func:`complete_junit`); :func:`read_junit` reads JUnit back for tools that only
+have the XML (``harness durations``, ``.ci/run``).
 """
 
 from __future__ import annotations
@@ -21,7 +11,7 @@ from __future__ import annotations
 import re
 import xml.etree.ElementTree as ET
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from itertools import count
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -77,10 +67,8 @@ def junit_key(nodeid: str, prefix: str = "") -> tuple[str, str]:
 
 
 def _junit_suites(paths: Iterable[Path]) -> Iterator[TestSuite]:
-    """Every ``<testsuite>`` of the JUnit files in ``paths``; unreadable or absent files are
-    skipped."""
-    # junitparser is imported where JUnit is read or written, so that the commands that
-    # read none (inventory, matrix, init) work without it (see entry.RUN_REQUIREMENTS).
+    """Every ``<testsuite>`` of the readable JUnit files in ``paths``."""
+    # Imported here: inventory, matrix and init work without junitparser.
     from junitparser import JUnitXml, TestSuite
 
     for p in paths:
@@ -96,12 +84,9 @@ def read_junit(
 ) -> dict[tuple[str, str], CaseRow]:
     """Outcome per ``(classname, name)`` from JUnit files; unreadable or absent files are skipped.
 
-    ``failure`` or ``error`` anywhere in a testcase (call or teardown) makes it
-    failed; otherwise ``skipped`` makes it skipped (xfail included). With
-    ``wall_shares``, only the cases pytest reported (not those of :data:`UNREPORTED_SUITE`)
-    and each one's seconds scaled so that the cases of one ``<testsuite>`` add up to its
-    ``time``, the wall time of the pytest run (xdist runs cases side by side): each case's
-    share of that run.
+    ``failure`` or ``error`` anywhere in a testcase makes it failed, else ``skipped`` skipped.
+    With ``wall_shares``, only the cases pytest reported (not :data:`UNREPORTED_SUITE`'s),
+    each one's seconds scaled so that one ``<testsuite>``'s cases add up to its wall ``time``.
     """
     from junitparser import Error, Failure, Skipped
 
@@ -138,21 +123,13 @@ def read_junit(
 UNFINISHED = "unfinished"
 
 
-#: pytest-rerunfailures' outcome of a failed attempt that is rerun.
-RERUN = "rerun"
-
-
 def _phases(phases: Sequence[tuple[str, str, float, str]]) -> tuple[str, float, str]:
-    """One case's outcome, seconds and message from its phases' reports, in order: failed when
-    any phase failed (teardown included), else skipped when any was skipped (at setup, or an
-    xfail), else passed when its call and its teardown passed (the last report of each: a
-    rerun's counts), ``flaky`` when that was on a rerun (pytest-rerunfailures reported an
-    earlier attempt as :data:`RERUN`); else :data:`UNFINISHED` with the phase it was in
-    (``call`` or ``teardown``) as its message: its process stopped or died during the case."""
+    """One case's outcome, seconds and message from its phases' reports: failed, else skipped,
+    else passed (``flaky`` after a pytest-rerunfailures ``rerun``) when the last call and
+    teardown passed, else :data:`UNFINISHED` with the phase it died in as its message."""
     seconds = sum(s for _, _, s, _ in phases)
-    # Each attempt starts with its setup report; the first rerun report says why it failed.
     attempts = sum(when == "setup" for when, _, _, _ in phases)
-    first = next((m for _, outcome, _, m in phases if outcome == RERUN), None)
+    first = next((m for _, outcome, _, m in phases if outcome == "rerun"), None)
     for wanted in ("failed", "skipped"):
         for _, outcome, _, message in phases:
             if outcome == wanted:
@@ -181,18 +158,16 @@ def _collect_problem(nodeid: str, collect: Mapping[str, tuple[str, str]]) -> tup
 def results_from_records(
     nodeids: Iterable[str], records: Records, halted: str = ""
 ) -> dict[str, CaseRow]:
-    """Each planned node id's result (see the module docstring) from one pytest run's records.
+    """Each planned node id's result from one pytest run's records.
 
     ``halted``: why ``harness run`` stopped that pytest itself (``""``: it did not). A case
-    that started and never finished is ``not run`` when the run was stopped (by ``harness
-    run``, an interrupt, ``pytest.exit``), else ``failed``; never ``passed``.
+    that started and never finished is ``not run`` when the run was stopped, else ``failed``.
     """
     opts = records.options
     outcomes = [_phases(phases)[0] for phases in records.reports.values()]
     failures = outcomes.count("failed")
     maxfail = int(opts.get("maxfail", 0) or 0)
-    # A case left unfinished by a pytest that went on to exit (pytest.exit in it) stopped
-    # the run there: the cases after it are not run, as after -x.
+    # pytest.exit inside a case stopped the run there, as -x does.
     exited_in_a_case = UNFINISHED in outcomes and bool(records.interrupted)
     stopped = any((halted, records.interrupted, records.stopped, opts.get("collectonly"))) or (
         opts.get("setuponly") or 0 < maxfail <= failures or records.finish == 2
@@ -244,15 +219,12 @@ def complete_junit(
     prefix: str = "",
     aliases: Mapping[str, Iterable[str]] | None = None,
 ) -> None:
-    """Complete pytest's JUnit file ``junit`` (written anew when pytest left none: it was
-    killed, or never started) with the cases of ``rows`` it does not hold, deselected ones
-    aside, in a ``<testsuite name="harness run">`` of their own, each with its outcome:
-    failed as ``failure``, missing as ``error``, not run as ``skipped`` (named as pytest
-    names them, with the run's ``--junit-prefix``, ``prefix``; ``aliases``: pytest's node id
-    -> the case ids it names, where they differ)."""
+    """Complete pytest's JUnit file ``junit`` (written anew when pytest left none) with the
+    non-deselected cases of ``rows`` it lacks, in a :data:`UNREPORTED_SUITE` ``<testsuite>``,
+    named as pytest names them under ``--junit-prefix`` ``prefix`` (``aliases``: pytest's
+    node id -> the case ids it names, where they differ)."""
     from junitparser import Error, Failure, JUnitXml, Skipped, TestCase, TestSuite
 
-    # How a case pytest did not report is written, by outcome (passed: no child).
     children = {
         "failed": Failure,
         "quarantined": Failure,
@@ -286,7 +258,6 @@ def complete_junit(
             suite.add_testcase(case)
         suite.update_statistics()
         xml.add_testsuite(suite)
-    # The totals of the suites as they are (pytest's times are its run's wall time).
     for attr in ("tests", "failures", "errors", "skipped"):
         setattr(xml, attr, sum(int(getattr(s, attr) or 0) for s in xml))
     junit.parent.mkdir(parents=True, exist_ok=True)
@@ -306,8 +277,7 @@ def _xml_text(text: str) -> str:
 
 def quarantine(results: Mapping[str, CaseRow], reasons: Mapping[str, str]) -> dict[str, CaseRow]:
     """``results`` with each failed case of a quarantined entry (``reasons``: node id -> the
-    quarantine's reason) reported ``quarantined``: it ran and failed, and its failure does
-    not make the run red. Other outcomes stay as they are."""
+    quarantine's reason) reported ``quarantined``, which does not make the run red."""
     out = dict(results)
     for n, r in results.items():
         if r.outcome == "failed" and n in reasons:
@@ -344,22 +314,14 @@ def totals(rows: Sequence[EntryRow]) -> EntryRow:
     return _row("total", {**total, "cards": max((r.cards for r in rows), default=0)})
 
 
-#: The summary table's columns: header and ``EntryRow`` field.
-_COLUMNS = (
-    ("entry", "entry"), ("cases", "cases"), ("passed", "passed"), ("failed", "failed"),
-    ("skipped", "skipped"), ("missing", "missing"), ("cards", "cards"), ("time (s)", "seconds"),
-    ("deselected", "deselected"), ("not run", "not_run"), ("flaky", "flaky"),
-    ("quarantined", "quarantined"),
-)  # fmt: skip
-
-
-def render(rows: Sequence[EntryRow], title: str, wall_s: float | None = None) -> str:
+def render(rows: Sequence[EntryRow], title: str, wall_s: float) -> str:
     """A Markdown table (readable as plain text too) with a total line."""
-    cells = [[h for h, _ in _COLUMNS]] + [
-        [f"{v:.1f}" if f == "seconds" else str(v) for _, f in _COLUMNS for v in [getattr(r, f)]]
+    columns = [f.name for f in fields(EntryRow)]
+    cells = [[{"seconds": "time (s)"}.get(f, f.replace("_", " ")) for f in columns]] + [
+        [f"{v:.1f}" if f == "seconds" else str(v) for f in columns for v in [getattr(r, f)]]
         for r in (*rows, totals(rows))
     ]
-    widths = [max(len(c[i]) for c in cells) for i in range(len(_COLUMNS))]
+    widths = [max(len(c[i]) for c in cells) for i in range(len(columns))]
 
     def line(c: Sequence[str]) -> str:
         return (
@@ -374,8 +336,7 @@ def render(rows: Sequence[EntryRow], title: str, wall_s: float | None = None) ->
         + "|"
     )
     out = [f"### {title}", "", line(cells[0]), sep, *(line(c) for c in cells[1:])]
-    if wall_s is not None:
-        out += ["", f"wall time {wall_s:.1f} s; time (s) is the sum of the cases' own durations."]
+    out += ["", f"wall time {wall_s:.1f} s; time (s) is the sum of the cases' own durations."]
     return "\n".join(out) + "\n"
 
 
@@ -396,8 +357,9 @@ NOT_IN_SUITE = (
 )
 
 
-def bullets(lines: Sequence[str], limit: int = 30) -> str:
-    """Markdown bullets of the first ``limit`` of ``lines``, then "- ... and N more"."""
+def bullets(lines: Sequence[str]) -> str:
+    """Markdown bullets of the first 30 of ``lines``, then "- ... and N more"."""
+    limit = 30
     more = [f"... and {len(lines) - limit} more"] if len(lines) > limit else []
     return "".join(f"- {line}\n" for line in [*lines[:limit], *more])
 
@@ -410,9 +372,8 @@ def write_summary_json(
     junit_prefix: str = "",
     context: Mapping[str, Any] | None = None,
 ) -> None:
-    """Machine-readable summary: the table rows, every case's result, the
-    ``--junit-prefix`` its JUnit names carry and the run's ``context`` (runner, load: see
-    :mod:`harness.suites.durations`)."""
+    """Machine-readable summary: the table rows, every case's result, the ``--junit-prefix``
+    of its JUnit names and the run's ``context`` (runner, load: :mod:`harness.suites.durations`)."""
     doc = {
         "title": title,
         "entries": [asdict(r) for r in rows],

@@ -1,24 +1,9 @@
-"""``harness run``: run a suite's planned cases through pytest and the harness plugin.
+"""``harness run``: run a suite's planned cases in one pytest process with the harness plugins.
 
-Nothing is collected here: the suite's manifest is read, ``--changed-from``'s entries
-listed, and the plan's inputs written to the selection file. The cases run in ONE pytest
-subprocess (its own process group; the project's configuration pinned with ``-c``; with
-autoloading off, the plugins the harness needs loaded with ``-p``) with xdist workers
-sized to the process slots (and cards) this host can lease, and ``-p
-harness.suites.selection``, which plans the suite from pytest's own collection as
-``harness matrix`` plans it (a shard ``I/N`` cut from the whole suite, then narrowed),
-keeps exactly the planned cases, gives each its entry's ``timeout_s`` and records the
-plan and their outcomes. Accelerator suites pass
-``--harness-require DEVICE``: a runner without cards goes red, not green. The run is
-bounded by its runner's ``timeout_minutes`` only in CI (``CI`` set) or by
-``--timeout-minutes M``. SIGINT / SIGTERM / SIGHUP stop the whole run: pytest is
-interrupted, then its tree is terminated and killed; the partial summary is written and
-the exit code is 128 + the signal number.
-
-Outputs, in ``--out`` (default ``out/harness/<suite>[-<i>of<n>]``): ``junit.xml``,
-``summary.md``, ``summary.json``, ``plan.json``; the summary table also goes to stdout
-and, when set, ``$GITHUB_STEP_SUMMARY``. One run at a time writes a folder
-(:func:`claim_out`).
+Here: the options, the suite's manifest, ``--changed-from``'s entries, the plan's inputs in
+the selection file (the plan is made inside pytest: :mod:`harness.suites.selection`), xdist
+workers sized before collection, the output folder's lock, stop signals and the run's budget,
+and the report: ``junit.xml``, ``summary.md``, ``summary.json``, ``plan.json`` in ``--out``.
 """
 
 from __future__ import annotations
@@ -75,8 +60,7 @@ class RunOptions:
     out: Path | None = None
     workers: int | None = None
     max_cards: int | None = None
-    #: The run's budget in minutes (``--timeout-minutes``); ``None``: the runner's
-    #: ``timeout_minutes`` in CI (``CI`` set), no budget elsewhere.
+    #: ``--timeout-minutes``; ``None``: the runner's ``timeout_minutes`` in CI, else no budget.
     timeout_minutes: float | None = None
     pytest_args: list[str] = field(default_factory=list)
 
@@ -86,9 +70,8 @@ def _print(msg: str) -> None:
 
 
 def option_values(args: Sequence[str], names: Sequence[str]) -> list[str | None]:
-    """Every occurrence in pytest arguments ``args`` of an option in ``names``, in
-    order: its value (``--opt V``, ``--opt=V``, ``-nV``), or ``None`` when given
-    without one (a flag, or a value-taking option at the very end)."""
+    """The value of each occurrence in pytest arguments ``args`` of an option in ``names``
+    (``--opt V``, ``--opt=V``, ``-nV``; ``None`` for a flag or an option at the very end)."""
     found: list[str | None] = []
     for i, a in enumerate(args):
         for n in names:
@@ -110,31 +93,20 @@ def leasable_cards(device: str) -> int:
     return len(devices.inventory(device))
 
 
-def _slots(pytest_args: Sequence[str]) -> int:
-    """Process slots the launch plugin will lease: ``--harness-max-procs``, else the CPUs."""
-    from harness.devices import cpu_count
-
-    given = option_values(pytest_args, [names.OPT_MAX_PROCS])
-    if given and given[-1] and given[-1].isdigit():
-        return max(1, int(given[-1]))
-    return cpu_count()
-
-
 def worker_count(device: str, pytest_args: Sequence[str], requested: int | None = None) -> int:
     """xdist workers for a run of a suite on ``device``, sized before anything is collected:
-    the process slots (``--harness-max-procs``, else the CPUs) and, on accelerators, at most
-    the leasable cards (a case needs one at least). A case wider than that waits for its
-    lease (slots or cards, head of the queue first) while the others run; when every
-    positional pytest argument is a node id, no more workers than node ids;
-    ``requested`` (``--workers``) wins."""
+    ``requested`` (``--workers``), else the process slots (``--harness-max-procs``, else the
+    CPUs), at most the leasable cards on accelerators, and at most the node ids when every
+    positional pytest argument is one. A wider case waits for its lease while others run."""
+    from harness.devices import cpu_count
+
     if requested:
         return max(1, requested)
-    n = _slots(pytest_args)
+    given = option_values(pytest_args, [names.OPT_MAX_PROCS])
+    n = max(1, int(given[-1])) if given and given[-1] and given[-1].isdigit() else cpu_count()
     if device != "cpu":
         n = min(n, leasable_cards(device))
-    # Rerunning named cases (`-- a.py::test_x b.py::test_y`) needs no more workers than
-    # cases; with a path among them the count is unknown before collection. (An argument
-    # after an option is taken for its value: at worst a run gets fewer workers.)
+    # An argument after an option is taken for its value: at worst a run gets fewer workers.
     loose = [
         a
         for i, a in enumerate(pytest_args)
@@ -146,49 +118,31 @@ def worker_count(device: str, pytest_args: Sequence[str], requested: int | None 
     return max(1, n)
 
 
-def _title(suite: str, shard: tuple[int, int] | None) -> str:
-    """How a run of ``suite`` (one ``shard`` of it) names itself: summaries, logs, locks."""
-    return f"harness run {suite}" + (f" (shard {shard[0]}/{shard[1]})" if shard else "")
-
-
-def _default_out(root: Path, suite: str, shard: tuple[int, int] | None) -> Path:
-    name = suite if shard is None else f"{suite}-{shard[0]}of{shard[1]}"
-    return root / "out" / "harness" / name
-
-
 def load_suite(root: Path, suite: str, command: str) -> tuple[str, SuiteInventory] | None:
     """The name and inventory of ``suite`` (a name or a manifest path), or None after printing
-    why it cannot be planned (problems of file ownership are ``harness inventory``'s)."""
+    why it cannot be planned (file ownership aside: ``harness inventory``'s)."""
     name = suite_name(suite)
     inv = build_inventory(root, [suite], check_ownership=False)
     problems = blocking_problems(inv, name)
     if problems or name not in inv.manifests:
-        for p in problems:
-            print(f"error: {p}", file=sys.stderr)
-        print(
-            f"harness {command}: suite {suite!r} cannot be planned; see `harness inventory {name}`",
-            file=sys.stderr,
-        )
+        print("\n".join(selection.cannot_plan(problems, suite, command)), file=sys.stderr)
         return None
     return name, inv
 
 
-#: After an interrupt is passed on, how long pytest gets to stop its workers and
-#: ranks and write its reports before its whole process tree is terminated.
+#: How long an interrupted pytest gets to stop and report before its tree is terminated.
 INTERRUPT_GRACE_S = 30.0
 #: Between SIGTERM and SIGKILL when a process tree is stopped.
 KILL_AFTER_S = 5.0
-#: How long a process pytest's tree left behind gets to end by itself before it is stopped.
+#: How long what pytest left behind gets to end by itself before it is stopped.
 LEFTOVER_GRACE_S = 2.0
-#: The signals that stop a run: exit code 128 + signal number (130, 143, 129).
+#: The signals that stop a run: exit code 128 + signal number.
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 class _Stop:
-    """The stop signals of a whole ``harness run``: passed on to the running pytest as SIGINT
-    (its own process group: a Ctrl-C to ours reaches it once, through here), which stops its
-    workers and ranks and reports; with no pytest running, acted on before pytest starts.
-    A second signal stops pytest's process tree at once."""
+    """The stop signals of a ``harness run``: passed on to the running pytest (its own process
+    group) as SIGINT, or acted on before it starts; a second one stops its tree at once."""
 
     def __init__(self) -> None:
         self.signum: int | None = None
@@ -197,7 +151,7 @@ class _Stop:
         self._previous: dict[int, Any] = {}
 
     def __enter__(self) -> _Stop:
-        if threading.current_thread() is threading.main_thread():  # only there are signals
+        if threading.current_thread() is threading.main_thread():
             for s in STOP_SIGNALS:
                 self._previous[s] = signal.signal(s, self._handle)
         return self
@@ -218,14 +172,12 @@ class _Stop:
             self.interrupt()
 
     def interrupt(self) -> None:
-        """SIGINT to the running pytest's process group."""
         assert self.child is not None
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.child.pid, signal.SIGINT)
 
     def snapshot(self) -> None:
-        """Remember pytest's current process tree: once pytest has exited, orphans can no
-        longer be found through it."""
+        """Remember pytest's process tree: once pytest has exited, orphans cannot be found."""
         if self.child is not None:
             for p in processes.process_tree(self.child.pid, own_session=False):
                 self.tree.setdefault(p.pid, p)
@@ -245,13 +197,9 @@ def _stop_tree(procs: Sequence[psutil.Process]) -> None:
 
 
 def _run_pytest(cmd: list[str], budget: Budget | None, stop: _Stop) -> tuple[int, str]:
-    """Run the pytest subprocess in its own process group, output streaming through.
-
-    Past the run's ``budget`` (None: none) its whole process tree is terminated, then
-    killed: :data:`TIMED_OUT`. On a stop signal (see :class:`_Stop`) it gets
-    :data:`INTERRUPT_GRACE_S` to stop by itself; whatever of its tree is left then (or
-    outlived it) is terminated, then killed. Returns pytest's exit code and why the run
-    stopped it (``""``: it did not), for the cases it left unfinished.
+    """Run pytest in its own process group; returns its exit code and why the run stopped it
+    (``""``: it did not). Past ``budget`` its tree is stopped (:data:`TIMED_OUT`); after a
+    stop signal it gets :data:`INTERRUPT_GRACE_S`, then what is left of its tree is stopped.
     """
     me = os.getpid()
 
@@ -260,9 +208,7 @@ def _run_pytest(cmd: list[str], budget: Budget | None, stop: _Stop) -> tuple[int
         processes.die_with_parent(me)  # and it dies with us, even when we are SIGKILLed
 
     deadline = time.monotonic() + budget.seconds if budget else float("inf")
-    # pytest's group is not the terminal's foreground group: reading the terminal would stop
-    # it (SIGTTIN) and hang the run. Without one, a breakpoint() or input() under -s ends
-    # at once (EOF); --pdb is refused (harness.suites.selection).
+    # Outside the foreground group, reading the terminal would stop pytest (SIGTTIN).
     try:
         stdin = subprocess.DEVNULL if os.isatty(sys.stdin.fileno()) else None
     except (AttributeError, OSError, ValueError):  # no stdin, or not a file
@@ -274,21 +220,20 @@ def _run_pytest(cmd: list[str], budget: Budget | None, stop: _Stop) -> tuple[int
         while True:
             if stop.signum is not None:
                 deadline = min(deadline, time.monotonic() + INTERRUPT_GRACE_S)
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 code = proc.wait(timeout=max(0.0, min(1.0, deadline - time.monotonic())))
                 break
-            except subprocess.TimeoutExpired:
-                if time.monotonic() < deadline:
-                    continue
-                timed_out = stop.signum is None and budget is not None
-                if timed_out:
-                    _print(f"pytest ran past {budget.name}; stopping it")
-                stop.snapshot()
-                _stop_tree(list(stop.tree.values()))
-                code = proc.wait()
-                if timed_out:
-                    return TIMED_OUT, f"stopped at {budget.name}"
-                break
+            if time.monotonic() < deadline:
+                continue
+            timed_out = stop.signum is None and budget is not None
+            if timed_out:
+                _print(f"pytest ran past {budget.name}; stopping it")
+            stop.snapshot()
+            _stop_tree(list(stop.tree.values()))
+            code = proc.wait()
+            if timed_out:
+                return TIMED_OUT, f"stopped at {budget.name}"
+            break
         if stop.signum is not None:
             _stop_tree(list(stop.tree.values()))  # what outlived pytest
             return code, f"interrupted by {stop.name}"
@@ -311,9 +256,8 @@ class Budget:
 
 
 def run_budget(m: Manifest, minutes: float | None) -> Budget | None:
-    """The run's budget: ``--timeout-minutes`` (``minutes``) when given, else in CI (``CI``
-    set, other than empty, ``0`` or ``false``) its runner's ``timeout_minutes`` (the longest
-    of its runners), else none: a local run is not cut short by a CI job's limit."""
+    """The run's budget: ``--timeout-minutes`` (``minutes``), else in CI (``CI`` set, not
+    empty, ``0`` or ``false``) its runners' longest ``timeout_minutes``, else none."""
     if minutes is not None:
         return Budget(minutes * 60.0, f"--timeout-minutes {minutes:g}")
     if os.environ.get("CI", "").strip().lower() not in ("", "0", "false"):
@@ -323,13 +267,12 @@ def run_budget(m: Manifest, minutes: float | None) -> Budget | None:
 
 
 class _Refused(Exception):
-    """``harness run`` cannot start as asked; the message is already printed or is the reason."""
+    """``harness run`` cannot start as asked; the message says why."""
 
 
 @dataclass
 class _Run:
-    """One ``harness run``, passed from phase to phase: what it knows before pytest
-    collects (the plan is made inside pytest, :mod:`harness.suites.selection`)."""
+    """One ``harness run``, passed from phase to phase: what it knows before pytest collects."""
 
     root: Path
     opts: RunOptions
@@ -344,11 +287,11 @@ class _Run:
 
     @property
     def title(self) -> str:
-        return _title(self.manifest.suite, self.shard)
+        shard = f" (shard {self.shard[0]}/{self.shard[1]})" if self.shard else ""
+        return f"harness run {self.manifest.suite}{shard}"
 
     @property
     def select_file(self) -> Path:
-        """The run's inputs (read by ``harness.suites.selection``)."""
         return self.out / "select.json"
 
 
@@ -361,12 +304,7 @@ def _plan_run(root: Path, opts: RunOptions, started: float) -> _Run:
         raise _Refused(f"harness run: {e}") from None
     m, problems = load_suite_manifest(root, opts.suite)
     if problems or m is None:
-        for p in problems:
-            print(f"error: {p}", file=sys.stderr)
-        name = suite_name(opts.suite)
-        raise _Refused(
-            f"harness run: suite {opts.suite!r} cannot be planned; see `harness inventory {name}`"
-        )
+        raise _Refused("\n".join(selection.cannot_plan(problems, opts.suite, "run")))
     if opts.durations is not None and not opts.durations.is_file():
         raise _Refused(f"harness run: {opts.durations}: no such durations file")
     changed = None
@@ -378,23 +316,22 @@ def _plan_run(root: Path, opts: RunOptions, started: float) -> _Run:
         )
         _print(f"--changed-from {opts.changed_from}: {sel.reason}")
         changed = sorted(sel.entries)
-    out = (opts.out or _default_out(root, m.suite, shard)).resolve()
+    default = m.suite if shard is None else f"{m.suite}-{shard[0]}of{shard[1]}"
+    out = (opts.out or root / "out" / "harness" / default).resolve()
     workers = worker_count(m.device, opts.pytest_args, opts.workers)
     budget = run_budget(m, opts.timeout_minutes)
     return _Run(root, opts, m, shard, out, started, changed, workers, budget)
 
 
-#: The lock file in a run's output folder: ``flock``'d by the run that writes there, from before
-#: it clears the folder until its summary is written, and naming that run.
+#: The lock file in a run's output folder, ``flock``'d by the run that writes there and naming it.
 OUT_LOCK = ".harness-run.lock"
 
 
 @contextlib.contextmanager
 def claim_out(out: Path, title: str) -> Iterator[None]:
-    """Hold the output folder ``out`` for one run (``title``): an exclusive, non-blocking
-    ``flock`` on its :data:`OUT_LOCK`, released when the run ends however it ends. Two runs
-    into one folder would clear, write and read back each other's files: while another run
-    holds it, ``_Refused`` names that run and the way out (``--out``)."""
+    """Hold the output folder ``out`` for one run (``title``) until it ends, however it ends.
+    While another run holds it, ``_Refused`` names that run and the way out (``--out``).
+    (``flock``, not filelock, which truncates the holder record; leases are the launcher's.)"""
     if out.exists() and not out.is_dir():
         raise _Refused(f"harness run: --out {out} is not a folder")
     try:
@@ -431,22 +368,17 @@ def claim_out(out: Path, title: str) -> Iterator[None]:
         os.close(fd)
 
 
-#: The reports a run leaves in its output folder for people and CI.
-_REPORT_FILES = ("junit.xml", "summary.md", "summary.json")
-
-
 def _prepare_out(run: _Run) -> None:
     """Phase 2: the output folder, cleared of a previous run's files."""
-    # A previous run's: this run reports its own, and one that dies early leaves none of them.
-    for pattern in ("select.json*", COMMANDS_FILE, "backstop-*.log", "plan.json", *_REPORT_FILES):
+    reports = ("junit.xml", "summary.md", "summary.json", "plan.json")
+    for pattern in ("select.json*", COMMANDS_FILE, "backstop-*.log", *reports):
         for stale in run.out.glob(pattern):
             stale.unlink()
 
 
-#: ``python -c`` code that runs pytest with the root (its first argument, taken off)
-#: importable first, as ``python -m pytest`` started in the root makes it: only in
-#: pytest's process (xdist's workers copy its ``sys.path``), not in the environment,
-#: where it would shadow what a test's own subprocess or virtualenv installs.
+#: Runs pytest with the root (its first argument) first on ``sys.path``, as ``python -m
+#: pytest`` in the root would: not through the environment, where it would shadow what a
+#: test's own subprocess or virtualenv installs.
 _PYTEST_FROM_ROOT = (
     "import runpy, sys; sys.path.insert(0, sys.argv.pop(1)); "
     "runpy.run_module('pytest', run_name='__main__', alter_sys=True)"
@@ -458,8 +390,7 @@ COMMANDS_FILE = "commands.json"
 
 
 def _write_commands(run: _Run) -> Path | None:
-    """The file of the suite's command cases, for the launch plugin to collect and run (the
-    plan keeps those of its shard; None: the suite has none)."""
+    """The file of the suite's command cases, for the launch plugin to collect (None: none)."""
     m = run.manifest
     cases = [
         {
@@ -487,9 +418,10 @@ def _pytest_command(run: _Run) -> list[str]:
     """The pytest command line of the run; writes its selection file (the plan's inputs)
     and its command cases' file (collected as a test file of its own)."""
     m = run.manifest
-    # The entries' paths, as the inventory collects them; --changed-from's alone when
-    # no shard is cut (a shard is cut from the whole suite, as `harness matrix` cut it).
-    chosen = m if run.changed is None or run.shard else _only(m, run.changed)
+    # --changed-from's entries' paths alone, unless a shard is cut (from the whole suite).
+    chosen = m
+    if run.changed is not None and not run.shard:
+        chosen = dataclasses.replace(m, entries=tuple(e for e in m.entries if e.id in run.changed))
     files = [str(run.root / t) for t in entry_targets(run.root, [chosen])]
     commands = _write_commands(run)
     if commands is not None:
@@ -509,12 +441,9 @@ def _pytest_command(run: _Run) -> list[str]:
         },
         indent=None,
     )
-    # The caller's pytest arguments as they are: pytest parses them. The run's own choices
-    # (JUnit path, xdist workers) go through the selection plugin, which applies them only
-    # where the caller made none (-n) or records the caller's (--junitxml).
-    # pytest runs where harness run was started, as the caller's pytest would: their
-    # relative paths (--junitxml=, --ignore=, --cov-config=) mean what they mean there.
-    # The test files are absolute; the root and configuration are pinned (_config_args).
+    # The caller's arguments as they are, pytest running where harness run was started (their
+    # relative paths mean what they mean there); the run's own JUnit path and workers go
+    # through the selection plugin, which applies them where the caller made no choice.
     cmd = [sys.executable, "-c", _PYTEST_FROM_ROOT, str(run.root), *files, *run.opts.pytest_args]
     cmd += _config_args(run)
     cmd += ["-p", "harness.suites.selection", f"{names.OPT_SELECT}={run.select_file}"]
@@ -526,31 +455,20 @@ def _pytest_command(run: _Run) -> list[str]:
         "junit_duration_report=total",
         "--continue-on-collection-errors",
     ]
-    if _XDIST_INSTALLED:
-        # Workers even at -n 1: a case that kills its process fails alone.
+    if _XDIST_INSTALLED:  # workers even at -n 1: a case that kills its process fails alone
         cmd.append(f"{names.OPT_WORKERS}={run.workers}")
     if m.device != "cpu":
         cmd.append(f"{names.OPT_REQUIRE}={m.device}")
     return cmd
 
 
-def _only(m: Manifest, ids: Sequence[str]) -> Manifest:
-    """``m`` with only the entries ``ids`` (whose paths then cover what pytest collects)."""
-    return dataclasses.replace(m, entries=tuple(e for e in m.entries if e.id in ids))
-
-
 _CONFIG_OPTIONS = ("-c", "--config-file", "--inifile")
 
 
 def _config_args(run: _Run) -> list[str]:
-    """Arguments that pin the pytest configuration and plugins of the run.
-
-    The configuration file is named (``-c``) unless the caller named one: pytest
-    looks for it before plugins have declared their options, so the value of
-    ``--harness-lease-dir DIR`` (space-separated) would count as a path there
-    and the project's configuration would be lost. Plugins the harness needs
-    are loaded explicitly when autoloading is off.
-    """
+    """Arguments that pin the run's pytest configuration and plugins: ``-c`` unless the caller
+    named one (pytest looks for it before plugins declare their options, so a value such as
+    ``--harness-lease-dir DIR``'s would count as a path); with autoloading off, ``-p``."""
     given = [*shlex.split(os.environ.get("PYTEST_ADDOPTS", "")), *run.opts.pytest_args]
     out = [f"--rootdir={run.root}"]
     inipath = _inipath(run.root)
@@ -558,9 +476,9 @@ def _config_args(run: _Run) -> list[str]:
         out += ["-c", str(inipath)]
     out += plugin_args(given)
     if autoload_disabled(given):
-        out += ["-p", selection.TIMEOUT_PLUGIN]  # the planned cases' deadlines
+        out += ["-p", selection.TIMEOUT_PLUGIN]
         if any(e.flaky for e in run.manifest.entries):
-            out += ["-p", selection.RERUN_PLUGIN]  # flaky entries' reruns
+            out += ["-p", selection.RERUN_PLUGIN]
     return out
 
 
@@ -583,7 +501,7 @@ def _inipath(root: Path) -> Path | None:
     return None
 
 
-#: pytest's configuration files, in the order it looks for them, with the section it reads.
+#: pytest's configuration files, in the order it looks, with the section it reads.
 _INI_FILES = (
     ("pytest.ini", ""), (".pytest.ini", ""), ("pyproject.toml", "pytest"),
     ("tox.ini", "pytest"), ("setup.cfg", "tool:pytest"),
@@ -592,14 +510,12 @@ _INI_FILES = (
 
 @dataclass
 class _Ran:
-    """What phase 3 left for the report (see :func:`_execute`)."""
+    """What phase 3 left for the report: pytest's exit code, its records, why the run
+    stopped it (``""``: it did not)."""
 
-    #: The exit code of the run's pytest (None: it never started).
-    code: int | None = None
-    #: Its outcome records.
-    records: selection.Records = field(default_factory=selection.Records)
-    #: Why the run stopped it (``""``: it did not).
-    halted: str = ""
+    code: int
+    records: selection.Records
+    halted: str
 
 
 def _execute(run: _Run, stop: _Stop) -> _Ran:
@@ -611,15 +527,13 @@ def _execute(run: _Run, stop: _Stop) -> _Ran:
         f"in {run.out}",
         flush=True,
     )
-    # The plugin stops what each case leaves; what a pytest that died (its workers die
-    # with it) left in a session of its own comes here, to be stopped. An in-process
-    # caller gets its own subreaper state back, and its own processes are spared.
+    # What a pytest that died left in a session of its own comes here, to be stopped; an
+    # in-process caller gets its subreaper state back and its own processes are spared.
     was_subreaper = processes.is_subreaper()
     processes.subreaper()
     try:
         before = processes.descendants()
         code, halted = _run_pytest(_pytest_command(run), run.budget, stop)
-        # pytest's own helpers (multiprocessing's resource tracker) end once it has.
         left = processes.stop_leftovers(
             before, settle=LEFTOVER_GRACE_S, grace=KILL_AFTER_S, kill_wait=KILL_AFTER_S
         )
@@ -633,17 +547,13 @@ def _execute(run: _Run, stop: _Stop) -> _Ran:
             processes.subreaper(False)
 
 
-#: pytest's ``ExitCode.USAGE_ERROR``.
-_PYTEST_USAGE_ERROR = 4
+_USAGE_ERROR = 4  # pytest's ExitCode.USAGE_ERROR
 
 
 def _verdict(total: report.EntryRow, ran: _Ran, stop: _Stop, whole: bool) -> list[str]:
-    """Why the run is red (empty: green). Cases pytest's own options deselected or left
-    unrun (``-k``, ``--lf``, ``-x``, ``--collect-only``) are the caller's choice, not a failure,
-    unless they (or the paths given to pytest) leave no case of a ``whole`` suite to run
-    (pytest alone exits 5 when it runs nothing; a shard may hold none of the cases a ``-k``
-    or a path selects); a case that ends the session (``pytest.exit``, even with status 0)
-    is."""
+    """Why the run is red (empty: green). Cases pytest's own options deselected or left unrun
+    are the caller's choice, unless none of a ``whole`` suite's is left to run; a case that
+    ends the session (``pytest.exit``, even with status 0) fails the run."""
     narrowed = bool(total.deselected or total.not_run or ran.records.options.get("narrowed"))
     verdict = [f"interrupted by {stop.name}"] if stop.signum is not None else []
     if total.failed:
@@ -655,40 +565,29 @@ def _verdict(total: report.EntryRow, ran: _Ran, stop: _Stop, whole: bool) -> lis
     elif not (total.passed or total.flaky or total.quarantined) and not narrowed:
         verdict.append(f"no case passed ({total.skipped} skipped)")
     absent = ran.records.options.get("not_found", ())
-    if absent:  # under xdist workers pytest only says "no tests ran"
+    if absent:  # under xdist pytest only says "no tests ran"
         verdict.append(f"paths given to pytest are not there: {', '.join(absent)}")
     elif whole and total.deselected == total.cases and stop.signum is None and ran.records.plan:
-        # A -k matching nothing, a file outside the suite: pytest alone exits 5 ("no tests ran").
         verdict.append("the paths and options given to pytest select no case of the run: none ran")
     if stop.signum is not None:
-        return verdict  # the run's own stop is said above
+        return verdict
     timed_out = ran.code == TIMED_OUT and ran.halted.startswith("stopped at")
     if timed_out:
         verdict.append(ran.halted)
     elif ran.records.interrupted:
         verdict.append(f"a case ended pytest's session ({ran.records.interrupted})")
-    # The budget stopped pytest: 124 by our hand; any other 124 is pytest's own.
-    if ran.code not in (None, 0, 1, 5) and not timed_out:
-        usage = " (a usage error: see pytest's message above)" if ran.code == 4 else ""
+    if ran.code not in (0, 1, 5) and not timed_out:
+        usage = " (a usage error: see pytest's message above)" if ran.code == _USAGE_ERROR else ""
         verdict.append(f"pytest exited with {ran.code}{usage}")
     if ran.code == 1 and not total.failed and not total.quarantined:
-        # Exit 1 is "tests failed"; with none failed, something else failed the run
-        # (pytest-cov's --cov-fail-under, say), which pytest reported above. (A quarantined
-        # case's failure is pytest's exit 1 too: then the two cannot be told apart.)
+        # Something else failed the run (--cov-fail-under, say), said by pytest above.
         verdict.append("pytest exited with 1 though no case failed (see its output)")
     return verdict
 
 
-def _write_summary(run: _Run, text: str) -> None:
-    print("\n" + text, flush=True)
-    write_text(run.out / "summary.md", text)
-    _step_summary(text)
-
-
 def _report(run: _Run, ran: _Ran, stop: _Stop) -> int:
-    """Phase 4: merge the JUnit files, write the summaries (partial after a stop
-    signal or the runner's timeout: the cases of the pytest it stopped, and of those it
-    never started, are not run), ``plan.json`` and durations; the exit code."""
+    """Phase 4: complete the JUnit file, write the summaries, ``plan.json`` and durations;
+    returns the exit code."""
     junit = run.out / "junit.xml"
     records, halted = ran.records, ran.halted
     plan = records.plan or {}
@@ -705,15 +604,14 @@ def _report(run: _Run, ran: _Ran, stop: _Stop) -> int:
     )
     if plan and not planned and stop.signum is None and not records.options.get("narrowed"):
         return _nothing_to_run(run, plan)
-    if ran.code == _PYTEST_USAGE_ERROR:  # its cases never ran for that reason
+    if ran.code == _USAGE_ERROR:
         halted = halted or "pytest stopped on a usage error (exit status 4)"
     results = report.results_from_records([n for n, _, _ in planned], records, halted)
     results = report.quarantine(results, plan.get("quarantine", {}))
     prefix = records.options.get("junit_prefix") or ""
     report.complete_junit(junit, results.values(), prefix, records.aliases)
     asked = records.options.get("junitxml")
-    if asked:
-        # The run's own JUnit path replaced the caller's --junitxml: they get its file.
+    if asked:  # the run's own JUnit path replaced the caller's --junitxml
         Path(asked).parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(junit, asked)
     rows = report.summarize(planned, results)
@@ -733,16 +631,20 @@ def _report(run: _Run, ran: _Ran, stop: _Stop) -> int:
         + ("\n" + not_here if not_here else "")
         + (f"\n**FAILED**: {'; '.join(verdict)}\n" if verdict else "\n**PASSED**\n")
     )
-    _write_summary(run, text)
+    print("\n" + text, flush=True)
+    write_text(run.out / "summary.md", text)
+    _step_summary(text)
     report.write_summary_json(
         run.out / "summary.json", run.title, rows, results, prefix, _context(run, ran)
     )
     if run.opts.durations_out:
-        # Passed cases only: a failure (at setup, say) says little about how long the case takes.
+        # Passed cases only: a failure says little about how long the case takes.
         passed = {n: r.seconds for n, r in results.items() if r.outcome == "passed"}
         write_durations(run.opts.durations_out, run.manifest.suite, passed)
         _print(f"recorded {len(passed)} duration(s) in {run.opts.durations_out}")
-    _verdict_line(run, verdict)
+    # The last line: the summary above, and the header naming the folder, scroll away.
+    said = f"FAILED ({'; '.join(verdict)})" if verdict else "PASSED"
+    print(f"{run.title}: {said}; summary {run.out / 'summary.md'}, JUnit {junit}", flush=True)
     if stop.signum is not None:
         return stop.exit_code
     return EXIT_FAILED if verdict else EXIT_OK
@@ -765,19 +667,15 @@ def _nothing_to_run(run: _Run, plan: dict[str, Any] | None = None) -> int:
     # The files a CI job uploads or parses exist on every green run, empty here.
     report.complete_junit(run.out / "junit.xml", [])
     report.write_summary_json(run.out / "summary.json", run.title, [], {})
-    if not (run.out / "plan.json").exists():
-        write_json(
-            run.out / "plan.json",
-            {"suite": run.manifest.suite, "shard": run.opts.shard, "cases": []},
-        )
+    plan_json = {"suite": run.manifest.suite, "shard": run.opts.shard, "cases": []}
+    write_json(run.out / "plan.json", plan_json)
     print(f"{run.title}: nothing to run; summary {run.out / 'summary.md'}", flush=True)
     return EXIT_OK
 
 
 def _context(run: _Run, ran: _Ran) -> dict[str, Any]:
-    """Where and under what load the run's cases took their time (``harness durations``
-    says when a refresh mixes figures of different ones): the runner class it was planned
-    onto, the xdist workers pytest ran (0: none), this host's process slots and cards."""
+    """Where and under what load the cases took their time (``harness durations`` warns of a
+    mix): the runner class planned onto, pytest's xdist workers, this host's CPUs and cards."""
     from harness.devices import cpu_count
 
     workers = ran.records.options.get("workers")
@@ -789,24 +687,14 @@ def _context(run: _Run, ran: _Ran) -> dict[str, Any]:
     }
 
 
-def _verdict_line(run: _Run, verdict: Sequence[str]) -> None:
-    """The run's last line: its verdict and where its reports are (the summary printed above
-    it scrolls away, and so does the header naming the folder)."""
-    files = f"summary {run.out / 'summary.md'}, JUnit {run.out / 'junit.xml'}"
-    said = f"FAILED ({'; '.join(verdict)})" if verdict else "PASSED"
-    print(f"{run.title}: {said}; {files}", flush=True)
-
-
 def run_suite(root: Path, opts: RunOptions) -> int:
     """Run one suite (or shard); returns the process exit code.
 
-    :data:`EXIT_OK`: every planned case passed (or was flaky: passed on a rerun),
-    skipped or was quarantined, and at least one ran (or nothing needed to run);
-    :data:`EXIT_FAILED`: a case failed,
-    went missing, or nothing passed; :data:`EXIT_USAGE`: the suite cannot be
-    planned (inventory problems, bad arguments); 128 + N after signal N
-    (SIGINT 130, SIGTERM 143, SIGHUP 129): pytest, its workers and ranks
-    are stopped and reaped, and the summary of what ran is written.
+    :data:`EXIT_OK`: every planned case passed, was flaky, skipped or quarantined, and one
+    ran (or none needed to); :data:`EXIT_FAILED`: a case failed, went missing, or none
+    passed; :data:`EXIT_USAGE`: the suite cannot be planned (inventory problems, bad
+    arguments); 128 + N after signal N: pytest's tree is stopped and reaped, and the summary
+    of what ran is written.
     """
     with _Stop() as stop:
         run: _Run | None = None
@@ -814,8 +702,7 @@ def run_suite(root: Path, opts: RunOptions) -> int:
             run = _plan_run(root.resolve(), opts, time.monotonic())
         except _Refused as e:
             if stop.signum is None:
-                if str(e):
-                    print(e, file=sys.stderr)
+                print(e, file=sys.stderr)
                 return EXIT_USAGE
         if run is None or stop.signum is not None:
             _print(f"{stop.name}: stopped before any case ran")

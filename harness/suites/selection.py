@@ -1,26 +1,11 @@
 """pytest plugin that ``harness run`` loads (``-p harness.suites.selection``): plan the suite
 from the run's own collection and run exactly the planned cases.
 
-``--harness-select FILE`` names a JSON file of the run's inputs, written by ``harness run``
-before pytest starts: ``{"root": DIR, "suite": name, "shard": [I, N] or null,
-"durations": path or null, "changed": [entry id, ...] or null (``--changed-from``'s
-entries), "max_cards": N or null, "files": [path, ...], "partial": bool (the files of some entries
-only), "flaky": bool}``. Each process
-that collects (pytest itself, or each xdist worker, alike: the plan is a pure function of
-what they all collect) builds the suite's inventory from its own items
-(:func:`harness.suites.inventory.run_inventory`), refuses a suite with blocking problems
-(every item deselected, the problems recorded), cuts the shard from the whole suite's
-cases on their recorded durations as ``harness matrix`` does (:func:`plan_shard`), keeps
-``--changed-from``'s entries and what fits ``--max-cards``, and deselects the rest. Each
-kept case carries its entry as the JUnit property ``harness.entry``, its deadline as
-pytest-timeout's ``timeout`` marker (:func:`deadline_marker`), its entry's device and cards
-as the launch plugin's ``harness_device`` marker (a plain case of an accelerator entry) and
-its entry's ``env`` while it runs (:func:`entry_env`); a case of a flaky entry carries
-pytest-rerunfailures' ``flaky`` marker (:func:`rerun_marker`), and one that passes on a
-rerun the JUnit property ``harness.flaky``; a case of a quarantined entry the property
-``harness.quarantine``. The plan and what pytest does with each planned case are recorded
-from pytest's own hooks (reports, deselections, exit status) by case id, one JSON-lines
-file per process (:func:`read_records`).
+``--harness-select FILE`` names the run's inputs (JSON, written by ``harness run``). Each
+process that collects (pytest, or each xdist worker: the plan is a pure function of the
+collection) plans alike (:func:`make_plan`), deselects the rest, gives each planned case what
+its entry says (deadline, device, env, reruns, quarantine) and records the plan and what
+pytest did with each case, one JSON-lines file per process (:func:`read_records`).
 """
 
 from __future__ import annotations
@@ -45,36 +30,35 @@ from harness.names import (
     OPT_SELECT,
     OPT_WORKERS,
 )
+from harness.spec import is_launched
+from harness.suites.inventory import Collection, blocking_problems, case_id, run_inventory
+from harness.suites.manifest import load_suites, suite_name
+from harness.suites.plan import PlanError, plan_suite
 
 if TYPE_CHECKING:
-    from harness.suites.inventory import CollectedCase, Collection
+    from harness.suites.inventory import CollectedCase
     from harness.suites.manifest import Entry, Manifest
 
 #: A case with its owning entry.
 Pair = tuple["CollectedCase", "Entry"]
 
-#: The launch side's pytest plugin, which every run of a suite needs.
+#: The plugins every run needs: the launch side's, pytest-timeout (the cases' deadlines);
+#: pytest-rerunfailures (flaky entries' reruns) where an entry is flaky.
 LAUNCH_PLUGIN = "harness.launcher.plugin"
-#: pytest-timeout's plugin: it enforces each planned case's deadline (its ``timeout`` marker).
 TIMEOUT_PLUGIN = "pytest_timeout"
-#: pytest-rerunfailures' plugin: it reruns the failed cases of flaky entries (its ``flaky`` marker).
 RERUN_PLUGIN = "pytest_rerunfailures"
 
-#: The parsed selection file, read once per process.
 _SELECTION = pytest.StashKey[dict[str, Any]]()
-#: The ``--junitxml`` the caller gave pytest (``None``: none), replaced by the run's own.
+#: The caller's ``--junitxml`` (``None``: none), replaced by the run's own.
 _CALLER_JUNIT = pytest.StashKey[Any]()
 #: Whether every phase of a case's current attempt passed so far (a rerun starts anew).
 _ATTEMPT_PASSED = pytest.StashKey[bool]()
-#: A plain planned case's backstop (seconds after it starts): see :func:`pytest_runtest_protocol`.
+#: A plain planned case's backstop, in seconds after it starts.
 _BACKSTOP = pytest.StashKey[float]()
-#: The environment a planned case's entry sets (its ``env``).
 _ENV = pytest.StashKey[dict[str, str]]()
-#: This process's backstop log (opened on its first plain planned case).
 _BACKSTOP_LOG = pytest.StashKey[IO[str]]()
-#: How long past its deadline a plain case that pytest-timeout could not interrupt (native
-#: code holding the GIL, a case that swallows the interruption) may run before the backstop
-#: stops its process: as long again as the deadline, at most this.
+#: How long past its deadline a plain case pytest-timeout could not interrupt (native code
+#: holding the GIL) may run before the backstop ends its process: the deadline again, at most this.
 BACKSTOP_GRACE_S = 60.0
 
 
@@ -103,23 +87,20 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 @pytest.hookimpl(wrapper=True)
 def pytest_load_initial_conftests(early_config: pytest.Config, parser, args) -> Any:
-    # pytest-cov picks its controller here, from the options parsed so far: the run's
-    # worker count must be among them, or a --cov run starts xdist workers under its
-    # single-process controller (INTERNALERROR: no attribute 'configure_node').
+    # pytest-cov picks its controller from the options parsed so far: without the worker
+    # count, a --cov run starts xdist workers under its single-process controller.
     if not _is_worker(early_config):
         _set_workers(early_config.known_args_namespace, early_config)
     try:
         return (yield)
     except pytest.skip.Exception:
-        # A planned folder whose conftest skips at module level (its one case, as the
-        # inventory's): pytest loads that conftest again as it collects the folder, and
-        # reports the folder skipped instead of a traceback before the session.
+        # A planned folder's conftest that skips at module level: pytest loads it again as
+        # it collects the folder, and reports the folder skipped.
         return None
 
 
 def _set_workers(options: Any, config: pytest.Config) -> None:
-    """The run's xdist worker count (``--harness-workers``) into ``options`` (pytest's early
-    or final option namespace) where xdist is loaded and the caller gave no ``-n``."""
+    """``--harness-workers`` into ``options`` as ``-n``, where xdist is loaded and no ``-n`` given."""
     workers = getattr(options, "harness_workers", None)
     xdist = config.pluginmanager.hasplugin("xdist")
     if workers is not None and xdist and getattr(options, "numprocesses", None) is None:
@@ -128,14 +109,11 @@ def _set_workers(options: Any, config: pytest.Config) -> None:
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)
 def pytest_cmdline_main(config: pytest.Config) -> Any:
-    # Before xdist and junitxml read their options (as pytest parsed them from the command
-    # line, addopts and PYTEST_ADDOPTS): the run's own choices apply only where the caller
-    # made none.
+    # Before xdist and junitxml read their options: the run's choices apply where the
+    # caller made none.
     for flag, dest in (("--pdb", "usepdb"), ("--trace", "trace")):
         if config.getoption("harness_select", None) and getattr(config.option, dest, False):
-            # harness run holds the terminal; pytest, in a process group of its own, would
-            # be stopped (SIGTTIN) at the debugger's prompt. (Before xdist, which refuses
-            # them next to the run's workers with advice that leads here.)
+            # pytest, in a process group of its own, would be stopped (SIGTTIN) at the prompt.
             raise pytest.UsageError(
                 f"harness run cannot give pytest's {flag} the terminal: debug with pytest "
                 f"itself, which runs launched cases the same way: python -m pytest -n 0 {flag} PATH"
@@ -154,37 +132,18 @@ def pytest_cmdline_main(config: pytest.Config) -> Any:
 
 def _load(config: pytest.Config) -> dict[str, Any] | None:
     path = config.getoption("harness_select")
-    if path and _SELECTION not in config.stash:  # written by harness run, read once
+    if path and _SELECTION not in config.stash:
         config.stash[_SELECTION] = json.loads(Path(path).read_text(encoding="utf-8"))
     return config.stash.get(_SELECTION, None)
-
-
-def _case_id(item: pytest.Item, root: Path) -> str:
-    from harness.suites.inventory import case_id
-
-    return case_id(item, root)
 
 
 def _is_worker(config: pytest.Config) -> bool:
     return hasattr(config, "workerinput")
 
 
-def records_glob(select_file: Path) -> str:
-    """The glob, in ``select_file``'s folder, of the outcome records its pytest run wrote
-    (one JSON-lines file per process: the controller and each xdist worker)."""
-    return f"{select_file.name}.*.jsonl"
-
-
-def _workers(config: pytest.Config) -> int:
-    """The xdist workers of this pytest run (0: none, or xdist not loaded)."""
-    n = getattr(config.option, "numprocesses", None)
-    return n if isinstance(n, int) else 0
-
-
 def _mark_flaky_pass(item: pytest.Item, report: pytest.TestReport) -> None:
-    """Give the teardown report of an attempt that passed after a failed one (a rerun of
-    pytest-rerunfailures, which counts attempts in ``execution_count``) the JUnit property
-    ``harness.flaky``: pytest writes the teardown report's properties into the case's record."""
+    """Give the teardown report of an attempt that passed after a failed one (pytest-
+    rerunfailures' ``execution_count``) the JUnit property ``harness.flaky``."""
     before = report.when == "setup" or item.stash.get(_ATTEMPT_PASSED, False)
     item.stash[_ATTEMPT_PASSED] = before and report.passed
     attempt = getattr(item, "execution_count", 1)
@@ -197,8 +156,6 @@ class _Outcomes:
     process that dies later keeps what it recorded), in this process's file."""
 
     def __init__(self, config: pytest.Config, sel: dict[str, Any], path: Path):
-        from harness.suites.inventory import Collection
-
         self.config = config
         self.root = Path(sel["root"])
         #: The planned cases by case id (None until this process has planned).
@@ -209,12 +166,10 @@ class _Outcomes:
         self.collected: list[pytest.Item] = []
         #: Items deselected (``-k``, ``-m``, ``--deselect``) before this process planned.
         self.early: list[pytest.Item] = []
-        #: The run's collection as the inventory records it (collection errors, skipped
-        #: files, the files collected); its cases are added when the plan is made.
+        #: The run's collection as the inventory records it; its cases added by the plan.
         self.found = Collection(self.root)
         config.pluginmanager.register(self.found, "harness-collection")
-        #: Case id -> pytest's node id of the cases pytest collected that the suite does
-        #: not hold (set by the selection hook, recorded at the end of collection).
+        #: Case id -> pytest's node id of collected cases the suite does not hold.
         self.unplanned: dict[str, str] = {}
 
     def record(self, **event: Any) -> None:
@@ -222,8 +177,7 @@ class _Outcomes:
         self.file.flush()
 
     def options(self) -> None:
-        """What pytest's own options (command line, ``addopts``, ``PYTEST_ADDOPTS``, as
-        pytest parsed them) mean for the run's verdict."""
+        """Record what pytest's own options, as it parsed them, mean for the run's verdict."""
         opt = self.config.getoption
         sel = _load(self.config) or {}
         callers = _callers_args(self.config, sel)
@@ -235,16 +189,15 @@ class _Outcomes:
                 # --setup-plan implies it: set up and torn down, never called.
                 "setuponly": bool(opt("setuponly", False)),
                 "maxfail": int(opt("maxfail", 0) or 0),
-                # The caller named paths or node ids (or --lf skips files): planned cases
-                # pytest did not collect are deselected.
+                # Paths, node ids or --lf: planned cases pytest did not collect are deselected.
                 "narrowed": bool(callers) or bool(opt("lf", False)),
                 # ... some of which name no file (pytest says so under -n 0 only).
                 "not_found": []
                 if modules
                 else [a for a in callers if not (base / a.split("::", 1)[0]).exists()],
                 "junitxml": self.config.stash.get(_CALLER_JUNIT, None),
-                # xdist's worker count as it resolved it (-n auto included); 0: none.
-                "workers": _workers(self.config),
+                # As xdist resolved it (-n auto included); 0: none.
+                "workers": n if isinstance(n := opt("numprocesses", None), int) else 0,
                 "junit_prefix": opt("junitprefix", None) or "",
             }
         )
@@ -253,20 +206,18 @@ class _Outcomes:
         if self.planned is None:  # -k, -m, --deselect: before the plan, which counts them
             self.early += items
             return
-        ids = [cid for cid in (_case_id(i, self.root) for i in items) if cid in self.planned]
+        ids = [cid for cid in (case_id(i, self.root) for i in items) if cid in self.planned]
         if ids:
             self.record(deselected=ids)
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_collection_modifyitems(self, items: list[pytest.Item]) -> None:
-        # Called only when collection completed (pytest_collection_finish also runs when
-        # it was interrupted, from a ``finally``, with the items found so far).
+        # Only when collection completed (pytest_collection_finish runs in any case).
         self.collected = list(items)
 
     def plan(self, items: Sequence[pytest.Item]) -> dict[str, Pair]:
-        """Plan the run from what this process collected: ``items`` (what the project's
-        own hooks kept) and what pytest's options deselected before; record the plan (or
-        why the suite cannot be planned: then nothing is planned)."""
+        """Plan and record the run from ``items`` (what the project's hooks kept) and what
+        pytest's options deselected before (nothing, recording why, when unplannable)."""
         present = {id(i) for i in [*items, *self.early]}
         seen = {id(i) for i in self.collected}
         universe = [i for i in self.collected if id(i) in present]
@@ -280,34 +231,32 @@ class _Outcomes:
             planned, suite, record = {}, set(), {"refused": e.lines}
         self.record(plan=record)
         self.planned = planned
-        early = [cid for cid in (_case_id(i, self.root) for i in self.early) if cid in planned]
+        early = [cid for cid in (case_id(i, self.root) for i in self.early) if cid in planned]
         if early:
             self.record(deselected=early)
         self.unplanned = {
-            cid: i.nodeid for i in items if (cid := _case_id(i, self.root)) not in suite
+            cid: i.nodeid for i in items if (cid := case_id(i, self.root)) not in suite
         }
         return planned
 
     @pytest.hookimpl(trylast=True)
     def pytest_collection_finish(self, session: pytest.Session) -> None:
-        if self.planned is None:  # (only a process that collects calls this hook)
-            # Collection did not finish (files that fail to collect under node ids given,
-            # a folder skipped as a whole, an interrupt): plan what it found, so that each
-            # case it found (and each file that failed) is reported.
+        if self.planned is None:
+            # Collection did not finish (an interrupt, a folder skipped as a whole, files
+            # failing under node ids given): plan what it found, so each is reported.
             self.plan(session.items)
         unplanned = set(self.unplanned)
         lf = self.config.pluginmanager.get_plugin("lfplugin")
         if self.config.getoption("lf", False) and getattr(lf, "_previously_failed_count", 0):
-            # --lf kept only the cases that failed last: it would have deselected the rest.
+            # --lf would have deselected all but the cases that failed last.
             unplanned = {c for c in unplanned if self.unplanned[c] in lf.lastfailed}
         if unplanned:
             self.record(unplanned=sorted(unplanned))
-        ids = [(i.nodeid, _case_id(i, self.root)) for i in session.items]
+        ids = [(i.nodeid, case_id(i, self.root)) for i in session.items]
         self.record(
             collected=[cid for _, cid in ids],
-            # pytest's node ids that are not the case's: a path reached through a link to
-            # the repository, which pytest names without its file ("::test_x"), so that two
-            # files' cases may share one.
+            # A path through a link to the repository, which pytest names without its
+            # file ("::test_x"): two files' cases may share one.
             aliases=[[n, cid] for n, cid in ids if n != cid],
         )
 
@@ -315,7 +264,7 @@ class _Outcomes:
     def pytest_runtest_makereport(self, item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
         report = yield
         # Travels with the report (xdist passes it on): its case, whatever pytest's node id.
-        report.harness_case = _case_id(item, self.root)
+        report.harness_case = case_id(item, self.root)
         _mark_flaky_pass(item, report)
         return report
 
@@ -325,8 +274,7 @@ class _Outcomes:
             self.record(collect=report.nodeid, outcome=report.outcome, message=_message(report))
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
-        # The controller sees every case's reports (xdist passes its workers' on and reports
-        # a crashed worker's case itself); workers recording them too would count them twice.
+        # The controller sees every case's reports, a crashed worker's too.
         if self.worker:
             return
         self.record(
@@ -360,12 +308,8 @@ def pytest_configure(config: pytest.Config) -> None:
         return
     loaded = {getattr(p, "__name__", "") for p in config.pluginmanager.get_plugins()}
     for plugin, why in (
-        # The run's plan counts launched cases' ranks and cards: without the plugin they
-        # would run in this process, unlaunched.
         (LAUNCH_PLUGIN, "launched cases would run unlaunched"),
-        # The planned cases' deadlines are its markers: without it nothing bounds them.
         (TIMEOUT_PLUGIN, "nothing would bound the cases' deadlines"),
-        # Flaky entries' reruns are its markers: without it their cases would run once.
         *([(RERUN_PLUGIN, "flaky entries' cases would not be rerun")] if sel.get("flaky") else []),
     ):
         if plugin not in loaded:
@@ -374,8 +318,7 @@ def pytest_configure(config: pytest.Config) -> None:
                 f"installed (-p no:..., in the arguments, addopts or PYTEST_ADDOPTS): {why}"
             )
     # The caller's paths and node ids replace the run's files (pytest would collect the
-    # union, and a file subsumes a node id in it): pytest selects, and reports a name that
-    # is not found, as it would alone; the run keeps only its own cases of what it collects.
+    # union, where a file subsumes a node id in it): pytest selects as it would alone.
     callers = _callers_args(config, sel)
     if callers:
         config.args[:] = callers
@@ -387,9 +330,8 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def _ignored(config: pytest.Config, path: Path) -> bool:
-    """True when pytest's own ``--ignore`` / ``--ignore-glob`` (as pytest parsed them) name
-    ``path`` or a directory above it. pytest applies them only while it walks directories, and
-    ``harness run`` names the planned files: the same rules are applied to those here."""
+    """Whether ``--ignore`` / ``--ignore-glob`` name ``path`` or a folder above it (pytest
+    applies them only while it walks folders, and ``harness run`` names the planned files)."""
     paths = {Path(os.path.abspath(p)) for p in config.getoption("ignore", None) or ()}
     globs = [str(g) for g in config.getoption("ignore_glob", None) or ()]
     for p in (path, *path.parents):
@@ -399,8 +341,7 @@ def _ignored(config: pytest.Config, path: Path) -> bool:
 
 
 def _callers_args(config: pytest.Config, sel: dict[str, Any]) -> list[str]:
-    """The paths and node ids the caller gave pytest, next to the files ``harness run`` gave
-    (none once the caller's have replaced them)."""
+    """The paths and node ids the caller gave pytest, beside the run's own files."""
     own = list(sel.get("files", ()))
     args = list(config.args)
     if not any(a in own for a in args):  # pytest_configure put the caller's in their place
@@ -418,46 +359,47 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         return
     root = outcomes.root
     wanted = outcomes.plan(items)
-    keep, drop, ignored = [], [], []
+    keep, drop = [], []
     for item in items:
-        cid = _case_id(item, root)
-        if cid not in wanted:
+        cid = case_id(item, root)
+        # Cases the suite does not hold (under paths given to pytest) are dropped; the
+        # summary names them.
+        if cid not in wanted or _ignored(config, Path(os.path.abspath(item.path))):
             drop.append(item)
-            continue
-        if _ignored(config, Path(os.path.abspath(item.path))):
-            ignored.append(item)
             continue
         keep.append(item)
         case, entry = wanted[cid]
         marker = deadline_marker(item, entry.timeout_s)
         if marker is not None:
             item.add_marker(marker)
-        if not _launched(item) and not hasattr(item, "harness_case_id"):
-            # (A command case stops its own command at its deadline: no backstop.)
+        if not is_launched(item) and not hasattr(item, "harness_case_id"):  # not a command case
             timeout = item.get_closest_marker("timeout")
             seconds = (timeout.args or [timeout.kwargs.get("timeout")])[0] if timeout else None
             if isinstance(seconds, (int, float)) and seconds > 0:
                 item.stash[_BACKSTOP] = seconds + min(seconds, BACKSTOP_GRACE_S)
         item.user_properties.append(("harness.entry", entry.id))
         _place(item, case, entry)
-    # Cases pytest collected that the suite does not hold (under paths given to pytest that
-    # no entry of the suite owns) are dropped: pytest alone would run them; the summary
-    # names them. Recorded once --lf, which deselects after this hook, has had its say.
-    if drop or ignored:
-        if drop:
-            config.hook.pytest_deselected(items=drop)
-        if ignored:
-            config.hook.pytest_deselected(items=ignored)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
         items[:] = keep
 
 
 class _Unplannable(Exception):
-    """The suite cannot be planned from this collection: ``lines``, what ``harness run``
-    prints (as it printed them when it planned before pytest started)."""
+    """The suite cannot be planned from this collection: ``lines``, what ``harness run`` prints."""
 
     def __init__(self, lines: list[str]):
         super().__init__("\n".join(lines))
         self.lines = lines
+
+
+def cannot_plan(problems: Sequence[object], suite: str, command: str) -> list[str]:
+    """What ``harness COMMAND`` prints for ``suite`` (a name or a manifest path) that it cannot
+    plan: its blocking ``problems``, then where to look."""
+    name = suite_name(suite)
+    see = f"see `harness inventory {name}`"
+    return [f"error: {p}" for p in problems] + [
+        f"harness {command}: suite {suite!r} cannot be planned; {see}"
+    ]
 
 
 def make_plan(
@@ -468,10 +410,6 @@ def make_plan(
     shards' too), and the plan's record for ``harness run``'s report. ``whole``: no paths
     were given to pytest, so whole-suite rules (``entry-matches-nothing``) are judged.
     Raises :class:`_Unplannable` with what keeps the suite from being planned."""
-    from harness.suites.inventory import blocking_problems, case_id, run_inventory
-    from harness.suites.manifest import load_suites
-    from harness.suites.plan import PlanError
-
     root = Path(sel["root"])
     manifests, problems = load_suites(root, [sel["suite"]])
     if not manifests:  # harness run checked it loads: changed since
@@ -481,12 +419,7 @@ def make_plan(
     inv = run_inventory(root, m, found, whole=whole)
     problems = blocking_problems(inv, m.suite)
     if problems:
-        raise _Unplannable(
-            [f"error: {p}" for p in problems]
-            + [
-                f"harness run: suite {m.suite!r} cannot be planned; see `harness inventory {m.suite}`"
-            ]
-        )
+        raise _Unplannable(cannot_plan(problems, m.suite, "run"))
     collected = {case_id(i, root) for i in items}
     # A command entry's case is the manifest's: planned where its item was collected.
     owned = [
@@ -528,10 +461,8 @@ def plan_shard(
 ) -> tuple[list[Pair], str | None, list[str]]:
     """The cases of one shard (all of ``owned`` when ``shard`` is None), in collection order,
     planned as ``harness matrix`` plans (``PlanError`` where the matrix refuses the suite),
-    the name of the runner class the shard was planned onto (the suite's one class when
-    unsharded; ``None`` for an unsharded suite of several) and the plan's warnings."""
-    from harness.suites.plan import plan_suite
-
+    the name of its runner class (``None`` for an unsharded suite of several) and the plan's
+    warnings."""
     result = plan_suite(root, m, owned, durations=durations, shards=shard[1] if shard else None)
     if shard is None:
         return list(owned), (m.runners[0].name if len(m.runners) == 1 else None), result.warnings
@@ -541,17 +472,15 @@ def plan_shard(
 
 
 def _place(item: pytest.Item, case: CollectedCase, entry: Entry) -> None:
-    """Give a planned case what its entry says beyond its deadline: a plain case of an
-    accelerator entry gets the launch plugin's ``harness_device`` marker (its device and
-    cards: it runs apart on them), a flaky entry's case a rerun marker, a quarantined
-    entry's case a JUnit property; the entry's ``env`` is kept for the case's run."""
+    """Give a planned case what its entry says beyond its deadline: ``harness_device`` (a plain
+    case of an accelerator entry), ``env``, reruns, the quarantine's JUnit property."""
     if case.entry_device:
         marker = getattr(pytest.mark, DEVICE_MARKER)(device=case.entry_device, cards=case.cards)
         item.add_marker(marker)
     if entry.env:
         item.stash[_ENV] = dict(entry.env)
-    if entry.flaky and (marker := rerun_marker(item, entry.flaky.retries)) is not None:
-        item.add_marker(marker)
+    if entry.flaky and item.get_closest_marker("flaky") is None:  # the case's own wins
+        item.add_marker(pytest.mark.flaky(reruns=entry.flaky.retries))
     if entry.quarantine is not None:
         item.user_properties.append(("harness.quarantine", entry.quarantine.reason))
 
@@ -559,28 +488,11 @@ def _place(item: pytest.Item, case: CollectedCase, entry: Entry) -> None:
 @contextlib.contextmanager
 def entry_env(env: dict[str, str] | None) -> Iterator[None]:
     """``os.environ`` with ``env`` set while the case runs (its setup, call and teardown:
-    what it starts, ranks included, inherits it), then as it was before."""
-    if not env:
+    what it starts, ranks included, inherits it), then those variables as they were."""
+    with pytest.MonkeyPatch.context() as mp:
+        for k, v in (env or {}).items():
+            mp.setenv(k, v)
         yield
-        return
-    before = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        yield
-    finally:
-        for k, v in before.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
-def rerun_marker(item: pytest.Item, retries: int) -> pytest.MarkDecorator | None:
-    """pytest-rerunfailures' ``flaky`` marker rerunning a failed case of a flaky entry up to
-    ``retries`` times; ``None`` where the case has a ``flaky`` marker of its own (it wins)."""
-    if item.get_closest_marker("flaky") is not None:
-        return None
-    return pytest.mark.flaky(reruns=retries)
 
 
 def _message(report: pytest.CollectReport | pytest.TestReport) -> str:
@@ -599,20 +511,17 @@ def _message(report: pytest.CollectReport | pytest.TestReport) -> str:
 
 
 def deadline_marker(item: pytest.Item, timeout_s: float | None) -> pytest.MarkDecorator | None:
-    """pytest-timeout's ``timeout`` marker carrying a planned case's deadline, the one
-    carrier of an entry's ``timeout_s`` (the launch plugin takes it as a launched case's
-    deadline on its ranks); ``None`` where the case keeps what it has: a ``timeout`` marker
-    of its own wins, then the entry's ``timeout_s``, then the project's pytest-timeout
-    setting (``timeout`` ini, ``--timeout``, ``PYTEST_TIMEOUT``), then
-    :data:`~harness.names.DEFAULT_CASE_TIMEOUT_S` for a plain case (a launched one gets the
-    launch plugin's own default, ``--harness-timeout``, the same number unless the caller
-    gives one)."""
+    """pytest-timeout's ``timeout`` marker carrying a planned case's deadline, the one carrier
+    of an entry's ``timeout_s`` (a launched case's deadline on its ranks too); ``None`` where
+    the case keeps what it has. First wins: the case's own ``timeout`` marker, ``timeout_s``,
+    the project's pytest-timeout setting, then :data:`~harness.names.DEFAULT_CASE_TIMEOUT_S`
+    for a plain case (a launched one gets ``--harness-timeout``'s default)."""
     if item.get_closest_marker("timeout") is not None:
         return None
     if timeout_s is None:
-        if _launched(item):
+        if is_launched(item):
             return None
-        from pytest_timeout import get_env_settings
+        from pytest_timeout import get_env_settings  # not needed by inventory / matrix
 
         if get_env_settings(item.config).timeout:
             return None
@@ -620,35 +529,24 @@ def deadline_marker(item: pytest.Item, timeout_s: float | None) -> pytest.MarkDe
     return pytest.mark.timeout(timeout_s)
 
 
-def _launched(item: pytest.Item) -> bool:
-    from harness.spec import is_launched
-
-    return is_launched(item)
-
-
-def backstop_log(select_file: Path, pid: int) -> Path:
-    """Where process ``pid`` of the run for ``select_file`` writes the stacks of a plain case
-    its backstop stopped."""
-    return select_file.with_name(f"backstop-{pid}.log")
-
-
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Any:
-    # pytest-timeout interrupts a plain case from a signal handler, which native code holding
-    # the GIL, or a case that swallows the interruption, never sees. faulthandler's timer
-    # needs no GIL: past the backstop it writes every thread's stack and ends the process.
-    # pytest's own faulthandler_timeout uses the same timer: where it is set, no backstop.
     with entry_env(item.stash.get(_ENV, None)):
         return (yield from _bounded_by_backstop(item))
 
 
 def _bounded_by_backstop(item: pytest.Item) -> Any:
+    # pytest-timeout's signal handler never runs while native code holds the GIL;
+    # faulthandler's timer needs none: past the backstop it dumps the stacks and exits.
+    # pytest's own faulthandler_timeout uses the same timer: where it is set, no backstop.
     backstop = item.stash.get(_BACKSTOP, None)
     if backstop is None or float(item.config.getini("faulthandler_timeout") or 0) > 0:
         return (yield)
     log = item.config.stash.get(_BACKSTOP_LOG, None)
     if log is None:
-        path = backstop_log(Path(item.config.getoption("harness_select")), os.getpid())
+        path = Path(item.config.getoption("harness_select")).with_name(
+            f"backstop-{os.getpid()}.log"
+        )
         log = item.config.stash[_BACKSTOP_LOG] = open(path, "w", encoding="utf-8")  # noqa: SIM115
     log.seek(0)
     log.truncate()
@@ -665,15 +563,10 @@ def _bounded_by_backstop(item: pytest.Item) -> Any:
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item: pytest.Item) -> None:
-    # pytest-rerunfailures reruns a failed case inside one pytest_runtest_protocol, where
-    # pytest-timeout armed the case's deadline once: a rerun after a timeout would run
-    # unbounded. Each attempt after the first gets the deadline (and the backstop) anew.
-    if getattr(item, "execution_count", 1) > 1 and _load(item.config) is not None:
-        _restart_deadline(item)
-
-
-def _restart_deadline(item: pytest.Item) -> None:
-    """Arm ``item``'s pytest-timeout deadline and its backstop again, from now."""
+    # pytest-rerunfailures reruns inside one pytest_runtest_protocol, where pytest-timeout
+    # armed the deadline once: each later attempt gets it (and the backstop) anew.
+    if getattr(item, "execution_count", 1) == 1 or _load(item.config) is None:
+        return
     from pytest_timeout import _get_item_settings  # the settings its own hooks are given
 
     settings = _get_item_settings(item)
@@ -697,8 +590,7 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 
 
 def fired(folder: Path) -> list[tuple[str, Path]]:
-    """``(headline, file)`` for each backstop that stopped a process of a run whose selection
-    file is in ``folder``."""
+    """``(headline, file)`` for each backstop that stopped a process of the run in ``folder``."""
     out = []
     for p in sorted(folder.glob("backstop-*.log")):
         text = p.read_text(encoding="utf-8", errors="replace")
@@ -711,40 +603,32 @@ def fired(folder: Path) -> list[tuple[str, Path]]:
 class Records:
     """What one pytest run of ``harness run`` recorded (:class:`_Outcomes`), all processes merged."""
 
+    #: What pytest's options mean for the verdict (:meth:`_Outcomes.options`).
     options: dict[str, Any] = field(default_factory=dict)
-    #: The plan a collecting process made (:func:`make_plan`): ``cases`` (``[node id, entry
-    #: id, cards]``), ``quarantine``, ``too_big``, ``whole``, ``runner``, ``warnings``; or
-    #: ``refused`` (what to print); ``None``: no process got to plan (pytest never collected).
+    #: :func:`make_plan`'s record; ``None``: no process got to plan.
     plan: dict[str, Any] | None = None
-    #: Planned cases pytest collected and kept (after every deselection).
+    #: Planned cases pytest collected and kept, and those its own options deselected.
     collected: set[str] = field(default_factory=set)
-    #: Planned cases deselected by pytest's own options or plugins (``-k``, ``-m``, ``--lf``, ...).
     deselected: set[str] = field(default_factory=set)
-    #: Collector node id -> (``failed`` | ``skipped``, message): files that failed to import or
-    #: skipped at module level.
+    #: Collector node id -> (``failed`` | ``skipped``, message).
     collect: dict[str, tuple[str, str]] = field(default_factory=dict)
-    #: Node id -> its phases' ``(when, outcome, seconds, message)``.
+    #: Case id -> its phases' ``(when, outcome, seconds, message)``.
     reports: dict[str, list[tuple[str, str, float, str]]] = field(default_factory=dict)
-    #: Cases pytest collected that the suite does not hold (under paths given to pytest, of
-    #: another suite or none): never planned.
+    #: Cases pytest collected that the suite does not hold.
     unplanned: set[str] = field(default_factory=set)
-    #: pytest's node id -> the case ids it names, where they differ (a path through a link
-    #: to the repository: two files' cases may share one); ``reports`` are by case id.
+    #: pytest's node id -> the case ids it names, where they differ.
     aliases: dict[str, set[str]] = field(default_factory=dict)
-    #: pytest's exit status, ``None`` when the session never finished (killed, crashed).
+    #: pytest's exit status (``None``: the session never finished) and why it stopped early.
     finish: int | None = None
-    #: Why pytest stopped early (``-x``, ``--maxfail``), ``""`` when it did not.
     stopped: str = ""
-    #: ``pytest.exit`` or ``KeyboardInterrupt`` ended the session (``"Exit: <reason>"``),
-    #: ``""`` when neither did.
+    #: ``"Exit: <reason>"`` when ``pytest.exit`` or ``KeyboardInterrupt`` ended the session.
     interrupted: str = ""
-    #: Case id -> the processes it left running after its teardown (stopped by the plugin).
+    #: Case id -> the processes it left running after its teardown.
     leaked: dict[str, str] = field(default_factory=dict)
 
 
 def _text(message: str) -> str:
-    """``message`` as UTF-8 can hold it: a lone surrogate (from a file name or output decoded
-    with ``surrogateescape``) is written as its escape, ``\\udcff``."""
+    """``message`` with each lone surrogate (``surrogateescape``) written as its escape."""
     return message.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
@@ -752,7 +636,7 @@ def read_records(select_file: Path) -> Records:
     """Merge the outcome records every process of the pytest run for ``select_file`` wrote
     (a truncated last line, from a process that was killed, is skipped)."""
     out = Records()
-    for path in sorted(select_file.parent.glob(records_glob(select_file))):
+    for path in sorted(select_file.parent.glob(f"{select_file.name}.*.jsonl")):
         for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
             try:
                 ev = json.loads(line)
@@ -760,7 +644,7 @@ def read_records(select_file: Path) -> Records:
                 continue
             if "options" in ev:
                 out.options = ev["options"]
-            elif "plan" in ev:  # every collecting process plans alike
+            elif "plan" in ev:
                 out.plan = ev["plan"]
             elif "collected" in ev:
                 out.collected.update(ev["collected"])
