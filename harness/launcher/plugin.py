@@ -68,7 +68,7 @@ from harness.launcher.rank import CASE_ENV, EnclosingCase, pg_timeout_for
 from harness.launcher.ranks import ProcessSpec
 from harness.launcher.supervisor import tie_to_controller
 from harness.launcher.target import FunctionRef, conftests_for
-from harness.names import DEVICE_MARKER, OPT_COMMANDS
+from harness.names import DEVICE_MARKER, OPT_COMMANDS, OPT_MAX_PROCS, OPT_REQUIRE
 from harness.spec import ACCELERATORS, LaunchSpec, is_launched, launch_refusal, spec_for_item
 from harness.validation import check_int, check_seconds
 from harness.watchdog import WATCHDOG_GRACE_S, faulthandler_free, watchdog
@@ -105,7 +105,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "<system temp>/harness-leases)",
     )
     group.addoption(
-        "--harness-max-procs",
+        OPT_MAX_PROCS,
+        dest="harness_max_procs",
         type=int,
         default=None,
         metavar="N",
@@ -120,7 +121,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         f"(default {DEFAULT_LEASE_TIMEOUT_S:g})",
     )
     group.addoption(
-        "--harness-require",
+        OPT_REQUIRE,
+        dest="harness_require",
         default="",
         metavar="DEVICES",
         help="comma-separated accelerators (cuda,npu): a case needing one this host "
@@ -188,13 +190,13 @@ def _settings_from(config: pytest.Config) -> Settings:
     bad = sorted(require - set(ACCELERATORS))
     if bad:
         raise pytest.UsageError(
-            f"--harness-require: unknown device(s) {', '.join(bad)}; choose from {', '.join(ACCELERATORS)}"
+            f"{OPT_REQUIRE}: unknown device(s) {', '.join(bad)}; choose from {', '.join(ACCELERATORS)}"
         )
     for name in ("harness_timeout", "harness_lease_timeout"):
         check_seconds(opt(name), f"--{name.replace('_', '-')}", error=pytest.UsageError)
     max_procs = opt("harness_max_procs")
     if max_procs is not None:
-        check_int(max_procs, "--harness-max-procs", minimum=1, error=pytest.UsageError)
+        check_int(max_procs, OPT_MAX_PROCS, minimum=1, error=pytest.UsageError)
     if is_simulated():
         try:
             parse_cards(os.environ["HARNESS_CARDS"])
@@ -291,7 +293,7 @@ def need_cards(item: pytest.Item, device: str, count: int) -> None:
         return
     if device in item.config.stash[SETTINGS_KEY].require:
         _fail(
-            f"{reason}, and --harness-require {device} is set (`harness run` sets it "
+            f"{reason}, and {OPT_REQUIRE} {device} is set (`harness run` sets it "
             f"for a {device} suite; --max-cards N runs only what fits)"
         )
     _skip_at_test(reason)

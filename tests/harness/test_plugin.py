@@ -3,6 +3,11 @@ scenario in real rank processes; each test below checks one scenario's report.""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import textwrap
+
 import pytest
 from launch_project import inner_env, read_pids, run_session, survivors, write_project
 
@@ -308,6 +313,41 @@ def test_unknown_required_device_is_a_usage_error(device_project):
     result = device_project.runpytest_subprocess("--harness-require=tpu")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines(["*--harness-require: unknown device(s) tpu*"])
+
+
+def test_the_plugin_defines_the_option_names_harness_run_uses(tmp_path):
+    """Regression: the plugin spelled ``--harness-require`` and ``--harness-max-procs``
+    itself, so renaming ``names.OPT_REQUIRE`` / ``OPT_MAX_PROCS`` (which ``harness run``
+    passes and reads) left the plugin on the old names: every accelerator run a usage
+    error, a ``--harness-max-procs`` the run no longer saw."""
+    (tmp_path / "test_one.py").write_text("def test_one():\n    pass\n")
+    script = textwrap.dedent(
+        """
+        import sys
+
+        from harness import names
+
+        names.OPT_REQUIRE, names.OPT_MAX_PROCS = "--harness-needs", "--harness-slots"
+        import pytest
+
+        sys.exit(pytest.main(sys.argv[1:]))
+        """
+    )
+    env = {**os.environ, "HARNESS_CARDS": "none", "HARNESS_LEASE_DIR": str(tmp_path / "leases")}
+    env.pop("PYTEST_ADDOPTS", None)
+
+    def session(*args: str) -> subprocess.CompletedProcess:
+        argv = [sys.executable, "-c", script, "-p", "no:cacheprovider", "--co", "-q", *args]
+        return subprocess.run(
+            [*argv, str(tmp_path)], capture_output=True, text=True, timeout=120, env=env
+        )
+
+    done = session("--harness-needs=cuda", "--harness-slots=2")
+    assert done.returncode == pytest.ExitCode.OK, done.stdout + done.stderr
+    for option, value in (("--harness-needs", "tpu"), ("--harness-slots", "0")):
+        done = session(f"{option}={value}")
+        assert done.returncode == pytest.ExitCode.USAGE_ERROR, done.stdout + done.stderr
+        assert f"{option}" in done.stderr
 
 
 @pytest.mark.parametrize("value", ["inf", "nan", "0", "-1"])
