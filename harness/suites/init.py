@@ -153,10 +153,6 @@ def _gitignore(root: Path) -> str | None:
     return text + "\n" * (text != "" and not text.endswith("\n")) + "out/\n"
 
 
-def _dump(doc: dict[str, Any]) -> str:
-    return json.dumps(doc, indent=2) + "\n"
-
-
 def render(
     root: Path,
     layout: PytestLayout,
@@ -183,20 +179,16 @@ def render(
             f"pytest collects no test file from {root} (see its python_files and testpaths); "
             "add a test (or set testpaths) and run `harness init` again"
         )
-    suites_dir = root / SUITES_DIR
     source = rel(layout.inifile, root) if layout.inifile else f"rootdir {rel(layout.rootdir, root)}"
-    files = {
-        f"{SUITES_DIR}/cpu.json": _dump(
-            {
-                **schema_ref(root, suites_dir),
-                "suite": "cpu",
-                "description": "Written by `harness init` from pytest's configuration "
-                f"({source}): every collected test that runs on CPU.",
-                "device": "cpu",
-                "runner": dict(CPU_RUNNER),
-                "entries": _entries(paths),
-            }
-        )
+    docs: dict[str, dict[str, Any]] = {
+        f"{SUITES_DIR}/cpu.json": {
+            "suite": "cpu",
+            "description": "Written by `harness init` from pytest's configuration "
+            f"({source}): every collected test that runs on CPU.",
+            "device": "cpu",
+            "runner": dict(CPU_RUNNER),
+            "entries": _entries(paths),
+        }
     }
     on_disk = {m.suite: m for m in load_suites(root)[0]}  # yours when it loads
     owned = {*accelerators, *(m.device for m in on_disk.values())}
@@ -228,39 +220,37 @@ def render(
             )
             accelerators = []
     if shared:
-        files[f"{SUITES_DIR}/{SHARED_CASES}"] = _dump(
-            {
-                **schema_ref(root, (suites_dir / SHARED_CASES).parent),
-                "description": "Device-sensitive cases shared by the accelerator suites: each "
-                "suite keeps the variants for its own device.",
-                "entries": _entries(shared),
-            }
-        )
+        docs[f"{SUITES_DIR}/{SHARED_CASES}"] = {
+            "description": "Device-sensitive cases shared by the accelerator suites: each "
+            "suite keeps the variants for its own device.",
+            "entries": _entries(shared),
+        }
     cards = max(1, layout.launched_cards)
     plain = _entries(device_paths)  # their plain cases run on the device, one card each
     for device in accelerators:
         suite = device_type(device).suite
         what = [f"the shared accelerator case list, {device} variants"] * bool(shared)
         what += [f"the plain tests of {', '.join(device_paths)}"] * bool(device_paths)
-        files[f"{SUITES_DIR}/{suite}.json"] = _dump(
-            {
-                **schema_ref(root, suites_dir),
-                "suite": suite,
-                "description": f"{device} runners: {'; '.join(what)}.",
-                "device": device,
-                "runner": {
-                    "name": f"{suite}-{cards}",
-                    "labels": ["self-hosted", "linux", suite],
-                    "cards": cards,
-                    "timeout_minutes": ACCELERATOR_TIMEOUT_MINUTES,
-                },
-                "entries": [{"include": f"{SUITES_DIR}/{SHARED_CASES}"}] * bool(shared)
-                + [{**e, "id": f"{e['id']}-{device}", "device": device} for e in plain],
-            }
-        )
+        docs[f"{SUITES_DIR}/{suite}.json"] = {
+            "suite": suite,
+            "description": f"{device} runners: {'; '.join(what)}.",
+            "device": device,
+            "runner": {
+                "name": f"{suite}-{cards}",
+                "labels": ["self-hosted", "linux", suite],
+                "cards": cards,
+                "timeout_minutes": ACCELERATOR_TIMEOUT_MINUTES,
+            },
+            "entries": [{"include": f"{SUITES_DIR}/{SHARED_CASES}"}] * bool(shared)
+            + [{**e, "id": f"{e['id']}-{device}", "device": device} for e in plain],
+        }
+    files = {
+        path: json.dumps({**schema_ref(root, (root / path).parent), **doc}, indent=2) + "\n"
+        for path, doc in docs.items()
+    }
     cpu_minutes = CPU_RUNNER["timeout_minutes"]
-    for path in [p for p in files if p.startswith(f"{SUITES_DIR}/")]:
-        target, wanted = root / path, json.loads(files[path])
+    for path, wanted in docs.items():
+        target = root / path
         if not target.is_file() or target.read_bytes() == files[path].encode("utf-8"):
             continue
         if "suite" in wanted:  # yours when it loads, for the device asked for
