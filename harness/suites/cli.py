@@ -18,7 +18,7 @@ from pathlib import Path
 from harness.names import EXIT_FAILED, EXIT_OK, EXIT_USAGE, WARNING_RULES
 from harness.suites import changes
 from harness.suites.init import add_parser as _add_init
-from harness.suites.inventory import SuiteInventory, build_inventory
+from harness.suites.inventory import build_inventory
 from harness.suites.manifest import find_root, suite_name
 from harness.suites.plan import PlanError, plan_suite
 from harness.suites.run import RunOptions, load_suite, run_suite
@@ -218,11 +218,16 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _print_inventory(
-    inv: SuiteInventory, suites: Sequence[str], quiet: bool, every_case: bool
-) -> None:
-    cases = inv.as_dict(suites or None)["cases"]
-    if not quiet and every_case and cases:
+def _cmd_inventory(root: Path, args: argparse.Namespace) -> int:
+    inv = build_inventory(root, args.suites or None)
+    listed = inv.as_dict([suite_name(s) for s in args.suites] or None)
+    warned = sum(p.rule in WARNING_RULES for p in inv.problems)
+    code = EXIT_FAILED if len(inv.problems) > warned else EXIT_OK
+    if args.json:
+        print(json.dumps(listed, indent=1))
+        return code
+    cases = listed["cases"]
+    if cases and args.cases and not args.quiet:
         w = min(max(len(c["nodeid"]) for c in cases), 110)
         print(f"{'CASE':<{w}}  DEVICE NPROC CARDS  ENTRIES")
         for c in cases:
@@ -230,7 +235,7 @@ def _print_inventory(
             print(
                 f"{c['nodeid']:<{w}}  {c['device']:<6} {c['nproc']:>5} {c['cards']:>5}  {entries}"
             )
-    elif not quiet and cases:  # one line per owning entry: cases, devices, most ranks / cards
+    elif cases and not args.quiet:  # one line per owning entry: cases, devices, most ranks / cards
         rows: dict[str, list[dict]] = {}
         for c in cases:
             for e in c["entries"] or ["-"]:
@@ -245,21 +250,11 @@ def _print_inventory(
     counts = ", ".join(f"{s} {n}" for s, n in sorted(per_suite.items())) or "none"
     for p in inv.problems:
         print(f"{'warning' if p.rule in WARNING_RULES else 'error'}: {p}", file=sys.stderr)
-    warned = sum(p.rule in WARNING_RULES for p in inv.problems)
     print(
         f"{len(cases)} case(s); per suite: {counts}; {len(inv.problems) - warned} problem(s)"
         + (f", {warned} warning(s)" if warned else "")
     )
-
-
-def _cmd_inventory(root: Path, args: argparse.Namespace) -> int:
-    names = [suite_name(s) for s in args.suites]
-    inv = build_inventory(root, args.suites or None)
-    if args.json:
-        print(json.dumps(inv.as_dict(names or None), indent=1))
-    else:
-        _print_inventory(inv, names, args.quiet, args.cases)
-    return EXIT_FAILED if any(p.rule not in WARNING_RULES for p in inv.problems) else EXIT_OK
+    return code
 
 
 def _cmd_matrix(root: Path, args: argparse.Namespace) -> int:
