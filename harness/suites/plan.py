@@ -73,9 +73,7 @@ class Plan:
     warnings: list[str] = field(default_factory=list)
 
     def shard(self, index: int) -> PlannedShard:
-        """Shard ``index`` (1-based); ``PlanError`` when out of range."""
-        if not 1 <= index <= len(self.shards):
-            raise PlanError(f"shard {index} does not exist; the plan has {len(self.shards)}")
+        """Shard ``index`` (1-based, as :func:`parse_shard` checked it against the count)."""
         return self.shards[index - 1]
 
     def balance(self) -> float:
@@ -215,7 +213,6 @@ def _fits(runner: Runner, case: PlannedCase) -> bool:
 def _allocate(work: list[float], shards: int) -> list[int]:
     """Shards per runner class: one per class with work, the rest where work per shard is
     highest; classes beyond ``shards`` hand their work up to the next larger class."""
-    work = list(work)
     needed = [i for i, w in enumerate(work) if w > 0]
     while len(needed) > shards:
         small = needed.pop(0)
