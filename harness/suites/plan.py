@@ -272,7 +272,6 @@ def plan(
     the count was not given, raises ``PlanError`` naming it; a given count over budget is
     planned as asked and named in :attr:`Plan.warnings`. An empty suite gets one empty shard.
     """
-    runners = sorted(runners, key=lambda r: r.cards)
     limit = target_minutes * 60.0 if target_minutes is not None else math.inf
     for c in cases if enforce_budget else ():
         eligible = [r.budget_s for r in runners if _fits(r, c)]
