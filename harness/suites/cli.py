@@ -17,6 +17,7 @@ from pathlib import Path
 
 from harness.names import EXIT_FAILED, EXIT_OK, EXIT_USAGE, WARNING_RULES
 from harness.suites import changes
+from harness.suites.durations import DurationsError, refresh
 from harness.suites.init import add_parser as _add_init
 from harness.suites.inventory import build_inventory
 from harness.suites.manifest import find_root, suite_name
@@ -297,8 +298,6 @@ def _cmd_matrix(root: Path, args: argparse.Namespace) -> int:
 
 
 def _cmd_durations(root: Path, args: argparse.Namespace) -> int:
-    from harness.suites.durations import DurationsError, refresh
-
     try:
         lines = refresh(root, args.dirs, prune=args.prune)
     except (DurationsError, PlanError) as e:
