@@ -73,15 +73,6 @@ def run_git(root: Path, *args: str) -> tuple[str | None, str]:
     return None, f"git {args[0]}: {error}"
 
 
-def in_git_folder(root: Path) -> Path | None:
-    """The top of the git repository whose folder (not its top) ``root`` is, found without
-    git (a ``.git`` entry in a folder above); None at a repository's top or outside one."""
-    here = root.resolve()
-    if (here / ".git").exists():
-        return None
-    return next((d for d in here.parents if (d / ".git").exists()), None)
-
-
 def changed_files(root: Path, ref: str) -> tuple[list[str] | None, str]:
     """The files that differ between the merge base of ``ref`` and ``HEAD`` and the working
     tree (committed, staged, unstaged, untracked; a rename as both names), as paths from

@@ -20,7 +20,6 @@ from harness.devices import device_type
 from harness.errors import HarnessError
 from harness.jsonio import write_text
 from harness.names import EXIT_FAILED, EXIT_OK, EXIT_USAGE
-from harness.suites.changes import in_git_folder
 from harness.suites.inventory import collect, is_test_module
 from harness.suites.manifest import (
     SCHEMA_FILE,
@@ -286,13 +285,14 @@ def _workflows(
 ) -> dict[str, str]:
     """``--workflows``: those of the cpu suite and of the accelerator suites written or there;
     refused in a folder of a git repository (GitHub reads only the top's)."""
-    top = in_git_folder(root)
-    if top is not None:
+    here = root.resolve()  # a folder of a git repository, not its top: a .git above, none here
+    top = next((d for d in here.parents if (d / ".git").exists()), None)
+    if top is not None and not (here / ".git").exists():
         raise InitError(
             f"--workflows: {root} is a folder of the git repository {top}, and GitHub "
             f"reads workflows only from {top / '.github/workflows'}. Run `harness init` "
             "here without --workflows, and write the workflow at the top with `defaults: "
-            f"run: working-directory: {root.resolve().relative_to(top)}`",
+            f"run: working-directory: {here.relative_to(top)}`",
             EXIT_USAGE,
         )
     try:
