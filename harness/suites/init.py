@@ -161,15 +161,12 @@ def render(
     harness_ref: str | None = None,
     device_paths: Sequence[str] = (),
 ) -> dict[str, str]:
-    """Every file ``harness init`` would write: repository-relative path -> content.
-
-    Each suite gets only the entries ``harness inventory`` accepts (:func:`runs_on`), plus for
-    each accelerator one ``device`` entry per path of ``device_paths``; an accelerator suite
-    with none is not written. A suite that loads (for the same device), or a case list that
-    validates, is the user's: kept. Why things are left out goes to ``notes``. Raises
-    ``InitError`` when pytest found no test file, or the workflows have no harness ref to
-    install from (``harness_ref``, else where the installed harness came from).
-    """
+    """Every file ``harness init`` would write: repository-relative path -> content. Each suite
+    gets only entries ``harness inventory`` accepts (:func:`runs_on`), each accelerator suite
+    one ``device`` entry per path of ``device_paths`` (with no entry it is not written); a
+    suite that loads (for its device), or a case list that validates, is kept. Why goes to
+    ``notes``. ``InitError``: pytest found no test file, or the workflows have no harness ref
+    to install from (``harness_ref``, else where the installed harness came from)."""
     notes = [] if notes is None else notes
     all_paths = owned_paths(layout)
     paths = [p for p in all_paths if runs_on(layout, p, "cpu")] or all_paths
