@@ -13,10 +13,8 @@ from pathlib import Path
 
 from harness.suites.manifest import Entry, path_matches
 
-#: The default of a manifest's ``run_everything_on``: a change to any of these runs
-#: everything, for they decide what and how every case runs: the suites, the build and every
-#: file pytest may read its configuration from, any ``conftest.py``, the noxfile, CI
-#: workflows, dependency lockfiles and requirement lists.
+#: The default of a manifest's ``run_everything_on``: files that decide what and how every
+#: case runs (suites, build and pytest configuration, conftest, CI, dependency pins).
 RUN_EVERYTHING: tuple[str, ...] = (
     "suites",
     "pyproject.toml",
@@ -47,10 +45,8 @@ RUN_EVERYTHING: tuple[str, ...] = (
 
 @dataclass(frozen=True)
 class ChangeSelection:
-    """Which entries to run and why (``reason`` is one line for the log).
-
-    ``everything`` is True when the change (or not knowing it) forced every entry to run.
-    """
+    """Which entries to run, whether the change (or not knowing it) forced ``everything``, and
+    why (``reason``, one line for the log)."""
 
     entries: frozenset[str]
     everything: bool
@@ -77,24 +73,11 @@ def run_git(root: Path, *args: str) -> tuple[str | None, str]:
     return None, f"git {args[0]}: {error}"
 
 
-def in_git_folder(root: Path) -> Path | None:
-    """The top of the git repository whose folder (not its top) ``root`` is, found without
-    git (a ``.git`` entry in a folder above); None at a repository's top or outside one."""
-    here = root.resolve()
-    if (here / ".git").exists():
-        return None
-    return next((d for d in here.parents if (d / ".git").exists()), None)
-
-
 def changed_files(root: Path, ref: str) -> tuple[list[str] | None, str]:
     """The files that differ between the merge base of ``ref`` and ``HEAD`` and the working
-    tree (committed, staged, unstaged and untracked changes; renames count as both names;
-    a submodule as its folder), as paths from ``root``, and ``""``; or ``None`` and why git
-    cannot tell (an unknown ref, no merge base, not a repository, no git).
-
-    The harness's root may be a folder of the git repository (a monorepo's project): a
-    change outside it is given as a path from the root (``../libs/x.py``), and runs every
-    entry (:func:`select`): a test may read anything in the repository."""
+    tree (committed, staged, unstaged, untracked; a rename as both names), as paths from
+    ``root`` (``../x`` outside it, in a monorepo), and ``""``; or ``None`` and why git cannot
+    tell (an unknown ref, no merge base, not a repository, no git)."""
     out, why = run_git(root, "rev-parse", "--show-toplevel")
     if not out or not out.strip():
         return None, why or f"git rev-parse: no top folder for {root}"
@@ -115,13 +98,8 @@ def changed_files(root: Path, ref: str) -> tuple[list[str] | None, str]:
     untracked, why = run_git(top, "ls-files", "-z", "--others", "--exclude-standard")
     if untracked is None:
         return None, why
-    try:
-        here = root.resolve().relative_to(top).as_posix()
-    except ValueError:
-        return None, f"{root} is not inside its git repository's top {top}"
+    here = root.resolve().relative_to(top).as_posix()  # git found top from root: it holds it
     names = {name for name in (diff + untracked).split("\0") if name}
-    if here == ".":
-        return sorted(names), ""
     return sorted(posixpath.relpath(name, here) for name in names), ""
 
 
@@ -132,12 +110,10 @@ def select(
     *,
     run_everything_on: Sequence[str] | None = None,
 ) -> ChangeSelection:
-    """The entries a change makes run: every entry when ``changed`` is ``None`` (the changed
-    files are unknown; ``unknown`` says why), when a changed file matches a glob of
-    ``run_everything_on`` (a manifest's; ``None``: :data:`RUN_EVERYTHING`) or lies outside
-    the harness's root (a monorepo's other folders: a test may read them); else each entry
-    whose ``depends_on`` globs or own test paths match a changed file, and each entry
-    without ``depends_on``."""
+    """The entries a change makes run: every entry when ``changed`` is ``None`` (unknown, for
+    the reason ``unknown``), or a changed file matches ``run_everything_on`` (``None``:
+    :data:`RUN_EVERYTHING`) or lies outside the root (a test may read it); else each entry
+    whose ``depends_on`` globs or own paths match a changed file, and each without them."""
     everything_on = RUN_EVERYTHING if run_everything_on is None else run_everything_on
     all_ids = frozenset(e.id for e in entries)
     if changed is None:

@@ -1,7 +1,5 @@
-"""The ``harness`` command (also ``python -m harness``): ``inventory``, ``run``, ``matrix``,
-``durations``, ``init``, one ``_add_<name>`` per subcommand in :data:`SUBCOMMANDS` (docs/suites.md, "The
-harness command", says what each does).
-"""
+"""The ``harness`` command (also ``python -m harness``): one ``_add_<name>`` per subcommand in
+:data:`SUBCOMMANDS` (docs/suites.md, "The harness command", says what each does)."""
 
 from __future__ import annotations
 
@@ -14,12 +12,14 @@ import signal
 import sys
 from collections import Counter
 from collections.abc import Callable, Sequence
+from dataclasses import fields
 from pathlib import Path
 
 from harness.names import EXIT_FAILED, EXIT_OK, EXIT_USAGE, WARNING_RULES
 from harness.suites import changes
+from harness.suites.durations import DurationsError, refresh
 from harness.suites.init import add_parser as _add_init
-from harness.suites.inventory import SuiteInventory, build_inventory
+from harness.suites.inventory import build_inventory
 from harness.suites.manifest import find_root, suite_name
 from harness.suites.plan import PlanError, plan_suite
 from harness.suites.run import RunOptions, load_suite, run_suite
@@ -29,9 +29,8 @@ from harness.suites.workflows import DISTRIBUTION
 def number(
     kind: type[int] | type[float], *, minimum: float, above: bool = False
 ) -> Callable[[str], float]:
-    """An argparse ``type=`` for a finite ``kind`` (int or float) ``>= minimum``
-    (``> minimum`` when ``above``): anything else is a usage error (exit 2)
-    naming the value and the bound, never a traceback or a NaN downstream."""
+    """An argparse ``type=`` for a finite ``kind`` ``>= minimum`` (``> minimum`` when ``above``):
+    anything else is a usage error (exit 2) naming the value and the bound."""
     expected = f"expected {'an integer' if kind is int else 'a finite number'} {'>' if above else '>='} {minimum:g}"
 
     def parse(text: str) -> float:
@@ -138,7 +137,6 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
         help="stop the run after M minutes (default: the runner's timeout_minutes in CI, "
         "where CI is set; no limit elsewhere)",
     )
-    # pytest's options, and everything after `--`, pass through to pytest.
     run.set_defaults(handler=_cmd_run, takes_pytest_args=True)
 
 
@@ -188,8 +186,8 @@ def _add_durations(sub: argparse._SubParsersAction) -> None:
     du.set_defaults(handler=_cmd_durations)
 
 
-#: One function per subcommand, adding its parser (and its handler as ``handler``, and the
-#: ``takes_pytest_args`` / ``root_is_cwd`` defaults when it differs from the rest); in help order.
+#: One function per subcommand, in help order, adding its parser with its ``handler`` (and
+#: ``takes_pytest_args`` / ``root_is_cwd`` through ``set_defaults`` where they are true).
 SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
     _add_inventory,
     _add_run,
@@ -204,34 +202,33 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--version", action=_VersionAction, nargs=0, help="print the harness version and exit"
     )
-    root_help = (
-        "repository root (default: the nearest directory above the working one with suites/)"
-    )
-    p.add_argument("--root", type=Path, default=None, help=root_help)
-    # What a subcommand's parser may change with set_defaults: whether it passes unknown
-    # options and `--` arguments to pytest, and whether the repository root defaults to the
-    # working directory instead of the nearest one above it with suites/.
+    above = "the nearest directory above the working one with suites/"
+    p.add_argument("--root", type=Path, default=None, help=f"repository root (default: {above})")
     p.set_defaults(takes_pytest_args=False, root_is_cwd=False)
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for add in SUBCOMMANDS:
         add(sub)
-    for command in sub.choices.values():
-        # Before or after the subcommand alike (`harness init --root DIR`, as messages say).
-        here = "the working directory" if command.get_default("root_is_cwd") else None
+    for command in sub.choices.values():  # before or after the subcommand alike
+        here = "the working directory" if command.get_default("root_is_cwd") else above
         command.add_argument(
             "--root",
             type=Path,
             default=argparse.SUPPRESS,
-            help=f"repository root (default: {here})" if here else root_help,
+            help=f"repository root (default: {here})",
         )
     return p
 
 
-def _print_inventory(
-    inv: SuiteInventory, suites: Sequence[str], quiet: bool, every_case: bool
-) -> None:
-    cases = inv.as_dict(suites or None)["cases"]
-    if not quiet and every_case and cases:
+def _cmd_inventory(root: Path, args: argparse.Namespace) -> int:
+    inv = build_inventory(root, args.suites or None)
+    listed = inv.as_dict([suite_name(s) for s in args.suites] or None)
+    warned = sum(p.rule in WARNING_RULES for p in inv.problems)
+    code = EXIT_FAILED if len(inv.problems) > warned else EXIT_OK
+    if args.json:
+        print(json.dumps(listed, indent=1))
+        return code
+    cases = listed["cases"]
+    if cases and args.cases and not args.quiet:
         w = min(max(len(c["nodeid"]) for c in cases), 110)
         print(f"{'CASE':<{w}}  DEVICE NPROC CARDS  ENTRIES")
         for c in cases:
@@ -239,7 +236,7 @@ def _print_inventory(
             print(
                 f"{c['nodeid']:<{w}}  {c['device']:<6} {c['nproc']:>5} {c['cards']:>5}  {entries}"
             )
-    elif not quiet and cases:  # one line per owning entry: cases, devices, most ranks / cards
+    elif cases and not args.quiet:  # one line per owning entry: cases, devices, most ranks / cards
         rows: dict[str, list[dict]] = {}
         for c in cases:
             for e in c["entries"] or ["-"]:
@@ -254,21 +251,11 @@ def _print_inventory(
     counts = ", ".join(f"{s} {n}" for s, n in sorted(per_suite.items())) or "none"
     for p in inv.problems:
         print(f"{'warning' if p.rule in WARNING_RULES else 'error'}: {p}", file=sys.stderr)
-    warned = sum(p.rule in WARNING_RULES for p in inv.problems)
     print(
         f"{len(cases)} case(s); per suite: {counts}; {len(inv.problems) - warned} problem(s)"
         + (f", {warned} warning(s)" if warned else "")
     )
-
-
-def _cmd_inventory(root: Path, args: argparse.Namespace) -> int:
-    names = [suite_name(s) for s in args.suites]
-    inv = build_inventory(root, args.suites or None)
-    if args.json:
-        print(json.dumps(inv.as_dict(names or None), indent=1))
-    else:
-        _print_inventory(inv, names, args.quiet, args.cases)
-    return EXIT_FAILED if any(p.rule not in WARNING_RULES for p in inv.problems) else EXIT_OK
+    return code
 
 
 def _cmd_matrix(root: Path, args: argparse.Namespace) -> int:
@@ -276,13 +263,10 @@ def _cmd_matrix(root: Path, args: argparse.Namespace) -> int:
     if loaded is None:
         return EXIT_USAGE
     suite, inv = loaded
-    m, selected = inv.manifests[suite], None
+    m, selected, owned = inv.manifests[suite], None, inv.suite_cases(suite)
+    size = {"shards": args.shards, "target_minutes": args.target_minutes}
     try:
-        owned = inv.suite_cases(suite)
-        shards, minutes = args.shards, args.target_minutes
-        result = plan_suite(
-            root, m, owned, durations=args.durations, shards=shards, target_minutes=minutes
-        )
+        result = plan_suite(root, m, owned, durations=args.durations, **size)
         if args.changed_from:
             changed = changes.changed_files(root, args.changed_from)
             sel = changes.select(m.entries, *changed, run_everything_on=m.run_everything_on)
@@ -296,7 +280,7 @@ def _cmd_matrix(root: Path, args: argparse.Namespace) -> int:
         text = json.dumps(
             {"include": rows}, indent=args.indent, separators=compact, allow_nan=False
         )
-    except (PlanError, ValueError) as e:
+    except ValueError as e:  # PlanError is one
         print(f"harness matrix: {e}", file=sys.stderr)
         return EXIT_USAGE
     print(text)
@@ -314,8 +298,6 @@ def _cmd_matrix(root: Path, args: argparse.Namespace) -> int:
 
 
 def _cmd_durations(root: Path, args: argparse.Namespace) -> int:
-    from harness.suites.durations import DurationsError, refresh
-
     try:
         lines = refresh(root, args.dirs, prune=args.prune)
     except (DurationsError, PlanError) as e:
@@ -327,40 +309,24 @@ def _cmd_durations(root: Path, args: argparse.Namespace) -> int:
 
 
 def _cmd_run(root: Path, args: argparse.Namespace) -> int:
+    # Every RunOptions field is an option of `harness run` of the same name.
     return run_suite(
-        root,
-        RunOptions(
-            suite=args.suite,
-            shard=args.shard,
-            changed_from=args.changed_from,
-            durations_out=args.durations_out,
-            durations=args.durations,
-            out=args.out,
-            workers=args.workers,
-            max_cards=args.max_cards,
-            timeout_minutes=args.timeout_minutes,
-            pytest_args=args.pytest_args,
-        ),
+        root, RunOptions(**{f.name: getattr(args, f.name) for f in fields(RunOptions)})
     )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """The ``harness`` command once its dependencies are known to be installed
-    (``harness.suites.entry`` checks them first); returns the exit code.
-
-    ``harness run`` passes the options it does not know, and everything after the first
-    ``--``, to pytest, which parses them itself. Usage errors exit 2 (argparse's
-    convention) for every subcommand; Ctrl-C exits 130 and a closed stdout (``| head``)
-    141, the codes a shell shows for SIGINT and SIGPIPE, without a traceback.
-    """
+    """The ``harness`` command (``harness.suites.entry`` checks its dependencies first);
+    returns the exit code: usage errors 2, Ctrl-C 130 and a closed stdout (``| head``) 141,
+    as a shell shows SIGINT and SIGPIPE, without a traceback. ``harness run`` passes the
+    options it does not know, and everything after the first ``--``, to pytest."""
     try:
         code = _main(argv)
         if sys.stdout is not None:  # a closed stdout (`>&-`) has none
             sys.stdout.flush()  # a reader gone (`| head`) shows here, not as an error at exit
         return code
     except BrokenPipeError:
-        # What a SIGPIPE would do, without a traceback; stdout goes nowhere from here on,
-        # so that Python's own flush at exit does not fail a second time.
+        # stdout goes nowhere from here on, so that Python's flush at exit does not fail again.
         with contextlib.suppress(OSError, ValueError, AttributeError):
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 128 + signal.SIGPIPE

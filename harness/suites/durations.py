@@ -1,18 +1,6 @@
-"""``harness durations OUT_DIR...``: fold the case durations runs recorded into
-``suites/durations/<suite>.json``, which the planner balances shards on.
-
-Each argument is searched recursively for ``harness run`` output folders (``plan.json`` next
-to ``junit.xml``). A figure is a case's share of the wall time of the pytest run that ran it:
-its JUnit seconds scaled so that the cases of one ``<testsuite>`` add up to the run's wall
-time (xdist workers run side by side, and every run pays start-up and collection), for every
-case pytest reported, failed and skipped ones included; not for the cases ``harness run``
-added for pytest (not run, never collected, in a pytest that was killed). Figures are merged:
-cases absent from the runs keep theirs; ``prune`` drops node ids the suite no longer has.
-
-Shares depend on the load and runner a case ran under, so a run records its **context**
-(``summary.json``: runner class, xdist workers, CPUs, cards) and the durations file the
-contexts of the runs it was refreshed from (``recorded_with``); a refresh from a run whose
-context differs from every recorded one says so.
+"""``harness durations OUT_DIR...``: fold each case's share of its run's wall time, from
+``harness run`` output folders, into ``suites/durations/<suite>.json`` with the runs' contexts
+(``recorded_with``); docs/suites.md, "Recorded durations", says what a figure is.
 """
 
 from __future__ import annotations
@@ -23,9 +11,9 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from harness.errors import HarnessError
-from harness.suites import report
-from harness.suites.manifest import ManifestError, read_json, rel
-from harness.suites.plan import default_durations_path, load_durations, write_durations
+from harness.suites import plan, report
+from harness.suites.inventory import build_inventory
+from harness.suites.manifest import rel
 
 
 class DurationsError(HarnessError):
@@ -64,9 +52,8 @@ def describe(context: Mapping[str, Any]) -> str:
 
 def refresh(root: Path, folders: Sequence[Path], *, prune: bool = False) -> list[str]:
     """Fold the runs under ``folders`` into their suites' durations files under ``root``;
-    returns what was done, one line each, notes on runs of a different context included.
-    Raises ``DurationsError`` when no ``harness run`` output is found, ``PlanError`` when a
-    durations file cannot be read."""
+    returns what was done, one line each (notes on runs of another context included).
+    ``DurationsError``: no ``harness run`` output found; ``PlanError``: a file unreadable."""
     runs: list[RunShares] = []
     for d in folders:
         if not d.is_dir():
@@ -77,8 +64,8 @@ def refresh(root: Path, folders: Sequence[Path], *, prune: bool = False) -> list
         raise DurationsError(f"no `harness run` output (plan.json + junit.xml) under {where}")
     lines = [f"{r.folder}: {r.suite}: {len(r.seconds)} case(s) ran" for r in runs]
     for suite in sorted({r.suite for r in runs}):
-        path = default_durations_path(root, suite)
-        before = _recorded_contexts(path)
+        path = plan.default_durations_path(root, suite)
+        before = plan.recorded_contexts(path)
         for r in [r for r in runs if r.suite == suite]:
             if r.context and before and r.context not in before:
                 lines.append(
@@ -94,24 +81,11 @@ def refresh(root: Path, folders: Sequence[Path], *, prune: bool = False) -> list
             if c not in contexts:
                 contexts.append(c)
         seconds = {n: s for r in runs if r.suite == suite for n, s in r.seconds.items()}
-        keep = _suite_cases(root, suite) if prune else None
-        write_durations(path, suite, seconds, contexts=contexts, keep=keep)
-        total = len(load_durations(path))
+        keep = None
+        if prune:
+            inv = build_inventory(root, [suite], check_ownership=False)
+            keep = {c.nodeid for c, _ in inv.suite_cases(suite)}
+        plan.write_durations(path, suite, seconds, contexts=contexts, keep=keep)
+        total = len(plan.load_durations(path))
         lines.append(f"{rel(path, root)}: {total} case(s), {len(seconds)} refreshed")
     return lines
-
-
-def _recorded_contexts(path: Path) -> list[dict[str, Any]]:
-    try:
-        doc = read_json(path, path.parent) if path.is_file() else {}
-    except ManifestError:
-        return []
-    found = doc.get("recorded_with") if isinstance(doc, dict) else None
-    return [c for c in found if isinstance(c, dict)] if isinstance(found, list) else []
-
-
-def _suite_cases(root: Path, suite: str) -> set[str]:
-    from harness.suites.inventory import build_inventory
-
-    inv = build_inventory(root, [suite], check_ownership=False)
-    return {c.nodeid for c, _ in inv.suite_cases(suite)}

@@ -1,12 +1,6 @@
-"""``harness init``: scaffold a repository's suites from pytest's own configuration.
-
-The inventory's collect-only run from the root says what pytest would run. ``suites/cpu.json``
-owns the ``testpaths`` that hold tests, else the folders holding the collected files;
-``--accelerators`` adds one suite per accelerator, all including ``suites/cases/accelerator.json``
-(the paths holding cases that declare the device), and ``--device-paths`` one ``device`` entry
-per named path. A file that did not load here never makes an accelerator entry. Writing is
-idempotent and refuses to clobber (``--force``); a suite or case list of yours that still
-loads is kept. ``.gitignore`` gets ``out/``.
+"""``harness init``: scaffold a repository's ``suites/`` (and, with ``--workflows``, its
+workflows) from what pytest's own configuration collects (docs/harness.md, "Adopting the
+harness in another repository").
 """
 
 from __future__ import annotations
@@ -26,7 +20,6 @@ from harness.devices import device_type
 from harness.errors import HarnessError
 from harness.jsonio import write_text
 from harness.names import EXIT_FAILED, EXIT_OK, EXIT_USAGE
-from harness.suites.changes import in_git_folder
 from harness.suites.inventory import collect, is_test_module
 from harness.suites.manifest import (
     SCHEMA_FILE,
@@ -48,7 +41,7 @@ ACCELERATOR_TIMEOUT_MINUTES = 60
 
 
 class InitError(HarnessError):
-    """``harness init`` cannot proceed; ``code`` is the exit status (1 or 2)."""
+    """``harness init`` cannot proceed; ``code`` is the exit status (1, or 2 for usage)."""
 
     def __init__(self, message: str, code: int = EXIT_FAILED):
         super().__init__(message)
@@ -57,10 +50,9 @@ class InitError(HarnessError):
 
 @dataclass(frozen=True)
 class PytestLayout:
-    """What pytest's configuration says about a repository: the configuration file it used,
-    ``testpaths``, the test files it collected (sorted), the most cards an accelerator case
-    needs, collection errors, ``(file, device)`` of every case, and the test files that
-    yield no case (an import error, a module-level skip)."""
+    """What pytest collects in a repository: its configuration file, ``testpaths``, the test
+    files (sorted), the most cards an accelerator case needs, collection errors, ``(file,
+    device)`` of every case, and the files yielding no case (an import error, a skip)."""
 
     rootdir: Path
     inifile: Path | None
@@ -72,29 +64,19 @@ class PytestLayout:
     unloadable: tuple[str, ...] = ()
 
 
-def _configures(inifile: Path) -> bool:
-    """Whether the file pytest chose configures it: pytest falls back to a ``pyproject.toml``
-    without a ``[tool.pytest...]`` table, which configures nothing."""
-    if inifile.name != "pyproject.toml":
-        return True
-    text = inifile.read_text(errors="replace")
-    return re.search(r"^\s*\[\s*tool\s*\.\s*pytest\s*[\].]", text, re.M) is not None
-
-
 def read_pytest_layout(root: Path) -> PytestLayout:
     """Ask pytest (the inventory's collect-only run from ``root``) what it would run; raises
-    ``InitError`` when pytest itself fails, or when the configuration pytest uses lies in a
-    folder above ``root``."""
+    ``InitError`` when pytest fails, or when its configuration lies in a folder above ``root``
+    (suites written here would not be found)."""
     root = root.resolve()
     found = collect(root, None)
     ini = found.inipath
-    if (
-        ini is not None
-        and ini.parent != root
-        and root.is_relative_to(ini.parent)
-        and _configures(ini)
-    ):
-        # A subfolder of the project: suites written here would not be found.
+    # pytest falls back to a pyproject.toml without a [tool.pytest...] table: it configures nothing.
+    configures = ini is not None and (
+        ini.name != "pyproject.toml"
+        or re.search(r"^\s*\[\s*tool\s*\.\s*pytest\s*[\].]", ini.read_text(errors="replace"), re.M)
+    )
+    if configures and ini.parent != root and root.is_relative_to(ini.parent):
         raise InitError(
             f"{root} is inside the project that {ini} configures: run harness init "
             f"in {ini.parent} (or pass --root {ini.parent})",
@@ -118,9 +100,8 @@ def read_pytest_layout(root: Path) -> PytestLayout:
 
 
 def owned_paths(layout: PytestLayout) -> list[str]:
-    """The paths ``suites/cpu.json`` should own, sorted: the ``testpaths`` that hold a
-    collected file; else the folders holding the collected files (a top-level file by name);
-    nested paths dropped."""
+    """The paths ``suites/cpu.json`` owns, sorted: the ``testpaths`` holding a collected file,
+    else the folders holding the collected files (a top-level file by name); nested ones dropped."""
     files = layout.files
     candidates = [t for t in layout.testpaths if any(path_matches(f, t) for f in files)]
     if not candidates:
@@ -133,10 +114,9 @@ def owned_paths(layout: PytestLayout) -> list[str]:
 
 
 def runs_on(layout: PytestLayout, path: str, device: str) -> bool:
-    """True when a suite on ``device`` would own something under ``path``: a case of that
-    device, or, on cpu, a file that yields no case (the run reports it); ``harness
-    inventory`` calls an entry owning neither ``entry-matches-nothing``. A file that did not
-    load here says nothing of the device its cases run on: no accelerator entry comes of it."""
+    """True when a suite on ``device`` would own something under ``path`` (else the inventory
+    says ``entry-matches-nothing``): a case of that device, or on cpu a file yielding no case
+    (a file that did not load says nothing of its cases' device)."""
     if any(d == device and path_matches(f, path) for f, d in layout.cases):
         return True
     return device == "cpu" and any(path_matches(f, path) for f in layout.unloadable)
@@ -155,9 +135,8 @@ def _entries(paths: Sequence[str]) -> list[dict[str, Any]]:
 
 
 def schema_ref(root: Path, manifest_dir: Path) -> dict[str, str]:
-    """``{"$schema": path}`` for a manifest in ``manifest_dir``: the installed schema's path
-    relative to it when the installed harness lies inside ``root``; else ``{}`` (nothing
-    there would resolve on another machine)."""
+    """``{"$schema": relative path}`` for a manifest in ``manifest_dir`` when the installed
+    harness lies inside ``root``; else ``{}`` (it would not resolve on another machine)."""
     schema = Path(__file__).resolve().parent / SCHEMA_FILE
     if not schema.is_relative_to(root.resolve()):
         return {}
@@ -165,17 +144,12 @@ def schema_ref(root: Path, manifest_dir: Path) -> dict[str, str]:
 
 
 def _gitignore(root: Path) -> str | None:
-    """``.gitignore`` with ``out/`` (``harness run``'s output) appended; None when a line
-    already names it."""
+    """``.gitignore`` with ``out/`` appended; None when a line already names it."""
     path = root / ".gitignore"
     text = path.read_text(encoding="utf-8") if path.is_file() else ""
     if "out" in (line.strip().strip("/") for line in text.splitlines()):
         return None
     return text + "\n" * (text != "" and not text.endswith("\n")) + "out/\n"
-
-
-def _dump(doc: dict[str, Any]) -> str:
-    return json.dumps(doc, indent=2) + "\n"
 
 
 def render(
@@ -187,16 +161,12 @@ def render(
     harness_ref: str | None = None,
     device_paths: Sequence[str] = (),
 ) -> dict[str, str]:
-    """Every file ``harness init`` would write: repository-relative path -> content.
-
-    Each suite gets only the entries ``harness inventory`` accepts (:func:`runs_on`), plus
-    for each accelerator one ``device`` entry per path of ``device_paths``; an accelerator
-    suite with none is not written (why goes to ``notes``). A suite in ``suites/`` that
-    loads (for the same device), or a case list that validates, is yours: kept, ``--force``
-    or not (said in ``notes``; the cpu workflow follows the kept cpu suite). Raises
-    ``InitError`` when pytest found no test file to own, or the workflows have no harness
-    ref to install from (``harness_ref``, else where the installed harness came from).
-    """
+    """Every file ``harness init`` would write: repository-relative path -> content. Each suite
+    gets only entries ``harness inventory`` accepts (:func:`runs_on`), each accelerator suite
+    one ``device`` entry per path of ``device_paths`` (with no entry it is not written); a
+    suite that loads (for its device), or a case list that validates, is kept. Why goes to
+    ``notes``. ``InitError``: pytest found no test file, or the workflows have no harness ref
+    to install from (``harness_ref``, else where the installed harness came from)."""
     notes = [] if notes is None else notes
     all_paths = owned_paths(layout)
     paths = [p for p in all_paths if runs_on(layout, p, "cpu")] or all_paths
@@ -205,20 +175,16 @@ def render(
             f"pytest collects no test file from {root} (see its python_files and testpaths); "
             "add a test (or set testpaths) and run `harness init` again"
         )
-    suites_dir = root / SUITES_DIR
     source = rel(layout.inifile, root) if layout.inifile else f"rootdir {rel(layout.rootdir, root)}"
-    files = {
-        f"{SUITES_DIR}/cpu.json": _dump(
-            {
-                **schema_ref(root, suites_dir),
-                "suite": "cpu",
-                "description": "Written by `harness init` from pytest's configuration "
-                f"({source}): every collected test that runs on CPU.",
-                "device": "cpu",
-                "runner": dict(CPU_RUNNER),
-                "entries": _entries(paths),
-            }
-        )
+    docs: dict[str, dict[str, Any]] = {
+        f"{SUITES_DIR}/cpu.json": {
+            "suite": "cpu",
+            "description": "Written by `harness init` from pytest's configuration "
+            f"({source}): every collected test that runs on CPU.",
+            "device": "cpu",
+            "runner": dict(CPU_RUNNER),
+            "entries": _entries(paths),
+        }
     }
     on_disk = {m.suite: m for m in load_suites(root)[0]}  # yours when it loads
     owned = {*accelerators, *(m.device for m in on_disk.values())}
@@ -232,7 +198,15 @@ def render(
         p for p in all_paths if accelerators and all(runs_on(layout, p, d) for d in accelerators)
     ]
     if accelerators:
-        notes.extend(_unloaded_notes(layout, device_paths))
+        # A file that did not load here makes no accelerator entry unless a device path holds it.
+        left = [f for f in layout.unloadable if not any(path_matches(f, p) for p in device_paths)]
+        if left:
+            shown = ", ".join(left[:5]) + (f" and {len(left) - 5} more" if len(left) > 5 else "")
+            notes.append(
+                f"{len(left)} test file(s) did not load here ({shown}): no accelerator entry is "
+                "written for them (the cpu suite owns them); name the folders whose tests run on "
+                "an accelerator with --device-paths, or run `harness init` where they load"
+            )
         if not shared and not device_paths:
             notes.append(
                 f"no collected case runs on {', '.join(accelerators)} (parametrize tests with "
@@ -242,38 +216,37 @@ def render(
             )
             accelerators = []
     if shared:
-        files[f"{SUITES_DIR}/{SHARED_CASES}"] = _dump(
-            {
-                **schema_ref(root, (suites_dir / SHARED_CASES).parent),
-                "description": "Device-sensitive cases shared by the accelerator suites: each "
-                "suite keeps the variants for its own device.",
-                "entries": _entries(shared),
-            }
-        )
+        docs[f"{SUITES_DIR}/{SHARED_CASES}"] = {
+            "description": "Device-sensitive cases shared by the accelerator suites: each "
+            "suite keeps the variants for its own device.",
+            "entries": _entries(shared),
+        }
     cards = max(1, layout.launched_cards)
+    plain = _entries(device_paths)  # their plain cases run on the device, one card each
     for device in accelerators:
         suite = device_type(device).suite
         what = [f"the shared accelerator case list, {device} variants"] * bool(shared)
         what += [f"the plain tests of {', '.join(device_paths)}"] * bool(device_paths)
-        files[f"{SUITES_DIR}/{suite}.json"] = _dump(
-            {
-                **schema_ref(root, suites_dir),
-                "suite": suite,
-                "description": f"{device} runners: {'; '.join(what)}.",
-                "device": device,
-                "runner": {
-                    "name": f"{suite}-{cards}",
-                    "labels": ["self-hosted", "linux", suite],
-                    "cards": cards,
-                    "timeout_minutes": ACCELERATOR_TIMEOUT_MINUTES,
-                },
-                "entries": [{"include": f"{SUITES_DIR}/{SHARED_CASES}"}] * bool(shared)
-                + device_entries(device_paths, device),
-            }
-        )
+        docs[f"{SUITES_DIR}/{suite}.json"] = {
+            "suite": suite,
+            "description": f"{device} runners: {'; '.join(what)}.",
+            "device": device,
+            "runner": {
+                "name": f"{suite}-{cards}",
+                "labels": ["self-hosted", "linux", suite],
+                "cards": cards,
+                "timeout_minutes": ACCELERATOR_TIMEOUT_MINUTES,
+            },
+            "entries": [{"include": f"{SUITES_DIR}/{SHARED_CASES}"}] * bool(shared)
+            + [{**e, "id": f"{e['id']}-{device}", "device": device} for e in plain],
+        }
+    files = {
+        path: json.dumps({**schema_ref(root, (root / path).parent), **doc}, indent=2) + "\n"
+        for path, doc in docs.items()
+    }
     cpu_minutes = CPU_RUNNER["timeout_minutes"]
-    for path in [p for p in files if p.startswith(f"{SUITES_DIR}/")]:
-        target, wanted = root / path, json.loads(files[path])
+    for path, wanted in docs.items():
+        target = root / path
         if not target.is_file() or target.read_bytes() == files[path].encode("utf-8"):
             continue
         if "suite" in wanted:  # yours when it loads, for the device asked for
@@ -307,15 +280,16 @@ def _workflows(
     cpu_minutes: int,
     harness_ref: str | None,
 ) -> dict[str, str]:
-    """``--workflows``: the cpu suite's, and those of the accelerator suites written and
-    already there; refused in a folder of a git repository (GitHub reads only the top's)."""
-    top = in_git_folder(root)
-    if top is not None:
+    """``--workflows``: those of the cpu suite and of the accelerator suites written or there;
+    refused in a folder of a git repository (GitHub reads only the top's)."""
+    here = root.resolve()  # a folder of a git repository, not its top: a .git above, none here
+    top = next((d for d in here.parents if (d / ".git").exists()), None)
+    if top is not None and not (here / ".git").exists():
         raise InitError(
             f"--workflows: {root} is a folder of the git repository {top}, and GitHub "
             f"reads workflows only from {top / '.github/workflows'}. Run `harness init` "
             "here without --workflows, and write the workflow at the top with `defaults: "
-            f"run: working-directory: {root.resolve().relative_to(top)}`",
+            f"run: working-directory: {here.relative_to(top)}`",
             EXIT_USAGE,
         )
     try:
@@ -326,35 +300,14 @@ def _workflows(
     for name, m in sorted(on_disk.items()):
         if m.device != "cpu":
             suites.setdefault(name, (m.device, m.runners))
-    listed = [(name, d, runners) for name, (d, runners) in suites.items()]
+    listed = [(name, *how) for name, how in suites.items()]
     return init_workflows(root, listed, cpu_timeout_minutes=cpu_minutes, source=source)
-
-
-def device_entries(paths: Sequence[str], device: str) -> list[dict[str, Any]]:
-    """One entry per path the user named (``--device-paths``): its plain cases run on
-    ``device``, one card each (the entry's ``cards``, for the user to raise)."""
-    return [{**e, "id": f"{e['id']}-{device}", "device": device} for e in _entries(paths)]
-
-
-def _unloaded_notes(layout: PytestLayout, device_paths: Sequence[str]) -> list[str]:
-    """What ``harness init`` tells of the test files that did not load here: no accelerator
-    entry is written for them unless a ``--device-paths`` path holds them."""
-    left = [f for f in layout.unloadable if not any(path_matches(f, p) for p in device_paths)]
-    if not left:
-        return []
-    shown = ", ".join(left[:5]) + (f" and {len(left) - 5} more" if len(left) > 5 else "")
-    return [
-        f"{len(left)} test file(s) did not load here ({shown}): no accelerator entry is "
-        "written for them (the cpu suite owns them); name the folders whose tests run on an "
-        "accelerator with --device-paths, or run `harness init` where they load"
-    ]
 
 
 def write(root: Path, files: dict[str, str], force: bool) -> list[tuple[str, str]]:
     """Write ``files`` under ``root``; returns ``(path, "written" | "unchanged" | "appended"
-    | "overwritten")``. Refuses (``InitError`` with code 2, nothing written) when a file
-    exists with other content (``.gitignore``: more than the line init appends) and ``force``
-    is false."""
+    | "overwritten")``. Without ``force``, a file with other content (``.gitignore``: beyond
+    the line appended) is refused: ``InitError`` (code 2), nothing written."""
     actions = []
     for path, text in files.items():
         target, new = root / path, text.encode("utf-8")
@@ -378,9 +331,6 @@ def write(root: Path, files: dict[str, str], force: bool) -> list[tuple[str, str
         if action != "unchanged":
             write_text(root / path, files[path])
     return actions
-
-
-# --------------------------------------------------------------------------- CLI
 
 
 def _devices(text: str) -> list[str]:
@@ -437,34 +387,28 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="overwrite files that exist with other content (not your suite manifests and "
         "case list that still load: delete one to have it written anew)",
     )
-    # init writes suites/, so it starts where it is asked to, not at an existing suites/ above.
+    # It writes suites/, so it starts where it is asked to, not at an existing suites/ above.
     p.set_defaults(handler=cmd_init, root_is_cwd=True)
 
 
-def _check_device_paths(root: Path, accelerators: Sequence[str], paths: Sequence[str]) -> None:
-    """``--device-paths`` needs ``--accelerators`` and paths inside ``root`` that exist."""
-    if paths and not accelerators:
-        raise InitError(
-            "--device-paths names paths whose tests run on an accelerator: say which with "
-            "--accelerators (e.g. --accelerators cuda)",
-            EXIT_USAGE,
-        )
-    for p in paths:
-        target = (root / p).resolve()
-        if os.path.isabs(p) or not target.is_relative_to(root.resolve()):
-            raise InitError(f"--device-paths: {p!r} is not a path inside {root}", EXIT_USAGE)
-        if not target.exists():
-            raise InitError(f"--device-paths: {p!r} does not exist in {root}", EXIT_USAGE)
-
-
 def cmd_init(root: Path, args: argparse.Namespace) -> int:
-    """``harness init``: print what was written; the exit code (0, 1, or 2 on a refused overwrite)."""
+    """``harness init``: write the files, print what was done; the exit code (0, 1 or 2)."""
+    accel, paths, notes = args.accelerators, args.device_paths, []
     try:
-        _check_device_paths(root, args.accelerators, args.device_paths)
+        if paths and not accel:
+            raise InitError(
+                "--device-paths names paths whose tests run on an accelerator: say which with "
+                "--accelerators (e.g. --accelerators cuda)",
+                EXIT_USAGE,
+            )
+        for p in paths:
+            target = (root / p).resolve()
+            if os.path.isabs(p) or not target.is_relative_to(root.resolve()):
+                raise InitError(f"--device-paths: {p!r} is not a path inside {root}", EXIT_USAGE)
+            if not target.exists():
+                raise InitError(f"--device-paths: {p!r} does not exist in {root}", EXIT_USAGE)
         layout = read_pytest_layout(root)
-        notes: list[str] = []
-        accel, paths, ref = args.accelerators, args.device_paths, args.harness_ref
-        files = render(root, layout, accel, args.workflows, notes, ref, paths)
+        files = render(root, layout, accel, args.workflows, notes, args.harness_ref, paths)
         actions = write(root, files, args.force)
     except InitError as e:
         print(f"harness init: {e}", file=sys.stderr)
@@ -474,10 +418,11 @@ def cmd_init(root: Path, args: argparse.Namespace) -> int:
         f"inifile {layout.inifile or 'none'}, testpaths {' '.join(layout.testpaths) or '-'}, "
         f"{len(layout.files)} test file(s)"
     )
-    for line in [
-        f"warning: collection error (the file is still owned): {e}" for e in layout.errors
-    ]:
-        print(f"harness init: {line}", file=sys.stderr)
+    for e in layout.errors:
+        print(
+            f"harness init: warning: collection error (the file is still owned): {e}",
+            file=sys.stderr,
+        )
     for note in notes:
         print(f"harness init: note: {note}", file=sys.stderr)
     for path, action in actions:

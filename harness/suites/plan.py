@@ -1,11 +1,6 @@
-"""Shard planning: partition a suite's cases onto CI runners, balanced by duration.
-
-Durations come from a recorded file (``suites/durations/<suite>.json`` when checked in),
-else the median recorded duration of the case's entry, else the entry's ``estimated_s``.
-Cases are placed longest-first, each on the least-loaded shard whose runner has the cards
-it needs (LPT: the longest shard stays within ``mean + longest case``). The partition for
-``N`` shards is a pure function of the cases, their durations and ``N``: every shard job
-of a CI matrix recomputes it and picks its own shard.
+"""Shard planning: partition a suite's cases onto CI runners, balanced by recorded durations
+(longest case first onto the least-loaded shard that fits it). The partition is a pure function
+of the cases, their durations and the shard count: every shard job recomputes it.
 """
 
 from __future__ import annotations
@@ -28,7 +23,6 @@ if TYPE_CHECKING:
     from harness.suites.inventory import CollectedCase
     from harness.suites.manifest import Entry
 
-DURATIONS_DIR = "durations"
 #: Minutes a CI job gets beyond its runner's ``timeout_minutes``, where ``harness run``
 #: stops pytest and still writes its summary: checkout, install and artifact upload.
 JOB_SETUP_MINUTES = 10
@@ -40,18 +34,14 @@ class PlanError(HarnessError, ValueError):
 
 @dataclass(frozen=True)
 class PlannedCase:
-    """A case as the planner sees it: its entry, cards and expected seconds.
-
-    ``basis`` says where ``seconds`` came from: ``recorded``, ``entry-median``
-    or ``estimated``.
-    """
+    """A case as the planner sees it: its entry, cards, expected ``seconds`` (``basis``: from
+    ``recorded``, ``entry-median`` or ``estimated``) and ``nodes`` (its runner's at least)."""
 
     nodeid: str
     entry: str
     cards: int
     seconds: float
     basis: str = "estimated"
-    #: nodes the case runs on (``LaunchSpec.nnodes``): its runner must provide them
     nodes: int = 1
 
 
@@ -66,7 +56,6 @@ class PlannedShard:
 
     @property
     def load(self) -> float:
-        """Planned case seconds."""
         return sum(c.seconds for c in self.cases)
 
     @property
@@ -77,32 +66,26 @@ class PlannedShard:
 
 @dataclass
 class Plan:
-    """A suite's shards in order; ``warnings``: why the plan may not fit its runners (a shard
-    count the caller chose that puts shards over their runner's budget)."""
+    """A suite's shards in order; ``warnings``: shards a caller-chosen count put over budget."""
 
     suite: str
     shards: list[PlannedShard]
     warnings: list[str] = field(default_factory=list)
 
     def shard(self, index: int) -> PlannedShard:
-        """Shard ``index`` (1-based); ``PlanError`` when out of range."""
-        if not 1 <= index <= len(self.shards):
-            raise PlanError(f"shard {index} does not exist; the plan has {len(self.shards)}")
+        """Shard ``index`` (1-based, as :func:`parse_shard` checked it against the count)."""
         return self.shards[index - 1]
 
     def balance(self) -> float:
-        """Longest shard load over the mean shard load (1.0 is perfect; 1.0 when empty)."""
+        """Longest shard load over the mean shard load (1.0 is perfect, and when all are empty)."""
         loads = [s.load for s in self.shards]
-        mean = sum(loads) / len(loads) if loads else 0.0
+        mean = sum(loads) / len(loads)
         return max(loads) / mean if mean > 0 else 1.0
 
     def matrix(self, entries: Collection[str] | None = None) -> dict[str, Any]:
         """The GitHub Actions matrix: ``{"include": [{"suite", "shard", "runner", ...}]}``.
-
-        With ``entries`` (the ids a change selects), only the shards holding a case of one of
-        them, each counting those cases; their labels stay ``I/N`` of the whole plan, as
-        ``harness run --shard I/N --changed-from REF`` cuts them. ``{"include": []}`` when no
-        shard is left: a matrix job guarded by ``if:`` on it is skipped.
+        With ``entries`` (the ids a change selects), only the shards holding their cases, each
+        counting those; labels stay ``I/N`` of the whole plan (``{"include": []}``: none left).
         """
         rows = []
         for s in self.shards:
@@ -138,20 +121,16 @@ def parse_shard(text: str) -> tuple[int, int]:
     return i, n
 
 
-# --------------------------------------------------------------------------- durations
-
-
 def default_durations_path(root: Path, suite: str) -> Path:
     """Where a suite's checked-in durations live: ``suites/durations/<suite>.json``."""
-    return root / SUITES_DIR / DURATIONS_DIR / f"{suite}.json"
+    return root / SUITES_DIR / "durations" / f"{suite}.json"
 
 
-def load_durations(path: Path | None, *, required: bool = False) -> dict[str, float]:
-    """Recorded seconds per node id from ``{"durations": {nodeid: s}}`` (or a bare
-    mapping). A missing file is empty unless ``required`` (a file the user named), then a
-    ``PlanError``; a malformed one raises ``PlanError`` naming it."""
-    if path is None or not path.is_file():
-        if required and path is not None:
+def load_durations(path: Path, *, required: bool = False) -> dict[str, float]:
+    """Recorded seconds per node id from ``{"durations": {nodeid: s}}`` (or a bare mapping).
+    A missing file is empty unless ``required``; missing then, or malformed: ``PlanError``."""
+    if not path.is_file():
+        if required:
             raise PlanError(f"{path}: no such durations file")
         return {}
     try:
@@ -176,37 +155,41 @@ def write_durations(
     contexts: Sequence[Mapping[str, Any]] | None = None,
     keep: Collection[str] | None = None,
 ) -> None:
-    """Merge ``durations`` into the file at ``path`` (created if absent), atomically.
-
-    Node ids already in the file and absent from ``durations`` are kept, so
-    shards of one suite can record into the same file in turn; with ``keep``, only
-    those of its node ids. ``contexts``: the runs' contexts the figures now come from
-    (``recorded_with``, see :mod:`harness.suites.durations`); ``None`` keeps the file's.
+    """Merge ``durations`` into the file at ``path`` (created, or replaced when corrupt),
+    atomically: its other node ids are kept (with ``keep``, only those in it). ``contexts``:
+    the runs' contexts the figures now come from (``recorded_with``); ``None`` keeps the file's.
     """
     try:
         merged = load_durations(path)
-        doc = read_json(path, path.parent) if path.is_file() else {}
-    except (PlanError, ManifestError):
-        merged, doc = {}, {}  # a corrupt file is replaced by fresh measurements
+    except PlanError:
+        merged = {}
     merged.update({k: round(float(v), 3) for k, v in durations.items()})
     if keep is not None:
         merged = {k: v for k, v in merged.items() if k in keep}
     out: dict[str, Any] = {"suite": suite, "durations": dict(sorted(merged.items()))}
-    recorded = contexts if contexts is not None else (doc or {}).get("recorded_with")
+    recorded = recorded_contexts(path) if contexts is None else contexts
     if recorded:
         out["recorded_with"] = [dict(c) for c in recorded]
     write_json(path, out)
 
 
+def recorded_contexts(path: Path) -> list[dict[str, Any]]:
+    """The run contexts (``recorded_with``) of the durations file at ``path``; ``[]`` when it
+    has none or cannot be read."""
+    try:
+        doc = read_json(path, path.parent) if path.is_file() else {}
+    except ManifestError:
+        return []
+    found = doc.get("recorded_with") if isinstance(doc, dict) else None
+    return [c for c in found if isinstance(c, dict)] if isinstance(found, list) else []
+
+
 def estimate(
     cases: Sequence[tuple[str, str, int, float]], durations: Mapping[str, float]
 ) -> list[PlannedCase]:
-    """Expected seconds of each ``(nodeid, entry id, cards, entry estimated_s)``.
-
-    A recorded duration wins; a case without one gets the median recorded
-    duration of its entry's cases when the entry has any (hand estimates
-    drift), else the entry's ``estimated_s``.
-    """
+    """Expected seconds of each ``(nodeid, entry id, cards, entry estimated_s)``: its recorded
+    duration, else the median recorded one of its entry (hand estimates drift), else the
+    entry's ``estimated_s``."""
     per_entry: dict[str, list[float]] = {}
     for nodeid, entry, _, _ in cases:
         if nodeid in durations:
@@ -223,28 +206,13 @@ def estimate(
     return out
 
 
-# --------------------------------------------------------------------------- partition
-
-
 def _fits(runner: Runner, case: PlannedCase) -> bool:
     return runner.cards >= case.cards and runner.nodes >= case.nodes
 
 
-def _fit(runners: Sequence[Runner], case: PlannedCase) -> int:
-    for i, r in enumerate(runners):
-        if _fits(r, case):
-            return i
-    raise PlanError(
-        f"a case needs {case.cards} card(s) and {case.nodes} node(s); no runner "
-        f"({', '.join(r.name for r in runners)}) has that many"
-    )
-
-
 def _allocate(work: list[float], shards: int) -> list[int]:
-    """Shards per runner class: every class with work gets one, the rest go where
-    work per shard is highest. Classes beyond ``shards`` hand their work up to
-    the next larger class (larger runners can run smaller cases)."""
-    work = list(work)
+    """Shards per runner class: one per class with work, the rest where work per shard is
+    highest; classes beyond ``shards`` hand their work up to the next larger class."""
     needed = [i for i, w in enumerate(work) if w > 0]
     while len(needed) > shards:
         small = needed.pop(0)
@@ -262,17 +230,16 @@ def _allocate(work: list[float], shards: int) -> list[int]:
 def partition(
     cases: Sequence[PlannedCase], runners: Sequence[Runner], shards: int
 ) -> list[PlannedShard]:
-    """Split ``cases`` into ``shards`` shards over the runner classes (ascending cards).
-
-    Longest case first, each onto the least-loaded shard whose runner has
-    enough cards (ties: the smaller runner, then the lower index). Raises
-    ``PlanError`` when a case fits no runner.
-    """
+    """Split ``cases`` into ``shards`` shards over the runner classes: longest case first, each
+    onto the least-loaded shard whose runner fits it (ties: the smaller runner, then the lower
+    index). Raises ``PlanError`` when a case fits no runner."""
     shards = check_int(shards, "the number of shards", minimum=1, error=PlanError)
     runners = sorted(runners, key=lambda r: r.cards)
     work = [0.0] * len(runners)
     for c in cases:
-        work[_fit(runners, c)] += c.seconds or 1e-9
+        fit = next((i for i, r in enumerate(runners) if _fits(r, c)), None)
+        if fit is not None:  # a case no runner fits is refused below
+            work[fit] += c.seconds or 1e-9
     counts = _allocate(work, shards)
     classes = [r for r, n in zip(runners, counts, strict=True) for _ in range(n)]
     out = [PlannedShard(i, shards, r) for i, r in enumerate(classes, 1)]
@@ -281,8 +248,8 @@ def partition(
         eligible = [i for i, s in enumerate(out) if _fits(s.runner, c)]
         if not eligible:
             raise PlanError(
-                f"{c.nodeid} needs {c.cards} card(s) and {c.nodes} node(s); "
-                "no shard's runner has that many"
+                f"{c.nodeid} needs {c.cards} card(s) and {c.nodes} node(s); no runner of the "
+                f"plan ({', '.join(sorted({s.runner.name for s in out}))}) has that many"
             )
         best = min(eligible, key=lambda i: (loads[i], out[i].runner.cards, i))
         out[best].cases.append(c)
@@ -299,19 +266,12 @@ def plan(
     target_minutes: float | None = None,
     enforce_budget: bool = True,
 ) -> Plan:
-    """Plan ``suite`` onto its runner classes.
-
-    ``shards``: exactly that many shards. ``target_minutes`` (not with ``shards``; a
-    positive finite number, as the command line checks): the fewest shards whose every
-    shard stays within the target (and the runner's budget).
-    Neither: the fewest shards within each runner's budget (``budget_minutes``,
-    by default 75% of the job timeout). With ``enforce_budget``, a case longer
-    than its runner's budget or a shard over budget raises ``PlanError``
-    naming it; but with ``shards`` a shard over budget is planned as asked (the
-    count is the caller's to choose) and named in :attr:`Plan.warnings`.
-    An empty suite still gets one (empty) shard, so a CI matrix is never empty.
+    """Plan ``suite`` onto its runner classes: exactly ``shards`` shards, else the fewest whose
+    every shard stays within ``target_minutes`` (positive, finite) and its runner's budget.
+    With ``enforce_budget``, a case over its runner's budget, or a shard over budget where
+    the count was not given, raises ``PlanError`` naming it; a given count over budget is
+    planned as asked and named in :attr:`Plan.warnings`. An empty suite gets one empty shard.
     """
-    runners = sorted(runners, key=lambda r: r.cards)
     limit = target_minutes * 60.0 if target_minutes is not None else math.inf
     for c in cases if enforce_budget else ():
         eligible = [r.budget_s for r in runners if _fits(r, c)]
@@ -333,8 +293,6 @@ def plan(
         result = partition(cases, runners, shards)
         warnings = []
         if enforce_budget and over(result):
-            # The count the caller asked for is theirs to choose (a runner pool's size):
-            # planned as asked, and said to be over budget.
             warnings.append(
                 "; ".join(
                     f"shard {s.label} is planned at {s.load / 60:.1f} min, over the "
@@ -345,7 +303,6 @@ def plan(
                 + "; more shards would fit"
             )
         return Plan(suite, result, warnings)
-    # The fewest shards each within its runner's budget and the target.
     cap = min(limit, max(r.budget_s for r in runners))
     n = max(1, math.ceil(sum(c.seconds for c in cases) / cap) if cap > 0 else 1)
     while over(result := partition(cases, runners, n)) and n < max(1, len(cases)):
@@ -364,11 +321,10 @@ def plan_suite(
     shards: int | None = None,
     target_minutes: float | None = None,
 ) -> Plan:
-    """The plan of one suite: ``owned`` (its cases with their entries) estimated from the
-    recorded ``durations`` (default: :func:`default_durations_path`, empty when absent; a
-    file named here must exist) and partitioned by :func:`plan`. ``harness matrix`` and
-    ``harness run --shard I/N`` both plan with it, so a job runs the shard that was planned.
-    More shards than cases is a ``PlanError`` (they would only add empty jobs)."""
+    """The plan of one suite (``harness matrix`` and ``harness run --shard`` alike): ``owned``
+    (its cases with their entries) estimated from ``durations`` (a file that must exist;
+    default: :func:`default_durations_path`, if present) and planned by :func:`plan`. More
+    shards than cases is a ``PlanError``."""
     if shards is not None and shards > max(1, len(owned)):
         raise PlanError(
             f"{shards} shards for suite {manifest.suite!r} of {len(owned)} case(s): "

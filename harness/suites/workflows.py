@@ -1,20 +1,12 @@
-"""GitHub Actions workflows for suites, rendered from the templates in ``templates/``.
-
-``harness init --workflows`` writes them into any repository, and this repository's
-``.github/workflows/gpu.yml`` and ``npu.yml`` are their output too (a test compares them).
-What every rendered workflow keeps (``tests/harness/test_workflows.py`` checks each): one
-gate job of a stable name, the required check (:func:`gate_job`); no path filters (a pull
-request plans what ``--changed-from`` selects; an empty plan starts no shard and passes);
-pull requests from forks reach self-hosted runners only once a maintainer adds
-:data:`OPT_IN_LABEL`; a new push cancels a pull request's older run, a label event never
-does; actions pinned by commit SHA (:data:`ACTIONS`), checkouts without credentials; on
-self-hosted runners a virtualenv over the image's Python; the harness from the checkout or
-a git commit it knows it came from (:func:`harness_source`), never a guessed ref or a name
-anyone could register on the public index.
+"""GitHub Actions workflows rendered from ``templates/``: those ``harness init --workflows``
+writes, and this repository's ``.github/workflows/<accelerator suite>.yml`` (docs/suites.md,
+"CI workflows", says what each keeps). Module level imports only the standard library: a
+``--no-deps`` install of the harness imports it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 from collections.abc import Sequence
@@ -59,16 +51,15 @@ class HarnessSource:
     subdirectory: str = "harness"
 
     def requirement(self) -> str:
-        """The pip requirement, shell-quoted (a local ``file:///`` URL as
-        ``file://localhost/``: pip before 24 refuses a URL without a host)."""
+        """The pip requirement, shell-quoted (``file:///`` as ``file://localhost/``: pip before
+        24 refuses a URL without a host)."""
         url = re.sub(r"^file:///", "file://localhost/", self.url)
         return f'"{DISTRIBUTION} @ git+{url}@{self.ref}#subdirectory={self.subdirectory}"'
 
 
 def _https(url: str) -> str | None:
-    """A remote's URL as pip can fetch it on a CI runner: scp-like ``git@host:o/r`` and
-    ``ssh://`` (which need a key the runner lacks) become ``https://host/o/r``; a local path
-    or ``file:`` URL, which no runner reaches, is None."""
+    """A remote's URL as a CI runner can fetch it: ``git@host:o/r`` and ``ssh://`` (which need
+    a key) as ``https://host/o/r``; None for a local path or ``file:`` URL."""
     m = re.fullmatch(r"[\w.-]+@([\w.-]+):(?!//)(.+)", url) or re.fullmatch(
         r"ssh://(?:[^@/]+@)?([^/:]+)(?::\d+)?/(.+)", url
     )
@@ -95,25 +86,20 @@ def _checkout_source(folder: Path) -> tuple[str | None, str | None, str]:
     return None, commit, sub
 
 
-def _direct_url() -> dict[str, Any] | None:
-    from importlib import metadata
-
-    try:
-        text = metadata.distribution(DISTRIBUTION).read_text("direct_url.json")
-    except metadata.PackageNotFoundError:
-        return None
-    return json.loads(text) if text else None
-
-
 def harness_source(
     ref: str | None = None, direct_url: dict[str, Any] | None = None
 ) -> HarnessSource:
-    """Where the installed harness came from, as a pinned git source (PEP 610's
-    ``direct_url.json``, or ``direct_url``): the commit a git install recorded, or the HEAD
-    of the local checkout it was installed from with the URL of a remote holding it.
-    ``ref`` (``--harness-ref``) replaces the commit. Raises :class:`HarnessSourceError`
-    when neither says where an install can come from: a workflow never gets a guessed ref."""
-    info = _direct_url() if direct_url is None else direct_url
+    """Where the installed harness came from (PEP 610's ``direct_url.json``, or ``direct_url``)
+    as a pinned git source: the commit a git install recorded, or the HEAD of the local
+    checkout with the URL of a remote holding it; ``ref`` (``--harness-ref``) replaces the
+    commit. :class:`HarnessSourceError` when none is known: never a guessed ref."""
+    info = direct_url
+    if info is None:
+        from importlib import metadata
+
+        with contextlib.suppress(metadata.PackageNotFoundError):
+            text = metadata.distribution(DISTRIBUTION).read_text("direct_url.json")
+            info = json.loads(text) if text else None
     url, commit, sub = None, None, "harness"
     if info:
         sub = info.get("subdirectory", sub)
@@ -141,9 +127,8 @@ def harness_source(
 
 @dataclass(frozen=True)
 class Install:
-    """How a workflow installs what it runs: ``packages``, the ``pip install`` arguments
-    (e.g. ``-e ".[test]" ./harness``); ``shard_packages``, an accelerator shard job's when
-    it needs less; ``cache_paths``, the files keying the pip cache of hosted runners."""
+    """A workflow's ``pip install`` arguments (``shard_packages``: an accelerator shard job's,
+    when it needs less) and the files keying the pip cache of hosted runners."""
 
     packages: str
     cache_paths: Sequence[str] = ("pyproject.toml",)
@@ -179,10 +164,9 @@ EMPTY_MATRIX = '{"include":[]}'
 
 
 def gate_job(suite: str, needs: Sequence[str], *, planned: bool) -> str:
-    """The suite's required check (``templates/gate.yml``): a job of a stable name (``SUITE
-    gate``), ``if: always()``, red unless every other job succeeded or was skipped for an
-    empty plan (``planned``: the workflow has a plan job; an untrusted run with shards
-    planned is red)."""
+    """The suite's required check (``templates/gate.yml``): the job ``SUITE gate``, ``if:
+    always()``, red unless every job of ``needs`` succeeded or was skipped for an empty plan
+    (``planned``: the workflow has a plan job; an untrusted run with shards planned is red)."""
     return _render("gate.yml", suite=suite, needs=", ".join(needs), planned=planned)
 
 
@@ -195,12 +179,10 @@ def accelerator_workflow(
     header: str = "",
     runners: Sequence[Any] = (),
 ) -> str:
-    """The workflow of an accelerator suite (``templates/accelerator.yml``): a GitHub-hosted
-    plan job (``harness matrix``), one self-hosted shard job per matrix row (``harness run
-    --shard``) in the ``container`` of ``runners`` (the suite's
-    :class:`~harness.suites.manifest.Runner` classes; one for all, the manifest checks), and
-    the gate (:func:`gate_job`). ``name``: the workflow's (default ``suite``); ``header``:
-    ``#`` lines put above the generated description."""
+    """The workflow of an accelerator suite (``templates/accelerator.yml``): a hosted plan job
+    (``harness matrix``), a self-hosted shard job per matrix row in the ``container`` of
+    ``runners`` (the suite's :class:`~harness.suites.manifest.Runner` classes), and the gate.
+    ``name``: the workflow's (default ``suite``); ``header``: ``#`` lines put above it all."""
     from harness.devices import device_type
 
     container = next((r.container for r in runners if r.container), None) or {}
@@ -219,30 +201,8 @@ def accelerator_workflow(
     )
 
 
-def cpu_workflow(
-    install: Install, *, timeout_minutes: int, name: str = "harness-cpu", header: str = ""
-) -> str:
-    """The workflow of a CPU suite on a GitHub-hosted runner (``templates/cpu.yml``): the
-    inventory, then ``harness run cpu`` (``--changed-from`` on pull requests).
-    ``timeout_minutes`` is the suite's runner timeout; the job's own limit is
-    :data:`~harness.suites.plan.JOB_SETUP_MINUTES` above it."""
-    from harness.suites.plan import JOB_SETUP_MINUTES
-
-    return _render(
-        "cpu.yml",
-        header=header,
-        name=name,
-        timeout_minutes=str(timeout_minutes),
-        job_timeout_minutes=str(timeout_minutes + JOB_SETUP_MINUTES),
-        cache_paths=_lines(12, install.cache_paths),
-        packages=install.packages,
-        gate=gate_job("cpu", ["cpu"], planned=False),
-    )
-
-
-#: This repository's own install: the project with its test extra, the harness from the
-#: checkout; a shard job gets only what the accelerator cases import (the `test` extra's
-#: requirements, a test checks: not its linters, nox or the workflow auditors).
+#: This repository's own install; a shard job's is only what the accelerator cases import
+#: (a test checks it against the `test` extra: not its linters, nox or workflow auditors).
 REPO_INSTALL = Install(
     '-e ".[test]" ./harness',
     ("pyproject.toml", "harness/pyproject.toml"),
@@ -250,14 +210,12 @@ REPO_INSTALL = Install(
 )
 
 
-#: This repository's root (the harness package is its ``harness/`` folder).
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def repository_workflows(root: Path = REPO_ROOT) -> dict[str, str]:
-    """This repository's accelerator workflows: ``.github/workflows/SUITE.yml`` -> content,
-    one per suite in ``root/suites/*.json`` whose device is an accelerator (a new device's
-    suite gets its workflow from the same template, and a test finds it missing)."""
+    """This repository's workflows: ``.github/workflows/SUITE.yml`` -> content, one per suite
+    in ``root/suites/*.json`` whose device is an accelerator."""
     from harness.devices import ACCELERATOR_NAMES
     from harness.suites.manifest import read_json, read_runners, suite_files
 
@@ -279,9 +237,12 @@ def init_workflows(
     source: HarnessSource,
 ) -> dict[str, str]:
     """What ``harness init --workflows`` writes: ``.github/workflows/harness-SUITE.yml`` ->
-    content, for the cpu suite and each ``(suite, device, runners)`` accelerator suite; the
-    harness installed from ``source``, the project (a ``pyproject.toml`` or ``setup.py``)
-    from the checkout."""
+    content, for the cpu suite (``templates/cpu.yml``; its job's limit
+    :data:`~harness.suites.plan.JOB_SETUP_MINUTES` above ``cpu_timeout_minutes``) and each
+    ``(suite, device, runners)`` accelerator suite; the harness installed from ``source``, the
+    project (a ``pyproject.toml`` or ``setup.py``) from the checkout."""
+    from harness.suites.plan import JOB_SETUP_MINUTES
+
     project = [f for f in ("pyproject.toml", "setup.py") if (root / f).exists()]
     packages = source.requirement() + (" -e ." if project else "")
     install = Install(packages, tuple(project) or ("**/requirements*.txt",))
@@ -289,11 +250,17 @@ def init_workflows(
         "# Written by `harness init`. Add your project's test extra to the pip install lines\n"
         '# (e.g. -e ".[test]").\n'
     )
-    files = {
-        ".github/workflows/harness-cpu.yml": cpu_workflow(
-            install, timeout_minutes=cpu_timeout_minutes, header=header
-        )
-    }
+    cpu = _render(
+        "cpu.yml",
+        header=header,
+        name="harness-cpu",
+        timeout_minutes=str(cpu_timeout_minutes),
+        job_timeout_minutes=str(cpu_timeout_minutes + JOB_SETUP_MINUTES),
+        cache_paths=_lines(12, install.cache_paths),
+        packages=install.packages,
+        gate=gate_job("cpu", ["cpu"], planned=False),
+    )
+    files = {".github/workflows/harness-cpu.yml": cpu}
     for suite, device, runners in suites:
         files[f".github/workflows/harness-{suite}.yml"] = accelerator_workflow(
             suite, device, install, name=f"harness-{suite}", header=header, runners=runners
