@@ -1,10 +1,7 @@
-"""The pytest plugin (entry point ``pytest11: harness``): the ``launch`` marker,
-the ``--harness-*`` options, card leases for plain accelerator tests, launched
-tests run on ranks (``harness.launcher.case``), plain tests of an accelerator suite entry
-(``harness run``'s ``harness_device`` marker) run in a process of their own on their
-leased cards, and the fixtures of such cases bounded by their deadline
-(``harness.watchdog``). See docs/harness.md.
-"""
+"""The pytest plugin (entry point ``pytest11: harness``): the ``launch`` marker and the
+``--harness-*`` options; launched tests run on ranks (``case``), plain tests of an
+accelerator entry apart on their leased cards, other card users on a card leased here;
+real nodes torchrun started (``run_here``). See docs/harness.md."""
 
 from __future__ import annotations
 
@@ -13,7 +10,6 @@ import dataclasses
 import inspect
 import json
 import os
-import shutil
 import sys
 import tempfile
 import time
@@ -40,7 +36,7 @@ from harness.devices import (
 from harness.launcher import containment, given
 from harness.launcher.case import (
     DEFAULT_LEASE_TIMEOUT_S,
-    DEFAULT_TIMEOUT_S,
+    CasePlan,
     Deadline,
     LaunchError,
     Settings,
@@ -48,8 +44,8 @@ from harness.launcher.case import (
     choose_deadline,
     conclude,
     missing_cards,
-    prepare_case,
     run_case,
+    task_for,
 )
 from harness.launcher.explain import AssertionSettings
 from harness.launcher.lease import (
@@ -68,7 +64,7 @@ from harness.launcher.rank import CASE_ENV, EnclosingCase, pg_timeout_for
 from harness.launcher.ranks import ProcessSpec
 from harness.launcher.supervisor import tie_to_controller
 from harness.launcher.target import FunctionRef, conftests_for
-from harness.names import DEVICE_MARKER, OPT_COMMANDS
+from harness.names import DEFAULT_CASE_TIMEOUT_S, DEVICE_MARKER, OPT_COMMANDS
 from harness.spec import ACCELERATORS, LaunchSpec, is_launched, launch_refusal, spec_for_item
 from harness.validation import check_int, check_seconds
 from harness.watchdog import WATCHDOG_GRACE_S, faulthandler_free, watchdog
@@ -80,7 +76,7 @@ CASE_KEY = pytest.StashKey[tuple[LaunchSpec, Deadline]]()
 _LEASE_DIR_PROBLEM = pytest.StashKey[str]()
 #: A plain test's card lease, its environment and its nested-launch slots, until teardown.
 CARD_LEASE_KEY = pytest.StashKey[contextlib.ExitStack]()
-#: pytest-timeout's timeout of a launched test (its marker or ini), in seconds
+#: pytest-timeout's timeout (marker or ini) of a case that times itself, in seconds
 TIMEOUT_KEY = pytest.StashKey[float]()
 
 
@@ -91,10 +87,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption(
         "--harness-timeout",
         type=float,
-        default=DEFAULT_TIMEOUT_S,
+        default=DEFAULT_CASE_TIMEOUT_S,
         metavar="SECONDS",
         help="deadline of a launched case without LaunchSpec.timeout "
-        f"(default {DEFAULT_TIMEOUT_S:g})",
+        f"(default {DEFAULT_CASE_TIMEOUT_S:g})",
     )
     group.addoption(
         "--harness-lease-dir",
@@ -204,15 +200,13 @@ def _settings_from(config: pytest.Config) -> Settings:
     if reuse is None:
         reuse = config.getini("harness_reuse")
     lease_dir, lease_dir_source = resolve_lease_dir(opt("harness_lease_dir"))
-    # A collect-only session (`--co`, the inventory, the planner) leases nothing.
-    if not opt("collectonly"):
+    if not opt("collectonly"):  # a collect-only session leases nothing
         try:
-            check_lease_dir(lease_dir, lease_dir_source)  # once here, not per test
+            check_lease_dir(lease_dir, lease_dir_source)
         except LeaseError as exc:
             if lease_dir_source in (LEASE_DIR_OPTION, f"${LEASE_DIR_ENV}"):
                 raise pytest.UsageError(str(exc)) from None
-            # The host-wide default, which nobody here chose (another user made it, say):
-            # a session that launches nothing is not stopped; each lease fails with this.
+            # The host-wide default nobody here chose: only the cases that lease fail.
             config.stash[_LEASE_DIR_PROBLEM] = str(exc)
     return Settings(
         timeout=opt("harness_timeout"),
@@ -258,11 +252,9 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
     if settings.require:
         line += f"; required: {','.join(sorted(settings.require))}"
     problem = config.stash.get(_LEASE_DIR_PROBLEM, None)
-    return [line] + (
-        [f"harness: cases that lease cards or process slots will fail: {problem}"]
-        if problem
-        else []
-    )
+    if problem:
+        return [line, f"harness: cases that lease cards or process slots will fail: {problem}"]
+    return [line]
 
 
 # Not tryfirst: skip / xfail marks (evaluated by pytest's tryfirst hook) win
@@ -284,8 +276,8 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 
 
 def need_cards(item: pytest.Item, device: str, count: int) -> None:
-    """Skip the test when this host lacks ``count`` cards of ``device``; fail it instead
-    when ``--harness-require`` names the device (`harness run` of an accelerator suite)."""
+    """Skip the test when this host lacks ``count`` cards of ``device``; fail it when
+    ``--harness-require`` names the device."""
     reason = missing_cards(device, count)
     if reason is None:
         return
@@ -298,8 +290,7 @@ def need_cards(item: pytest.Item, device: str, count: int) -> None:
 
 
 def lease_cards(item: pytest.Item, device: str, count: int) -> Lease:
-    """Lease ``count`` cards of ``device`` for the test (bounded wait: a failure naming
-    what it waited for)."""
+    """Lease ``count`` cards of ``device`` for the test; past the lease timeout it fails."""
     settings = item.config.stash[SETTINGS_KEY]
     try:
         return acquire(
@@ -314,8 +305,7 @@ def lease_cards(item: pytest.Item, device: str, count: int) -> Lease:
 
 
 def entry_device(item: pytest.Item) -> tuple[str, int] | None:
-    """The device and cards ``harness run`` gave a plain case of an accelerator suite entry
-    (its ``harness_device`` marker); None for any other case."""
+    """The device and cards of a plain case's ``harness_device`` marker (None: none)."""
     mark = item.get_closest_marker(DEVICE_MARKER)
     if mark is None or is_launched(item):
         return None
@@ -324,9 +314,8 @@ def entry_device(item: pytest.Item) -> tuple[str, int] | None:
 
 def runs_apart(item: pytest.Item) -> bool:
     """Whether the test's body runs in processes of its own, its fixtures here: a launched
-    test, or a plain case of an accelerator entry whose body can (a function, not a
-    unittest method, a ``subtests`` user or a coroutine: those run here, their cards in the
-    visibility variable for the processes they start)."""
+    test, or a plain case of an accelerator entry that is a plain function (a unittest
+    method, a ``subtests`` user or a coroutine runs here, on a card leased here)."""
     if is_launched(item):
         return True
     if not isinstance(item, pytest.Function) or entry_device(item) is None:
@@ -340,13 +329,13 @@ def _is_async(body: Any) -> bool:
 
 def _lease_card_in_process(item: pytest.Function, spec: LaunchSpec, settings: Settings) -> None:
     held_until_teardown = item.stash[CARD_LEASE_KEY] = contextlib.ExitStack()
-    lease = lease_cards(item, spec.device, spec.cards)
-    held_until_teardown.callback(lease.release)
+    lease = held_until_teardown.enter_context(lease_cards(item, spec.device, spec.cards))
     held = lease.cards()
     card = held[0]
     # A case of one rank on its card: a harness.launch it makes runs on that card.
-    budget = tempfile.mkdtemp(prefix="harness-plain-")
-    held_until_teardown.callback(shutil.rmtree, budget, ignore_errors=True)
+    budget = held_until_teardown.enter_context(
+        tempfile.TemporaryDirectory(prefix="harness-plain-", ignore_cleanup_errors=True)
+    )
     enclosing = EnclosingCase(
         item.nodeid,
         len(held),
@@ -383,9 +372,8 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None):
 
 
 class _FixtureDeadlines:
-    """The setup and teardown of a case run apart (its fixtures run here) are each bounded
-    by the case's deadline: past it the phase fails with this process's stacks and the
-    session goes on (``harness.watchdog``)."""
+    """The setup and teardown of a case run apart (its fixtures run here), each bounded by
+    the case's deadline (``harness.watchdog``)."""
 
     def __init__(self, config: pytest.Config) -> None:
         self.config = config
@@ -430,9 +418,8 @@ class _FixtureDeadlines:
 
 
 def _case(item: pytest.Function) -> tuple[LaunchSpec, Deadline]:
-    """The test's spec and its deadline as a launched case, derived once and
-    stashed (``ValueError``: a bad spec). The deadline is ``LaunchSpec.timeout``,
-    else pytest-timeout's timeout of the test, else ``--harness-timeout``."""
+    """The test's spec and deadline (``LaunchSpec.timeout``, else pytest-timeout's, else
+    ``--harness-timeout``), derived once and stashed; ``ValueError``: a bad spec."""
     case = item.stash.get(CASE_KEY, None)
     if case is None:
         placed = entry_device(item)
@@ -443,22 +430,18 @@ def _case(item: pytest.Function) -> tuple[LaunchSpec, Deadline]:
         )
         settings = item.config.stash[SETTINGS_KEY]
         timeout = item.stash.get(TIMEOUT_KEY, None)
-        if timeout is None:
-            deadline = choose_deadline(spec, settings, default_source="--harness-timeout")
-        else:
-            deadline = choose_deadline(
-                spec,
-                dataclasses.replace(settings, timeout=timeout),
-                default_source=f"pytest-timeout's timeout={timeout:g}",
-            )
-        case = item.stash[CASE_KEY] = (spec, deadline)
+        source = "--harness-timeout"
+        if timeout is not None:
+            settings = dataclasses.replace(settings, timeout=timeout)
+            source = f"pytest-timeout's timeout={timeout:g}"
+        case = item.stash[CASE_KEY] = (spec, choose_deadline(spec, settings, default_source=source))
         if timeout is not None and spec.timeout and spec.timeout > timeout:
             _warn_longer_spec_timeout(item, spec.timeout, timeout)
     return case
 
 
 def _warn_longer_spec_timeout(item: pytest.Function, spec_s: float, marker_s: float) -> None:
-    """A ``timeout`` marker shorter than the test's ``LaunchSpec.timeout``, which applies
+    """Warn of a ``timeout`` marker shorter than the ``LaunchSpec.timeout`` that overrides it
     (the ini's ``timeout``, a session default, is overridden without a word)."""
     if item.get_closest_marker("timeout") is None:
         return
@@ -479,8 +462,7 @@ def _warn_longer_spec_timeout(item: pytest.Function, spec_s: float, marker_s: fl
 def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
     body = pyfuncitem.obj
     if not runs_apart(pyfuncitem) or _is_async(body):
-        # An async test runs as pytest and its async plugins decide: nothing here awaits it.
-        return None
+        return None  # an async test runs as its async plugin decides: nothing here awaits
     spec, deadline = _case(pyfuncitem)
     fixtures = {name: pyfuncitem.funcargs[name] for name in pyfuncitem._fixtureinfo.argnames}
     if spec.nnodes > 1 and under_torchrun():
@@ -500,16 +482,12 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
 
 
 def _run_on_ranks(
-    item: pytest.Function,
-    args: tuple,
-    kwargs: dict,
-    *,
-    example: bool = False,
-    placements: list | None = None,
+    item: pytest.Function, args: tuple, kwargs: dict, placements: list | None = None
 ) -> None:
-    """Run the test's body on ranks and report it as pytest would in-process; ``example``:
-    one Hypothesis example (a failure raises ``LaunchError`` for Hypothesis to shrink on),
-    its ``(cards, ranks)`` appended to ``placements``."""
+    """Run the test's body on ranks and report it as pytest would in-process. With
+    ``placements`` it runs one Hypothesis example (a failure raises ``LaunchError`` for
+    Hypothesis to shrink on) and appends its ``(cards, ranks)`` there."""
+    example = placements is not None
     params = item.callspec.params if hasattr(item, "callspec") else {}
     fixtures = set(item._fixtureinfo.argnames)
     kinds = {
@@ -521,32 +499,29 @@ def _run_on_ranks(
         for name in kwargs
     }
     spec, deadline = _case(item)
-    settings = item.config.stash[SETTINGS_KEY]
+    config = item.config
+    settings = config.stash[SETTINGS_KEY]
+    live = config.getoption("capture", "fd") == "no"  # -s: streamed as they run
+    reuse = settings.reuse if spec.reuse is None else spec.reuse
     try:
-        task, plan = prepare_case(
+        task = task_for(
             FunctionRef.for_test(item),
             args,
             kwargs,
-            spec,
-            what=item.nodeid,
-            settings=settings,
-            deadline=deadline,
-            reuse=settings.reuse if spec.reuse is None else spec.reuse,
             kinds=kinds,
             want_value=False,
             state=None if item.instance is None else dict(vars(item.instance)),
             warning_filters=_warning_filters(item),
             show_deprecations=not sys.warnoptions,
             conftests=conftests_for(item),
-            live=item.config.getoption("capture", "fd") == "no",  # -s: streamed as they run
             example=example,
-            assertions=AssertionSettings.of(item.config),
-            log_level=get_log_level_for_setting(item.config, "log_level"),
+            assertions=AssertionSettings.of(config),
+            log_level=get_log_level_for_setting(config, "log_level"),
         )
     except TypeError as exc:
         _fail(f"{item.nodeid}: {exc}")
     try:
-        result = run_case(task, plan)
+        result = run_case(task, CasePlan(spec, settings, item.nodeid, deadline, reuse, live=live))
     except LeaseError as exc:
         _fail(f"{item.nodeid}: could not lease what the case needs\n{exc}")
     placed = (",".join(result.cards), result.ranks)
@@ -554,7 +529,7 @@ def _run_on_ranks(
     if leaked:
         item.stash.setdefault(containment.RANK_LEAKS, []).extend(leaked)
     if not example:
-        item.user_properties.extend(_placement(item, placed))
+        item.user_properties.extend(_placement(item, *placed))
 
     def fail(report: str) -> NoReturn:
         _raise_for_xfail(item, result.failure_types(), report)
@@ -565,9 +540,9 @@ def _run_on_ranks(
     if example:
         given.replay(result.feedbacks())  # in the example's build context, before its verdict
     try:
-        conclude(result, fail=fail, skip=_skip_at_test, xfail=pytest.xfail, echo=not plan.live)
+        conclude(result, fail=fail, skip=_skip_at_test, xfail=pytest.xfail, echo=not live)
     finally:
-        if placements is not None:
+        if example:
             placements.append(placed)
     if result.status == REJECTED:
         from hypothesis import reject
@@ -575,10 +550,9 @@ def _run_on_ranks(
         reject()  # a rejected example, as `assume` in-process: no failure, nothing torn down
 
 
-def _placement(item: pytest.Function, placed: tuple[str, Any]) -> list[tuple[str, Any]]:
+def _placement(item: pytest.Function, cards: str, ranks: Any) -> list[tuple[str, Any]]:
     """The JUnit properties saying where and how a launched case ran."""
     spec, _ = _case(item)
-    cards, ranks = placed
     return [
         ("harness.device", spec.device),
         ("harness.nproc", spec.nproc),
@@ -589,7 +563,7 @@ def _placement(item: pytest.Function, placed: tuple[str, Any]) -> list[tuple[str
 
 def _run_given(item: pytest.Function, fixtures: dict) -> None:
     """A ``@given`` test: Hypothesis draws, shrinks and stores its examples here; each
-    example runs on all ranks, a case under the case deadline (Hypothesis's is off)."""
+    example runs on all ranks under the case deadline (Hypothesis's is off)."""
     test = item.obj
     hypothesis = test.hypothesis
     body = hypothesis.inner_test
@@ -599,7 +573,7 @@ def _run_given(item: pytest.Function, fixtures: dict) -> None:
         __tracebackhide__ = True
         if args and item.instance is not None and args[0] is item.instance:
             args = args[1:]
-        _run_on_ranks(item, args, kwargs, example=True, placements=placements)
+        _run_on_ranks(item, args, kwargs, placements)
 
     # Hypothesis names the failing example after it.
     on_ranks.__name__, on_ranks.__qualname__ = body.__name__, body.__qualname__
@@ -619,7 +593,7 @@ def _run_given(item: pytest.Function, fixtures: dict) -> None:
         test._hypothesis_internal_use_settings = chosen
         last = placements[-1] if placements else ("", 0)
         item.user_properties.extend(
-            [*_placement(item, last), ("harness.examples", len(placements))]
+            [*_placement(item, *last), ("harness.examples", len(placements))]
         )
 
 
@@ -638,9 +612,8 @@ def _raise_for_xfail(item: pytest.Function, names: tuple[str, ...], report: str)
 
 @pytest.hookimpl(optionalhook=True, tryfirst=True)
 def pytest_timeout_set_timer(item: pytest.Item, settings) -> bool | None:
-    """pytest-timeout's timeout of a case run apart (or a command case) becomes its
-    deadline: its processes are stopped at it and their stacks reported, instead of a
-    timer in this process interrupting the launcher (whose stack says nothing)."""
+    """pytest-timeout's timeout of a case run apart (or a command case) is its deadline,
+    instead of a timer interrupting this process (whose stack says nothing)."""
     if not _times_itself(item):
         return None
     item.stash[TIMEOUT_KEY] = float(settings.timeout)
@@ -669,8 +642,7 @@ def _skip_at_test(reason: str) -> NoReturn:
 
 
 def _warning_filters(item: pytest.Function) -> tuple[tuple[str, bool], ...]:
-    """The filters pytest applies around this test in-process, in its order:
-    the ini's ``filterwarnings``, ``-W`` options, then ``filterwarnings`` marks."""
+    """The filters pytest applies around this test, in its order: the ini's, ``-W``, marks."""
     config = item.config
     filters = [(arg, False) for arg in config.getini("filterwarnings")]
     filters += [(arg, True) for arg in config.known_args_namespace.pythonwarnings or []]
@@ -679,14 +651,9 @@ def _warning_filters(item: pytest.Function) -> tuple[tuple[str, bool], ...]:
     return tuple(filters)
 
 
-# Real nodes: this pytest process is itself a rank torch's elastic launcher started
-# (``torchrun ... -m pytest ...`` on each host). The case's body runs here, with the
-# process group initialised from torchrun's environment, after the world's shape is
-# checked against the case's ``LaunchSpec``; each rank publishes its outcome in
-# torchrun's rendezvous store, and rank 0's verdict (until the case deadline) is the
-# case's, naming the node and rank of each failure.
+# Real nodes: this pytest process is a rank torchrun started (``torchrun ... -m pytest``
+# on each host); each rank publishes its outcome in torchrun's store, rank 0 reports.
 
-#: torchrun's environment, which a pytest process it started has.
 TORCHRUN_ENV = ("TORCHELASTIC_RUN_ID", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")
 
 
@@ -696,8 +663,7 @@ def under_torchrun() -> bool:
 
 
 def shape_problem(spec: LaunchSpec) -> str | None:
-    """Why the torchrun world this process is in cannot run a case of ``spec``
-    (None: its nodes and ranks per node are the case's)."""
+    """Why this process's torchrun world cannot run a case of ``spec`` (None: it can)."""
     world = int(os.environ["WORLD_SIZE"])
     local = int(os.environ["LOCAL_WORLD_SIZE"])
     if (world, local) == (spec.world_size, spec.nproc):
@@ -712,11 +678,9 @@ def shape_problem(spec: LaunchSpec) -> str | None:
 def run_here(
     test: Any, kwargs: dict[str, Any], spec: LaunchSpec, case: str, deadline_s: float
 ) -> str | None:
-    """Run the case's body ``test(**kwargs)`` on this rank of a torchrun world
-    of the case's shape, then agree on the verdict: a failure here is raised
-    here; on rank 0, the other ranks' failures (and ranks that reported
-    nothing by the deadline) are returned as a report naming each one's node
-    and rank (None: every rank passed or skipped)."""
+    """Run ``test(**kwargs)`` on this rank of a torchrun world of the case's shape: a failure
+    here is raised here; rank 0 returns a report naming the node and rank of every other
+    rank that failed or reported nothing by the deadline (None: all passed or skipped)."""
     __tracebackhide__ = True
     import torch.distributed as dist
 
@@ -759,8 +723,6 @@ def _init_torchrun(spec: LaunchSpec, deadline_s: float) -> None:
 
     import torch.distributed as dist
 
-    from harness.devices import device_type
-
     kind = device_type(spec.device)
     if kind.is_accelerator:
         kind.set_device(int(os.environ["LOCAL_RANK"]))
@@ -770,7 +732,7 @@ def _init_torchrun(spec: LaunchSpec, deadline_s: float) -> None:
 
 
 def _torchrun_store(case: str, end: float) -> Any:
-    """A client of the rendezvous store torchrun's agents host, under a prefix of this case."""
+    """A client of torchrun's rendezvous store, under a prefix of this case."""
     from datetime import timedelta
 
     import torch.distributed as dist
