@@ -1,7 +1,6 @@
 """pytest's assertion explanations in ranks: a failing ``assert a == b`` explains itself
-as in-process, through pytest's own ``pytest_assertrepr_compare`` with the launcher's
-settings (``AssertionSettings``). A conftest's own hook is not consulted in ranks.
-"""
+through pytest's own ``pytest_assertrepr_compare`` with the launcher's settings (a
+conftest's own hook is not consulted in ranks)."""
 
 from __future__ import annotations
 
@@ -22,7 +21,6 @@ class AssertionSettings:
 
     @classmethod
     def of(cls, config: Any) -> AssertionSettings:
-        """The settings of this pytest session."""
         ini = {}
         for name in _INI:
             try:
@@ -38,7 +36,6 @@ class AssertionSettings:
         )
 
     # The part of pytest's Config its assertion hook reads.
-
     def get_verbosity(self, verbosity_type: str | None = None) -> int:
         return self.verbosity
 
@@ -73,7 +70,7 @@ def install(settings: AssertionSettings) -> None:
                 config=settings, op=op, left=left, right=right
             )
             lines = list(lines) if lines else None
-        except Exception:  # another pytest's internals: no explanation, as before
+        except Exception:  # another pytest's internals: the one-line message
             return None
         if not lines:
             return None

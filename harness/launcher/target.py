@@ -1,12 +1,11 @@
-"""Naming a function so that a freshly spawned process can import and call it: by
-module, qualified name and file. Test modules are loaded from their file with pytest's
-assertion rewriting (which also works where the name alone would not import:
-``--import-mode=importlib``, pytester projects).
-"""
+"""Naming a function so that a freshly spawned process can import and call it (module,
+qualified name, file; a test module loaded from its file with pytest's assertion
+rewriting), and the test's conftest chain imported there."""
 
 from __future__ import annotations
 
 import ast
+import contextlib
 import importlib
 import importlib.util
 import inspect
@@ -20,8 +19,8 @@ from typing import Any
 
 @dataclass(frozen=True)
 class FunctionRef:
-    """``module`` + ``qualname`` (+ the module's ``path``) of a module-level
-    function or a test method; ``load()`` gives back the callable in any process."""
+    """A module-level function or a test method by ``module``, ``qualname`` and the module's
+    ``path``; ``load()`` gives back the callable in any process."""
 
     module: str
     qualname: str
@@ -30,8 +29,8 @@ class FunctionRef:
 
     @classmethod
     def of(cls, fn: Callable[..., Any]) -> FunctionRef:
-        """Reference a module-level function; ``ValueError`` for lambdas, closures
-        and other callables a spawned process could not import."""
+        """Reference a module-level function; ``ValueError`` for one a spawned process could
+        not import (a lambda, a closure)."""
         module = getattr(fn, "__module__", None)
         qualname = getattr(fn, "__qualname__", None)
         if not module or not qualname or "<" in qualname:
@@ -44,17 +43,16 @@ class FunctionRef:
 
     @classmethod
     def for_test(cls, item: Any) -> FunctionRef:
-        """Reference the function of a pytest ``Function`` item (methods included)."""
+        """Reference the function (or method) of a pytest ``Function`` item."""
         module = item.module
         name = item.originalname
         qualname = f"{item.cls.__qualname__}.{name}" if item.cls is not None else name
         return cls(module.__name__, qualname, getattr(module, "__file__", None), True)
 
     def load(self, *, fresh: bool = False) -> Callable[..., Any]:
-        """Import the module (if this process has not yet) and return the callable; with
-        ``fresh`` a module with a source file is executed again into a new module object
-        (its globals start over; what it imports is not reloaded). A test method comes
-        back bound to a fresh instance of its class."""
+        """The callable, its module imported if it is not yet (``fresh``: a module with a
+        source file executed again into a new module object; what it imports is not
+        reloaded); a test method bound to a fresh instance of its class."""
         module = None if fresh and _loadable(self.path) else sys.modules.get(self.module)
         if module is None:
             module = _import(self.module, self.path, self.rewrite_asserts, fresh=fresh)
@@ -78,8 +76,8 @@ class FunctionRef:
 
 
 def conftests_for(item: Any) -> tuple[tuple[str, str], ...]:
-    """The ``conftest.py`` modules pytest loaded for ``item``'s directory and its
-    ancestors, outermost first, as (module name, file)."""
+    """The ``conftest.py`` modules pytest loaded for ``item``'s directory and its ancestors,
+    outermost first, as (module name, file)."""
     test_dir = os.path.dirname(os.path.abspath(str(item.path)))
     found = []
     for plugin in item.config.pluginmanager.get_plugins():
@@ -99,9 +97,8 @@ _conftests: dict[str, types.ModuleType] = {}
 
 
 def import_conftests(conftests: tuple[tuple[str, str], ...]) -> None:
-    """Import each conftest module this process has not (with assertion rewriting),
-    outermost first, so what they do at import is in effect here as in the launcher;
-    the innermost holds a shared name in ``sys.modules`` (its classes unpickle)."""
+    """Import each conftest module this process has not (assertion rewriting), outermost
+    first; the innermost holds a shared name in ``sys.modules`` (its classes unpickle)."""
     for name, path in conftests:
         module = _conftests.get(path)
         if module is None and _loadable(path):
@@ -123,7 +120,6 @@ def _loadable(path: str | None) -> bool:
 def _import(name: str, path: str | None, rewrite: bool, *, fresh: bool = False) -> types.ModuleType:
     loadable = _loadable(path)
     if loadable and (rewrite or fresh):
-        assert path is not None
         return _load_from_file(name, path, rewrite=rewrite)
     try:
         return importlib.import_module(name)
@@ -136,10 +132,8 @@ def _import(name: str, path: str | None, rewrite: bool, *, fresh: bool = False) 
 def _load_from_file(name: str, path: str, *, rewrite: bool) -> types.ModuleType:
     parent = name.rpartition(".")[0]
     if parent and parent not in sys.modules:
-        try:
+        with contextlib.suppress(ImportError):  # its relative imports will fail and say so
             importlib.import_module(parent)
-        except ImportError:
-            pass  # relative imports in the module will fail and say so
     spec = importlib.util.spec_from_file_location(name, path)
     if spec is None or spec.loader is None:
         raise ImportError(f"cannot load {name} from {path}")
@@ -162,7 +156,8 @@ _rewritten: dict[tuple[str, int, int], types.CodeType] = {}
 
 
 def _rewritten_code(path: str) -> types.CodeType | None:
-    """The module compiled with pytest's assertion rewriting (None: unavailable)."""
+    """The module compiled with pytest's assertion rewriting (None: it cannot be: plain
+    asserts still fail, with less explanation)."""
     try:
         stat = os.stat(path)
         key = (path, stat.st_mtime_ns, stat.st_size)
@@ -178,5 +173,4 @@ def _rewritten_code(path: str) -> types.CodeType | None:
         _rewritten[key] = code
         return code
     except Exception:
-        # Plain asserts still fail correctly, just with less explanation.
         return None

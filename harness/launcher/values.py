@@ -1,9 +1,6 @@
 """How a launched case's values (fixtures, arguments, ``self`` state) reach its ranks:
-pickled, a module by name (the rank imports its own), pytest's ``MonkeyPatch`` as the
-patches it holds (its undo records do not pickle): in the rank a new ``MonkeyPatch``
-applies the same values there, and ``undo_monkeypatches`` takes them back when the body
-ends. Environment variables need no replay: ranks start from the launcher's.
-"""
+pickled, a module by name, pytest's ``MonkeyPatch`` as the patches it holds, applied again
+in the rank (environment variables need none: ranks start from the launcher's)."""
 
 from __future__ import annotations
 
@@ -18,7 +15,6 @@ from typing import Any
 #: ("setattr", target, name, value), ("delattr", target, name),
 #: ("setitem", mapping, key, value) or ("delitem", mapping, key)
 Operation = tuple
-
 _ABSENT = object()
 #: The ``MonkeyPatch`` objects this process rebuilt since ``undo_monkeypatches`` ran.
 _rebuilt: list[Any] = []
@@ -42,8 +38,8 @@ def dumps(value: Any) -> bytes:
 
 
 def _operations(patch: Any) -> list[Operation]:
-    """What ``patch`` has patched, as operations setting the values in effect now (each
-    target once, in the order first patched; ``os.environ`` left out)."""
+    """What ``patch`` patched, as operations setting the values in effect now (each target
+    once, in the order first patched; ``os.environ`` left out)."""
     operations: list[Operation] = []
     seen: set[tuple[int, Any]] = set()
     for target, name, _ in patch._setattr:
@@ -80,7 +76,6 @@ class _Global:
 
 
 def _global_holding(value: Any) -> _Global | None:
-    """The module global that is ``value`` (None: none is)."""
     for module_name, module in list(sys.modules.items()):
         for name, held in list(getattr(module, "__dict__", {}).items()):
             if held is value and not name.startswith("__"):
@@ -109,7 +104,6 @@ def _rebuild_monkeypatch(operations: list[Operation]) -> Any:
 
 
 def undo_monkeypatches() -> None:
-    """Undo, in a rank, every patch of the ``MonkeyPatch`` objects it received, newest
-    first (their fixtures' teardown runs in the launcher)."""
+    """Undo, in a rank, the patches of the ``MonkeyPatch`` objects it received, newest first."""
     while _rebuilt:
         _rebuilt.pop().undo()
