@@ -17,14 +17,13 @@ from typing import Any, NoReturn
 from harness.devices import Card, cpu_count, inventory
 from harness.errors import HarnessError
 from harness.launcher import lease as leases
-from harness.launcher import values
 from harness.launcher.lease import default_lease_dir
 from harness.launcher.nodes import run_nodes
 from harness.launcher.outcome import FAILED, SKIPPED, XFAILED, CaseOutcome, echo_logs
 from harness.launcher.pool import keeper
 from harness.launcher.rank import EnclosingCase, RankTask
 from harness.launcher.ranks import KILL_GRACE_S, run_ranks
-from harness.launcher.target import FunctionRef
+from harness.launcher.target import FunctionRef, dumps
 from harness.names import DEFAULT_CASE_TIMEOUT_S
 from harness.spec import LaunchSpec
 
@@ -64,18 +63,11 @@ class Deadline:
 
 
 def choose_deadline(
-    spec: LaunchSpec,
-    settings: Settings,
-    *,
-    default_source: str,
-    enclosing: EnclosingCase | None = None,
+    spec: LaunchSpec, default: Deadline, enclosing: EnclosingCase | None = None
 ) -> Deadline:
-    """``spec.timeout``, else the session default (named ``default_source``);
-    never past what is left of an ``enclosing`` case (minus the kill grace)."""
-    if spec.timeout:
-        deadline = Deadline(spec.timeout, "LaunchSpec.timeout")
-    else:
-        deadline = Deadline(settings.timeout, default_source)
+    """``spec.timeout``, else ``default``; never past what is left of an ``enclosing`` case
+    (minus the kill grace)."""
+    deadline = Deadline(spec.timeout, "LaunchSpec.timeout") if spec.timeout else default
     if enclosing is not None:
         remaining = enclosing.deadline - time.time() - KILL_GRACE_S
         if remaining < deadline.seconds:
@@ -169,14 +161,14 @@ def _pickled(value: Any, named: dict[str, Any]) -> bytes:
     """``value`` pickled; ``TypeError`` names the first of ``named`` (words: part) that is not."""
     for what, part in named.items():
         try:
-            values.dumps(part)
+            dumps(part)
         except Exception as exc:
             raise TypeError(
                 f"{what} (a {type(part).__module__}.{type(part).__qualname__}) cannot be sent "
                 f"to the rank processes: {type(exc).__name__}: {exc}. Ranks receive values by "
                 "pickling; pass something picklable or build it inside the ranks."
             ) from None
-    return values.dumps(value)
+    return dumps(value)
 
 
 class LaunchError(HarnessError):
@@ -213,23 +205,19 @@ def run_case(task: RankTask, plan: CasePlan) -> CaseOutcome:
 
 
 def launch(fn: Callable[..., Any], spec: LaunchSpec, *args: Any) -> list[Any]:
-    """Run ``fn(*args)`` in ``spec.nproc`` rank processes and return each rank's
-    return value, in rank order.
+    """Run ``fn(*args)`` in ``spec.nproc`` rank processes and return each rank's return
+    value, in rank order.
 
-    The ranks are set up as for a ``launch``-marked test (process group,
-    environment, card, deadline ``spec.timeout`` or the session default) and
-    are all gone when this returns or raises. ``fn`` must be importable
-    (module level) and ``args`` and the results picklable.
-
-    Outside a case, the cards and process slots are leased first (bounded
-    wait, ``LeaseTimeout``). Inside the ranks of a case, the case's lease is
-    used, and asking for more ranks (or cards) than the case declared raises
-    ``LaunchBudgetError`` giving both numbers; nested launches from all the
-    case's ranks and threads together never run more ranks at once than the
-    case declared (later ones wait, within the case's deadline, then raise
-    ``LaunchBudgetError``). A plain test holding a card (parametrized with an
-    accelerator ``device``) is such a case of one rank on its card. A failing, crashing or
-    overdue rank raises ``LaunchError`` whose message names the rank.
+    The ranks are set up as for a ``launch``-marked test (process group, environment, card,
+    deadline ``spec.timeout`` or the session default) and are all gone when this returns or
+    raises; ``fn`` must be importable (module level), ``args`` and the results picklable.
+    Outside a case, the cards and process slots are leased first (bounded wait,
+    ``LeaseTimeout``). Inside a case (a launched test's ranks; a plain test holding a card
+    is a case of one rank on it) the case's lease is used: more ranks or cards than it
+    declared raise ``LaunchBudgetError`` giving both numbers, and its nested launches
+    together never run more ranks at once than it declared (later ones wait, within its
+    deadline, then raise ``LaunchBudgetError``). A failing, crashing or overdue rank raises
+    ``LaunchError`` whose message names the rank.
     """
     __tracebackhide__ = True
     settings = active.get(None) or Settings()
@@ -247,10 +235,8 @@ def launch(fn: Callable[..., Any], spec: LaunchSpec, *args: Any) -> list[Any]:
                 pytest.skip(reason)
             raise LaunchError(f"harness.launch: {reason}")
         what = os.environ.get("PYTEST_CURRENT_TEST") or what
-    deadline = choose_deadline(
-        spec, settings, default_source="the session's default timeout", enclosing=enclosing
-    )
-    plan = CasePlan(spec, settings, what, deadline, cards=cards)
+    default = Deadline(settings.timeout, "the session's default timeout")
+    plan = CasePlan(spec, settings, what, choose_deadline(spec, default, enclosing), cards=cards)
     task = task_for(ref, args, {})
     with contextlib.nullcontext() if enclosing is None else _nested_slots(enclosing, spec, what):
         result = run_case(task, plan)

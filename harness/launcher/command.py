@@ -183,9 +183,7 @@ class CommandFailed(Exception):
 
 def _which(program: str, env: dict[str, str], root: str) -> str | None:
     """Where ``execvp`` would find ``program`` (a path with a slash: from ``root``)."""
-    if os.sep in program:
-        path = os.path.join(root, program)
-        return path if os.path.isfile(path) and os.access(path, os.X_OK) else None
+    program = os.path.join(root, program) if os.sep in program else program
     return shutil.which(program, path=env.get("PATH", os.defpath))
 
 

@@ -129,10 +129,7 @@ class _Containment:
         )
         if self.mode == "fail" and not failing:
             raise pytest.fail.Exception(message, pytrace=False)
-        path, lineno, _ = item.location
-        warnings.warn_explicit(
-            LeakWarning(message), LeakWarning, str(item.config.rootpath / path), (lineno or 0) + 1
-        )
+        warn_at(item, LeakWarning(message))
 
     @pytest.hookimpl(trylast=True)
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
@@ -151,6 +148,14 @@ class _Containment:
     def pytest_unconfigure(self, config: pytest.Config) -> None:
         if not self.was_subreaper:
             processes.subreaper(False)
+
+
+def warn_at(item: pytest.Item, warning: Warning) -> None:
+    """Issue ``warning`` at the test's own location (where pytest's summary points)."""
+    path, lineno, _ = item.location
+    warnings.warn_explicit(
+        warning, type(warning), str(item.config.rootpath / path), (lineno or 0) + 1
+    )
 
 
 def runtime_helpers() -> set[int]:

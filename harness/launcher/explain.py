@@ -5,6 +5,7 @@ conftest's own hook is not consulted in ranks)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any
 
 #: The ini values pytest's explanations read (those this pytest knows are shipped).
@@ -46,16 +47,8 @@ class AssertionSettings:
         return {"assertmode": self.assertmode, "verbose": self.verbosity}[name]
 
     getoption = getvalue
-
-    @property
-    def pluginmanager(self) -> Any:
-        # No terminal reporter here: explanations stay plain text (no colour codes).
-        return _NoPlugins()
-
-
-class _NoPlugins:
-    def has_plugin(self, name: str) -> bool:
-        return False
+    # No terminal reporter here: explanations stay plain text (no colour codes).
+    pluginmanager = SimpleNamespace(has_plugin=lambda name: False)
 
 
 def install(settings: AssertionSettings) -> None:
@@ -66,10 +59,8 @@ def install(settings: AssertionSettings) -> None:
 
     def reprcompare(op: str, left: object, right: object) -> str | None:
         try:
-            lines = assertion.pytest_assertrepr_compare(
-                config=settings, op=op, left=left, right=right
-            )
-            lines = list(lines) if lines else None
+            hook = assertion.pytest_assertrepr_compare
+            lines = list(hook(config=settings, op=op, left=left, right=right) or ())
         except Exception:  # another pytest's internals: the one-line message
             return None
         if not lines:

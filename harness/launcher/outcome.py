@@ -335,12 +335,8 @@ class CaseOutcome:
         if summary:
             sections.append("other ranks:\n" + "\n".join(f"  {line}" for line in summary))
         sections.extend(self._stack_section(r, "when stopped") for r in self.abandoned)
-        if len(self.outcomes) + len(self.exits) < self.nproc and not (
-            self.timed_out or self.abandoned or self.node_problems
-        ):
-            missing = [
-                r for r in range(self.nproc) if r not in self.outcomes and r not in self.exits
-            ]
+        missing = [r for r in range(self.nproc) if r not in self.outcomes and r not in self.exits]
+        if missing and not (self.timed_out or self.abandoned or self.node_problems):
             sections.append(f"ranks {missing} ended without an outcome")
         if self.survivors:
             sections.append(f"WARNING: pids {self.survivors} were still alive after SIGKILL")

@@ -6,7 +6,7 @@ real nodes torchrun started (``run_here``). See docs/harness.md."""
 from __future__ import annotations
 
 import contextlib
-import dataclasses
+import functools
 import inspect
 import json
 import os
@@ -14,7 +14,6 @@ import sys
 import tempfile
 import time
 import traceback
-import warnings
 from typing import Any, NoReturn
 
 import pytest
@@ -272,7 +271,7 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     # Emulated nodes share this host: it needs every node's cards (a real node, its own).
     need_cards(item, spec.device, spec.cards * (1 if under_torchrun() else spec.nnodes))
     if spec.cards and not runs_apart(item):
-        _lease_card_in_process(item, spec, item.config.stash[SETTINGS_KEY])
+        _lease_card_in_process(item, spec)
 
 
 def need_cards(item: pytest.Item, device: str, count: int) -> None:
@@ -327,7 +326,7 @@ def _is_async(body: Any) -> bool:
     return inspect.iscoroutinefunction(body) or inspect.isasyncgenfunction(body)
 
 
-def _lease_card_in_process(item: pytest.Function, spec: LaunchSpec, settings: Settings) -> None:
+def _lease_card_in_process(item: pytest.Function, spec: LaunchSpec) -> None:
     held_until_teardown = item.stash[CARD_LEASE_KEY] = contextlib.ExitStack()
     lease = held_until_teardown.enter_context(lease_cards(item, spec.device, spec.cards))
     held = lease.cards()
@@ -341,7 +340,7 @@ def _lease_card_in_process(item: pytest.Function, spec: LaunchSpec, settings: Se
         len(held),
         spec.device,
         tuple(str(c) for c in held),
-        time.time() + settings.timeout,
+        time.time() + item.config.stash[SETTINGS_KEY].timeout,
         budget,
     )
     updates = {CARD_ENV: str(card), CASE_ENV: enclosing.to_env()}
@@ -424,44 +423,29 @@ def _case(item: pytest.Function) -> tuple[LaunchSpec, Deadline]:
     if case is None:
         placed = entry_device(item)
         spec = (
-            spec_for_item(item)
-            if placed is None
-            else ProcessSpec(device=placed[0], card_count=placed[1])
+            spec_for_item(item) if placed is None else ProcessSpec(placed[0], card_count=placed[1])
         )
-        settings = item.config.stash[SETTINGS_KEY]
         timeout = item.stash.get(TIMEOUT_KEY, None)
-        source = "--harness-timeout"
-        if timeout is not None:
-            settings = dataclasses.replace(settings, timeout=timeout)
-            source = f"pytest-timeout's timeout={timeout:g}"
-        case = item.stash[CASE_KEY] = (spec, choose_deadline(spec, settings, default_source=source))
-        if timeout is not None and spec.timeout and spec.timeout > timeout:
-            _warn_longer_spec_timeout(item, spec.timeout, timeout)
+        if timeout is None:
+            default = Deadline(item.config.stash[SETTINGS_KEY].timeout, "--harness-timeout")
+        else:
+            default = Deadline(timeout, f"pytest-timeout's timeout={timeout:g}")
+        case = item.stash[CASE_KEY] = (spec, choose_deadline(spec, default))
+        longer = timeout is not None and spec.timeout and spec.timeout > timeout
+        # Only a marker is warned of: the ini's timeout is a session default.
+        if longer and item.get_closest_marker("timeout") is not None:
+            message = (
+                f"{item.nodeid}: LaunchSpec.timeout={spec.timeout:g} is its case deadline, "
+                f"longer than its @pytest.mark.timeout({timeout:g}), which does not bound a "
+                "launched test; give the launch marker the deadline you mean"
+            )
+            containment.warn_at(item, pytest.PytestWarning(message))
     return case
-
-
-def _warn_longer_spec_timeout(item: pytest.Function, spec_s: float, marker_s: float) -> None:
-    """Warn of a ``timeout`` marker shorter than the ``LaunchSpec.timeout`` that overrides it
-    (the ini's ``timeout``, a session default, is overridden without a word)."""
-    if item.get_closest_marker("timeout") is None:
-        return
-    path, lineno, _ = item.location
-    warnings.warn_explicit(
-        pytest.PytestWarning(
-            f"{item.nodeid}: LaunchSpec.timeout={spec_s:g} is its case deadline, longer than "
-            f"its @pytest.mark.timeout({marker_s:g}), which does not bound a launched test; "
-            "give the launch marker the deadline you mean"
-        ),
-        pytest.PytestWarning,
-        str(item.config.rootpath / path),
-        (lineno or 0) + 1,
-    )
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
-    body = pyfuncitem.obj
-    if not runs_apart(pyfuncitem) or _is_async(body):
+    if not runs_apart(pyfuncitem) or _is_async(pyfuncitem.obj):
         return None  # an async test runs as its async plugin decides: nothing here awaits
     spec, deadline = _case(pyfuncitem)
     fixtures = {name: pyfuncitem.funcargs[name] for name in pyfuncitem._fixtureinfo.argnames}
@@ -489,15 +473,9 @@ def _run_on_ranks(
     Hypothesis to shrink on) and appends its ``(cards, ranks)`` there."""
     example = placements is not None
     params = item.callspec.params if hasattr(item, "callspec") else {}
-    fixtures = set(item._fixtureinfo.argnames)
-    kinds = {
-        name: "parametrized argument"
-        if name in params
-        else "fixture"
-        if name in fixtures
-        else "Hypothesis example argument"
-        for name in kwargs
-    }
+    kinds = dict.fromkeys(kwargs, "Hypothesis example argument")
+    kinds.update((n, "fixture") for n in item._fixtureinfo.argnames if n in kwargs)
+    kinds.update((n, "parametrized argument") for n in params if n in kwargs)
     spec, deadline = _case(item)
     config = item.config
     settings = config.stash[SETTINGS_KEY]
@@ -575,8 +553,9 @@ def _run_given(item: pytest.Function, fixtures: dict) -> None:
             args = args[1:]
         _run_on_ranks(item, args, kwargs, placements)
 
-    # Hypothesis names the failing example after it.
-    on_ranks.__name__, on_ranks.__qualname__ = body.__name__, body.__qualname__
+    # Hypothesis names the failing example after the body, and seeds (derandomize) and keys
+    # its database by the body's digest (source, signature, parametrization), as in-process.
+    functools.update_wrapper(on_ranks, body)
 
     import hypothesis as hyp
 
@@ -682,13 +661,25 @@ def run_here(
     here is raised here; rank 0 returns a report naming the node and rank of every other
     rank that failed or reported nothing by the deadline (None: all passed or skipped)."""
     __tracebackhide__ = True
+    from datetime import timedelta
+
     import torch.distributed as dist
 
     end = time.monotonic() + deadline_s
     rank, per_node = int(os.environ["RANK"]), spec.nproc
     if not dist.is_initialized():
-        _init_torchrun(spec, deadline_s)
-    store = _torchrun_store(case, end)
+        kind = device_type(spec.device)
+        if kind.is_accelerator:
+            kind.set_device(int(os.environ["LOCAL_RANK"]))
+        pg_timeout = timedelta(seconds=pg_timeout_for(deadline_s))
+        dist.init_process_group(spec.dist_backend, timeout=pg_timeout)
+    client = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        is_master=False,
+        timeout=timedelta(seconds=max(1.0, end - time.monotonic())),
+    )
+    store = dist.PrefixStore(f"harness/{os.environ['TORCHELASTIC_RUN_ID']}/{case}/", client)
     error: BaseException | None = None
     try:
         test(**kwargs)
@@ -705,50 +696,14 @@ def run_here(
         return None
     failures = []
     for other in range(1, spec.world_size):
-        got = _wait_key(store, f"rank-{other}", end)
-        who = f"node {other // per_node} rank {other}"
-        if got is None:
+        key, who = f"rank-{other}", f"node {other // per_node} rank {other}"
+        while not store.check([key]) and time.monotonic() < end:
+            time.sleep(0.1)
+        if not store.check([key]):
             failures.append(f"{who} reported no outcome by the {deadline_s:g} s deadline")
-        elif got["status"] == "failed":
+        elif (got := json.loads(store.get(key)))["status"] == "failed":
             failures.append(f"{who} failed: {got['summary']}")
     if not failures:
         return None
     shape = f"({spec.world_size} ranks, {spec.nnodes} nodes x {per_node}, started by torchrun)"
     return "\n".join([*failures, shape])
-
-
-def _init_torchrun(spec: LaunchSpec, deadline_s: float) -> None:
-    """Join torchrun's process group, on the ``LOCAL_RANK``-th card of an accelerator."""
-    from datetime import timedelta
-
-    import torch.distributed as dist
-
-    kind = device_type(spec.device)
-    if kind.is_accelerator:
-        kind.set_device(int(os.environ["LOCAL_RANK"]))
-    dist.init_process_group(
-        spec.dist_backend, timeout=timedelta(seconds=pg_timeout_for(deadline_s))
-    )
-
-
-def _torchrun_store(case: str, end: float) -> Any:
-    """A client of torchrun's rendezvous store, under a prefix of this case."""
-    from datetime import timedelta
-
-    import torch.distributed as dist
-
-    timeout = timedelta(seconds=max(1.0, end - time.monotonic()))
-    client = dist.TCPStore(
-        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout
-    )
-    run = os.environ["TORCHELASTIC_RUN_ID"]
-    return dist.PrefixStore(f"harness/{run}/{case}/", client)
-
-
-def _wait_key(store: Any, key: str, end: float) -> dict[str, Any] | None:
-    while True:
-        if store.check([key]):
-            return json.loads(store.get(key))
-        if time.monotonic() >= end:
-            return None
-        time.sleep(0.1)
