@@ -59,15 +59,14 @@ def replay(feedbacks: dict[int, Feedback]) -> None:
         return
     from hypothesis import event, note, target
 
-    first = min(feedbacks)
+    first, *others = sorted(feedbacks)
     own = feedbacks[first]
     for text in own.notes:
         note(text)
-    for rank in sorted(feedbacks):
-        if rank != first:
-            for text in feedbacks[rank].notes:
-                if text not in own.notes:
-                    note(f"rank {rank}: {text}")
+    for rank in others:
+        for text in feedbacks[rank].notes:
+            if text not in own.notes:
+                note(f"rank {rank}: {text}")
     for value, payload in own.events.items():
         event(value, payload)
     for label, score in own.targets.items():

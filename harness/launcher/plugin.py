@@ -359,20 +359,9 @@ def _lease_card_in_process(item: pytest.Function, spec: LaunchSpec) -> None:
             set_device(card, index)
 
 
-@pytest.hookimpl(wrapper=True)
-def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None):
-    try:
-        return (yield)
-    finally:
-        held = item.stash.get(CARD_LEASE_KEY, None)
-        if held is not None:
-            del item.stash[CARD_LEASE_KEY]
-            held.close()  # the environment put back, the budget directory and the lease gone
-
-
 class _FixtureDeadlines:
     """The setup and teardown of a case run apart (its fixtures run here), each bounded by
-    the case's deadline (``harness.watchdog``)."""
+    the case's deadline (``harness.watchdog``); a card leased here released after teardown."""
 
     def __init__(self, config: pytest.Config) -> None:
         self.config = config
@@ -384,8 +373,14 @@ class _FixtureDeadlines:
 
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_teardown(self, item: pytest.Item, nextitem: pytest.Item | None) -> Any:
-        with self._bounded(item, "teardown"):
-            return (yield)
+        try:
+            with self._bounded(item, "teardown"):
+                return (yield)
+        finally:
+            held = item.stash.get(CARD_LEASE_KEY, None)
+            if held is not None:
+                del item.stash[CARD_LEASE_KEY]
+                held.close()  # the environment put back, the budget directory and the lease gone
 
     def _bounded(self, item: pytest.Item, phase: str) -> contextlib.AbstractContextManager:
         if not isinstance(item, pytest.Function) or not runs_apart(item):
