@@ -113,15 +113,9 @@ def capture_logs(level: int | None) -> Iterator[list[dict[str, Any]]]:
         root.removeHandler(handler)
         root.setLevel(previous)
         if handler.dropped:
+            warning = {"name": "harness", "levelno": logging.WARNING, "levelname": "WARNING"}
             message = f"{handler.dropped} more log records of this rank dropped"
-            records.append(
-                {
-                    "name": "harness",
-                    "levelno": logging.WARNING,
-                    "levelname": "WARNING",
-                    "msg": message,
-                }
-            )
+            records.append({**warning, "msg": message})
 
 
 def _warning_class(name: str) -> type[Warning]:
@@ -386,13 +380,9 @@ def read_bounded(path: str, what: str = "this rank's output") -> str:
 
 def echo_logs(result: CaseOutcome) -> None:
     """Write the harness's notes on the case, then each rank's captured output."""
-    stream = sys.stdout
-    for note in result.notes:
-        stream.write(f"harness: {note}\n")
-    for rank in sorted(result.logs):
-        text = result.logs[rank]
+    sys.stdout.writelines(f"harness: {note}\n" for note in result.notes)
+    for rank, text in sorted(result.logs.items()):
         if text.strip():
-            stream.write(f"----- rank {rank} output -----\n{text}")
-            if not text.endswith("\n"):
-                stream.write("\n")
-    stream.flush()
+            end = "" if text.endswith("\n") else "\n"
+            sys.stdout.write(f"----- rank {rank} output -----\n{text}{end}")
+    sys.stdout.flush()

@@ -93,7 +93,6 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
     group.addoption(
         "--harness-lease-dir",
-        default=None,
         metavar="DIR",
         help="directory of the card / process-slot lock files shared by every "
         "pytest process on the host (default: $HARNESS_LEASE_DIR, else "
@@ -102,7 +101,6 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption(
         "--harness-max-procs",
         type=int,
-        default=None,
         metavar="N",
         help="rank processes allowed to run at once on this host (default: the CPU count)",
     )
@@ -137,7 +135,6 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
     group.addoption(
         OPT_COMMANDS,
-        default=None,
         metavar="FILE",
         help="JSON file of command cases (written by `harness run`): collected as one case each "
         "when FILE is also given as a path to collect",
