@@ -128,7 +128,7 @@ def conclude(
     fail: Callable[[str], NoReturn],
     skip: Callable[[str], NoReturn],
     xfail: Callable[[str], NoReturn],
-    echo: bool = True,
+    echo: bool,
 ) -> None:
     """Echo the case's notes and output, reissue the ranks' warnings and log records here,
     then map its status: failed -> ``fail(report)``, skipped -> ``skip(reason)``, xfailed
@@ -140,18 +140,13 @@ def conclude(
     status = result.status
     if status == FAILED:
         fail(result.report())
-    if status == SKIPPED:
-        skip(result.reason())
-    if status == XFAILED:
-        xfail(result.reason())
+    if status in (SKIPPED, XFAILED):
+        (skip if status == SKIPPED else xfail)(result.reason())
 
 
 def missing_cards(device: str, need: int) -> str | None:
     """Why this host cannot run a case needing ``need`` cards of ``device`` (None: it can)."""
-    if need == 0:
-        return None
-    have = inventory(device)
-    if len(have) >= need:
+    if need == 0 or len(have := inventory(device)) >= need:
         return None
     found = f"{len(have)} ({', '.join(str(c) for c in have)})" if have else "none"
     return f"needs {need} {device} card{'s' if need > 1 else ''}; this host has {found}"

@@ -69,11 +69,9 @@ class _Containment:
         self.released: set[psutil.Process] = set()
 
     def _spare(self) -> set[int]:
-        pids = {p.pid for procs in self.owned.values() for p in procs}
-        pool = keeper.pool
-        if pool is not None:
-            pids.update(pool.pids)
-        pids.update(runtime_helpers())
+        pids = {p.pid for procs in self.owned.values() for p in procs} | runtime_helpers()
+        if keeper.pool is not None:
+            pids.update(keeper.pool.pids)
         return pids
 
     @pytest.hookimpl(wrapper=True, tryfirst=True)

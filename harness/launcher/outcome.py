@@ -269,10 +269,8 @@ class CaseOutcome:
 
     def values(self) -> list[Any]:
         """Each rank's return value, in rank order (only for a passed case)."""
-        return [
-            pickle.loads(self.outcomes[r].value) if self.outcomes[r].value is not None else None
-            for r in range(self.nproc)
-        ]
+        blobs = (self.outcomes[r].value for r in range(self.nproc))
+        return [None if blob is None else pickle.loads(blob) for blob in blobs]
 
     def report(self) -> str:
         """The failure report: ranks that ran out of time first, else the first failing rank

@@ -139,9 +139,7 @@ def _load_from_file(name: str, path: str, *, rewrite: bool) -> types.ModuleType:
     if parent and parent not in sys.modules:
         with contextlib.suppress(ImportError):  # its relative imports will fail and say so
             importlib.import_module(parent)
-    spec = importlib.util.spec_from_file_location(name, path)
-    if spec is None or spec.loader is None:
-        raise ImportError(f"cannot load {name} from {path}")
+    spec = importlib.util.spec_from_file_location(name, path)  # a .py file: never None
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
     try:
