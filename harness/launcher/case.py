@@ -1,10 +1,6 @@
-"""A case's lifecycle, for the plugin and ``harness.launch`` alike: prepare
-(``prepare_case``: the pickled task and the ``CasePlan`` with its deadline,
-chosen once) -> lease (``lease_case``) -> start ranks, supervise, wind down
-(``run_case``: fresh ranks or a kept pool) -> outcome (``conclude``).
-``Settings`` are the session's (the plugin activates its own; a script
-calling ``harness.launch`` gets the defaults).
-"""
+"""A case's lifecycle, for the plugin and ``harness.launch`` alike: its task (``task_for``)
+and ``CasePlan`` (deadline chosen once) -> lease (``lease_case``) -> ranks (``run_case``:
+fresh, a kept pool or emulated nodes) -> outcome (``conclude``)."""
 
 from __future__ import annotations
 
@@ -13,7 +9,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
@@ -21,28 +17,27 @@ from typing import Any, NoReturn
 from harness.devices import Card, cpu_count, inventory
 from harness.errors import HarnessError
 from harness.launcher import lease as leases
-from harness.launcher import values
 from harness.launcher.lease import default_lease_dir
 from harness.launcher.nodes import run_nodes
 from harness.launcher.outcome import FAILED, SKIPPED, XFAILED, CaseOutcome, echo_logs
 from harness.launcher.pool import keeper
 from harness.launcher.rank import EnclosingCase, RankTask
 from harness.launcher.ranks import KILL_GRACE_S, run_ranks
-from harness.launcher.target import FunctionRef
+from harness.launcher.target import FunctionRef, dumps
 from harness.names import DEFAULT_CASE_TIMEOUT_S
 from harness.spec import LaunchSpec
 
-DEFAULT_TIMEOUT_S = DEFAULT_CASE_TIMEOUT_S
 DEFAULT_LEASE_TIMEOUT_S = 600.0
 
 
 @dataclass(frozen=True)
 class Settings:
     """A session's launch settings: the default case deadline, the lease directory (made
-    absolute), the host's process slots, the bound on a lease wait, the accelerators whose
-    absence fails instead of skipping, rank output captured (not streamed), kept pools."""
+    absolute: where the session started, whatever directory a test is in when it leases),
+    the host's process slots, the bound on a lease wait, the accelerators whose absence
+    fails instead of skipping, rank output captured (not streamed), kept pools."""
 
-    timeout: float = DEFAULT_TIMEOUT_S
+    timeout: float = DEFAULT_CASE_TIMEOUT_S
     lease_dir: str = field(default_factory=default_lease_dir)
     max_procs: int = field(default_factory=cpu_count)
     lease_timeout: float = DEFAULT_LEASE_TIMEOUT_S
@@ -51,22 +46,12 @@ class Settings:
     reuse: bool = False
 
     def __post_init__(self) -> None:
-        # A relative lease directory means where the session started, not
-        # wherever a test has changed directory to when it leases.
         object.__setattr__(self, "lease_dir", os.path.abspath(self.lease_dir))
 
 
-#: The settings of the pytest session this code runs in (unset: none). The
-#: plugin keeps its session's ``Settings`` in ``config.stash`` and activates
-#: them here for the session's length (a ContextVar: nested pytester runs
-#: restore the outer session's on exit by resetting their token).
+#: The running pytest session's settings (a ContextVar: a nested pytester session
+#: restores the outer one's by resetting its token); unset: none.
 active: ContextVar[Settings] = ContextVar("harness_settings")
-
-
-def current() -> Settings:
-    """The active session's settings, else defaults from the environment."""
-    settings = active.get(None)
-    return settings if settings is not None else Settings()
 
 
 @dataclass(frozen=True)
@@ -78,18 +63,11 @@ class Deadline:
 
 
 def choose_deadline(
-    spec: LaunchSpec,
-    settings: Settings,
-    *,
-    default_source: str,
-    enclosing: EnclosingCase | None = None,
+    spec: LaunchSpec, default: Deadline, enclosing: EnclosingCase | None = None
 ) -> Deadline:
-    """``spec.timeout``, else the session default (named ``default_source``);
-    never past what is left of an ``enclosing`` case (minus the kill grace)."""
-    if spec.timeout:
-        deadline = Deadline(spec.timeout, "LaunchSpec.timeout")
-    else:
-        deadline = Deadline(settings.timeout, default_source)
+    """``spec.timeout``, else ``default``; never past what is left of an ``enclosing`` case
+    (minus the kill grace)."""
+    deadline = Deadline(spec.timeout, "LaunchSpec.timeout") if spec.timeout else default
     if enclosing is not None:
         remaining = enclosing.deadline - time.time() - KILL_GRACE_S
         if remaining < deadline.seconds:
@@ -99,61 +77,42 @@ def choose_deadline(
 
 @dataclass(frozen=True)
 class CasePlan:
-    """One case to run: what it needs, the session's settings, its name, its
-    deadline, and (inside an enclosing case) the cards it runs on unleased."""
+    """One case to run: what it needs, the session's settings, its name, its deadline, kept
+    ranks or not, and (inside an enclosing case) the cards it runs on unleased."""
 
     spec: LaunchSpec
     settings: Settings
     what: str
     deadline: Deadline
     reuse: bool = False
-    #: None: lease cards and process slots; else run on these, leasing nothing
-    #: (a nested launch inside a case that holds them)
-    cards: tuple[Card, ...] | None = None
-    #: stream the ranks' output while the case runs, each line prefixed with
-    #: its rank (``pytest -s``), instead of echoing it after the case
+    cards: tuple[Card, ...] | None = None  # None: lease cards and process slots
+    #: stream the ranks' output, each line prefixed with its rank (``pytest -s``)
     live: bool = False
 
 
-def prepare_case(
+def task_for(
     ref: FunctionRef,
     args: tuple,
     kwargs: dict,
-    spec: LaunchSpec,
     *,
-    what: str,
-    settings: Settings,
-    deadline: Deadline,
-    reuse: bool,
     kinds: dict[str, str] | None = None,
     state: dict | None = None,
-    cards: tuple[Card, ...] | None = None,
-    live: bool = False,
     **task: Any,
-) -> tuple[RankTask, CasePlan]:
-    """The task the ranks run (``ref`` called with the pickled ``args`` / ``kwargs``,
-    ``state`` the attributes of the test method's instance, ``task`` the other fields of
-    ``RankTask``; ``TypeError`` names a value that cannot travel, ``kinds`` saying what
-    each keyword is) and the ``CasePlan`` it runs under (the caller's ``deadline``, kept
-    ranks when ``reuse``, the ``cards`` of an enclosing case used unleased, ``live``
-    output)."""
-    kinds = kinds or {}
+) -> RankTask:
+    """The ``RankTask`` calling ``ref`` with ``args`` / ``kwargs`` (``state``: the attributes
+    of the test method's instance; ``task``: its other fields), pickled. ``TypeError``
+    names a value that cannot travel, ``kinds`` saying what each keyword is."""
     named = {f"argument {index}": value for index, value in enumerate(args)}
-    named.update({f"{kinds.get(k, 'argument')} {k!r}": v for k, v in kwargs.items()})
-    pickled_state = None
+    named.update({f"{(kinds or {}).get(k, 'argument')} {k!r}": v for k, v in kwargs.items()})
     if state is not None:
         attributes = {f"attribute self.{k} of the test's instance": v for k, v in state.items()}
-        pickled_state = _pickled(state, attributes)
-    return (
-        RankTask(ref, _pickled((args, kwargs), named), state=pickled_state, **task),
-        CasePlan(spec, settings, what, deadline, reuse=reuse, cards=cards, live=live),
-    )
+        task["state"] = _pickled(state, attributes)
+    return RankTask(ref, _pickled((args, kwargs), named), **task)
 
 
 def lease_case(plan: CasePlan) -> leases.Lease:
-    """Lease the process slots and cards ``plan.spec`` needs (those of all its
-    nodes: emulated nodes share this host), waiting at most
-    ``settings.lease_timeout`` (``LeaseTimeout`` names what it waited for)."""
+    """Lease the process slots and cards ``plan.spec`` needs (all its nodes': emulated nodes
+    share this host), waiting at most ``lease_timeout`` (``LeaseTimeout`` names them)."""
     spec, settings = plan.spec, plan.settings
     wants = [leases.slot_want(settings.max_procs, spec.world_size)]
     if spec.cards:
@@ -169,12 +128,11 @@ def conclude(
     fail: Callable[[str], NoReturn],
     skip: Callable[[str], NoReturn],
     xfail: Callable[[str], NoReturn],
-    echo: bool = True,
+    echo: bool,
 ) -> None:
-    """Echo the case's notes and captured output, issue the ranks' warnings
-    again here (``CaseOutcome.reissue_warnings``), then map its status: failed ->
-    ``fail(report)``, skipped -> ``skip(reason)``, xfailed -> ``xfail(reason)``;
-    returns only for a passed case."""
+    """Echo the case's notes and output, reissue the ranks' warnings and log records here,
+    then map its status: failed -> ``fail(report)``, skipped -> ``skip(reason)``, xfailed
+    -> ``xfail(reason)``; returns only for a passed (or rejected) case."""
     if echo:
         echo_logs(result)
     result.reissue_warnings()
@@ -182,36 +140,30 @@ def conclude(
     status = result.status
     if status == FAILED:
         fail(result.report())
-    if status == SKIPPED:
-        skip(result.reason())
-    if status == XFAILED:
-        xfail(result.reason())
+    if status in (SKIPPED, XFAILED):
+        (skip if status == SKIPPED else xfail)(result.reason())
 
 
 def missing_cards(device: str, need: int) -> str | None:
     """Why this host cannot run a case needing ``need`` cards of ``device`` (None: it can)."""
-    if need == 0:
-        return None
-    have = inventory(device)
-    if len(have) >= need:
+    if need == 0 or len(have := inventory(device)) >= need:
         return None
     found = f"{len(have)} ({', '.join(str(c) for c in have)})" if have else "none"
     return f"needs {need} {device} card{'s' if need > 1 else ''}; this host has {found}"
 
 
 def _pickled(value: Any, named: dict[str, Any]) -> bytes:
-    """``value`` pickled for the ranks; ``TypeError`` names the first of ``named`` (words
-    -> value) that cannot be."""
+    """``value`` pickled; ``TypeError`` names the first of ``named`` (words: part) that is not."""
     for what, part in named.items():
         try:
-            values.dumps(part)
+            dumps(part)
         except Exception as exc:
             raise TypeError(
                 f"{what} (a {type(part).__module__}.{type(part).__qualname__}) cannot be sent "
                 f"to the rank processes: {type(exc).__name__}: {exc}. Ranks receive values by "
                 "pickling; pass something picklable or build it inside the ranks."
             ) from None
-    return values.dumps(value)
+    return dumps(value)
 
 
 class LaunchError(HarnessError):
@@ -242,66 +194,46 @@ def run_case(task: RankTask, plan: CasePlan) -> CaseOutcome:
     try:
         result = run(task, plan, lease.cards(), lease=lease)
     finally:
-        # Ranks the kernel would not kill keep their inherited lock: the card
-        # stays leased until they are really gone.
+        # Ranks the kernel would not kill keep their inherited lock: the card stays leased.
         lease.release(holders_gone=result is not None and not result.survivors)
     return result
 
 
 def launch(fn: Callable[..., Any], spec: LaunchSpec, *args: Any) -> list[Any]:
-    """Run ``fn(*args)`` in ``spec.nproc`` rank processes and return each rank's
-    return value, in rank order.
+    """Run ``fn(*args)`` in ``spec.nproc`` rank processes and return each rank's return
+    value, in rank order.
 
-    The ranks are set up as for a ``launch``-marked test (process group,
-    environment, card, deadline ``spec.timeout`` or the session default) and
-    are all gone when this returns or raises. ``fn`` must be importable
-    (module level) and ``args`` and the results picklable.
-
-    Outside a case, the cards and process slots are leased first (bounded
-    wait, ``LeaseTimeout``). Inside the ranks of a case, the case's lease is
-    used, and asking for more ranks (or cards) than the case declared raises
-    ``LaunchBudgetError`` giving both numbers; nested launches from all the
-    case's ranks and threads together never run more ranks at once than the
-    case declared (later ones wait, within the case's deadline, then raise
-    ``LaunchBudgetError``). A plain test holding a card (parametrized with an
-    accelerator ``device``) is such a case of one rank on its card. A failing, crashing or
-    overdue rank raises ``LaunchError`` whose message names the rank.
+    The ranks are set up as for a ``launch``-marked test (process group, environment, card,
+    deadline ``spec.timeout`` or the session default) and are all gone when this returns or
+    raises; ``fn`` must be importable (module level), ``args`` and the results picklable.
+    Outside a case, the cards and process slots are leased first (bounded wait,
+    ``LeaseTimeout``). Inside a case (a launched test's ranks; a plain test holding a card
+    is a case of one rank on it) the case's lease is used: more ranks or cards than it
+    declared raise ``LaunchBudgetError`` giving both numbers, and its nested launches
+    together never run more ranks at once than it declared (later ones wait, within its
+    deadline, then raise ``LaunchBudgetError``). A failing, crashing or overdue rank raises
+    ``LaunchError`` whose message names the rank.
     """
     __tracebackhide__ = True
-    settings = current()
+    settings = active.get(None) or Settings()
+    pytest = sys.modules.get("pytest")
     ref = FunctionRef.of(fn)
+    what = f"harness.launch({ref.module}.{ref.qualname})"
     enclosing = EnclosingCase.from_env()
     cards: tuple[Card, ...] | None = None
     if enclosing is not None:
-        if spec.nnodes > 1:
-            raise LaunchBudgetError(
-                f"harness.launch cannot start a {spec.nnodes}-node case inside {enclosing.what}; "
-                "a multi-node case is launched on its own (a launch marker or a top-level call)"
-            )
-        cards = tuple(_within(enclosing, spec))
-        what = f"harness.launch({ref.module}.{ref.qualname})"
+        cards = _within(enclosing, spec)
     else:
         reason = missing_cards(spec.device, spec.cards * spec.nnodes)
         if reason is not None:
-            _missing_hardware(spec.device, reason)
-        what = (
-            os.environ.get("PYTEST_CURRENT_TEST") or f"harness.launch({ref.module}.{ref.qualname})"
-        )
-    deadline = choose_deadline(
-        spec, settings, default_source="the session's default timeout", enclosing=enclosing
-    )
-    task, plan = prepare_case(
-        ref,
-        args,
-        {},
-        spec,
-        what=what,
-        settings=settings,
-        deadline=deadline,
-        reuse=False,
-        cards=cards,
-    )
-    with _nested_slots(enclosing, spec, what):
+            if pytest is not None and spec.device not in settings.require:
+                pytest.skip(reason)
+            raise LaunchError(f"harness.launch: {reason}")
+        what = os.environ.get("PYTEST_CURRENT_TEST") or what
+    default = Deadline(settings.timeout, "the session's default timeout")
+    plan = CasePlan(spec, settings, what, choose_deadline(spec, default, enclosing), cards=cards)
+    task = task_for(ref, args, {})
+    with contextlib.nullcontext() if enclosing is None else _nested_slots(enclosing, spec, what):
         result = run_case(task, plan)
 
     def fail(message: str) -> NoReturn:
@@ -310,7 +242,6 @@ def launch(fn: Callable[..., Any], spec: LaunchSpec, *args: Any) -> list[Any]:
     def not_passed(reason: str) -> NoReturn:
         raise LaunchError(f"ranks {result.status}: {reason}", result)
 
-    pytest = sys.modules.get("pytest")
     conclude(
         result,
         fail=fail,
@@ -321,16 +252,12 @@ def launch(fn: Callable[..., Any], spec: LaunchSpec, *args: Any) -> list[Any]:
     return result.values()
 
 
-@contextlib.contextmanager
-def _nested_slots(case: EnclosingCase | None, spec: LaunchSpec, what: str) -> Iterator[None]:
-    """Hold ``spec.nproc`` of the enclosing case's ``case.nproc`` rank slots
-    while a nested launch runs (nothing outside a case)."""
-    if case is None or case.budget_dir is None:
-        yield
-        return
+def _nested_slots(case: EnclosingCase, spec: LaunchSpec, what: str) -> leases.Lease:
+    """``spec.nproc`` of the enclosing case's ``case.nproc`` rank slots, leased for a nested
+    launch (every nested launch of the case's ranks and threads leases from them)."""
     waited = max(0.1, case.deadline - time.time())
     try:
-        lease = leases.acquire(
+        return leases.acquire(
             case.budget_dir,
             [leases.slot_want(case.nproc, spec.nproc)],
             timeout=waited,
@@ -341,33 +268,28 @@ def _nested_slots(case: EnclosingCase | None, spec: LaunchSpec, what: str) -> It
             f"{what} waited {waited:.3g} s for {spec.nproc} of the {case.nproc} rank slot(s) of "
             f"{case.what}: its other nested launches held them until its deadline"
         ) from None
-    try:
-        yield
-    finally:
-        lease.release()
 
 
-def _within(case: EnclosingCase, spec: LaunchSpec) -> list[Card]:
+def _within(case: EnclosingCase, spec: LaunchSpec) -> tuple[Card, ...]:
+    """The enclosing case's cards a nested launch of ``spec`` runs on (``LaunchBudgetError``:
+    more nodes, ranks or cards than the case has)."""
+    if spec.nnodes > 1:
+        raise LaunchBudgetError(
+            f"harness.launch cannot start a {spec.nnodes}-node case inside {case.what}; "
+            "a multi-node case is launched on its own (a launch marker or a top-level call)"
+        )
     if spec.nproc > case.nproc:
         raise LaunchBudgetError(
             f"harness.launch would start {spec.nproc} ranks, but {case.what} declares "
             f"nproc={case.nproc}; declare the number of ranks it really starts "
             f"(e.g. @pytest.mark.launch(nproc={spec.nproc}))"
         )
-    if spec.cards:
-        cards = [Card(*c.split(":", 1)) for c in case.cards if c.startswith(spec.device + ":")]
-        if len(cards) < spec.cards:
-            raise LaunchBudgetError(
-                f"harness.launch would use {spec.cards} {spec.device} cards, but {case.what} "
-                f"holds {len(cards)} ({', '.join(case.cards) or 'none'})"
-            )
-        return cards[: spec.cards]
-    return []
-
-
-def _missing_hardware(device: str, reason: str) -> None:
-    if "pytest" in sys.modules and device not in current().require:
-        import pytest
-
-        pytest.skip(reason)
-    raise LaunchError(f"harness.launch: {reason}")
+    if not spec.cards:
+        return ()
+    cards = [Card(*c.split(":", 1)) for c in case.cards if c.startswith(spec.device + ":")]
+    if len(cards) < spec.cards:
+        raise LaunchBudgetError(
+            f"harness.launch would use {spec.cards} {spec.device} cards, but {case.what} "
+            f"holds {len(cards)} ({', '.join(case.cards) or 'none'})"
+        )
+    return tuple(cards[: spec.cards])

@@ -1,25 +1,9 @@
-"""Command cases: a manifest entry's ``command`` run as one pytest item of the session.
-
-``harness run`` writes the run's command cases to a JSON file and gives pytest that file,
-both as a path to collect and as ``--harness-commands FILE``: ``{"format":
-"harness-commands/1", "root": DIR, "cases": [CASE, ...]}``, each ``CASE`` ``{"id":
-"<suite>::<entry id>", "argv": [...], "expect_output": REGEX | null, "timeout_s": SECONDS |
-null, "device": "cpu" | "cuda" | "npu", "cards": N, "env": {...}, "source": MANIFEST}``
-(``source``: the file defining the entry, from the root). This plugin
-(registered by the launch plugin when the option is set) collects it as a
-:class:`CommandFile` of :class:`CommandItem` s, so leases, deadlines (pytest-timeout's marker,
-as every planned case), xdist distribution, reports and JUnit are pytest's as for any case.
-
-An item leases its cards (the device's visibility variable names exactly them), then runs
-its argv (no shell, from the root) under a supervisor (``harness.launcher.supervisor``,
-a child subreaper leading a session of its own): whatever the command starts, ``setsid``
-daemons included, is stopped when the command ends (and reported as any case's leftovers,
-``harness.launcher.containment``), when its deadline passes (after the stacks of what still
-runs: ``py-spy dump`` where installed, else the process tree with command lines), or when
-pytest dies. Its output (stdout and stderr
-together) goes to a file; the report keeps its head and tail
-(``harness.launcher.outcome.read_bounded``).
-"""
+"""Command cases: a manifest entry's ``command`` as one pytest item (``CommandItem``),
+collected from the ``--harness-commands`` file ``harness run`` writes (``{"format":
+"harness-commands/1", "root": DIR, "cases": [{"id", "argv", "expect_output", "timeout_s",
+"device", "cards", "env", "source"}, ...]}``). Its cards leased, its argv run (no shell,
+from the root) under a supervisor that stops whatever it leaves; past its deadline, the
+stacks of what still runs; its output kept bounded."""
 
 from __future__ import annotations
 
@@ -27,6 +11,7 @@ import contextlib
 import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -46,7 +31,7 @@ from harness.launcher.plugin import TIMEOUT_KEY, lease_cards, need_cards
 from harness.names import COMMANDS_FORMAT as FORMAT
 from harness.names import DEFAULT_CASE_TIMEOUT_S
 
-#: Between SIGTERM and SIGKILL when a command's tree is stopped at its deadline.
+#: Between SIGTERM and SIGKILL for a command's tree.
 KILL_AFTER_S = 5.0
 #: How long one ``py-spy dump`` may take, and how many processes are dumped.
 PY_SPY_TIMEOUT_S = 10.0
@@ -69,7 +54,6 @@ class CommandFile(pytest.File):
             raise ValueError(f"{self.path}: not a {FORMAT} file (format {doc.get('format')!r})")
         root = doc["root"]
         for case in doc["cases"]:
-            # Located at its manifest: where the report and warnings point.
             where = Path(root, case["source"]) if case.get("source") else self.path
             yield CommandItem.from_parent(
                 self, name=case["id"], nodeid=case["id"], path=where, case=case, root=root
@@ -77,9 +61,9 @@ class CommandFile(pytest.File):
 
 
 class CommandItem(pytest.Item):
-    """One command case: passes when its argv exits 0 within its deadline and its output
-    matches its ``expect_output``. ``harness_case_id`` is its case id (``<suite>::<entry>``).
-    pytest-timeout's timeout (its marker) is its command's deadline (``times_itself``)."""
+    """One command case (``harness_case_id``: ``<suite>::<entry>``): passes when its argv
+    exits 0 within its deadline (pytest-timeout's, ``times_itself``) and its output matches
+    its ``expect_output``."""
 
     times_itself = True
 
@@ -95,18 +79,12 @@ class CommandItem(pytest.Item):
         self.keywords.update({suite: True, entry: True})
 
     def reportinfo(self) -> tuple[Path, int, str]:
-        return self.path, 0, f"{self.harness_case_id}: {_shown(self.argv)}"
+        return self.path, 0, f"{self.harness_case_id}: {shlex.join(self.argv)}"
 
     def repr_failure(self, excinfo: pytest.ExceptionInfo[BaseException], style: Any = None) -> Any:
         if isinstance(excinfo.value, CommandFailed):
             return str(excinfo.value)
         return super().repr_failure(excinfo, style)
-
-    def _deadline(self) -> float:
-        """pytest-timeout's (the case's ``timeout`` marker), else the case's own ``timeout_s``,
-        else the default case deadline."""
-        given = self.stash.get(TIMEOUT_KEY, None) or self.case.get("timeout_s")
-        return float(given or DEFAULT_CASE_TIMEOUT_S)
 
     def runtest(self) -> None:
         need_cards(self, self.device, self.cards)
@@ -114,7 +92,7 @@ class CommandItem(pytest.Item):
         if _which(self.argv[0], env, self.root) is None:
             where = "from the repository root" if os.sep in self.argv[0] else "on PATH"
             raise CommandFailed(
-                f"harness: {self.harness_case_id}: {_shown(self.argv)}\n"
+                f"harness: {self.harness_case_id}: {shlex.join(self.argv)}\n"
                 f"PATH={env.get('PATH', '')}\nroot: {self.root}\n"
                 f"E   program {self.argv[0]!r} not found {where}"
             )
@@ -123,20 +101,23 @@ class CommandItem(pytest.Item):
             if self.cards:
                 lease = held.enter_context(lease_cards(self, self.device, self.cards))
                 keep = lease.fds()
-                names = [c.id for c in lease.cards()]
                 visible = device_type(self.device).visibility_env
                 if visible:
-                    env[visible] = ",".join(names)
+                    env[visible] = ",".join(c.id for c in lease.cards())
                 self.user_properties.append(("harness.cards", ",".join(map(str, lease.cards()))))
             self.user_properties.append(("harness.device", self.device))
-            folder = held.enter_context(tempfile.TemporaryDirectory(prefix="harness-command-"))
-            self._run(env, Path(folder), keep)
+            folder = Path(
+                held.enter_context(tempfile.TemporaryDirectory(prefix="harness-command-"))
+            )
+            self._run(env, folder, keep)
 
     def _run(self, env: dict[str, str], folder: Path, keep: list[int]) -> None:
-        """Run the command (its supervisor holding the lease descriptors ``keep``, so that the
-        cards stay leased until nothing of it runs, even past this process), then judge it."""
+        """Run and judge the command; its supervisor holds the lease descriptors ``keep``, so
+        the cards stay leased until nothing of it runs, even past this process."""
         output, leftovers = folder / "output", folder / "leftovers"
-        deadline = self._deadline()
+        # pytest-timeout's (the case's marker), else its own timeout_s, else the default.
+        given = self.stash.get(TIMEOUT_KEY, None) or self.case.get("timeout_s")
+        deadline = float(given or DEFAULT_CASE_TIMEOUT_S)
         wrapper = [sys.executable, "-m", "harness.launcher.supervisor", str(os.getpid())]
         started = time.monotonic()
         with open(output, "wb") as out:
@@ -156,8 +137,7 @@ class CommandItem(pytest.Item):
             stacks = _stacks(proc.pid)
             processes.kill_trees([proc.pid], grace=KILL_AFTER_S, kill_wait=KILL_AFTER_S)
             code = None
-        finally:
-            # However this ends (an interrupt included), nothing of the command outlives it.
+        finally:  # an interrupt included
             processes.kill_trees([proc.pid], grace=0, kill_wait=KILL_AFTER_S)
             with contextlib.suppress(subprocess.TimeoutExpired):  # stuck in the kernel: bounded
                 proc.wait(timeout=KILL_AFTER_S)
@@ -165,7 +145,6 @@ class CommandItem(pytest.Item):
         text = read_bounded(str(output), "the command's output")
         size = output.stat().st_size
         left = leftovers.read_text(encoding="utf-8", errors="replace") if leftovers.exists() else ""
-        # What the supervisor stopped is reported as any case's leftovers (containment).
         self.stash.setdefault(containment.RANK_LEAKS, []).extend(
             f"pid {pid}: {cmd}"
             for pid, _, cmd in (ln.partition("\t") for ln in left.splitlines() if ln)
@@ -177,7 +156,9 @@ class CommandItem(pytest.Item):
             verdict = describe_exit(code)
             if code == 127:
                 verdict += " (the program could not be run: see its output)"
-        elif (pattern := self.case.get("expect_output")) and not _matches(pattern, output):
+        elif (pattern := self.case.get("expect_output")) and not re.search(
+            pattern, output.read_text(encoding="utf-8", errors="replace"), re.MULTILINE
+        ):
             verdict = f"exited 0, but its output does not match expect_output {pattern!r}"
         if verdict is None:
             self.add_report_section("call", "output", text)  # shown by -rP
@@ -185,7 +166,7 @@ class CommandItem(pytest.Item):
         # The verdict first (pytest's short summary) and last, as an ``E`` line (the run's).
         body = (
             f"harness: {self.harness_case_id}: {verdict}\n"
-            f"command: {_shown(self.argv)} (from {self.root})\n"
+            f"command: {shlex.join(self.argv)} (from {self.root})\n"
             f"----- output ({size} bytes) -----\n{text}"
         )
         if not text.endswith("\n"):
@@ -200,30 +181,15 @@ class CommandFailed(Exception):
     """A command case failed; the message is its whole report (output, stacks, verdict last)."""
 
 
-def _shown(argv: list[str]) -> str:
-    import shlex
-
-    return shlex.join(argv)
-
-
 def _which(program: str, env: dict[str, str], root: str) -> str | None:
-    """Where ``program`` is (a path with a slash: from ``root``), as ``execvp`` would find it."""
-    if os.sep in program:
-        path = os.path.join(root, program)
-        return path if os.path.isfile(path) and os.access(path, os.X_OK) else None
+    """Where ``execvp`` would find ``program`` (a path with a slash: from ``root``)."""
+    program = os.path.join(root, program) if os.sep in program else program
     return shutil.which(program, path=env.get("PATH", os.defpath))
 
 
-def _matches(pattern: str, output: Path) -> bool:
-    """Whether ``pattern`` matches somewhere in the output (``^`` / ``$`` at each line)."""
-    text = output.read_text(encoding="utf-8", errors="replace")
-    return re.search(pattern, text, re.MULTILINE) is not None
-
-
 def _stacks(supervisor: int) -> str:
-    """What still runs below a command's ``supervisor``: each process (pid, parent, state,
-    command line), and where py-spy is installed (on the run's ``PATH``) ``py-spy dump`` of
-    each (the first line of its error for a process it cannot read: not Python, no rights)."""
+    """What still runs below a command's ``supervisor`` (pid, parent, state, command line),
+    and ``py-spy dump`` of each where py-spy is installed (else the first line of its error)."""
     import psutil
 
     tree = [p for p in processes.process_tree(supervisor, own_session=True) if p.pid != supervisor]

@@ -1,16 +1,6 @@
-"""Every case contained, plain or launched: a process a case started that is still
-running when its teardown ends is stopped and reported against that case.
-
-The pytest process is a child subreaper for the session, so a daemon that left its
-parent stays in sight. After a case's teardown, the processes below this one that are
-new and still running (after ``SETTLE_S``) are stopped (SIGTERM, ``GRACE_S``, SIGKILL) and
-named (pid, command line): ini ``harness_leaks = warn`` (the default) reports them as a
-:class:`LeakWarning` of the case and the JUnit property ``harness.leaked``, ``fail``
-fails the case's teardown. Spared: processes of a wider-scoped fixture still set up
-(checked when it is torn down), the kept rank pool, and the runtime's lifelong helpers.
-What started outside any case is stopped as the session finishes, with a warning. See
-docs/harness.md ("Process containment").
-"""
+"""Every case contained, plain or launched: what a case started that still runs after its
+teardown is stopped and reported against it (``harness_leaks``: warn or fail); the pytest
+process a child subreaper meanwhile. See docs/harness.md ("Process containment")."""
 
 from __future__ import annotations
 
@@ -35,9 +25,7 @@ SETTLE_S = 0.5
 GRACE_S = 1.0
 
 _BEFORE = pytest.StashKey["set[psutil.Process]"]()
-#: What a case's own processes left running, stopped and named where they ran (each rank:
-#: ``harness.launcher.rank``; a command's supervisor: ``harness.launcher.command``), reported
-#: here with the case's other leaks.
+#: What a case's own processes (ranks, a command's supervisor) stopped and named.
 RANK_LEAKS = pytest.StashKey[list[str]]()
 
 
@@ -62,14 +50,14 @@ def configure(config: pytest.Config) -> None:
         raise pytest.UsageError(
             f"ini {LEAKS_INI} = {config.getini(LEAKS_INI)!r}: choose one of {', '.join(LEAK_MODES)}"
         )
-    config.pluginmanager.register(_Containment(config, mode), "harness-containment")
+    config.pluginmanager.register(_Containment(mode), "harness-containment")
 
 
 class _Containment:
-    """One session's containment: each case's, and the session's at its end."""
+    """One session's containment: each case's, and the session's at its end. Spared: what
+    a wider-scoped fixture still set up started, the kept pool, the runtime's helpers."""
 
-    def __init__(self, config: pytest.Config, mode: str) -> None:
-        self.config = config
+    def __init__(self, mode: str) -> None:
         self.mode = mode
         # An inner session (pytester, in process) leaves the outer one's state as it was.
         self.was_subreaper = processes.is_subreaper()
@@ -81,11 +69,9 @@ class _Containment:
         self.released: set[psutil.Process] = set()
 
     def _spare(self) -> set[int]:
-        pids = {p.pid for procs in self.owned.values() for p in procs}
-        pool = keeper.pool
-        if pool is not None:
-            pids.update(pool.pids)
-        pids.update(runtime_helpers())
+        pids = {p.pid for procs in self.owned.values() for p in procs} | runtime_helpers()
+        if keeper.pool is not None:
+            pids.update(keeper.pool.pids)
         return pids
 
     @pytest.hookimpl(wrapper=True, tryfirst=True)
@@ -141,14 +127,10 @@ class _Containment:
         )
         if self.mode == "fail" and not failing:
             raise pytest.fail.Exception(message, pytrace=False)
-        path, lineno, _ = item.location
-        warnings.warn_explicit(
-            LeakWarning(message), LeakWarning, str(item.config.rootpath / path), (lineno or 0) + 1
-        )
+        warn_at(item, LeakWarning(message))
 
     @pytest.hookimpl(trylast=True)
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
-        # What is left started outside any case, or in a worker that died.
         left = processes.stop_leftovers(
             self.session_before, settle=SETTLE_S, grace=GRACE_S, spare=self._spare
         )
@@ -166,10 +148,17 @@ class _Containment:
             processes.subreaper(False)
 
 
+def warn_at(item: pytest.Item, warning: Warning) -> None:
+    """Issue ``warning`` at the test's own location (where pytest's summary points)."""
+    path, lineno, _ = item.location
+    warnings.warn_explicit(
+        warning, type(warning), str(item.config.rootpath / path), (lineno or 0) + 1
+    )
+
+
 def runtime_helpers() -> set[int]:
-    """The processes the runtime keeps for this process's life, started by whichever case
-    first needed them: multiprocessing's resource tracker and forkserver, torch
-    inductor's compile-worker pools."""
+    """The processes the runtime keeps for this process's life, whichever case started them:
+    multiprocessing's resource tracker and forkserver, torch inductor's compile workers."""
     pids: set[int] = set()
     tracker = sys.modules.get("multiprocessing.resource_tracker")
     forkserver = sys.modules.get("multiprocessing.forkserver")

@@ -1,11 +1,11 @@
 """pytest's assertion explanations in ranks: a failing ``assert a == b`` explains itself
-as in-process, through pytest's own ``pytest_assertrepr_compare`` with the launcher's
-settings (``AssertionSettings``). A conftest's own hook is not consulted in ranks.
-"""
+through pytest's own ``pytest_assertrepr_compare`` with the launcher's settings (a
+conftest's own hook is not consulted in ranks)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any
 
 #: The ini values pytest's explanations read (those this pytest knows are shipped).
@@ -22,7 +22,6 @@ class AssertionSettings:
 
     @classmethod
     def of(cls, config: Any) -> AssertionSettings:
-        """The settings of this pytest session."""
         ini = {}
         for name in _INI:
             try:
@@ -38,7 +37,6 @@ class AssertionSettings:
         )
 
     # The part of pytest's Config its assertion hook reads.
-
     def get_verbosity(self, verbosity_type: str | None = None) -> int:
         return self.verbosity
 
@@ -49,16 +47,8 @@ class AssertionSettings:
         return {"assertmode": self.assertmode, "verbose": self.verbosity}[name]
 
     getoption = getvalue
-
-    @property
-    def pluginmanager(self) -> Any:
-        # No terminal reporter here: explanations stay plain text (no colour codes).
-        return _NoPlugins()
-
-
-class _NoPlugins:
-    def has_plugin(self, name: str) -> bool:
-        return False
+    # No terminal reporter here: explanations stay plain text (no colour codes).
+    pluginmanager = SimpleNamespace(has_plugin=lambda name: False)
 
 
 def install(settings: AssertionSettings) -> None:
@@ -69,11 +59,9 @@ def install(settings: AssertionSettings) -> None:
 
     def reprcompare(op: str, left: object, right: object) -> str | None:
         try:
-            lines = assertion.pytest_assertrepr_compare(
-                config=settings, op=op, left=left, right=right
-            )
-            lines = list(lines) if lines else None
-        except Exception:  # another pytest's internals: no explanation, as before
+            hook = assertion.pytest_assertrepr_compare
+            lines = list(hook(config=settings, op=op, left=left, right=right) or ())
+        except Exception:  # another pytest's internals: the one-line message
             return None
         if not lines:
             return None

@@ -1,12 +1,6 @@
-"""Hypothesis's in-test API across processes, for a launched ``@given`` test.
-
-Hypothesis draws, shrinks and stores examples in the launcher; each example's body runs
-on the ranks, inside a build context of their own (``example_context``) that records
-what the body told Hypothesis (``Feedback``: notes, events, targets, a rejection); the
-launcher replays it inside its own build context (``replay``). ``st.data()`` cannot be
-split this way (its draws are made on the ranks), so a launched test using it is refused
-(``harness.spec.launch_refusal``).
-"""
+"""Hypothesis's in-test API for a launched ``@given`` test: each example's body runs on
+the ranks in a build context of their own (``example_context``) that records what it told
+Hypothesis (``Feedback``); the launcher replays that in its own (``replay``)."""
 
 from __future__ import annotations
 
@@ -29,9 +23,8 @@ class Feedback:
 
 @contextlib.contextmanager
 def example_context(test: Any, feedback: Feedback) -> Iterator[None]:
-    """Run the body of one example of ``test`` (its ``@given`` wrapper) inside a
-    Hypothesis build context that records into ``feedback``; an
-    ``UnsatisfiedAssumption`` the body raises is recorded and re-raised."""
+    """Run one example's body of ``test`` (its ``@given`` wrapper) in a Hypothesis build
+    context recording into ``feedback`` (a rejection recorded, and re-raised)."""
     from hypothesis.control import BuildContext
     from hypothesis.errors import UnsatisfiedAssumption
     from hypothesis.internal.conjecture.data import ConjectureData
@@ -60,22 +53,20 @@ def is_rejection(exc: BaseException) -> bool:
 
 
 def replay(feedbacks: dict[int, Feedback]) -> None:
-    """In the launcher's build context: replay what the ranks' bodies told Hypothesis
-    (events and targets of the lowest rank that reported; its notes, then the other
-    ranks' notes it did not make, prefixed ``rank N:``)."""
+    """In the launcher's build context: the events, targets and notes of the lowest rank
+    that reported, then the other ranks' notes it did not make, prefixed ``rank N:``."""
     if not feedbacks:
         return
     from hypothesis import event, note, target
 
-    first = min(feedbacks)
+    first, *others = sorted(feedbacks)
     own = feedbacks[first]
     for text in own.notes:
         note(text)
-    for rank in sorted(feedbacks):
-        if rank != first:
-            for text in feedbacks[rank].notes:
-                if text not in own.notes:
-                    note(f"rank {rank}: {text}")
+    for rank in others:
+        for text in feedbacks[rank].notes:
+            if text not in own.notes:
+                note(f"rank {rank}: {text}")
     for value, payload in own.events.items():
         event(value, payload)
     for label, score in own.targets.items():

@@ -1,10 +1,6 @@
-"""What each rank of a case did, and the one verdict and report made of it.
-
-A rank writes its ``RankOutcome`` to a file when its function returns or raises; a rank
-that dies first leaves none, and the launcher records how it ended instead.
-``CaseOutcome`` turns all of that into one status and a report that starts with the first
-failure. Each rank's captured output is read back to its head and tail only.
-"""
+"""What each rank of a case did (``RankOutcome``, a file each rank writes), and the one
+verdict and report made of it (``CaseOutcome``: the first failure first); rank output and
+log records, bounded."""
 
 from __future__ import annotations
 
@@ -26,20 +22,17 @@ PASSED, FAILED, SKIPPED, XFAILED = "passed", "failed", "skipped", "xfailed"
 #: A Hypothesis example the body rejected (``assume``): neither a pass nor a failure.
 REJECTED = "rejected"
 
-# A dead peer makes the survivors' collectives fail a moment later; a rank
-# that died without reporting is ordered before failures reported within
-# this many seconds after its death was observed, as the likelier cause.
+# A dead peer makes the survivors' collectives fail a moment later: a rank that died
+# without reporting is ordered before failures this much later, as the likelier cause.
 _DEATH_PRECEDENCE_S = 1.0
 _OUTPUT_TAIL_LINES = 30
-#: What one rank's failure may put into the report (its one-line summary and
-#: its traceback): the head and the tail of each, this many characters each.
+#: Of a rank's failure summary and traceback, the report keeps this many head and tail chars.
 SUMMARY_KEEP_CHARS = 500
 TRACEBACK_KEEP_CHARS = 32 * 1024
 
 
 def bounded(text: str, keep: int) -> str:
-    """``text`` when at most ``2 * keep`` characters long, else its first and
-    last ``keep`` characters around a note saying how many were dropped."""
+    """``text``, or its first and last ``keep`` characters around a note of what was dropped."""
     if len(text) <= 2 * keep:
         return text
     dropped = len(text) - 2 * keep
@@ -48,13 +41,10 @@ def bounded(text: str, keep: int) -> str:
 
 @dataclass
 class RankOutcome:
-    """How one rank's function ended: ``status`` (passed / failed / skipped / xfailed /
-    rejected), ``at`` (wall-clock time), ``summary`` (one line: the exception or the skip
-    reason), ``traceback``, ``value`` (pickled return value), ``exc_types`` (a failure's
-    exception class and bases, ``module.qualname``), ``warnings`` (category, message, file,
-    line), ``feedback`` (``harness.launcher.given.Feedback`` of a Hypothesis example),
-    ``records`` (log records as plain dicts), ``leaked`` (processes the function left
-    running, stopped after it: ``pid N: command``)."""
+    """How one rank's function ended (``at``: wall-clock time; ``summary``: the exception or
+    skip reason; ``value``: the pickled return value; ``exc_types``: a failure's class and
+    bases as ``module.qualname``; ``feedback``: ``given.Feedback``; ``records``: log records
+    as dicts; ``leaked``: ``pid N: command`` of processes it left running, stopped)."""
 
     rank: int
     status: str
@@ -69,17 +59,15 @@ class RankOutcome:
     leaked: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        # However big the exception's message, the report and JUnit XML stay small.
         self.summary = bounded(self.summary, SUMMARY_KEEP_CHARS)
         self.traceback = bounded(self.traceback, TRACEBACK_KEEP_CHARS)
 
     def write(self, path: str) -> None:
-        """Publish atomically: a reader sees the whole outcome or no file."""
         write_bytes(path, pickle.dumps(self))
 
     @staticmethod
     def read(path: str) -> RankOutcome | None:
-        """The outcome at ``path``, or None when the rank has not written one."""
+        """The outcome at ``path`` (None: the rank wrote none)."""
         try:
             with open(path, "rb") as f:
                 return pickle.load(f)
@@ -101,23 +89,17 @@ class _Collector(logging.Handler):
         if len(self.records) >= MAX_RECORDS:
             self.dropped += 1
             return
-        # Plain values only: the message formatted, the exception as text.
-        fields = dict(vars(record))
-        fields["msg"], fields["args"] = record.getMessage(), None
-        if record.exc_info:
-            fields["exc_text"] = record.exc_text or logging.Formatter().formatException(
-                record.exc_info
-            )
-        fields["exc_info"] = None
-        fields = {k: v for k, v in fields.items() if isinstance(v, (str, int, float, type(None)))}
-        self.records.append(fields)
+        if record.exc_info and not record.exc_text:
+            record.exc_text = logging.Formatter().formatException(record.exc_info)
+        fields = dict(vars(record), msg=record.getMessage(), args=None, exc_info=None)
+        plain = (str, int, float, type(None))
+        self.records.append({k: v for k, v in fields.items() if isinstance(v, plain)})
 
 
 @contextlib.contextmanager
 def capture_logs(level: int | None) -> Iterator[list[dict[str, Any]]]:
-    """In a rank: catch the log records emitted inside as plain dicts (``RankOutcome.records``,
-    the first ``MAX_RECORDS``), the root logger at ``level`` meanwhile, as pytest's
-    ``log_level`` sets it (None: left as it is)."""
+    """In a rank: the first ``MAX_RECORDS`` log records emitted inside, as plain dicts, the
+    root logger at ``level`` meanwhile (pytest's ``log_level``; None: left as it is)."""
     records: list[dict[str, Any]] = []
     handler = _Collector(records)
     root = logging.getLogger()
@@ -131,13 +113,12 @@ def capture_logs(level: int | None) -> Iterator[list[dict[str, Any]]]:
         root.removeHandler(handler)
         root.setLevel(previous)
         if handler.dropped:
+            warning = {"name": "harness", "levelno": logging.WARNING, "levelname": "WARNING"}
             message = f"{handler.dropped} more log records of this rank dropped"
-            records.append({"name": "harness", "levelno": logging.WARNING, "msg": message})
-            records[-1]["levelname"] = "WARNING"
+            records.append({**warning, "msg": message})
 
 
 def _warning_class(name: str) -> type[Warning]:
-    """The warning class ``module.qualname`` names, else ``UserWarning``."""
     with contextlib.suppress(Exception):
         found = pydoc.locate(name)
         if isinstance(found, type) and issubclass(found, Warning):
@@ -145,10 +126,8 @@ def _warning_class(name: str) -> type[Warning]:
     return UserWarning
 
 
-def describe_exit(code: int | None) -> str:
-    """``killed by signal SIGKILL (9)`` / ``exited with code 3``."""
-    if code is None:
-        return "did not exit"
+def describe_exit(code: int) -> str:
+    """``was killed by signal SIGKILL (9)`` / ``exited with code 3``."""
     if code < 0:
         try:
             name = signal.Signals(-code).name
@@ -167,10 +146,6 @@ class _Failure:
     exc_types: tuple[str, ...] = ()
 
 
-def _ranks(n: int) -> str:
-    return f"{n} rank{'s' if n != 1 else ''}"
-
-
 @dataclass
 class CaseOutcome:
     """Everything observed about one launch of ``nproc`` ranks."""
@@ -180,14 +155,13 @@ class CaseOutcome:
     deadline_s: float
     deadline_source: str
     outcomes: dict[int, RankOutcome] = field(default_factory=dict)
-    #: rank -> (wall time its exit was observed, exit code), for ranks that
-    #: exited by themselves (not stopped by the launcher)
+    #: rank -> (wall time, exit code) of ranks that exited by themselves
     exits: dict[int, tuple[float, int]] = field(default_factory=dict)
     timed_out: list[int] = field(default_factory=list)
-    #: timed out before every rank was ready (``deadline_s`` is then the start bound)
+    #: timed out before every rank was ready (``deadline_s``: the start bound)
     starting: bool = False
     start_s: float | None = None  # how long the ranks took to be ready
-    #: ranks stopped because they kept running after another rank failed
+    #: ranks stopped for running on after another rank failed
     abandoned: list[int] = field(default_factory=list)
     abandon_grace_s: float = 0.0
     stacks: dict[int, str] = field(default_factory=dict)  # dumped just before a stop
@@ -196,12 +170,9 @@ class CaseOutcome:
     cards: tuple[str, ...] = ()
     ranks: str = "fresh"  # or "kept (case N of its pool)"
     notes: list[str] = field(default_factory=list)  # what the harness did worth telling
-    #: multi-node: ranks per node, so that reports name each rank's node (0: one node)
-    ranks_per_node: int = 0
-    #: node -> what went wrong with it besides its ranks (an agent that never arrived
-    #: at the rendezvous or ended before its ranks started)
+    ranks_per_node: int = 0  # multi-node: reports name each rank's node (0: one node)
+    #: node -> what went wrong with it besides its ranks (its agent never came, or ended early)
     node_problems: dict[int, str] = field(default_factory=dict)
-    #: the deadline passed (with ``timed_out`` empty: before any pending rank started)
     deadline_passed: bool = False
 
     def who(self, rank: int) -> str:
@@ -219,36 +190,21 @@ class CaseOutcome:
     def _failures(self) -> list[_Failure]:
         failures = []
         for rank in range(self.nproc):
-            outcome = self.outcomes.get(rank)
-            exit_ = self.exits.get(rank)
+            outcome, exit_ = self.outcomes.get(rank), self.exits.get(rank)
             if outcome is not None and outcome.status == FAILED:
+                headline = f"{self.who(rank)} failed: {outcome.summary}"
                 failures.append(
-                    _Failure(
-                        outcome.at,
-                        rank,
-                        f"{self.who(rank)} failed: {outcome.summary}",
-                        outcome.traceback,
-                        outcome.exc_types,
-                    )
+                    _Failure(outcome.at, rank, headline, outcome.traceback, outcome.exc_types)
                 )
-            elif outcome is None and exit_ is not None:
+            elif exit_ is not None and (outcome is None or exit_[1] != 0):
                 at, code = exit_
+                if outcome is None:
+                    at, what = at - _DEATH_PRECEDENCE_S, "before reporting an outcome"
+                    what = f"{describe_exit(code)} {what}"
+                else:
+                    what = f"{outcome.status}, then {describe_exit(code)} while shutting down"
                 failures.append(
-                    _Failure(
-                        at - _DEATH_PRECEDENCE_S,
-                        rank,
-                        f"{self.who(rank)} {describe_exit(code)} before reporting an outcome",
-                        self._output_tail(rank),
-                    )
-                )
-            elif outcome is not None and exit_ is not None and exit_[1] != 0:
-                failures.append(
-                    _Failure(
-                        exit_[0],
-                        rank,
-                        f"{self.who(rank)} {outcome.status}, then {describe_exit(exit_[1])} while shutting down",
-                        self._output_tail(rank),
-                    )
+                    _Failure(at, rank, f"{self.who(rank)} {what}", self._output_tail(rank))
                 )
         return sorted(failures, key=lambda f: (f.at, f.rank))
 
@@ -261,30 +217,25 @@ class CaseOutcome:
 
     @property
     def status(self) -> str:
-        """failed if any rank failed, died or ran out of time; else rejected if any
-        rank rejected its Hypothesis example; else xfailed if any rank xfailed; else
-        skipped if any rank skipped; else passed."""
+        """failed if any rank failed, died or ran out of time; else the first of rejected
+        (a Hypothesis example), xfailed, skipped that any rank had; else passed."""
         if self.timed_out or self.abandoned or self.node_problems or self._failures():
             return FAILED
-        statuses = {o.status for o in self.outcomes.values()}
         if len(self.outcomes) < self.nproc:
             return FAILED
-        for status in (REJECTED, XFAILED, SKIPPED):
-            if status in statuses:
-                return status
-        return PASSED
+        statuses = {o.status for o in self.outcomes.values()}
+        return next((s for s in (REJECTED, XFAILED, SKIPPED) if s in statuses), PASSED)
 
     def failure_types(self) -> tuple[str, ...]:
-        """The exception class names (``module.qualname``, with its bases) of the failure
-        heading the report; empty when it is no exception (a timeout, a dead rank)."""
+        """``module.qualname`` of the report's leading exception and its bases (empty: a
+        timeout, a dead rank)."""
         if self.timed_out:
             return ()
         failures = self._failures()
         return failures[0].exc_types if failures else ()
 
     def reissue_warnings(self) -> None:
-        """Issue the ranks' warnings again here (once per distinct warning, naming the
-        ranks), as warnings of the test for the caller's filters and pytest."""
+        """Issue the ranks' warnings again here, once per distinct warning naming its ranks."""
         seen: dict[tuple[str, str, str, int], list[int]] = {}
         for rank in sorted(self.outcomes):
             for warning in self.outcomes[rank].warnings:
@@ -303,8 +254,8 @@ class CaseOutcome:
         return {r: o.feedback for r, o in self.outcomes.items() if o.feedback is not None}
 
     def reissue_logs(self) -> None:
-        """Hand the ranks' log records to the loggers they were emitted on, here, rank by
-        rank (prefixed ``[rank N]``), as pytest's log capture shows the test's own."""
+        """Hand the ranks' log records, prefixed ``[rank N]``, to their loggers here (so
+        pytest's log capture shows them as the test's own)."""
         for rank in sorted(self.outcomes):
             for fields in self.outcomes[rank].records:
                 message = f"[rank {rank}] {fields.get('msg', '')}"
@@ -313,25 +264,20 @@ class CaseOutcome:
 
     def reason(self) -> str:
         """The skip / xfail reason of the first rank that gave one."""
-        for rank in sorted(self.outcomes):
-            outcome = self.outcomes[rank]
-            if outcome.status in (SKIPPED, XFAILED):
-                return outcome.summary
-        return ""
+        given = (self.outcomes[r] for r in sorted(self.outcomes))
+        return next((o.summary for o in given if o.status in (SKIPPED, XFAILED)), "")
 
     def values(self) -> list[Any]:
         """Each rank's return value, in rank order (only for a passed case)."""
-        return [
-            pickle.loads(self.outcomes[r].value) if self.outcomes[r].value is not None else None
-            for r in range(self.nproc)
-        ]
+        blobs = (self.outcomes[r].value for r in range(self.nproc))
+        return [None if blob is None else pickle.loads(blob) for blob in blobs]
 
     def report(self) -> str:
-        """The failure report: ranks that ran out of time first, then the first
-        failing rank with its traceback, then one line per other failing rank."""
+        """The failure report: ranks that ran out of time first, else the first failing rank
+        with its traceback; then one line per other failing rank."""
         sections: list[str] = []
         failures = self._failures()
-        summary: list[str] = []
+        shape = f"{self.nproc} rank{'s' if self.nproc != 1 else ''}, {self.label}"
         if self.node_problems:
             when = (
                 f" at the {self.deadline_s:g} s deadline ({self.deadline_source})"
@@ -339,7 +285,7 @@ class CaseOutcome:
                 else ""
             )
             sections.append(
-                f"case failed on its nodes{when} ({_ranks(self.nproc)}, {self.label}):\n"
+                f"case failed on its nodes{when} ({shape}):\n"
                 + "\n".join(f"node {k}: {why}" for k, why in self.node_problems.items())
             )
         if self.timed_out:
@@ -364,16 +310,15 @@ class CaseOutcome:
                         f"({self.start_s:.1f} s after they were started)"
                     )
             sections.append(
-                f"case timed out ({_ranks(self.nproc)}, {self.label}): {headline}; "
-                "stopped with SIGTERM, then SIGKILL"
+                f"case timed out ({shape}): {headline}; stopped with SIGTERM, then SIGKILL"
             )
             sections.extend(self._stack_section(r, "at the deadline") for r in self.timed_out)
         elif failures:
             first, failures = failures[0], failures[1:]
-            sections.append(f"{first.headline}\n({_ranks(self.nproc)}, {self.label})")
+            sections.append(f"{first.headline}\n({shape})")
             if first.detail:
                 sections.append(first.detail.rstrip("\n"))
-        summary.extend(f.headline for f in failures)
+        summary = [f.headline for f in failures]
         summary.extend(
             f"{self.who(r)} was still running {self.abandon_grace_s:g} s after the first failure; "
             "stopped (stack in the output below)"
@@ -382,12 +327,8 @@ class CaseOutcome:
         if summary:
             sections.append("other ranks:\n" + "\n".join(f"  {line}" for line in summary))
         sections.extend(self._stack_section(r, "when stopped") for r in self.abandoned)
-        if len(self.outcomes) + len(self.exits) < self.nproc and not (
-            self.timed_out or self.abandoned or self.node_problems
-        ):
-            missing = [
-                r for r in range(self.nproc) if r not in self.outcomes and r not in self.exits
-            ]
+        missing = [r for r in range(self.nproc) if r not in self.outcomes and r not in self.exits]
+        if missing and not (self.timed_out or self.abandoned or self.node_problems):
             sections.append(f"ranks {missing} ended without an outcome")
         if self.survivors:
             sections.append(f"WARNING: pids {self.survivors} were still alive after SIGKILL")
@@ -403,7 +344,7 @@ class CaseOutcome:
         return f"--- {self.who(rank)} stack {when} ---\n{stack}"
 
 
-#: Per rank and case, the first and the last this many bytes of its output are kept.
+#: Of a rank's output per case, the first and the last this many bytes are kept.
 OUTPUT_HEAD_BYTES = 64 * 1024
 OUTPUT_TAIL_BYTES = 256 * 1024
 
@@ -417,8 +358,8 @@ def file_size(path: str) -> int:
 
 
 def read_bounded(path: str, what: str = "this rank's output") -> str:
-    """A rank's output (``what``): all of it when short, else its head, a line saying how
-    many bytes were dropped, and its tail (only those read into memory)."""
+    """The output at ``path`` (``what``): all of it when short, else its head, a line saying
+    how many bytes were dropped, and its tail (only those read into memory)."""
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
         if size <= OUTPUT_HEAD_BYTES + OUTPUT_TAIL_BYTES:
@@ -435,15 +376,11 @@ def read_bounded(path: str, what: str = "this rank's output") -> str:
     )
 
 
-def echo_logs(result: CaseOutcome, stream: Any = None) -> None:
+def echo_logs(result: CaseOutcome) -> None:
     """Write the harness's notes on the case, then each rank's captured output."""
-    stream = stream or sys.stdout
-    for note in result.notes:
-        stream.write(f"harness: {note}\n")
-    for rank in sorted(result.logs):
-        text = result.logs[rank]
+    sys.stdout.writelines(f"harness: {note}\n" for note in result.notes)
+    for rank, text in sorted(result.logs.items()):
         if text.strip():
-            stream.write(f"----- rank {rank} output -----\n{text}")
-            if not text.endswith("\n"):
-                stream.write("\n")
-    stream.flush()
+            end = "" if text.endswith("\n") else "\n"
+            sys.stdout.write(f"----- rank {rank} output -----\n{text}{end}")
+    sys.stdout.flush()

@@ -1,24 +1,19 @@
-"""The pytest plugin (entry point ``pytest11: harness``): the ``launch`` marker,
-the ``--harness-*`` options, card leases for plain accelerator tests, launched
-tests run on ranks (``harness.launcher.case``), plain tests of an accelerator suite entry
-(``harness run``'s ``harness_device`` marker) run in a process of their own on their
-leased cards, and the fixtures of such cases bounded by their deadline
-(``harness.watchdog``). See docs/harness.md.
-"""
+"""The pytest plugin (entry point ``pytest11: harness``): the ``launch`` marker and the
+``--harness-*`` options; launched tests run on ranks (``case``), plain tests of an
+accelerator entry apart on their leased cards, other card users on a card leased here;
+real nodes torchrun started (``run_here``). See docs/harness.md."""
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
+import functools
 import inspect
 import json
 import os
-import shutil
 import sys
 import tempfile
 import time
 import traceback
-import warnings
 from typing import Any, NoReturn
 
 import pytest
@@ -40,7 +35,7 @@ from harness.devices import (
 from harness.launcher import containment, given
 from harness.launcher.case import (
     DEFAULT_LEASE_TIMEOUT_S,
-    DEFAULT_TIMEOUT_S,
+    CasePlan,
     Deadline,
     LaunchError,
     Settings,
@@ -48,8 +43,8 @@ from harness.launcher.case import (
     choose_deadline,
     conclude,
     missing_cards,
-    prepare_case,
     run_case,
+    task_for,
 )
 from harness.launcher.explain import AssertionSettings
 from harness.launcher.lease import (
@@ -68,7 +63,13 @@ from harness.launcher.rank import CASE_ENV, EnclosingCase, pg_timeout_for
 from harness.launcher.ranks import ProcessSpec
 from harness.launcher.supervisor import tie_to_controller
 from harness.launcher.target import FunctionRef, conftests_for
-from harness.names import DEVICE_MARKER, OPT_COMMANDS, OPT_MAX_PROCS, OPT_REQUIRE
+from harness.names import (
+    DEFAULT_CASE_TIMEOUT_S,
+    DEVICE_MARKER,
+    OPT_COMMANDS,
+    OPT_MAX_PROCS,
+    OPT_REQUIRE,
+)
 from harness.spec import ACCELERATORS, LaunchSpec, is_launched, launch_refusal, spec_for_item
 from harness.validation import check_int, check_seconds
 from harness.watchdog import WATCHDOG_GRACE_S, faulthandler_free, watchdog
@@ -80,7 +81,7 @@ CASE_KEY = pytest.StashKey[tuple[LaunchSpec, Deadline]]()
 _LEASE_DIR_PROBLEM = pytest.StashKey[str]()
 #: A plain test's card lease, its environment and its nested-launch slots, until teardown.
 CARD_LEASE_KEY = pytest.StashKey[contextlib.ExitStack]()
-#: pytest-timeout's timeout of a launched test (its marker or ini), in seconds
+#: pytest-timeout's timeout (marker or ini) of a case that times itself, in seconds
 TIMEOUT_KEY = pytest.StashKey[float]()
 
 
@@ -91,14 +92,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption(
         "--harness-timeout",
         type=float,
-        default=DEFAULT_TIMEOUT_S,
+        default=DEFAULT_CASE_TIMEOUT_S,
         metavar="SECONDS",
         help="deadline of a launched case without LaunchSpec.timeout "
-        f"(default {DEFAULT_TIMEOUT_S:g})",
+        f"(default {DEFAULT_CASE_TIMEOUT_S:g})",
     )
     group.addoption(
         "--harness-lease-dir",
-        default=None,
         metavar="DIR",
         help="directory of the card / process-slot lock files shared by every "
         "pytest process on the host (default: $HARNESS_LEASE_DIR, else "
@@ -108,7 +108,6 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         OPT_MAX_PROCS,
         dest="harness_max_procs",
         type=int,
-        default=None,
         metavar="N",
         help="rank processes allowed to run at once on this host (default: the CPU count)",
     )
@@ -144,7 +143,6 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
     group.addoption(
         OPT_COMMANDS,
-        default=None,
         metavar="FILE",
         help="JSON file of command cases (written by `harness run`): collected as one case each "
         "when FILE is also given as a path to collect",
@@ -206,15 +204,13 @@ def _settings_from(config: pytest.Config) -> Settings:
     if reuse is None:
         reuse = config.getini("harness_reuse")
     lease_dir, lease_dir_source = resolve_lease_dir(opt("harness_lease_dir"))
-    # A collect-only session (`--co`, the inventory, the planner) leases nothing.
-    if not opt("collectonly"):
+    if not opt("collectonly"):  # a collect-only session leases nothing
         try:
-            check_lease_dir(lease_dir, lease_dir_source)  # once here, not per test
+            check_lease_dir(lease_dir, lease_dir_source)
         except LeaseError as exc:
             if lease_dir_source in (LEASE_DIR_OPTION, f"${LEASE_DIR_ENV}"):
                 raise pytest.UsageError(str(exc)) from None
-            # The host-wide default, which nobody here chose (another user made it, say):
-            # a session that launches nothing is not stopped; each lease fails with this.
+            # The host-wide default nobody here chose: only the cases that lease fail.
             config.stash[_LEASE_DIR_PROBLEM] = str(exc)
     return Settings(
         timeout=opt("harness_timeout"),
@@ -260,11 +256,9 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
     if settings.require:
         line += f"; required: {','.join(sorted(settings.require))}"
     problem = config.stash.get(_LEASE_DIR_PROBLEM, None)
-    return [line] + (
-        [f"harness: cases that lease cards or process slots will fail: {problem}"]
-        if problem
-        else []
-    )
+    if problem:
+        return [line, f"harness: cases that lease cards or process slots will fail: {problem}"]
+    return [line]
 
 
 # Not tryfirst: skip / xfail marks (evaluated by pytest's tryfirst hook) win
@@ -282,12 +276,12 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     # Emulated nodes share this host: it needs every node's cards (a real node, its own).
     need_cards(item, spec.device, spec.cards * (1 if under_torchrun() else spec.nnodes))
     if spec.cards and not runs_apart(item):
-        _lease_card_in_process(item, spec, item.config.stash[SETTINGS_KEY])
+        _lease_card_in_process(item, spec)
 
 
 def need_cards(item: pytest.Item, device: str, count: int) -> None:
-    """Skip the test when this host lacks ``count`` cards of ``device``; fail it instead
-    when ``--harness-require`` names the device (`harness run` of an accelerator suite)."""
+    """Skip the test when this host lacks ``count`` cards of ``device``; fail it when
+    ``--harness-require`` names the device."""
     reason = missing_cards(device, count)
     if reason is None:
         return
@@ -300,8 +294,7 @@ def need_cards(item: pytest.Item, device: str, count: int) -> None:
 
 
 def lease_cards(item: pytest.Item, device: str, count: int) -> Lease:
-    """Lease ``count`` cards of ``device`` for the test (bounded wait: a failure naming
-    what it waited for)."""
+    """Lease ``count`` cards of ``device`` for the test; past the lease timeout it fails."""
     settings = item.config.stash[SETTINGS_KEY]
     try:
         return acquire(
@@ -316,8 +309,7 @@ def lease_cards(item: pytest.Item, device: str, count: int) -> Lease:
 
 
 def entry_device(item: pytest.Item) -> tuple[str, int] | None:
-    """The device and cards ``harness run`` gave a plain case of an accelerator suite entry
-    (its ``harness_device`` marker); None for any other case."""
+    """The device and cards of a plain case's ``harness_device`` marker (None: none)."""
     mark = item.get_closest_marker(DEVICE_MARKER)
     if mark is None or is_launched(item):
         return None
@@ -326,9 +318,8 @@ def entry_device(item: pytest.Item) -> tuple[str, int] | None:
 
 def runs_apart(item: pytest.Item) -> bool:
     """Whether the test's body runs in processes of its own, its fixtures here: a launched
-    test, or a plain case of an accelerator entry whose body can (a function, not a
-    unittest method, a ``subtests`` user or a coroutine: those run here, their cards in the
-    visibility variable for the processes they start)."""
+    test, or a plain case of an accelerator entry that is a plain function (a unittest
+    method, a ``subtests`` user or a coroutine runs here, on a card leased here)."""
     if is_launched(item):
         return True
     if not isinstance(item, pytest.Function) or entry_device(item) is None:
@@ -340,21 +331,21 @@ def _is_async(body: Any) -> bool:
     return inspect.iscoroutinefunction(body) or inspect.isasyncgenfunction(body)
 
 
-def _lease_card_in_process(item: pytest.Function, spec: LaunchSpec, settings: Settings) -> None:
+def _lease_card_in_process(item: pytest.Function, spec: LaunchSpec) -> None:
     held_until_teardown = item.stash[CARD_LEASE_KEY] = contextlib.ExitStack()
-    lease = lease_cards(item, spec.device, spec.cards)
-    held_until_teardown.callback(lease.release)
+    lease = held_until_teardown.enter_context(lease_cards(item, spec.device, spec.cards))
     held = lease.cards()
     card = held[0]
     # A case of one rank on its card: a harness.launch it makes runs on that card.
-    budget = tempfile.mkdtemp(prefix="harness-plain-")
-    held_until_teardown.callback(shutil.rmtree, budget, ignore_errors=True)
+    budget = held_until_teardown.enter_context(
+        tempfile.TemporaryDirectory(prefix="harness-plain-", ignore_cleanup_errors=True)
+    )
     enclosing = EnclosingCase(
         item.nodeid,
         len(held),
         spec.device,
         tuple(str(c) for c in held),
-        time.time() + settings.timeout,
+        time.time() + item.config.stash[SETTINGS_KEY].timeout,
         budget,
     )
     updates = {CARD_ENV: str(card), CASE_ENV: enclosing.to_env()}
@@ -373,21 +364,9 @@ def _lease_card_in_process(item: pytest.Function, spec: LaunchSpec, settings: Se
             set_device(card, index)
 
 
-@pytest.hookimpl(wrapper=True)
-def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None):
-    try:
-        return (yield)
-    finally:
-        held = item.stash.get(CARD_LEASE_KEY, None)
-        if held is not None:
-            del item.stash[CARD_LEASE_KEY]
-            held.close()  # the environment put back, the budget directory and the lease gone
-
-
 class _FixtureDeadlines:
-    """The setup and teardown of a case run apart (its fixtures run here) are each bounded
-    by the case's deadline: past it the phase fails with this process's stacks and the
-    session goes on (``harness.watchdog``)."""
+    """The setup and teardown of a case run apart (its fixtures run here), each bounded by
+    the case's deadline (``harness.watchdog``); a card leased here released after teardown."""
 
     def __init__(self, config: pytest.Config) -> None:
         self.config = config
@@ -399,8 +378,14 @@ class _FixtureDeadlines:
 
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_teardown(self, item: pytest.Item, nextitem: pytest.Item | None) -> Any:
-        with self._bounded(item, "teardown"):
-            return (yield)
+        try:
+            with self._bounded(item, "teardown"):
+                return (yield)
+        finally:
+            held = item.stash.get(CARD_LEASE_KEY, None)
+            if held is not None:
+                del item.stash[CARD_LEASE_KEY]
+                held.close()  # the environment put back, the budget directory and the lease gone
 
     def _bounded(self, item: pytest.Item, phase: str) -> contextlib.AbstractContextManager:
         if not isinstance(item, pytest.Function) or not runs_apart(item):
@@ -432,57 +417,36 @@ class _FixtureDeadlines:
 
 
 def _case(item: pytest.Function) -> tuple[LaunchSpec, Deadline]:
-    """The test's spec and its deadline as a launched case, derived once and
-    stashed (``ValueError``: a bad spec). The deadline is ``LaunchSpec.timeout``,
-    else pytest-timeout's timeout of the test, else ``--harness-timeout``."""
+    """The test's spec and deadline (``LaunchSpec.timeout``, else pytest-timeout's, else
+    ``--harness-timeout``), derived once and stashed; ``ValueError``: a bad spec."""
     case = item.stash.get(CASE_KEY, None)
     if case is None:
         placed = entry_device(item)
         spec = (
-            spec_for_item(item)
-            if placed is None
-            else ProcessSpec(device=placed[0], card_count=placed[1])
+            spec_for_item(item) if placed is None else ProcessSpec(placed[0], card_count=placed[1])
         )
-        settings = item.config.stash[SETTINGS_KEY]
         timeout = item.stash.get(TIMEOUT_KEY, None)
         if timeout is None:
-            deadline = choose_deadline(spec, settings, default_source="--harness-timeout")
+            default = Deadline(item.config.stash[SETTINGS_KEY].timeout, "--harness-timeout")
         else:
-            deadline = choose_deadline(
-                spec,
-                dataclasses.replace(settings, timeout=timeout),
-                default_source=f"pytest-timeout's timeout={timeout:g}",
+            default = Deadline(timeout, f"pytest-timeout's timeout={timeout:g}")
+        case = item.stash[CASE_KEY] = (spec, choose_deadline(spec, default))
+        longer = timeout is not None and spec.timeout and spec.timeout > timeout
+        # Only a marker is warned of: the ini's timeout is a session default.
+        if longer and item.get_closest_marker("timeout") is not None:
+            message = (
+                f"{item.nodeid}: LaunchSpec.timeout={spec.timeout:g} is its case deadline, "
+                f"longer than its @pytest.mark.timeout({timeout:g}), which does not bound a "
+                "launched test; give the launch marker the deadline you mean"
             )
-        case = item.stash[CASE_KEY] = (spec, deadline)
-        if timeout is not None and spec.timeout and spec.timeout > timeout:
-            _warn_longer_spec_timeout(item, spec.timeout, timeout)
+            containment.warn_at(item, pytest.PytestWarning(message))
     return case
-
-
-def _warn_longer_spec_timeout(item: pytest.Function, spec_s: float, marker_s: float) -> None:
-    """A ``timeout`` marker shorter than the test's ``LaunchSpec.timeout``, which applies
-    (the ini's ``timeout``, a session default, is overridden without a word)."""
-    if item.get_closest_marker("timeout") is None:
-        return
-    path, lineno, _ = item.location
-    warnings.warn_explicit(
-        pytest.PytestWarning(
-            f"{item.nodeid}: LaunchSpec.timeout={spec_s:g} is its case deadline, longer than "
-            f"its @pytest.mark.timeout({marker_s:g}), which does not bound a launched test; "
-            "give the launch marker the deadline you mean"
-        ),
-        pytest.PytestWarning,
-        str(item.config.rootpath / path),
-        (lineno or 0) + 1,
-    )
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
-    body = pyfuncitem.obj
-    if not runs_apart(pyfuncitem) or _is_async(body):
-        # An async test runs as pytest and its async plugins decide: nothing here awaits it.
-        return None
+    if not runs_apart(pyfuncitem) or _is_async(pyfuncitem.obj):
+        return None  # an async test runs as its async plugin decides: nothing here awaits
     spec, deadline = _case(pyfuncitem)
     fixtures = {name: pyfuncitem.funcargs[name] for name in pyfuncitem._fixtureinfo.argnames}
     if spec.nnodes > 1 and under_torchrun():
@@ -502,53 +466,40 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
 
 
 def _run_on_ranks(
-    item: pytest.Function,
-    args: tuple,
-    kwargs: dict,
-    *,
-    example: bool = False,
-    placements: list | None = None,
+    item: pytest.Function, args: tuple, kwargs: dict, placements: list | None = None
 ) -> None:
-    """Run the test's body on ranks and report it as pytest would in-process; ``example``:
-    one Hypothesis example (a failure raises ``LaunchError`` for Hypothesis to shrink on),
-    its ``(cards, ranks)`` appended to ``placements``."""
+    """Run the test's body on ranks and report it as pytest would in-process. With
+    ``placements`` it runs one Hypothesis example (a failure raises ``LaunchError`` for
+    Hypothesis to shrink on) and appends its ``(cards, ranks)`` there."""
+    example = placements is not None
     params = item.callspec.params if hasattr(item, "callspec") else {}
-    fixtures = set(item._fixtureinfo.argnames)
-    kinds = {
-        name: "parametrized argument"
-        if name in params
-        else "fixture"
-        if name in fixtures
-        else "Hypothesis example argument"
-        for name in kwargs
-    }
+    kinds = dict.fromkeys(kwargs, "Hypothesis example argument")
+    kinds.update((n, "fixture") for n in item._fixtureinfo.argnames if n in kwargs)
+    kinds.update((n, "parametrized argument") for n in params if n in kwargs)
     spec, deadline = _case(item)
-    settings = item.config.stash[SETTINGS_KEY]
+    config = item.config
+    settings = config.stash[SETTINGS_KEY]
+    live = config.getoption("capture", "fd") == "no"  # -s: streamed as they run
+    reuse = settings.reuse if spec.reuse is None else spec.reuse
     try:
-        task, plan = prepare_case(
+        task = task_for(
             FunctionRef.for_test(item),
             args,
             kwargs,
-            spec,
-            what=item.nodeid,
-            settings=settings,
-            deadline=deadline,
-            reuse=settings.reuse if spec.reuse is None else spec.reuse,
             kinds=kinds,
             want_value=False,
             state=None if item.instance is None else dict(vars(item.instance)),
             warning_filters=_warning_filters(item),
             show_deprecations=not sys.warnoptions,
             conftests=conftests_for(item),
-            live=item.config.getoption("capture", "fd") == "no",  # -s: streamed as they run
             example=example,
-            assertions=AssertionSettings.of(item.config),
-            log_level=get_log_level_for_setting(item.config, "log_level"),
+            assertions=AssertionSettings.of(config),
+            log_level=get_log_level_for_setting(config, "log_level"),
         )
     except TypeError as exc:
         _fail(f"{item.nodeid}: {exc}")
     try:
-        result = run_case(task, plan)
+        result = run_case(task, CasePlan(spec, settings, item.nodeid, deadline, reuse, live=live))
     except LeaseError as exc:
         _fail(f"{item.nodeid}: could not lease what the case needs\n{exc}")
     placed = (",".join(result.cards), result.ranks)
@@ -556,7 +507,7 @@ def _run_on_ranks(
     if leaked:
         item.stash.setdefault(containment.RANK_LEAKS, []).extend(leaked)
     if not example:
-        item.user_properties.extend(_placement(item, placed))
+        item.user_properties.extend(_placement(item, *placed))
 
     def fail(report: str) -> NoReturn:
         _raise_for_xfail(item, result.failure_types(), report)
@@ -567,9 +518,9 @@ def _run_on_ranks(
     if example:
         given.replay(result.feedbacks())  # in the example's build context, before its verdict
     try:
-        conclude(result, fail=fail, skip=_skip_at_test, xfail=pytest.xfail, echo=not plan.live)
+        conclude(result, fail=fail, skip=_skip_at_test, xfail=pytest.xfail, echo=not live)
     finally:
-        if placements is not None:
+        if example:
             placements.append(placed)
     if result.status == REJECTED:
         from hypothesis import reject
@@ -577,10 +528,9 @@ def _run_on_ranks(
         reject()  # a rejected example, as `assume` in-process: no failure, nothing torn down
 
 
-def _placement(item: pytest.Function, placed: tuple[str, Any]) -> list[tuple[str, Any]]:
+def _placement(item: pytest.Function, cards: str, ranks: Any) -> list[tuple[str, Any]]:
     """The JUnit properties saying where and how a launched case ran."""
     spec, _ = _case(item)
-    cards, ranks = placed
     return [
         ("harness.device", spec.device),
         ("harness.nproc", spec.nproc),
@@ -591,7 +541,7 @@ def _placement(item: pytest.Function, placed: tuple[str, Any]) -> list[tuple[str
 
 def _run_given(item: pytest.Function, fixtures: dict) -> None:
     """A ``@given`` test: Hypothesis draws, shrinks and stores its examples here; each
-    example runs on all ranks, a case under the case deadline (Hypothesis's is off)."""
+    example runs on all ranks under the case deadline (Hypothesis's is off)."""
     test = item.obj
     hypothesis = test.hypothesis
     body = hypothesis.inner_test
@@ -601,10 +551,11 @@ def _run_given(item: pytest.Function, fixtures: dict) -> None:
         __tracebackhide__ = True
         if args and item.instance is not None and args[0] is item.instance:
             args = args[1:]
-        _run_on_ranks(item, args, kwargs, example=True, placements=placements)
+        _run_on_ranks(item, args, kwargs, placements)
 
-    # Hypothesis names the failing example after it.
-    on_ranks.__name__, on_ranks.__qualname__ = body.__name__, body.__qualname__
+    # Hypothesis names the failing example after the body, and seeds (derandomize) and keys
+    # its database by the body's digest (source, signature, parametrization), as in-process.
+    functools.update_wrapper(on_ranks, body)
 
     import hypothesis as hyp
 
@@ -621,7 +572,7 @@ def _run_given(item: pytest.Function, fixtures: dict) -> None:
         test._hypothesis_internal_use_settings = chosen
         last = placements[-1] if placements else ("", 0)
         item.user_properties.extend(
-            [*_placement(item, last), ("harness.examples", len(placements))]
+            [*_placement(item, *last), ("harness.examples", len(placements))]
         )
 
 
@@ -640,9 +591,8 @@ def _raise_for_xfail(item: pytest.Function, names: tuple[str, ...], report: str)
 
 @pytest.hookimpl(optionalhook=True, tryfirst=True)
 def pytest_timeout_set_timer(item: pytest.Item, settings) -> bool | None:
-    """pytest-timeout's timeout of a case run apart (or a command case) becomes its
-    deadline: its processes are stopped at it and their stacks reported, instead of a
-    timer in this process interrupting the launcher (whose stack says nothing)."""
+    """pytest-timeout's timeout of a case run apart (or a command case) is its deadline,
+    instead of a timer interrupting this process (whose stack says nothing)."""
     if not _times_itself(item):
         return None
     item.stash[TIMEOUT_KEY] = float(settings.timeout)
@@ -671,8 +621,7 @@ def _skip_at_test(reason: str) -> NoReturn:
 
 
 def _warning_filters(item: pytest.Function) -> tuple[tuple[str, bool], ...]:
-    """The filters pytest applies around this test in-process, in its order:
-    the ini's ``filterwarnings``, ``-W`` options, then ``filterwarnings`` marks."""
+    """The filters pytest applies around this test, in its order: the ini's, ``-W``, marks."""
     config = item.config
     filters = [(arg, False) for arg in config.getini("filterwarnings")]
     filters += [(arg, True) for arg in config.known_args_namespace.pythonwarnings or []]
@@ -681,14 +630,9 @@ def _warning_filters(item: pytest.Function) -> tuple[tuple[str, bool], ...]:
     return tuple(filters)
 
 
-# Real nodes: this pytest process is itself a rank torch's elastic launcher started
-# (``torchrun ... -m pytest ...`` on each host). The case's body runs here, with the
-# process group initialised from torchrun's environment, after the world's shape is
-# checked against the case's ``LaunchSpec``; each rank publishes its outcome in
-# torchrun's rendezvous store, and rank 0's verdict (until the case deadline) is the
-# case's, naming the node and rank of each failure.
+# Real nodes: this pytest process is a rank torchrun started (``torchrun ... -m pytest``
+# on each host); each rank publishes its outcome in torchrun's store, rank 0 reports.
 
-#: torchrun's environment, which a pytest process it started has.
 TORCHRUN_ENV = ("TORCHELASTIC_RUN_ID", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")
 
 
@@ -698,8 +642,7 @@ def under_torchrun() -> bool:
 
 
 def shape_problem(spec: LaunchSpec) -> str | None:
-    """Why the torchrun world this process is in cannot run a case of ``spec``
-    (None: its nodes and ranks per node are the case's)."""
+    """Why this process's torchrun world cannot run a case of ``spec`` (None: it can)."""
     world = int(os.environ["WORLD_SIZE"])
     local = int(os.environ["LOCAL_WORLD_SIZE"])
     if (world, local) == (spec.world_size, spec.nproc):
@@ -714,19 +657,29 @@ def shape_problem(spec: LaunchSpec) -> str | None:
 def run_here(
     test: Any, kwargs: dict[str, Any], spec: LaunchSpec, case: str, deadline_s: float
 ) -> str | None:
-    """Run the case's body ``test(**kwargs)`` on this rank of a torchrun world
-    of the case's shape, then agree on the verdict: a failure here is raised
-    here; on rank 0, the other ranks' failures (and ranks that reported
-    nothing by the deadline) are returned as a report naming each one's node
-    and rank (None: every rank passed or skipped)."""
+    """Run ``test(**kwargs)`` on this rank of a torchrun world of the case's shape: a failure
+    here is raised here; rank 0 returns a report naming the node and rank of every other
+    rank that failed or reported nothing by the deadline (None: all passed or skipped)."""
     __tracebackhide__ = True
+    from datetime import timedelta
+
     import torch.distributed as dist
 
     end = time.monotonic() + deadline_s
     rank, per_node = int(os.environ["RANK"]), spec.nproc
     if not dist.is_initialized():
-        _init_torchrun(spec, deadline_s)
-    store = _torchrun_store(case, end)
+        kind = device_type(spec.device)
+        if kind.is_accelerator:
+            kind.set_device(int(os.environ["LOCAL_RANK"]))
+        pg_timeout = timedelta(seconds=pg_timeout_for(deadline_s))
+        dist.init_process_group(spec.dist_backend, timeout=pg_timeout)
+    client = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        is_master=False,
+        timeout=timedelta(seconds=max(1.0, end - time.monotonic())),
+    )
+    store = dist.PrefixStore(f"harness/{os.environ['TORCHELASTIC_RUN_ID']}/{case}/", client)
     error: BaseException | None = None
     try:
         test(**kwargs)
@@ -743,52 +696,14 @@ def run_here(
         return None
     failures = []
     for other in range(1, spec.world_size):
-        got = _wait_key(store, f"rank-{other}", end)
-        who = f"node {other // per_node} rank {other}"
-        if got is None:
+        key, who = f"rank-{other}", f"node {other // per_node} rank {other}"
+        while not store.check([key]) and time.monotonic() < end:
+            time.sleep(0.1)
+        if not store.check([key]):
             failures.append(f"{who} reported no outcome by the {deadline_s:g} s deadline")
-        elif got["status"] == "failed":
+        elif (got := json.loads(store.get(key)))["status"] == "failed":
             failures.append(f"{who} failed: {got['summary']}")
     if not failures:
         return None
     shape = f"({spec.world_size} ranks, {spec.nnodes} nodes x {per_node}, started by torchrun)"
     return "\n".join([*failures, shape])
-
-
-def _init_torchrun(spec: LaunchSpec, deadline_s: float) -> None:
-    """Join torchrun's process group, on the ``LOCAL_RANK``-th card of an accelerator."""
-    from datetime import timedelta
-
-    import torch.distributed as dist
-
-    from harness.devices import device_type
-
-    kind = device_type(spec.device)
-    if kind.is_accelerator:
-        kind.set_device(int(os.environ["LOCAL_RANK"]))
-    dist.init_process_group(
-        spec.dist_backend, timeout=timedelta(seconds=pg_timeout_for(deadline_s))
-    )
-
-
-def _torchrun_store(case: str, end: float) -> Any:
-    """A client of the rendezvous store torchrun's agents host, under a prefix of this case."""
-    from datetime import timedelta
-
-    import torch.distributed as dist
-
-    timeout = timedelta(seconds=max(1.0, end - time.monotonic()))
-    client = dist.TCPStore(
-        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout
-    )
-    run = os.environ["TORCHELASTIC_RUN_ID"]
-    return dist.PrefixStore(f"harness/{run}/{case}/", client)
-
-
-def _wait_key(store: Any, key: str, end: float) -> dict[str, Any] | None:
-    while True:
-        if store.check([key]):
-            return json.loads(store.get(key))
-        if time.monotonic() >= end:
-            return None
-        time.sleep(0.1)

@@ -33,7 +33,7 @@ from typing import Any, NoReturn
 
 from harness import processes
 from harness.devices import Card, local_index, runtime_available, set_device
-from harness.launcher import explain, given, groups, values
+from harness.launcher import explain, given, groups
 from harness.launcher.explain import AssertionSettings
 from harness.launcher.outcome import (
     FAILED,
@@ -46,7 +46,7 @@ from harness.launcher.outcome import (
 )
 from harness.launcher.reset import Baseline, Inherited, fresh_context
 from harness.launcher.supervisor import split
-from harness.launcher.target import FunctionRef, import_conftests
+from harness.launcher.target import FunctionRef, import_conftests, undo_monkeypatches
 
 #: How long a pooled rank whose launcher is gone waits for its supervisor to stop it.
 LAUNCHER_GONE_WAIT_S = 10.0
@@ -495,7 +495,7 @@ def _call(
         with example:
             value = fn(*args, **kwargs)
     finally:
-        values.undo_monkeypatches()
+        undo_monkeypatches()
     if not task.want_value and not task.example and value is not None:
         _warn_return_not_none(task.ref, value)
     blob = None

@@ -103,6 +103,42 @@ def in_test_api(variant: str) -> str:
     )
 
 
+DRAWS = """
+    import pytest
+    from hypothesis import given, settings, strategies as st
+
+    from recording import out_dir
+
+
+    {marker}
+    @settings(max_examples=8, database=None, derandomize=True)
+    @given(x=st.integers(0, 10**6))
+    def test_draws(x):
+        with open(out_dir() / f"{{__name__}}.txt", "a") as f:
+            f.write(f"{{x}}\\n")
+"""
+
+
+def test_a_launched_given_test_draws_what_it_draws_in_process(tmp_path):
+    # Regression: Hypothesis seeded a launched test's draws (derandomize) and keyed its
+    # database by the launcher's wrapper (its source and signature), not the test's body:
+    # the same test drew other examples launched than in-process, and any edit of the
+    # launcher's wrapper changed them.
+    files = {
+        "test_draws_in_process.py": DRAWS.format(marker=""),
+        "test_draws_launched.py": DRAWS.format(marker="@pytest.mark.launch(nproc=1)"),
+    }
+    root = write_project(tmp_path, files)
+    session = run_session(root, env=inner_env(root / "out", root / "leases"))
+    assert session.returncode == 0, session.output
+    drawn = {
+        name: (root / "out" / f"{name}.txt").read_text().split()
+        for name in ("test_draws_in_process", "test_draws_launched")
+    }
+    assert len(drawn["test_draws_in_process"]) == 8, drawn
+    assert drawn["test_draws_launched"] == drawn["test_draws_in_process"]
+
+
 def _statistics(output: str, test: str) -> str:
     """The ``--hypothesis-show-statistics`` block of ``test`` (a node id) in ``output``."""
     block = output.split(f"{test}:\n", 1)[1]
