@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import faulthandler
 import math
 import os
 import pickle
@@ -158,7 +157,6 @@ def rank_main(case_dir: str) -> NoReturn:
         rank = int(os.environ["RANK"])
         split(os.getppid(), status_path=rank_path(case_dir, rank, "status"))
         write_text(rank_path(case_dir, rank, "pid"), str(os.getpid()))  # atomic: whole or none
-        faulthandler.enable(file=sys.stderr, all_threads=True)
         return case.contexts[rank], case.task
 
     run_one(start)
@@ -268,7 +266,6 @@ def _start_agent(
     env.pop(CASE_ENV, None)
     if cards:
         env[str(device_type(cards[0].device).visibility_env)] = ",".join(c.id for c in cards)
-    fds = lease.fds()
     out = None
     if plan.settings.capture:
         out = open(os.path.join(case_dir, f"node-{node}.log"), "wb")  # noqa: SIM115
@@ -280,7 +277,7 @@ def _start_agent(
             stdout=out,
             stderr=subprocess.STDOUT if out is not None else None,
             start_new_session=True,
-            pass_fds=fds,
+            pass_fds=lease.fds(),
         )
     finally:
         if out is not None:

@@ -15,7 +15,6 @@ import shutil
 import tempfile
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
 from multiprocessing import get_context
 from multiprocessing.connection import wait as wait_any
@@ -68,22 +67,14 @@ def pool_key(spec: LaunchSpec) -> tuple[str, int, str]:
 
 
 class _Channel:
-    """The launcher's end of one rank's pipe and the messages read from it."""
+    """The launcher's end of one rank's pipe (readable: a message or the rank's end)."""
 
     def __init__(self, conn: Any) -> None:
         self.conn = conn
-        self.inbox: deque[object] = deque()
         self.closed = False
 
     def fileno(self) -> int:
         return self.conn.fileno()
-
-    def drain(self) -> None:
-        try:
-            while not self.closed and self.conn.poll(0):
-                self.inbox.append(self.conn.recv())
-        except (EOFError, OSError):
-            self.closed = True
 
     def send(self, message: object) -> bool:
         if self.closed:
@@ -96,12 +87,13 @@ class _Channel:
         return True
 
     def idle(self) -> Idle | None:
-        """The first ``Idle`` message, dropping those before it (None: none yet)."""
-        self.drain()
-        while self.inbox:
-            message = self.inbox.popleft()
-            if isinstance(message, Idle):
-                return message
+        """The rank's ``Idle`` message, dropping those before it (None: none yet)."""
+        try:
+            while not self.closed and self.conn.poll(0):
+                if isinstance(message := self.conn.recv(), Idle):
+                    return message
+        except (EOFError, OSError):
+            self.closed = True
         return None
 
     def close(self) -> None:
@@ -114,12 +106,11 @@ class RankPool:
     """``spec.nproc`` kept rank processes holding ``lease``. Only the thread that created
     it may use it (Linux kills the ranks when the thread that spawned them ends)."""
 
-    def __init__(self, spec: LaunchSpec, lease: Lease, *, capture: bool) -> None:
-        self.spec = LaunchSpec(device=spec.device, nproc=spec.nproc, backend=spec.backend)
+    def __init__(self, spec: LaunchSpec, lease: Lease) -> None:
+        self.nproc = spec.nproc
         self.key = pool_key(spec)
         self.lease = lease
         self.cards = lease.cards()
-        self.capture = capture
         self.usable = True  # False once it must not run another case
         self.problem = ""  # why it could not take the last case
         self.busy = False
@@ -164,7 +155,7 @@ class RankPool:
 
     @property
     def pids(self) -> list[int]:
-        return [p.pid for p in self._procs if p.pid is not None]
+        return [p.pid for p in self._procs]
 
     def alive(self) -> bool:
         return (
@@ -239,13 +230,13 @@ class RankPool:
     def _settle(self, result: CaseOutcome) -> bool:
         """After a case: whether the pool can run another (every rank passed or skipped and
         reported itself clean); processes the case started are stopped either way."""
-        if result.status == FAILED or result.exits or len(result.outcomes) < self.spec.nproc:
+        if result.status == FAILED or result.exits or len(result.outcomes) < self.nproc:
             return False
         idle = self._collect_idle()
         problems = [f"rank {r}: {idle[r].problem}" for r in sorted(idle) if idle[r].problem]
         problems += [
             f"rank {r} did not report back after the case"
-            for r in range(self.spec.nproc)
+            for r in range(self.nproc)
             if r not in idle
         ]
         ranks = [*self.pids, *(message.pid for message in idle.values())]
@@ -337,7 +328,7 @@ class PoolKeeper:
     def _start(self, plan: CasePlan, lease_for: LeaseFor) -> RankPool:
         lease = lease_for(plan)
         try:
-            self.pool = RankPool(plan.spec, lease, capture=plan.settings.capture)
+            self.pool = RankPool(plan.spec, lease)
         except BaseException:
             lease.release()
             raise

@@ -117,7 +117,6 @@ class RankContext:
 
     rank: int
     world_size: int
-    device: str
     backend: str
     card: Card | None
     simulated: bool
@@ -222,7 +221,7 @@ def rank_main(ctx: RankContext, task: RankTask, lease_fds: list[int]) -> NoRetur
     (the supervisor then removes the case's directory)."""
 
     def start() -> tuple[RankContext, RankTask]:
-        _start_rank(ctx.parent_pid, lease_fds, leftover_dir=os.path.dirname(ctx.outcome_path))
+        split(ctx.parent_pid, keep=lease_fds, leftover_dir=os.path.dirname(ctx.outcome_path))
         return ctx, task
 
     run_one(start)
@@ -236,6 +235,7 @@ def run_one(start: Callable[[], tuple[RankContext, RankTask]]) -> NoReturn:
     code failed)."""
     try:
         ctx, task = start()
+        _arm()
         _start_coverage(ctx.coverage)
         _enter_case(ctx)
         outcome = _run(ctx, task, fresh_module=False)
@@ -260,7 +260,8 @@ def pool_rank_main(
     """
     try:
         # The pool's directory goes with a launcher that dies (its supervisor removes it).
-        _start_rank(parent_pid, lease_fds, rank_only=(conn.fileno(),), leftover_dir=pool_dir)
+        split(parent_pid, keep=lease_fds, rank_only=(conn.fileno(),), leftover_dir=pool_dir)
+        _arm()
         _start_coverage(coverage)
         baseline: Baseline | None = None
         while True:
@@ -285,7 +286,10 @@ def pool_rank_main(
             _send(conn, OutcomeWritten())
             if outcome.status == FAILED:
                 _hard_exit(1)
-            problem = _leftovers(baseline) or _once_per_process(message.task)
+            try:  # a passed case: the baseline is recorded
+                problem = baseline.leftovers() or _once_per_process(message.task)
+            except Exception as exc:
+                problem = f"cleaning up after the case failed: {type(exc).__name__}: {exc}"
             _send(conn, Idle(problem, os.getpid()))
             gc.collect()  # the case's garbage (device memory too), off the critical path
     except BaseException:
@@ -326,15 +330,9 @@ def _run_kept(
     return _run(ctx, task, fresh_module=True), baseline
 
 
-def _start_rank(
-    parent_pid: int,
-    lease_fds: list[int],
-    rank_only: tuple[int, ...] = (),
-    leftover_dir: str | None = None,
-) -> None:
-    split(parent_pid, keep=lease_fds, rank_only=rank_only, leftover_dir=leftover_dir)
+def _arm() -> None:
+    """Arm the crash dump; no multiprocessing start method set yet, as in a test process."""
     faulthandler.enable(file=sys.stderr, all_threads=True)
-    # As in the test process it stands in for: no start method set yet.
     multiprocessing.set_start_method(None, force=True)
 
 
@@ -507,13 +505,6 @@ def _init_distributed(ctx: RankContext) -> None:
     groups.set_timeout(ctx.pg_timeout_s)
 
 
-def _leftovers(baseline: Baseline | None) -> str | None:
-    try:
-        return baseline.leftovers() if baseline is not None else "no baseline was recorded"
-    except Exception as exc:
-        return f"cleaning up after the case failed: {type(exc).__name__}: {exc}"
-
-
 def _once_per_process(task: RankTask) -> str | None:
     """What the case's module did that a process can do only once, so that the next case
     (which executes the module again) would fail: a module-level ``Library(ns, "DEF")``."""
@@ -536,7 +527,6 @@ def _once_per_process(task: RankTask) -> str | None:
 
 def _select_card(ctx: RankContext) -> None:
     card = ctx.card
-    assert card is not None
     if runtime_available(card.device):
         index = local_index(card)
         set_device(card, 0 if index is None else index)
@@ -591,13 +581,10 @@ def _user_traceback(exc: BaseException) -> str:
 
 
 def _flush() -> None:
-    logging = sys.modules.get("logging")
-    if logging is not None:
-        for handler in list(getattr(logging, "_handlerList", [])):
-            handler = handler() if callable(handler) else handler
-            if handler is not None:
-                with contextlib.suppress(Exception):
-                    handler.flush()
+    # logging's handlers, held by weak references (a dead one raises, suppressed)
+    for ref in list(getattr(sys.modules.get("logging"), "_handlerList", [])):
+        with contextlib.suppress(Exception):
+            ref().flush()
     for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
         if stream is not None:
             with contextlib.suppress(Exception):

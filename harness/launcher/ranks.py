@@ -179,13 +179,12 @@ class CaseRun:
             for name in ("WORLD_SIZE", "LOCAL_WORLD_SIZE"):
                 env[name] = str(spec.nproc)
             env.update({k: v for k, v in RANK_ENV_DEFAULTS.items() if k not in os.environ})
-            card = self.cards[rank] if spec.cards else None
-            if card is not None:
+            if spec.cards:
+                card = self.cards[rank]
                 env.update(visibility(card))
         return RankContext(
             rank=rank,
             world_size=spec.nproc,
-            device=spec.device,
             backend=spec.dist_backend,
             card=card,
             simulated=is_simulated(),
@@ -257,14 +256,12 @@ class CaseRun:
                 return
             if self.capture:
                 self.stream_output()
-            # Exits wake us at once, and so do kept ranks' messages; outcomes of
-            # ranks still tearing down are polled.
+            # Exits wake us at once, and so do kept ranks' messages (read later: the next
+            # observe finds the outcome); outcomes of ranks still tearing down are polled.
             waitables: list[Any] = [started[r].sentinel for r in pending if r < len(started)]
             if channels is not None:
                 waitables += [channels[r] for r in pending if not channels[r].closed]
-            for ready in wait_any(waitables, timeout=min(0.1, self.deadline - now)):
-                if not isinstance(ready, int):
-                    ready.drain()
+            wait_any(waitables, timeout=min(0.1, self.deadline - now))
 
     def _note_ready(self, now: float) -> None:
         """Start the case deadline once every rank is ready (or reported, or exited)."""
@@ -393,14 +390,10 @@ def stop_ranks(started: list[Any], *, patience: float = 0.0) -> list[int]:
     trees. Returns the pids still alive after SIGKILL (stuck in the kernel)."""
     end = time.monotonic() + patience
     for proc in started:
-        if proc.pid is not None:
-            proc.join(max(0.0, end - time.monotonic()))
-    survivors = processes.kill_trees(
-        [p.pid for p in started if p.pid is not None], grace=KILL_GRACE_S
-    )
+        proc.join(max(0.0, end - time.monotonic()))
+    survivors = processes.kill_trees([p.pid for p in started], grace=KILL_GRACE_S)
     for proc in started:
-        if proc.pid is not None:
-            proc.join(_REAP_WAIT_S)  # reaps it, now that it is dead
+        proc.join(_REAP_WAIT_S)  # reaps it, now that it is dead
     return [p.pid for p in survivors]
 
 
