@@ -90,7 +90,6 @@ def agent_main(case_dir: str, node: int) -> NoReturn:
     delay = case.delays[node]
     if delay:
         time.sleep(delay if math.isfinite(delay) else max(0.0, case.deadline - time.time()) + 60)
-    store = None
     if node == 0:
         from torch.distributed import TCPStore
 

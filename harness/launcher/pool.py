@@ -24,7 +24,7 @@ from harness import processes
 from harness.launcher.lease import Lease, add_yield_hook
 from harness.launcher.outcome import FAILED, CaseOutcome
 from harness.launcher.rank import (
-    Exit,
+    EXIT,
     Idle,
     RankTask,
     RunCase,
@@ -254,13 +254,13 @@ class RankPool:
         """Let ``ranks`` (finished while peers still run) leave now; no reuse."""
         self.usable = False
         for rank in ranks:
-            self._channels[rank].send(Exit())
+            self._channels[rank].send(EXIT)
 
     def _stop(self, run: CaseRun) -> None:
         """Tear the pool down mid-case, the way fresh ranks are stopped."""
         self.usable = False
         for channel in self._channels:
-            channel.send(Exit())  # ranks that reported exit now instead of waiting
+            channel.send(EXIT)  # ranks that reported exit now instead of waiting
         run.wind_down(self._procs)
         self.survivors = list(run.result.survivors)
         self.close()
@@ -272,7 +272,7 @@ class RankPool:
             return
         self._closed = True
         for channel in self._channels:
-            channel.send(Exit())
+            channel.send(EXIT)
         survivors = stop_ranks(self._procs, patience=CLOSE_WAIT_S)
         for channel in self._channels:
             channel.close()
@@ -296,7 +296,11 @@ class PoolKeeper:
         thread only (the one that outlives the pool)."""
         with self._lock:
             notes: list[str] = []
-            self._drop_unfit(plan.spec)
+            pool = self.pool
+            if pool is not None and (
+                pool.key != pool_key(plan.spec) or not pool.alive() or pool.should_yield(busy=True)
+            ):
+                self._close_locked()  # (should_yield: another process waits, the slice is over)
             while True:
                 pool = self.pool or self._start(plan, lease_for)
                 pool.busy = True
@@ -315,15 +319,6 @@ class PoolKeeper:
                     return result
                 # A fresh pool's ranks are all there, so this loops at most once.
                 notes.append(f"a kept rank was gone ({pool.problem}); the case ran on fresh ranks")
-
-    def _drop_unfit(self, spec: LaunchSpec) -> None:
-        """Close the kept pool unless ``spec`` can run on it now (or another process waits
-        and the pool had its slice)."""
-        pool = self.pool
-        if pool is not None and (
-            pool.key != pool_key(spec) or not pool.alive() or pool.should_yield(busy=True)
-        ):
-            self._close_locked()
 
     def _start(self, plan: CasePlan, lease_for: LeaseFor) -> RankPool:
         lease = lease_for(plan)
@@ -347,12 +342,12 @@ class PoolKeeper:
             return False
         try:
             pool = self.pool
-            if pool is None or pool.busy:
+            if pool is None or pool.busy or pool.lease.lease_dir != lease_dir:
                 return False
-            if pool.lease.lease_dir != lease_dir or not busy & set(pool.lease.resources):
-                return False
-            self._close_locked()
-            return True
+            if busy & set(pool.lease.resources):
+                self._close_locked()
+                return True
+            return False
         finally:
             self._lock.release()
 

@@ -143,14 +143,10 @@ class RunCase:
     inherited: Inherited
 
 
-@dataclass(frozen=True)
-class Exit:
-    """Launcher -> kept rank: leave now."""
-
-
-@dataclass(frozen=True)
-class OutcomeWritten:
-    """Kept rank -> launcher: this case's outcome file is written."""
+#: Launcher -> kept rank: leave now (so is anything but a ``RunCase``).
+EXIT = "exit"
+#: Kept rank -> launcher: this case's outcome file is written.
+OUTCOME_WRITTEN = "outcome written"
 
 
 @dataclass(frozen=True)
@@ -283,7 +279,7 @@ def pool_rank_main(
             outcome.write(ctx.outcome_path)
             _save_coverage(stop=False)  # the launcher's report may come before the pool closes
             _flush()
-            _send(conn, OutcomeWritten())
+            _send(conn, OUTCOME_WRITTEN)
             if outcome.status == FAILED:
                 _hard_exit(1)
             try:  # a passed case: the baseline is recorded
@@ -350,10 +346,7 @@ def _enter_case(ctx: RankContext) -> None:
 
 
 def _redirect_output(path: str) -> None:
-    for stream in (sys.stdout, sys.stderr):
-        if stream is not None:
-            with contextlib.suppress(Exception):
-                stream.flush()
+    _flush()
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.dup2(fd, 1)
     os.dup2(fd, 2)

@@ -235,8 +235,13 @@ class CaseRun:
             if not pending:
                 return
             now = time.monotonic()
-            if not self.ready:
-                self._note_ready(now)
+            if not self.ready and all(  # the case deadline starts once every rank is ready
+                r in result.outcomes or r in result.exits or os.path.exists(self.path(r, "ready"))
+                for r in range(self.plan.spec.nproc)
+            ):
+                self.ready = True
+                result.start_s = now - self._started
+                self.deadline = now + self.plan.deadline.seconds
             if first_failure is None and (result.has_failure() or (gone and gone(pending))):
                 first_failure = now
             if release is not None and result.outcomes:
@@ -262,17 +267,6 @@ class CaseRun:
             if channels is not None:
                 waitables += [channels[r] for r in pending if not channels[r].closed]
             wait_any(waitables, timeout=min(0.1, self.deadline - now))
-
-    def _note_ready(self, now: float) -> None:
-        """Start the case deadline once every rank is ready (or reported, or exited)."""
-        result = self.result
-        for rank in range(self.plan.spec.nproc):
-            done = rank in result.outcomes or rank in result.exits
-            if not done and not os.path.exists(self.path(rank, "ready")):
-                return
-        self.ready = True
-        result.start_s = now - self._started
-        self.deadline = now + self.plan.deadline.seconds
 
     def observe(self, exited: Callable[[int], tuple[float, int] | None]) -> list[int]:
         """Record new outcomes and exits (``exited(rank)``: (when, code) or None, asked before

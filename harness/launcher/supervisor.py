@@ -82,31 +82,8 @@ def split(
     for fd in rank_only:
         with contextlib.suppress(OSError):
             os.close(fd)
-    _supervise(rank, parent_pid, frozenset(watched), leftover_dir, status_path, leftovers_to)
-
-
-def _watch_parent(parent_pid: int) -> None:
-    if die_with_parent(parent_pid):
-        return
-
-    def watch() -> None:
-        while os.getppid() == parent_pid:
-            time.sleep(_POLL_S)
-        os.kill(os.getpid(), signal.SIGKILL)
-
-    threading.Thread(target=watch, name="harness-parent-watch", daemon=True).start()
-
-
-def _supervise(
-    rank: int,
-    parent_pid: int,
-    watched: frozenset[int],
-    leftover_dir: str | None,
-    status_path: str | None = None,
-    leftovers_to: str | None = None,
-) -> NoReturn:
     status: int | None = None
-    while True:
+    while True:  # the supervisor, until it exits as the rank did
         info = signal.sigtimedwait(watched, _POLL_S)
         if os.getppid() != parent_pid:
             _stop_all(grace=0.0)
@@ -125,6 +102,18 @@ def _supervise(
                 with contextlib.suppress(OSError, ValueError):
                     write_text(status_path, str(os.waitstatus_to_exitcode(status)))
             _exit_like(status)
+
+
+def _watch_parent(parent_pid: int) -> None:
+    if die_with_parent(parent_pid):
+        return
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(_POLL_S)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="harness-parent-watch", daemon=True).start()
 
 
 def _record_leftovers(path: str) -> None:
