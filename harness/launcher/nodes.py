@@ -292,10 +292,7 @@ def _exited(case_dir: str, rank: int) -> tuple[float, int] | None:
 
 
 def _rank_pid(case_dir: str, rank: int) -> int | None:
-    with (
-        contextlib.suppress(OSError, ValueError),
-        open(rank_path(case_dir, rank, "pid")) as f,
-    ):
+    with contextlib.suppress(OSError, ValueError), open(rank_path(case_dir, rank, "pid")) as f:
         return int(f.read())
     return None
 

@@ -186,7 +186,7 @@ _coverage: dict[str, Any] = {"cov": None, "unsaved": False}
 
 
 def _start_coverage(keywords: dict[str, Any] | None) -> None:
-    if keywords is None or _coverage["cov"] is not None:
+    if keywords is None:
         return
     import coverage
 
