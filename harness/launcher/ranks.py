@@ -124,11 +124,7 @@ class CaseRun:
     ) -> None:
         spec = plan.spec
         apart = isinstance(spec, ProcessSpec)
-        label = (
-            f"{spec.device} (a process of its own)"
-            if apart
-            else f"{spec.device}/{spec.dist_backend}"
-        )
+        label = spec.device + (" (a process of its own)" if apart else f"/{spec.dist_backend}")
         if cards:
             label += " on " + ",".join(str(c) for c in cards[: spec.cards])
         self.plan = plan
@@ -440,10 +436,9 @@ def signals_deferred() -> Iterator[None]:
         yield
         return
     pending: list[int] = []
-    saved = {}
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        saved[sig] = signal.getsignal(sig)
-        if saved[sig] not in (signal.SIG_IGN, None):
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    for sig, handler in saved.items():
+        if handler not in (signal.SIG_IGN, None):
             signal.signal(sig, lambda signum, frame: pending.append(signum))
     try:
         yield

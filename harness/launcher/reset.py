@@ -109,15 +109,6 @@ def _set_torch_rng(state: dict[str, Any]) -> None:
             kind.torch_runtime().set_rng_state_all(state["devices"][kind.name])
 
 
-def _anomaly() -> tuple[bool, bool]:
-    torch = _torch()
-    return (torch.is_anomaly_enabled(), torch.is_anomaly_check_nan_enabled())
-
-
-def _set_anomaly(value: tuple[bool, bool]) -> None:
-    _torch().set_anomaly_enabled(*value)
-
-
 def _autocast_nesting() -> int:
     torch = _torch()
     depth = torch.autocast_increment_nesting() - 1
@@ -214,7 +205,11 @@ FACTS: tuple[Fact, ...] = (
     _torch_fact("torch's grad mode", "is_grad_enabled", "set_grad_enabled"),
     # No setter: an inference_mode() left entered is undone only by its guard.
     _torch_fact("torch's inference mode", "is_inference_mode_enabled", None),
-    Fact("torch's anomaly mode", _anomaly, _set_anomaly),
+    Fact(
+        "torch's anomaly mode",
+        lambda: (_torch().is_anomaly_enabled(), _torch().is_anomaly_check_nan_enabled()),
+        lambda value: _torch().set_anomaly_enabled(*value),
+    ),
     Fact("autocast", _autocast, _set_autocast, compare=False),
     Fact("torch's deterministic algorithms flags", _deterministic, _set_deterministic),
     _torch_fact(
