@@ -331,17 +331,15 @@ def _node_problems(
     arrived = [os.path.exists(joined_path(case_dir, k)) for k in range(len(states))]
     # The nodes that never arrived first: they are why the others waited.
     for k in sorted(range(len(states)), key=lambda k: arrived[k]):
-        code = states[k]
-        ranks = range(k * per_node, (k + 1) * per_node)
-        if all(_rank_pid(case_dir, r) is not None for r in ranks):
+        if all(_rank_pid(case_dir, r) is not None for r in range(k * per_node, (k + 1) * per_node)):
             continue
         late = delays[k]
         if not arrived[k]:
             why = "never arrived at the rendezvous"
             if late:
                 why += f" (emulated: {DELAY_ENV} delays it {'forever' if math.isinf(late) else f'{late:g} s'})"
-        elif code is not None and code != 0:
-            why = f"agent exited with code {code} before all its ranks started"
+        elif states[k]:  # an exit code, neither 0 nor still running
+            why = f"agent exited with code {states[k]} before all its ranks started"
         elif not all(arrived):
             missing = [str(j) for j, a in enumerate(arrived) if not a]
             why = f"waited at the rendezvous for node {', '.join(missing)}; its ranks never started"
