@@ -17,6 +17,7 @@ import threading
 import time
 from collections.abc import Callable
 from multiprocessing import get_context
+from multiprocessing.connection import Connection
 from multiprocessing.connection import wait as wait_any
 from typing import TYPE_CHECKING, Any
 
@@ -66,40 +67,25 @@ def pool_key(spec: LaunchSpec) -> tuple[str, int, str]:
     return (spec.device, spec.nproc, spec.dist_backend)  # what a case shares with its pool
 
 
-class _Channel:
-    """The launcher's end of one rank's pipe (readable: a message or the rank's end)."""
+def _send(conn: Connection, message: object) -> bool:
+    """Send ``message`` to a rank (False, and the pipe closed: the rank is not listening)."""
+    try:
+        conn.send(message)
+    except (OSError, ValueError):
+        conn.close()
+        return False
+    return True
 
-    def __init__(self, conn: Any) -> None:
-        self.conn = conn
-        self.closed = False
 
-    def fileno(self) -> int:
-        return self.conn.fileno()
-
-    def send(self, message: object) -> bool:
-        if self.closed:
-            return False
-        try:
-            self.conn.send(message)
-        except (OSError, ValueError):
-            self.closed = True
-            return False
-        return True
-
-    def idle(self) -> Idle | None:
-        """The rank's ``Idle`` message, dropping those before it (None: none yet)."""
-        try:
-            while not self.closed and self.conn.poll(0):
-                if isinstance(message := self.conn.recv(), Idle):
-                    return message
-        except (EOFError, OSError):
-            self.closed = True
-        return None
-
-    def close(self) -> None:
-        self.closed = True
-        with contextlib.suppress(OSError):
-            self.conn.close()
+def _idle(conn: Connection) -> Idle | None:
+    """The rank's ``Idle`` message, dropping those before it (None: none yet)."""
+    try:
+        while not conn.closed and conn.poll(0):
+            if isinstance(message := conn.recv(), Idle):
+                return message
+    except (EOFError, OSError):
+        conn.close()
+    return None
 
 
 class RankPool:
@@ -123,14 +109,14 @@ class RankPool:
         self._dir = tempfile.mkdtemp(prefix="harness-pool-")
         self._store = os.path.join(self._dir, "store")
         self._procs: list[Any] = []
-        self._channels: list[_Channel] = []
+        self._channels: list[Connection] = []
         theirs: list[Any] = []
         coverage = coverage_of_launcher()
 
         def args_for(rank: int, fds: list[Any]) -> tuple:
             ours, end = get_context("spawn").Pipe()
             theirs.append(end)
-            self._channels.append(_Channel(ours))
+            self._channels.append(ours)
             return (os.getpid(), end, fds, self._dir, coverage)
 
         try:
@@ -200,7 +186,7 @@ class RankPool:
             return False
         inherited = Inherited.now()  # what fresh ranks would start with, fixtures' doing included
         for rank, channel in enumerate(self._channels):
-            if not channel.send(RunCase(run.rank_context(rank), task, inherited)):
+            if not _send(channel, RunCase(run.rank_context(rank), task, inherited)):
                 self.problem = f"rank {rank} is not listening"
                 return False
         return True
@@ -212,7 +198,7 @@ class RankPool:
         end = time.monotonic() + EXIT_WAIT_S
         while True:
             for rank, channel in enumerate(self._channels):
-                if rank not in got and (message := channel.idle()) is not None:
+                if rank not in got and (message := _idle(channel)) is not None:
                     got[rank] = message
             waiting = [
                 r
@@ -254,13 +240,13 @@ class RankPool:
         """Let ``ranks`` (finished while peers still run) leave now; no reuse."""
         self.usable = False
         for rank in ranks:
-            self._channels[rank].send(EXIT)
+            _send(self._channels[rank], EXIT)
 
     def _stop(self, run: CaseRun) -> None:
         """Tear the pool down mid-case, the way fresh ranks are stopped."""
         self.usable = False
         for channel in self._channels:
-            channel.send(EXIT)  # ranks that reported exit now instead of waiting
+            _send(channel, EXIT)  # ranks that reported exit now instead of waiting
         run.wind_down(self._procs)
         self.survivors = list(run.result.survivors)
         self.close()
@@ -272,10 +258,11 @@ class RankPool:
             return
         self._closed = True
         for channel in self._channels:
-            channel.send(EXIT)
+            _send(channel, EXIT)
         survivors = stop_ranks(self._procs, patience=CLOSE_WAIT_S)
         for channel in self._channels:
-            channel.close()
+            with contextlib.suppress(OSError):
+                channel.close()
         self.survivors += survivors
         # Ranks the kernel would not kill keep their inherited lock.
         self.lease.release(holders_gone=not self.survivors)
