@@ -1,7 +1,5 @@
-"""Sub-groups a rank keeps for its whole life (``harness.kept_group``), so that a case
-making its ``sp x dp`` sub-groups does not retire its kept ranks (a ``dist.new_group``
-of the case does); and how the harness counts process groups (``process_groups``).
-"""
+"""Sub-groups a rank keeps for its whole life (``harness.kept_group``), and how the
+harness counts process groups (``process_groups``)."""
 
 from __future__ import annotations
 
@@ -15,18 +13,14 @@ from typing import Any
 
 #: (sorted ranks, backend) -> what ``dist.new_group`` returned for them on this rank
 _kept: dict[tuple[tuple[int, ...], str | None], Any] = {}
-#: the default process group the kept groups were made under
-_owner: Any = None
-#: process-group entries (torch's ``pg_map``) the kept groups added on this rank
-_entries = 0
-#: the timeout (s) the rank's collectives get now: the case's, set by the rank
-_timeout_s: float | None = None
+_owner: Any = None  # the default process group the kept groups were made under
+_entries = 0  # process-group entries (torch's ``pg_map``) the kept groups added
+_timeout_s: float | None = None  # the collective timeout of the rank's current case
 
 
 def process_groups() -> tuple[int, Any]:
-    """(number of process groups, the default group) as torch.distributed knows them;
-    ``(0, None)`` before a default group exists, a count of -1 when torch's
-    internals are not the ones read here (callers treat that as a change)."""
+    """(number of process groups, the default group); ``(0, None)`` before a default group
+    exists, a count of -1 when torch's internals are not the ones read here."""
     dist = sys.modules.get("torch.distributed")
     if dist is None or not dist.is_available() or not dist.is_initialized():
         return 0, None
@@ -38,28 +32,21 @@ def process_groups() -> tuple[int, Any]:
 
 
 def kept_entries() -> int:
-    """How many of this rank's process groups :func:`kept_group` made (for the current
-    default group)."""
+    """How many of this rank's process groups :func:`kept_group` made."""
     _forget_stale()
     return _entries
 
 
 def kept_group(ranks: Sequence[int], *, backend: str | None = None) -> Any:
-    """A process group over ``ranks`` (as ``dist.new_group(ranks, backend=backend)``
-    makes it) that lives as long as this process's default group.
+    """A process group over ``ranks`` (as ``dist.new_group(ranks, backend=backend)``) that
+    lives as long as this process's default group: later calls, in this case or a later
+    one on the same kept ranks, return it without a collective. Every rank of the world
+    makes the same calls in the same order (a rank outside ``ranks`` gets torch's
+    non-member value). Such groups do not retire a kept rank, where the case's own
+    ``dist.new_group`` does; they get each case's process-group timeout.
 
-    The first call for a set of ranks and a backend makes the group; every later
-    call, in this case or a later case on the same kept ranks, returns that
-    same group without a collective. As with ``dist.new_group``, every rank of
-    the world must make the same calls in the same order (a rank outside
-    ``ranks`` gets torch's non-member value). Groups made here do not retire a
-    kept rank, where a ``dist.new_group`` of the case's own does. Inside
-    harness ranks a new group gets the case's process-group timeout, and kept
-    groups follow each later case's.
-
-    Raises ``RuntimeError`` when torch.distributed has no default group, and
-    ``ValueError`` (naming the offending value) for ranks that are empty,
-    repeated, not integers, or outside the world.
+    Raises ``RuntimeError`` without a default group, and ``ValueError`` (naming the
+    value) for ranks that are empty, repeated, not integers, or outside the world.
     """
     global _entries
     import torch.distributed as dist
@@ -83,9 +70,8 @@ def kept_group(ranks: Sequence[int], *, backend: str | None = None) -> Any:
 
 
 def set_timeout(seconds: float) -> None:
-    """Give the default process group, the kept groups this rank is a member of,
-    and those made from now on a collective timeout of ``seconds``: a rank
-    calls it with each case's (below the case's deadline)."""
+    """Give the default group, this rank's kept groups and those made from now on a
+    collective timeout of ``seconds`` (each case's, below its deadline)."""
     global _timeout_s
     _timeout_s = seconds
     import torch.distributed as dist

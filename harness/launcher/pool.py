@@ -1,13 +1,8 @@
-"""Kept rank processes (opt-in): consecutive launched cases with the same
-(device, nproc, backend) run on one pool of ranks whose process group stays up.
-
-One pool per process, one case at a time (``PoolKeeper``). A pool with a rank gone is
-replaced before the case; a failing, crashing, overdue or interrupted case tears it down
-as fresh ranks are stopped, and so does a passed case that left what cannot be reset. The
-pool holds its lease until it is closed: on a key change, when this process needs the
-resources (``lease.add_yield_hook``), when another process waits for them (after the
-pool's slice, or once idle), at session end and at interpreter exit. The rank side is
-``harness.launcher.rank.pool_rank_main``.
+"""Kept rank processes (opt-in): consecutive launched cases with the same (device, nproc,
+backend) run on one pool of ranks whose process group stays up, one pool per process.
+A pool holds its lease until it is closed: on a key change, a failed or unresettable
+case, when this process needs the resources (``lease.add_yield_hook``), when another
+process waits for them (after the pool's slice, or once idle), at session end and exit.
 """
 
 from __future__ import annotations
@@ -20,17 +15,17 @@ import shutil
 import tempfile
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
 from multiprocessing import get_context
+from multiprocessing.connection import Connection
 from multiprocessing.connection import wait as wait_any
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 from harness import processes
 from harness.launcher.lease import Lease, add_yield_hook
 from harness.launcher.outcome import FAILED, CaseOutcome
 from harness.launcher.rank import (
-    Exit,
+    EXIT,
     Idle,
     RankTask,
     RunCase,
@@ -53,7 +48,6 @@ if TYPE_CHECKING:
     from harness.launcher.case import CasePlan
 
 LeaseFor = Callable[["CasePlan"], Lease]
-
 #: How often an idle pool checks whether another process waits for its lease.
 IDLE_CHECK_S = 0.25
 #: A pool another process waits for is kept, while its process runs case after case,
@@ -68,86 +62,61 @@ IDLE_YIELD_S = 1.0
 #: How long ranks told to exit get before their trees are killed.
 CLOSE_WAIT_S = 2.0
 
-_Message = TypeVar("_Message")
-
 
 def pool_key(spec: LaunchSpec) -> tuple[str, int, str]:
     return (spec.device, spec.nproc, spec.dist_backend)  # what a case shares with its pool
 
 
-class _Channel:
-    """The launcher's end of one rank's pipe and the messages read from it."""
+def _send(conn: Connection, message: object) -> bool:
+    """Send ``message`` to a rank (False, and the pipe closed: the rank is not listening)."""
+    try:
+        conn.send(message)
+    except (OSError, ValueError):
+        conn.close()
+        return False
+    return True
 
-    def __init__(self, conn: Any) -> None:
-        self.conn = conn
-        self.inbox: deque[object] = deque()
-        self.closed = False
 
-    def fileno(self) -> int:
-        return self.conn.fileno()
-
-    def drain(self) -> None:
-        """Read every message already there (a closed pipe marks the channel closed)."""
-        try:
-            while not self.closed and self.conn.poll(0):
-                self.inbox.append(self.conn.recv())
-        except (EOFError, OSError):
-            self.closed = True
-
-    def send(self, message: object) -> bool:
-        if self.closed:
-            return False
-        try:
-            self.conn.send(message)
-        except (OSError, ValueError):
-            self.closed = True
-            return False
-        return True
-
-    def take(self, kind: type[_Message]) -> _Message | None:
-        """The first message of type ``kind``, dropping those before it (None: none yet)."""
-        while self.inbox:
-            message = self.inbox.popleft()
-            if isinstance(message, kind):
+def _idle(conn: Connection) -> Idle | None:
+    """The rank's ``Idle`` message, dropping those before it (None: none yet)."""
+    try:
+        while not conn.closed and conn.poll(0):
+            if isinstance(message := conn.recv(), Idle):
                 return message
-        return None
-
-    def close(self) -> None:
-        self.closed = True
-        with contextlib.suppress(OSError):
-            self.conn.close()
+    except (EOFError, OSError):
+        conn.close()
+    return None
 
 
 class RankPool:
     """``spec.nproc`` kept rank processes holding ``lease``. Only the thread that created
     it may use it (Linux kills the ranks when the thread that spawned them ends)."""
 
-    def __init__(self, spec: LaunchSpec, lease: Lease, *, capture: bool) -> None:
-        self.spec = LaunchSpec(device=spec.device, nproc=spec.nproc, backend=spec.backend)
+    def __init__(self, spec: LaunchSpec, lease: Lease) -> None:
+        self.nproc = spec.nproc
         self.key = pool_key(spec)
         self.lease = lease
         self.cards = lease.cards()
-        self.capture = capture
         self.usable = True  # False once it must not run another case
         self.problem = ""  # why it could not take the last case
         self.busy = False
         self.cases = 0
         self.survivors: list[int] = []
         self.started = time.monotonic()
-        self.startup_s: float | None = None  # from spawning to the end of the first case
+        self.startup_s: float | None = None  # to the end of the first case
         self.idle_since: float | None = None
         self._closed = False
         self._dir = tempfile.mkdtemp(prefix="harness-pool-")
         self._store = os.path.join(self._dir, "store")
         self._procs: list[Any] = []
-        self._channels: list[_Channel] = []
+        self._channels: list[Connection] = []
         theirs: list[Any] = []
         coverage = coverage_of_launcher()
 
         def args_for(rank: int, fds: list[Any]) -> tuple:
             ours, end = get_context("spawn").Pipe()
             theirs.append(end)
-            self._channels.append(_Channel(ours))
+            self._channels.append(ours)
             return (os.getpid(), end, fds, self._dir, coverage)
 
         try:
@@ -172,11 +141,9 @@ class RankPool:
 
     @property
     def pids(self) -> list[int]:
-        """The ranks' process ids, in rank order."""
-        return [p.pid for p in self._procs if p.pid is not None]
+        return [p.pid for p in self._procs]
 
     def alive(self) -> bool:
-        """Every rank still runs and listens."""
         return (
             self.usable
             and all(p.is_alive() for p in self._procs)
@@ -184,12 +151,10 @@ class RankPool:
         )
 
     def run(self, task: RankTask, plan: CasePlan) -> CaseOutcome | None:
-        """Run one case on the pool, through the phases fresh ranks go through.
-
-        Returns None when a rank of the pool was gone before the case started (``problem``
-        says why). After any other problem the result reports it and ``usable`` is False.
-        Never returns with a rank of a closed pool, or a process a case started, alive.
-        """
+        """Run one case on the pool, through the phases fresh ranks go through. None: a rank
+        was gone before the case started (``problem`` says why); after any other problem
+        the result says so and ``usable`` is False. Never returns with a rank of a closed
+        pool, or a process a case started, alive."""
         self.cases += 1
         case_dir = os.path.join(self._dir, f"case-{self.cases}")
         os.mkdir(case_dir)
@@ -221,23 +186,20 @@ class RankPool:
             return False
         inherited = Inherited.now()  # what fresh ranks would start with, fixtures' doing included
         for rank, channel in enumerate(self._channels):
-            if not channel.send(RunCase(run.rank_context(rank), task, inherited)):
+            if not _send(channel, RunCase(run.rank_context(rank), task, inherited)):
                 self.problem = f"rank {rank} is not listening"
                 return False
         return True
 
-    def _collect(self, kind: type[Idle], timeout: float) -> dict[int, Any]:
-        """Each rank's next message of type ``kind``, waiting at most ``timeout`` seconds
-        (ranks that die or close their pipe are left out at once)."""
-        got: dict[int, Any] = {}
-        end = time.monotonic() + timeout
+    def _collect_idle(self) -> dict[int, Idle]:
+        """Each rank's ``Idle``, waiting at most ``EXIT_WAIT_S`` (ranks that die or close
+        their pipe are left out at once)."""
+        got: dict[int, Idle] = {}
+        end = time.monotonic() + EXIT_WAIT_S
         while True:
             for rank, channel in enumerate(self._channels):
-                if rank not in got:
-                    channel.drain()
-                    message = channel.take(kind)
-                    if message is not None:
-                        got[rank] = message
+                if rank not in got and (message := _idle(channel)) is not None:
+                    got[rank] = message
             waiting = [
                 r
                 for r in range(len(self._channels))
@@ -254,13 +216,13 @@ class RankPool:
     def _settle(self, result: CaseOutcome) -> bool:
         """After a case: whether the pool can run another (every rank passed or skipped and
         reported itself clean); processes the case started are stopped either way."""
-        if result.status == FAILED or result.exits or len(result.outcomes) < self.spec.nproc:
+        if result.status == FAILED or result.exits or len(result.outcomes) < self.nproc:
             return False
-        idle = self._collect(Idle, EXIT_WAIT_S)
+        idle = self._collect_idle()
         problems = [f"rank {r}: {idle[r].problem}" for r in sorted(idle) if idle[r].problem]
         problems += [
             f"rank {r} did not report back after the case"
-            for r in range(self.spec.nproc)
+            for r in range(self.nproc)
             if r not in idle
         ]
         ranks = [*self.pids, *(message.pid for message in idle.values())]
@@ -275,33 +237,32 @@ class RankPool:
         return True
 
     def _release(self, ranks: list[int]) -> None:
-        """Let ``ranks`` (finished while peers still run) leave now, as fresh ranks would
-        have; the pool is not reused."""
+        """Let ``ranks`` (finished while peers still run) leave now; no reuse."""
         self.usable = False
         for rank in ranks:
-            self._channels[rank].send(Exit())
+            _send(self._channels[rank], EXIT)
 
     def _stop(self, run: CaseRun) -> None:
         """Tear the pool down mid-case, the way fresh ranks are stopped."""
         self.usable = False
         for channel in self._channels:
-            channel.send(Exit())  # ranks that reported exit now instead of waiting
+            _send(channel, EXIT)  # ranks that reported exit now instead of waiting
         run.wind_down(self._procs)
         self.survivors = list(run.result.survivors)
         self.close()
 
     def close(self) -> None:
-        """Stop every rank (asked to exit, then their trees killed), reap them and give the
-        lease back. Idempotent."""
+        """Stop and reap every rank and give the lease back. Idempotent."""
         self.usable = False
         if self._closed:
             return
         self._closed = True
         for channel in self._channels:
-            channel.send(Exit())
+            _send(channel, EXIT)
         survivors = stop_ranks(self._procs, patience=CLOSE_WAIT_S)
         for channel in self._channels:
-            channel.close()
+            with contextlib.suppress(OSError):
+                channel.close()
         self.survivors += survivors
         # Ranks the kernel would not kill keep their inherited lock.
         self.lease.release(holders_gone=not self.survivors)
@@ -309,17 +270,12 @@ class RankPool:
 
 
 class PoolKeeper:
-    """This process's pool: reused, replaced, yielded and closed (see the module docstring)."""
+    """This process's pool (``pool``; None: none): reused, replaced, yielded and closed."""
 
     def __init__(self) -> None:
         self._lock = threading.RLock()
-        self._pool: RankPool | None = None
+        self.pool: RankPool | None = None
         self._watcher: threading.Thread | None = None
-
-    @property
-    def pool(self) -> RankPool | None:
-        """The pool kept now (None: none)."""
-        return self._pool
 
     def run(self, task: RankTask, plan: CasePlan, lease_for: LeaseFor) -> CaseOutcome:
         """Run a case on the kept pool for ``plan.spec``, starting one (leased with
@@ -327,9 +283,13 @@ class PoolKeeper:
         thread only (the one that outlives the pool)."""
         with self._lock:
             notes: list[str] = []
-            self._drop_unfit(plan.spec)
+            pool = self.pool
+            if pool is not None and (
+                pool.key != pool_key(plan.spec) or not pool.alive() or pool.should_yield(busy=True)
+            ):
+                self._close_locked()  # (should_yield: another process waits, the slice is over)
             while True:
-                pool = self._pool or self._start(plan, lease_for)
+                pool = self.pool or self._start(plan, lease_for)
                 pool.busy = True
                 result = None
                 try:
@@ -347,24 +307,15 @@ class PoolKeeper:
                 # A fresh pool's ranks are all there, so this loops at most once.
                 notes.append(f"a kept rank was gone ({pool.problem}); the case ran on fresh ranks")
 
-    def _drop_unfit(self, spec: LaunchSpec) -> None:
-        """Close the kept pool unless ``spec`` can run on it now."""
-        pool = self._pool
-        if pool is not None and (pool.key != pool_key(spec) or not pool.alive()):
-            self._close_locked()
-        elif pool is not None and pool.should_yield(busy=True):
-            self._close_locked()  # another process waits and the pool had its slice
-
     def _start(self, plan: CasePlan, lease_for: LeaseFor) -> RankPool:
-        """Lease for ``plan`` and start a pool on the lease (kept from now on)."""
         lease = lease_for(plan)
         try:
-            self._pool = RankPool(plan.spec, lease, capture=plan.settings.capture)
+            self.pool = RankPool(plan.spec, lease)
         except BaseException:
             lease.release()
             raise
         self._watch()
-        return self._pool
+        return self.pool
 
     def close(self) -> None:
         """Close the pool, if any (session end, interpreter exit)."""
@@ -372,38 +323,38 @@ class PoolKeeper:
             self._close_locked()
 
     def yield_idle(self, lease_dir: str, busy: frozenset[str]) -> bool:
-        """Lease-wait hook: close the pool if it is idle and holds one of
-        ``busy`` in ``lease_dir``. True when it did."""
+        """Lease-wait hook: close the pool if it is idle and holds one of ``busy`` in
+        ``lease_dir``. True when it did."""
         if not self._lock.acquire(blocking=False):
             return False
         try:
-            pool = self._pool
-            if pool is None or pool.busy:
+            pool = self.pool
+            if pool is None or pool.busy or pool.lease.lease_dir != lease_dir:
                 return False
-            if pool.lease.lease_dir != lease_dir or not busy & set(pool.lease.resources):
-                return False
-            self._close_locked()
-            return True
+            if busy & set(pool.lease.resources):
+                self._close_locked()
+                return True
+            return False
         finally:
             self._lock.release()
 
     def _close_locked(self) -> None:
-        pool, self._pool = self._pool, None
+        pool, self.pool = self.pool, None
         if pool is not None:
             pool.close()
 
     def _watch(self) -> None:
-        """While a pool is kept, give it up when idle and another process waits for its lease."""
+        """While a pool is kept, give it up when idle and another process waits for it."""
         if self._watcher is not None and self._watcher.is_alive():
             return
 
         def watch() -> None:
-            while self._pool is not None:
+            while self.pool is not None:
                 time.sleep(IDLE_CHECK_S)
                 if not self._lock.acquire(blocking=False):
                     continue  # a case is running (or starting) on it
                 try:
-                    pool = self._pool
+                    pool = self.pool
                     if pool is not None and not pool.busy and pool.should_yield(busy=False):
                         self._close_locked()
                 except Exception:

@@ -1,18 +1,13 @@
-"""The code inside a rank process (``rank_main`` / ``run_one``: one case;
-``pool_rank_main``: a kept rank serving case after case, restoring
-``harness.launcher.reset``'s state in between).
-
-A rank splits off its supervisor, sends its output to its log file, registers a stack
-dump on SIGUSR1, sets its environment before anything imports torch, selects its card,
-joins the process group, runs the function and writes its ``RankOutcome``. It leaves
-with ``os._exit``: interpreter finalisation races the process group's C++ threads, and
-the OS closing its sockets fails the peers' pending operations at once, as
-``destroy_process_group`` (known to hang) would.
+"""The code inside a rank process: ``rank_main`` / ``run_one`` run one case,
+``pool_rank_main`` a kept pool's cases. A rank leaves with ``os._exit``: interpreter
+finalisation races the process group's C++ threads, and the OS closing its sockets fails
+the peers' pending operations at once (``destroy_process_group`` is known to hang).
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 import faulthandler
 import gc
@@ -44,7 +39,7 @@ from harness.launcher.outcome import (
     RankOutcome,
     capture_logs,
 )
-from harness.launcher.reset import Baseline, Inherited, fresh_context
+from harness.launcher.reset import Baseline, Inherited
 from harness.launcher.supervisor import split
 from harness.launcher.target import FunctionRef, import_conftests, undo_monkeypatches
 
@@ -54,7 +49,6 @@ STACK_DUMP_SIGNAL = signal.SIGUSR1
 _HARNESS_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 _keep: dict[str, Any] = {}
 
-
 #: Environment variable describing the enclosing case to its ranks (JSON).
 CASE_ENV = "HARNESS_CASE"
 #: The longest process-group timeout: ``timedelta`` and torch's milliseconds hold it
@@ -63,9 +57,8 @@ LONGEST_PG_TIMEOUT_S = 30 * 24 * 3600.0
 
 
 def pg_timeout_for(deadline_s: float) -> float:
-    """Process-group timeout for a case with this deadline: strictly below it,
-    leaving room (up to 30 s) for the rank to report the timeout error, and at most
-    ``LONGEST_PG_TIMEOUT_S`` (30 days)."""
+    """Process-group timeout for a case with this deadline: below it by up to 30 s (for
+    the rank to report the timeout), at most ``LONGEST_PG_TIMEOUT_S``."""
     return min(LONGEST_PG_TIMEOUT_S, max(0.1, deadline_s - min(30.0, 0.2 * deadline_s)))
 
 
@@ -79,9 +72,7 @@ class EnclosingCase:
     device: str
     cards: tuple[str, ...]
     deadline: float  # wall-clock time
-    #: lease directory of the case's own rank slots: nested launches from any
-    #: of its ranks and threads lease from it, so together they never run more
-    #: ranks at once than the case declared (None: no such bound)
+    #: lease directory of the case's rank slots, which bounds its nested launches together
     budget_dir: str | None = None
 
     def to_env(self) -> str:
@@ -122,12 +113,10 @@ class RankTask:
 
 @dataclass(frozen=True)
 class RankContext:
-    """Where one rank stands in its case (plain values only: it is unpickled
-    before the rank's environment is set)."""
+    """Where one rank stands in its case (plain values: unpickled before its env is set)."""
 
     rank: int
     world_size: int
-    device: str
     backend: str
     card: Card | None
     simulated: bool
@@ -139,16 +128,10 @@ class RankContext:
     parent_pid: int
     env: dict[str, str] = field(default_factory=dict)
     coverage: dict[str, Any] | None = None  # ``coverage_of_launcher``
-    #: False: a plain case run apart, which joins no process group
-    process_group: bool = True
-    #: created when the rank is ready to run the function: the case deadline
-    #: (``deadline_s``) counts from then
+    process_group: bool = True  # False: a plain case run apart
+    #: created when the rank is ready to run the function: ``deadline_s`` counts from then
     ready_path: str | None = None
     deadline_s: float | None = None
-
-
-# The kept-rank protocol: launcher -> rank ``RunCase``, ``Exit``;
-# rank -> launcher ``OutcomeWritten``, ``Idle`` (once the case's state is cleaned up).
 
 
 @dataclass(frozen=True)
@@ -160,23 +143,18 @@ class RunCase:
     inherited: Inherited
 
 
-@dataclass(frozen=True)
-class Exit:
-    """Launcher -> kept rank: leave now."""
-
-
-@dataclass(frozen=True)
-class OutcomeWritten:
-    """Kept rank -> launcher: this case's outcome file is written."""
+#: Launcher -> kept rank: leave now (so is anything but a ``RunCase``).
+EXIT = "exit"
+#: Kept rank -> launcher: this case's outcome file is written.
+OUTCOME_WRITTEN = "outcome written"
 
 
 @dataclass(frozen=True)
 class Idle:
-    """Kept rank -> launcher: the case is cleaned up (``problem``: why this rank
-    cannot run another case)."""
+    """Kept rank -> launcher: the case is cleaned up (``problem``: why this rank cannot
+    run another); ``pid``: the rank's own, below the supervisor the launcher knows."""
 
     problem: str | None
-    #: the rank's own pid (under its supervisor, whose pid the launcher knows)
     pid: int
 
 
@@ -208,7 +186,7 @@ _coverage: dict[str, Any] = {"cov": None, "unsaved": False}
 
 
 def _start_coverage(keywords: dict[str, Any] | None) -> None:
-    if keywords is None or _coverage["cov"] is not None:
+    if keywords is None:
         return
     import coverage
 
@@ -218,8 +196,7 @@ def _start_coverage(keywords: dict[str, Any] | None) -> None:
 
 
 def _save_coverage(*, stop: bool = True) -> None:
-    """Write the rank's coverage data (before ``os._exit``, which skips coverage's own exit
-    hook), unless nothing was measured since it last did; ``stop``: measuring ends."""
+    """Write the rank's coverage data (``os._exit`` skips coverage's exit hook)."""
     cov = _coverage["cov"]
     if cov is None:
         return
@@ -235,34 +212,34 @@ def _save_coverage(*, stop: bool = True) -> None:
 
 
 def rank_main(ctx: RankContext, task: RankTask, lease_fds: list[int]) -> NoReturn:
-    """Entry point of a spawned rank that runs one case (a ``multiprocessing`` target).
-    ``lease_fds``: the launcher's lease descriptors, which only the rank's supervisor (the
-    last of the case's processes to exit) holds, so the lease lasts as long as the case,
-    even past a launcher that died; the supervisor then removes the case's directory."""
+    """Entry point of a spawned rank that runs one case. Only its supervisor holds
+    ``lease_fds``, so the lease lasts as long as the case, even past a launcher that died
+    (the supervisor then removes the case's directory)."""
 
     def start() -> tuple[RankContext, RankTask]:
-        _start_rank(ctx.parent_pid, lease_fds, leftover_dir=os.path.dirname(ctx.outcome_path))
+        split(ctx.parent_pid, keep=lease_fds, leftover_dir=os.path.dirname(ctx.outcome_path))
         return ctx, task
 
     run_one(start)
 
 
 def run_one(start: Callable[[], tuple[RankContext, RankTask]]) -> NoReturn:
-    """The one way a rank process runs one case (fresh ranks, emulated nodes' ranks):
-    ``start()`` splits off the rank's supervisor and says which case; then coverage,
-    output, stack dump and environment are set up, the function runs (joining the process
-    group first: ``RankContext.store_path``'s FileStore, or torchrun's environment when it
-    is empty), its ``RankOutcome`` is written and the rank exits with ``os._exit`` (0 unless
-    it failed; 1 and no outcome when the harness's own code failed)."""
+    """Run one case in this rank process (fresh ranks, emulated nodes' ranks): ``start()``
+    splits off the supervisor and says which case; the function runs (joining the process
+    group: ``store_path``'s FileStore, else torchrun's ``env://``), its ``RankOutcome`` is
+    written, and the rank exits 0 unless it failed (1 and no outcome when the harness's own
+    code failed)."""
     try:
         ctx, task = start()
+        _arm()
         _start_coverage(ctx.coverage)
         _enter_case(ctx)
         outcome = _run(ctx, task, fresh_module=False)
         outcome.write(ctx.outcome_path)
     except BaseException:
         _fatal()
-    _exit(outcome)
+    # At once either way: a peer blocked in a collective with it fails now.
+    _hard_exit(1 if outcome.status == FAILED else 0)
 
 
 def pool_rank_main(
@@ -273,64 +250,49 @@ def pool_rank_main(
     coverage: dict[str, Any] | None = None,
 ) -> NoReturn:
     """Entry point of a pooled rank: runs the cases ``conn`` delivers until told to exit.
-
-    Per case: the launcher's current environment, working directory and ``sys.path`` are
-    taken over (what a fresh rank would inherit), the state of ``harness.launcher.reset``
-    is restored to the pool's baseline, then the function runs in a fresh copy of its test
-    module and a fresh context, as in a one-case rank. A failed case ends the rank; a
-    passed one is cleaned up and the rank reports whether it can run another.
+    Per case it takes over what a fresh rank would inherit, restores the pool's
+    ``Baseline``, and runs the function in a fresh copy of its module and a fresh context.
+    A failed case ends the rank; after a passed one it reports whether it can run another.
     """
     try:
-        _serve(parent_pid, conn, lease_fds, pool_dir, coverage)
+        # The pool's directory goes with a launcher that dies (its supervisor removes it).
+        split(parent_pid, keep=lease_fds, rank_only=(conn.fileno(),), leftover_dir=pool_dir)
+        _arm()
+        _start_coverage(coverage)
+        baseline: Baseline | None = None
+        while True:
+            try:
+                message = conn.recv()
+            except (EOFError, OSError):
+                _launcher_gone()
+            if not isinstance(message, RunCase):
+                _hard_exit(0)  # told to exit
+            ctx = message.ctx
+            message.inherited.apply(ctx.env)
+            _enter_case(ctx)
+            _coverage["unsaved"] = True
+            if baseline is not None:
+                baseline.restore()
+                if ctx.card is not None:
+                    _select_card(ctx)  # the last case may have made another device current
+            outcome, baseline = _run_kept(ctx, message.task, baseline)
+            outcome.write(ctx.outcome_path)
+            _save_coverage(stop=False)  # the launcher's report may come before the pool closes
+            _flush()
+            _send(conn, OUTCOME_WRITTEN)
+            if outcome.status == FAILED:
+                _hard_exit(1)
+            try:  # a passed case: the baseline is recorded
+                problem = baseline.leftovers() or _once_per_process(message.task)
+            except Exception as exc:
+                problem = f"cleaning up after the case failed: {type(exc).__name__}: {exc}"
+            _send(conn, Idle(problem, os.getpid()))
+            gc.collect()  # the case's garbage (device memory too), off the critical path
     except BaseException:
         _fatal()
 
 
-def _serve(
-    parent_pid: int,
-    conn: Any,
-    lease_fds: list[int],
-    pool_dir: str | None,
-    coverage: dict[str, Any] | None,
-) -> NoReturn:
-    # The pool's directory goes with a launcher that dies (its supervisor removes it).
-    _start_rank(parent_pid, lease_fds, rank_only=(conn.fileno(),), leftover_dir=pool_dir)
-    _start_coverage(coverage)
-    baseline: Baseline | None = None
-    while True:
-        message = _receive_case(conn)
-        ctx = message.ctx
-        message.inherited.apply(ctx.env)
-        _enter_case(ctx)
-        _coverage["unsaved"] = True
-        if baseline is not None:
-            baseline.restore()
-            if ctx.card is not None:
-                _select_card(ctx)  # the last case may have made another device current
-        outcome, baseline = _run_kept(ctx, message.task, baseline)
-        outcome.write(ctx.outcome_path)
-        _save_coverage(stop=False)  # the launcher's report may come before the pool closes
-        _flush()
-        _send(conn, OutcomeWritten())
-        if outcome.status == FAILED:
-            _hard_exit(1)
-        _send(conn, Idle(_leftovers(baseline) or _once_per_process(message.task), os.getpid()))
-        gc.collect()  # the case's garbage (device memory too), off the critical path
-
-
-def _receive_case(conn: Any) -> RunCase:
-    """The next case; anything else (``Exit``, a closed pipe) ends the rank."""
-    try:
-        message = conn.recv()
-    except (EOFError, OSError):
-        _launcher_gone()
-    if not isinstance(message, RunCase):
-        _hard_exit(0)
-    return message
-
-
 def _send(conn: Any, message: object) -> None:
-    """Send ``message`` to the launcher; a broken pipe means it is gone."""
     try:
         conn.send(message)
     except OSError:
@@ -338,25 +300,21 @@ def _send(conn: Any, message: object) -> None:
 
 
 def _launcher_gone() -> NoReturn:
-    """The launcher died (a pool it closes sends ``Exit`` first): wait, at most
-    ``LAUNCHER_GONE_WAIT_S``, for the supervisor to stop this rank. The kernel closes a
-    dying launcher's files before it re-parents its children: a rank exiting on EOF would
-    look to its supervisor like one that ended on its own, and the pool's directory, which
-    only the supervisor removes, would be left behind."""
+    """The launcher died: leave the stopping to the supervisor (bounded wait). The kernel
+    closes a dying launcher's files before it re-parents its children: a rank exiting on
+    EOF would look like one that ended on its own, and the supervisor would not remove
+    the pool's directory."""
     _save_coverage()
     _flush()
-    end = time.monotonic() + LAUNCHER_GONE_WAIT_S
-    while time.monotonic() < end:
-        time.sleep(0.05)
+    time.sleep(LAUNCHER_GONE_WAIT_S)
     os._exit(0)
 
 
 def _run_kept(
     ctx: RankContext, task: RankTask, baseline: Baseline | None
 ) -> tuple[RankOutcome, Baseline | None]:
-    """Run a case on a kept rank. The first case joins the process group and
-    records the baseline every later case starts from (before any test code
-    has run); later ones get this case's process-group timeout."""
+    """Run a case on a kept rank; the first joins the process group and records the
+    baseline (before any test code ran)."""
     if baseline is None:
         try:
             _init_distributed(ctx)
@@ -368,22 +326,13 @@ def _run_kept(
     return _run(ctx, task, fresh_module=True), baseline
 
 
-def _start_rank(
-    parent_pid: int,
-    lease_fds: list[int],
-    rank_only: tuple[int, ...] = (),
-    leftover_dir: str | None = None,
-) -> None:
-    """Split into supervisor and rank (only the rank returns), then arm the
-    crash dump."""
-    split(parent_pid, keep=lease_fds, rank_only=rank_only, leftover_dir=leftover_dir)
+def _arm() -> None:
+    """Arm the crash dump; no multiprocessing start method set yet, as in a test process."""
     faulthandler.enable(file=sys.stderr, all_threads=True)
-    # As in the test process it stands in for: no start method set yet.
     multiprocessing.set_start_method(None, force=True)
 
 
 def _enter_case(ctx: RankContext) -> None:
-    """Point output and the stack dump at the case's files, set its environment."""
     if ctx.log_path is not None:
         _redirect_output(ctx.log_path)
     # A file of its own, kept open for faulthandler: quoted whether output is captured.
@@ -397,10 +346,7 @@ def _enter_case(ctx: RankContext) -> None:
 
 
 def _redirect_output(path: str) -> None:
-    for stream in (sys.stdout, sys.stderr):
-        if stream is not None:
-            with contextlib.suppress(Exception):
-                stream.flush()
+    _flush()
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
@@ -415,8 +361,7 @@ def _redirect_output(path: str) -> None:
 
 
 def _run(ctx: RankContext, task: RankTask, *, fresh_module: bool) -> RankOutcome:
-    """Run the case's function (joining the process group first if this rank
-    has not) and return its outcome; never raises."""
+    """Run the case's function and return its outcome; never raises."""
     feedback = given.Feedback() if task.example else None
     # Orphans of what the body starts (setsid daemons) come back to this rank, in sight.
     processes.subreaper()
@@ -425,7 +370,8 @@ def _run(ctx: RankContext, task: RankTask, *, fresh_module: bool) -> RankOutcome
     with capture_logs(task.log_level) as records:
         with warnings.catch_warnings(record=True) as caught:  # the test's filters inside
             try:
-                outcome = fresh_context().run(_call, ctx, task, fresh_module, feedback)
+                # A context of its own: ContextVars the case sets do not outlive it.
+                outcome = contextvars.copy_context().run(_call, ctx, task, fresh_module, feedback)
             except BaseException as exc:
                 error = exc
         if feedback is not None and feedback.rejected and given.is_rejection(error):
@@ -434,7 +380,11 @@ def _run(ctx: RankContext, task: RankTask, *, fresh_module: bool) -> RankOutcome
             outcome = outcome_from_exception(ctx.rank, error)
     outcome.feedback = feedback
     outcome.records = records
-    outcome.leaked = _contain(before)
+    # Stop what the body left running below this rank, for the launcher to report.
+    from harness.launcher.containment import GRACE_S, SETTLE_S, runtime_helpers
+
+    left = processes.stop_leftovers(before, settle=SETTLE_S, grace=GRACE_S, spare=runtime_helpers)
+    outcome.leaked = [str(leftover) for leftover in left]
     outcome.warnings = [
         (exception_names(w.category)[0], str(w.message), w.filename, w.lineno)
         for w in caught[:MAX_WARNINGS]
@@ -442,17 +392,8 @@ def _run(ctx: RankContext, task: RankTask, *, fresh_module: bool) -> RankOutcome
     return outcome
 
 
-def _contain(before: set[Any]) -> list[str]:
-    """Stop what the body left running below this rank (the runtime's own helpers
-    spared) and name it, for the launcher to report against the case."""
-    from harness.launcher.containment import GRACE_S, SETTLE_S, runtime_helpers
-
-    left = processes.stop_leftovers(before, settle=SETTLE_S, grace=GRACE_S, spare=runtime_helpers)
-    return [str(leftover) for leftover in left]
-
-
-#: Warnings a rank reports per case (the first ones; a loop warning a
-#: million times must not flood the report).
+#: Warnings a rank reports per case (the first: a loop warning a million times must not
+#: flood the report).
 MAX_WARNINGS = 100
 
 
@@ -511,8 +452,7 @@ def _call(
 
 
 def _warn_return_not_none(ref: FunctionRef, value: Any) -> None:
-    """Warn of a test's return value as pytest does in-process (here, under the test's
-    warning filters, so ``error::pytest.PytestReturnNotNoneWarning`` fails the rank)."""
+    """Warn of a test's return value as pytest does in-process (under the test's filters)."""
     from _pytest.warning_types import PytestReturnNotNoneWarning
 
     warnings.warn(
@@ -527,8 +467,8 @@ def _warn_return_not_none(ref: FunctionRef, value: Any) -> None:
 
 
 def _ready(ctx: RankContext) -> None:
-    """Tell the launcher this rank is ready to run the function (the case deadline
-    starts once every rank is), and move the deadline its nested launches see."""
+    """Tell the launcher this rank is ready (the deadline starts once every rank is), and
+    move the deadline its nested launches see."""
     if ctx.deadline_s is not None:
         case = EnclosingCase.from_env()
         if case is not None:
@@ -552,26 +492,15 @@ def _init_distributed(ctx: RankContext) -> None:
         if ctx.store_path
         else {}
     )
-    # The case deadline starts once the ranks are ready, just after they join:
-    # the whole deadline's timeout, so a blocked collective raises before it.
-    timeout = ctx.pg_timeout_s
-    dist.init_process_group(
-        ctx.backend, world_size=ctx.world_size, timeout=timedelta(seconds=timeout), **where
-    )
-    groups.set_timeout(timeout)
-
-
-def _leftovers(baseline: Baseline | None) -> str | None:
-    try:
-        return baseline.leftovers() if baseline is not None else "no baseline was recorded"
-    except Exception as exc:
-        return f"cleaning up after the case failed: {type(exc).__name__}: {exc}"
+    # The deadline starts just after the join: a blocked collective raises before it.
+    timeout = timedelta(seconds=ctx.pg_timeout_s)
+    dist.init_process_group(ctx.backend, world_size=ctx.world_size, timeout=timeout, **where)
+    groups.set_timeout(ctx.pg_timeout_s)
 
 
 def _once_per_process(task: RankTask) -> str | None:
-    """What the case's test module did that a process can do only once, so the
-    next case (which executes the module again) would fail on this rank: a
-    module-level ``torch.library.Library(ns, "DEF")`` (None: nothing)."""
+    """What the case's module did that a process can do only once, so that the next case
+    (which executes the module again) would fail: a module-level ``Library(ns, "DEF")``."""
     library = sys.modules.get("torch.library")
     module = sys.modules.get(task.ref.module)
     if library is None or module is None:
@@ -591,7 +520,6 @@ def _once_per_process(task: RankTask) -> str | None:
 
 def _select_card(ctx: RankContext) -> None:
     card = ctx.card
-    assert card is not None
     if runtime_available(card.device):
         index = local_index(card)
         set_device(card, 0 if index is None else index)
@@ -614,29 +542,20 @@ def outcome_from_exception(rank: int, exc: BaseException) -> RankOutcome:
     """Classify what a rank's function raised: pytest skip / xfail / fail, or any error."""
     now = time.time()
     outcomes = sys.modules.get("_pytest.outcomes")
-    if outcomes is not None:
+    if outcomes is not None and isinstance(exc, outcomes.OutcomeException):
+        msg = exc.msg or ""
         if isinstance(exc, outcomes.Skipped):
-            return RankOutcome(rank, SKIPPED, now, summary=exc.msg or "")
+            return RankOutcome(rank, SKIPPED, now, summary=msg)
         if isinstance(exc, outcomes.XFailed):
-            return RankOutcome(rank, XFAILED, now, summary=exc.msg or "")
+            return RankOutcome(rank, XFAILED, now, summary=msg)
         if isinstance(exc, outcomes.Failed) and not exc.pytrace:
             return RankOutcome(
-                rank,
-                FAILED,
-                now,
-                summary=(exc.msg or "").splitlines()[0] if exc.msg else "",
-                traceback=exc.msg or "",
+                rank, FAILED, now, summary=(msg.splitlines() or [""])[0], traceback=msg
             )
     only = "".join(traceback.format_exception_only(type(exc), exc)).strip()
     summary = only.splitlines()[0] if only else type(exc).__name__
-    return RankOutcome(
-        rank,
-        FAILED,
-        now,
-        summary=summary,
-        traceback=_user_traceback(exc),
-        exc_types=exception_names(type(exc)),
-    )
+    names = exception_names(type(exc))
+    return RankOutcome(rank, FAILED, now, summary, _user_traceback(exc), exc_types=names)
 
 
 def exception_names(cls: type) -> tuple[str, ...]:
@@ -646,7 +565,6 @@ def exception_names(cls: type) -> tuple[str, ...]:
 
 
 def _user_traceback(exc: BaseException) -> str:
-    """The traceback without the harness's own frames at its top."""
     tb = exc.__traceback__
     while tb is not None and tb.tb_frame.f_code.co_filename.startswith(_HARNESS_DIR):
         tb = tb.tb_next
@@ -655,21 +573,11 @@ def _user_traceback(exc: BaseException) -> str:
     return "".join(traceback.format_exception(type(exc), exc, tb))
 
 
-def _exit(outcome: RankOutcome) -> NoReturn:
-    """End a rank whose outcome is written: 0 unless it failed (at once either way: a
-    peer blocked in a collective with it fails now, not at the group timeout)."""
-    _hard_exit(1 if outcome.status == FAILED else 0)
-
-
 def _flush() -> None:
-    """Flush what the rank wrote: Python's streams and the logging handlers."""
-    logging = sys.modules.get("logging")
-    if logging is not None:
-        for handler in list(getattr(logging, "_handlerList", [])):
-            handler = handler() if callable(handler) else handler
-            if handler is not None:
-                with contextlib.suppress(Exception):
-                    handler.flush()
+    # logging's handlers, held by weak references (a dead one raises, suppressed)
+    for ref in list(getattr(sys.modules.get("logging"), "_handlerList", [])):
+        with contextlib.suppress(Exception):
+            ref().flush()
     for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
         if stream is not None:
             with contextlib.suppress(Exception):
@@ -677,16 +585,14 @@ def _flush() -> None:
 
 
 def _fatal() -> NoReturn:
-    """The harness's own code failed in the rank: say so, exit 1 (without an
-    outcome, so the launcher reports the rank as dead, never as passed)."""
+    """The harness's own code failed: exit 1 without an outcome (a dead rank, never passed)."""
     with contextlib.suppress(BaseException):
         traceback.print_exc()
     _hard_exit(1)
 
 
 def _hard_exit(code: int) -> NoReturn:
-    """Save coverage data, flush, then leave without interpreter finalisation
-    (see the module docstring)."""
+    """Leave without interpreter finalisation (see the module docstring)."""
     _save_coverage()
     _flush()
     os._exit(code)

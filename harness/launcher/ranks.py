@@ -1,14 +1,12 @@
-"""Rank processes of one case: start them (``spawn_ranks``: spawn, each inheriting the
-lease descriptors), tell each what it needs (``CaseRun.rank_context``), supervise them
-(``CaseRun.supervise``), then wind down (``CaseRun.wind_down``: stack dumps, tree kill,
-reaping, bounded output). ``run_ranks`` is a case on fresh ranks, start to end; a kept
-pool (``harness.launcher.pool``) goes through the same phases. While ranks run, SIGTERM
-reaps them before the process goes and a second Ctrl-C cannot interrupt the reaping.
+"""Rank processes of one case: ``spawn_ranks`` / ``stop_ranks``, ``CaseRun`` (each rank's
+context, the one supervision loop, wind down), and ``run_ranks``, a case on fresh ranks
+start to end (a kept pool goes through the same phases).
 """
 
 from __future__ import annotations
 
 import contextlib
+import operator
 import os
 import shutil
 import signal
@@ -18,7 +16,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from multiprocessing import get_context
+from multiprocessing import get_context, reduction
 from multiprocessing.connection import wait as wait_any
 from typing import TYPE_CHECKING, Any
 
@@ -51,8 +49,7 @@ if TYPE_CHECKING:
 #: SIGTERM -> SIGKILL grace when stopping a rank's process tree.
 KILL_GRACE_S = 3.0
 _REAP_WAIT_S = 1.0
-#: After one rank failed, the others get this long to finish before they are
-#: stopped (a peer blocked in a collective that never notices).
+#: After one rank failed, how long the others get before they are stopped.
 ABANDON_GRACE_S = 5.0
 #: How long a rank that reported its outcome may take to exit by itself.
 EXIT_WAIT_S = 5.0
@@ -60,22 +57,20 @@ STACK_DUMP_WAIT_S = 2.0
 #: Kept ranks that finished a case wait this long for their peers before they leave.
 STRAGGLER_GRACE_S = 1.0
 _HARNESS_RANK_FILE = os.path.join("harness", "launcher", "rank.py")
-#: How long a case's ranks may take to be ready to run its function (spawning, imports,
-#: joining the process group): the case deadline counts from the moment they are.
+#: How long a case's ranks may take to be ready (spawning, imports, joining the process
+#: group): the case deadline counts from the moment they are.
 START_BOUND_S = 300.0
 #: What every rank gets unless the launcher's environment says otherwise: one OpenMP
-#: thread (as torchrun does: N ranks each using every core oversubscribe the host), and
-#: torch's store-based barrier at the end of init_process_group / new_group (a rank leaves
-#: with os._exit as soon as its function returns, and must not close its connections while
-#: a peer still joins the group: "connectFullMesh failed ... closed by peer").
+#: thread (as torchrun: N ranks using every core oversubscribe the host), and torch's
+#: store-based barrier after init_process_group / new_group (a rank leaving with os._exit
+#: must not close its connections while a peer still joins: "connectFullMesh failed").
 RANK_ENV_DEFAULTS = {"OMP_NUM_THREADS": "1", "TORCH_DIST_INIT_BARRIER": "1"}
 
 
 @dataclass(frozen=True)
 class ProcessSpec(LaunchSpec):
-    """A plain case of an accelerator suite entry, run apart (internal): one process of its
-    own, no process group, no ``RANK`` / ``WORLD_SIZE``, its ``card_count`` leased cards
-    in its visibility variable, for it and every process it starts."""
+    """A plain case of an accelerator suite entry, run apart (internal): one process, no
+    process group, its ``card_count`` leased cards visible to it and its children."""
 
     card_count: int = 1
     reuse: bool | None = False
@@ -93,10 +88,9 @@ class ProcessSpec(LaunchSpec):
 def run_ranks(
     task: RankTask, plan: CasePlan, cards: list[Card], *, lease: Lease | None = None
 ) -> CaseOutcome:
-    """Run ``task`` in ``plan.spec.nproc`` fresh rank processes (rank ``r`` on card
-    ``cards[r]``) and report what happened, within the deadline plus the stop graces; no
-    process of any rank's tree is alive then (``result.survivors``: any the kernel would
-    not kill), the case directory is gone."""
+    """Run ``task`` in ``plan.spec.nproc`` fresh ranks (rank ``r`` on ``cards[r]``) and
+    report what happened, within the deadline plus the stop graces. No process of any
+    rank's tree is alive then (``result.survivors``: any the kernel would not kill)."""
     run = CaseRun(plan, cards, tempfile.mkdtemp(prefix="harness-case-"))
     started: list[Any] = []
     with reap_on_sigterm():
@@ -122,19 +116,15 @@ def run_ranks(
 
 
 class CaseRun:
-    """One run of a case on a set of ranks (fresh or kept): its directory, its
-    outcome so far, and the phases that fill it in."""
+    """One run of a case on a set of ranks (fresh or kept): its directory, its outcome so
+    far, and the phases that fill it in."""
 
     def __init__(
         self, plan: CasePlan, cards: list[Card], case_dir: str, *, store_path: str | None = None
     ) -> None:
         spec = plan.spec
         apart = isinstance(spec, ProcessSpec)
-        label = (
-            f"{spec.device} (a process of its own)"
-            if apart
-            else f"{spec.device}/{spec.dist_backend}"
-        )
+        label = spec.device + (" (a process of its own)" if apart else f"/{spec.dist_backend}")
         if cards:
             label += " on " + ",".join(str(c) for c in cards[: spec.cards])
         self.plan = plan
@@ -160,22 +150,17 @@ class CaseRun:
             budget_dir=os.path.join(case_dir, "nested-slots"),
         )
         self._started = time.monotonic()
-        #: ``START_BOUND_S`` from now until every rank is ready (``_note_ready``),
-        #: then the case deadline from that moment
+        #: ``START_BOUND_S`` until every rank is ready, then the case deadline from then
         self.deadline = self._started + START_BOUND_S
         self.ready = False
-        #: rank -> bytes of its output already streamed (``stream_output``)
         self._streamed: dict[int, int] = {}
 
     def path(self, rank: int, kind: str) -> str:
-        """The case file ``rank-<rank>.<kind>`` (outcome, stacks, log)."""
-        return os.path.join(self.case_dir, f"rank-{rank}.{kind}")
+        return rank_path(self.case_dir, rank, kind)
 
     def rank_context(self, rank: int) -> RankContext:
-        """What rank ``rank`` of the case needs to know: its environment, card,
-        the case's files and the rendezvous store. A case run apart (:class:`ProcessSpec`)
-        gets its leased cards in the visibility variable (for it and its children) and
-        nothing of a rank: no card selected, no process group."""
+        """What rank ``rank`` needs to know: environment, card, files, rendezvous store. A
+        case run apart gets its cards in the visibility variable and nothing of a rank."""
         spec = self.plan.spec
         apart = isinstance(spec, ProcessSpec)
         env = {CASE_ENV: self.enclosing.to_env()}
@@ -190,13 +175,12 @@ class CaseRun:
             for name in ("WORLD_SIZE", "LOCAL_WORLD_SIZE"):
                 env[name] = str(spec.nproc)
             env.update({k: v for k, v in RANK_ENV_DEFAULTS.items() if k not in os.environ})
-            card = self.cards[rank] if spec.cards else None
-            if card is not None:
+            if spec.cards:
+                card = self.cards[rank]
                 env.update(visibility(card))
         return RankContext(
             rank=rank,
             world_size=spec.nproc,
-            device=spec.device,
             backend=spec.dist_backend,
             card=card,
             simulated=is_simulated(),
@@ -226,14 +210,12 @@ class CaseRun:
         """Wait until every rank has reported or exited, the deadline passes, or the
         others overstay ``ABANDON_GRACE_S`` after a failure; record which.
 
-        Kept ranks: ``channels`` (one per rank, with ``fileno()``, ``closed``, ``drain()``)
-        wake the wait when a rank says its outcome is written; ``release`` is called once
-        with the ranks that finished when others still run ``STRAGGLER_GRACE_S`` after the
-        first finished, so that they leave as fresh ranks would have and a peer blocked in
-        a collective with them fails now, not at the process-group timeout. Ranks that are
-        not this process's children (emulated nodes, ``started`` empty): ``exited(rank)``
-        (see ``observe``), ``gone(pending)`` (a failure besides the ranks': a node agent
-        ended), ``begun(rank)`` (only such ranks are timed out or abandoned).
+        Kept ranks: ``channels`` wake the wait when a rank's outcome is written; ``release``
+        gets, once, the ranks that finished while others still run ``STRAGGLER_GRACE_S``
+        later, so that they leave as fresh ranks would (a peer blocked in a collective with
+        them fails now). Ranks that are not this process's children (emulated nodes):
+        ``exited(rank)`` (see ``observe``), ``gone(pending)`` (a node agent ended),
+        ``begun(rank)`` (only such ranks are timed out or abandoned).
         """
         result = self.result
         first_failure: float | None = None
@@ -249,8 +231,13 @@ class CaseRun:
             if not pending:
                 return
             now = time.monotonic()
-            if not self.ready:
-                self._note_ready(now)
+            if not self.ready and all(  # the case deadline starts once every rank is ready
+                r in result.outcomes or r in result.exits or os.path.exists(self.path(r, "ready"))
+                for r in range(self.plan.spec.nproc)
+            ):
+                self.ready = True
+                result.start_s = now - self._started
+                self.deadline = now + self.plan.deadline.seconds
             if first_failure is None and (result.has_failure() or (gone and gone(pending))):
                 first_failure = now
             if release is not None and result.outcomes:
@@ -270,31 +257,16 @@ class CaseRun:
                 return
             if self.capture:
                 self.stream_output()
-            # Exits wake us at once, and so do kept ranks' messages; outcomes of
-            # ranks still tearing down are polled.
+            # Exits wake us at once, and so do kept ranks' messages (read later: the next
+            # observe finds the outcome); outcomes of ranks still tearing down are polled.
             waitables: list[Any] = [started[r].sentinel for r in pending if r < len(started)]
             if channels is not None:
                 waitables += [channels[r] for r in pending if not channels[r].closed]
-            for ready in wait_any(waitables, timeout=min(0.1, self.deadline - now)):
-                if not isinstance(ready, int):
-                    ready.drain()
-
-    def _note_ready(self, now: float) -> None:
-        """Once every rank is ready to run the function (or already reported or
-        exited), the case deadline starts."""
-        result = self.result
-        for rank in range(self.plan.spec.nproc):
-            done = rank in result.outcomes or rank in result.exits
-            if not done and not os.path.exists(self.path(rank, "ready")):
-                return
-        self.ready = True
-        result.start_s = now - self._started
-        self.deadline = now + self.plan.deadline.seconds
+            wait_any(waitables, timeout=min(0.1, self.deadline - now))
 
     def observe(self, exited: Callable[[int], tuple[float, int] | None]) -> list[int]:
-        """Record new outcomes and exits (``exited(rank)``: when and how the rank exited, or
-        None; asked before its outcome is read, which a rank writes before it exits);
-        return the ranks neither reported nor exited."""
+        """Record new outcomes and exits (``exited(rank)``: (when, code) or None, asked before
+        the outcome is read); return the ranks neither reported nor exited."""
         result = self.result
         pending = []
         for rank in range(self.plan.spec.nproc):
@@ -315,8 +287,7 @@ class CaseRun:
         stopping = [r for r in (*result.timed_out, *result.abandoned) if r < len(started)]
         if stopping:
             self.dump_stacks({r: started[r].pid for r in stopping})
-        # Ranks that reported get a moment to tear down and exit by themselves;
-        # the others (interrupted launcher, overdue ranks) are stopped right away.
+        # Ranks that reported get a moment to exit by themselves; the others are stopped.
         stop_at = time.monotonic() + EXIT_WAIT_S
         for rank, proc in enumerate(started):
             if rank not in result.outcomes or rank in result.exits:
@@ -328,8 +299,7 @@ class CaseRun:
         self.collect_logs()
 
     def collect_logs(self) -> None:
-        """Read each rank's captured output of the case (head and tail, with a
-        note of what was dropped) into ``result.logs``."""
+        """Read each rank's captured output (head and tail) into ``result.logs``."""
         if not self.capture:
             return
         self.stream_output(final=True)
@@ -339,8 +309,8 @@ class CaseRun:
 
     def stream_output(self, *, final: bool = False) -> None:
         """With ``plan.live`` (``-s``): write what each rank printed since the last call to
-        stdout, line by line, prefixed ``[rank N]`` (whole lines unless ``final``; what
-        fell out of a fast rank's kept tail skipped, with a note)."""
+        stdout, prefixed ``[rank N]`` (whole lines unless ``final``; beyond the kept tail
+        skipped, with a note)."""
         if not self.plan.live:
             return
         out = sys.stdout
@@ -370,8 +340,7 @@ class CaseRun:
         """Have these ranks (rank -> pid) dump their Python stacks into ``result.stacks``."""
         paths = {r: self.path(r, "stacks") for r in pids}
         for rank in pids:
-            # Only ranks that registered the dump handler (it creates the file):
-            # the signal's default action would kill one that has not.
+            # Only ranks that registered the handler: the default action would kill the others.
             if os.path.exists(paths[rank]):
                 with contextlib.suppress(OSError):
                     os.kill(pids[rank], STACK_DUMP_SIGNAL)
@@ -399,7 +368,7 @@ def spawn_ranks(
     """Start ``nproc`` rank processes ``target(*args_for(rank, fds))`` (``fds``: the
     lease's descriptors, inherited), each appended to ``started`` as soon as it runs."""
     mp = get_context("spawn")
-    fds = lease_fds(lease)
+    fds = [InheritedFd(fd) for fd in (lease.fds() if lease else [])]
     for rank in range(nproc):
         proc = mp.Process(target=target, args=args_for(rank, fds), name=f"harness-rank-{rank}")
         proc.start()
@@ -407,42 +376,26 @@ def spawn_ranks(
 
 
 def stop_ranks(started: list[Any], *, patience: float = 0.0) -> list[int]:
-    """Give the ranks ``patience`` seconds (in all) to exit by themselves, then
-    stop every process of their trees and reap them. Returns the pids still
-    alive after SIGKILL (stuck in the kernel)."""
+    """Give the ranks ``patience`` seconds (in all) to exit, then stop and reap their
+    trees. Returns the pids still alive after SIGKILL (stuck in the kernel)."""
     end = time.monotonic() + patience
     for proc in started:
-        if proc.pid is not None:
-            proc.join(max(0.0, end - time.monotonic()))
-    survivors = processes.kill_trees(
-        [p.pid for p in started if p.pid is not None], grace=KILL_GRACE_S
-    )
+        proc.join(max(0.0, end - time.monotonic()))
+    survivors = processes.kill_trees([p.pid for p in started], grace=KILL_GRACE_S)
     for proc in started:
-        if proc.pid is not None:
-            proc.join(_REAP_WAIT_S)  # reaps it, now that it is dead
+        proc.join(_REAP_WAIT_S)  # reaps it, now that it is dead
     return [p.pid for p in survivors]
 
 
+@dataclass(frozen=True)
 class InheritedFd:
-    """A descriptor a spawned rank inherits (pass it in the process's arguments)."""
+    """A descriptor a spawned rank inherits (it arrives as an int)."""
 
-    def __init__(self, fd: int) -> None:
-        self.fd = fd
+    fd: int
 
     def __reduce__(self) -> tuple:
-        from multiprocessing import reduction
-
-        # Registers the fd with the spawning Popen, which passes it to the child.
-        return (_inherited_fd, (reduction.DupFd(self.fd),))
-
-
-def _inherited_fd(dup: Any) -> int:
-    return dup.detach()
-
-
-def lease_fds(lease: Lease | None) -> list[InheritedFd]:
-    """The lease's descriptors, ready to travel to a spawned rank."""
-    return [InheritedFd(fd) for fd in (lease.fds() if lease else [])]
+        # DupFd registers the fd with the spawning Popen, which passes it to the child.
+        return (operator.methodcaller("detach"), (reduction.DupFd(self.fd),))
 
 
 class _Terminated(BaseException):
@@ -451,9 +404,8 @@ class _Terminated(BaseException):
 
 @contextlib.contextmanager
 def reap_on_sigterm() -> Iterator[None]:
-    """Turn SIGTERM into an exception while ranks run, so ``finally`` blocks reap
-    them; afterwards the signal is delivered again to its previous handler
-    (by default: the process ends as a SIGTERM would have ended it)."""
+    """Turn SIGTERM into an exception while ranks run, so ``finally`` blocks reap them;
+    then deliver it again to its previous handler."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -478,16 +430,15 @@ def reap_on_sigterm() -> Iterator[None]:
 
 @contextlib.contextmanager
 def signals_deferred() -> Iterator[None]:
-    """Hold SIGINT / SIGTERM while reaping, so a second Ctrl-C cannot leave
-    half-killed ranks behind; deliver them afterwards."""
+    """Hold SIGINT / SIGTERM while reaping (a second Ctrl-C must not leave half-killed
+    ranks); deliver them afterwards."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
     pending: list[int] = []
-    saved = {}
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        saved[sig] = signal.getsignal(sig)
-        if saved[sig] not in (signal.SIG_IGN, None):
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    for sig, handler in saved.items():
+        if handler not in (signal.SIG_IGN, None):
             signal.signal(sig, lambda signum, frame: pending.append(signum))
     try:
         yield
@@ -499,9 +450,13 @@ def signals_deferred() -> Iterator[None]:
             signal.raise_signal(sig)
 
 
+def rank_path(case_dir: str, rank: int, kind: str) -> str:
+    """The case file ``rank-<rank>.<kind>`` (outcome, stacks, log, ...)."""
+    return os.path.join(case_dir, f"rank-{rank}.{kind}")
+
+
 def _trim_stack(text: str) -> str:
-    """Drop the frames below the rank's entry (multiprocessing bootstrap, the
-    harness): faulthandler lists most recent first, so they end each thread."""
+    """Drop the frames below the rank's entry (faulthandler lists most recent first)."""
     out, skipping = [], False
     for line in text.splitlines():
         if not line.startswith(" "):  # a thread header or the blank line between threads

@@ -1,16 +1,11 @@
-"""Putting a kept rank back, before each case, into the state a fresh rank starts the
-case in -- for DESIGN's list, nothing else: ``Inherited`` (what the harness set up, taken
-from the launcher *now*: environment, working directory, ``sys.path``, the temp dir) and
-``FACTS`` (the torch state distributed tests commonly change, each with how to read it
-and put it back, or nothing: a rank where it changed is retired). Anything else a case
-changes carries over to the next case on these ranks, as between the tests of one
-pytest process.
+"""What a kept rank puts back before each case, DESIGN's list and nothing else:
+``Inherited`` (what the harness set up, from the launcher *now*) and ``FACTS`` (the torch
+state distributed tests commonly change; one that cannot be put back retires the rank).
 """
 
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import gc
 import os
 import random
@@ -52,17 +47,11 @@ class Inherited:
         tempfile.tempdir = None  # recomputed from TMPDIR, as in a fresh process
 
 
-def fresh_context() -> contextvars.Context:
-    """A context for a case: ContextVars the case sets do not outlive it."""
-    return contextvars.copy_context()
-
-
 @dataclass(frozen=True)
 class Fact:
-    """One piece of process state a case can change: ``read()`` its value now,
-    ``restore(value)`` (None: it cannot be put back, and a rank where it changed is
-    retired); ``compare`` False: restored unconditionally (e.g. random generator states);
-    ``after``: the value a fresh rank would have, given the recorded one."""
+    """Process state a case can change: ``read()``, ``restore(value)`` (None: cannot be
+    put back, a rank where it changed is retired); ``compare`` False: restored
+    unconditionally; ``after``: the value a fresh rank would have, given the recorded one."""
 
     name: str
     read: Callable[[], Any]
@@ -78,7 +67,6 @@ def _torch() -> Any:
 
 
 def _torch_fact(name: str, getter: str, setter: str | None, **kw: Any) -> Fact:
-    """A fact read with ``torch.<getter>()`` and set with ``torch.<setter>(value)``."""
     restore = None if setter is None else lambda value: getattr(_torch(), setter)(value)
     return Fact(name, lambda: getattr(_torch(), getter)(), restore, **kw)
 
@@ -119,15 +107,6 @@ def _set_torch_rng(state: dict[str, Any]) -> None:
     for kind in accelerators():
         if kind.name in state["devices"]:
             kind.torch_runtime().set_rng_state_all(state["devices"][kind.name])
-
-
-def _anomaly() -> tuple[bool, bool]:
-    torch = _torch()
-    return (torch.is_anomaly_enabled(), torch.is_anomaly_check_nan_enabled())
-
-
-def _set_anomaly(value: tuple[bool, bool]) -> None:
-    _torch().set_anomaly_enabled(*value)
 
 
 def _autocast_nesting() -> int:
@@ -226,7 +205,11 @@ FACTS: tuple[Fact, ...] = (
     _torch_fact("torch's grad mode", "is_grad_enabled", "set_grad_enabled"),
     # No setter: an inference_mode() left entered is undone only by its guard.
     _torch_fact("torch's inference mode", "is_inference_mode_enabled", None),
-    Fact("torch's anomaly mode", _anomaly, _set_anomaly),
+    Fact(
+        "torch's anomaly mode",
+        lambda: (_torch().is_anomaly_enabled(), _torch().is_anomaly_check_nan_enabled()),
+        lambda value: _torch().set_anomaly_enabled(*value),
+    ),
     Fact("autocast", _autocast, _set_autocast, compare=False),
     Fact("torch's deterministic algorithms flags", _deterministic, _set_deterministic),
     _torch_fact(
@@ -240,8 +223,8 @@ FACTS: tuple[Fact, ...] = (
 
 @dataclass
 class Baseline:
-    """Every fact of ``FACTS`` as it was before the ranks' first case (``capture``), and
-    what else a case must not leave behind (threads, process groups)."""
+    """``FACTS`` as they were before the ranks' first case, and what else a case must not
+    leave behind (threads, process groups)."""
 
     facts: dict[str, Any]
     threads: frozenset[int]
@@ -267,7 +250,7 @@ class Baseline:
         return baseline
 
     def restore(self) -> None:
-        """Put back every restorable fact (to what a fresh rank would have)."""
+        """Put back every restorable fact (as a fresh rank would have it)."""
         for fact in FACTS:
             if fact.restore is None or fact.name not in self.facts:
                 continue
@@ -279,8 +262,7 @@ class Baseline:
                 self.unrestored.append(f"{fact.name} ({type(exc).__name__}: {exc})")
 
     def leftovers(self) -> str | None:
-        """Why this rank cannot run another case (None: it can): restores what it can,
-        then names what changed for good."""
+        """Why this rank cannot run another case (None: it can), after restoring."""
         self.restore()
         changed = list(self.unrestored)
         for fact in FACTS:
@@ -299,8 +281,7 @@ class Baseline:
         groups, default = process_groups()
         if default is not self.default_group:
             return "the case destroyed or replaced the default process group"
-        # Destroying sub-groups is a hang risk: their ranks are not reused (those of
-        # harness.kept_group are the rank's own).
+        # Destroying sub-groups risks a hang: their ranks are not reused.
         made = groups - self.groups - kept_entries()
         if made:
             return (
@@ -315,7 +296,7 @@ class Baseline:
 
 
 def _device_error() -> str | None:
-    """A sticky accelerator error surfaces at a synchronize; such a rank is done."""
+    """A sticky accelerator error (it surfaces at a synchronize) retires the rank."""
     for kind in accelerators():
         runtime = kind.initialised_runtime()
         if runtime is None:

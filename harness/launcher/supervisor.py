@@ -1,14 +1,7 @@
-"""A rank's supervisor: nothing a case starts outlives the case, or the launcher.
-
-A spawned rank first *splits* (``split``): it leads a new session, declares itself a
-child subreaper and forks; the child is the rank (leading a process group of its own),
-the parent (the pid the launcher knows) its supervisor, running no test code. Orphans
-the case leaves (``setsid()`` daemons included) come to the supervisor; when the rank
-exits, the supervisor stops what is left below it and exits with the rank's status; when
-the launcher dies (``PR_SET_PDEATHSIG``) it kills the tree, removes the directory the
-launcher left, and exits. Only the supervisor holds the lease descriptors; signals for
-the rank are forwarded to it. Linux only; elsewhere the rank watches its parent from a
-thread. A command case runs its argv under the same supervisor (:func:`main`).
+"""A rank's supervisor (``split``): a child subreaper above the rank, so nothing a case
+starts outlives the case, or the launcher. It holds the lease descriptors, forwards
+signals to the rank, and exits as the rank did; without subreapers (not Linux) the rank
+watches its parent from a thread. A command case runs under it too (:func:`main`).
 """
 
 from __future__ import annotations
@@ -29,24 +22,17 @@ from harness.processes import die_with_parent, subreaper
 
 #: How long processes left behind by a rank get between SIGTERM and SIGKILL.
 LEFTOVER_GRACE_S = 1.0
-#: How often the supervisor checks its parent, besides being told.
-_POLL_S = 0.5
-
+_POLL_S = 0.5  # how often the supervisor checks its parent, besides being told
 #: The pid of the pytest controller, for its xdist workers (``tie_to_controller``).
 CONTROLLER_ENV = "HARNESS_CONTROLLER_PID"
 
-_FORWARDED = tuple(
-    getattr(signal, name)
-    for name in ("SIGTERM", "SIGINT", "SIGUSR1", "SIGQUIT")
-    if hasattr(signal, name)
-)
+_FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGQUIT)
 
 
 def tie_to_controller(*, worker: bool) -> None:
-    """Tie an xdist worker's life to its pytest controller's (called in both as pytest
-    configures): the controller records its pid (``$HARNESS_CONTROLLER_PID``); a worker
-    has the kernel SIGKILL it when the controller dies, however it dies, and exits at
-    once when the controller is already gone."""
+    """Tie an xdist worker's life to its pytest controller's (called in both): the
+    controller records its pid (``$HARNESS_CONTROLLER_PID``); a worker is SIGKILLed when
+    the controller dies, at once when it is already gone."""
     if not worker:
         os.environ[CONTROLLER_ENV] = str(os.getpid())
         return
@@ -63,13 +49,12 @@ def split(
     status_path: str | None = None,
     leftovers_to: str | None = None,
 ) -> None:
-    """Split this freshly spawned rank process into supervisor and rank; only the rank
-    returns. ``keep`` (the lease descriptors) stay in the supervisor alone; ``rank_only``
-    (the pool's pipe) in the rank alone. When the launcher dies, the supervisor also
-    removes ``leftover_dir``. ``status_path``: where the supervisor writes the rank's exit
-    (a code, or minus the signal) for a launcher that is not its parent (emulated nodes).
-    ``leftovers_to``: where it writes ``PID<TAB>COMMAND LINE`` for each process still
-    running below it once the rank exited, before it stops them.
+    """Split this freshly spawned process into supervisor and rank; only the rank returns.
+    ``keep`` (lease descriptors) stay in the supervisor alone, ``rank_only`` in the rank
+    alone. When the launcher dies, the supervisor also removes ``leftover_dir``.
+    ``status_path``: where it writes the rank's exit code (minus the signal) for a
+    launcher that is not its parent; ``leftovers_to``: where it writes ``PID<TAB>COMMAND``
+    for each process still running below it once the rank exited, before it stops them.
     """
     with contextlib.suppress(OSError):
         os.setsid()
@@ -97,31 +82,8 @@ def split(
     for fd in rank_only:
         with contextlib.suppress(OSError):
             os.close(fd)
-    _supervise(rank, parent_pid, frozenset(watched), leftover_dir, status_path, leftovers_to)
-
-
-def _watch_parent(parent_pid: int) -> None:
-    if die_with_parent(parent_pid):
-        return
-
-    def watch() -> None:
-        while os.getppid() == parent_pid:
-            time.sleep(_POLL_S)
-        os.kill(os.getpid(), signal.SIGKILL)
-
-    threading.Thread(target=watch, name="harness-parent-watch", daemon=True).start()
-
-
-def _supervise(
-    rank: int,
-    parent_pid: int,
-    watched: frozenset[int],
-    leftover_dir: str | None,
-    status_path: str | None = None,
-    leftovers_to: str | None = None,
-) -> NoReturn:
     status: int | None = None
-    while True:
+    while True:  # the supervisor, until it exits as the rank did
         info = signal.sigtimedwait(watched, _POLL_S)
         if os.getppid() != parent_pid:
             _stop_all(grace=0.0)
@@ -142,8 +104,19 @@ def _supervise(
             _exit_like(status)
 
 
+def _watch_parent(parent_pid: int) -> None:
+    if die_with_parent(parent_pid):
+        return
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(_POLL_S)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="harness-parent-watch", daemon=True).start()
+
+
 def _record_leftovers(path: str) -> None:
-    """Name the processes still running below this one (pid, command line) in ``path``."""
     me = os.getpid()
     lines = []
     for proc in processes.process_tree(me, own_session=False):
@@ -168,7 +141,6 @@ def _reap(rank: int, status: int | None) -> int | None:
 
 
 def _stop_all(*, grace: float) -> None:
-    """SIGTERM (with ``grace`` > 0) then SIGKILL every descendant, reaping them."""
     me = os.getpid()
     processes.kill_trees(
         [me], grace=grace, own_session=False, spare=[me], reap=lambda: _reap(-1, None)

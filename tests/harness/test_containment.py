@@ -214,7 +214,7 @@ CRASHING_AFTER_EOF_CASES = """
         from harness.launcher.pool import keeper
 
         for channel in keeper.pool._channels:
-            channel.conn.close()
+            channel.close()
         time.sleep(2)
         os.kill(os.getpid(), signal.SIGKILL)
 """
