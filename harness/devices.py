@@ -12,7 +12,7 @@ import importlib.util
 import os
 import re
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -285,12 +285,18 @@ def set_device(card: Card, index: int) -> None:
     device_type(card.device).set_device(index)
 
 
+def visible(cards: Sequence[Card]) -> dict[str, str]:
+    """The environment that shows a process (and what it starts) exactly ``cards``: their
+    device's visibility variable listing their ids; empty for no cards."""
+    if not cards:
+        return {}
+    return {str(device_type(cards[0].device).visibility_env): ",".join(c.id for c in cards)}
+
+
 def visibility(card: Card) -> dict[str, str]:
     """The environment that pins a process to ``card`` (its visibility variable, and
     ``HARNESS_CARD``)."""
-    env = device_type(card.device).visibility_env
-    assert env is not None, f"{card.device} has no cards"
-    return {env: card.id, CARD_ENV: str(card)}
+    return {**visible([card]), CARD_ENV: str(card)}
 
 
 def describe_inventory() -> str:

@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 
 from harness import processes
-from harness.devices import device_type
+from harness.devices import visible
 from harness.launcher import containment
 from harness.launcher.outcome import describe_exit, read_bounded
 from harness.launcher.plugin import TIMEOUT_KEY, lease_cards, need_cards
@@ -101,9 +101,7 @@ class CommandItem(pytest.Item):
             if self.cards:
                 lease = held.enter_context(lease_cards(self, self.device, self.cards))
                 keep = lease.fds()
-                visible = device_type(self.device).visibility_env
-                if visible:
-                    env[visible] = ",".join(c.id for c in lease.cards())
+                env.update(visible(lease.cards()))
                 self.user_properties.append(("harness.cards", ",".join(map(str, lease.cards()))))
             self.user_properties.append(("harness.device", self.device))
             folder = Path(

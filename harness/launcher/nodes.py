@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, NoReturn
 
 from harness import processes
-from harness.devices import Card, device_type
+from harness.devices import Card, visible
 from harness.jsonio import write_text
 from harness.launcher.outcome import CaseOutcome
 from harness.launcher.rank import CASE_ENV, EnclosingCase, RankContext, RankTask, run_one
@@ -263,8 +263,7 @@ def _start_agent(
     its output in its log when the case's output is captured."""
     env = {**RANK_ENV_DEFAULTS, **os.environ}
     env.pop(CASE_ENV, None)
-    if cards:
-        env[str(device_type(cards[0].device).visibility_env)] = ",".join(c.id for c in cards)
+    env.update(visible(cards))
     out = None
     if plan.settings.capture:
         out = open(os.path.join(case_dir, f"node-{node}.log"), "wb")  # noqa: SIM115

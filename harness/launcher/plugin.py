@@ -31,6 +31,7 @@ from harness.devices import (
     parse_cards,
     runtime_available,
     set_device,
+    visible,
 )
 from harness.launcher import containment, given
 from harness.launcher.case import (
@@ -349,11 +350,10 @@ def _lease_card_in_process(item: pytest.Function, spec: LaunchSpec) -> None:
         budget,
     )
     updates = {CARD_ENV: str(card), CASE_ENV: enclosing.to_env()}
-    visible = device_type(spec.device).visibility_env
-    if entry_device(item) is not None and visible is not None:
+    if entry_device(item) is not None:
         # A plain case of an accelerator entry that cannot run apart: what it starts sees
         # exactly its cards (this process does only if it had not initialised the runtime).
-        updates[visible] = ",".join(c.id for c in held)
+        updates.update(visible(held))
     environ = held_until_teardown.enter_context(pytest.MonkeyPatch.context())
     for name, value in updates.items():
         environ.setenv(name, value)

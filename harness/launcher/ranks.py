@@ -21,7 +21,7 @@ from multiprocessing.connection import wait as wait_any
 from typing import TYPE_CHECKING, Any
 
 from harness import processes
-from harness.devices import Card, device_type, is_simulated, visibility
+from harness.devices import Card, device_type, is_simulated, visibility, visible
 from harness.launcher.outcome import (
     OUTPUT_TAIL_BYTES,
     CaseOutcome,
@@ -166,9 +166,7 @@ class CaseRun:
         env = {CASE_ENV: self.enclosing.to_env()}
         card = None
         if apart:
-            visible = device_type(spec.device).visibility_env
-            if visible is not None:
-                env[visible] = ",".join(c.id for c in self.cards[: spec.cards])
+            env.update(visible(self.cards[: spec.cards]))
         else:
             for name in ("RANK", "LOCAL_RANK"):
                 env[name] = str(rank)
