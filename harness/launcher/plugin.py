@@ -13,7 +13,6 @@ import os
 import sys
 import tempfile
 import time
-import traceback
 from typing import Any, NoReturn
 
 import pytest
@@ -60,7 +59,7 @@ from harness.launcher.lease import (
 )
 from harness.launcher.outcome import REJECTED
 from harness.launcher.pool import keeper
-from harness.launcher.rank import CASE_ENV, EnclosingCase, pg_timeout_for
+from harness.launcher.rank import CASE_ENV, EnclosingCase, outcome_from_exception, pg_timeout_for
 from harness.launcher.ranks import ProcessSpec
 from harness.launcher.supervisor import tie_to_controller
 from harness.launcher.target import FunctionRef, conftests_for
@@ -686,9 +685,8 @@ def run_here(
         outcome = {"status": "passed"}
     except BaseException as exc:
         error = exc
-        only = "".join(traceback.format_exception_only(type(exc), exc)).strip()
-        status = "skipped" if type(exc).__name__ in ("Skipped", "XFailed") else "failed"
-        outcome = {"status": status, "summary": only.splitlines()[0] if only else ""}
+        got = outcome_from_exception(rank, exc)
+        outcome = {"status": got.status, "summary": got.summary}
     store.set(f"rank-{rank}", json.dumps(outcome))
     if error is not None:
         raise error
