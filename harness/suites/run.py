@@ -598,12 +598,12 @@ def _report(run: _Run, ran: _Ran, stop: _Stop) -> int:
     for warning in plan.get("warnings", ()):
         print(f"harness run: warning: {warning}", file=sys.stderr)
     planned = [(n, e, cards) for n, e, cards in plan.get("cases", ())]
+    if plan and not planned and stop.signum is None and not records.options.get("narrowed"):
+        return _nothing_to_run(run, plan)
     write_json(
         run.out / "plan.json",
         {"suite": run.manifest.suite, "shard": run.opts.shard, "cases": [p[:2] for p in planned]},
     )
-    if plan and not planned and stop.signum is None and not records.options.get("narrowed"):
-        return _nothing_to_run(run, plan)
     if ran.code == _USAGE_ERROR:
         halted = halted or "pytest stopped on a usage error (exit status 4)"
     results = report.results_from_records([n for n, _, _ in planned], records, halted)
